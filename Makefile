@@ -1,0 +1,35 @@
+# kvlab: `make run` sets up .venv (once) and runs the main job; `make test` sets up .venv (once) and runs the tests.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup run sweep test test-fast bench clean
+
+setup: $(STAMP)
+
+# Re-installs only when requirements.txt changes; safe to run again and again.
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing requirements.txt into $(VENV) (log: $(VENV)/pip.log)"
+	$(PY) -m pip install -r requirements.txt > $(VENV)/pip.log 2>&1 || { tail -n 40 $(VENV)/pip.log; exit 1; }
+	$(PY) -c "import torch, transformers, hydra, wandb, pandas, seaborn"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) run.py $(ARGS)
+
+sweep: $(STAMP)
+	$(PY) run.py -m cache=concat,prealloc dtype=fp32,fp16 $(ARGS)
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(ARGS)
+
+test-fast: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not slow" $(ARGS)
+
+bench: $(STAMP)
+	$(PY) -m harness.bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

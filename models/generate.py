@@ -1,0 +1,96 @@
+"""Prefill, one decode step, and greedy generation with or without a KV cache.
+
+Prefill runs the whole prompt through the model once and fills the cache; a decode step runs exactly one token per
+sequence through every layer and attends over the cached history. ``greedy(..., layout=None)`` is the uncached
+baseline: it re-runs the whole context every step and keeps only the last position's logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.gpt2 import GPT2
+from models.kv_cache import KVCache, make_cache
+
+
+@dataclass
+class GreedyOutput:
+    tokens: torch.Tensor  # (B, n_new) the chosen tokens
+    logits: torch.Tensor  # (B, n_new, vocab) the logits each step chose from
+
+
+def _as_batch(ids) -> torch.Tensor:
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise ValueError(f"prompt ids must be (B, T) with T >= 1, got shape {tuple(ids.shape)}")
+    return ids
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def new_cache(model: GPT2, layout: str, max_len: int, batch: int = 1, dtype=None) -> KVCache:
+    """An empty cache shaped for ``model``; storage dtype defaults to the model's compute dtype."""
+    c = model.config
+    return make_cache(layout, c.n_layer, c.n_head, c.head_dim, max_len, batch,
+                      dtype=dtype or model_dtype(model), device=model_device(model))
+
+
+@torch.inference_mode()
+def prefill(model: GPT2, prompt_ids: torch.Tensor, cache: KVCache,
+            last_only: bool = False) -> tuple[torch.Tensor, KVCache]:
+    """(B, T) prompt in one pass -> logits (B, T, vocab), or (B, 1, vocab) with ``last_only``; the cache then holds
+    T more positions."""
+    return model(prompt_ids, cache=cache, last_only=last_only), cache
+
+
+@torch.inference_mode()
+def decode_step(model: GPT2, last_token: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
+    """(B, 1): exactly one new token per sequence -> logits (B, 1, vocab)."""
+    if last_token.dim() != 2 or last_token.shape[1] != 1:
+        raise ValueError(f"decode_step takes exactly one token per sequence, shape (B, 1); got "
+                         f"{tuple(last_token.shape)}")
+    return model(last_token, cache=cache), cache
+
+
+@torch.inference_mode()
+def greedy(model: GPT2, prompt_ids, max_new_tokens: int, layout: str | None = None, cache_dtype=None,
+           max_len: int | None = None) -> GreedyOutput:
+    """Greedy generation of ``max_new_tokens`` tokens after ``prompt_ids`` (B, T).
+
+    layout None re-runs the whole context every step (the uncached oracle); "concat" or "prealloc" prefill a cache
+    of that layout once and then decode one token per step. ``cache_dtype`` is the cache's storage dtype (default:
+    the model's); ``max_len`` its capacity (default: prompt + new tokens).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    idx = _as_batch(prompt_ids).to(model_device(model))
+    B, T = idx.shape
+    tokens, logits = [], []
+    if layout is None:
+        ctx = idx
+        for _ in range(max_new_tokens):
+            last = model(ctx, last_only=True)[:, -1]  # (B, vocab): the whole context recomputed, last kept
+            nxt = last.argmax(dim=-1, keepdim=True)  # (B, 1)
+            logits.append(last)
+            tokens.append(nxt)
+            ctx = torch.cat([ctx, nxt], dim=1)
+    else:
+        cache = new_cache(model, layout, max_len or T + max_new_tokens, B, cache_dtype)
+        last = prefill(model, idx, cache, last_only=True)[0][:, -1]
+        for step in range(max_new_tokens):
+            nxt = last.argmax(dim=-1, keepdim=True)
+            logits.append(last)
+            tokens.append(nxt)
+            if step + 1 < max_new_tokens:
+                last = decode_step(model, nxt, cache)[0][:, -1]
+    return GreedyOutput(tokens=torch.cat(tokens, dim=1), logits=torch.stack(logits, dim=1))

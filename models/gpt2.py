@@ -1,0 +1,286 @@
+"""GPT-2, written out by hand: attention, MLP, block, config, model (bottom-up, nanoGPT's order).
+
+Parameter names follow Hugging Face's GPT-2 (``transformer.wte``, ``transformer.h.N.attn.c_attn``, ...), so loading a
+checkpoint is a copy loop with the four Conv1D transposes. One forward path serves every use: without a cache it is
+the full causal recompute (the oracle); with one, positions start at ``cache.pos`` and each layer stores its K and V
+through ``cache.update``. The cache is passed in, never attached to the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.kv_cache import KVCache
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPT2Config):
+        super().__init__()
+        self.n_head, self.n_embd = cfg.n_head, cfg.n_embd
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            past = cache.pos
+            k, v = cache.update(layer, k, v)  # (B, nh, past + T, hs) in the storage dtype
+            k, v = k.to(q.dtype), v.to(q.dtype)  # no-op when storage and compute dtypes agree
+            if T == 1:  # one decode step: the new token sees the whole history, no mask
+                y = F.scaled_dot_product_attention(q, k, v)
+            elif past == 0:  # prefill into an empty cache: plain causal
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:  # a chunk after history: all of the history, causally within the chunk
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPT2Config):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPT2Config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer)
+        return x + self.mlp(self.ln_2(x))
+
+
+PRESETS = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
+    # for tests: tiny but with the full vocabulary, so real text prompts work
+    "tiny": dict(n_layer=2, n_head=2, n_embd=64, n_positions=128),
+}
+
+
+@dataclass
+class GPT2Config:
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    n_positions: int = 1024
+    vocab_size: int = 50257
+    layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def preset(cls, name: str) -> GPT2Config:
+        try:
+            return cls(**PRESETS[name])
+        except KeyError:
+            raise ValueError(f"unknown GPT-2 preset {name!r}: use one of {', '.join(PRESETS)}") from None
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, source: str = "config.json") -> GPT2Config:
+        """Our config from an HF GPT-2 ``config.json`` dict; refuses what is not GPT-2."""
+        if d.get("model_type") != "gpt2":
+            raise CheckpointError(f"{source}: model_type is {d.get('model_type')!r}, kvlab loads only 'gpt2'")
+        act = d.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise CheckpointError(f"{source}: activation_function {act!r} is not GPT-2's tanh GELU (gelu_new)")
+        if d.get("n_inner") not in (None, 4 * d["n_embd"]):
+            raise CheckpointError(f"{source}: n_inner {d['n_inner']} is not 4 * n_embd; kvlab's MLP is 4x wide")
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, not GPT-2, or disagrees with its own config."""
+
+
+# HF GPT-2 stores these four as Conv1D, weight (in, out); nn.Linear keeps (out, in).
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+class GPT2(nn.Module):
+    def __init__(self, cfg: GPT2Config):
+        super().__init__()
+        self.config = cfg
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            wpe=nn.Embedding(cfg.n_positions, cfg.n_embd),
+            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+            ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon),
+        ))
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer): two residual adds per block
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=cfg.initializer_range / math.sqrt(2 * cfg.n_layer))
+        self._store_weights_input_major()
+        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+
+    def _store_weights_input_major(self) -> None:
+        """Keep each projection weight's (out, in) shape but lay its memory out as (in, out), HF Conv1D's order.
+
+        A decode step multiplies one row vector by every weight matrix, and on CPU (MKL) that product streams an
+        (in, out)-major matrix about 30% faster than an (out, in)-major one. Values, shapes and names are unchanged;
+        ``.to()`` keeps the layout. The tied embedding / lm_head matrix gets it too: the lm_head product is the
+        biggest of a step, and an embedding lookup of a few rows does not mind the strides.
+        """
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)) and module is not self.lm_head:
+                module.weight = nn.Parameter(module.weight.detach().t().contiguous().t())
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+        """idx (B, T) -> logits (B, T, vocab). With a cache, positions start at ``cache.pos`` and ``pos`` advances
+        by T once every layer has stored its K and V. ``last_only`` asks for the last position's logits alone,
+        (B, 1, vocab), sparing the vocabulary projection of positions nobody reads (generation's choice)."""
+        B, T = idx.shape
+        past = 0 if cache is None else cache.pos
+        if past + T > self.config.n_positions:
+            raise ValueError(f"sequence too long: {past} cached + {T} new tokens > n_positions "
+                             f"{self.config.n_positions}")
+        pos = torch.arange(past, past + T, device=idx.device)  # (T,)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, cache, layer)
+        if cache is not None:
+            cache.advance(T)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, C)
+        return self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # the tied lm_head counts once
+
+    # ---- checkpoints ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path_or_id: str | os.PathLike) -> GPT2:
+        """Load an HF GPT-2 checkpoint: a local folder (config.json + model.safetensors, or pytorch_model.bin read
+        with ``weights_only=True``), or a hub id resolved through huggingface_hub when the machine is online."""
+        folder = _resolve_checkpoint(path_or_id)
+        cfg_file = folder / "config.json"
+        if not cfg_file.is_file():
+            raise CheckpointError(f"{cfg_file}: not found; a GPT-2 checkpoint folder holds config.json and "
+                                  "model.safetensors")
+        try:
+            hf_cfg = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
+        cfg = GPT2Config.from_hf_dict(hf_cfg, source=str(cfg_file))
+        weights_file, state = _read_state_dict(folder)
+        model = cls(cfg)
+        model.load_hf_state_dict(state, source=str(weights_file))
+        return model
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor], source: str = "state dict") -> None:
+        """Copy an HF GPT-2 state dict in, transposing the four Conv1D weights; every tensor is checked."""
+        state = {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": v
+                 for k, v in state.items()}
+        ours = self.state_dict()
+        for name, target in ours.items():
+            if name == "lm_head.weight":
+                continue  # tied to transformer.wte.weight
+            if name not in state:
+                raise CheckpointError(f"{source}: tensor {name!r} is missing")
+            src = state[name]
+            if name.endswith(_CONV1D):
+                src = src.t()
+            if src.shape != target.shape:
+                raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(src.shape)} but the config "
+                                      f"implies {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(src)
+        if "lm_head.weight" in state and not torch.equal(state["lm_head.weight"].to(target.dtype),
+                                                         self.transformer.wte.weight):
+            raise CheckpointError(f"{source}: lm_head.weight differs from transformer.wte.weight; GPT-2 ties them")
+
+    def hf_config_dict(self) -> dict:
+        """The HF ``config.json`` fields that describe this model."""
+        d = asdict(self.config)
+        d.update(model_type="gpt2", activation_function="gelu_new", architectures=["GPT2LMHeadModel"])
+        return d
+
+
+def _resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
+    path = Path(path_or_id).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: is a file; pass the checkpoint folder that holds config.json")
+        return path
+    text = str(path_or_id)
+    if text.startswith((".", "/", "~")) or text.count("/") > 1 or os.sep in text.replace("/", ""):
+        raise CheckpointError(f"{text}: no such checkpoint folder")
+    # a hub id such as "gpt2" or "openai-community/gpt2"
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    hint = (f"cannot fetch {text!r} from the hub {{why}}; download it on a machine with network "
+            "(e.g. `huggingface-cli download {id} config.json model.safetensors --local-dir DIR`) and pass DIR")
+    if offline:
+        raise CheckpointError(hint.format(why="(HF_HUB_OFFLINE is set)", id=text))
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(text, allow_patterns=["config.json", "*.safetensors"]))
+    except Exception as e:  # no network, unknown repo, auth: one line that says what to do
+        raise CheckpointError(hint.format(why=f"({type(e).__name__})", id=text)) from None
+
+
+def _read_state_dict(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    st = folder / "model.safetensors"
+    if st.is_file():
+        from safetensors.torch import load_file
+
+        try:
+            return st, load_file(str(st))
+        except Exception as e:
+            raise CheckpointError(f"{st}: not a readable safetensors file ({e})") from None
+    binf = folder / "pytorch_model.bin"
+    if binf.is_file():
+        try:
+            return binf, torch.load(binf, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{binf}: cannot be read with weights_only=True ({e})") from None
+    raise CheckpointError(f"{folder}: no model.safetensors (or pytorch_model.bin) in the checkpoint folder")
