@@ -1,16 +1,23 @@
 """Ours and HF transformers behind one small interface, so both run through the same measurements.
 
-An engine wraps one model and offers: ``forward(ids)`` (uncached, full causal), ``new_cache(layout, max_len, batch,
-dtype)``, ``prefill(ids, cache)``, ``decode(token, cache)`` (both return logits (B, T, vocab)) and ``nbytes(cache)``.
-Layout "concat" is a growing cache (ours: ConcatKVCache; HF: DynamicCache); "prealloc" a cache of max_len slots
-(ours: PreallocKVCache; HF: StaticCache).
+An engine wraps one model and offers:
+    forward(ids) -> (B, T, vocab)            uncached full causal forward (the oracle)
+    forward_last(ids) -> (B, 1, vocab)       the same, last position's logits only (one uncached decode step)
+    new_cache(layout, max_len, batch, dtype) an empty cache; "concat" grows (ours: ConcatKVCache, HF: DynamicCache),
+                                             "prealloc" owns max_len slots (ours: PreallocKVCache, HF: StaticCache)
+    prefill(ids, cache, last_only=False)     logits (B, T, vocab) or (B, 1, vocab); the cache holds T more tokens
+    decode(token, cache) -> (B, 1, vocab)    exactly one new token per sequence
+    rewind(cache, n) / reset(cache)          forget the last n tokens / all of them
+    nbytes(cache)                            bytes of K and V storage the cache holds
+    greedy(prompt, n, layout, cache_dtype)   greedy generation; layout None = uncached
 """
 
 from __future__ import annotations
 
 import torch
 
-from models.generate import decode_step, model_device, model_dtype, new_cache, prefill
+from models.generate import (GreedyOutput, decode_step, greedy, greedy_loop, model_device, model_dtype,
+                             new_cache, prefill)
 from models.gpt2 import _CONV1D, GPT2
 
 
@@ -24,25 +31,35 @@ class KvlabEngine:
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model(ids)
 
+    @torch.inference_mode()
+    def forward_last(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, last_only=True)
+
     def new_cache(self, layout: str, max_len: int, batch: int = 1, dtype=None):
         return new_cache(self.model, layout, max_len, batch, dtype)
 
-    def prefill(self, ids: torch.Tensor, cache) -> torch.Tensor:
-        return prefill(self.model, ids, cache)[0]
+    def prefill(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+        return prefill(self.model, ids, cache, last_only=last_only)[0]
 
     def decode(self, token: torch.Tensor, cache) -> torch.Tensor:
         return decode_step(self.model, token, cache)[0]
 
     def rewind(self, cache, n: int = 1) -> None:
-        """Forget the last ``n`` positions (used to time many steps at one context length)."""
         cache.crop(cache.pos - n)
+
+    def reset(self, cache) -> None:
+        cache.reset()
 
     def nbytes(self, cache) -> int:
         return cache.nbytes
 
+    def greedy(self, prompt: torch.Tensor, n: int, layout: str | None = None, cache_dtype=None) -> GreedyOutput:
+        return greedy(self.model, prompt, n, layout=layout, cache_dtype=cache_dtype)
+
 
 class HFEngine:
-    """HF ``GPT2LMHeadModel`` holding the same weights as one of our models."""
+    """HF ``GPT2LMHeadModel`` holding the same weights as one of our models. HF caches store K and V in the
+    model's dtype: a ``dtype`` that differs is refused rather than silently ignored."""
 
     name = "hf"
 
@@ -66,9 +83,15 @@ class HFEngine:
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model(ids, use_cache=False).logits
 
+    @torch.inference_mode()
+    def forward_last(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, use_cache=False, logits_to_keep=1).logits
+
     def new_cache(self, layout: str, max_len: int, batch: int = 1, dtype=None):
         from transformers import DynamicCache, StaticCache
 
+        if dtype is not None and dtype != model_dtype(self.model):
+            raise ValueError(f"HF caches store K/V in the model dtype {model_dtype(self.model)}, not {dtype}")
         if layout == "concat":
             return DynamicCache(config=self.config)
         if layout == "prealloc":
@@ -76,20 +99,23 @@ class HFEngine:
         raise ValueError(f"unknown cache layout {layout!r}: use concat or prealloc")
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, cache) -> torch.Tensor:
-        return self._step(ids, cache)
+    def prefill(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+        return self._step(ids, cache, 1 if last_only else 0)
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor, cache) -> torch.Tensor:
-        return self._step(token, cache)
+        return self._step(token, cache, 0)
 
-    def _step(self, ids: torch.Tensor, cache) -> torch.Tensor:
-        past = cache.get_seq_length()
-        pos = torch.arange(past, past + ids.shape[1], device=ids.device)
-        return self.model(ids, cache=cache, use_cache=True, position_ids=pos.unsqueeze(0)).logits
+    def _step(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
+        past = int(cache.get_seq_length())
+        pos = torch.arange(past, past + ids.shape[1], device=ids.device).unsqueeze(0)
+        return self.model(ids, cache=cache, use_cache=True, position_ids=pos, logits_to_keep=keep).logits
 
     def rewind(self, cache, n: int = 1) -> None:
         cache.crop(-n)
+
+    def reset(self, cache) -> None:
+        cache.reset()
 
     def nbytes(self, cache) -> int:
         total = 0
@@ -98,6 +124,21 @@ class HFEngine:
                 if isinstance(t, torch.Tensor):
                     total += t.numel() * t.element_size()
         return total
+
+    @torch.inference_mode()
+    def greedy(self, prompt: torch.Tensor, n: int, layout: str | None = None, cache_dtype=None) -> GreedyOutput:
+        if layout is None:
+            ctx = prompt
+
+            def step(nxt):
+                nonlocal ctx
+                ctx = torch.cat([ctx, nxt], dim=1)
+                return self.forward_last(ctx)[:, -1]
+
+            return greedy_loop(lambda: self.forward_last(ctx)[:, -1], step, n)
+        cache = self.new_cache(layout, prompt.shape[1] + n, prompt.shape[0], cache_dtype)
+        return greedy_loop(lambda: self.prefill(prompt, cache, last_only=True)[:, -1],
+                           lambda nxt: self.decode(nxt, cache)[:, -1], n)
 
 
 ENGINES = {"kvlab": KvlabEngine, "hf": HFEngine}

@@ -62,6 +62,20 @@ def decode_step(model: GPT2, last_token: torch.Tensor, cache: KVCache) -> tuple[
     return model(last_token, cache=cache), cache
 
 
+def greedy_loop(first, step, max_new_tokens: int) -> GreedyOutput:
+    """The greedy loop itself, for any model: ``first()`` gives the logits (B, vocab) of the position after the
+    prompt, ``step(token)`` consumes the chosen tokens (B, 1) and gives the next position's logits."""
+    tokens, logits = [], []
+    last = first()
+    for i in range(max_new_tokens):
+        nxt = last.argmax(dim=-1, keepdim=True)  # (B, 1)
+        logits.append(last)
+        tokens.append(nxt)
+        if i + 1 < max_new_tokens:
+            last = step(nxt)
+    return GreedyOutput(tokens=torch.cat(tokens, dim=1), logits=torch.stack(logits, dim=1))
+
+
 @torch.inference_mode()
 def greedy(model: GPT2, prompt_ids, max_new_tokens: int, layout: str | None = None, cache_dtype=None,
            max_len: int | None = None) -> GreedyOutput:
@@ -75,22 +89,15 @@ def greedy(model: GPT2, prompt_ids, max_new_tokens: int, layout: str | None = No
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     idx = _as_batch(prompt_ids).to(model_device(model))
     B, T = idx.shape
-    tokens, logits = [], []
     if layout is None:
         ctx = idx
-        for _ in range(max_new_tokens):
-            last = model(ctx, last_only=True)[:, -1]  # (B, vocab): the whole context recomputed, last kept
-            nxt = last.argmax(dim=-1, keepdim=True)  # (B, 1)
-            logits.append(last)
-            tokens.append(nxt)
+
+        def step(nxt):
+            nonlocal ctx
             ctx = torch.cat([ctx, nxt], dim=1)
-    else:
-        cache = new_cache(model, layout, max_len or T + max_new_tokens, B, cache_dtype)
-        last = prefill(model, idx, cache, last_only=True)[0][:, -1]
-        for step in range(max_new_tokens):
-            nxt = last.argmax(dim=-1, keepdim=True)
-            logits.append(last)
-            tokens.append(nxt)
-            if step + 1 < max_new_tokens:
-                last = decode_step(model, nxt, cache)[0][:, -1]
-    return GreedyOutput(tokens=torch.cat(tokens, dim=1), logits=torch.stack(logits, dim=1))
+            return model(ctx, last_only=True)[:, -1]  # the whole context recomputed, last position kept
+
+        return greedy_loop(lambda: model(ctx, last_only=True)[:, -1], step, max_new_tokens)
+    cache = new_cache(model, layout, max_len or T + max_new_tokens, B, cache_dtype)
+    return greedy_loop(lambda: prefill(model, idx, cache, last_only=True)[0][:, -1],
+                       lambda nxt: decode_step(model, nxt, cache)[0][:, -1], max_new_tokens)

@@ -1,0 +1,112 @@
+"""Typed configs: one dataclass per config node, registered in Hydra's ConfigStore so every YAML in conf/ is checked
+against it when composed. ``validate`` refuses impossible combinations before any work, with one-line errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+
+DTYPE_NAMES = ("fp32", "fp16", "bf16")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt2"  # how runs are labelled
+    preset: str = "gpt2"  # GPT2Config.preset name (random weights)
+    weights: str = "random"  # "random" (seeded GPT-2 init) or an HF GPT-2 checkpoint folder / hub id
+    seed: int = 0  # seed of the random init
+
+
+@dataclass
+class CacheConfig:
+    layout: str = "prealloc"  # concat (layout A) | prealloc (layout B)
+
+
+@dataclass
+class DtypeConfig:
+    name: str = "fp32"
+    storage: str = "fp32"  # dtype of K and V in the cache
+    compute: str = "auto"  # model dtype; auto: fp32 on CPU, the storage dtype on CUDA
+
+
+@dataclass
+class DeviceConfig:
+    name: str = "cpu"  # cpu | cuda | auto (cuda when available)
+
+
+@dataclass
+class TrackingConfig:
+    mode: str = "offline"  # offline (no network) | online (needs a W&B key) | disabled
+    project: str = "kvlab"
+    entity: Optional[str] = None
+    group: Optional[str] = None  # default: the sweep folder's name (or the run's, for a single run)
+
+
+@dataclass
+class KvlabConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    dtype: DtypeConfig = field(default_factory=DtypeConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    experiment: str = "quick"  # the preset's name, set by conf/experiment/*.yaml
+    n_prompts: int = 4
+    new_tokens: int = 32
+    prompt_len: int = 32
+    max_len: Optional[int] = None  # cache capacity; default: the model's n_positions
+    context_lengths: Optional[list[int]] = None  # timed contexts; default: those of 32, 128, 512 below max_len
+    repeats: int = 10
+    warmup: int = 3
+    seed: int = 0  # prompts and timing inputs
+    prompts: str = "file"  # file (real English text, tokenized) | random (seeded random ids)
+    prompts_file: str = "harness/prompts.txt"  # relative to the repository root
+    full_prompts: Optional[int] = None  # prompts checked with the true uncached loop; default 1 on CPU, all on GPU
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="kvlab_schema", node=KvlabConfig)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one line that says what would be right."""
+
+
+AUTO_CONTEXTS = (32, 128, 512)
+
+
+def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
+    """Check the knobs against each other and the model; returns the effective max_len and context lengths."""
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    need(cfg.cache.layout in ("concat", "prealloc"), f"cache.layout={cfg.cache.layout!r}: use concat or prealloc")
+    need(cfg.dtype.storage in DTYPE_NAMES, f"dtype.storage={cfg.dtype.storage!r}: use one of {DTYPE_NAMES}")
+    need(cfg.dtype.compute in DTYPE_NAMES + ("auto",),
+         f"dtype.compute={cfg.dtype.compute!r}: use auto or one of {DTYPE_NAMES}")
+    need(cfg.device.name in ("cpu", "cuda", "auto"), f"device={cfg.device.name!r}: use cpu, cuda or auto")
+    need(cfg.tracking.mode in ("offline", "online", "disabled"),
+         f"tracking.mode={cfg.tracking.mode!r}: use offline, online or disabled")
+    need(cfg.prompts in ("file", "random"), f"prompts={cfg.prompts!r}: use file or random")
+    for name in ("n_prompts", "new_tokens", "prompt_len", "repeats"):
+        need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be at least 1")
+    need(cfg.warmup >= 0, f"warmup={cfg.warmup} must be 0 or more")
+    max_len = n_positions if cfg.max_len is None else cfg.max_len
+    need(max_len <= n_positions, f"max_len={max_len} > n_positions={n_positions} of model {cfg.model.name}: "
+         f"use max_len <= {n_positions}")
+    need(cfg.prompt_len + cfg.new_tokens <= max_len,
+         f"prompt_len + new_tokens = {cfg.prompt_len} + {cfg.new_tokens} > max_len={max_len}: "
+         f"shorten them or raise max_len (at most {n_positions})")
+    contexts = (list(cfg.context_lengths) if cfg.context_lengths is not None
+                else [c for c in AUTO_CONTEXTS if c < max_len] or [max_len // 2])
+    need(len(contexts) > 0, "context_lengths is empty: give at least one, e.g. [32,128]")
+    for ctx in contexts:
+        need(1 <= ctx < max_len, f"context_lengths has {ctx}: a timed step at context c needs 1 <= c < max_len="
+             f"{max_len}")
+    if cfg.full_prompts is not None:
+        need(0 <= cfg.full_prompts <= cfg.n_prompts,
+             f"full_prompts={cfg.full_prompts} must be between 0 and n_prompts={cfg.n_prompts}")
+    return max_len, contexts

@@ -1,0 +1,244 @@
+"""One run: build the model and cache from the config, call the measurements, hand the results to tracking.
+
+A run never raises: whatever goes wrong (an impossible config, CUDA asked on a machine without it, out of memory)
+is recorded as ``status: failed`` with its error, so a sweep goes on and keeps the runs around it. ``failed_runs``
+tells ``run.py`` whether to exit non-zero.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from harness import measure, tracking
+from harness.config import ConfigError, validate
+from harness.engines import KvlabEngine
+from models.gpt2 import GPT2, GPT2Config
+from models.kv_cache import as_dtype
+
+FAILED: list[str] = []  # run folders that failed in this process (and, after a sweep, anywhere in it)
+
+
+def failed_runs() -> list[str]:
+    return list(FAILED)
+
+
+# ---- inputs ----------------------------------------------------------------------------------------------------
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device=cuda but torch {torch.__version__} sees no CUDA GPU here: use device=cpu or "
+                          "device=auto")
+    return torch.device(name)
+
+
+def resolve_dtypes(storage: str, compute: str, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    if compute == "auto":
+        compute = "fp32" if device.type == "cpu" else storage
+    return as_dtype(storage), as_dtype(compute)
+
+
+def model_config(m) -> tuple[GPT2Config, str]:
+    """The model's config (read cheaply, before any weights) and a description of its weights."""
+    if m.weights == "random":
+        return GPT2Config.preset(m.preset), f"random init (GPT-2 initialisation, seed {m.seed}), not pretrained"
+    cfg_file = Path(m.weights).expanduser() / "config.json"
+    if cfg_file.is_file():
+        return GPT2Config.from_hf_dict(json.loads(cfg_file.read_text()), str(cfg_file)), f"checkpoint {m.weights}"
+    return None, f"checkpoint {m.weights}"  # a hub id: known once loaded
+
+
+def build_model(m, cfg: GPT2Config | None) -> GPT2:
+    if m.weights == "random":
+        torch.manual_seed(m.seed)
+        return GPT2(cfg).eval()
+    return GPT2.from_pretrained(m.weights).eval()
+
+
+def text_prompts(path: Path, n: int, length: int, tokenizer) -> list[torch.Tensor]:
+    """``n`` prompts of exactly ``length`` tokens of real text: prompt i starts at paragraph i of the file and, when
+    that paragraph is shorter, runs on into the paragraphs after it (wrapping around); past the last paragraph the
+    starts shift by a few tokens so every prompt differs."""
+    paragraphs = [p.strip() for p in path.read_text(encoding="utf-8").splitlines() if p.strip()]
+    if not paragraphs:
+        raise ConfigError(f"prompts_file {path} has no text: give a file with one paragraph per line")
+    ids = [tokenizer.encode(p + "\n\n") for p in paragraphs]
+    stream = [t for p in ids for t in p]
+    starts = [sum(len(p) for p in ids[:i]) for i in range(len(ids))]
+    prompts = []
+    for i in range(n):
+        start = starts[i % len(ids)] + 7 * (i // len(ids))
+        window = [stream[(start + j) % len(stream)] for j in range(length)]
+        prompts.append(torch.tensor([window]))
+    return prompts
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (1, length), generator=g) for _ in range(n)]
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------
+
+def _hydra_dirs() -> tuple[Path, str, str]:
+    """(run folder, group, run name) from Hydra's runtime; a plain call (no Hydra) uses outputs/adhoc/<time>."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.initialized():
+        hc = HydraConfig.get()
+        run_dir = Path(hc.runtime.output_dir)
+        group = Path(hc.sweep.dir).name if hc.mode == RunMode.MULTIRUN else run_dir.name
+        return run_dir, group, run_dir.name
+    name = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    return measure.REPO / "outputs" / "adhoc" / name, "adhoc", name
+
+
+def config_record(cfg) -> dict:
+    return dict(
+        model=cfg.model.name, preset=cfg.model.preset if cfg.model.weights == "random" else None,
+        weights_source=cfg.model.weights, model_seed=cfg.model.seed, cache=cfg.cache.layout, dtype=cfg.dtype.name,
+        device_requested=cfg.device.name, experiment=cfg.experiment, n_prompts=cfg.n_prompts,
+        new_tokens=cfg.new_tokens, prompt_len=cfg.prompt_len, max_len=cfg.max_len,
+        context_lengths=None if cfg.context_lengths is None else ",".join(str(c) for c in cfg.context_lengths),
+        repeats=cfg.repeats, warmup=cfg.warmup,
+        seed=cfg.seed, prompts=cfg.prompts)
+
+
+def measure_run(cfg, progress: bool = True):
+    """Everything a run measures -> (record fields, steps table, drift table). Raises on any failure."""
+    from models.tokenizer import Tokenizer
+
+    mcfg, weights = model_config(cfg.model)
+    max_len, contexts = validate(cfg, mcfg.n_positions) if mcfg is not None else (None, None)
+    device = resolve_device(cfg.device.name)
+    storage, compute = resolve_dtypes(cfg.dtype.storage, cfg.dtype.compute, device)
+
+    model32 = build_model(cfg.model, mcfg)
+    if mcfg is None:  # a hub checkpoint: validate now that its config is known
+        mcfg = model32.config
+        max_len, contexts = validate(cfg, mcfg.n_positions)
+    model32 = model32.to(device)
+    model = model32 if compute == torch.float32 else copy.deepcopy(model32).to(compute)
+    engine = KvlabEngine(model)
+    ref32 = None if storage == compute == torch.float32 else (engine if compute == torch.float32
+                                                              else KvlabEngine(model32))
+    if cfg.prompts == "file":
+        path = Path(cfg.prompts_file)
+        path = path if path.is_absolute() else measure.REPO / path
+        if not path.is_file():
+            raise ConfigError(f"prompts_file {path} does not exist: point prompts_file at a text file or use "
+                              "prompts=random")
+        prompts = text_prompts(path, cfg.n_prompts, cfg.prompt_len, Tokenizer())
+    else:
+        prompts = random_prompts(cfg.n_prompts, cfg.prompt_len, mcfg.vocab_size, cfg.seed)
+    prompts = [p.to(device) for p in prompts]
+    full = cfg.full_prompts if cfg.full_prompts is not None else (1 if device.type == "cpu" else cfg.n_prompts)
+    layout = cfg.cache.layout
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    rec = dict(device=device.type, storage_dtype=str(storage).removeprefix("torch."),
+               compute_dtype=str(compute).removeprefix("torch."), max_len=max_len, n_layer=mcfg.n_layer,
+               n_head=mcfg.n_head, n_embd=mcfg.n_embd, n_params=model.num_params(), full_prompts=full,
+               context_lengths=",".join(map(str, contexts)))
+    checks, drift = measure.generation_checks(engine, prompts, cfg.new_tokens, layout, storage, full, ref32,
+                                              progress)
+    rec.update(checks)
+    rec.update(measure.cache_memory(engine, layout, storage, prompts[0], cfg.new_tokens, max_len))
+    steps = measure.step_times(engine, layout, storage, contexts, max_len, cfg.repeats,
+                               cfg.warmup, device, cfg.seed, progress)
+    rec.update(measure.time_to_first_token(engine, layout, storage, prompts[0], max_len, cfg.repeats, cfg.warmup,
+                                           device))
+    top = steps[steps.context_len == steps.context_len.max()].set_index("mode")
+    rec.update(max_context_len=int(steps.context_len.max()),
+               step_ms_cached_at_max_context=float(top.loc["cached", "ms_median"]),
+               step_ms_uncached_at_max_context=float(top.loc["uncached", "ms_median"]),
+               speedup_at_max_context=float(top.loc["cached", "speedup"]))
+    rec.update(measure.peak_memory(device))
+    rec.update(measure.fingerprint(device, weights))
+    return rec, steps, drift
+
+
+def one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split()) or "(no message)"
+    return msg if isinstance(e, ConfigError) else f"{type(e).__name__}: {msg}"
+
+
+def run(cfg: DictConfig, progress: bool = True) -> dict:
+    """One run from a composed config. Writes the run's files and its W&B run; never raises for a failed run."""
+    run_dir, group, name = _hydra_dirs()
+    group = cfg.tracking.group or group
+    record = dict(status="failed", error=None, run_name=name, group=group, run_dir=str(run_dir),
+                  started_at=dt.datetime.now().isoformat(timespec="seconds"), weights=model_config_safe(cfg),
+                  **config_record(cfg))
+    steps = drift = None
+    t0 = time.perf_counter()
+    try:
+        fields, steps, drift = measure_run(cfg, progress)
+        record.update(fields, status="ok")
+    except Exception as e:  # recorded, never raised: the sweep goes on
+        record["error"] = one_line(e)
+        print(f"kvlab: run {name} failed: {record['error']}", file=sys.stderr)
+    record["duration_s"] = round(time.perf_counter() - t0, 2)
+    for df in (steps, drift):
+        if df is not None:
+            for i, k in enumerate(("model", "cache", "dtype", "device")):
+                df.insert(i, k, record.get(k))
+    tracking.write_run_files(run_dir, record, steps, drift)
+    try:
+        record["wandb"] = tracking.log_wandb(cfg.tracking.mode, cfg.tracking.project, cfg.tracking.entity, group,
+                                             name, run_dir, OmegaConf.to_container(cfg, resolve=True), record,
+                                             steps, drift)
+    except Exception as e:  # tracking trouble must not lose the measurements already on disk
+        record["wandb"] = f"failed: {one_line(e)}"
+        print(f"kvlab: W&B logging failed ({record['wandb']}); results are in {run_dir}", file=sys.stderr)
+    tracking.write_run_files(run_dir, record, None, None)
+    if record["status"] != "ok":
+        FAILED.append(str(run_dir))
+    print(summary_text(record, steps))
+    return record
+
+
+def model_config_safe(cfg) -> str:
+    try:
+        return model_config(cfg.model)[1]
+    except Exception:
+        return f"checkpoint {cfg.model.weights}"
+
+
+def summary_text(r: dict, steps) -> str:
+    """The short table printed at the end of a run."""
+    head = f"kvlab run {r['run_name']}: model {r['model']} · cache {r['cache']} · dtype {r['dtype']}"
+    if r["status"] != "ok":
+        return f"{head}\n  FAILED: {r['error']}\n  record: {r['run_dir']}/results.json"
+
+    def f(x, fmt):
+        return "—" if x is None else format(x, fmt)
+
+    lines = [
+        head + f" · device {r['device']} ({r['device_name']})",
+        f"  weights           {r['weights']}",
+        f"  tokens identical  {r['tokens_identical']}  ({r['equivalence_method']}, {r['n_prompts']} prompts x "
+        f"{r['new_tokens']} tokens)",
+        f"  max |dlogit|      {r['max_abs_logit_diff']:.3g}  (cached vs uncached, same compute dtype)",
+        f"  cache bytes       {r['cache_nbytes']:,} measured = {r['predicted_nbytes']:,} formula: "
+        f"{r['nbytes_match']}  ({r['bytes_per_token']:,} B/token, {r['cache_tokens']} tokens held)",
+        f"  drift vs fp32     KL {f(r['drift_kl'], '.3g')} · max |d| {f(r['drift_max_abs'], '.3g')} · top-1 "
+        f"{f(r['drift_top1_agreement'], '.1%')} · token match {f(r['drift_token_match_rate'], '.1%')}",
+        f"  TTFT              {r['ttft_ms']:.1f} ms ({r['prompt_len']}-token prompt)",
+        *(f"  decode step       ctx {c:>4}: {g.loc['cached', 'ms_median']:8.2f} ms cached   "
+          f"{g.loc['uncached', 'ms_median']:8.2f} ms uncached   {g.loc['cached', 'speedup']:5.1f}x"
+          for c, g in ((c, g.set_index("mode")) for c, g in steps.groupby("context_len"))),
+        f"  files             {r['run_dir']}  (results.json, steps.csv, drift.csv)",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,329 @@
+"""Figures for the KV-cache experiments, drawn from the tidy results tables (never from files).
+
+Inputs are three DataFrames: ``runs`` (one row per run), ``steps`` (decode-step timing per run, context length and
+mode) and ``drift`` (per-step numeric drift of a reduced-precision run against fp32). Rows whose ``status`` is not
+"ok" are dropped before anything is drawn. Every function returns a matplotlib Figure; nothing is shown or saved.
+
+    step_time_plot(steps)     time of ONE decode step (ms, log) against context length (tokens, log2): a line per
+                              cache layout ("cached (concat)", "cached (prealloc)") plus the "uncached" full forward,
+                              which every run measures and is therefore averaged per (model, dtype, context).
+                              The band is the p10-p90 spread. Columns are models, rows dtypes.
+    speedup_plot(steps)       uncached / cached step time against context length: colour = cache layout, line style
+                              = dtype, one panel per model. The dotted line at 1x is break-even.
+    cache_bytes_plot(runs)    (a) measured cache bytes next to the formula's prediction, one bar pair per run
+                              (a red ✗ over a run where they differ); (b) formula KV bytes per cached token by
+                              model and dtype.
+    drift_plot(drift)         how far reduced-precision (fp16/bf16) logits drift from fp32, per decode step:
+                              KL(fp32 ‖ reduced), max |Δlogit| and top-1 agreement; colour = dtype, line style =
+                              cache layout, one line per run, one row of panels per model. fp32 runs are left out;
+                              with none left the figure just says so.
+    equivalence_grid(runs)    cached-vs-uncached check as a heatmap: rows = model, columns = cache/dtype, colour =
+                              max |Δlogit| (log scale), each cell annotated with the value and ✓/✗ for whether the
+                              generated tokens were identical. Several runs in one cell show the worst of them.
+    all_figures(runs, steps, drift)   all of the above keyed by file stem; a figure whose input table has no ok
+                              rows is left out of the dict.
+
+When runs from more than one device are mixed, the dtype label becomes "dtype · device" wherever timings or drift
+are grouped by dtype (a CPU and a GPU step time must not be averaged together).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+from matplotlib.colors import LogNorm  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.ticker import NullLocator, ScalarFormatter  # noqa: E402
+
+# known levels in a sensible order; anything unknown goes after them, sorted
+MODEL_ORDER = ["tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
+CACHE_ORDER = ["concat", "prealloc"]
+DTYPE_ORDER = ["fp32", "fp16", "bf16"]
+
+_C = sns.color_palette("tab10")
+SERIES_STYLE = {  # step_time_plot lines: (colour, line style)
+    "cached (concat)": (_C[0], "-"),
+    "cached (prealloc)": (_C[1], "-"),
+    "uncached": ((0.4, 0.4, 0.4), "--"),
+}
+CACHE_COLOR = {"concat": _C[0], "prealloc": _C[1]}
+DASHES = ["-", "--", ":", "-."]
+MARKERS = ["o", "s", "^", "D"]
+DTYPE_COLOR = {"fp16": _C[2], "bf16": _C[4], "fp32": _C[7]}
+
+METRICS = [  # drift_plot panels: (column, axis label)
+    ("drift_kl", "KL(fp32 ‖ reduced) (nats)"),
+    ("drift_max_abs", "max |Δlogit| (logit units)"),
+    ("drift_top1_agreement", "top-1 agreement (fraction)"),
+]
+
+
+# -----------------------------------------------------------------------------
+# helpers
+
+
+def _ok(df: pd.DataFrame) -> pd.DataFrame:
+    """Only the rows of successful runs."""
+    return df[df["status"] == "ok"] if "status" in df else df
+
+
+def _levels(values, known: list[str]) -> list[str]:
+    present = set(values.dropna())
+    return [v for v in known if v in present] + sorted(present - set(known))
+
+
+def _with_prec(df: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """Adds 'prec': the dtype, or "dtype · device" when several devices are mixed. Returns the frame and its levels."""
+    df = df.copy()
+    df["prec"] = df["dtype"]
+    if "device" in df and df["device"].nunique() > 1:
+        df["prec"] = df["dtype"] + " · " + df["device"]
+    order = df.assign(r=df["dtype"].map({d: i for i, d in enumerate(DTYPE_ORDER)}).fillna(len(DTYPE_ORDER)))
+    levels = order.sort_values(["r", "prec"])["prec"].drop_duplicates().tolist()
+    return df, levels
+
+
+def _line(ax, data: pd.DataFrame, x: str, y: str, label: str, **kw) -> None:
+    """One labelled seaborn line (seaborn leaves its lines unlabelled; the label lets a legend and a reader find it)."""
+    sns.lineplot(data=data, x=x, y=y, errorbar=None, legend=False, ax=ax, **kw)
+    ax.get_lines()[-1].set_label(label)
+
+
+def _log2_x(ax, ticks) -> None:
+    """Log2 x axis with the measured context lengths as plain-number ticks."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(set(ticks)))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_locator(NullLocator())
+
+
+def _log_y_if_decades(ax, values) -> None:
+    """Log y when all values are positive and span at least two decades."""
+    v = np.asarray(pd.Series(values).dropna(), dtype=float)
+    if v.size and (v > 0).all() and v.max() / v.min() >= 100:
+        ax.set_yscale("log")
+
+
+def _fig_legend(fig: Figure, axes) -> None:
+    """One legend for the whole figure, each label once."""
+    seen = {}
+    for ax in np.ravel(axes):
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(lab, h)
+    if seen:
+        fig.legend(list(seen.values()), list(seen.keys()), loc="outside right upper", frameon=False)
+
+
+def _message_figure(msg: str) -> Figure:
+    fig, ax = plt.subplots(figsize=(6, 2))
+    ax.axis("off")
+    ax.text(0.5, 0.5, msg, ha="center", va="center", fontsize=12)
+    return fig
+
+
+# -----------------------------------------------------------------------------
+# the figures
+
+
+def step_time_plot(steps: pd.DataFrame) -> Figure:
+    """Decode-step time vs context length; lines cached (concat), cached (prealloc), uncached; facets model × dtype."""
+    df = _ok(steps)
+    if df.empty:
+        return _message_figure("no ok runs with step timings")
+    df, precs = _with_prec(df)
+    models = _levels(df["model"], MODEL_ORDER)
+    fig, axes = plt.subplots(len(precs), len(models), figsize=(4 * len(models) + 2, 3.2 * len(precs)),
+                             squeeze=False, sharex=True, sharey=True, layout="constrained")
+    cols = ["ms_median", "ms_p10", "ms_p90"]
+    for i, prec in enumerate(precs):
+        for j, model in enumerate(models):
+            ax = axes[i, j]
+            sub = df[(df["model"] == model) & (df["prec"] == prec)]
+            cached = sub[sub["mode"] == "cached"]
+            series = {f"cached ({c})": g.groupby("context_len", as_index=False)[cols].mean()
+                      for c, g in cached.groupby("cache")}
+            # every run also timed the uncached forward: average those duplicates per context
+            series["uncached"] = sub[sub["mode"] == "uncached"].groupby("context_len", as_index=False)[cols].mean()
+            for name, d in series.items():
+                if d.empty:
+                    continue
+                color, ls = SERIES_STYLE.get(name, ("k", "-"))
+                _line(ax, d, "context_len", "ms_median", name, color=color, linestyle=ls, marker="o")
+                ax.fill_between(d["context_len"], d["ms_p10"], d["ms_p90"], color=color, alpha=0.15, linewidth=0)
+            ax.set_title(f"{model} · {prec}")
+            ax.set_xlabel("context length (tokens)")
+            ax.set_ylabel("decode-step time (ms)")
+    _log2_x(axes[0, 0], df["context_len"])  # shared by all panels
+    axes[0, 0].set_yscale("log")
+    fig.suptitle("Time of one decode step vs context length (median, band = p10–p90)")
+    _fig_legend(fig, axes)
+    return fig
+
+
+def speedup_plot(steps: pd.DataFrame) -> Figure:
+    """Speedup (uncached / cached) vs context length; colour = cache layout, line style = dtype; a panel per model."""
+    df = _ok(steps)
+    if df.empty:
+        return _message_figure("no ok runs with step timings")
+    df, precs = _with_prec(df)
+    df = df[df["mode"] == "cached"]  # speedup is repeated on both rows of a context; one is enough
+    models = _levels(df["model"], MODEL_ORDER)
+    fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models) + 2, 3.5), squeeze=False, sharex=True,
+                             sharey=True, layout="constrained")
+    for j, model in enumerate(models):
+        ax = axes[0, j]
+        sub = df[df["model"] == model]
+        for cache, (k, prec) in itertools.product(_levels(sub["cache"], CACHE_ORDER), enumerate(precs)):
+            g = sub[(sub["cache"] == cache) & (sub["prec"] == prec)]
+            if g.empty:
+                continue
+            d = g.groupby("context_len", as_index=False)["speedup"].mean()
+            _line(ax, d, "context_len", "speedup", f"{cache} · {prec}", color=CACHE_COLOR.get(cache, "k"),
+                  linestyle=DASHES[k % len(DASHES)], marker=MARKERS[k % len(MARKERS)])
+        ax.axhline(1.0, color="0.5", linestyle=":", linewidth=1, label="_break-even")
+        ax.set_title(model)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("speedup, uncached / cached (×)")
+    _log2_x(axes[0, 0], df["context_len"])
+    _log_y_if_decades(axes[0, 0], df["speedup"])
+    fig.suptitle("KV-cache speedup of one decode step")
+    _fig_legend(fig, axes)
+    return fig
+
+
+def _run_labels(df: pd.DataFrame) -> pd.Series:
+    """'model/cache/dtype' per run; adds the device, then falls back to run_name, if that is not unique."""
+    label = df["model"] + "/" + df["cache"] + "/" + df["dtype"]
+    if label.duplicated().any() and "device" in df:
+        label = label + "/" + df["device"]
+    if label.duplicated().any():
+        label = df["run_name"].astype(str)
+    return label
+
+
+def cache_bytes_plot(runs: pd.DataFrame) -> Figure:
+    """(a) measured vs predicted cache bytes per run; (b) KV bytes per cached token by model and dtype."""
+    df = _ok(runs).copy()
+    if df.empty:
+        return _message_figure("no ok runs")
+    df["run"] = _run_labels(df)
+    models = _levels(df["model"], MODEL_ORDER)
+    dtypes = _levels(df["dtype"], DTYPE_ORDER)
+    rank = {m: i for i, m in enumerate(models)}
+    df = df.sort_values(["model", "cache", "dtype"], key=lambda s: s.map(rank) if s.name == "model" else s)
+    order = df["run"].tolist()
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(0.7 * len(order) + 7, 4.5), layout="constrained",
+                               gridspec_kw={"width_ratios": [max(len(order), 3), 3]})
+    # (a) one pair of bars per run; bar containers come out in hue order: measured, then predicted
+    long = df.melt(id_vars="run", value_vars=["cache_nbytes", "predicted_nbytes"], var_name="kind", value_name="bytes")
+    long["kind"] = long["kind"].map({"cache_nbytes": "measured", "predicted_nbytes": "predicted"})
+    sns.barplot(data=long, x="run", y="bytes", hue="kind", order=order, hue_order=["measured", "predicted"],
+                errorbar=None, ax=a)
+    _log_y_if_decades(a, long["bytes"])
+    for i, (_, r) in enumerate(df.iterrows()):
+        if not r["nbytes_match"]:  # mark runs where the formula is off
+            a.annotate("✗", (i, max(r["cache_nbytes"], r["predicted_nbytes"])), ha="center", va="bottom", color="red")
+    a.tick_params(axis="x", labelrotation=60)
+    plt.setp(a.get_xticklabels(), ha="right", rotation_mode="anchor")
+    a.set_xlabel("run (model/cache/dtype)")
+    a.set_ylabel("cache size (bytes)")
+    a.set_title("(a) KV-cache bytes: measured vs formula")
+    a.legend(title=None, frameon=False)
+
+    # (b) bytes per token is a property of (model, dtype), the same for every cache layout
+    bpt = df.groupby(["model", "dtype"], as_index=False)["bytes_per_token"].max()
+    sns.barplot(data=bpt, x="model", y="bytes_per_token", hue="dtype", order=models, hue_order=dtypes,
+                errorbar=None, ax=b)
+    _log_y_if_decades(b, bpt["bytes_per_token"])
+    b.set_xlabel("model")
+    b.set_ylabel("KV bytes per cached token (bytes)")
+    b.set_title("(b) bytes per cached token")
+    b.legend(title="dtype", frameon=False)
+    return fig
+
+
+def drift_plot(drift: pd.DataFrame) -> Figure:
+    """Reduced-precision drift from fp32 per decode step: KL, max |Δlogit|, top-1 agreement; a row per model."""
+    df = _ok(drift)
+    df = df[df["dtype"] != "fp32"]
+    if df.empty:
+        return _message_figure("no reduced-precision runs (fp16/bf16): nothing drifts from fp32")
+    df, precs = _with_prec(df)
+    models = _levels(df["model"], MODEL_ORDER)
+    caches = _levels(df["cache"], CACHE_ORDER)
+    fig, axes = plt.subplots(len(models), len(METRICS), figsize=(4.2 * len(METRICS) + 2, 3.2 * len(models)),
+                             squeeze=False, sharex=True, layout="constrained")
+    for i, model in enumerate(models):
+        sub = df[df["model"] == model]
+        for j, (col, ylabel) in enumerate(METRICS):
+            ax = axes[i, j]
+            for _, g in sub.groupby("run_name"):  # one line per run, never averaged across runs
+                prec, cache = g["prec"].iloc[0], g["cache"].iloc[0]
+                color = DTYPE_COLOR.get(g["dtype"].iloc[0], _C[precs.index(prec) % 10])
+                _line(ax, g.sort_values("step"), "step", col, f"{prec} · {cache}", color=color,
+                      linestyle=DASHES[caches.index(cache) % len(DASHES)])
+            if col == "drift_top1_agreement":
+                ax.set_ylim(-0.02, 1.02)
+            else:
+                _log_y_if_decades(ax, sub[col])
+            ax.set_title(f"{model}: {ylabel.split(' (')[0]}")
+            ax.set_xlabel("decode step (tokens generated)")
+            ax.set_ylabel(ylabel)
+    fig.suptitle("Reduced-precision drift from fp32 per decode step (colour = dtype, line style = cache)")
+    _fig_legend(fig, axes)
+    return fig
+
+
+def equivalence_grid(runs: pd.DataFrame) -> Figure:
+    """Heatmap model × cache/dtype of max |Δlogit| (cached vs uncached), annotated ✓/✗ for identical tokens."""
+    df = _ok(runs).copy()
+    if df.empty:
+        return _message_figure("no ok runs")
+    df["cell"] = df["cache"] + "/" + df["dtype"]
+    models = _levels(df["model"], MODEL_ORDER)
+    cells = [f"{c}/{d}" for c in _levels(df["cache"], CACHE_ORDER) for d in _levels(df["dtype"], DTYPE_ORDER)]
+    cells = [c for c in cells if c in set(df["cell"])]
+    # several runs in one cell (e.g. two devices): show the worst
+    diff = df.pivot_table(index="model", columns="cell", values="max_abs_logit_diff", aggfunc="max")
+    same = df.groupby(["model", "cell"])["tokens_identical"].all().unstack()
+    diff, same = diff.reindex(index=models, columns=cells), same.reindex(index=models, columns=cells)
+
+    annot = np.full(diff.shape, "", dtype=object)
+    for (i, j), v in np.ndenumerate(diff.to_numpy()):
+        if not np.isnan(v):
+            annot[i, j] = f"{v:.1e}\n" + ("✓" if same.iat[i, j] else "✗")
+    pos = diff.to_numpy()[diff.to_numpy() > 0]  # log colour needs positive values; exact zeros are left uncoloured
+    norm = LogNorm(pos.min(), pos.max()) if pos.size and pos.max() > pos.min() else None
+
+    fig, ax = plt.subplots(figsize=(1.5 * len(cells) + 3, 0.9 * len(models) + 2), layout="constrained")
+    sns.heatmap(diff, annot=annot, fmt="", norm=norm, cmap="rocket_r", linewidths=0.5, ax=ax,
+                cbar_kws={"label": "max |Δlogit| (logit units)"})
+    ax.set_xlabel("cache / dtype")
+    ax.set_ylabel("model")
+    ax.set_title("Cached vs uncached: max |Δlogit|, ✓ = identical tokens")
+    return fig
+
+
+def all_figures(runs: pd.DataFrame, steps: pd.DataFrame, drift: pd.DataFrame) -> dict[str, Figure]:
+    """Every figure keyed by file stem. A figure whose input table has no ok rows is skipped (absent from the dict).
+
+    "drift" is still made when its ok rows are all fp32: it then says there are no reduced-precision runs.
+    """
+    makers = {
+        "step_time": (step_time_plot, steps),
+        "speedup": (speedup_plot, steps),
+        "cache_bytes": (cache_bytes_plot, runs),
+        "drift": (drift_plot, drift),
+        "equivalence": (equivalence_grid, runs),
+    }
+    return {stem: fn(df) for stem, (fn, df) in makers.items() if df is not None and not _ok(df).empty}

@@ -1,0 +1,83 @@
+"""Where results go: the run's own files (written atomically) and Weights & Biases (offline by default).
+
+Files in the run's folder: ``steps.csv`` (decode-step time per context length, cached and uncached), ``drift.csv``
+(equivalence and drift per decode step) and ``results.json`` (one flat record), written last: a folder with a
+results.json is a finished run. Every file goes to a temporary name first and is renamed into place, so a crash
+never leaves a half-written one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+RESULTS, STEPS, DRIFT = "results.json", "steps.csv", "drift.csv"
+
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _jsonable(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if hasattr(v, "item"):  # numpy / torch scalars
+        return _jsonable(v.item())
+    return v
+
+
+def write_run_files(run_dir: Path, record: dict, steps: pd.DataFrame | None, drift: pd.DataFrame | None) -> None:
+    run_dir = Path(run_dir)
+    for name, df in ((STEPS, steps), (DRIFT, drift)):
+        if df is not None:
+            _atomic_write(run_dir / name, lambda f, df=df: df.to_csv(f, index=False))
+    clean = {k: _jsonable(v) for k, v in record.items()}
+    _atomic_write(run_dir / RESULTS, lambda f: json.dump(clean, f, indent=2, sort_keys=True))
+
+
+def log_wandb(mode: str, project: str, entity: str | None, group: str, name: str, run_dir: Path, config: dict,
+              record: dict, steps: pd.DataFrame | None, drift: pd.DataFrame | None, job_type: str = "run") -> str:
+    """One W&B run, finished before returning: config = the resolved config, summary = the record, history = one
+    row per decode step (equivalence and drift), Tables of the step-time and drift rows. Returns where it went."""
+    if mode == "disabled":
+        return "disabled"
+    if mode == "offline":
+        # wandb's process-wide settings, not the run's mode, decide whether it sends usage telemetry and error
+        # reports: say offline there too, before wandb sets itself up, so an offline run opens no connection.
+        os.environ["WANDB_MODE"] = "offline"
+        os.environ["WANDB_ERROR_REPORTING"] = "false"
+    import wandb
+
+    run = wandb.init(mode=mode, project=project, entity=entity, group=group, name=name, job_type=job_type,
+                     dir=str(run_dir), config=config, reinit="create_new",
+                     settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
+    try:
+        if drift is not None:
+            run.define_metric("decode_step")
+            run.define_metric("step/*", step_metric="decode_step")
+            for row in drift.to_dict("records"):
+                run.log({"decode_step": row["step"], **{f"step/{k}": _jsonable(v) for k, v in row.items()
+                                                        if k != "step" and _jsonable(v) is not None}})
+            run.log({"drift_table": wandb.Table(dataframe=drift)})
+        if steps is not None:
+            run.log({"step_time_table": wandb.Table(dataframe=steps)})
+        run.summary.update({k: _jsonable(v) for k, v in record.items()})
+        where = Path(run.dir).parent if mode == "offline" else (run.url or "online")
+    finally:
+        run.finish(exit_code=0 if record.get("status") == "ok" else 1)
+    return str(where)

@@ -1,0 +1,226 @@
+"""The Hydra harness: every config combination composes and validates; real sweeps on the tiny model write the
+right results; a failing run is recorded and leaves the runs around it complete; W&B offline touches no network."""
+
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from harness import measure
+from harness.config import ConfigError, register, validate
+from harness.engines import KvlabEngine
+from harness.experiment import text_prompts
+from models.gpt2 import GPT2Config
+from models.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml"))
+          for g in ("model", "cache", "dtype", "device", "tracking", "experiment")}
+# small and quick: what every sweep test below runs
+TINY = ["model=tiny", "n_prompts=2", "new_tokens=8", "prompt_len=6", "repeats=2", "warmup=1",
+        "context_lengths=[8,32]"]
+
+
+def test_groups_hold_what_users_sweep():
+    assert set(GROUPS["model"]) == {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "tiny"}
+    assert set(GROUPS["cache"]) == {"concat", "prealloc"}
+    assert set(GROUPS["dtype"]) == {"fp32", "fp16", "bf16"}
+    assert set(GROUPS["device"]) == {"cpu", "cuda", "auto"}
+    assert set(GROUPS["tracking"]) == {"offline", "online", "disabled"}
+    assert set(GROUPS["experiment"]) == {"quick", "seed_protocol", "long"}
+
+
+@pytest.mark.slow  # 810 compositions, about half a minute
+def test_every_group_combination_composes_and_validates():
+    register()
+    checked = 0
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        for combo in itertools.product(*GROUPS.values()):
+            overrides = [f"{g}={o}" for g, o in zip(GROUPS, combo)]
+            cfg = compose(config_name="config", overrides=overrides)
+            n_pos = GPT2Config.preset(cfg.model.preset).n_positions
+            if cfg.model.name == "tiny" and cfg.experiment == "long":
+                with pytest.raises(ConfigError, match="context_lengths has 128"):
+                    validate(cfg, n_pos)
+            else:
+                max_len, contexts = validate(cfg, n_pos)
+                assert max_len == n_pos and all(c < max_len for c in contexts)
+            checked += 1
+        with pytest.raises(Exception, match="n_prompts"):  # the schema types every node
+            compose(config_name="config", overrides=["n_prompts=many"])
+    assert checked == 5 * 2 * 3 * 3 * 3 * 3
+
+
+@pytest.mark.parametrize("override,message", [
+    ("max_len=2048", "max_len=2048 > n_positions=1024"),
+    ("new_tokens=1000", "prompt_len + new_tokens = 32 + 1000 > max_len=1024"),
+    ("context_lengths=[32,1024]", "context_lengths has 1024"),
+    ("cache.layout=paged", "cache.layout='paged'"),
+    ("dtype.storage=fp8", "dtype.storage='fp8'"),
+    ("full_prompts=9", "full_prompts=9"),
+])
+def test_impossible_configs_are_refused_in_one_line(override, message):
+    register()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=[override])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 1024)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_text_prompts_are_real_text_of_exact_length():
+    tok = Tokenizer()
+    path = REPO / "harness" / "prompts.txt"
+    first = path.read_text().splitlines()[0]
+    prompts = text_prompts(path, 30, 40, tok)  # more prompts than paragraphs
+    assert all(p.shape == (1, 40) for p in prompts)
+    assert first.startswith(tok.decode(prompts[0][0, :10]))
+    assert len({tuple(p[0].tolist()) for p in prompts}) == 30
+    short = text_prompts(path, 1, 200, tok)[0]  # longer than one paragraph: runs on into the next
+    assert tok.decode(short[0]).startswith(first) and short.shape == (1, 200)
+
+
+class OffByOneReference(KvlabEngine):
+    """An uncached reference that disagrees from position 5 on: the checks must notice."""
+
+    def forward(self, ids):
+        logits = super().forward(ids).clone()
+        logits[:, 5:, 0] += 1000.0
+        return logits
+
+
+def test_generation_checks_catch_a_disagreeing_reference(tiny_model):
+    prompts = [torch.tensor([[464, 3290, 318]])]
+    good, table = measure.generation_checks(KvlabEngine(tiny_model), prompts, 10, "prealloc", torch.float32, 1)
+    assert good["tokens_identical"] and good["max_abs_logit_diff"] < 1e-4 and good["first_diff_step"] is None
+    assert list(table.step) == list(range(10)) and table.drift_kl.isna().all()
+    bad, _ = measure.generation_checks(OffByOneReference(tiny_model), prompts, 10, "prealloc", torch.float32, 0)
+    assert not bad["tokens_identical"]
+    assert bad["first_diff_step"] == 5 - 2  # prompt of 3: position 5 chose generated token 3
+    assert bad["max_abs_logit_diff"] > 999
+
+
+def test_drift_is_measured_against_fp32(tiny_model):
+    engine = KvlabEngine(tiny_model)
+    prompts = [torch.tensor([[464, 3290, 318]]), torch.tensor([[15496, 995]])]
+    s, table = measure.generation_checks(engine, prompts, 12, "concat", torch.bfloat16, 1, ref32=engine)
+    assert 0 < s["drift_max_abs"] and 0 < s["drift_kl"] and 0 <= s["drift_top1_agreement"] <= 1
+    assert table.drift_kl.notna().all() and len(table) == 12
+    assert s["drift_max_abs"] == pytest.approx(table.drift_max_abs.max())
+
+
+def test_step_times_table(tiny_model):
+    df = measure.step_times(KvlabEngine(tiny_model), "concat", torch.float32, [4, 16], 32, repeats=3, warmup=1,
+                            device=torch.device("cpu"))
+    assert set(zip(df.context_len, df["mode"])) == {(4, "cached"), (4, "uncached"), (16, "cached"),
+                                                   (16, "uncached")}
+    assert (df.repeats == 3).all() and (df.ms_p10 <= df.ms_median).all() and (df.ms_median <= df.ms_p90).all()
+    for ctx, g in df.groupby("context_len"):
+        g = g.set_index("mode")
+        assert g.loc["cached", "speedup"] == pytest.approx(g.loc["uncached", "ms_median"] / g.loc["cached",
+                                                                                                   "ms_median"])
+
+
+# ---- real runs of run.py -------------------------------------------------------------------------------------
+
+class Tripwire:
+    """A local TCP listener that counts connections: point W&B's and every HTTP client's server at it."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port, self.hits = self.sock.getsockname()[1], 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.hits += 1
+            conn.close()
+
+
+def run_py(args, tmp_path, extra_env=None):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **(extra_env or {}))
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
+        env[var] = str(tmp_path / var.lower())
+    return subprocess.run([sys.executable, "run.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def results(folder):
+    return {p.parent.name: json.loads(p.read_text()) for p in sorted(Path(folder).glob("*/results.json"))}
+
+
+@pytest.mark.slow
+def test_sweep_writes_complete_runs_offline_without_network(tmp_path):
+    trip = Tripwire()
+    url = f"http://127.0.0.1:{trip.port}"
+    sweep = tmp_path / "sweep"
+    proc = run_py(["-m", "cache=concat,prealloc", "dtype=fp32,fp16", "tracking=offline", *TINY,
+                   f"hydra.sweep.dir={sweep}"], tmp_path,
+                  dict(WANDB_BASE_URL=url, HTTP_PROXY=url, HTTPS_PROXY=url, http_proxy=url, https_proxy=url))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = results(sweep)
+    assert len(runs) == 4
+    assert {(r["cache"], r["dtype"]) for r in runs.values()} == {
+        ("concat", "fp32"), ("concat", "fp16"), ("prealloc", "fp32"), ("prealloc", "fp16")}
+    for name, r in runs.items():
+        assert r["status"] == "ok" and r["error"] is None
+        assert r["nbytes_match"] and r["cache_nbytes"] == r["predicted_nbytes"]
+        held = r["prompt_len"] + r["new_tokens"] - 1 if r["cache"] == "concat" else r["max_len"]
+        assert r["cache_tokens"] == held
+        assert r["group"] == sweep.name and "random init" in r["weights"]
+        for key in ("torch_version", "device_name", "threads", "attn_backend", "tf32", "git_commit"):
+            assert key in r
+        if r["dtype"] == "fp32":
+            assert r["tokens_identical"] and r["max_abs_logit_diff"] <= 1e-4
+            assert r["drift_kl"] is None and r["drift_top1_agreement"] is None
+        else:
+            assert r["storage_dtype"] == "float16" and r["compute_dtype"] == "float32"
+            assert r["drift_kl"] > 0 and 0 <= r["drift_top1_agreement"] <= 1
+        steps = pd.read_csv(sweep / name / "steps.csv")
+        assert set(zip(steps.context_len, steps["mode"])) == {(c, m) for c in (8, 32)
+                                                             for m in ("cached", "uncached")}
+        assert len(pd.read_csv(sweep / name / "drift.csv")) == r["new_tokens"]
+        offline = list((sweep / name / "wandb").glob("offline-run-*/run-*.wandb"))
+        assert len(offline) == 1 and offline[0].stat().st_size > 0
+    assert trip.hits == 0  # offline W&B and the rest of the run never opened a connection
+
+
+@pytest.mark.slow
+def test_a_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_py(["-m", "max_len=1000,64", "tracking=disabled", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert proc.returncode != 0
+    runs = {r["max_len"]: r for r in results(sweep).values()}
+    assert runs[64]["status"] == "ok" and runs[64]["tokens_identical"]
+    assert (Path(runs[64]["run_dir"]) / "steps.csv").is_file()
+    failed = runs[1000]
+    assert failed["status"] == "failed" and "max_len=1000 > n_positions=128" in failed["error"]
+    assert not (Path(failed["run_dir"]) / "steps.csv").exists()
+    assert f"run {Path(failed['run_dir']).name} failed" in proc.stderr
+    assert not list(sweep.glob("*/wandb"))  # tracking=disabled writes no W&B files
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: device=cuda would succeed")
+def test_cuda_asked_without_cuda_fails_in_one_line(tmp_path):
+    out = tmp_path / "run"
+    proc = run_py(["device=cuda", "tracking=disabled", *TINY, f"hydra.run.dir={out}"], tmp_path)
+    assert proc.returncode == 1
+    r = json.loads((out / "results.json").read_text())
+    assert r["status"] == "failed" and r["error"].startswith("device=cuda but torch")
+    assert "device=cpu" in r["error"] and "Traceback" not in proc.stderr

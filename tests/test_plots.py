@@ -1,0 +1,216 @@
+"""The figures carry the numbers they were given: lines, bars and heatmap cells read back equal the input tables,
+and nothing of a failed run shows up anywhere."""
+
+import itertools
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+
+from harness.plots import (  # noqa: E402
+    all_figures,
+    cache_bytes_plot,
+    drift_plot,
+    equivalence_grid,
+    speedup_plot,
+    step_time_plot,
+)
+
+MODELS, CACHES, DTYPES = ["tiny", "gpt2"], ["concat", "prealloc"], ["fp32", "fp16"]
+CONTEXTS, N_STEPS = [32, 128, 512], 5
+SENTINEL, BYTES_SENTINEL = 777.125, 777_125  # every number of the failed run; must never be drawn
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+@pytest.fixture(scope="module")
+def tables():
+    """2 models x 2 caches x 2 dtypes of ok runs, plus one failed gpt2/prealloc/fp16 run (a duplicate of an ok one)."""
+    runs, steps, drift = [], [], []
+    combos = list(itertools.product(MODELS, CACHES, DTYPES))
+    for k, (model, cache, dtype) in enumerate(combos + [("gpt2", "prealloc", "fp16")]):
+        failed = k == len(combos)
+        m, c, d = MODELS.index(model), CACHES.index(cache), DTYPES.index(dtype)
+        name = f"run{k}"
+        meta = dict(run_name=name, model=model, cache=cache, dtype=dtype, device="cpu",
+                    status="failed" if failed else "ok")
+        bpt = (m + 1) * 1000 * (4 if dtype == "fp32" else 2)
+        tokens = 40 if cache == "concat" else 1024
+        runs.append(dict(meta, error="boom" if failed else "", tokens_identical=(k % 3 != 0),
+                         max_abs_logit_diff=10.0 ** -(5 - d - m) * (1 + c + 0.1 * k),
+                         cache_nbytes=bpt * tokens + 64 * (k == 3),  # run 3: measured != formula
+                         predicted_nbytes=bpt * tokens, nbytes_match=(k != 3), cache_tokens=tokens,
+                         bytes_per_token=bpt, drift_kl=np.nan, drift_max_abs=np.nan,
+                         drift_top1_agreement=np.nan, ttft_ms=1.0 + k))
+        for ctx in CONTEXTS:
+            cached = (m + 1) * (1 + c) * (1 + ctx / 256) + 0.01 * k
+            uncached = (m + 1) * ctx / 8 * (1 + 0.05 * k)  # differs per run: the plot must average them
+            for mode, ms in (("cached", cached), ("uncached", uncached)):
+                steps.append(dict(meta, context_len=ctx, mode=mode, ms_median=ms, ms_p10=0.9 * ms, ms_p90=1.2 * ms,
+                                  speedup=uncached / cached))
+        for step in range(N_STEPS):
+            low = dtype != "fp32"
+            drift.append(dict(meta, step=step, eq_max_abs_diff=1e-6 * (step + 1),
+                              drift_max_abs=(0.01 * (step + 1) * (m + 1) + 0.001 * c) if low else np.nan,
+                              drift_mean_abs=(0.001 * (step + 1)) if low else np.nan,
+                              drift_kl=(1e-5 * 10 ** step * (m + 1) * (c + 1)) if low else np.nan,
+                              drift_top1_agreement=(1.0 - 0.1 * step * (m + 1) - 0.01 * c) if low else np.nan))
+    runs, steps, drift = pd.DataFrame(runs), pd.DataFrame(steps), pd.DataFrame(drift)
+    # the failed run: NaN almost everywhere, a sentinel wherever a number is left
+    fail = runs["status"] == "failed"
+    runs.loc[fail, "max_abs_logit_diff"] = SENTINEL
+    runs.loc[fail, ["cache_nbytes", "predicted_nbytes", "bytes_per_token"]] = BYTES_SENTINEL
+    runs.loc[fail, ["ttft_ms"]] = np.nan
+    fail = steps["status"] == "failed"
+    steps.loc[fail, ["ms_median", "speedup"]] = SENTINEL
+    steps.loc[fail, ["ms_p10", "ms_p90"]] = np.nan
+    fail = drift["status"] == "failed"
+    drift.loc[fail, ["drift_kl", "drift_max_abs", "drift_top1_agreement"]] = SENTINEL
+    drift = drift[~(fail & (drift["step"] > 2))]  # and some of its rows are missing
+    return runs, steps, drift
+
+
+def lines_by_label(ax):
+    return {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
+
+
+def axes_by_title(fig):
+    return {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+
+
+def all_line_values(fig):
+    return np.concatenate([np.asarray(line.get_ydata(), float) for ax in fig.axes for line in ax.get_lines()])
+
+
+def test_step_time_lines_equal_medians(tables):
+    _, steps, _ = tables
+    ok = steps[steps["status"] == "ok"]
+    fig = step_time_plot(steps)
+    axes = axes_by_title(fig)
+    assert set(axes) == {f"{m} · {d}" for m in MODELS for d in DTYPES}
+    for (model, dtype), ax in ((k.split(" · "), v) for k, v in axes.items()):
+        facet = ok[(ok["model"] == model) & (ok["dtype"] == dtype)]
+        lines = lines_by_label(ax)
+        assert set(lines) == {"cached (concat)", "cached (prealloc)", "uncached"}
+        for cache in CACHES:
+            want = facet[(facet["mode"] == "cached") & (facet["cache"] == cache)].sort_values("context_len")
+            np.testing.assert_array_equal(lines[f"cached ({cache})"].get_xdata(), CONTEXTS)
+            np.testing.assert_allclose(lines[f"cached ({cache})"].get_ydata(), want["ms_median"])
+        # uncached: the mean of both runs' measurements at each context
+        want = facet[facet["mode"] == "uncached"].groupby("context_len")["ms_median"].mean()
+        np.testing.assert_array_equal(lines["uncached"].get_xdata(), CONTEXTS)
+        np.testing.assert_allclose(lines["uncached"].get_ydata(), want.loc[CONTEXTS])
+        assert "ms" in ax.get_ylabel() and "tokens" in ax.get_xlabel()
+        assert ax.get_yscale() == "log" and ax.get_xscale() == "log"
+    assert not np.isclose(all_line_values(fig), SENTINEL).any()
+
+
+def test_speedup_lines_equal_speedups(tables):
+    _, steps, _ = tables
+    ok = steps[(steps["status"] == "ok") & (steps["mode"] == "cached")]
+    fig = speedup_plot(steps)
+    axes = axes_by_title(fig)
+    assert set(axes) == set(MODELS)
+    for model, ax in axes.items():
+        lines = lines_by_label(ax)
+        assert set(lines) == {f"{c} · {d}" for c in CACHES for d in DTYPES}
+        for cache, dtype in itertools.product(CACHES, DTYPES):
+            want = ok[(ok["model"] == model) & (ok["cache"] == cache) & (ok["dtype"] == dtype)]
+            line = lines[f"{cache} · {dtype}"]
+            np.testing.assert_array_equal(line.get_xdata(), CONTEXTS)
+            np.testing.assert_allclose(line.get_ydata(), want.sort_values("context_len")["speedup"])
+        assert "×" in ax.get_ylabel() and "tokens" in ax.get_xlabel()
+    assert not np.isclose(all_line_values(fig), SENTINEL).any()
+
+
+def test_cache_bytes_bars_equal_bytes(tables):
+    runs, _, _ = tables
+    ok = runs[runs["status"] == "ok"]
+    fig = cache_bytes_plot(runs)
+    a, b = fig.axes[:2]
+    # (a): containers in hue order (measured, predicted), bars in tick order; one tick per ok run
+    ticks = [t.get_text() for t in a.get_xticklabels()]
+    assert sorted(ticks) == sorted(ok["model"] + "/" + ok["cache"] + "/" + ok["dtype"])
+    assert [t.get_text() for t in a.get_legend().get_texts()] == ["measured", "predicted"]
+    by_label = ok.set_index(ok["model"] + "/" + ok["cache"] + "/" + ok["dtype"])
+    for container, col in zip(a.containers, ["cache_nbytes", "predicted_nbytes"]):
+        heights = [bar.get_height() for bar in container]
+        np.testing.assert_allclose(heights, by_label.loc[ticks, col])
+    assert a.get_yscale() == "log"  # tiny concat vs gpt2 prealloc spans decades
+    assert "bytes" in a.get_ylabel() and "bytes" in b.get_ylabel()
+    assert [t.get_text() for t in a.texts] == ["✗"]  # only run 3's measured bytes differ from the formula
+    # (b): bytes per token per (model, dtype)
+    models = [t.get_text() for t in b.get_xticklabels()]
+    assert models == MODELS
+    for container, dtype in zip(b.containers, DTYPES):
+        want = [ok[(ok["model"] == m) & (ok["dtype"] == dtype)]["bytes_per_token"].iloc[0] for m in models]
+        np.testing.assert_allclose([bar.get_height() for bar in container], want)
+    heights = [p.get_height() for ax in (a, b) for p in ax.patches]
+    assert not np.isclose(heights, BYTES_SENTINEL).any()
+
+
+DRIFT_PANELS = {"KL": "drift_kl", "max |Δlogit|": "drift_max_abs", "top-1": "drift_top1_agreement"}
+
+
+def test_drift_lines_equal_drift_reduced_only(tables):
+    _, _, drift = tables
+    ok = drift[(drift["status"] == "ok") & (drift["dtype"] == "fp16")]
+    fig = drift_plot(drift)
+    assert len(fig.axes) == len(MODELS) * 3
+    for ax in fig.axes:
+        model = ax.get_title().split(":")[0]
+        lines = lines_by_label(ax)
+        assert set(lines) == {f"fp16 · {c}" for c in CACHES}  # no fp32 line
+        col = next(c for prefix, c in DRIFT_PANELS.items() if ax.get_ylabel().startswith(prefix))
+        for cache in CACHES:
+            want = ok[(ok["model"] == model) & (ok["cache"] == cache)].sort_values("step")
+            np.testing.assert_array_equal(lines[f"fp16 · {cache}"].get_xdata(), range(N_STEPS))
+            np.testing.assert_allclose(lines[f"fp16 · {cache}"].get_ydata(), want[col])
+        assert "step" in ax.get_xlabel()
+    assert not np.isclose(all_line_values(fig), SENTINEL).any()
+
+
+def test_drift_without_reduced_precision_says_so(tables):
+    _, _, drift = tables
+    fig = drift_plot(drift[drift["dtype"] == "fp32"])
+    assert any("no reduced-precision runs" in t.get_text() for t in fig.texts + fig.axes[0].texts)
+    assert not fig.axes[0].get_lines()
+
+
+def test_equivalence_grid_cells_equal_logit_diffs(tables):
+    runs, _, _ = tables
+    ok = runs[runs["status"] == "ok"]
+    fig = equivalence_grid(runs)
+    ax = fig.axes[0]
+    rows = [t.get_text() for t in ax.get_yticklabels()]
+    cols = [t.get_text() for t in ax.get_xticklabels()]
+    assert rows == MODELS and sorted(cols) == sorted(f"{c}/{d}" for c in CACHES for d in DTYPES)
+    cells = np.asarray(ax.collections[0].get_array()).reshape(len(rows), len(cols))
+    marks = iter(t.get_text() for t in ax.texts)  # annotations in row-major order
+    for (i, model), (j, col) in itertools.product(enumerate(rows), enumerate(cols)):
+        cache, dtype = col.split("/")
+        run = ok[(ok["model"] == model) & (ok["cache"] == cache) & (ok["dtype"] == dtype)].iloc[0]
+        assert cells[i, j] == pytest.approx(run["max_abs_logit_diff"])
+        value, mark = next(marks).split("\n")
+        assert float(value) == pytest.approx(run["max_abs_logit_diff"], rel=0.05)
+        assert mark == ("✓" if run["tokens_identical"] else "✗")
+    assert not np.isclose(cells, SENTINEL).any()
+    assert "max |Δlogit|" in fig.axes[1].get_ylabel()  # the colour bar
+
+
+def test_all_figures_keys_and_skips(tables):
+    runs, steps, drift = tables
+    figs = all_figures(runs, steps, drift)
+    assert set(figs) == {"step_time", "speedup", "cache_bytes", "drift", "equivalence"}
+    # a table with only failed rows skips its figures
+    figs = all_figures(runs, steps[steps["status"] != "ok"], drift[drift["status"] != "ok"])
+    assert set(figs) == {"cache_bytes", "equivalence"}
