@@ -120,7 +120,8 @@ def _fig_legend(fig: Figure, axes) -> None:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(lab, h)
     if seen:
-        fig.legend(list(seen.values()), list(seen.keys()), loc="outside right upper", frameon=False)
+        fig.legend(list(seen.values()), list(seen.keys()), loc="outside lower center", ncol=min(4, len(seen)),
+                   frameon=False)
 
 
 def _message_figure(msg: str) -> Figure:

@@ -1,25 +1,162 @@
-"""Sweep-end aggregation, as a Hydra callback."""
+"""Sweep-end report: the sweep's runs as tables, seaborn plots and one self-contained report.html.
+
+Runs by itself at the end of every multirun (``SweepReport``, a Hydra callback named in conf/config.yaml) and by
+hand on any outputs/ folder:
+
+    python -m harness.report outputs/multirun/2026-11-29_10-00-00      # writes <folder>/report/
+    python -m harness.report outputs/ --out /tmp/all-runs --wandb disabled
+
+``report/`` holds results.parquet/.csv (one row per run), steps.parquet/.csv (step times), drift.parquet/.csv
+(per decode step), a PNG per plot and report.html (tables, images embedded, fingerprints, weights: opens with no
+network). Unless tracking is disabled, one W&B run with job_type "aggregate" in the sweep's group gets the plots
+and the table.
+"""
 
 from __future__ import annotations
 
-import json
+import argparse
+import base64
+import html
 import sys
+import warnings
 from pathlib import Path
 
+import pandas as pd
 from hydra.experimental.callback import Callback
 
-from harness import experiment
+from harness import experiment, plots, results, tracking
+
+SUMMARY_COLS = ["run_name", "status", "model", "cache", "dtype", "device", "tokens_identical", "max_abs_logit_diff",
+                "nbytes_match", "cache_nbytes", "bytes_per_token", "drift_kl", "drift_top1_agreement",
+                "drift_token_match_rate", "ttft_ms", "step_ms_cached_at_max_context",
+                "step_ms_uncached_at_max_context", "speedup_at_max_context", "error"]
+FINGERPRINT_COLS = ["torch_version", "device_name", "threads", "attn_backend", "tf32", "git_commit", "weights",
+                    "python_version"]
+CAPTIONS = {
+    "step_time": "Decode-step time vs context length: cached (by layout) vs uncached (full recompute).",
+    "speedup": "Speedup of a cached decode step over the uncached one (uncached / cached).",
+    "cache_bytes": "Cache bytes: measured vs the formula, and bytes per cached token.",
+    "drift": "Reduced-precision drift vs fp32 per decode step: KL, max |Δlogit|, top-1 agreement.",
+    "equivalence": "Cached vs uncached: max |Δlogit| per model × cache/dtype; ✓ = identical greedy tokens.",
+}
+
+
+def _table(df: pd.DataFrame) -> str:
+    return df.to_html(index=False, na_rep="—", border=0, classes="t", escape=True,
+                      float_format=lambda x: f"{x:.4g}")
+
+
+def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dict[str, Path]) -> str:
+    """One HTML page with everything inline (images as data: URIs): no network, no other files needed."""
+    ok, failed = runs[runs.status == "ok"], runs[runs.status != "ok"]
+    parts = [f"<h1>{html.escape(title)}</h1>",
+             f"<p>{len(runs)} runs: {len(ok)} ok, {len(failed)} failed.</p>"]
+    weights = sorted(runs["weights"].dropna().unique()) if "weights" in runs else []
+    if weights:
+        parts.append("<p><b>Weights:</b> " + "; ".join(html.escape(w) for w in weights) + ". Random-init weights "
+                     "measure the cache exactly (speed, bytes, equivalence, drift) but generate no meaningful "
+                     "text.</p>")
+    if len(failed):
+        parts += ["<h2>Failed runs</h2>", _table(failed[[c for c in ("run_name", "model", "cache", "dtype",
+                                                                   "device", "error") if c in failed]])]
+    parts += ["<h2>Runs</h2>", _table(runs[[c for c in SUMMARY_COLS if c in runs]])]
+    if len(steps):
+        pivot = steps.pivot_table(index=["model", "dtype", "cache", "mode"], columns="context_len",
+                                  values="ms_median", aggfunc="median").reset_index()
+        pivot.columns = [f"ctx {c} (ms)" if isinstance(c, (int, float)) else c for c in pivot.columns]
+        parts += ["<h2>Decode-step time (median ms)</h2>", _table(pivot)]
+    for stem, path in images.items():
+        data = base64.b64encode(path.read_bytes()).decode()
+        parts += [f"<h2>{html.escape(CAPTIONS.get(stem, stem))}</h2>",
+                  f'<figure><img alt="{stem}" src="data:image/png;base64,{data}">'
+                  f"<figcaption>{path.name}</figcaption></figure>"]
+    fp = runs[[c for c in FINGERPRINT_COLS if c in runs]].drop_duplicates()
+    parts += ["<h2>Environment fingerprint</h2>", _table(fp)]
+    style = ("body{font-family:sans-serif;margin:2em;max-width:1400px}table.t{border-collapse:collapse;"
+             "font-size:13px}table.t td,table.t th{border:1px solid #ccc;padding:3px 6px;text-align:right}"
+             "img{max-width:100%}figcaption{color:#666;font-size:12px}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")
+
+
+def build_report(path: str | Path, out: str | Path | None = None) -> dict:
+    """Load every run under ``path`` and write the report folder (default ``path/report``). Returns what it
+    wrote: tables, images (stem -> PNG path), html, and the runs DataFrame."""
+    path = Path(path)
+    out = Path(out) if out else path / "report"
+    runs, steps, drift = results.load_runs(path), results.load_steps(path), results.load_drift(path)
+    if runs.empty:
+        raise FileNotFoundError(f"{path}: no runs (no results.json) found under it")
+    out.mkdir(parents=True, exist_ok=True)
+    tables = []
+    for stem, df in (("results", runs), ("steps", steps), ("drift", drift)):
+        tables += results.save_table(df, out, stem)
+    images = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # matplotlib's glyph warnings for ✓/✗ on minimal fonts
+        for stem, fig in plots.all_figures(runs, steps, drift).items():
+            images[stem] = out / f"{stem}.png"
+            fig.savefig(images[stem], dpi=110, bbox_inches="tight")
+            plots.plt.close(fig)
+    page = out / "report.html"
+    page.write_text(render_html(f"kvlab report: {path.name}", runs, steps, images), encoding="utf-8")
+    return dict(runs=runs, tables=tables, images=images, html=page, folder=out)
+
+
+def report_and_log(path: Path, mode: str, project: str, entity: str | None, group: str | None = None,
+                   out: Path | None = None) -> dict:
+    rep = build_report(path, out)
+    runs = rep["runs"]
+    group = group or (runs["group"].dropna().iloc[0] if "group" in runs and runs["group"].notna().any()
+                      else path.name)
+    rep["wandb"] = tracking.log_wandb_aggregate(mode, project, entity, group, rep["folder"], runs, rep["images"])
+    return rep
+
+
+def print_summary(rep: dict) -> None:
+    runs = rep["runs"]
+    failed = runs[runs.status != "ok"]
+    print(f"kvlab report: {len(runs)} runs ({len(failed)} failed) -> {rep['html']}")
+    for _, r in failed.iterrows():
+        print(f"kvlab: run {r['run_name']} failed: {r['error']}", file=sys.stderr)
 
 
 class SweepReport(Callback):
+    """Hydra callback: after every multirun, report on the sweep folder and note failed runs for the exit code."""
+
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep = Path(config.hydra.sweep.dir)
-        failed = []
-        for f in sorted(sweep.glob("*/results.json")):
-            r = json.loads(f.read_text())
-            if r.get("status") != "ok":
-                failed.append((f.parent.name, r.get("error")))
-                if str(f.parent) not in experiment.FAILED:
-                    experiment.FAILED.append(str(f.parent))
-        for name, err in failed:
-            print(f"kvlab: run {name} failed: {err}", file=sys.stderr)
+        t = config.tracking
+        try:
+            rep = report_and_log(sweep, t.mode, t.project, t.entity, t.group or sweep.name)
+        except Exception as e:  # the runs' own files are already complete: say so and keep the exit code honest
+            print(f"kvlab: sweep report failed ({experiment.one_line(e)}); each run's results are in {sweep}",
+                  file=sys.stderr)
+            experiment.FAILED.append(f"{sweep} (report)")
+            return
+        print_summary(rep)
+        for d in rep["runs"].loc[rep["runs"].status != "ok", "run_dir"]:
+            if d not in experiment.FAILED:
+                experiment.FAILED.append(d)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Report on kvlab runs: tables, plots and report.html.")
+    ap.add_argument("path", help="a run or sweep folder (or any folder above several)")
+    ap.add_argument("--out", help="where to write the report (default: PATH/report)")
+    ap.add_argument("--wandb", default="disabled", choices=["offline", "online", "disabled"],
+                    help="also log an aggregate W&B run (default: disabled)")
+    ap.add_argument("--project", default="kvlab")
+    args = ap.parse_args(argv)
+    try:
+        rep = report_and_log(Path(args.path), args.wandb, args.project, None, None,
+                             Path(args.out) if args.out else None)
+    except FileNotFoundError as e:
+        print(f"kvlab report: {e}", file=sys.stderr)
+        return 2
+    print_summary(rep)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -50,12 +50,8 @@ def write_run_files(run_dir: Path, record: dict, steps: pd.DataFrame | None, dri
     _atomic_write(run_dir / RESULTS, lambda f: json.dump(clean, f, indent=2, sort_keys=True))
 
 
-def log_wandb(mode: str, project: str, entity: str | None, group: str, name: str, run_dir: Path, config: dict,
-              record: dict, steps: pd.DataFrame | None, drift: pd.DataFrame | None, job_type: str = "run") -> str:
-    """One W&B run, finished before returning: config = the resolved config, summary = the record, history = one
-    row per decode step (equivalence and drift), Tables of the step-time and drift rows. Returns where it went."""
-    if mode == "disabled":
-        return "disabled"
+def _wandb_run(mode: str, project: str, entity: str | None, group: str, name: str, folder: Path, config: dict,
+               job_type: str):
     if mode == "offline":
         # wandb's process-wide settings, not the run's mode, decide whether it sends usage telemetry and error
         # reports: say offline there too, before wandb sets itself up, so an offline run opens no connection.
@@ -63,21 +59,54 @@ def log_wandb(mode: str, project: str, entity: str | None, group: str, name: str
         os.environ["WANDB_ERROR_REPORTING"] = "false"
     import wandb
 
-    run = wandb.init(mode=mode, project=project, entity=entity, group=group, name=name, job_type=job_type,
-                     dir=str(run_dir), config=config, reinit="create_new",
-                     settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
+    folder.mkdir(parents=True, exist_ok=True)
+    return wandb, wandb.init(mode=mode, project=project, entity=entity, group=group, name=name, job_type=job_type,
+                             dir=str(folder), config=config, reinit="create_new",
+                             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
+
+
+def _where(run, mode: str) -> str:
+    return str(Path(run.dir).parent) if mode == "offline" else (run.url or "online")
+
+
+def log_wandb(mode: str, project: str, entity: str | None, group: str, name: str, run_dir: Path, config: dict,
+              record: dict, steps: pd.DataFrame | None, drift: pd.DataFrame | None) -> str:
+    """One W&B run, finished before returning: config = the resolved config, summary = the record, history = one
+    row per decode step (equivalence and drift), Tables of the step-time and drift rows. Returns where it went."""
+    if mode == "disabled":
+        return "disabled"
+    wandb, run = _wandb_run(mode, project, entity, group, name, Path(run_dir), config, "run")
     try:
         if drift is not None:
             run.define_metric("decode_step")
             run.define_metric("step/*", step_metric="decode_step")
             for row in drift.to_dict("records"):
                 run.log({"decode_step": row["step"], **{f"step/{k}": _jsonable(v) for k, v in row.items()
-                                                        if k != "step" and _jsonable(v) is not None}})
+                                                        if isinstance(v, (int, float)) and k != "step"
+                                                        and _jsonable(v) is not None}})
             run.log({"drift_table": wandb.Table(dataframe=drift)})
         if steps is not None:
             run.log({"step_time_table": wandb.Table(dataframe=steps)})
         run.summary.update({k: _jsonable(v) for k, v in record.items()})
-        where = Path(run.dir).parent if mode == "offline" else (run.url or "online")
+        where = _where(run, mode)
     finally:
         run.finish(exit_code=0 if record.get("status") == "ok" else 1)
-    return str(where)
+    return where
+
+
+def log_wandb_aggregate(mode: str, project: str, entity: str | None, group: str, folder: Path,
+                        runs: pd.DataFrame, images: dict[str, Path]) -> str:
+    """The sweep's aggregate W&B run (job_type "aggregate", the sweep's group): the runs table and the plots."""
+    if mode == "disabled":
+        return "disabled"
+    wandb, run = _wandb_run(mode, project, entity, group, f"{group}-report", Path(folder),
+                            {"n_runs": len(runs)}, "aggregate")
+    try:
+        table = runs.map(lambda v: v if isinstance(v, (bool, int, float, str)) or v is None else str(v))
+        run.log({"runs": wandb.Table(dataframe=table),
+                 **{f"plots/{stem}": wandb.Image(str(path)) for stem, path in images.items()}})
+        run.summary.update({"n_runs": len(runs), "n_failed": int((runs["status"] != "ok").sum())})
+        where = _where(run, mode)
+    finally:
+        run.finish()
+    return where

@@ -3,11 +3,6 @@ right results; a failing run is recorded and leaves the runs around it complete;
 
 import itertools
 import json
-import os
-import socket
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import pandas as pd
@@ -19,15 +14,13 @@ from harness import measure
 from harness.config import ConfigError, register, validate
 from harness.engines import KvlabEngine
 from harness.experiment import text_prompts
+from tests.conftest import TINY, run_py
 from models.gpt2 import GPT2Config
 from models.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml"))
           for g in ("model", "cache", "dtype", "device", "tracking", "experiment")}
-# small and quick: what every sweep test below runs
-TINY = ["model=tiny", "n_prompts=2", "new_tokens=8", "prompt_len=6", "repeats=2", "warmup=1",
-        "context_lengths=[8,32]"]
 
 
 def test_groups_hold_what_users_sweep():
@@ -132,46 +125,13 @@ def test_step_times_table(tiny_model):
 
 # ---- real runs of run.py -------------------------------------------------------------------------------------
 
-class Tripwire:
-    """A local TCP listener that counts connections: point W&B's and every HTTP client's server at it."""
-
-    def __init__(self):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen()
-        self.port, self.hits = self.sock.getsockname()[1], 0
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.hits += 1
-            conn.close()
-
-
-def run_py(args, tmp_path, extra_env=None):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", **(extra_env or {}))
-    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
-        env[var] = str(tmp_path / var.lower())
-    return subprocess.run([sys.executable, "run.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-
-
 def results(folder):
     return {p.parent.name: json.loads(p.read_text()) for p in sorted(Path(folder).glob("*/results.json"))}
 
 
 @pytest.mark.slow
-def test_sweep_writes_complete_runs_offline_without_network(tmp_path):
-    trip = Tripwire()
-    url = f"http://127.0.0.1:{trip.port}"
-    sweep = tmp_path / "sweep"
-    proc = run_py(["-m", "cache=concat,prealloc", "dtype=fp32,fp16", "tracking=offline", *TINY,
-                   f"hydra.sweep.dir={sweep}"], tmp_path,
-                  dict(WANDB_BASE_URL=url, HTTP_PROXY=url, HTTPS_PROXY=url, http_proxy=url, https_proxy=url))
+def test_sweep_writes_complete_runs_offline_without_network(tiny_sweep):
+    sweep, proc, trip = tiny_sweep
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = results(sweep)
     assert len(runs) == 4

@@ -1,0 +1,110 @@
+"""Analysis: a real tiny sweep (plus one failed run) loads into tidy DataFrames, and its report holds the tables,
+the plots (drawn from the ok runs only) and a self-contained report.html."""
+
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import pytest
+
+from harness import plots
+from harness.report import build_report
+from harness.results import IncompleteRunWarning, load_drift, load_runs, load_steps
+from tests.conftest import REPO, TINY, run_py
+
+pytestmark = pytest.mark.slow  # every test here reads the session's real sweep
+
+
+@pytest.fixture(scope="module")
+def tree(tiny_sweep, tmp_path_factory):
+    """A copy of the sweep with a failed run beside the four good ones, and a job folder that never finished."""
+    sweep, proc, _ = tiny_sweep
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    root = tmp_path_factory.mktemp("tree") / "sweep"
+    shutil.copytree(sweep, root, ignore=shutil.ignore_patterns("report", "wandb"))
+    failed = run_py(["max_len=1000", "tracking=disabled", *TINY, f"hydra.run.dir={root / '9_failed'}"], root.parent)
+    assert failed.returncode == 1
+    (root / "7_killed" / ".hydra").mkdir(parents=True)  # a job that died before writing results.json
+    return root
+
+
+def test_load_runs_one_row_per_run(tree):
+    with pytest.warns(IncompleteRunWarning, match="7_killed"):
+        runs = load_runs(tree)
+    assert len(runs) == 5 and list(runs.columns[:7]) == ["run_name", "group", "status", "model", "cache", "dtype",
+                                                          "device"]
+    ok = runs[runs.status == "ok"]
+    assert len(ok) == 4 and set(zip(ok.cache, ok.dtype)) == {("concat", "fp32"), ("concat", "fp16"),
+                                                              ("prealloc", "fp32"), ("prealloc", "fp16")}
+    assert ok.nbytes_match.all() and (ok.cache_nbytes == ok.predicted_nbytes).all()
+    fp32 = ok[ok.dtype == "fp32"]
+    assert fp32.tokens_identical.all() and (fp32.max_abs_logit_diff <= 1e-4).all() and fp32.drift_kl.isna().all()
+    assert (ok[ok.dtype == "fp16"].drift_kl > 0).all()
+    bad = runs[runs.status == "failed"].iloc[0]
+    assert "max_len=1000" in bad.error and bad.model == "tiny"
+    # pandas slicing works as users do it
+    per_token = ok.groupby("dtype").bytes_per_token.first()
+    assert per_token["fp32"] == 2 * per_token["fp16"]
+
+
+def test_load_steps_and_drift_have_every_context_and_step(tree):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IncompleteRunWarning)
+        steps, drift, runs = load_steps(tree), load_drift(tree), load_runs(tree)
+    assert set(steps.run_name) == set(runs.run_name[runs.status == "ok"])  # the failed run has no rows
+    for _, g in steps.groupby("run_name"):
+        assert set(zip(g.context_len, g["mode"])) == {(c, m) for c in (8, 32) for m in ("cached", "uncached")}
+    assert {"model", "cache", "dtype", "device", "status"} <= set(steps.columns)
+    assert len(drift) == 4 * 8 and set(drift.step) == set(range(8))
+    assert drift[drift.dtype == "fp32"].drift_kl.isna().all() and drift[drift.dtype == "fp16"].drift_kl.notna().all()
+
+
+def test_report_tables_plots_and_html(tree, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IncompleteRunWarning)
+        rep = build_report(tree, tmp_path / "report")
+    out = rep["folder"]
+    table = pd.read_parquet(out / "results.parquet")
+    assert len(table) == 5 and (table.status == "failed").sum() == 1  # kept in the table...
+    assert len(pd.read_csv(out / "results.csv")) == 5
+    assert set(pd.read_parquet(out / "steps.parquet").context_len) == {8, 32}
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == ["cache_bytes.png", "drift.png", "equivalence.png", "speedup.png", "step_time.png"]
+    page = (out / "report.html").read_text()
+    for name in pngs:
+        assert name in page
+    assert page.count('src="data:image/png;base64,') == len(pngs)
+    # self-contained: nothing fetched from anywhere
+    assert not re.search(r'(src|href)\s*=\s*["\']?(https?:)?//', page) and "<script" not in page
+    assert "Failed runs" in page and "max_len=1000" in page and "random init" in page
+    # ...and left out of the plots: one measured and one predicted bar per ok run
+    fig = plots.cache_bytes_plot(rep["runs"])
+    heights = [p.get_height() for p in fig.axes[0].patches if p.get_height() > 0]
+    ok = rep["runs"][rep["runs"].status == "ok"]
+    assert sorted(heights) == sorted(list(ok.cache_nbytes) + list(ok.predicted_nbytes))
+    plt.close("all")
+
+
+def test_sweep_end_wrote_the_report_and_an_aggregate_wandb_run(tiny_sweep):
+    sweep, proc, trip = tiny_sweep
+    assert (sweep / "report" / "report.html").is_file() and (sweep / "report" / "results.parquet").is_file()
+    runs = list((sweep / "report" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0
+    assert "kvlab report: 4 runs (0 failed)" in proc.stdout
+    assert trip.hits == 0
+
+
+def test_report_command_line(tree, tmp_path):
+    out = tmp_path / "by-hand"
+    proc = subprocess.run([sys.executable, "-m", "harness.report", str(tree), "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "report.html").is_file() and "5 runs (1 failed)" in proc.stdout
+    missing = subprocess.run([sys.executable, "-m", "harness.report", str(tmp_path / "nope")], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no such folder" in missing.stderr
+    assert "Traceback" not in missing.stderr
