@@ -143,6 +143,7 @@ def measure_run(cfg, progress: bool = True):
         prompts = random_prompts(cfg.n_prompts, cfg.prompt_len, mcfg.vocab_size, cfg.seed)
     prompts = [p.to(device) for p in prompts]
     full = cfg.full_prompts if cfg.full_prompts is not None else (1 if device.type == "cpu" else cfg.n_prompts)
+    full = min(full, cfg.n_prompts)
     layout = cfg.cache.layout
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -153,7 +154,8 @@ def measure_run(cfg, progress: bool = True):
                context_lengths=",".join(map(str, contexts)))
     checks, drift = measure.generation_checks(engine, prompts, cfg.new_tokens, layout, storage, full, ref32,
                                               progress)
-    rec.update(checks)
+    tok, sample = Tokenizer(), checks.pop("sample_tokens")
+    rec.update(checks, sample_prompt=tok.decode(prompts[0][0].tolist()), sample_text=tok.decode(sample))
     rec.update(measure.cache_memory(engine, layout, storage, prompts[0], cfg.new_tokens, max_len))
     steps = measure.step_times(engine, layout, storage, contexts, max_len, cfg.repeats,
                                cfg.warmup, device, cfg.seed, progress)
@@ -231,6 +233,7 @@ def summary_text(r: dict, steps) -> str:
         f"  tokens identical  {r['tokens_identical']}  ({r['equivalence_method']}, {r['n_prompts']} prompts x "
         f"{r['new_tokens']} tokens)",
         f"  max |dlogit|      {r['max_abs_logit_diff']:.3g}  (cached vs uncached, same compute dtype)",
+        f"  sample            {r['sample_prompt'][-40:]!r} -> {r['sample_text'][:40]!r}",
         f"  cache bytes       {r['cache_nbytes']:,} measured = {r['predicted_nbytes']:,} formula: "
         f"{r['nbytes_match']}  ({r['bytes_per_token']:,} B/token, {r['cache_tokens']} tokens held)",
         f"  drift vs fp32     KL {f(r['drift_kl'], '.3g')} · max |d| {f(r['drift_max_abs'], '.3g')} · top-1 "

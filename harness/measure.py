@@ -93,6 +93,8 @@ def generation_checks(engine, prompts: list[torch.Tensor], new_tokens: int, layo
 
     for i, prompt in enumerate(tqdm(prompts, desc=f"generate+check ({layout})", disable=not progress)):
         out = engine.greedy(prompt, new_tokens, layout=layout, cache_dtype=cache_dtype)
+        if i == 0:
+            sample = out.tokens[0].tolist()
         ref_logits = teacher_forced(engine, prompt, out.tokens)
         eq = logit_stats(out.logits[0], ref_logits)
         keep("eq", eq)
@@ -130,6 +132,7 @@ def generation_checks(engine, prompts: list[torch.Tensor], new_tokens: int, layo
         teacher_forced_prompts=len(prompts),
         full_loop_prompts=full_prompts,
         full_loop_tokens_identical=full_identical if full_prompts else None,
+        sample_tokens=sample,  # what the first prompt generated
     )
     drift_keys = ("drift_max_abs", "drift_mean_abs", "drift_kl", "drift_top1_agreement",
                   "drift_token_match_rate", "drift_first_divergence_step")
@@ -201,7 +204,6 @@ def step_times(engine, layout: str, cache_dtype, context_lengths: list[int], max
         speedup = timings["uncached"]["ms_median"] / timings["cached"]["ms_median"]
         for mode, t in timings.items():
             rows.append(dict(context_len=ctx, mode=mode, **t, speedup=speedup))
-        del cache
     bar.close()
     return pd.DataFrame(rows)
 

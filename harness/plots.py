@@ -41,7 +41,6 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import NullLocator, ScalarFormatter  # noqa: E402
 
 # known levels in a sensible order; anything unknown goes after them, sorted
