@@ -29,7 +29,7 @@ from harness import experiment, plots, results, tracking
 SUMMARY_COLS = ["run_name", "status", "model", "cache", "dtype", "device", "tokens_identical", "max_abs_logit_diff",
                 "nbytes_match", "cache_nbytes", "bytes_per_token", "drift_kl", "drift_top1_agreement",
                 "drift_token_match_rate", "ttft_ms", "step_ms_cached_at_max_context",
-                "step_ms_uncached_at_max_context", "speedup_at_max_context", "error"]
+                "step_ms_uncached_at_max_context", "speedup_at_max_context"]  # errors: in the failed-runs table
 FINGERPRINT_COLS = ["torch_version", "device_name", "threads", "attn_backend", "tf32", "git_commit", "weights",
                     "python_version"]
 CAPTIONS = {
