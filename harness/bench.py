@@ -57,7 +57,11 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     cfg = GPT2Config.preset(args.model)
+    if args.repeats < 1 or args.warmup < 0:
+        ap.error(f"--repeats must be >= 1 and --warmup >= 0 (got {args.repeats}, {args.warmup})")
     for ctx in args.contexts:
+        if ctx < 1:
+            ap.error(f"context {ctx}: contexts must be >= 1 token")
         if ctx + 1 > cfg.n_positions:
             ap.error(f"context {ctx} + 1 decode token exceeds n_positions {cfg.n_positions} of {args.model}")
     torch.manual_seed(args.seed)

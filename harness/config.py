@@ -66,6 +66,14 @@ class KvlabConfig:
     # default 1 on CPU, all on GPU
 
 
+def dtype_label(storage: str, compute: str) -> str:
+    """How runs are labelled: the storage dtype ("fp16"), or "storage/compute" when compute is set explicitly to
+    something else than auto ("fp16/fp16"); fp32 with fp32 compute is "fp32"."""
+    if compute == "auto" or compute == storage == "fp32":
+        return storage
+    return f"{storage}/{compute}"
+
+
 def register() -> None:
     ConfigStore.instance().store(name="kvlab_schema", node=KvlabConfig)
 
@@ -104,6 +112,7 @@ def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
     contexts = (list(cfg.context_lengths) if cfg.context_lengths is not None
                 else [c for c in AUTO_CONTEXTS if c < max_len] or [max_len // 2])
     need(len(contexts) > 0, "context_lengths is empty: give at least one, e.g. [32,128]")
+    need(len(set(contexts)) == len(contexts), f"context_lengths {contexts} repeats a length: give each once")
     for ctx in contexts:
         need(1 <= ctx < max_len, f"context_lengths has {ctx}: a timed step at context c needs 1 <= c < max_len="
              f"{max_len}")

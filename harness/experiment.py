@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness import measure, tracking
-from harness.config import ConfigError, validate
+from harness.config import ConfigError, dtype_label, validate
 from harness.engines import KvlabEngine
 from models.gpt2 import GPT2, GPT2Config
 from models.kv_cache import as_dtype
@@ -106,7 +106,8 @@ def _hydra_dirs() -> tuple[Path, str, str]:
 def config_record(cfg) -> dict:
     return dict(
         model=cfg.model.name, preset=cfg.model.preset if cfg.model.weights == "random" else None,
-        weights_source=cfg.model.weights, model_seed=cfg.model.seed, cache=cfg.cache.layout, dtype=cfg.dtype.name,
+        weights_source=cfg.model.weights, model_seed=cfg.model.seed, cache=cfg.cache.layout,
+        dtype=dtype_label(cfg.dtype.storage, cfg.dtype.compute),
         device_requested=cfg.device.name, experiment=cfg.experiment, n_prompts=cfg.n_prompts,
         new_tokens=cfg.new_tokens, prompt_len=cfg.prompt_len, max_len=cfg.max_len,
         context_lengths=None if cfg.context_lengths is None else ",".join(str(c) for c in cfg.context_lengths),
@@ -145,8 +146,7 @@ def measure_run(cfg, progress: bool = True):
     full = cfg.full_prompts if cfg.full_prompts is not None else (1 if device.type == "cpu" else cfg.n_prompts)
     full = min(full, cfg.n_prompts)
     layout = cfg.cache.layout
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_ok = measure.reset_peak_memory(device)
 
     rec = dict(device=device.type, storage_dtype=str(storage).removeprefix("torch."),
                compute_dtype=str(compute).removeprefix("torch."), max_len=max_len, n_layer=mcfg.n_layer,
@@ -166,7 +166,7 @@ def measure_run(cfg, progress: bool = True):
                step_ms_cached_at_max_context=float(top.loc["cached", "ms_median"]),
                step_ms_uncached_at_max_context=float(top.loc["uncached", "ms_median"]),
                speedup_at_max_context=float(top.loc["cached", "speedup"]))
-    rec.update(measure.peak_memory(device))
+    rec.update(measure.peak_memory(device, reset_ok))
     rec.update(measure.fingerprint(device, weights))
     return rec, steps, drift
 

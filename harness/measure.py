@@ -89,7 +89,7 @@ def generation_checks(engine, prompts: list[torch.Tensor], new_tokens: int, layo
 
     def keep(prefix, stats):
         for k, v in stats.items():
-            per_step.setdefault(f"{prefix}_{k}", []).append(v)
+            per_step.setdefault(f"{prefix}_{k}", []).append(v.cpu())
 
     for i, prompt in enumerate(tqdm(prompts, desc=f"generate+check ({layout})", disable=not progress)):
         out = engine.greedy(prompt, new_tokens, layout=layout, cache_dtype=cache_dtype)
@@ -232,23 +232,41 @@ def cache_memory(engine, layout: str, cache_dtype, prompt: torch.Tensor, new_tok
     for _ in range(new_tokens - 1):
         logits = engine.decode(logits[:, -1:].argmax(-1), cache)
     c = engine.model.config
-    held = cache.pos if layout == "concat" else max_len
-    predicted = kv_bytes(c.n_layer, c.n_head, c.head_dim, held, cache.batch, cache.dtype)
+    filled = prompt.shape[1] + new_tokens - 1  # from the inputs, not from the cache's own bookkeeping
+    held = filled if layout == "concat" else max_len
+    predicted = kv_bytes(c.n_layer, c.n_head, c.head_dim, held, prompt.shape[0], cache_dtype)
     measured = engine.nbytes(cache)
     return dict(cache_nbytes=measured, predicted_nbytes=predicted, nbytes_match=measured == predicted,
-                cache_tokens=held, cache_filled_tokens=cache.pos,
-                bytes_per_token=kv_bytes(c.n_layer, c.n_head, c.head_dim, 1, 1, cache.dtype),
+                cache_tokens=held, cache_filled_tokens=filled,
+                bytes_per_token=kv_bytes(c.n_layer, c.n_head, c.head_dim, 1, 1, cache_dtype),
                 measured_bytes_per_token=measured / held)
 
 
-def peak_memory(device: torch.device) -> dict:
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a new peak for this run (sweep jobs may share one process). Returns whether the CPU peak could be
+    reset (Linux: writing 5 to /proc/self/clear_refs resets VmHWM)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_memory(device: torch.device, reset_ok: bool) -> dict:
     if device.type == "cuda":
         return dict(peak_memory_bytes=int(torch.cuda.max_memory_allocated(device)),
                     peak_memory_kind="cuda_max_allocated")
-    # ru_maxrss is KiB on Linux, bytes on macOS
+    if reset_ok:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):  # peak resident set since the reset, in kB
+                return dict(peak_memory_bytes=int(line.split()[1]) * 1024, peak_memory_kind="process_peak_rss")
+    # ru_maxrss is KiB on Linux, bytes on macOS; it covers the whole process, earlier runs in it included
     scale = 1 if platform.system() == "Darwin" else 1024
     return dict(peak_memory_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
-                peak_memory_kind="process_max_rss")
+                peak_memory_kind="process_max_rss_including_earlier_runs")
 
 
 # ---- environment -----------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dic
                                                                    "device", "error") if c in failed]])]
     parts += ["<h2>Runs</h2>", _table(runs[[c for c in SUMMARY_COLS if c in runs]])]
     if len(steps):
-        pivot = steps.pivot_table(index=["model", "dtype", "cache", "mode"], columns="context_len",
+        pivot = steps.pivot_table(index=["model", "device", "dtype", "cache", "mode"], columns="context_len",
                                   values="ms_median", aggfunc="median").reset_index()
         pivot.columns = [f"ctx {c} (ms)" if isinstance(c, (int, float)) else c for c in pivot.columns]
         parts += ["<h2>Decode-step time (median ms)</h2>", _table(pivot)]

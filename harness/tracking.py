@@ -17,6 +17,8 @@ from pathlib import Path
 import pandas as pd
 
 RESULTS, STEPS, DRIFT = "results.json", "steps.csv", "drift.csv"
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -27,6 +29,7 @@ def _atomic_write(path: Path, write) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are for everyone who may read the folder
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -119,6 +119,9 @@ class GPT2Config:
             raise CheckpointError(f"{source}: activation_function {act!r} is not GPT-2's tanh GELU (gelu_new)")
         if d.get("n_inner") not in (None, 4 * d["n_embd"]):
             raise CheckpointError(f"{source}: n_inner {d['n_inner']} is not 4 * n_embd; kvlab's MLP is 4x wide")
+        if not d.get("scale_attn_weights", True) or d.get("scale_attn_by_inverse_layer_idx", False):
+            raise CheckpointError(f"{source}: attention scaling differs from GPT-2's 1/sqrt(head_dim) "
+                                  "(scale_attn_weights / scale_attn_by_inverse_layer_idx); kvlab computes GPT-2's")
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -234,6 +237,11 @@ class GPT2(nn.Module):
                                       f"implies {tuple(target.shape)}")
             with torch.no_grad():
                 target.copy_(src)
+        ignored = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older HF checkpoints
+        extra = sorted(k for k in state if k not in ours and not k.endswith(ignored))
+        if extra:
+            raise CheckpointError(f"{source}: {len(extra)} tensor(s) the config does not account for, e.g. "
+                                  f"{extra[0]!r}: does config.json describe these weights?")
         if "lm_head.weight" in state and not torch.equal(state["lm_head.weight"].to(target.dtype),
                                                          self.transformer.wte.weight):
             raise CheckpointError(f"{source}: lm_head.weight differs from transformer.wte.weight; GPT-2 ties them")

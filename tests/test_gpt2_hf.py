@@ -139,3 +139,22 @@ def test_presets_are_the_gpt2_sizes(name, layers, heads, width):
 def test_unknown_preset_names_the_choices():
     with pytest.raises(ValueError, match="gpt2-medium"):
         GPT2Config.preset("gpt3")
+
+
+def test_tensors_the_config_does_not_describe_are_refused(tmp_path):
+    hf_checkpoint(tmp_path, **dict(CONFIGS[0], n_layer=3))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["n_layer"] = 2  # the weights hold three blocks
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"tensor\(s\) the config does not account for.*transformer\.h\.2\."):
+        GPT2.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("flag,value", [("scale_attn_by_inverse_layer_idx", True), ("scale_attn_weights", False)])
+def test_attention_scaling_other_than_gpt2s_is_refused(tmp_path, flag, value):
+    hf_checkpoint(tmp_path, **CONFIGS[0])
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg[flag] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="attention scaling"):
+        GPT2.from_pretrained(tmp_path)

@@ -105,8 +105,13 @@ def test_reset_crop_and_snapshot_restore(tiny_model, layout):
     cache.restore(snap)
     c = decode_step(tiny_model, torch.tensor([[5]]), cache)[0]
     assert torch.equal(a, b) and torch.equal(a, c)
-    # the snapshot shares no storage: later writes do not reach it
-    assert snap["k"][0].data_ptr() != cache.snapshot()["k"][0].data_ptr()
+    # the snapshot shares no storage: overwrite the snapshotted positions, restore, and the old step comes back
+    assert snap["k"][0].untyped_storage().data_ptr() != cache.k[0].untyped_storage().data_ptr()
+    cache.crop(2)
+    prefill(tiny_model, torch.tensor([[99, 98]]), cache)
+    assert not torch.equal(decode_step(tiny_model, torch.tensor([[5]]), cache)[0], a)
+    cache.restore(snap)
+    assert torch.equal(decode_step(tiny_model, torch.tensor([[5]]), cache)[0], a)
     cache.reset()
     assert cache.pos == 0
     again = prefill(tiny_model, prompt, cache)[0]
