@@ -42,8 +42,8 @@ CAPTIONS = {
 
 
 def _table(df: pd.DataFrame) -> str:
-    return df.to_html(index=False, na_rep="—", border=0, classes="t", escape=True,
-                      float_format=lambda x: f"{x:.4g}")
+    t = df.to_html(index=False, na_rep="—", border=0, classes="t", escape=True, float_format=lambda x: f"{x:.4g}")
+    return f'<div style="overflow-x:auto">{t}</div>'  # wide tables scroll instead of running off the page
 
 
 def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dict[str, Path]) -> str:
