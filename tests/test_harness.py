@@ -223,3 +223,25 @@ def test_cuda_asked_without_cuda_fails_in_one_line(tmp_path):
     r = json.loads((out / "results.json").read_text())
     assert r["status"] == "failed" and r["error"].startswith("device=cuda but torch")
     assert "device=cpu" in r["error"] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_run_on_a_checkpoint_folder(tmp_path):
+    from transformers import GPT2Config as HFConfig
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    ckpt = tmp_path / "ckpt"
+    GPT2LMHeadModel(HFConfig(n_layer=2, n_head=3, n_embd=48, n_positions=64, vocab_size=500,
+                             bos_token_id=0, eos_token_id=0)).save_pretrained(ckpt)
+    out = tmp_path / "run"
+    proc = run_py([*TINY, f"model.weights={ckpt}", "model.name=my-ckpt", "prompts=random", "tracking=disabled",
+                   f"hydra.run.dir={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads((out / "results.json").read_text())
+    assert r["status"] == "ok" and r["weights"] == f"checkpoint {ckpt}" and r["model"] == "my-ckpt"
+    assert (r["n_layer"], r["n_head"], r["n_embd"], r["max_len"]) == (2, 3, 48, 64)
+    assert r["tokens_identical"] and r["nbytes_match"]
+    bad = run_py([*TINY, f"model.weights={tmp_path / 'missing'}", "tracking=disabled",
+                  f"hydra.run.dir={tmp_path / 'bad'}"], tmp_path)
+    assert bad.returncode == 1 and "no such checkpoint folder" in bad.stderr
