@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from models.generate import (GreedyOutput, decode_step, greedy, greedy_loop, model_device, model_dtype,
-                             new_cache, prefill)
-from models.gpt2 import _CONV1D, GPT2
+from models.generate import (GreedyOutput, decode_step, greedy, greedy_loop, greedy_uncached, model_device,
+                             model_dtype, new_cache, prefill)
+from models.gpt2 import _CONV1D, GPT2, HF_MASK_BUFFERS
 
 
 class KvlabEngine:
@@ -74,7 +74,7 @@ class HFEngine:
         hf = GPT2LMHeadModel(self.config)
         state = {k: (v.t() if k.endswith(_CONV1D) else v) for k, v in model.state_dict().items()}
         missing, unexpected = hf.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]
+        missing = [k for k in missing if not k.endswith(HF_MASK_BUFFERS)]
         if missing or unexpected:
             raise RuntimeError(f"weights did not map onto HF GPT-2: missing {missing}, unexpected {unexpected}")
         self.model = hf.to(device=model_device(model), dtype=model_dtype(model)).eval()
@@ -128,14 +128,7 @@ class HFEngine:
     @torch.inference_mode()
     def greedy(self, prompt: torch.Tensor, n: int, layout: str | None = None, cache_dtype=None) -> GreedyOutput:
         if layout is None:
-            ctx = prompt
-
-            def step(nxt):
-                nonlocal ctx
-                ctx = torch.cat([ctx, nxt], dim=1)
-                return self.forward_last(ctx)[:, -1]
-
-            return greedy_loop(lambda: self.forward_last(ctx)[:, -1], step, n)
+            return greedy_uncached(self.forward_last, prompt, n)
         cache = self.new_cache(layout, prompt.shape[1] + n, prompt.shape[0], cache_dtype)
         return greedy_loop(lambda: self.prefill(prompt, cache, last_only=True)[:, -1],
                            lambda nxt: self.decode(nxt, cache)[:, -1], n)

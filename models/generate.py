@@ -76,6 +76,18 @@ def greedy_loop(first, step, max_new_tokens: int) -> GreedyOutput:
     return GreedyOutput(tokens=torch.cat(tokens, dim=1), logits=torch.stack(logits, dim=1))
 
 
+def greedy_uncached(forward_last, idx: torch.Tensor, max_new_tokens: int) -> GreedyOutput:
+    """Greedy without a cache: ``forward_last(ctx)`` (B, 1, vocab) re-runs the whole context every step."""
+    ctx = idx
+
+    def step(nxt):
+        nonlocal ctx
+        ctx = torch.cat([ctx, nxt], dim=1)
+        return forward_last(ctx)[:, -1]
+
+    return greedy_loop(lambda: forward_last(ctx)[:, -1], step, max_new_tokens)
+
+
 @torch.inference_mode()
 def greedy(model: GPT2, prompt_ids, max_new_tokens: int, layout: str | None = None, cache_dtype=None,
            max_len: int | None = None) -> GreedyOutput:
@@ -90,14 +102,7 @@ def greedy(model: GPT2, prompt_ids, max_new_tokens: int, layout: str | None = No
     idx = _as_batch(prompt_ids).to(model_device(model))
     B, T = idx.shape
     if layout is None:
-        ctx = idx
-
-        def step(nxt):
-            nonlocal ctx
-            ctx = torch.cat([ctx, nxt], dim=1)
-            return model(ctx, last_only=True)[:, -1]  # the whole context recomputed, last position kept
-
-        return greedy_loop(lambda: model(ctx, last_only=True)[:, -1], step, max_new_tokens)
+        return greedy_uncached(lambda ctx: model(ctx, last_only=True), idx, max_new_tokens)
     cache = new_cache(model, layout, max_len or T + max_new_tokens, B, cache_dtype)
     return greedy_loop(lambda: prefill(model, idx, cache, last_only=True)[0][:, -1],
                        lambda nxt: decode_step(model, nxt, cache)[0][:, -1], max_new_tokens)

@@ -132,6 +132,8 @@ class CheckpointError(ValueError):
 
 # HF GPT-2 stores these four as Conv1D, weight (in, out); nn.Linear keeps (out, in).
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# causal-mask buffers that HF GPT-2 state dicts may carry; not weights
+HF_MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
 
 
 class GPT2(nn.Module):
@@ -224,6 +226,10 @@ class GPT2(nn.Module):
         state = {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": v
                  for k, v in state.items()}
         ours = self.state_dict()
+        extra = sorted(k for k in state if k not in ours and not k.endswith(HF_MASK_BUFFERS))
+        if extra:
+            raise CheckpointError(f"{source}: {len(extra)} tensor(s) the config does not account for, e.g. "
+                                  f"{extra[0]!r}: does config.json describe these weights?")
         for name, target in ours.items():
             if name == "lm_head.weight":
                 continue  # tied to transformer.wte.weight
@@ -237,11 +243,6 @@ class GPT2(nn.Module):
                                       f"implies {tuple(target.shape)}")
             with torch.no_grad():
                 target.copy_(src)
-        ignored = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older HF checkpoints
-        extra = sorted(k for k in state if k not in ours and not k.endswith(ignored))
-        if extra:
-            raise CheckpointError(f"{source}: {len(extra)} tensor(s) the config does not account for, e.g. "
-                                  f"{extra[0]!r}: does config.json describe these weights?")
         if "lm_head.weight" in state and not torch.equal(state["lm_head.weight"].to(target.dtype),
                                                          self.transformer.wte.weight):
             raise CheckpointError(f"{source}: lm_head.weight differs from transformer.wte.weight; GPT-2 ties them")
