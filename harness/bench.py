@@ -1,13 +1,23 @@
-"""Decode-step benchmark: our engine vs HF transformers on the same weights, in one run.
+"""Decode-step benchmarks, every ratio measured in one run.
 
-    python -m harness.bench                      # gpt2 size, fp32, batch 1, contexts 32 and 512
+    python -m harness.bench                      # ours vs HF transformers: gpt2 size, fp32, batch 1, ctx 32 and 512
     python -m harness.bench --model tiny --contexts 16 64 --repeats 20
+    python -m harness.bench --kinds              # every cache kind of ours: bytes held and step time vs prealloc
+    python -m harness.bench --kinds --cache prealloc --cache quant:k_bits=8,v_bits=8 --cache window:window=256
 
-For each context length and layout (ours ConcatKVCache vs HF DynamicCache; ours PreallocKVCache vs HF StaticCache)
-both caches are prefilled with the same prompt; then each repeat times one decode step of each engine, alternating
-which goes first, and rewinds the step, so every timed step runs at exactly that context. Prints the medians and
-the ratio ours / HF measured in this run. The weights are a seeded random init (no pretrained weights needed: the
-cost of a step does not depend on their values).
+Ours vs HF: for each context length and each kind transformers has a counterpart of (concat: DynamicCache, prealloc:
+StaticCache) both caches are prefilled with the same prompt; then each repeat times one decode step of each engine,
+alternating which goes first, and rewinds the step, so every timed step runs at exactly that context. Prints the
+medians and the ratio ours / HF.
+
+Kinds (``--kinds``): one cache per kind (default: every registered kind, quant at 8, 4 and 2 bits, window 4 + 256),
+each owning ``max_len`` = the model's positions; at each context all are prefilled with the same prompt, then each
+repeat times one decode step of every kind in turn (rotating who goes first) and puts each cache back with its
+``checkpoint``. Prints the bytes each holds at the longest context, that as a fraction of fp32 prealloc's, and the
+median step time per context with its ratio to prealloc's.
+
+The weights are a seeded random init (no pretrained weights needed: the cost of a step and the bytes held do not
+depend on their values).
 """
 
 from __future__ import annotations
@@ -18,8 +28,13 @@ import time
 
 import torch
 
-from harness.engines import HFEngine, KvlabEngine
+from harness.engines import HF_COUNTERPARTS, HFEngine, KvlabEngine
+from harness.measure import CacheSpec
 from models.gpt2 import GPT2, GPT2Config, PRESETS
+from models.kv_cache import CACHE_KINDS, cache_kind
+
+DEFAULT_KINDS = ["concat", "prealloc", "quant:k_bits=8,v_bits=8", "quant:k_bits=4,v_bits=4",
+                 "quant:k_bits=2,v_bits=2", "window:window=256,sinks=4"]
 
 
 def time_steps(engines, layout: str, ctx: int, repeats: int, warmup: int, seed: int = 0) -> dict[str, list[float]]:
@@ -48,34 +63,112 @@ def time_steps(engines, layout: str, ctx: int, repeats: int, warmup: int, seed: 
     return times
 
 
+def parse_kind(text: str) -> CacheSpec:
+    """"quant:k_bits=8,v_bits=4" -> CacheSpec("quant", {"k_bits": 8, "v_bits": 4}); options typed by the kind."""
+    kind, _, rest = text.partition(":")
+    cls = cache_kind(kind)
+    types, options = cls.option_types(), {}
+    for item in filter(None, rest.split(",")):
+        name, eq, value = item.partition("=")
+        if not eq or name not in types:
+            raise ValueError(f"--cache {text!r}: {item!r} is not NAME=VALUE with NAME one of "
+                             f"{', '.join(types) or 'no options'}")
+        options[name] = types[name](value) if types[name] is not bool else value.lower() in ("1", "true", "yes")
+    cls.parse_options(**options)
+    return CacheSpec(kind, options)
+
+
+def time_kinds(engine, specs: list[CacheSpec], ctx: int, max_len: int, repeats: int, warmup: int,
+               seed: int = 0) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Decode-step times (seconds) of each cache at context ``ctx``, kinds taking turns within each repeat, and the
+    bytes each holds there."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.model.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, ctx), generator=g)
+    token = torch.randint(0, vocab, (1, 1), generator=g)
+    caches, backs = [], []
+    for spec in specs:
+        cache = spec.new(engine, max_len)
+        engine.prefill(prompt, cache)
+        caches.append(cache)
+        backs.append(engine.checkpoint(cache))
+    times: dict[str, list[float]] = {s.label: [] for s in specs}
+    for r in range(warmup + repeats):
+        k = r % len(specs)
+        for spec, cache, back in list(zip(specs, caches, backs))[k:] + list(zip(specs, caches, backs))[:k]:
+            t0 = time.perf_counter()
+            engine.decode(token, cache)
+            dt = time.perf_counter() - t0
+            back()
+            if r >= warmup:
+                times[spec.label].append(dt)
+    return times, {s.label: engine.nbytes(c) for s, c in zip(specs, caches)}
+
+
+def bench_hf(args, model: GPT2) -> None:
+    engines = [KvlabEngine(model), HFEngine(model)]
+    print(f"{'context':>7}  {'kind':<9} {'kvlab ms':>9} {'HF ms':>9} {'HF cache':<13} {'kvlab/HF':>8}")
+    for ctx in args.contexts:
+        for kind, (hf_name, _) in HF_COUNTERPARTS.items():
+            t = time_steps(engines, kind, ctx, args.repeats, args.warmup, args.seed)
+            ours, hf = statistics.median(t["kvlab"]) * 1e3, statistics.median(t["hf"]) * 1e3
+            print(f"{ctx:>7}  {kind:<9} {ours:>9.2f} {hf:>9.2f} {hf_name:<13} {ours / hf:>7.2f}x")
+
+
+def bench_kinds(args, model: GPT2) -> None:
+    specs = [parse_kind(k) for k in (args.cache or DEFAULT_KINDS)]
+    base = CacheSpec("prealloc")
+    if base.label not in {s.label for s in specs}:
+        specs.insert(0, base)
+    engine, max_len = KvlabEngine(model), model.config.n_positions
+    ms: dict[str, dict[int, float]] = {s.label: {} for s in specs}
+    held = {}
+    for ctx in args.contexts:
+        t, held = time_kinds(engine, specs, ctx, max_len, args.repeats, args.warmup, args.seed)
+        for label, ts in t.items():
+            ms[label][ctx] = statistics.median(ts) * 1e3
+    top = max(args.contexts)
+    print(f"max_len {max_len}; bytes held at context {top} + 1; step ms (ratio to prealloc)")
+    head = "".join(f"{'ctx ' + str(c) + ' ms':>20}" for c in args.contexts)
+    print(f"{'cache':<26}{'bytes held':>14}{'vs prealloc':>12}{head}")
+    for s in specs:
+        cells = "".join(f"{ms[s.label][c]:>11.2f} ({ms[s.label][c] / ms[base.label][c]:.2f}x)"
+                        for c in args.contexts)
+        print(f"{s.label:<26}{held[s.label]:>14,}{held[s.label] / held[base.label]:>11.3f}x{cells}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt2", choices=sorted(PRESETS))
-    ap.add_argument("--contexts", type=int, nargs="+", default=[32, 512])
+    ap.add_argument("--contexts", type=int, nargs="+", default=None,
+                    help="default: 32 512 (vs HF); 32 128 512 960 (--kinds)")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", action="store_true", help="compare our cache kinds instead of ours vs HF")
+    ap.add_argument("--cache", action="append", metavar="KIND[:OPT=V,...]",
+                    help=f"with --kinds: a cache to time (repeatable); kinds: {', '.join(CACHE_KINDS)}")
     args = ap.parse_args(argv)
     cfg = GPT2Config.preset(args.model)
+    args.contexts = args.contexts or ([32, 128, 512, 960] if args.kinds else [32, 512])
     if args.repeats < 1 or args.warmup < 0:
         ap.error(f"--repeats must be >= 1 and --warmup >= 0 (got {args.repeats}, {args.warmup})")
+    if args.cache and not args.kinds:
+        ap.error("--cache is for --kinds; the HF comparison runs every kind transformers has a counterpart of")
     for ctx in args.contexts:
         if ctx < 1:
             ap.error(f"context {ctx}: contexts must be >= 1 token")
         if ctx + 1 > cfg.n_positions:
             ap.error(f"context {ctx} + 1 decode token exceeds n_positions {cfg.n_positions} of {args.model}")
+    try:
+        [parse_kind(k) for k in args.cache or []]
+    except ValueError as e:
+        ap.error(str(e))
     torch.manual_seed(args.seed)
     model = GPT2(cfg).eval()
-    engines = [KvlabEngine(model), HFEngine(model)]
     print(f"model {args.model} (seeded random init, seed {args.seed}), fp32, batch 1, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; median of {args.repeats} steps after {args.warmup} warm-up")
-    print(f"{'context':>7}  {'layout':<9} {'kvlab ms':>9} {'HF ms':>9} {'HF cache':<13} {'kvlab/HF':>8}")
-    hf_cache = {"concat": "DynamicCache", "prealloc": "StaticCache"}
-    for ctx in args.contexts:
-        for layout in ("concat", "prealloc"):
-            t = time_steps(engines, layout, ctx, args.repeats, args.warmup, args.seed)
-            ours, hf = statistics.median(t["kvlab"]) * 1e3, statistics.median(t["hf"]) * 1e3
-            print(f"{ctx:>7}  {layout:<9} {ours:>9.2f} {hf:>9.2f} {hf_cache[layout]:<13} {ours / hf:>7.2f}x")
+    (bench_kinds if args.kinds else bench_hf)(args, model)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
 """Ours and HF transformers behind one small interface, so both run through the same measurements.
 
 An engine wraps one model and offers:
-    forward(ids) -> (B, T, vocab)            uncached full causal forward (the oracle)
-    forward_last(ids) -> (B, 1, vocab)       the same, last position's logits only (one uncached decode step)
-    new_cache(layout, max_len, batch, dtype) an empty cache; "concat" grows (ours: ConcatKVCache, HF: DynamicCache),
-                                             "prealloc" owns max_len slots (ours: PreallocKVCache, HF: StaticCache)
+    forward(ids, **ref) -> (B, T, vocab)     uncached full causal forward (the oracle); ``ref`` is a cache kind's
+                                             reference (``window``/``sinks``), {} for full attention
+    forward_last(ids, **ref) -> (B, 1, vocab) the same, last position's logits only (one uncached decode step)
+    new_cache(kind, max_len, batch, dtype, **options)  an empty cache of a kind of ``models.kv_cache.CACHE_KINDS``
+                                             (HF: its counterparts, ``HF_COUNTERPARTS``)
     prefill(ids, cache, last_only=False)     logits (B, T, vocab) or (B, 1, vocab); the cache holds T more tokens
     decode(token, cache) -> (B, 1, vocab)    exactly one new token per sequence
+    checkpoint(cache) -> fn                  fn() puts the cache back to its state now (a timed step is undone)
     rewind(cache, n) / reset(cache)          forget the last n tokens / all of them
     nbytes(cache)                            bytes of K and V storage the cache holds
-    greedy(prompt, n, layout, cache_dtype)   greedy generation; layout None = uncached
+    greedy(prompt, n, layout, cache_dtype, **options)   greedy generation; layout None = uncached (options: ref)
 """
 
 from __future__ import annotations
@@ -21,6 +23,22 @@ from models.generate import (GreedyOutput, decode_step, greedy, greedy_loop, gre
 from models.gpt2 import _CONV1D, GPT2, HF_MASK_BUFFERS
 
 
+def _dynamic_cache(config, max_len: int):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config)
+
+
+def _static_cache(config, max_len: int):
+    from transformers import StaticCache
+
+    return StaticCache(config=config, max_cache_len=max_len)
+
+
+# our cache kinds that transformers has a counterpart of: (its class name, how to build one)
+HF_COUNTERPARTS = {"concat": ("DynamicCache", _dynamic_cache), "prealloc": ("StaticCache", _static_cache)}
+
+
 class KvlabEngine:
     name = "kvlab"
 
@@ -28,21 +46,24 @@ class KvlabEngine:
         self.model = model.eval()
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(ids)
+    def forward(self, ids: torch.Tensor, **ref) -> torch.Tensor:
+        return self.model(ids, **ref)
 
     @torch.inference_mode()
-    def forward_last(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, last_only=True)
+    def forward_last(self, ids: torch.Tensor, **ref) -> torch.Tensor:
+        return self.model(ids, last_only=True, **ref)
 
-    def new_cache(self, layout: str, max_len: int, batch: int = 1, dtype=None):
-        return new_cache(self.model, layout, max_len, batch, dtype)
+    def new_cache(self, kind: str, max_len: int, batch: int = 1, dtype=None, **options):
+        return new_cache(self.model, kind, max_len, batch, dtype, **options)
 
     def prefill(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
         return prefill(self.model, ids, cache, last_only=last_only)[0]
 
     def decode(self, token: torch.Tensor, cache) -> torch.Tensor:
         return decode_step(self.model, token, cache)[0]
+
+    def checkpoint(self, cache):
+        return cache.checkpoint()
 
     def rewind(self, cache, n: int = 1) -> None:
         cache.crop(cache.pos - n)
@@ -53,8 +74,9 @@ class KvlabEngine:
     def nbytes(self, cache) -> int:
         return cache.nbytes
 
-    def greedy(self, prompt: torch.Tensor, n: int, layout: str | None = None, cache_dtype=None) -> GreedyOutput:
-        return greedy(self.model, prompt, n, layout=layout, cache_dtype=cache_dtype)
+    def greedy(self, prompt: torch.Tensor, n: int, layout: str | None = None, cache_dtype=None,
+               **options) -> GreedyOutput:
+        return greedy(self.model, prompt, n, layout=layout, cache_dtype=cache_dtype, **options)
 
 
 class HFEngine:
@@ -79,24 +101,30 @@ class HFEngine:
             raise RuntimeError(f"weights did not map onto HF GPT-2: missing {missing}, unexpected {unexpected}")
         self.model = hf.to(device=model_device(model), dtype=model_dtype(model)).eval()
 
+    @staticmethod
+    def _full_attention(ref: dict) -> None:
+        if ref:
+            raise ValueError(f"HF GPT-2 has no uncached reference with {ref}: it runs full attention only")
+
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, **ref) -> torch.Tensor:
+        self._full_attention(ref)
         return self.model(ids, use_cache=False).logits
 
     @torch.inference_mode()
-    def forward_last(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward_last(self, ids: torch.Tensor, **ref) -> torch.Tensor:
+        self._full_attention(ref)
         return self.model(ids, use_cache=False, logits_to_keep=1).logits
 
-    def new_cache(self, layout: str, max_len: int, batch: int = 1, dtype=None):
-        from transformers import DynamicCache, StaticCache
-
+    def new_cache(self, kind: str, max_len: int, batch: int = 1, dtype=None, **options):
+        if kind not in HF_COUNTERPARTS:
+            raise ValueError(f"HF transformers has no counterpart of cache kind {kind!r} here: it runs "
+                             + ", ".join(f"{k} ({name})" for k, (name, _) in HF_COUNTERPARTS.items()))
+        if options:
+            raise ValueError(f"cache kind {kind!r} takes no options on the HF engine, got {options}")
         if dtype is not None and dtype != model_dtype(self.model):
             raise ValueError(f"HF caches store K/V in the model dtype {model_dtype(self.model)}, not {dtype}")
-        if layout == "concat":
-            return DynamicCache(config=self.config)
-        if layout == "prealloc":
-            return StaticCache(config=self.config, max_cache_len=max_len)
-        raise ValueError(f"unknown cache layout {layout!r}: use concat or prealloc")
+        return HF_COUNTERPARTS[kind][1](self.config, max_len)
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
@@ -111,9 +139,22 @@ class HFEngine:
         pos = torch.arange(past, past + ids.shape[1], device=ids.device).unsqueeze(0)
         return self.model(ids, cache=cache, use_cache=True, position_ids=pos, logits_to_keep=keep).logits
 
+    def checkpoint(self, cache):
+        pos = int(cache.get_seq_length())
+
+        @torch.inference_mode()
+        def back():
+            extra = int(cache.get_seq_length()) - pos
+            if extra:
+                cache.crop(-extra)  # transformers crops by a negative count of tokens to drop
+
+        return back
+
+    @torch.inference_mode()
     def rewind(self, cache, n: int = 1) -> None:
         cache.crop(-n)
 
+    @torch.inference_mode()  # its tensors were made in inference mode; zeroing them must be too
     def reset(self, cache) -> None:
         cache.reset()
 
@@ -126,10 +167,11 @@ class HFEngine:
         return total
 
     @torch.inference_mode()
-    def greedy(self, prompt: torch.Tensor, n: int, layout: str | None = None, cache_dtype=None) -> GreedyOutput:
+    def greedy(self, prompt: torch.Tensor, n: int, layout: str | None = None, cache_dtype=None,
+               **options) -> GreedyOutput:
         if layout is None:
-            return greedy_uncached(self.forward_last, prompt, n)
-        cache = self.new_cache(layout, prompt.shape[1] + n, prompt.shape[0], cache_dtype)
+            return greedy_uncached(lambda ctx: self.forward_last(ctx, **options), prompt, n)
+        cache = self.new_cache(layout, prompt.shape[1] + n, prompt.shape[0], cache_dtype, **options)
         return greedy_loop(lambda: self.prefill(prompt, cache, last_only=True)[:, -1],
                            lambda nxt: self.decode(nxt, cache)[:, -1], n)
 

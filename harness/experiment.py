@@ -18,10 +18,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness import measure, tracking
-from harness.config import ConfigError, dtype_label, validate
+from harness.config import ConfigError, cache_options, dtype_label, validate
 from harness.engines import KvlabEngine
 from models.gpt2 import GPT2, GPT2Config
-from models.kv_cache import as_dtype
+from models.kv_cache import as_dtype, cache_kind
 
 FAILED: list[str] = []  # run folders that failed in this process (and, after a sweep, anywhere in it)
 
@@ -106,7 +106,8 @@ def _hydra_dirs() -> tuple[Path, str, str]:
 def config_record(cfg) -> dict:
     return dict(
         model=cfg.model.name, preset=cfg.model.preset if cfg.model.weights == "random" else None,
-        weights_source=cfg.model.weights, model_seed=cfg.model.seed, cache=cfg.cache.layout,
+        weights_source=cfg.model.weights, model_seed=cfg.model.seed, cache=cfg.cache.kind,
+        **cache_record(cfg.cache),
         dtype=dtype_label(cfg.dtype.storage, cfg.dtype.compute),
         device_requested=cfg.device.name, experiment=cfg.experiment, n_prompts=cfg.n_prompts,
         new_tokens=cfg.new_tokens, prompt_len=cfg.prompt_len, max_len=cfg.max_len,
@@ -115,8 +116,21 @@ def config_record(cfg) -> dict:
         seed=cfg.seed, prompts=cfg.prompts)
 
 
+def cache_record(node) -> dict:
+    """The cache's label, whether it is exact, and its options as ``cache_<option>`` columns."""
+    options = cache_options(node)
+    try:
+        cls = cache_kind(node.kind)
+        opts = cls.parse_options(**options)
+        head = dict(cache_label=cls.label(opts), cache_exact=cls.exact)
+    except ValueError:  # recorded as given; the run fails on it with its own message
+        head = dict(cache_label=str(node.kind), cache_exact=None)
+    return {**head, **{f"cache_{k}": v for k, v in options.items()}}
+
+
 def measure_run(cfg, progress: bool = True):
-    """Everything a run measures -> (record fields, steps table, drift table). Raises on any failure."""
+    """Everything a run measures -> (record fields, steps table, drift table, memory table). Raises on any
+    failure."""
     from models.tokenizer import Tokenizer
 
     mcfg, weights = model_config(cfg.model)
@@ -131,8 +145,10 @@ def measure_run(cfg, progress: bool = True):
     model32 = model32.to(device)
     model = model32 if compute == torch.float32 else copy.deepcopy(model32).to(compute)
     engine = KvlabEngine(model)
-    ref32 = None if storage == compute == torch.float32 else (engine if compute == torch.float32
-                                                              else KvlabEngine(model32))
+    spec = measure.CacheSpec(cfg.cache.kind, cache_options(cfg.cache), storage)
+    # drift (against FP32 full attention) is measured for every run that is not that reference itself
+    plain_fp32 = storage == compute == torch.float32 and spec.cls.exact and not spec.reference
+    ref32 = None if plain_fp32 else (engine if compute == torch.float32 else KvlabEngine(model32))
     if cfg.prompts == "file":
         path = Path(cfg.prompts_file)
         path = path if path.is_absolute() else measure.REPO / path
@@ -145,22 +161,21 @@ def measure_run(cfg, progress: bool = True):
     prompts = [p.to(device) for p in prompts]
     full = cfg.full_prompts if cfg.full_prompts is not None else (1 if device.type == "cpu" else cfg.n_prompts)
     full = min(full, cfg.n_prompts)
-    layout = cfg.cache.layout
     reset_ok = measure.reset_peak_memory(device)
 
     rec = dict(device=device.type, storage_dtype=str(storage).removeprefix("torch."),
                compute_dtype=str(compute).removeprefix("torch."), max_len=max_len, n_layer=mcfg.n_layer,
                n_head=mcfg.n_head, n_embd=mcfg.n_embd, n_params=model.num_params(), full_prompts=full,
-               context_lengths=",".join(map(str, contexts)))
-    checks, drift = measure.generation_checks(engine, prompts, cfg.new_tokens, layout, storage, full, ref32,
-                                              progress)
+               context_lengths=",".join(map(str, contexts)),
+               drift_reference=None if ref32 is None else "fp32 full attention (uncached)")
+    checks, drift = measure.generation_checks(engine, prompts, cfg.new_tokens, spec, full, ref32, progress)
     tok, sample = Tokenizer(), checks.pop("sample_tokens")
     rec.update(checks, sample_prompt=tok.decode(prompts[0][0].tolist()), sample_text=tok.decode(sample))
-    rec.update(measure.cache_memory(engine, layout, storage, prompts[0], cfg.new_tokens, max_len))
-    steps = measure.step_times(engine, layout, storage, contexts, max_len, cfg.repeats,
-                               cfg.warmup, device, cfg.seed, progress)
-    rec.update(measure.time_to_first_token(engine, layout, storage, prompts[0], max_len, cfg.repeats, cfg.warmup,
-                                           device))
+    mem, memory = measure.cache_memory(engine, spec, prompts[0], cfg.new_tokens, max_len)
+    rec.update(mem)
+    steps = measure.step_times(engine, spec, contexts, max_len, cfg.repeats, cfg.warmup, device, cfg.seed,
+                               progress)
+    rec.update(measure.time_to_first_token(engine, spec, prompts[0], max_len, cfg.repeats, cfg.warmup, device))
     top = steps[steps.context_len == steps.context_len.max()].set_index("mode")
     rec.update(max_context_len=int(steps.context_len.max()),
                step_ms_cached_at_max_context=float(top.loc["cached", "ms_median"]),
@@ -168,7 +183,7 @@ def measure_run(cfg, progress: bool = True):
                speedup_at_max_context=float(top.loc["cached", "speedup"]))
     rec.update(measure.peak_memory(device, reset_ok))
     rec.update(measure.fingerprint(device, weights))
-    return rec, steps, drift
+    return rec, steps, drift, memory
 
 
 def one_line(e: BaseException) -> str:
@@ -183,28 +198,28 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     record = dict(status="failed", error=None, run_name=name, group=group, run_dir=str(run_dir),
                   started_at=dt.datetime.now().isoformat(timespec="seconds"), weights=model_config_safe(cfg),
                   **config_record(cfg))
-    steps = drift = None
+    steps = drift = memory = None
     t0 = time.perf_counter()
     try:
-        fields, steps, drift = measure_run(cfg, progress)
+        fields, steps, drift, memory = measure_run(cfg, progress)
         record.update(fields, status="ok")
     except Exception as e:  # recorded, never raised: the sweep goes on
         record["error"] = one_line(e)
         print(f"kvlab: run {name} failed: {record['error']}", file=sys.stderr)
     record["duration_s"] = round(time.perf_counter() - t0, 2)
-    for df in (steps, drift):
+    for df in (steps, drift, memory):
         if df is not None:
-            for i, k in enumerate(("model", "cache", "dtype", "device")):
+            for i, k in enumerate(("model", "cache", "cache_label", "dtype", "device")):
                 df.insert(i, k, record.get(k))
-    tracking.write_run_files(run_dir, record, steps, drift)
+    tracking.write_run_files(run_dir, record, steps, drift, memory)
     try:
         record["wandb"] = tracking.log_wandb(cfg.tracking.mode, cfg.tracking.project, cfg.tracking.entity, group,
                                              name, run_dir, OmegaConf.to_container(cfg, resolve=True), record,
-                                             steps, drift)
+                                             steps, drift, memory)
     except Exception as e:  # tracking trouble must not lose the measurements already on disk
         record["wandb"] = f"failed: {one_line(e)}"
         print(f"kvlab: W&B logging failed ({record['wandb']}); results are in {run_dir}", file=sys.stderr)
-    tracking.write_run_files(run_dir, record, None, None)
+    tracking.write_run_files(run_dir, record, None, None, None)
     if record["status"] != "ok":
         FAILED.append(str(run_dir))
     print(summary_text(record, steps))
@@ -220,7 +235,8 @@ def model_config_safe(cfg) -> str:
 
 def summary_text(r: dict, steps) -> str:
     """The short table printed at the end of a run."""
-    head = f"kvlab run {r['run_name']}: model {r['model']} · cache {r['cache']} · dtype {r['dtype']}"
+    head = (f"kvlab run {r['run_name']}: model {r['model']} · cache {r.get('cache_label') or r['cache']} · dtype "
+            f"{r['dtype']}")
     if r["status"] != "ok":
         return f"{head}\n  FAILED: {r['error']}\n  record: {r['run_dir']}/results.json"
 
@@ -231,17 +247,18 @@ def summary_text(r: dict, steps) -> str:
         head + f" · device {r['device']} ({r['device_name']})",
         f"  weights           {r['weights']}",
         f"  tokens identical  {r['tokens_identical']}  ({r['equivalence_method']}, {r['n_prompts']} prompts x "
-        f"{r['new_tokens']} tokens)",
-        f"  max |dlogit|      {r['max_abs_logit_diff']:.3g}  (cached vs uncached, same compute dtype)",
+        f"{r['new_tokens']} tokens)" + ("  lossy kind: this is its error" if r.get("cache_exact") is False else ""),
+        f"  max |dlogit|      {r['max_abs_logit_diff']:.3g}  (cached vs the kind's uncached reference, same compute "
+        "dtype)",
         f"  sample            {r['sample_prompt'][-40:]!r} -> {r['sample_text'][:40]!r}",
         f"  cache bytes       {r['cache_nbytes']:,} measured = {r['predicted_nbytes']:,} formula: "
-        f"{r['nbytes_match']}  ({r['bytes_per_token']:,} B/token, {r['cache_tokens']} tokens held)",
+        f"{r['nbytes_match']}  ({r['bytes_per_token']:,.0f} B/token, {r['cache_tokens']} tokens held)",
         f"  drift vs fp32     KL {f(r['drift_kl'], '.3g')} · max |d| {f(r['drift_max_abs'], '.3g')} · top-1 "
         f"{f(r['drift_top1_agreement'], '.1%')} · token match {f(r['drift_token_match_rate'], '.1%')}",
         f"  TTFT              {r['ttft_ms']:.1f} ms ({r['prompt_len']}-token prompt)",
         *(f"  decode step       ctx {c:>4}: {g.loc['cached', 'ms_median']:8.2f} ms cached   "
           f"{g.loc['uncached', 'ms_median']:8.2f} ms uncached   {g.loc['cached', 'speedup']:5.1f}x"
           for c, g in ((c, g.set_index("mode")) for c, g in steps.groupby("context_len"))),
-        f"  files             {r['run_dir']}  (results.json, steps.csv, drift.csv)",
+        f"  files             {r['run_dir']}  (results.json, steps.csv, drift.csv, memory.csv)",
     ]
     return "\n".join(lines)

@@ -1,10 +1,12 @@
 """What a run measures, as pure functions: an engine and plain arguments in, plain dicts / DataFrames out.
 No W&B, no files, no printing (a tqdm bar on stderr when ``progress`` is true is the one exception).
 
-- ``generation_checks``: cached generation vs the uncached model (equivalence) and vs FP32 (drift), per step.
+- ``CacheSpec``: the cache under test (kind, options, storage dtype); its class answers every kind-specific question.
+- ``generation_checks``: cached generation vs the kind's uncached reference (``equivalence_check``,
+  ``full_loop_check``) and vs FP32 full attention (``drift_check``), per step.
 - ``step_times``: one decode step at each context length, cached and uncached, median and spread of repeats.
 - ``time_to_first_token``: prefill of the prompt.
-- ``cache_memory``: the cache's bytes against the formula, and the process's peak memory.
+- ``cache_memory``: the cache's bytes against the kind's formula, bytes vs tokens, and the process's peak memory.
 - ``fingerprint``: what the numbers were measured on.
 """
 
@@ -15,6 +17,7 @@ import platform
 import resource
 import subprocess
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from models.kv_cache import kv_bytes
+from models.kv_cache import CACHE_KINDS, cache_kind
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,6 +40,46 @@ def _spread(seconds: list[float]) -> dict:
     ms = np.asarray(seconds) * 1e3
     return dict(ms_median=float(np.median(ms)), ms_p10=float(np.percentile(ms, 10)),
                 ms_p90=float(np.percentile(ms, 90)), ms_min=float(ms.min()), repeats=len(ms))
+
+
+# ---- the cache under test ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A cache kind with its options and storage dtype: what a run measures. Everything kind-specific is asked of
+    the kind's class (``models.kv_cache``), never decided here by its name."""
+
+    kind: str
+    options: dict = field(default_factory=dict)
+    dtype: torch.dtype | None = None  # storage; None: the model's
+
+    @property
+    def cls(self):
+        return cache_kind(self.kind)
+
+    @property
+    def opts(self):
+        return self.cls.parse_options(**self.options)
+
+    @property
+    def reference(self) -> dict:
+        """Keyword arguments of the uncached forward this kind must equal ({}: full attention)."""
+        return self.cls.reference(self.opts)
+
+    @property
+    def label(self) -> str:
+        return self.cls.label(self.opts)
+
+    def new(self, engine, max_len: int, batch: int = 1):
+        return engine.new_cache(self.kind, max_len, batch, self.dtype, **self.options)
+
+    def greedy(self, engine, prompt: torch.Tensor, n: int):
+        return engine.greedy(prompt, n, layout=self.kind, cache_dtype=self.dtype, **self.options)
+
+
+def full_attention_kind() -> str:
+    """An exact kind whose reference is plain full attention: how FP32's own greedy tokens are made quickly."""
+    return next(k for k, c in CACHE_KINDS.items() if c.exact and not c.reference(c.Options()))
 
 
 # ---- equivalence and drift -----------------------------------------------------------------------------------
@@ -57,12 +100,12 @@ def logit_stats(test: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor
     )
 
 
-def teacher_forced(engine, prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """One uncached forward over prompt + generated tokens: the logits (n, vocab) each generated token was chosen
-    from, as the full model computes them."""
+def teacher_forced(engine, prompt: torch.Tensor, tokens: torch.Tensor, reference: dict | None = None) -> torch.Tensor:
+    """One uncached forward (with a kind's ``reference`` visibility) over prompt + generated tokens: the logits
+    (n, vocab) each generated token was chosen from, as the full model computes them."""
     seq = torch.cat([prompt, tokens], dim=1)  # (1, T + n)
     T, n = prompt.shape[1], tokens.shape[1]
-    return engine.forward(seq)[0, T - 1:T - 1 + n]
+    return engine.forward(seq, **(reference or {}))[0, T - 1:T - 1 + n]
 
 
 def _first_true(mask: torch.Tensor) -> int | None:
@@ -70,91 +113,113 @@ def _first_true(mask: torch.Tensor) -> int | None:
     return int(idx[0]) if len(idx) else None
 
 
-def generation_checks(engine, prompts: list[torch.Tensor], new_tokens: int, layout: str, cache_dtype,
-                      full_prompts: int, ref32=None, progress: bool = False) -> tuple[dict, pd.DataFrame]:
-    """Generate greedily with the cache (``layout``, storage ``cache_dtype``) from every prompt and check it.
+def equivalence_check(engine, prompt: torch.Tensor, out, reference: dict) -> dict:
+    """Teacher-forced equivalence of one cached generation ``out`` against the kind's uncached reference: per-step
+    logit stats, the first step whose token the reference would not have chosen, and the reference logits."""
+    ref_logits = teacher_forced(engine, prompt, out.tokens, reference)
+    return dict(stats=logit_stats(out.logits[0], ref_logits), ref_logits=ref_logits,
+                first_wrong=_first_true(ref_logits.argmax(-1) != out.tokens[0]))
 
-    Equivalence, against the uncached model in the same compute dtype: a teacher-forced check (one full forward
-    over each generated sequence, compared at every step) for all prompts, and the true uncached loop (re-run the
-    context every step) for the first ``full_prompts``.
-    Drift, when ``ref32`` (an FP32 engine) is given: the same tokens through the FP32 model, uncached: max and mean
-    |dlogit|, KL(fp32 || reduced), top-1 agreement, and FP32's own greedy tokens vs ours (match rate, first
-    divergence). Returns a flat summary dict and a per-step DataFrame (aggregated over prompts).
-    """
-    per_step: dict[str, list[torch.Tensor]] = {}
-    identical, first_diff, margin_at_diff = True, None, None
-    full_identical, full_max = True, 0.0
-    match_rates, divergences = [], []
-    same_ref = ref32 is engine
 
-    def keep(prefix, stats):
-        for k, v in stats.items():
-            per_step.setdefault(f"{prefix}_{k}", []).append(v.cpu())
+def full_loop_check(engine, prompt: torch.Tensor, out, reference: dict) -> dict:
+    """The true uncached loop (the reference re-run over the whole context every step) against ``out``: the first
+    step the two choose different tokens, and max |dlogit| up to and including it (after it they read different
+    contexts, so their logits no longer mean the same thing)."""
+    n = out.tokens.shape[1]
+    loop = engine.greedy(prompt, n, layout=None, **reference)
+    split = _first_true(loop.tokens[0] != out.tokens[0])
+    upto = n if split is None else split + 1
+    return dict(first_split=split,
+                max_abs=(out.logits[0, :upto].float() - loop.logits[0, :upto].float()).abs().max().item())
 
-    for i, prompt in enumerate(tqdm(prompts, desc=f"generate+check ({layout})", disable=not progress)):
-        out = engine.greedy(prompt, new_tokens, layout=layout, cache_dtype=cache_dtype)
-        if i == 0:
-            sample = out.tokens[0].tolist()
-        ref_logits = teacher_forced(engine, prompt, out.tokens)
-        eq = logit_stats(out.logits[0], ref_logits)
-        keep("eq", eq)
-        wrong = _first_true(ref_logits.argmax(-1) != out.tokens[0])
-        if i < full_prompts:  # the true uncached loop
-            loop = engine.greedy(prompt, new_tokens, layout=None)
-            agree = _first_true(loop.tokens[0] != out.tokens[0])
-            n_ok = new_tokens if agree is None else agree + 1  # logits agree in meaning up to the first split
-            full_max = max(full_max, (out.logits[0, :n_ok].float() - loop.logits[0, :n_ok].float()).abs().max().item())
-            full_identical &= agree is None
-            if agree is not None and (wrong is None or agree < wrong):
-                wrong = agree
-        if wrong is not None:
-            identical = False
-            if first_diff is None or wrong < first_diff:
-                first_diff, margin_at_diff = wrong, float(eq["ref_margin"][wrong])
-        if ref32 is not None:
-            ref = ref_logits if same_ref else teacher_forced(ref32, prompt, out.tokens)
-            keep("drift", logit_stats(out.logits[0], ref))
-            want = ref32.greedy(prompt, new_tokens, layout="prealloc").tokens[0]  # FP32 greedy (cached == uncached)
-            match_rates.append((want == out.tokens[0]).float().mean().item())
-            divergences.append(_first_true(want != out.tokens[0]))
 
-    steps = {k: torch.stack(v) for k, v in per_step.items()}  # (n_prompts, new_tokens) each
-    table = pd.DataFrame({"step": np.arange(new_tokens),
-                          "eq_max_abs_diff": steps["eq_max_abs"].amax(0).numpy(),
-                          "eq_top1_agreement": steps["eq_top1_agree"].mean(0).numpy()})
+def drift_check(ref32, prompt: torch.Tensor, out, ref_logits: torch.Tensor | None = None) -> dict:
+    """The same tokens through the FP32 full-attention model: per-step logit stats against it, and FP32's own greedy
+    tokens against ours (match rate, first divergence). ``ref_logits``: FP32's teacher-forced logits, if known."""
+    n = out.tokens.shape[1]
+    ref = teacher_forced(ref32, prompt, out.tokens) if ref_logits is None else ref_logits
+    want = ref32.greedy(prompt, n, layout=full_attention_kind()).tokens[0]
+    return dict(stats=logit_stats(out.logits[0], ref), match_rate=(want == out.tokens[0]).float().mean().item(),
+                first_divergence=_first_true(want != out.tokens[0]))
+
+
+DRIFT_KEYS = ("drift_max_abs", "drift_mean_abs", "drift_kl", "drift_top1_agreement", "drift_token_match_rate",
+              "drift_first_divergence_step")
+
+
+def generation_checks(engine, prompts: list[torch.Tensor], new_tokens: int, spec: CacheSpec, full_prompts: int,
+                      ref32=None, progress: bool = False) -> tuple[dict, pd.DataFrame]:
+    """Generate greedily with the cache ``spec`` from every prompt and check each generation.
+
+    Equivalence, against the kind's uncached reference in the same compute dtype: ``equivalence_check`` for every
+    prompt, ``full_loop_check`` for the first ``full_prompts``. Drift, when ``ref32`` (an FP32 engine) is given:
+    ``drift_check`` against FP32 full attention. Returns a flat summary dict and a per-step DataFrame (aggregated
+    over prompts)."""
+    reference = spec.reference
+    same = ref32 is engine and not reference  # the equivalence reference already is FP32 full attention
+    checks = []  # one record per prompt: its equivalence, full-loop and drift checks
+    for i, prompt in enumerate(tqdm(prompts, desc=f"generate+check ({spec.label})", disable=not progress)):
+        out = spec.greedy(engine, prompt, new_tokens)
+        eq = equivalence_check(engine, prompt, out, reference)
+        checks.append(dict(
+            tokens=out.tokens[0].tolist(), eq=eq["stats"], first_wrong=eq["first_wrong"],
+            loop=full_loop_check(engine, prompt, out, reference) if i < full_prompts else None,
+            drift=None if ref32 is None else drift_check(ref32, prompt, out, eq["ref_logits"] if same else None)))
+    summary, table = equivalence_summary(checks, new_tokens)
+    drift_summary, drift_table = drift_summary_of(checks, new_tokens)
+    summary.update(drift_summary, sample_tokens=checks[0]["tokens"])  # what the first prompt generated
+    return summary, table.join(drift_table)
+
+
+def equivalence_summary(checks: list[dict], new_tokens: int) -> tuple[dict, pd.DataFrame]:
+    """Per-prompt equivalence and full-loop checks -> the run's equivalence numbers and per-step table. A prompt's
+    first wrong step is the earlier of the teacher-forced mismatch and the full loop's first split."""
+    eq = _stack([c["eq"] for c in checks])  # (n_prompts, new_tokens) each
+    loops = [c["loop"] for c in checks if c["loop"] is not None]
+    firsts = [min((s for s in (c["first_wrong"], c["loop"] and c["loop"]["first_split"]) if s is not None),
+                  default=None) for c in checks]
+    wrong = [(step, i) for i, step in enumerate(firsts) if step is not None]
+    first_diff, at = min(wrong) if wrong else (None, None)
     summary = dict(
-        tokens_identical=identical,
-        max_abs_logit_diff=max(float(steps["eq_max_abs"].max()), full_max),
+        tokens_identical=not wrong,
+        max_abs_logit_diff=max([float(eq["max_abs"].max())] + [lp["max_abs"] for lp in loops]),
         first_diff_step=first_diff,
-        margin_at_first_diff=margin_at_diff,
-        min_ref_margin=float(steps["eq_ref_margin"].min()),
-        equivalence_method=f"teacher_forced({len(prompts)})+full_loop({full_prompts})",
-        teacher_forced_prompts=len(prompts),
-        full_loop_prompts=full_prompts,
-        full_loop_tokens_identical=full_identical if full_prompts else None,
-        sample_tokens=sample,  # what the first prompt generated
+        margin_at_first_diff=None if at is None else float(eq["ref_margin"][at, first_diff]),
+        min_ref_margin=float(eq["ref_margin"].min()),
+        equivalence_method=f"teacher_forced({len(checks)})+full_loop({len(loops)})",
+        teacher_forced_prompts=len(checks),
+        full_loop_prompts=len(loops),
+        full_loop_tokens_identical=all(lp["first_split"] is None for lp in loops) if loops else None,
     )
-    drift_keys = ("drift_max_abs", "drift_mean_abs", "drift_kl", "drift_top1_agreement",
-                  "drift_token_match_rate", "drift_first_divergence_step")
-    if ref32 is None:
-        summary.update(dict.fromkeys(drift_keys))
-        for col in ("drift_max_abs", "drift_mean_abs", "drift_kl", "drift_top1_agreement"):
-            table[col] = np.nan
-    else:
-        diverged = [d for d in divergences if d is not None]
-        summary.update(
-            drift_max_abs=float(steps["drift_max_abs"].max()),
-            drift_mean_abs=float(steps["drift_mean_abs"].mean()),
-            drift_kl=float(steps["drift_kl"].mean()),
-            drift_top1_agreement=float(steps["drift_top1_agree"].mean()),
-            drift_token_match_rate=float(np.mean(match_rates)),
-            drift_first_divergence_step=min(diverged) if diverged else None,
-        )
-        table["drift_max_abs"] = steps["drift_max_abs"].amax(0).numpy()
-        table["drift_mean_abs"] = steps["drift_mean_abs"].mean(0).numpy()
-        table["drift_kl"] = steps["drift_kl"].mean(0).numpy()
-        table["drift_top1_agreement"] = steps["drift_top1_agree"].mean(0).numpy()
+    table = pd.DataFrame({"step": np.arange(new_tokens), "eq_max_abs_diff": eq["max_abs"].amax(0).numpy(),
+                          "eq_top1_agreement": eq["top1_agree"].mean(0).numpy()})
     return summary, table
+
+
+def drift_summary_of(checks: list[dict], new_tokens: int) -> tuple[dict, pd.DataFrame]:
+    """Per-prompt drift checks -> the run's drift numbers and per-step columns (None / NaN without drift)."""
+    cols = ("drift_max_abs", "drift_mean_abs", "drift_kl", "drift_top1_agreement")
+    if checks[0]["drift"] is None:
+        return dict.fromkeys(DRIFT_KEYS), pd.DataFrame({c: np.full(new_tokens, np.nan) for c in cols})
+    d = _stack([c["drift"]["stats"] for c in checks])
+    diverged = [c["drift"]["first_divergence"] for c in checks if c["drift"]["first_divergence"] is not None]
+    summary = dict(
+        drift_max_abs=float(d["max_abs"].max()),
+        drift_mean_abs=float(d["mean_abs"].mean()),
+        drift_kl=float(d["kl"].mean()),
+        drift_top1_agreement=float(d["top1_agree"].mean()),
+        drift_token_match_rate=float(np.mean([c["drift"]["match_rate"] for c in checks])),
+        drift_first_divergence_step=min(diverged) if diverged else None,
+    )
+    table = pd.DataFrame({"drift_max_abs": d["max_abs"].amax(0).numpy(),
+                          "drift_mean_abs": d["mean_abs"].mean(0).numpy(), "drift_kl": d["kl"].mean(0).numpy(),
+                          "drift_top1_agreement": d["top1_agree"].mean(0).numpy()})
+    return summary, table
+
+
+def _stack(per_prompt: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per-prompt stats (each (n,)) -> one (n_prompts, n) tensor per stat, on the CPU."""
+    return {k: torch.stack([s[k].cpu() for s in per_prompt]) for k in per_prompt[0]}
 
 
 # ---- time ------------------------------------------------------------------------------------------------------
@@ -167,32 +232,34 @@ def _timed(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def step_times(engine, layout: str, cache_dtype, context_lengths: list[int], max_len: int, repeats: int,
-               warmup: int, device: torch.device, seed: int = 0, progress: bool = False) -> pd.DataFrame:
-    """Time one decode step at each context length: cached (a cache of ``layout`` holding ``ctx`` tokens, one token
-    decoded, then rewound so every repeat runs at exactly ``ctx``) and uncached (a full forward over ctx + 1 tokens
-    keeping the last logit: what one step costs without a cache). Median and spread over ``repeats`` after
-    ``warmup``; the device is synchronised around every clock read. speedup = uncached / cached median."""
+def step_times(engine, spec: CacheSpec, context_lengths: list[int], max_len: int, repeats: int, warmup: int,
+               device: torch.device, seed: int = 0, progress: bool = False) -> pd.DataFrame:
+    """Time one decode step at each context length: cached (a cache of ``spec`` holding ``ctx`` tokens, one token
+    decoded, then put back as it was, so every repeat runs at exactly ``ctx``) and uncached (the kind's reference
+    forward over ctx + 1 tokens keeping the last logit: what one step costs without a cache). Median and spread
+    over ``repeats`` after ``warmup``; the device is synchronised around every clock read. speedup = uncached /
+    cached median."""
     g = torch.Generator().manual_seed(seed)
     vocab = engine.model.config.vocab_size
+    reference = spec.reference
     rows = []
-    bar = tqdm(total=len(context_lengths) * 2 * (warmup + repeats), desc=f"step time ({layout})",
+    bar = tqdm(total=len(context_lengths) * 2 * (warmup + repeats), desc=f"step time ({spec.label})",
                disable=not progress)
     for ctx in context_lengths:
         seq = torch.randint(0, vocab, (1, ctx + 1), generator=g).to(device)
         prompt, token = seq[:, :ctx], seq[:, ctx:]
-        cache = engine.new_cache(layout, max_len=max_len, dtype=cache_dtype)
+        cache = spec.new(engine, max_len)
         engine.prefill(prompt, cache)
+        back = engine.checkpoint(cache)
 
         def cached_step():
             engine.decode(token, cache)
 
         def uncached_step():
-            engine.forward_last(seq)
+            engine.forward_last(seq, **reference)
 
         timings = {}
-        for mode, fn, after in (("cached", cached_step, lambda: engine.rewind(cache, 1)),
-                                ("uncached", uncached_step, lambda: None)):
+        for mode, fn, after in (("cached", cached_step, back), ("uncached", uncached_step, lambda: None)):
             ts = []
             for r in range(warmup + repeats):
                 dt = _timed(fn, device)
@@ -208,10 +275,10 @@ def step_times(engine, layout: str, cache_dtype, context_lengths: list[int], max
     return pd.DataFrame(rows)
 
 
-def time_to_first_token(engine, layout: str, cache_dtype, prompt: torch.Tensor, max_len: int, repeats: int,
-                        warmup: int, device: torch.device) -> dict:
+def time_to_first_token(engine, spec: CacheSpec, prompt: torch.Tensor, max_len: int, repeats: int, warmup: int,
+                        device: torch.device) -> dict:
     """Prefill of ``prompt`` into an empty cache (last position's logits only): median and spread."""
-    cache = engine.new_cache(layout, max_len=max_len, dtype=cache_dtype)
+    cache = spec.new(engine, max_len)
 
     def once():
         engine.reset(cache)
@@ -224,22 +291,38 @@ def time_to_first_token(engine, layout: str, cache_dtype, prompt: torch.Tensor, 
 
 # ---- memory ----------------------------------------------------------------------------------------------------
 
-def cache_memory(engine, layout: str, cache_dtype, prompt: torch.Tensor, new_tokens: int, max_len: int) -> dict:
+def cache_memory(engine, spec: CacheSpec, prompt: torch.Tensor, new_tokens: int, max_len: int,
+                 curve_points: int = 64) -> tuple[dict, pd.DataFrame]:
     """Fill a cache with a prompt and ``new_tokens - 1`` decode steps (what one generation stores) and compare its
-    bytes with the formula: concat holds the tokens it stored, prealloc owns ``max_len`` slots from the start."""
-    cache = engine.new_cache(layout, max_len=max_len, dtype=cache_dtype)
+    bytes with the kind's formula, computed from the inputs and the ASKED storage dtype (not the cache's own
+    bookkeeping). Also returns bytes vs tokens: measured after the prefill and every step, and the formula at
+    ``curve_points`` lengths out to ``max_len`` (where the generation does not reach)."""
+    c, cls, opts = engine.model.config, spec.cls, spec.opts
+    dtype = spec.dtype or next(engine.model.parameters()).dtype
+    B = prompt.shape[0]
+
+    def formula(n: int) -> int:
+        return cls.nbytes_formula(c.n_layer, c.n_head, c.head_dim, max_len, B, dtype, n, opts)
+
+    cache = spec.new(engine, max_len, B)
     logits = engine.prefill(prompt, cache, last_only=True)
-    for _ in range(new_tokens - 1):
+    measured = {prompt.shape[1]: engine.nbytes(cache)}
+    for i in range(new_tokens - 1):
         logits = engine.decode(logits[:, -1:].argmax(-1), cache)
-    c = engine.model.config
+        measured[prompt.shape[1] + i + 1] = engine.nbytes(cache)
     filled = prompt.shape[1] + new_tokens - 1  # from the inputs, not from the cache's own bookkeeping
-    held = filled if layout == "concat" else max_len
-    predicted = kv_bytes(c.n_layer, c.n_head, c.head_dim, held, prompt.shape[0], cache_dtype)
-    measured = engine.nbytes(cache)
-    return dict(cache_nbytes=measured, predicted_nbytes=predicted, nbytes_match=measured == predicted,
-                cache_tokens=held, cache_filled_tokens=filled,
-                bytes_per_token=kv_bytes(c.n_layer, c.n_head, c.head_dim, 1, 1, cache_dtype),
-                measured_bytes_per_token=measured / held)
+    held = cls.held_tokens(max_len, filled, opts)
+    predicted = formula(filled)
+    grid = sorted(set(np.linspace(0, max_len, curve_points).round().astype(int).tolist()) | set(measured))
+    curve = pd.DataFrame({"tokens": grid, "nbytes_formula": [formula(n) for n in grid],
+                          "nbytes_measured": [measured.get(n, np.nan) for n in grid]})
+    rec = dict(cache_nbytes=measured[filled], predicted_nbytes=predicted, nbytes_match=measured[filled] == predicted,
+               cache_tokens=held, cache_filled_tokens=filled,
+               bytes_per_token=cls.bytes_per_token(c.n_layer, c.n_head, c.head_dim, dtype, opts),
+               measured_bytes_per_token=measured[filled] / held,
+               nbytes_curve_match=all(curve.nbytes_formula[curve.nbytes_measured.notna()]
+                                      == curve.nbytes_measured.dropna()))
+    return rec, curve
 
 
 def reset_peak_memory(device: torch.device) -> bool:

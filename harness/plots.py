@@ -1,27 +1,33 @@
 """Figures for the KV-cache experiments, drawn from the tidy results tables (never from files).
 
-Inputs are three DataFrames: ``runs`` (one row per run), ``steps`` (decode-step timing per run, context length and
-mode) and ``drift`` (per-step numeric drift of a reduced-precision run against fp32). Rows whose ``status`` is not
-"ok" are dropped before anything is drawn. Every function returns a matplotlib Figure; nothing is shown or saved.
+Inputs are four DataFrames: ``runs`` (one row per run), ``steps`` (decode-step timing per run, context length and
+mode), ``drift`` (per decode step: equivalence, and drift against fp32 full attention) and ``memory`` (cache bytes vs
+tokens). Rows whose ``status`` is not "ok" are dropped before anything is drawn. A run's cache is shown by its
+``cache_label`` (kind + options: "quant k4/v8 g32", "window S4+W256"), so two settings of one kind are two series;
+kinds are ordered as the registry lists them. Every function returns a matplotlib Figure; nothing is shown or saved.
 
     step_time_plot(steps)     time of ONE decode step (ms, log) against context length (tokens, log2): a line per
-                              cache layout ("cached (concat)", "cached (prealloc)") plus the "uncached" full forward,
-                              which every run measures and is therefore averaged per (model, dtype, context).
-                              The band is the p10-p90 spread. Columns are models, rows dtypes.
-    speedup_plot(steps)       uncached / cached step time against context length: colour = cache layout, line style
+                              cache ("cached (prealloc)", "cached (quant k4/v4 g32)", ...) plus the "uncached" full
+                              forward, which every run measures and is therefore averaged per (model, dtype,
+                              context). The band is the p10-p90 spread. Columns are models, rows dtypes.
+    speedup_plot(steps)       uncached / cached step time against context length: colour = cache, line style
                               = dtype, one panel per model. The dotted line at 1x is break-even.
     cache_bytes_plot(runs)    (a) measured cache bytes next to the formula's prediction, one bar pair per run
-                              (a red ✗ over a run where they differ); (b) formula KV bytes per cached token by
-                              model and dtype.
-    drift_plot(drift)         how far reduced-precision (fp16/bf16) logits drift from fp32, per decode step:
-                              KL(fp32 ‖ reduced), max |Δlogit| and top-1 agreement; colour = dtype, line style =
-                              cache layout, one line per run, one row of panels per model. fp32 runs are left out;
-                              with none left the figure just says so.
-    equivalence_grid(runs)    cached-vs-uncached check as a heatmap: rows = model, columns = cache/dtype, colour =
-                              max |Δlogit| (log scale), each cell annotated with the value and ✓/✗ for whether the
-                              generated tokens were identical. Several runs in one cell show the worst of them.
-    all_figures(runs, steps, drift)   all of the above keyed by file stem; a figure whose input table has no ok
-                              rows is left out of the dict.
+                              (a red ✗ over a run where they differ); (b) KV bytes per cached token by model,
+                              cache and dtype (caches that cost the same share a bar).
+    memory_plot(memory)       cache bytes held vs tokens in the sequence: the kind's formula out to max_len as a
+                              line, the bytes measured during generation as dots; concat grows, prealloc is flat
+                              at max_len, window flat at sinks + window, quant a fraction of prealloc.
+    drift_plot(drift)         how far logits drift from fp32 full attention per decode step (reduced precision,
+                              lossy or windowed caches): KL(fp32 ‖ run), max |Δlogit| and top-1 agreement;
+                              colour = cache, line style = dtype, one line per run, one row of panels per model.
+                              Runs without drift are left out; with none left the figure just says so.
+    equivalence_grid(runs)    cached-vs-reference check as a heatmap: rows = model, columns = cache/dtype, colour =
+                              max |Δlogit| (log scale), each cell annotated with the value, ✓/✗ for whether the
+                              generated tokens were identical, and "lossy" for lossy kinds (whose difference is
+                              their error). Several runs in one cell show the worst of them.
+    all_figures(runs, steps, drift, memory)   all of the above keyed by file stem; a figure whose input table has
+                              no ok rows is left out of the dict.
 
 When runs from more than one device are mixed, the dtype label becomes "dtype · device" wherever timings or drift
 are grouped by dtype (a CPU and a GPU step time must not be averaged together).
@@ -43,24 +49,20 @@ from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import NullLocator, ScalarFormatter  # noqa: E402
 
+from models.kv_cache import CACHE_KINDS  # noqa: E402
+
 # known levels in a sensible order; anything unknown goes after them, sorted
 MODEL_ORDER = ["tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
-CACHE_ORDER = ["concat", "prealloc"]
+CACHE_ORDER = list(CACHE_KINDS)  # the registry's order; a kind's runs are labelled "<kind> <options>"
 DTYPE_ORDER = ["fp32", "fp16", "bf16"]
 
 _C = sns.color_palette("tab10")
-SERIES_STYLE = {  # step_time_plot lines: (colour, line style)
-    "cached (concat)": (_C[0], "-"),
-    "cached (prealloc)": (_C[1], "-"),
-    "uncached": ((0.4, 0.4, 0.4), "--"),
-}
-CACHE_COLOR = {"concat": _C[0], "prealloc": _C[1]}
+UNCACHED_STYLE = ((0.4, 0.4, 0.4), "--")
 DASHES = ["-", "--", ":", "-."]
 MARKERS = ["o", "s", "^", "D"]
-DTYPE_COLOR = {"fp16": _C[2], "bf16": _C[4], "fp32": _C[7]}
 
 METRICS = [  # drift_plot panels: (column, axis label)
-    ("drift_kl", "KL(fp32 ‖ reduced) (nats)"),
+    ("drift_kl", "KL(fp32 ‖ run) (nats)"),
     ("drift_max_abs", "max |Δlogit| (logit units)"),
     ("drift_top1_agreement", "top-1 agreement (fraction)"),
 ]
@@ -71,13 +73,30 @@ METRICS = [  # drift_plot panels: (column, axis label)
 
 
 def _ok(df: pd.DataFrame) -> pd.DataFrame:
-    """Only the rows of successful runs."""
-    return df[df["status"] == "ok"] if "status" in df else df
+    """Only the rows of successful runs, with ``cache`` holding the run's cache label (kind + options) where the
+    table has one, so two settings of one kind are two series."""
+    df = df[df["status"] == "ok"] if "status" in df else df
+    if "cache_label" in df and "cache" in df:
+        df = df.assign(cache=df["cache_label"].fillna(df["cache"]))
+    return df
 
 
 def _levels(values, known: list[str]) -> list[str]:
     present = set(values.dropna())
     return [v for v in known if v in present] + sorted(present - set(known))
+
+
+def _cache_levels(values) -> list[str]:
+    """Cache labels in the registry's order of their kinds, then by label."""
+    def key(label: str):
+        kind = label.split(" ")[0].split("(")[0]
+        return (CACHE_ORDER.index(kind) if kind in CACHE_ORDER else len(CACHE_ORDER), label)
+
+    return sorted(set(values.dropna()), key=key)
+
+
+def _cache_color(levels: list[str], cache: str):
+    return _C[levels.index(cache) % len(_C)] if cache in levels else "k"
 
 
 def _with_prec(df: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
@@ -141,6 +160,7 @@ def step_time_plot(steps: pd.DataFrame) -> Figure:
         return _message_figure("no ok runs with step timings")
     df, precs = _with_prec(df)
     models = _levels(df["model"], MODEL_ORDER)
+    caches = _cache_levels(df["cache"])
     fig, axes = plt.subplots(len(precs), len(models), figsize=(4 * len(models) + 2, 3.2 * len(precs)),
                              squeeze=False, sharex=True, sharey=True, layout="constrained")
     cols = ["ms_median", "ms_p10", "ms_p90"]
@@ -149,14 +169,14 @@ def step_time_plot(steps: pd.DataFrame) -> Figure:
             ax = axes[i, j]
             sub = df[(df["model"] == model) & (df["prec"] == prec)]
             cached = sub[sub["mode"] == "cached"]
-            series = {f"cached ({c})": g.groupby("context_len", as_index=False)[cols].mean()
-                      for c, g in cached.groupby("cache")}
+            series = {f"cached ({c})": (g.groupby("context_len", as_index=False)[cols].mean(),
+                                        (_cache_color(caches, c), "-")) for c, g in cached.groupby("cache")}
             # every run also timed the uncached forward: average those duplicates per context
-            series["uncached"] = sub[sub["mode"] == "uncached"].groupby("context_len", as_index=False)[cols].mean()
-            for name, d in series.items():
+            series["uncached"] = (sub[sub["mode"] == "uncached"].groupby("context_len", as_index=False)[cols].mean(),
+                                  UNCACHED_STYLE)
+            for name, (d, (color, ls)) in series.items():
                 if d.empty:
                     continue
-                color, ls = SERIES_STYLE.get(name, ("k", "-"))
                 _line(ax, d, "context_len", "ms_median", name, color=color, linestyle=ls, marker="o")
                 ax.fill_between(d["context_len"], d["ms_p10"], d["ms_p90"], color=color, alpha=0.15, linewidth=0)
             ax.set_title(f"{model} · {prec}")
@@ -177,17 +197,18 @@ def speedup_plot(steps: pd.DataFrame) -> Figure:
     df, precs = _with_prec(df)
     df = df[df["mode"] == "cached"]  # speedup is repeated on both rows of a context; one is enough
     models = _levels(df["model"], MODEL_ORDER)
+    caches = _cache_levels(df["cache"])
     fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models) + 2, 3.5), squeeze=False, sharex=True,
                              sharey=True, layout="constrained")
     for j, model in enumerate(models):
         ax = axes[0, j]
         sub = df[df["model"] == model]
-        for cache, (k, prec) in itertools.product(_levels(sub["cache"], CACHE_ORDER), enumerate(precs)):
+        for cache, (k, prec) in itertools.product(_cache_levels(sub["cache"]), enumerate(precs)):
             g = sub[(sub["cache"] == cache) & (sub["prec"] == prec)]
             if g.empty:
                 continue
             d = g.groupby("context_len", as_index=False)["speedup"].mean()
-            _line(ax, d, "context_len", "speedup", f"{cache} · {prec}", color=CACHE_COLOR.get(cache, "k"),
+            _line(ax, d, "context_len", "speedup", f"{cache} · {prec}", color=_cache_color(caches, cache),
                   linestyle=DASHES[k % len(DASHES)], marker=MARKERS[k % len(MARKERS)])
         ax.axhline(1.0, color="0.5", linestyle=":", linewidth=1, label="_break-even")
         ax.set_title(model)
@@ -211,7 +232,7 @@ def _run_labels(df: pd.DataFrame) -> pd.Series:
 
 
 def cache_bytes_plot(runs: pd.DataFrame) -> Figure:
-    """(a) measured vs predicted cache bytes per run; (b) KV bytes per cached token by model and dtype."""
+    """(a) measured vs predicted cache bytes per run; (b) KV bytes per cached token by model, cache and dtype."""
     df = _ok(runs).copy()
     if df.empty:
         return _message_figure("no ok runs")
@@ -240,27 +261,31 @@ def cache_bytes_plot(runs: pd.DataFrame) -> Figure:
     a.set_title("(a) KV-cache bytes: measured vs formula")
     a.legend(title=None, frameon=False)
 
-    # (b) bytes per token is a property of (model, dtype), the same for every cache layout
-    bpt = df.groupby(["model", "dtype"], as_index=False)["bytes_per_token"].max()
-    sns.barplot(data=bpt, x="model", y="bytes_per_token", hue="dtype", order=models, hue_order=dtypes,
-                errorbar=None, ax=b)
+    # (b) bytes per token is a property of (model, dtype, kind): caches that cost the same share a bar
+    bpt = (df.groupby(["model", "dtype", "bytes_per_token"])["cache"]
+           .agg(lambda c: ", ".join(_cache_levels(c))).reset_index())
+    bpt["series"] = bpt["cache"] + " · " + bpt["dtype"]
+    sns.barplot(data=bpt, x="model", y="bytes_per_token", hue="series", order=models,
+                hue_order=sorted(bpt["series"].unique()), errorbar=None, ax=b)
     _log_y_if_decades(b, bpt["bytes_per_token"])
     b.set_xlabel("model")
     b.set_ylabel("KV bytes per cached token (bytes)")
     b.set_title("(b) bytes per cached token")
-    b.legend(title="dtype", frameon=False)
+    b.legend(title="cache · dtype", frameon=False, fontsize="small")
     return fig
 
 
 def drift_plot(drift: pd.DataFrame) -> Figure:
-    """Reduced-precision drift from fp32 per decode step: KL, max |Δlogit|, top-1 agreement; a row per model."""
+    """Drift from fp32 full attention per decode step (reduced precision, lossy or windowed caches): KL, max
+    |Δlogit|, top-1 agreement; a row per model, colour = cache, line style = dtype."""
     df = _ok(drift)
-    df = df[df["dtype"] != "fp32"]
+    df = df[df["drift_kl"].notna()] if "drift_kl" in df else df.iloc[0:0]
     if df.empty:
-        return _message_figure("no reduced-precision runs (fp16/bf16): nothing drifts from fp32")
+        return _message_figure("no reduced-precision runs (fp16/bf16) and no lossy or windowed caches:\n"
+                               "nothing drifts from fp32 full attention")
     df, precs = _with_prec(df)
     models = _levels(df["model"], MODEL_ORDER)
-    caches = _levels(df["cache"], CACHE_ORDER)
+    caches = _cache_levels(df["cache"])
     fig, axes = plt.subplots(len(models), len(METRICS), figsize=(4.2 * len(METRICS) + 2, 3.2 * len(models)),
                              squeeze=False, sharex=True, layout="constrained")
     for i, model in enumerate(models):
@@ -269,9 +294,8 @@ def drift_plot(drift: pd.DataFrame) -> Figure:
             ax = axes[i, j]
             for _, g in sub.groupby("run_name"):  # one line per run, never averaged across runs
                 prec, cache = g["prec"].iloc[0], g["cache"].iloc[0]
-                color = DTYPE_COLOR.get(g["dtype"].iloc[0], _C[precs.index(prec) % 10])
-                _line(ax, g.sort_values("step"), "step", col, f"{prec} · {cache}", color=color,
-                      linestyle=DASHES[caches.index(cache) % len(DASHES)])
+                _line(ax, g.sort_values("step"), "step", col, f"{prec} · {cache}", color=_cache_color(caches, cache),
+                      linestyle=DASHES[precs.index(prec) % len(DASHES)])
             if col == "drift_top1_agreement":
                 ax.set_ylim(-0.02, 1.02)
             else:
@@ -279,7 +303,7 @@ def drift_plot(drift: pd.DataFrame) -> Figure:
             ax.set_title(f"{model}: {ylabel.split(' (')[0]}")
             ax.set_xlabel("decode step (tokens generated)")
             ax.set_ylabel(ylabel)
-    fig.suptitle("Reduced-precision drift from fp32 per decode step (colour = dtype, line style = cache)")
+    fig.suptitle("Drift from fp32 full attention per decode step (colour = cache, line style = dtype)")
     _fig_legend(fig, axes)
     return fig
 
@@ -291,17 +315,18 @@ def equivalence_grid(runs: pd.DataFrame) -> Figure:
         return _message_figure("no ok runs")
     df["cell"] = df["cache"] + "/" + df["dtype"]
     models = _levels(df["model"], MODEL_ORDER)
-    cells = [f"{c}/{d}" for c in _levels(df["cache"], CACHE_ORDER) for d in _levels(df["dtype"], DTYPE_ORDER)]
+    cells = [f"{c}/{d}" for c in _cache_levels(df["cache"]) for d in _levels(df["dtype"], DTYPE_ORDER)]
     cells = [c for c in cells if c in set(df["cell"])]
     # several runs in one cell (e.g. two devices): show the worst
     diff = df.pivot_table(index="model", columns="cell", values="max_abs_logit_diff", aggfunc="max")
     same = df.groupby(["model", "cell"])["tokens_identical"].all().unstack()
     diff, same = diff.reindex(index=models, columns=cells), same.reindex(index=models, columns=cells)
+    lossy = set(df.loc[df["cache_exact"] == False, "cell"]) if "cache_exact" in df else set()  # noqa: E712
 
     annot = np.full(diff.shape, "", dtype=object)
     for (i, j), v in np.ndenumerate(diff.to_numpy()):
         if not np.isnan(v):
-            annot[i, j] = f"{v:.1e}\n" + ("✓" if same.iat[i, j] else "✗")
+            annot[i, j] = f"{v:.1e}\n" + ("✓" if same.iat[i, j] else "✗") + ("\nlossy" if cells[j] in lossy else "")
     pos = diff.to_numpy()[diff.to_numpy() > 0]  # log colour needs positive values; exact zeros are left uncoloured
     norm = LogNorm(pos.min(), pos.max()) if pos.size and pos.max() > pos.min() else None
 
@@ -310,19 +335,50 @@ def equivalence_grid(runs: pd.DataFrame) -> Figure:
                 cbar_kws={"label": "max |Δlogit| (logit units)"})
     ax.set_xlabel("cache / dtype")
     ax.set_ylabel("model")
-    ax.set_title("Cached vs uncached: max |Δlogit|, ✓ = identical tokens")
+    ax.set_title("Cached vs the kind's uncached reference: max |Δlogit|, ✓ = identical tokens")
     return fig
 
 
-def all_figures(runs: pd.DataFrame, steps: pd.DataFrame, drift: pd.DataFrame) -> dict[str, Figure]:
+def memory_plot(memory: pd.DataFrame) -> Figure:
+    """Cache bytes vs tokens in the sequence: a line per cache (and dtype) from the kind's formula, out to max_len,
+    and dots where a generation measured them; one panel per model."""
+    df = _ok(memory)
+    if df.empty:
+        return _message_figure("no ok runs with a memory table")
+    df, precs = _with_prec(df)
+    models = _levels(df["model"], MODEL_ORDER)
+    caches = _cache_levels(df["cache"])
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models) + 2, 4), squeeze=False, layout="constrained")
+    for j, model in enumerate(models):
+        ax = axes[0, j]
+        sub = df[df["model"] == model]
+        for (cache, prec), g in sub.groupby(["cache", "prec"]):
+            curve = g.groupby("tokens", as_index=False)[["nbytes_formula", "nbytes_measured"]].max()
+            name = f"{cache} · {prec}" if len(precs) > 1 else cache
+            color, ls = _cache_color(caches, cache), DASHES[precs.index(prec) % len(DASHES)]
+            _line(ax, curve, "tokens", "nbytes_formula", name, color=color, linestyle=ls)
+            pts = curve[curve["nbytes_measured"].notna()]
+            ax.scatter(pts["tokens"], pts["nbytes_measured"], color=color, s=12, zorder=3, label="_measured")
+        _log_y_if_decades(ax, sub["nbytes_formula"])
+        ax.set_title(model)
+        ax.set_xlabel("tokens in the sequence (prompt + generated)")
+        ax.set_ylabel("cache bytes held (bytes)")
+    fig.suptitle("KV-cache bytes vs tokens (line: the kind's formula, dots: measured during generation)")
+    _fig_legend(fig, axes)
+    return fig
+
+
+def all_figures(runs: pd.DataFrame, steps: pd.DataFrame, drift: pd.DataFrame,
+                memory: pd.DataFrame | None = None) -> dict[str, Figure]:
     """Every figure keyed by file stem. A figure whose input table has no ok rows is skipped (absent from the dict).
 
-    "drift" is still made when its ok rows are all fp32: it then says there are no reduced-precision runs.
+    "drift" is still made when none of its ok rows drifts: it then says so.
     """
     makers = {
         "step_time": (step_time_plot, steps),
         "speedup": (speedup_plot, steps),
         "cache_bytes": (cache_bytes_plot, runs),
+        "memory": (memory_plot, memory),
         "drift": (drift_plot, drift),
         "equivalence": (equivalence_grid, runs),
     }

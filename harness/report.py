@@ -7,9 +7,9 @@ hand on any outputs/ folder:
     python -m harness.report outputs/ --out /tmp/all-runs --wandb disabled
 
 ``report/`` holds results.parquet/.csv (one row per run), steps.parquet/.csv (step times), drift.parquet/.csv
-(per decode step), a PNG per plot and report.html (tables, images embedded, fingerprints, weights: opens with no
-network). Unless tracking is disabled, one W&B run with job_type "aggregate" in the sweep's group gets the plots
-and the table.
+(per decode step), memory.parquet/.csv (cache bytes vs tokens), a PNG per plot and report.html (tables, images
+embedded, fingerprints, weights: opens with no network). Unless tracking is disabled, one W&B run with job_type
+"aggregate" in the sweep's group gets the plots and the table.
 """
 
 from __future__ import annotations
@@ -26,18 +26,21 @@ from hydra.experimental.callback import Callback
 
 from harness import experiment, plots, results, tracking
 
-SUMMARY_COLS = ["run_name", "status", "model", "cache", "dtype", "device", "tokens_identical", "max_abs_logit_diff",
+SUMMARY_COLS = ["run_name", "status", "model", "cache_label", "dtype", "device", "cache_exact", "tokens_identical",
+                "max_abs_logit_diff",
                 "nbytes_match", "cache_nbytes", "bytes_per_token", "drift_kl", "drift_top1_agreement",
                 "drift_token_match_rate", "ttft_ms", "step_ms_cached_at_max_context",
                 "step_ms_uncached_at_max_context", "speedup_at_max_context"]  # errors: in the failed-runs table
 FINGERPRINT_COLS = ["torch_version", "device_name", "threads", "attn_backend", "tf32", "git_commit", "weights",
                     "python_version"]
 CAPTIONS = {
-    "step_time": "Decode-step time vs context length: cached (by layout) vs uncached (full recompute).",
+    "step_time": "Decode-step time vs context length: cached (by cache) vs uncached (full recompute).",
     "speedup": "Speedup of a cached decode step over the uncached one (uncached / cached).",
     "cache_bytes": "Cache bytes: measured vs the formula, and bytes per cached token.",
-    "drift": "Reduced-precision drift vs fp32 per decode step: KL, max |Δlogit|, top-1 agreement.",
-    "equivalence": "Cached vs uncached: max |Δlogit| per model × cache/dtype; ✓ = identical greedy tokens.",
+    "memory": "Cache bytes held vs tokens in the sequence: the kind's formula (line), measured (dots).",
+    "drift": "Drift vs fp32 full attention per decode step: KL, max |Δlogit|, top-1 agreement.",
+    "equivalence": "Cached vs the kind's uncached reference: max |Δlogit| per model × cache/dtype; ✓ = identical "
+                   "greedy tokens.",
 }
 
 
@@ -57,11 +60,12 @@ def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dic
                      "measure the cache exactly (speed, bytes, equivalence, drift) but generate no meaningful "
                      "text.</p>")
     if len(failed):
-        parts += ["<h2>Failed runs</h2>", _table(failed[[c for c in ("run_name", "model", "cache", "dtype",
+        parts += ["<h2>Failed runs</h2>", _table(failed[[c for c in ("run_name", "model", "cache_label", "dtype",
                                                                    "device", "error") if c in failed]])]
     parts += ["<h2>Runs</h2>", _table(runs[[c for c in SUMMARY_COLS if c in runs]])]
     if len(steps):
-        pivot = steps.pivot_table(index=["model", "device", "dtype", "cache", "mode"], columns="context_len",
+        index = ["model", "device", "dtype", "cache_label" if "cache_label" in steps else "cache", "mode"]
+        pivot = steps.pivot_table(index=index, columns="context_len",
                                   values="ms_median", aggfunc="median").reset_index()
         pivot.columns = [f"ctx {c} (ms)" if isinstance(c, (int, float)) else c for c in pivot.columns]
         parts += ["<h2>Decode-step time (median ms)</h2>", _table(pivot)]
@@ -85,16 +89,17 @@ def build_report(path: str | Path, out: str | Path | None = None) -> dict:
     path = Path(path)
     out = Path(out) if out else path / "report"
     runs, steps, drift = results.load_runs(path), results.load_steps(path), results.load_drift(path)
+    memory = results.load_memory(path)
     if runs.empty:
         raise FileNotFoundError(f"{path}: no runs (no results.json) found under it")
     out.mkdir(parents=True, exist_ok=True)
     tables = []
-    for stem, df in (("results", runs), ("steps", steps), ("drift", drift)):
+    for stem, df in (("results", runs), ("steps", steps), ("drift", drift), ("memory", memory)):
         tables += results.save_table(df, out, stem)
     images = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # matplotlib's glyph warnings for ✓/✗ on minimal fonts
-        for stem, fig in plots.all_figures(runs, steps, drift).items():
+        for stem, fig in plots.all_figures(runs, steps, drift, memory).items():
             images[stem] = out / f"{stem}.png"
             fig.savefig(images[stem], dpi=110, bbox_inches="tight")
             plots.plt.close(fig)

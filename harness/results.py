@@ -4,6 +4,7 @@
     runs = load_runs("outputs/multirun")     # one row per run: config columns, metrics, fingerprint, status
     steps = load_steps("outputs/multirun")   # one row per (run, context length, cached/uncached): step times
     drift = load_drift("outputs/multirun")   # one row per (run, decode step): equivalence and drift vs fp32
+    memory = load_memory("outputs/multirun") # one row per (run, tokens): cache bytes, formula and measured
 
 A run is a folder with a ``results.json`` (written last, atomically, by every run, failed ones included). A Hydra
 job folder without one (a run that was killed, or is still going) is skipped with a warning; a failed run is kept,
@@ -18,13 +19,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.tracking import DRIFT, RESULTS, STEPS
+from harness.tracking import DRIFT, MEMORY, RESULTS, STEPS
 
 # the columns that say which run a row belongs to, first in every table
-KEYS = ["run_name", "group", "status", "model", "cache", "dtype", "device"]
+KEYS = ["run_name", "group", "status", "model", "cache", "cache_label", "dtype", "device"]
 # the readable order of the runs table; everything else follows, alphabetically
-FIRST = KEYS + ["error", "experiment", "weights", "tokens_identical", "max_abs_logit_diff", "first_diff_step",
-                "nbytes_match", "cache_nbytes", "predicted_nbytes", "bytes_per_token", "drift_kl",
+FIRST = KEYS + ["error", "experiment", "weights", "cache_exact", "tokens_identical", "max_abs_logit_diff",
+                "first_diff_step", "nbytes_match", "cache_nbytes", "predicted_nbytes", "bytes_per_token", "drift_kl",
                 "drift_max_abs", "drift_top1_agreement", "drift_token_match_rate", "ttft_ms",
                 "step_ms_cached_at_max_context", "step_ms_uncached_at_max_context", "speedup_at_max_context"]
 SKIP_DIRS = {"wandb", "report", ".hydra"}
@@ -100,6 +101,12 @@ def load_steps(path: str | Path) -> pd.DataFrame:
 def load_drift(path: str | Path) -> pd.DataFrame:
     """Per decode step: eq_max_abs_diff (cached vs uncached) and drift_* vs fp32 (NaN for fp32 runs)."""
     return _long(path, DRIFT)
+
+
+def load_memory(path: str | Path) -> pd.DataFrame:
+    """Cache bytes vs tokens: one row per (run, tokens) with nbytes_formula and nbytes_measured (NaN where the
+    generation did not reach that length)."""
+    return _long(path, MEMORY)
 
 
 def save_table(df: pd.DataFrame, folder: str | Path, stem: str) -> list[Path]:

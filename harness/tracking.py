@@ -1,7 +1,8 @@
 """Where results go: the run's own files (written atomically) and Weights & Biases (offline by default).
 
 Files in the run's folder: ``steps.csv`` (decode-step time per context length, cached and uncached), ``drift.csv``
-(equivalence and drift per decode step) and ``results.json`` (one flat record), written last: a folder with a
+(equivalence and drift per decode step), ``memory.csv`` (cache bytes vs tokens: formula, and measured where the
+generation reached) and ``results.json`` (one flat record), written last: a folder with a
 results.json is a finished run. Every file goes to a temporary name first and is renamed into place, so a crash
 never leaves a half-written one.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-RESULTS, STEPS, DRIFT = "results.json", "steps.csv", "drift.csv"
+RESULTS, STEPS, DRIFT, MEMORY = "results.json", "steps.csv", "drift.csv", "memory.csv"
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
@@ -44,9 +45,10 @@ def _jsonable(v):
     return v
 
 
-def write_run_files(run_dir: Path, record: dict, steps: pd.DataFrame | None, drift: pd.DataFrame | None) -> None:
+def write_run_files(run_dir: Path, record: dict, steps: pd.DataFrame | None, drift: pd.DataFrame | None,
+                    memory: pd.DataFrame | None = None) -> None:
     run_dir = Path(run_dir)
-    for name, df in ((STEPS, steps), (DRIFT, drift)):
+    for name, df in ((STEPS, steps), (DRIFT, drift), (MEMORY, memory)):
         if df is not None:
             _atomic_write(run_dir / name, lambda f, df=df: df.to_csv(f, index=False))
     clean = {k: _jsonable(v) for k, v in record.items()}
@@ -73,9 +75,11 @@ def _where(run, mode: str) -> str:
 
 
 def log_wandb(mode: str, project: str, entity: str | None, group: str, name: str, run_dir: Path, config: dict,
-              record: dict, steps: pd.DataFrame | None, drift: pd.DataFrame | None) -> str:
+              record: dict, steps: pd.DataFrame | None, drift: pd.DataFrame | None,
+              memory: pd.DataFrame | None = None) -> str:
     """One W&B run, finished before returning: config = the resolved config, summary = the record, history = one
-    row per decode step (equivalence and drift), Tables of the step-time and drift rows. Returns where it went."""
+    row per decode step (equivalence and drift), Tables of the step-time, drift and memory rows. Returns where it
+    went."""
     if mode == "disabled":
         return "disabled"
     wandb, run = _wandb_run(mode, project, entity, group, name, Path(run_dir), config, "run")
@@ -90,6 +94,8 @@ def log_wandb(mode: str, project: str, entity: str | None, group: str, name: str
             run.log({"drift_table": wandb.Table(dataframe=drift)})
         if steps is not None:
             run.log({"step_time_table": wandb.Table(dataframe=steps)})
+        if memory is not None:
+            run.log({"memory_table": wandb.Table(dataframe=memory)})
         run.summary.update({k: _jsonable(v) for k, v in record.items()})
         where = _where(run, mode)
     finally:

@@ -2,7 +2,8 @@
 
 Prefill runs the whole prompt through the model once and fills the cache; a decode step runs exactly one token per
 sequence through every layer and attends over the cached history. ``greedy(..., layout=None)`` is the uncached
-baseline: it re-runs the whole context every step and keeps only the last position's logits.
+baseline: it re-runs the whole context every step and keeps only the last position's logits. Any cache kind of
+``models.kv_cache.CACHE_KINDS`` plugs in by name.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def new_cache(model: GPT2, layout: str, max_len: int, batch: int = 1, dtype=None) -> KVCache:
-    """An empty cache shaped for ``model``; storage dtype defaults to the model's compute dtype."""
+def new_cache(model: GPT2, kind: str, max_len: int, batch: int = 1, dtype=None, **options) -> KVCache:
+    """An empty cache of ``kind`` shaped for ``model``; storage dtype defaults to the model's compute dtype;
+    ``options`` are the kind's own."""
     c = model.config
-    return make_cache(layout, c.n_layer, c.n_head, c.head_dim, max_len, batch,
-                      dtype=dtype or model_dtype(model), device=model_device(model))
+    return make_cache(kind, c.n_layer, c.n_head, c.head_dim, max_len, batch,
+                      dtype=dtype or model_dtype(model), device=model_device(model), **options)
 
 
 @torch.inference_mode()
@@ -90,19 +92,22 @@ def greedy_uncached(forward_last, idx: torch.Tensor, max_new_tokens: int) -> Gre
 
 @torch.inference_mode()
 def greedy(model: GPT2, prompt_ids, max_new_tokens: int, layout: str | None = None, cache_dtype=None,
-           max_len: int | None = None) -> GreedyOutput:
+           max_len: int | None = None, **options) -> GreedyOutput:
     """Greedy generation of ``max_new_tokens`` tokens after ``prompt_ids`` (B, T).
 
-    layout None re-runs the whole context every step (the uncached oracle); "concat" or "prealloc" prefill a cache
-    of that layout once and then decode one token per step. ``cache_dtype`` is the cache's storage dtype (default:
-    the model's); ``max_len`` its capacity (default: prompt + new tokens).
+    ``layout`` None re-runs the whole context every step (the uncached oracle); a cache kind ("concat", "prealloc",
+    "quant", "window", ...) prefills a cache of that kind once and then decodes one token per step. ``options``
+    are the kind's options, or, uncached, the reference's (``window``, ``sinks``): the options a kind was built
+    with and ``**cache.reference(cache.opts)`` give a cached run and the uncached run it must equal.
+    ``cache_dtype`` is the cache's storage dtype (default: the model's); ``max_len`` its capacity (default: prompt +
+    new tokens).
     """
-    if max_new_tokens < 1:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     idx = _as_batch(prompt_ids).to(model_device(model))
     B, T = idx.shape
     if layout is None:
-        return greedy_uncached(lambda ctx: model(ctx, last_only=True), idx, max_new_tokens)
-    cache = new_cache(model, layout, max_len or T + max_new_tokens, B, cache_dtype)
+        return greedy_uncached(lambda ctx: model(ctx, last_only=True, **options), idx, max_new_tokens)
+    cache = new_cache(model, layout, max_len or T + max_new_tokens, B, cache_dtype, **options)
     return greedy_loop(lambda: prefill(model, idx, cache, last_only=True)[0][:, -1],
                        lambda nxt: decode_step(model, nxt, cache)[0][:, -1], max_new_tokens)

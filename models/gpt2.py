@@ -28,25 +28,29 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask`` (T, n_keys) bool, True = may attend: given when the visibility is not plain causal over the
+        whole history (a window, or a cache that returns only some positions); None: plain causal."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
+        past = 0
+        if cache is not None:
             past = cache.pos
-            k, v = cache.update(layer, k, v)  # (B, nh, past + T, hs) in the storage dtype
+            k, v = cache.update(layer, k, v)  # (B, nh, n_keys, hs) in the storage dtype
             k, v = k.to(q.dtype), v.to(q.dtype)  # no-op when storage and compute dtypes agree
-            if T == 1:  # one decode step: the new token sees the whole history, no mask
-                y = F.scaled_dot_product_attention(q, k, v)
-            elif past == 0:  # prefill into an empty cache: plain causal
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:  # a chunk after history: all of the history, causally within the chunk
-                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if mask is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif T == 1:  # one decode step: the new token sees the whole history, no mask
+            y = F.scaled_dot_product_attention(q, k, v)
+        elif past == 0:  # a full forward, or prefill into an empty cache: plain causal
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # a chunk after history: all of the history, causally within the chunk
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
         return self.c_proj(y)
 
@@ -69,8 +73,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer, mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -136,6 +141,28 @@ _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c
 HF_MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
 
 
+def attention_mask(past: int, T: int, key_pos: torch.Tensor | None, device, window: int | None = None,
+                   sinks: int = 0) -> torch.Tensor | None:
+    """Which keys each of the T queries (at positions past .. past + T - 1) may attend: (T, n_keys) bool, or None
+    when it is plain causal attention over the whole history in order (attention's fast paths handle that).
+
+    ``key_pos`` is the absolute position of every key the cache returns (None: 0 .. past + T - 1). A query at t sees
+    a key at j when j <= t and, with a ``window``, when also j < ``sinks`` or t - window < j."""
+    if key_pos is None and window is None:
+        return None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1
+                               or isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0):
+        raise ValueError(f"window={window!r}, sinks={sinks!r}: window must be an integer >= 1 and sinks >= 0")
+    q = torch.arange(past, past + T, device=device).unsqueeze(1)  # (T, 1)
+    j = (torch.arange(past + T, device=device) if key_pos is None else key_pos).unsqueeze(0)  # (1, n_keys)
+    mask = j <= q
+    if window is not None:
+        mask &= (j < sinks) | (j > q - window)
+    if T == 1 and bool(mask.all()):
+        return None  # a decode step that sees every key it is given
+    return mask
+
+
 class GPT2(nn.Module):
     def __init__(self, cfg: GPT2Config):
         super().__init__()
@@ -178,19 +205,29 @@ class GPT2(nn.Module):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, last_only: bool = False,
+                window: int | None = None, sinks: int = 0) -> torch.Tensor:
         """idx (B, T) -> logits (B, T, vocab). With a cache, positions start at ``cache.pos`` and ``pos`` advances
         by T once every layer has stored its K and V. ``last_only`` asks for the last position's logits alone,
-        (B, 1, vocab), sparing the vocabulary projection of positions nobody reads (generation's choice)."""
+        (B, 1, vocab), sparing the vocabulary projection of positions nobody reads (generation's choice).
+
+        ``window``/``sinks`` make the uncached forward the reference of the window cache kind: the query at position
+        t sees the keys at positions j with j < sinks or t - window < j <= t. A cache applies its own kind's rule
+        (``cache.reference``), so they are not given with one."""
         B, T = idx.shape
         past = 0 if cache is None else cache.pos
         if past + T > self.config.n_positions:
             raise ValueError(f"sequence too long: {past} cached + {T} new tokens > n_positions "
                              f"{self.config.n_positions}")
+        if cache is not None and window is not None:
+            raise ValueError("window/sinks describe the uncached reference; a cache applies its own kind's rule")
+        rule = cache.reference(cache.opts) if cache is not None else (
+            {} if window is None else {"window": window, "sinks": sinks})
+        mask = attention_mask(past, T, None if cache is None else cache.key_positions(T), idx.device, **rule)
         pos = torch.arange(past, past + T, device=idx.device)  # (T,)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
         for layer, block in enumerate(self.transformer.h):
-            x = block(x, cache, layer)
+            x = block(x, cache, layer, mask)
         if cache is not None:
             cache.advance(T)
         if last_only:

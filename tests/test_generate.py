@@ -96,8 +96,8 @@ def test_decode_step_takes_exactly_one_token(tiny_model):
 
 
 def test_bad_arguments(tiny_model):
-    with pytest.raises(ValueError, match="unknown cache layout 'paged'"):
-        greedy(tiny_model, [1, 2], 3, layout="paged")
+    with pytest.raises(ValueError, match="unknown cache kind 'lru': use one of concat, prealloc"):
+        greedy(tiny_model, [1, 2], 3, layout="lru")
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         greedy(tiny_model, [1, 2], 0)
 

@@ -12,11 +12,12 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from harness import measure
-from harness.config import ConfigError, dtype_label, register, validate
+from harness.config import ConfigError, cache_options, dtype_label, register, validate
 from harness.engines import KvlabEngine
 from harness.experiment import text_prompts
 from tests.conftest import TINY, run_py
 from models.gpt2 import GPT2Config
+from models.kv_cache import CACHE_KINDS
 from models.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,20 +27,25 @@ GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml"))
 
 def test_groups_hold_what_users_sweep():
     assert set(GROUPS["model"]) == {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "tiny"}
-    assert set(GROUPS["cache"]) == {"concat", "prealloc"}
+    assert set(GROUPS["cache"]) == set(CACHE_KINDS)  # one YAML per registered kind
     assert set(GROUPS["dtype"]) == {"fp32", "fp16", "bf16"}
     assert set(GROUPS["device"]) == {"cpu", "cuda", "auto"}
     assert set(GROUPS["tracking"]) == {"offline", "online", "disabled"}
     assert set(GROUPS["experiment"]) == {"quick", "seed_protocol", "long"}
 
 
-@pytest.mark.slow  # 810 compositions, about half a minute
+@pytest.mark.slow  # 180 compositions, about half a minute
 def test_every_group_combination_composes_and_validates():
+    """Every model x cache x dtype x experiment; device and tracking (which no other choice constrains) take turns."""
     register()
-    checked = 0
+    checked, seen = 0, {"device": set(), "tracking": set()}
+    crossed = ("model", "cache", "dtype", "experiment")
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        for combo in itertools.product(*GROUPS.values()):
-            overrides = [f"{g}={o}" for g, o in zip(GROUPS, combo)]
+        for i, combo in enumerate(itertools.product(*(GROUPS[g] for g in crossed))):
+            overrides = [f"{g}={o}" for g, o in zip(crossed, combo)]
+            for g in seen:
+                seen[g].add(GROUPS[g][i % len(GROUPS[g])])
+                overrides.append(f"{g}={GROUPS[g][i % len(GROUPS[g])]}")
             cfg = compose(config_name="config", overrides=overrides)
             n_pos = GPT2Config.preset(cfg.model.preset).n_positions
             if cfg.model.name == "tiny" and cfg.experiment == "long":
@@ -51,14 +57,34 @@ def test_every_group_combination_composes_and_validates():
             checked += 1
         with pytest.raises(Exception, match="n_prompts"):  # the schema types every node
             compose(config_name="config", overrides=["n_prompts=many"])
-    assert checked == 5 * 2 * 3 * 3 * 3 * 3
+    assert checked == 5 * len(CACHE_KINDS) * 3 * 3
+    assert all(seen[g] == set(GROUPS[g]) for g in seen)
+
+
+def test_each_cache_yaml_is_its_kinds_defaults_and_options_are_typed():
+    register()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        for kind, cls in CACHE_KINDS.items():
+            cfg = compose(config_name="config", overrides=[f"cache={kind}"])
+            assert cfg.cache.kind == kind and cache_options(cfg.cache) == cls.option_defaults()
+        cfg = compose(config_name="config", overrides=["cache=quant", "cache.k_bits=4", "cache.v_bits=8"])
+        assert (cfg.cache.k_bits, cfg.cache.v_bits) == (4, 8)
+        cfg = compose(config_name="config", overrides=["cache=window", "cache.window=256", "cache.sinks=4"])
+        assert validate(cfg, 1024) and (cfg.cache.window, cfg.cache.sinks) == (256, 4)
+        with pytest.raises(Exception, match="k_bits"):  # typed: not an int
+            compose(config_name="config", overrides=["cache=quant", "cache.k_bits=four"])
+        with pytest.raises(Exception, match="window"):  # the option belongs to another kind
+            compose(config_name="config", overrides=["cache=quant", "cache.window=8"])
+        cfg = compose(config_name="config", overrides=["cache=quant", "cache.k_bits=3"])
+        with pytest.raises(ConfigError, match="cache=quant: cache option k_bits=3: use 8, 4 or 2"):
+            validate(cfg, 1024)
 
 
 @pytest.mark.parametrize("override,message", [
     ("max_len=2048", "max_len=2048 > n_positions=1024"),
     ("new_tokens=1000", "prompt_len + new_tokens = 32 + 1000 > max_len=1024"),
     ("context_lengths=[32,1024]", "context_lengths has 1024"),
-    ("cache.layout=paged", "cache.layout='paged'"),
+    ("cache.kind=lru", "cache.kind='lru': use one of concat, prealloc"),
     ("dtype.storage=fp8", "dtype.storage='fp8'"),
     ("full_prompts=-1", "full_prompts=-1"),
 ])
@@ -89,19 +115,23 @@ def test_dtype_label_follows_storage_and_compute(storage, compute, label):
 class IgnoresCacheDtype(KvlabEngine):
     """A harness bug: the cache is made in fp32 whatever dtype was asked for."""
 
-    def new_cache(self, layout, max_len, batch=1, dtype=None):
-        return super().new_cache(layout, max_len, batch, torch.float32)
+    def new_cache(self, kind, max_len, batch=1, dtype=None, **options):
+        return super().new_cache(kind, max_len, batch, torch.float32, **options)
 
 
-@pytest.mark.parametrize("layout", ["concat", "prealloc"])
-def test_cache_memory_checks_bytes_against_the_asked_dtype(tiny_model, layout):
+@pytest.mark.parametrize("kind", ["concat", "prealloc"])
+def test_cache_memory_checks_bytes_against_the_asked_dtype(tiny_model, kind):
     prompt = torch.tensor([[464, 3290, 318]])
-    good = measure.cache_memory(KvlabEngine(tiny_model), layout, torch.float16, prompt, 5, 20)
-    assert good["nbytes_match"] and good["cache_tokens"] == (7 if layout == "concat" else 20)
+    spec = measure.CacheSpec(kind, {}, torch.float16)
+    good, curve = measure.cache_memory(KvlabEngine(tiny_model), spec, prompt, 5, 20)
+    assert good["nbytes_match"] and good["cache_tokens"] == (7 if kind == "concat" else 20)
     c = tiny_model.config
     assert good["bytes_per_token"] == 2 * c.n_layer * c.n_embd * 2
-    bad = measure.cache_memory(IgnoresCacheDtype(tiny_model), layout, torch.float16, prompt, 5, 20)
+    measured = curve.dropna()
+    assert list(measured.tokens) == [3, 4, 5, 6, 7] and good["nbytes_curve_match"]
+    bad, _ = measure.cache_memory(IgnoresCacheDtype(tiny_model), spec, prompt, 5, 20)
     assert not bad["nbytes_match"] and bad["cache_nbytes"] == 2 * bad["predicted_nbytes"]
+    assert not bad["nbytes_curve_match"]
 
 
 def test_text_prompts_are_real_text_of_exact_length():
@@ -119,18 +149,19 @@ def test_text_prompts_are_real_text_of_exact_length():
 class OffByOneReference(KvlabEngine):
     """An uncached reference that disagrees from position 5 on: the checks must notice."""
 
-    def forward(self, ids):
-        logits = super().forward(ids).clone()
+    def forward(self, ids, **ref):
+        logits = super().forward(ids, **ref).clone()
         logits[:, 5:, 0] += 1000.0
         return logits
 
 
 def test_generation_checks_catch_a_disagreeing_reference(tiny_model):
     prompts = [torch.tensor([[464, 3290, 318]])]
-    good, table = measure.generation_checks(KvlabEngine(tiny_model), prompts, 10, "prealloc", torch.float32, 1)
+    spec = measure.CacheSpec("prealloc", {}, torch.float32)
+    good, table = measure.generation_checks(KvlabEngine(tiny_model), prompts, 10, spec, 1)
     assert good["tokens_identical"] and good["max_abs_logit_diff"] < 1e-4 and good["first_diff_step"] is None
     assert list(table.step) == list(range(10)) and table.drift_kl.isna().all()
-    bad, _ = measure.generation_checks(OffByOneReference(tiny_model), prompts, 10, "prealloc", torch.float32, 0)
+    bad, _ = measure.generation_checks(OffByOneReference(tiny_model), prompts, 10, spec, 0)
     assert not bad["tokens_identical"]
     assert bad["first_diff_step"] == 5 - 2  # prompt of 3: position 5 chose generated token 3
     assert bad["max_abs_logit_diff"] > 999
@@ -139,7 +170,8 @@ def test_generation_checks_catch_a_disagreeing_reference(tiny_model):
 def test_drift_is_measured_against_fp32(tiny_model):
     engine = KvlabEngine(tiny_model)
     prompts = [torch.tensor([[464, 3290, 318]]), torch.tensor([[15496, 995]])]
-    s, table = measure.generation_checks(engine, prompts, 12, "concat", torch.bfloat16, 1, ref32=engine)
+    s, table = measure.generation_checks(engine, prompts, 12, measure.CacheSpec("concat", {}, torch.bfloat16), 1,
+                                         ref32=engine)
     assert 0 < s["drift_max_abs"] and 0 < s["drift_kl"] and 0 <= s["drift_top1_agreement"] <= 1
     assert table.drift_kl.notna().all() and len(table) == 12
     assert s["drift_max_abs"] == pytest.approx(table.drift_max_abs.max())
@@ -148,8 +180,9 @@ def test_drift_is_measured_against_fp32(tiny_model):
 def test_step_times_table(tiny_model):
     # max_len 17 leaves room for exactly one step at context 16: every timed step must be rewound, or the next
     # one overflows the cache
-    for layout in ("concat", "prealloc"):
-        df = measure.step_times(KvlabEngine(tiny_model), layout, torch.float32, [4, 16], 17, repeats=3, warmup=1,
+    for kind in CACHE_KINDS:
+        spec = measure.CacheSpec(kind, CACHE_KINDS[kind].examples[0], torch.float32)
+        df = measure.step_times(KvlabEngine(tiny_model), spec, [4, 16], 17, repeats=3, warmup=1,
                                 device=torch.device("cpu"))
     assert set(zip(df.context_len, df["mode"])) == {(4, "cached"), (4, "uncached"), (16, "cached"),
                                                    (16, "uncached")}
@@ -178,7 +211,7 @@ def test_sweep_writes_complete_runs_offline_without_network(tiny_sweep):
         assert r["status"] == "ok" and r["error"] is None
         assert r["nbytes_match"] and r["cache_nbytes"] == r["predicted_nbytes"]
         held = r["prompt_len"] + r["new_tokens"] - 1 if r["cache"] == "concat" else r["max_len"]
-        assert r["cache_tokens"] == held
+        assert r["cache_tokens"] == held and r["cache_exact"] and r["cache_label"] == r["cache"]
         assert r["group"] == sweep.name and "random init" in r["weights"]
         for key in ("torch_version", "device_name", "threads", "attn_backend", "tf32", "git_commit"):
             assert key in r
@@ -245,3 +278,33 @@ def test_a_run_on_a_checkpoint_folder(tmp_path):
     bad = run_py([*TINY, f"model.weights={tmp_path / 'missing'}", "tracking=disabled",
                   f"hydra.run.dir={tmp_path / 'bad'}"], tmp_path)
     assert bad.returncode == 1 and "no such checkpoint folder" in bad.stderr
+
+
+@pytest.mark.slow
+def test_every_kind_sweeps_beside_the_others(tmp_path):
+    """`-m cache=<every kind>`: each run is measured the same way, exact kinds equal their references, lossy and
+    windowed ones report drift, bytes match each kind's formula, and the report draws them side by side."""
+    sweep = tmp_path / "sweep"
+    tiny = [a for a in TINY if not a.startswith("prompt_len")] + ["prompt_len=40"]  # 48 tokens: the window evicts
+    proc = run_py(["-m", "cache=" + ",".join(CACHE_KINDS), "tracking=disabled", *tiny, f"hydra.sweep.dir={sweep}"],
+                  tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = {r["cache"]: r for r in results(sweep).values()}
+    assert set(runs) == set(CACHE_KINDS) and all(r["status"] == "ok" for r in runs.values())
+    for kind, r in runs.items():
+        cls = CACHE_KINDS[kind]
+        assert r["cache_exact"] == cls.exact and r["cache_label"] == cls.label(cls.Options())
+        assert r["nbytes_match"] and r["nbytes_curve_match"]
+        if cls.exact:
+            assert r["tokens_identical"] and r["max_abs_logit_diff"] <= 1e-4
+        plain = cls.exact and not cls.reference(cls.Options())
+        assert (r["drift_kl"] is None) == plain
+        memory = pd.read_csv(Path(r["run_dir"]) / "memory.csv")
+        assert memory.nbytes_measured.notna().sum() == r["new_tokens"]
+    assert runs["window"]["drift_max_abs"] > 1e-3 and runs["window"]["cache_tokens"] == 36
+    assert runs["quant"]["cache_nbytes"] < 0.3 * runs["prealloc"]["cache_nbytes"]  # 4-bit, 128 slots, fp32 tail
+    report = sweep / "report"
+    assert (report / "memory.png").is_file() and (report / "drift.png").is_file()
+    table = pd.read_csv(report / "results.csv")
+    assert table.cache_label.nunique() == len(CACHE_KINDS)
+    assert "window S4+W32" in (report / "report.html").read_text()

@@ -148,10 +148,13 @@ def test_cache_bytes_bars_equal_bytes(tables):
     assert a.get_yscale() == "log"  # tiny concat vs gpt2 prealloc spans decades
     assert "bytes" in a.get_ylabel() and "bytes" in b.get_ylabel()
     assert [t.get_text() for t in a.texts] == ["✗"]  # only run 3's measured bytes differ from the formula
-    # (b): bytes per token per (model, dtype)
+    # (b): bytes per token per (model, dtype); caches of the same cost share a bar
     models = [t.get_text() for t in b.get_xticklabels()]
     assert models == MODELS
-    for container, dtype in zip(b.containers, DTYPES):
+    series = [t.get_text() for t in b.get_legend().get_texts()]
+    assert series == sorted(f"concat, prealloc · {d}" for d in DTYPES)
+    for container, name in zip(b.containers, series):
+        dtype = name.split(" · ")[1]
         want = [ok[(ok["model"] == m) & (ok["dtype"] == dtype)]["bytes_per_token"].iloc[0] for m in models]
         np.testing.assert_allclose([bar.get_height() for bar in container], want)
     heights = [p.get_height() for ax in (a, b) for p in ax.patches]
@@ -182,7 +185,7 @@ def test_drift_lines_equal_drift_reduced_only(tables):
 def test_drift_without_reduced_precision_says_so(tables):
     _, _, drift = tables
     fig = drift_plot(drift[drift["dtype"] == "fp32"])
-    assert any("no reduced-precision runs" in t.get_text() for t in fig.texts + fig.axes[0].texts)
+    assert any("nothing drifts" in t.get_text() for t in fig.texts + fig.axes[0].texts)
     assert not fig.axes[0].get_lines()
 
 

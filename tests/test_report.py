@@ -35,8 +35,8 @@ def tree(tiny_sweep, tmp_path_factory):
 def test_load_runs_one_row_per_run(tree):
     with pytest.warns(IncompleteRunWarning, match="7_killed"):
         runs = load_runs(tree)
-    assert len(runs) == 5 and list(runs.columns[:7]) == ["run_name", "group", "status", "model", "cache", "dtype",
-                                                          "device"]
+    assert len(runs) == 5 and list(runs.columns[:8]) == ["run_name", "group", "status", "model", "cache",
+                                                          "cache_label", "dtype", "device"]
     ok = runs[runs.status == "ok"]
     assert len(ok) == 4 and set(zip(ok.cache, ok.dtype)) == {("concat", "fp32"), ("concat", "fp16"),
                                                               ("prealloc", "fp32"), ("prealloc", "fp16")}

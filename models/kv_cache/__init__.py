@@ -1,0 +1,21 @@
+"""KV-cache kinds behind one contract, and the registry that names them.
+
+    from models.kv_cache import CACHE_KINDS, make_cache, kv_bytes
+    cache = make_cache("prealloc", n_layer, n_head, head_dim, max_len, batch, dtype=torch.float32)
+    cache = make_cache("quant", ..., k_bits=4, v_bits=8, group_size=32, residual=0)
+    cache = make_cache("window", ..., window=256, sinks=4)
+
+``base.py`` holds the contract (``KVCache``) and the registry; each kind is one module with one registered class:
+``concat`` (layout A), ``prealloc`` (layout B), ``quant`` (low-bit K/V) and ``window`` (sinks + sliding window).
+"""
+
+from models.kv_cache.base import (CACHE_KINDS, DTYPE_NAMES, DTYPES, KVCache, NoOptions, as_dtype, cache_kind,
+                                  dtype_name, kv_bytes, make_cache, register)
+from models.kv_cache.concat import ConcatKVCache
+from models.kv_cache.prealloc import PreallocKVCache
+from models.kv_cache.quant import QuantKVCache
+from models.kv_cache.window import WindowKVCache
+
+__all__ = ["CACHE_KINDS", "DTYPE_NAMES", "DTYPES", "KVCache", "NoOptions", "as_dtype", "cache_kind", "dtype_name",
+           "kv_bytes", "make_cache", "register", "ConcatKVCache", "PreallocKVCache", "QuantKVCache",
+           "WindowKVCache"]

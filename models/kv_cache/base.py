@@ -1,0 +1,320 @@
+"""What every cache kind shares: the contract with attention, ``pos``, the overflow check, options, byte accounting
+and the registry of kinds.
+
+Attention calls ``update(layer, k_new, v_new) -> (K, V)``: the kind stores the new positions of one layer and returns
+the keys and values those positions attend over. ``key_positions(t)`` says which absolute position each returned key
+holds (``None``: the whole history, 0 .. pos + t - 1, in order), and the model masks with the kind's ``reference``
+rule, so a kind that keeps only some positions (a window) is still attended exactly. ``pos`` counts the tokens
+written so far; the model's forward advances it once, after its last layer, so every layer of one forward writes at
+the same offset.
+
+A kind is one class registered with ``@register``. It declares, as class attributes and classmethods, everything the
+harness asks about it: ``Options`` (a frozen dataclass: names, types, defaults, checks), ``exact`` (must equal its
+reference) or lossy (measured as drift), ``reference(opts)`` (the uncached model it must equal, as keyword arguments
+of ``GPT2.forward``), ``held_tokens`` (token slots it holds) and ``nbytes_formula`` (its bytes, exactly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+
+DTYPE_NAMES = ("fp32", "fp16", "bf16")  # the storage / compute dtypes kvlab measures, by their short names
+DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "fp16": torch.float16, "float16": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+}
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype from a torch dtype or one of the names fp32/fp16/bf16 (float32/float16/bfloat16). Only these
+    three floating dtypes are K/V storage dtypes; anything else is refused."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+        raise ValueError(f"dtype {dtype} is not a K/V storage dtype: use one of {', '.join(DTYPE_NAMES)}")
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_NAMES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The short name (fp32, fp16, bf16) of a storage dtype."""
+    return next(n for n in DTYPE_NAMES if DTYPES[n] == dtype)
+
+
+def itemsize(dtype: torch.dtype | str) -> int:
+    return torch.empty((), dtype=as_dtype(dtype)).element_size()
+
+
+def _count(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {what}, got {value}")
+    return value
+
+
+def kv_bytes(n_layer: int, n_kv_head: int, head_dim: int, n_tokens: int, batch: int = 1,
+             dtype: torch.dtype | str = torch.float32) -> int:
+    """Bytes of K and V for ``n_tokens`` positions: 2 (K and V) x layers x kv heads x head_dim x tokens x batch x
+    bytes per element. GPT-2 small in FP32: 2 x 12 x 12 x 64 x 4 = 73,728 B per token."""
+    for name, value in (("n_layer", n_layer), ("n_kv_head", n_kv_head), ("head_dim", head_dim),
+                        ("batch", batch)):
+        _count(name, value)
+    _count("n_tokens", n_tokens, minimum=0)
+    return 2 * n_layer * n_kv_head * head_dim * n_tokens * batch * itemsize(dtype)
+
+
+def storage_nbytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``: a view counts the whole tensor it keeps alive, once."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+    return sum(seen.values())
+
+
+def held_tensors(obj) -> list[torch.Tensor]:
+    """Every tensor an object's attributes hold, through lists, tuples and dicts."""
+    out, stack = [], list(vars(obj).values())
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return out
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """A kind without options."""
+
+
+class KVCache:
+    """The base of every cache kind. Subclasses set ``kind`` (the registry name), ``Options``, ``exact`` and
+    implement ``update``, ``_crop``, ``reset``, ``snapshot``/``restore`` and the classmethods that describe them."""
+
+    kind: ClassVar[str] = ""
+    Options: ClassVar[type] = NoOptions
+    exact: ClassVar[bool] = True  # must equal its reference (tokens identical); False: lossy, measured as drift
+    description: ClassVar[str] = ""
+    # option sets the conformance tests (tests/test_cache_kinds.py) run this kind with on tiny models, chosen so
+    # that the kind's own mechanics (eviction, groups, ...) happen within a short generation
+    examples: ClassVar[tuple[dict, ...]] = ({},)
+
+    def __init__(self, n_layer: int, n_head: int, head_dim: int, max_len: int, batch: int = 1,
+                 dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu", **options):
+        for name, value in (("n_layer", n_layer), ("n_head", n_head), ("head_dim", head_dim),
+                            ("max_len", max_len), ("batch", batch)):
+            _count(name, value)
+        self.n_layer, self.n_head, self.head_dim = n_layer, n_head, head_dim
+        self.max_len, self.batch = max_len, batch
+        self.dtype = as_dtype(dtype)
+        self.device = torch.device(device)
+        self.opts = self.parse_options(**options)
+        self.pos = 0  # tokens written so far; advanced by the model's forward, after its last layer
+
+    # ---- what a kind declares -------------------------------------------------------------------------------
+
+    @classmethod
+    def option_fields(cls) -> dict[str, dataclasses.Field]:
+        return {f.name: f for f in dataclasses.fields(cls.Options)}
+
+    @classmethod
+    def parse_options(cls, **options):
+        """The kind's typed options from keyword arguments; unknown names and wrong types are refused in one line."""
+        types = cls.option_types()
+        for name, value in options.items():
+            if name not in types:
+                have = ", ".join(types) or "none"
+                raise ValueError(f"cache kind {cls.kind!r} has no option {name!r}: its options are {have}")
+            want = types[name]
+            if isinstance(value, bool) != (want is bool) or not isinstance(value, (float, int) if want is float
+                                                                                else want):
+                raise ValueError(f"cache option {name} must be {want.__name__}, got {value!r}")
+        return cls.Options(**options)
+
+    @classmethod
+    def option_types(cls) -> dict[str, type]:
+        """Each option's type (int, float, bool or str: what a config file can hold)."""
+        hints = typing.get_type_hints(cls.Options)
+        return {name: hints[name] for name in cls.option_fields()}
+
+    @classmethod
+    def option_defaults(cls) -> dict:
+        return dataclasses.asdict(cls.Options())
+
+    @classmethod
+    def reference(cls, opts) -> dict:
+        """The uncached model this kind must equal, as keyword arguments of ``GPT2.forward`` ({}: full attention)."""
+        return {}
+
+    @classmethod
+    def held_tokens(cls, max_len: int, n_tokens: int, opts) -> int:
+        """Token slots the cache holds after ``n_tokens`` tokens were written."""
+        raise NotImplementedError
+
+    @classmethod
+    def nbytes_formula(cls, n_layer: int, n_head: int, head_dim: int, max_len: int, batch: int, dtype,
+                       n_tokens: int, opts) -> int:
+        """Bytes the cache holds after ``n_tokens`` tokens were written, from the geometry alone. Default: the
+        storage dtype's K and V for every slot held."""
+        return kv_bytes(n_layer, n_head, head_dim, cls.held_tokens(max_len, n_tokens, opts), batch, dtype)
+
+    @classmethod
+    def bytes_per_token(cls, n_layer: int, n_head: int, head_dim: int, dtype, opts) -> float:
+        """What one more cached token costs in the kind's main storage (fixed overheads such as a full-precision
+        tail excluded; scales included)."""
+        return float(kv_bytes(n_layer, n_head, head_dim, 1, 1, dtype))
+
+    @classmethod
+    def label(cls, opts) -> str:
+        """How runs of this kind with these options are labelled in tables and plots."""
+        diff = [f"{f.name}={getattr(opts, f.name)}" for f in dataclasses.fields(opts)]
+        return cls.kind + (f"({','.join(diff)})" if diff else "")
+
+    # ---- the contract with attention ------------------------------------------------------------------------
+
+    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def key_positions(self, t: int) -> torch.Tensor | None:
+        """Absolute position of each key ``update`` returns while ``t`` new tokens are written at ``pos`` (call
+        before the forward advances ``pos``). None: the whole history 0 .. pos + t - 1, in order."""
+        return None
+
+    def error_bound(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a lossy kind: per element, how far the K and V the last ``update`` of ``layer`` returned may be from
+        what was written (shaped like them). None: exact, equal to what was written in the storage dtype."""
+        return None
+
+    def _check_room(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> int:
+        if not 0 <= layer < self.n_layer:
+            raise IndexError(f"layer {layer} out of range for a cache of {self.n_layer} layers")
+        want = (self.batch, self.n_head, k_new.shape[2] if k_new.dim() == 4 else -1, self.head_dim)
+        for name, x in (("k", k_new), ("v", v_new)):
+            if x.dim() != 4 or tuple(x.shape) != want:
+                raise ValueError(f"{name}_new has shape {tuple(x.shape)} but this cache holds (batch, heads, t, "
+                                 f"head_dim) = ({self.batch}, {self.n_head}, t, {self.head_dim}): build the cache "
+                                 "for the model's geometry and the prompt batch")
+        t = k_new.shape[2]  # k_new: (B, nh, t, hs)
+        if self.pos + t > self.max_len:
+            raise ValueError(f"KV cache overflow: pos {self.pos} + {t} new tokens > max_len {self.max_len}")
+        return t
+
+    def advance(self, t: int) -> None:
+        """Move ``pos`` past the ``t`` tokens the last forward stored in every layer."""
+        self.pos += t
+
+    # ---- bookkeeping ----------------------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of storage the cache keeps alive: every tensor it holds, a view counting the tensor behind it."""
+        return storage_nbytes(held_tensors(self))
+
+    def formula_nbytes(self, n_tokens: int | None = None) -> int:
+        """The kind's byte formula for this cache after ``n_tokens`` (default: ``pos``) tokens."""
+        return self.nbytes_formula(self.n_layer, self.n_head, self.head_dim, self.max_len, self.batch, self.dtype,
+                                   self.pos if n_tokens is None else n_tokens, self.opts)
+
+    @property
+    def held(self) -> int:
+        """Token slots held now."""
+        return self.held_tokens(self.max_len, self.pos, self.opts)
+
+    @property
+    def filled_nbytes(self) -> int:
+        """Bytes of the positions written so far (``pos`` of them) at the storage dtype."""
+        return kv_bytes(self.n_layer, self.n_head, self.head_dim, self.pos, self.batch, self.dtype)
+
+    # ---- rewinding and reuse --------------------------------------------------------------------------------
+
+    def can_crop(self, n_tokens: int) -> bool:
+        """Whether ``crop(n_tokens)`` can give exactly the cache that wrote only the first ``n_tokens``."""
+        return 0 <= n_tokens <= self.pos
+
+    def _why_no_crop(self, n_tokens: int) -> str:
+        return f"cannot crop to {n_tokens} tokens: the cache holds {self.pos}"
+
+    def crop(self, n_tokens: int) -> None:
+        """Keep the first ``n_tokens`` positions and forget the rest (roll back a speculative or timed step)."""
+        if not 0 <= n_tokens <= self.pos:
+            raise ValueError(f"cannot crop to {n_tokens} tokens: the cache holds {self.pos}")
+        if not self.can_crop(n_tokens):
+            raise ValueError(self._why_no_crop(n_tokens))
+        self._crop(n_tokens)
+        self.pos = n_tokens
+
+    def _crop(self, n: int) -> None:
+        raise NotImplementedError
+
+    def checkpoint(self) -> Callable[[], None]:
+        """A function that puts the cache back to its state now, the cheapest exact way the kind has: a crop where
+        the kind can crop back over what comes next, a snapshot where it cannot."""
+        pos = self.pos
+        return lambda: self.crop(pos)
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def snapshot(self) -> dict:
+        raise NotImplementedError
+
+    def restore(self, snap: dict) -> None:
+        raise NotImplementedError
+
+    def _snapshot_header(self) -> dict:
+        return dict(kind=self.kind, geometry=self._geometry(), pos=self.pos)
+
+    def _geometry(self) -> tuple:
+        return (self.n_layer, self.batch, self.n_head, self.head_dim, self.max_len, str(self.dtype), self.opts)
+
+    def _check_snapshot(self, snap: dict) -> int:
+        if not isinstance(snap, dict) or snap.get("kind") != self.kind:
+            raise ValueError(f"not a snapshot of a {self.kind!r} cache: restore takes what this kind's snapshot() "
+                             "returned")
+        if snap.get("geometry") != self._geometry():
+            raise ValueError(f"snapshot of a cache with (layers, batch, heads, head_dim, max_len, dtype, options) "
+                             f"= {snap.get('geometry')} cannot restore into one with {self._geometry()}")
+        return snap["pos"]
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(n_layer={self.n_layer}, n_head={self.n_head}, head_dim={self.head_dim}, "
+                f"max_len={self.max_len}, batch={self.batch}, dtype={self.dtype}, pos={self.pos}, {self.opts})")
+
+
+CACHE_KINDS: dict[str, type[KVCache]] = {}
+
+
+def register(cls: type[KVCache]) -> type[KVCache]:
+    """Class decorator: add a kind to ``CACHE_KINDS`` under its ``kind`` name."""
+    if not cls.kind or cls.kind in CACHE_KINDS:
+        raise ValueError(f"cache kind {cls.kind!r} of {cls.__name__} is empty or already registered")
+    CACHE_KINDS[cls.kind] = cls
+    return cls
+
+
+def cache_kind(kind: str) -> type[KVCache]:
+    """The class registered under ``kind``; an unknown name is refused with the list of kinds."""
+    try:
+        return CACHE_KINDS[kind]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown cache kind {kind!r}: use one of {', '.join(CACHE_KINDS)}") from None
+
+
+def make_cache(kind: str, n_layer: int, n_head: int, head_dim: int, max_len: int, batch: int = 1,
+               dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu", **options) -> KVCache:
+    """A cache of the named kind; ``options`` are the kind's own (see its ``Options``)."""
+    return cache_kind(kind)(n_layer, n_head, head_dim, max_len, batch, dtype=dtype, device=device, **options)

@@ -1,0 +1,137 @@
+"""Attention sinks + a sliding window (StreamingLLM's cache): the first ``sinks`` positions are kept for good, and
+a ring of ``window`` slots keeps the most recent positions, the current one included. The cache owns
+``sinks + window`` slots (at most ``max_len``), so its memory stops growing with the sequence.
+
+Its exact reference is the uncached model with the same visibility as a mask, ``model(idx, window=W, sinks=S)``:
+the query at position t sees the keys at positions j with j < S or t - W < j <= t.
+
+GPT-2's learned absolute position embeddings enter the residual stream at the input, so cached K and V cannot be
+re-positioned as StreamingLLM does for RoPE models: every token keeps the absolute position it was written at, and
+a sequence still ends at ``n_positions`` (and at the cache's ``max_len``). What the window buys here is bounded memory
+(and a decode step whose cost stops growing once the window is full), at the price of the drift from full attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.kv_cache.base import KVCache, register
+
+
+@dataclass(frozen=True)
+class WindowOptions:
+    window: int = 32  # W: the most recent positions kept, the current one included
+    sinks: int = 4  # S: the first positions, always kept
+
+    def __post_init__(self):
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"cache option window must be an integer >= 1 (the most recent positions kept, the "
+                             f"current one included), got {self.window!r}")
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ValueError(f"cache option sinks must be an integer >= 0, got {self.sinks!r}")
+
+
+@register
+class WindowKVCache(KVCache):
+    kind = "window"
+    Options = WindowOptions
+    description = "attention sinks + sliding window: sinks + window slots, a ring for the window"
+    examples = ({"window": 8, "sinks": 2}, {"window": 5, "sinks": 0}, {"window": 1, "sinks": 3})
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.n_slots = self.held_tokens(self.max_len, 0, self.opts)
+        shape = (self.n_layer, self.batch, self.n_head, self.n_slots, self.head_dim)  # (L, B, nh, S + W, hs)
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @classmethod
+    def held_tokens(cls, max_len: int, n_tokens: int, opts) -> int:
+        return min(opts.sinks + opts.window, max_len)
+
+    @classmethod
+    def reference(cls, opts) -> dict:
+        return {"window": opts.window, "sinks": opts.sinks}
+
+    @classmethod
+    def label(cls, opts) -> str:
+        return f"window S{opts.sinks}+W{opts.window}"
+
+    # ---- where each position lives --------------------------------------------------------------------------
+
+    def _slot(self, p: torch.Tensor) -> torch.Tensor:
+        S, W = self.opts.sinks, self.opts.window
+        return torch.where(p < S, p, S + (p - S) % W)
+
+    def _slot_positions(self, n: int) -> torch.Tensor:
+        """The absolute position each filled slot holds after ``n`` tokens were written: slots fill in order, so
+        the first min(n, slots) are filled; a ring slot holds the latest position that maps to it."""
+        S, W = self.opts.sinks, self.opts.window
+        s = torch.arange(min(n, self.n_slots), device=self.device)
+        r = s - S
+        latest = S + r + W * torch.div(n - 1 - S - r, W, rounding_mode="floor")
+        return torch.where(s < S, s, latest)
+
+    def key_positions(self, t: int) -> torch.Tensor:
+        if t == 1:  # written into its slot, then the ring is returned as is
+            return self._slot_positions(self.pos + 1)
+        new = torch.arange(self.pos, self.pos + t, device=self.device)
+        return torch.cat([self._slot_positions(self.pos), new])
+
+    # ---- the contract ---------------------------------------------------------------------------------------
+
+    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self._check_room(layer, k_new, v_new)
+        p0 = self.pos
+        if t == 1:  # a decode step: the position it evicts (p0 - W) is exactly the one the new query stops seeing
+            s = int(self._slot(torch.tensor(p0)))
+            self.k[layer, :, :, s] = k_new[:, :, 0]
+            self.v[layer, :, :, s] = v_new[:, :, 0]
+            n = min(p0 + 1, self.n_slots)
+            return self.k[layer, :, :, :n], self.v[layer, :, :, :n]  # views, in slot order
+        # a chunk: its queries may need keys it evicts itself, so attention gets the slots as they were + the chunk
+        filled = min(p0, self.n_slots)
+        k_all = torch.cat([self.k[layer, :, :, :filled], k_new.to(self.dtype)], dim=2)  # (B, nh, filled + t, hs)
+        v_all = torch.cat([self.v[layer, :, :, :filled], v_new.to(self.dtype)], dim=2)
+        p = torch.arange(p0, p0 + t, device=self.device)
+        keep = (p < self.opts.sinks) | (p >= p0 + t - self.opts.window)  # what the ring holds once the chunk is in
+        slots = self._slot(p[keep])
+        self.k[layer][:, :, slots] = k_new[:, :, keep].to(self.dtype)
+        self.v[layer][:, :, slots] = v_new[:, :, keep].to(self.dtype)
+        return k_all, v_all
+
+    # ---- rewinding and reuse --------------------------------------------------------------------------------
+
+    def can_crop(self, n_tokens: int) -> bool:
+        if not 0 <= n_tokens <= self.pos:
+            return False
+        # every position a cache of n_tokens holds must still be here: the ring has evicted nothing yet (pos - W
+        # <= S), or the shorter cache holds only sinks
+        return n_tokens == self.pos or self.pos - self.opts.window <= self.opts.sinks or n_tokens <= self.opts.sinks
+
+    def _why_no_crop(self, n_tokens: int) -> str:
+        return (f"cannot crop a window cache from {self.pos} to {n_tokens} tokens: positions it would need again "
+                f"were evicted (window {self.opts.window}); take snapshot() before and restore() instead")
+
+    def _crop(self, n: int) -> None:
+        pass  # the slots of positions >= n are never read again before they are overwritten
+
+    def checkpoint(self):
+        snap = self.snapshot()
+        return lambda: self.restore(snap)
+
+    def reset(self) -> None:
+        self.pos = 0
+
+    def snapshot(self) -> dict:
+        n = min(self.pos, self.n_slots)
+        return {**self._snapshot_header(), "k": self.k[:, :, :, :n].clone(), "v": self.v[:, :, :, :n].clone()}
+
+    def restore(self, snap: dict) -> None:
+        pos = self._check_snapshot(snap)
+        n = min(pos, self.n_slots)
+        self.k[:, :, :, :n] = snap["k"]
+        self.v[:, :, :, :n] = snap["v"]
+        self.pos = pos

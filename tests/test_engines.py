@@ -1,0 +1,61 @@
+"""Both engines behind one interface: HF transformers' GPT-2 on our weights generates our tokens with its
+counterpart caches, and rewinding, checkpoints and byte counts work on DynamicCache and StaticCache."""
+
+import pytest
+import torch
+
+from harness.engines import HF_COUNTERPARTS, HFEngine, KvlabEngine
+from models.kv_cache import kv_bytes
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model):
+    return KvlabEngine(tiny_model), HFEngine(tiny_model)
+
+
+@pytest.mark.parametrize("kind", list(HF_COUNTERPARTS))
+def test_hf_greedy_equals_ours_on_the_same_weights(engines, kind):
+    ours, hf = engines
+    g = torch.Generator().manual_seed(0)
+    for T in (1, 9, 24):
+        prompt = torch.randint(0, 50257, (2, T), generator=g)
+        a = ours.greedy(prompt, 20, layout=kind)
+        b = hf.greedy(prompt, 20, layout=kind)
+        assert torch.equal(a.tokens, b.tokens)
+        assert (a.logits - b.logits).abs().max().item() <= 1e-4
+    assert torch.equal(hf.greedy(prompt, 5).tokens, ours.greedy(prompt, 5).tokens)  # uncached too
+
+
+@pytest.mark.parametrize("kind", list(HF_COUNTERPARTS))
+def test_hf_rewind_checkpoint_and_nbytes(engines, kind):
+    _, hf = engines
+    c = hf.model.config
+    prompt = torch.randint(0, 50257, (1, 12), generator=torch.Generator().manual_seed(1))
+    cache = hf.new_cache(kind, max_len=32)
+    assert type(cache).__name__ == HF_COUNTERPARTS[kind][0]
+    hf.prefill(prompt, cache)
+    held = 12 if kind == "concat" else 32
+    assert hf.nbytes(cache) == kv_bytes(c.n_layer, c.n_head, c.n_embd // c.n_head, held)
+    token = torch.tensor([[42]])
+    first = hf.decode(token, cache)
+    hf.rewind(cache, 1)
+    assert int(cache.get_seq_length()) == 12
+    assert torch.equal(hf.decode(token, cache), first)  # the same step again, at the same position
+    back = hf.checkpoint(cache)
+    hf.decode(token, cache)
+    back()
+    assert int(cache.get_seq_length()) == 13
+    if kind == "concat":
+        assert hf.nbytes(cache) == kv_bytes(c.n_layer, c.n_head, c.n_embd // c.n_head, 13)
+    hf.reset(cache)
+    assert int(cache.get_seq_length()) == 0
+
+
+def test_hf_refuses_what_it_has_no_counterpart_of(engines):
+    _, hf = engines
+    with pytest.raises(ValueError, match="no counterpart of cache kind 'window' here: it runs concat"):
+        hf.new_cache("window", max_len=16)
+    with pytest.raises(ValueError, match="full attention only"):
+        hf.forward(torch.tensor([[1, 2, 3]]), window=2, sinks=0)
+    with pytest.raises(ValueError, match="in the model dtype"):
+        hf.new_cache("prealloc", max_len=16, dtype=torch.float16)

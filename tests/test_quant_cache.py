@@ -1,0 +1,136 @@
+"""The quant kind: half-step error per bit width against a step worked out here, KIVI's grouping (K per channel, V
+per token), packed storage, the full-precision tails, the byte formula at GPT-2 size, and drift that grows as bits
+shrink."""
+
+import math
+
+import pytest
+import torch
+
+from models.generate import greedy
+from models.kv_cache import kv_bytes, make_cache
+from models.kv_cache.quant import pack, unpack
+
+BITS = [8, 4, 2]
+
+
+def outlier_kv(B=1, nh=2, T=64, hs=16, seed=0):
+    """K with outlier channels (large offsets and ranges, as trained K has), V without."""
+    g = torch.Generator().manual_seed(seed)
+    offset = torch.zeros(hs)
+    offset[3], offset[11] = 40.0, -25.0
+    spread = torch.ones(hs)
+    spread[3], spread[11] = 8.0, 0.01  # a wide outlier, and a narrow one far from zero (fp16 rounding matters)
+    k = torch.randn(B, nh, T, hs, generator=g) * spread + offset
+    v = torch.randn(B, nh, T, hs, generator=g)
+    return k, v
+
+
+def half_step(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Half a quantisation step of each group (groups run along ``dim``), from the values alone; widened by fp16's
+    rounding of the stored minimum and scale (2^-10 relative each), never by more."""
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    step = (hi - lo + lo.abs() * 2 ** -10) / (2 ** bits - 1) * (1 + 2 ** -10)
+    return (step / 2).expand_as(x)
+
+
+@pytest.mark.parametrize("k_bits", BITS)
+@pytest.mark.parametrize("v_bits", BITS)
+def test_every_dequantised_value_is_within_half_a_step(k_bits, v_bits):
+    G, T, hs = 16, 64, 16
+    k, v = outlier_kv(T=T, hs=hs)
+    cache = make_cache("quant", 1, 2, hs, 80, k_bits=k_bits, v_bits=v_bits, group_size=G)
+    kr, vr = cache.update(0, k, v)
+    qk = (T - 1) // G * G  # K groups quantised once a token after them arrives: 48 of 64 here
+    # K: per channel over groups of G tokens
+    kg = k[:, :, :qk].reshape(1, 2, qk // G, G, hs)
+    k_half = half_step(kg, k_bits, dim=3).reshape(1, 2, qk, hs)
+    k_err = (kr[:, :, :qk] - k[:, :, :qk]).abs()
+    assert (k_err <= k_half + 1e-6).all()
+    assert (k_err > 0.25 * k_half).any()  # really quantised, and to the step worked out here
+    assert torch.equal(kr[:, :, qk:], k[:, :, qk:])  # the newest tokens of K: full precision
+    # V: per token over groups of G channels
+    vg = v.reshape(1, 2, T, hs // G, G)
+    v_half = half_step(vg, v_bits, dim=4).reshape(1, 2, T, hs)
+    v_err = (vr - v).abs()
+    assert (v_err <= v_half + 1e-6).all() and (v_err > 0.25 * v_half).any()
+
+
+def test_k_is_grouped_per_channel_and_v_per_token():
+    """An outlier channel of K must not widen the other channels' steps; an outlier token of V must not widen the
+    other tokens' steps."""
+    k, v = outlier_kv(T=33, hs=16)
+    v[:, :, 5] *= 100.0  # one loud token
+    cache = make_cache("quant", 1, 2, 16, 40, k_bits=4, v_bits=4, group_size=16)
+    kr, vr = cache.update(0, k, v)
+    quiet = [c for c in range(16) if c not in (3, 11)]
+    k_err = (kr - k)[:, :, :32, quiet].abs().max()
+    assert k_err < (k[:, :, :32, quiet].amax() - k[:, :, :32, quiet].amin()) / 15  # a quiet channel's own scale
+    v_err = (vr - v).abs()
+    assert v_err[:, :, 6:].max() < 0.5  # the other tokens keep steps of order 1 / 15 of their own range
+    assert v_err[:, :, 5].max() > 1.0  # the loud token pays for itself
+
+
+def test_residual_tokens_stay_in_full_precision():
+    k, v = outlier_kv(T=50, hs=16)
+    cache = make_cache("quant", 1, 2, 16, 64, k_bits=2, v_bits=2, group_size=8, residual=12)
+    kr, vr = cache.update(0, k, v)
+    qk, qv = (50 - 12 - 1) // 8 * 8, 50 - 12  # 32 of K quantised, 38 of V
+    assert torch.equal(kr[:, :, qk:], k[:, :, qk:]) and not torch.equal(kr[:, :, :qk], k[:, :, :qk])
+    assert torch.equal(vr[:, :, qv:], v[:, :, qv:]) and not torch.equal(vr[:, :, :qv], v[:, :, :qv])
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("n", [1, 7, 16, 33])
+def test_pack_unpack_round_trip(bits, n):
+    q = torch.randint(0, 2 ** bits, (3, n), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    packed = pack(q, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, math.ceil(n * bits / 8))
+    assert torch.equal(unpack(packed, bits, n), q)
+
+
+def test_storage_is_really_packed():
+    sizes = {}
+    for bits in BITS:
+        c = make_cache("quant", 12, 12, 64, 1024, k_bits=bits, v_bits=bits)
+        assert c.k_q.dtype == c.v_q.dtype == torch.uint8
+        sizes[bits] = c.k_q.numel()
+    assert sizes[8] == 2 * sizes[4] == 4 * sizes[2]
+
+
+def test_bytes_at_gpt2_size():
+    """The module's formula, worked out by hand for GPT-2 small (hs 64, group 32, max_len 1024, fp32 tails): the
+    quantised K holds 992 tokens, the K tail 32, V 1024 quantised; per layer and head at 8/8 bits:
+    K 992*64 + 31*64*4 + 32*64*4 = 79,616 B, V 1024*64 + 1024*2*4 = 73,728 B."""
+    fp32 = kv_bytes(12, 12, 64, 1024)
+    c8 = make_cache("quant", 12, 12, 64, 1024, k_bits=8, v_bits=8)
+    assert c8.nbytes == 144 * (79_616 + 73_728)
+    c4 = make_cache("quant", 12, 12, 64, 1024, k_bits=4, v_bits=4)
+    assert c4.nbytes == 144 * ((992 * 32 + 31 * 64 * 4 + 32 * 64 * 4) + (1024 * 32 + 1024 * 2 * 4))
+    assert c8.nbytes <= 0.30 * fp32 and c4.nbytes <= 0.17 * fp32  # the issue's targets, scales included
+    assert type(c8).bytes_per_token(12, 12, 64, torch.float32, c8.opts) == 144 * (64 + 8 + 64 + 8)
+    assert type(c4).bytes_per_token(12, 12, 64, torch.float32, c4.opts) == 144 * (32 + 8 + 32 + 8)
+
+
+def test_lower_bits_drift_further(tiny_model):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 50257, (1, 24), generator=g) for _ in range(3)]
+    drift = {}
+    for bits in BITS:
+        worst = 0.0
+        for p in prompts:
+            out = greedy(tiny_model, p, 30, "quant", k_bits=bits, v_bits=bits)
+            with torch.no_grad():
+                ref = tiny_model(torch.cat([p, out.tokens], 1))[0, p.shape[1] - 1:-1]  # full precision
+            worst = max(worst, (out.logits[0] - ref).abs().max().item())
+        drift[bits] = worst
+    assert 0 < drift[8] < drift[4] < drift[2]
+
+
+def test_bad_options_say_what_would_be_right():
+    with pytest.raises(ValueError, match="k_bits=3: use 8, 4 or 2"):
+        make_cache("quant", 2, 2, 8, 16, k_bits=3)
+    with pytest.raises(ValueError, match="group_size must be an integer >= 1"):
+        make_cache("quant", 2, 2, 8, 16, group_size=0)
+    with pytest.raises(ValueError, match="residual must be an integer >= 0"):
+        make_cache("quant", 2, 2, 8, 16, residual=-1)
