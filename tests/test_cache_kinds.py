@@ -50,8 +50,8 @@ def visible(q: int, n: int, reference: dict) -> set[int]:
 class Writer:
     """Writes random K/V chunks into a cache, one layer at a time, as the model does, and remembers what it wrote."""
 
-    def __init__(self, cache: KVCache, seed: int = 0):
-        self.cache, self.g = cache, torch.Generator().manual_seed(seed)
+    def __init__(self, cache: KVCache, seed: int = 0, dtype=torch.float32):
+        self.cache, self.g, self.dtype = cache, torch.Generator().manual_seed(seed), dtype  # dtype: the compute one
         self.k = [torch.empty(cache.batch, cache.n_head, 0, cache.head_dim) for _ in range(cache.n_layer)]
         self.v = [x.clone() for x in self.k]
 
@@ -62,7 +62,7 @@ class Writer:
         out = []
         for _ in range(c.n_layer):
             k = torch.randn(shape, generator=self.g) * torch.linspace(0.5, 6.0, c.head_dim)
-            out.append((k, torch.randn(shape, generator=self.g)))
+            out.append((k.to(self.dtype), torch.randn(shape, generator=self.g).to(self.dtype)))
         return out
 
     def write(self, t: int, data=None):
@@ -143,11 +143,13 @@ def test_geometry_and_dtype_are_checked(kind):
 
 # ---- the update / pos contract -------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind,opts", CASES)
-def test_update_returns_what_the_reference_sees_and_never_moves_pos(kind, opts):
-    cache = make(kind, opts)
+def test_update_returns_what_the_reference_sees_and_never_moves_pos(kind, opts, dtype):
+    """K/V written in ``dtype`` into a cache storing ``dtype`` (as on a GPU computing in fp16/bf16)."""
+    cache = make(kind, opts, dtype=dtype)
     reference = cache.reference(cache.opts)
-    w = Writer(cache)
+    w = Writer(cache, dtype=dtype)
     for t in CHUNKS:
         before = cache.pos
         returned, key_pos, _ = w.write(t)
@@ -162,6 +164,7 @@ def test_update_returns_what_the_reference_sees_and_never_moves_pos(kind, opts):
             want_k = w.k[layer][:, :, key_pos].to(cache.dtype)
             want_v = w.v[layer][:, :, key_pos].to(cache.dtype)
             bound = cache.error_bound(layer)
+            assert k.dtype == v.dtype == dtype  # attention gets them in its own dtype
             if cache.exact:
                 assert bound is None
                 assert torch.equal(k.to(cache.dtype), want_k) and torch.equal(v.to(cache.dtype), want_v)
@@ -281,6 +284,44 @@ def test_crop_gives_the_shorter_cache_or_says_why_not(kind, opts):
         cache.crop(total + 1)
 
 
+# kind-specific crops that really cut something (crop to pos, which every kind allows, cuts nothing)
+REAL_CROPS = [("concat", {}, [6, 1, 1, 4], 3), ("prealloc", {}, [6, 1, 1, 4], 0),
+              ("quant", {"group_size": 8}, [6, 1, 1, 4], 9),  # 12 tokens: K groups [0, 8) stay, the tail is cut
+              ("window", {"window": 8, "sinks": 2}, [6, 1, 2], 5),  # 9 tokens: nothing evicted yet
+              ("window", {"window": 4, "sinks": 2}, [6, 1, 1, 4], 2)]  # evicted, but 2 tokens are only sinks
+NO_CROPS = [("quant", {"group_size": 8}, [6, 1, 1, 4], 8),  # would un-quantise the group [0, 8)
+            ("quant", {"group_size": 8, "residual": 2}, [6, 1, 1, 4], 11),  # V token 9 is quantised already
+            ("window", {"window": 4, "sinks": 2}, [6, 1, 1, 4], 11)]  # position 7 was evicted
+
+
+@pytest.mark.parametrize("kind,opts,chunks,m", REAL_CROPS)
+def test_real_crops_give_the_shorter_cache(kind, opts, chunks, m):
+    cache, data = replay(kind, opts, chunks)
+    assert cache.can_crop(m)
+    cache.crop(m)
+    short = make(kind, opts)
+    flat = [torch.cat([d[layer][i] for d in data], dim=2)[:, :, :m] for layer in range(2) for i in range(2)]
+    if m:
+        Writer(short).write(m, [(flat[0], flat[1]), (flat[2], flat[3])])
+    for t in (1, 3, 1):  # then both go on alike
+        nxt = Writer(short, seed=10 + t).chunk(t)
+        a, pa, _ = Writer(cache).write(t, nxt)
+        b, pb, _ = Writer(short).write(t, nxt)
+        assert (pa is None and pb is None) or torch.equal(pa, pb)
+        for (ka, va), (kb, vb) in zip(a, b):
+            assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("kind,opts,chunks,m", NO_CROPS)
+def test_crops_that_would_need_lost_data_are_refused(kind, opts, chunks, m):
+    cache, _ = replay(kind, opts, chunks)
+    before = cache.snapshot()
+    assert not cache.can_crop(m)
+    with pytest.raises(ValueError, match="snapshot\\(\\) before and restore\\(\\) instead"):
+        cache.crop(m)
+    assert same_state(before, cache.snapshot())
+
+
 @pytest.mark.parametrize("kind,opts", CASES)
 def test_snapshot_restore_is_exact_and_shares_no_storage(kind, opts):
     cache, _ = replay(kind, opts, [6, 1, 1, 4, 1])
@@ -379,12 +420,14 @@ class Checked:
         cache.update = update
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind,opts", [c for c in CASES if not CACHE_KINDS[c.values[0]].exact])
-def test_lossy_kinds_stay_within_their_documented_bound_in_the_model(tiny_model, prompts, kind, opts):
+def test_lossy_kinds_stay_within_their_documented_bound_in_the_model(tiny_model, prompts, kind, opts, dtype):
+    model = tiny_model if dtype == torch.float32 else copy.deepcopy(tiny_model).to(dtype)
     for p in prompts[::4]:
-        cache = new_cache(tiny_model, kind, max_len=p.shape[1] + 40, **opts)
+        cache = new_cache(model, kind, max_len=p.shape[1] + 40, **opts)
         check = Checked(cache)
-        nxt = prefill(tiny_model, p, cache, last_only=True)[0].argmax(-1)
+        nxt = prefill(model, p, cache, last_only=True)[0].argmax(-1)
         for _ in range(39):
-            nxt = decode_step(tiny_model, nxt, cache)[0].argmax(-1)
-        assert check.checked == 40 * tiny_model.config.n_layer
+            nxt = decode_step(model, nxt, cache)[0].argmax(-1)
+        assert check.checked == 40 * model.config.n_layer

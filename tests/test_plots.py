@@ -17,6 +17,7 @@ from harness.plots import (  # noqa: E402
     cache_bytes_plot,
     drift_plot,
     equivalence_grid,
+    memory_plot,
     speedup_plot,
     step_time_plot,
 )
@@ -217,3 +218,29 @@ def test_all_figures_keys_and_skips(tables):
     # a table with only failed rows skips its figures
     figs = all_figures(runs, steps[steps["status"] != "ok"], drift[drift["status"] != "ok"])
     assert set(figs) == {"cache_bytes", "equivalence"}
+
+
+def test_memory_lines_follow_the_formula_and_dots_the_measurements():
+    rows = []
+    for run, (label, per_token, fixed) in enumerate([("concat", 10, 0), ("prealloc", 0, 1280),
+                                                    ("window S4+W32", 0, 360), ("quant k4/v4 g32", 0, 300)]):
+        for n in range(0, 129, 16):
+            measured = per_token * n + fixed if 32 <= n <= 64 else np.nan
+            rows.append(dict(run_name=f"r{run}", status="ok", model="tiny", cache=label.split()[0], cache_label=label,
+                             dtype="fp32", device="cpu", tokens=n, nbytes_formula=per_token * n + fixed,
+                             nbytes_measured=measured))
+    rows.append(dict(rows[0], run_name="bad", status="failed", cache_label="concat", nbytes_formula=SENTINEL))
+    memory = pd.DataFrame(rows)
+    fig = memory_plot(memory)
+    ax = fig.axes[0]
+    lines = lines_by_label(ax)
+    assert list(lines) == ["concat", "prealloc", "quant k4/v4 g32", "window S4+W32"]  # the registry's order
+    ok = memory[memory.status == "ok"]
+    for label, line in lines.items():
+        want = ok[ok.cache_label == label].sort_values("tokens")
+        np.testing.assert_array_equal(line.get_xdata(), want.tokens)
+        np.testing.assert_allclose(line.get_ydata(), want.nbytes_formula)
+    dots = np.concatenate([c.get_offsets() for c in ax.collections])
+    want = ok.dropna(subset=["nbytes_measured"])
+    assert sorted(map(tuple, dots.tolist())) == sorted(zip(want.tokens.astype(float), want.nbytes_measured))
+    assert not np.isclose(all_line_values(fig), SENTINEL).any()

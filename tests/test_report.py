@@ -13,7 +13,7 @@ import pytest
 
 from harness import plots
 from harness.report import build_report
-from harness.results import IncompleteRunWarning, load_drift, load_runs, load_steps
+from harness.results import IncompleteRunWarning, load_drift, load_memory, load_runs, load_steps
 from tests.conftest import REPO, TINY, run_py
 
 pytestmark = pytest.mark.slow  # every test here reads the session's real sweep
@@ -61,6 +61,11 @@ def test_load_steps_and_drift_have_every_context_and_step(tree):
     assert {"model", "cache", "dtype", "device", "status"} <= set(steps.columns)
     assert len(drift) == 4 * 8 and set(drift.step) == set(range(8))
     assert drift[drift.dtype == "fp32"].drift_kl.isna().all() and drift[drift.dtype == "fp16"].drift_kl.notna().all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IncompleteRunWarning)
+        memory = load_memory(tree)
+    assert memory.groupby("run_name").nbytes_measured.count().eq(8).all()  # after the prefill and 7 steps
+    assert (memory.dropna().nbytes_measured == memory.dropna().nbytes_formula).all()
 
 
 def test_report_tables_plots_and_html(tree, tmp_path):
@@ -73,7 +78,7 @@ def test_report_tables_plots_and_html(tree, tmp_path):
     assert len(pd.read_csv(out / "results.csv")) == 5
     assert set(pd.read_parquet(out / "steps.parquet").context_len) == {8, 32}
     pngs = sorted(p.name for p in out.glob("*.png"))
-    assert pngs == ["cache_bytes.png", "drift.png", "equivalence.png", "speedup.png", "step_time.png"]
+    assert pngs == ["cache_bytes.png", "drift.png", "equivalence.png", "memory.png", "speedup.png", "step_time.png"]
     page = (out / "report.html").read_text()
     for name in pngs:
         assert name in page

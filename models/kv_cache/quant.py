@@ -10,7 +10,10 @@
   up to fp16, so every value of the group lies in [min, min + (2^bits - 1) * scale] and round-to-nearest puts every
   dequantised value within half a step (scale / 2) of what was written.
 - Attention reads K and V dequantised into the compute dtype: quantised storage, full-precision math, no kernels.
+  (In an fp16/bf16 compute dtype that last rounding adds half an ulp; ``error_bound`` includes it.)
   The whole allocation is made up front, like ``prealloc``: the cache holds ``max_len`` token slots.
+- Scales and minimums are fp16, so values beyond fp16's range (|x| > 65504) cannot be quantised: their group turns
+  non-finite, which a run reports as such.
 
 Bytes, per layer, batch row and head (hs = head_dim, G = group_size, R = residual, isz = storage bytes/element):
     K: Qk * ceil(hs * k_bits / 8) + (Qk / G) * hs * 4 + Tk * hs * isz,   Qk = floor((max_len - R - 1) / G) * G,
@@ -120,7 +123,7 @@ class QuantKVCache(KVCache):
         self.v_scale = zeros(qv, math.ceil(hs / o.group_size), dtype=SCALE_DTYPE)  # (L, B, nh, Qv, groups)
         self.v_min = zeros(qv, math.ceil(hs / o.group_size), dtype=SCALE_DTYPE)
         self.v_tail = zeros(tv, hs, dtype=self.dtype)  # (L, B, nh, Tv, hs): the newest `residual` tokens
-        self._returned = 0  # tokens in the history the last update returned
+        self._returned = (0, torch.float32)  # tokens in the history the last update returned, and its dtype
 
     # ---- what the kind declares -----------------------------------------------------------------------------
 
@@ -193,7 +196,7 @@ class QuantKVCache(KVCache):
             self.v_min[layer, :, :, qv0:qv1] = lo.squeeze(4)
         self.v_tail[layer, :, :, :n1 - qv1] = pending[:, :, m:]
 
-        self._returned = n1
+        self._returned = (n1, k_new.dtype)
         return self._history(layer, qk1, n1, "k", k_new.dtype), self._history(layer, qv1, n1, "v", v_new.dtype)
 
     def _history(self, layer: int, n_quant: int, n: int, which: str, dtype: torch.dtype) -> torch.Tensor:
@@ -220,14 +223,19 @@ class QuantKVCache(KVCache):
         return out.to(dtype)
 
     def error_bound(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Half a quantisation step for every quantised element of the last returned history, 0 in the tails."""
+        """Per element of the history the last update returned: half a quantisation step where quantised (0 in the
+        full-precision tails), plus half a unit in the last place of the compute dtype it was returned in (the
+        float32 dequantised values, and the tails, are rounded into it)."""
         B, nh, hs, G = self.batch, self.n_head, self.head_dim, self.opts.group_size
-        n = self._returned
+        n, dtype = self._returned
         qk, qv = self._split(n)
         k_half = self.k_scale[layer, :, :, :qk // G].float().repeat_interleave(G, dim=2) / 2  # (B, nh, qk, hs)
         v_half = self.v_scale[layer, :, :, :qv].float().repeat_interleave(G, dim=-1)[..., :hs] / 2
         zeros = torch.zeros(B, nh, n, hs, device=self.device)
-        return torch.cat([k_half, zeros[:, :, qk:]], dim=2), torch.cat([v_half, zeros[:, :, qv:]], dim=2)
+        half_ulp = torch.finfo(dtype).eps / 2
+        k = self._history(layer, qk, n, "k", torch.float32).abs() * half_ulp
+        v = self._history(layer, qv, n, "v", torch.float32).abs() * half_ulp
+        return torch.cat([k_half, zeros[:, :, qk:]], dim=2) + k, torch.cat([v_half, zeros[:, :, qv:]], dim=2) + v
 
     # ---- rewinding and reuse --------------------------------------------------------------------------------
 
@@ -250,7 +258,7 @@ class QuantKVCache(KVCache):
         return lambda: self.restore(snap)
 
     def reset(self) -> None:
-        self.pos = 0
+        self.pos, self._returned = 0, (0, torch.float32)
 
     def _parts(self, n: int) -> dict[str, tuple[torch.Tensor, int]]:
         """Each storage tensor and how many of its slots (dim 3) hold data after n tokens."""
@@ -268,4 +276,4 @@ class QuantKVCache(KVCache):
         pos = self._check_snapshot(snap)
         for name, (t, used) in self._parts(pos).items():
             t[:, :, :, :used] = snap[name]
-        self.pos = pos
+        self.pos, self._returned = pos, (0, torch.float32)
