@@ -1,5 +1,5 @@
 """kvlab's entry point: compose the Hydra config, run one experiment (or a sweep with -m), exit non-zero if any run
-failed.
+of this invocation did not end ok (read from the runs' own results.json files).
 
     python run.py                                          # gpt2 size, prealloc cache, fp32, quick preset
     python run.py -m cache=concat,prealloc dtype=fp32,fp16 # a sweep: four runs, then a report in the sweep folder
@@ -11,7 +11,7 @@ import hydra
 from omegaconf import DictConfig
 
 from harness.config import register
-from harness.experiment import failed_runs, run
+from harness.experiment import invocation, invocation_failures, run
 
 register()
 
@@ -22,5 +22,14 @@ def main(cfg: DictConfig) -> dict:
 
 
 if __name__ == "__main__":
-    main()
-    sys.exit(1 if failed_runs() else 0)
+    invocation()  # this invocation's id, inherited by every job a launcher starts
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("kvlab: interrupted (Ctrl-C); finished runs are complete on disk, and the same command resumes",
+              file=sys.stderr)
+        sys.exit(130)
+    failures = invocation_failures()
+    for line in failures:
+        print(f"kvlab: not ok: {line}", file=sys.stderr)
+    sys.exit(1 if failures else 0)

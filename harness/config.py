@@ -1,18 +1,22 @@
 """Typed configs: one dataclass per config node, registered in Hydra's ConfigStore so every YAML in conf/ is checked
 against it when composed. ``validate`` refuses impossible combinations before any work, with one-line errors.
 
-The cache node has one schema per cache kind, made from the kind's own ``Options`` (``<kind>_schema`` in the ``cache``
-group): a kind registered in ``models.kv_cache`` is typed here with no line of this file naming it.
+The cache node has one schema per cache kind, made from the kind's own ``Options`` (``schema/cache/<kind>``, which
+``conf/cache/<kind>.yaml`` extends): a kind registered in ``models.kv_cache`` is typed here with no line of this file
+naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from models.kv_cache import CACHE_KINDS, DTYPE_NAMES, KVCache, cache_kind
 
@@ -77,6 +81,7 @@ class KvlabConfig:
     prompts_file: str = "harness/prompts.txt"  # relative to the repository root
     full_prompts: Optional[int] = None  # prompts (at most n_prompts) also checked with the true uncached loop;
     # default 1 on CPU, all on GPU
+    resume: bool = True  # skip a run whose folder holds a complete, ok record of the same config
 
 
 def dtype_label(storage: str, compute: str) -> str:
@@ -87,11 +92,36 @@ def dtype_label(storage: str, compute: str) -> str:
     return f"{storage}/{compute}"
 
 
+NOT_MEASURED = ("tracking", "resume", "hydra")  # config keys that do not change what a run measures
+
+
+def config_id(cfg) -> str:
+    """12 hex digits that name what a run measures: a hash of its resolved config without tracking and resume."""
+    keys = [k for k in cfg.keys() if k not in NOT_MEASURED]
+    plain = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+             for k in keys}
+    return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def slug(text) -> str:
+    """A config value made safe as one path component: no separators, no leading dots, nothing but [A-Za-z0-9._+-]."""
+    out = re.sub(r"[^A-Za-z0-9._+-]+", "-", str(text)).strip("-.")
+    return out[:80] or "x"
+
+
+def _id_resolver(*, _root_) -> str:
+    return config_id(_root_)
+
+
 def register() -> None:
+    """The schemas, and the resolvers conf/config.yaml names paths with: ``kvlab_slug`` and ``kvlab_id``."""
+    for name, fn in (("kvlab_slug", slug), ("kvlab_id", _id_resolver)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
     cs = ConfigStore.instance()
     cs.store(name="kvlab_schema", node=KvlabConfig)
     for name, cls in CACHE_KINDS.items():
-        cs.store(group="cache", name=f"{name}_schema", node=cache_schema(cls))
+        cs.store(group="schema/cache", name=name, node=cache_schema(cls))
 
 
 class ConfigError(ValueError):
@@ -120,6 +150,13 @@ def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
     need(cfg.tracking.mode in ("offline", "online", "disabled"),
          f"tracking.mode={cfg.tracking.mode!r}: use offline, online or disabled")
     need(cfg.prompts in ("file", "random"), f"prompts={cfg.prompts!r}: use file or random")
+    for name, value in (("seed", cfg.seed), ("model.seed", cfg.model.seed)):
+        need(0 <= value < 2 ** 63, f"{name}={value}: use an integer 0 <= seed < 2**63")
+    need(str(cfg.model.name).strip() != "", "model.name is empty: give the runs a label, e.g. model.name=my-ckpt")
+    for name in ("project", "entity", "group"):
+        value = cfg.tracking.get(name)
+        need(value is None or (0 < len(str(value)) <= 128 and not set(str(value)) & set("/\\#?%:")),
+             f"tracking.{name}={value!r}: W&B names are 1-128 characters without / \\ # ? % :")
     for name in ("n_prompts", "new_tokens", "prompt_len", "repeats"):
         need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be at least 1")
     need(cfg.warmup >= 0, f"warmup={cfg.warmup} must be 0 or more")

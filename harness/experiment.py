@@ -1,33 +1,127 @@
 """One run: build the model and cache from the config, call the measurements, hand the results to tracking.
 
-A run never raises: whatever goes wrong (an impossible config, CUDA asked on a machine without it, out of memory)
-is recorded as ``status: failed`` with its error, so a sweep goes on and keeps the runs around it. ``failed_runs``
-tells ``run.py`` whether to exit non-zero.
+A run never raises: whatever goes wrong (an impossible config, CUDA asked on a machine without it, out of memory,
+non-finite logits) is recorded as ``status: failed`` with its error, so a sweep goes on and keeps the runs around it.
+
+A run's identity is ``config_id``: a hash of the measurement-relevant config (everything but ``tracking`` and
+``resume``). A run whose folder already holds a complete, ok results.json of the same identity is skipped
+(``resume=true``, the default); anything else in the folder (a failed or interrupted attempt, W&B files included)
+is cleared and measured again. Every run stamps the id of the ``run.py`` invocation that made or confirmed it, so
+the sweep report and ``run.py``'s exit code read exactly this invocation's runs from their files
+(``invocation_failures``).
 """
 
 from __future__ import annotations
 
 import copy
 import datetime as dt
+import hashlib
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness import measure, tracking
-from harness.config import ConfigError, cache_options, dtype_label, validate
+from harness.config import ConfigError, cache_options, config_id, dtype_label, validate
 from harness.engines import KvlabEngine
-from models.gpt2 import GPT2, GPT2Config
+from models.gpt2 import GPT2, GPT2Config, read_hf_config
 from models.kv_cache import as_dtype, cache_kind
 
-FAILED: list[str] = []  # run folders that failed in this process (and, after a sweep, anywhere in it)
+# ---- identity, invocations, resume ------------------------------------------------------------------------------
+
+def invocation() -> str:
+    """The id of this ``run.py`` invocation (set by run.py; made here for plain Python use), shared with the jobs a
+    launcher starts through the environment."""
+    if not os.environ.get("KVLAB_INVOCATION"):
+        os.environ["KVLAB_INVOCATION"] = uuid.uuid4().hex[:12]
+    return os.environ["KVLAB_INVOCATION"]
 
 
-def failed_runs() -> list[str]:
-    return list(FAILED)
+WHERE: dict = {}  # what this process ran: {"run": run folder} or {"sweep": folder, "since": time}, for the exit code
+
+
+def note_sweep(folder: Path) -> None:
+    WHERE.update(sweep=Path(folder), since=time.time() - 2)
+
+
+def invocation_failures() -> list[str]:
+    """Runs of this invocation that did not end ok, read from their files: failed or interrupted records, and job
+    folders started by this invocation that have no results.json. Empty: every run is ok."""
+    from harness.results import RESULTS, read_record
+
+    inv, bad = invocation(), list(WHERE.get("failures", []))
+    if "sweep" in WHERE:
+        folders = [h.parent for h in Path(WHERE["sweep"]).glob("*/.hydra")]
+    elif "run" in WHERE:
+        folders = [Path(WHERE["run"])]
+    else:
+        return bad + ["no run was started"]
+    for folder in folders:
+        record, _ = read_record(folder / RESULTS)
+        if record is None:
+            started = (folder / ".hydra").stat().st_mtime if (folder / ".hydra").exists() else time.time()
+            if "run" in WHERE or started >= WHERE.get("since", 0):
+                bad.append(f"{folder} (no complete results.json)")
+        elif record.get("invocation") == inv and record.get("status") != "ok":
+            bad.append(f"{folder} ({record.get('status')}: {record.get('error')})")
+    return bad
+
+
+ACTIVE = Path(tempfile.gettempdir()) / "kvlab-active"  # one file per kvlab run measuring on this machine
+
+
+def _mark_active() -> Path:
+    ACTIVE.mkdir(parents=True, exist_ok=True)
+    me = ACTIVE / str(os.getpid())
+    me.touch()
+    return me
+
+
+def concurrent_runs() -> int:
+    """Other kvlab runs measuring on this machine now (their step times and ours share the cores)."""
+    others = 0
+    for f in ACTIVE.glob("*") if ACTIVE.is_dir() else []:
+        if not f.name.isdigit() or int(f.name) == os.getpid():
+            continue
+        try:
+            os.kill(int(f.name), 0)
+            others += 1
+        except ProcessLookupError:
+            f.unlink(missing_ok=True)  # a run that died without cleaning up
+        except PermissionError:
+            others += 1  # alive, another user's
+    return others
+
+
+PARTIAL = ("steps.csv", "drift.csv", "memory.csv", "results.json", "wandb")
+
+
+def clear_partial(run_dir: Path) -> None:
+    """Remove what an earlier, unfinished or failed attempt left in a run folder (Hydra's .hydra and log stay)."""
+    for name in PARTIAL:
+        p = Path(run_dir) / name
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.exists():
+            p.unlink()
+    for tmp in Path(run_dir).glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
+def completed(run_dir: Path, ident: str) -> dict | None:
+    """The run folder's record when it is complete, ok and of this identity."""
+    from harness.results import RESULTS, read_record
+
+    record, _ = read_record(Path(run_dir) / RESULTS)
+    ok = record is not None and record.get("status") == "ok" and record.get("config_id") == ident
+    return record if ok else None
 
 
 # ---- inputs ----------------------------------------------------------------------------------------------------
@@ -51,10 +145,10 @@ def model_config(m) -> tuple[GPT2Config, str]:
     """The model's config (read cheaply, before any weights) and a description of its weights."""
     if m.weights == "random":
         return GPT2Config.preset(m.preset), f"random init (GPT-2 initialisation, seed {m.seed}), not pretrained"
-    cfg_file = Path(m.weights).expanduser() / "config.json"
-    if cfg_file.is_file():
-        return GPT2Config.from_hf_dict(json.loads(cfg_file.read_text()), str(cfg_file)), f"checkpoint {m.weights}"
-    return None, f"checkpoint {m.weights}"  # a hub id: known once loaded
+    folder = Path(m.weights).expanduser()
+    if folder.is_dir():
+        return read_hf_config(folder), f"checkpoint {m.weights}"
+    return None, f"checkpoint {m.weights}"  # a hub id (or a missing folder): known once loaded
 
 
 def build_model(m, cfg: GPT2Config | None) -> GPT2:
@@ -67,13 +161,29 @@ def build_model(m, cfg: GPT2Config | None) -> GPT2:
 def text_prompts(path: Path, n: int, length: int, tokenizer) -> list[torch.Tensor]:
     """``n`` prompts of exactly ``length`` tokens of real text: prompt i starts at paragraph i of the file and, when
     that paragraph is shorter, runs on into the paragraphs after it (wrapping around); past the last paragraph the
-    starts shift by a few tokens so every prompt differs."""
-    paragraphs = [p.strip() for p in path.read_text(encoding="utf-8").splitlines() if p.strip()]
+    starts shift by a few tokens so every prompt differs. Only as many paragraphs are tokenized as the prompts
+    need, so a file of many lines costs what the prompts read."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"prompts_file {path} is a folder: point it at a text file with one paragraph per line")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"prompts_file {path} is not UTF-8 text: give a text file with one paragraph per "
+                          "line, or use prompts=random") from None
+    paragraphs = [p.strip() for p in text.splitlines() if p.strip()]
     if not paragraphs:
         raise ConfigError(f"prompts_file {path} has no text: give a file with one paragraph per line")
-    ids = [tokenizer.encode(p + "\n\n") for p in paragraphs]
+    ids: list[list[int]] = []
+    starts: list[int] = []
+    total = 0
+    for p in paragraphs:  # until the last prompt's start (and a prompt's length after it) is tokenized
+        if len(ids) >= min(n, len(paragraphs)) and total >= starts[min(n, len(paragraphs)) - 1] + length + 7 * n:
+            break
+        starts.append(total)
+        ids.append(tokenizer.encode(p + "\n\n"))
+        total += len(ids[-1])
     stream = [t for p in ids for t in p]
-    starts = [sum(len(p) for p in ids[:i]) for i in range(len(ids))]
     prompts = []
     for i in range(n):
         start = starts[i % len(ids)] + 7 * (i // len(ids))
@@ -103,9 +213,17 @@ def _hydra_dirs() -> tuple[Path, str, str]:
     return measure.REPO / "outputs" / "adhoc" / name, "adhoc", name
 
 
+def model_label(m) -> str:
+    """How runs are labelled: the model's name; on a checkpoint folder whose name was left at the preset's, the
+    folder's name is added, so runs on two checkpoints never share a label."""
+    if m.weights == "random" or m.name != m.preset:
+        return m.name
+    return f"{m.name}@{Path(str(m.weights)).name}"
+
+
 def config_record(cfg) -> dict:
     return dict(
-        model=cfg.model.name, preset=cfg.model.preset if cfg.model.weights == "random" else None,
+        model=model_label(cfg.model), preset=cfg.model.preset if cfg.model.weights == "random" else None,
         weights_source=cfg.model.weights, model_seed=cfg.model.seed, cache=cfg.cache.kind,
         **cache_record(cfg.cache),
         dtype=dtype_label(cfg.dtype.storage, cfg.dtype.compute),
@@ -156,6 +274,9 @@ def measure_run(cfg, progress: bool = True):
             raise ConfigError(f"prompts_file {path} does not exist: point prompts_file at a text file or use "
                               "prompts=random")
         prompts = text_prompts(path, cfg.n_prompts, cfg.prompt_len, Tokenizer())
+        if mcfg.vocab_size < Tokenizer.VOCAB_SIZE:
+            raise ConfigError(f"prompts=file uses GPT-2's {Tokenizer.VOCAB_SIZE:,}-token vocabulary, but model "
+                              f"{cfg.model.name} has vocab_size {mcfg.vocab_size:,}: use prompts=random")
     else:
         prompts = random_prompts(cfg.n_prompts, cfg.prompt_len, mcfg.vocab_size, cfg.seed)
     prompts = [p.to(device) for p in prompts]
@@ -173,9 +294,14 @@ def measure_run(cfg, progress: bool = True):
     rec.update(checks, sample_prompt=tok.decode(prompts[0][0].tolist()), sample_text=tok.decode(sample))
     mem, memory = measure.cache_memory(engine, spec, prompts[0], cfg.new_tokens, max_len)
     rec.update(mem)
+    others = concurrent_runs()
     steps = measure.step_times(engine, spec, contexts, max_len, cfg.repeats, cfg.warmup, device, cfg.seed,
                                progress)
     rec.update(measure.time_to_first_token(engine, spec, prompts[0], max_len, cfg.repeats, cfg.warmup, device))
+    rec["concurrent_runs_while_timing"] = max(others, concurrent_runs())
+    if rec["concurrent_runs_while_timing"]:
+        print(f"kvlab: {rec['concurrent_runs_while_timing']} other kvlab run(s) measured on this machine while this "
+              "one timed its steps: its step times share their cores (README: Scaling out)", file=sys.stderr)
     top = steps[steps.context_len == steps.context_len.max()].set_index("mode")
     rec.update(max_context_len=int(steps.context_len.max()),
                step_ms_cached_at_max_context=float(top.loc["cached", "ms_median"]),
@@ -192,38 +318,81 @@ def one_line(e: BaseException) -> str:
 
 
 def run(cfg: DictConfig, progress: bool = True) -> dict:
-    """One run from a composed config. Writes the run's files and its W&B run; never raises for a failed run."""
+    """One run from a composed config. Writes the run's files and its W&B run; never raises for a failed run (a
+    Ctrl-C records the run as interrupted and stops the process with exit code 130)."""
     run_dir, group, name = _hydra_dirs()
     group = cfg.tracking.group or group
-    record = dict(status="failed", error=None, run_name=name, group=group, run_dir=str(run_dir),
-                  started_at=dt.datetime.now().isoformat(timespec="seconds"), weights=model_config_safe(cfg),
-                  **config_record(cfg))
+    ident, inv = config_id(cfg), invocation()
+    WHERE.setdefault("run", run_dir)
+    prior = completed(run_dir, ident) if cfg.get("resume", True) else None
+    if prior is not None:
+        return _confirm(run_dir, prior, inv, name)
+    clear_partial(run_dir)
+    record = dict(status="failed", error=None, run_name=name, group=group, run_dir=str(run_dir), config_id=ident,
+                  invocation=inv, started_at=dt.datetime.now().isoformat(timespec="seconds"),
+                  weights=model_config_safe(cfg), **config_record(cfg))
     steps = drift = memory = None
     t0 = time.perf_counter()
+    active = _mark_active()
     try:
         fields, steps, drift, memory = measure_run(cfg, progress)
         record.update(fields, status="ok")
+    except KeyboardInterrupt:
+        record.update(status="interrupted", error="interrupted (Ctrl-C); run the same command again to resume",
+                      duration_s=round(time.perf_counter() - t0, 2))
+        _write(run_dir, record, None, None, None)
+        print(f"kvlab: run {name} interrupted; its record says so ({run_dir}). The same command resumes.",
+              file=sys.stderr)
+        raise SystemExit(130) from None
     except Exception as e:  # recorded, never raised: the sweep goes on
         record["error"] = one_line(e)
         print(f"kvlab: run {name} failed: {record['error']}", file=sys.stderr)
+    finally:
+        active.unlink(missing_ok=True)
     record["duration_s"] = round(time.perf_counter() - t0, 2)
+    record["finished_at"] = dt.datetime.now().isoformat(timespec="seconds")
     for df in (steps, drift, memory):
         if df is not None:
             for i, k in enumerate(("model", "cache", "cache_label", "dtype", "device")):
                 df.insert(i, k, record.get(k))
-    tracking.write_run_files(run_dir, record, steps, drift, memory)
+    if not _write(run_dir, record, steps, drift, memory):
+        return record
     try:
         record["wandb"] = tracking.log_wandb(cfg.tracking.mode, cfg.tracking.project, cfg.tracking.entity, group,
                                              name, run_dir, OmegaConf.to_container(cfg, resolve=True), record,
-                                             steps, drift, memory)
+                                             steps, drift, memory, run_id=wandb_id(group, ident))
     except Exception as e:  # tracking trouble must not lose the measurements already on disk
         record["wandb"] = f"failed: {one_line(e)}"
         print(f"kvlab: W&B logging failed ({record['wandb']}); results are in {run_dir}", file=sys.stderr)
-    tracking.write_run_files(run_dir, record, None, None, None)
-    if record["status"] != "ok":
-        FAILED.append(str(run_dir))
+    _write(run_dir, record, None, None, None)
     print(summary_text(record, steps))
     return record
+
+
+def wandb_id(group: str, ident: str) -> str:
+    """The W&B run id of a config in a sweep: the same on a resumed run, so W&B continues it instead of adding one."""
+    return hashlib.sha256(f"{group}/{ident}".encode()).hexdigest()[:16]
+
+
+def _confirm(run_dir: Path, record: dict, inv: str, name: str) -> dict:
+    """A complete run of the same config: keep its measurements, stamp this invocation on it."""
+    record = dict(record, invocation=inv)
+    _write(run_dir, record, None, None, None)
+    print(f"kvlab: run {name} is complete (config {record['config_id']}, measured {record.get('finished_at')}): "
+          "skipped; resume=false measures it again")
+    return record
+
+
+def _write(run_dir: Path, record: dict, steps, drift, memory) -> bool:
+    """Write the run's files; a write error is one line on stderr (the run then has no complete record)."""
+    try:
+        tracking.write_run_files(run_dir, record, steps, drift, memory)
+        return True
+    except OSError as e:
+        WHERE.setdefault("failures", []).append(f"{run_dir} (cannot write: {e.strerror or e})")
+        print(f"kvlab: cannot write the results of run {record['run_name']} to {run_dir}: {e.strerror or e}",
+              file=sys.stderr)
+        return False
 
 
 def model_config_safe(cfg) -> str:

@@ -113,10 +113,91 @@ def _first_true(mask: torch.Tensor) -> int | None:
     return int(idx[0]) if len(idx) else None
 
 
+# ---- non-finite values: a run that produced NaN or inf never reports an equivalence --------------------------------
+
+class NonFiniteError(RuntimeError):
+    """Logits (or K/V) that are NaN or infinite: the run fails, with where they first appeared."""
+
+
+def trace_non_finite(model, run) -> str | None:
+    """Run ``run()`` with every block of ``model`` (and the K/V its caches return) watched; say where non-finite
+    values first appear: a weight, the embeddings, a cache's K/V at some layer, or a block's output."""
+    from models.gpt2 import GPT2
+
+    if not isinstance(model, GPT2):
+        return None
+    bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    if bad:
+        return f"the weight {bad}"
+    first: list[str] = []
+
+    def watch(what):
+        def hook(module, inputs, output):
+            if not first and not torch.isfinite(output).all():
+                first.append(what)
+        return hook
+
+    handles = [model.transformer.wte.register_forward_hook(watch("the token embeddings"))]
+    handles += [b.register_forward_hook(watch(f"layer {i}'s output")) for i, b in enumerate(model.transformer.h)]
+    handles += [model.transformer.ln_f.register_forward_hook(watch("the final layer norm"))]
+    try:
+        with torch.inference_mode():
+            run(first)
+    finally:
+        for h in handles:
+            h.remove()
+    return first[0] if first else None
+
+
+def watched_cache(cache, first: list[str]):
+    """Wrap ``cache.update`` so that the first K/V it returns with non-finite values is noted in ``first``."""
+    update = cache.update
+
+    def checked(layer, k, v):
+        out = update(layer, k, v)
+        if not first and not (torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()):
+            first.append(f"the K/V the {cache.kind} cache returned at layer {layer}"
+                         + ("" if torch.isfinite(k).all() and torch.isfinite(v).all() else " (written so)"))
+        return out
+
+    cache.update = checked
+    return cache
+
+
+def check_finite(logits: torch.Tensor, what: str, where=None) -> None:
+    """Raise ``NonFiniteError`` naming the first step of ``logits`` (n, vocab) that holds NaN or inf, and, when
+    ``where()`` can tell, where in the model they first appear."""
+    bad = ~torch.isfinite(logits.reshape(-1, logits.shape[-1])).all(-1)
+    if bad.any():
+        step = int(torch.nonzero(bad)[0])
+        place = where() if where is not None else None
+        raise NonFiniteError(f"non-finite logits (NaN/inf) in {what} at step {step}"
+                             + (f"; first non-finite values in {place}" if place else ""))
+
+
+def locate_in_generation(engine, prompt: torch.Tensor, tokens: torch.Tensor, spec) -> str | None:
+    """Replay a cached generation (prefill, then the generated tokens one by one) watching the model and the cache."""
+    def replay(first):
+        cache = watched_cache(spec.new(engine, prompt.shape[1] + tokens.shape[1]), first)
+        engine.prefill(prompt, cache)
+        for i in range(tokens.shape[1] - 1):
+            if first:
+                return
+            engine.decode(tokens[:, i:i + 1], cache)
+
+    return trace_non_finite(getattr(engine, "model", None), replay)
+
+
+def locate_in_forward(engine, seq: torch.Tensor, reference: dict) -> str | None:
+    return trace_non_finite(getattr(engine, "model", None), lambda first: engine.forward(seq, **reference))
+
+
 def equivalence_check(engine, prompt: torch.Tensor, out, reference: dict) -> dict:
     """Teacher-forced equivalence of one cached generation ``out`` against the kind's uncached reference: per-step
     logit stats, the first step whose token the reference would not have chosen, and the reference logits."""
     ref_logits = teacher_forced(engine, prompt, out.tokens, reference)
+    check_finite(ref_logits, "the uncached reference", lambda: locate_in_forward(
+        engine, torch.cat([prompt, out.tokens], dim=1), reference))
     return dict(stats=logit_stats(out.logits[0], ref_logits), ref_logits=ref_logits,
                 first_wrong=_first_true(ref_logits.argmax(-1) != out.tokens[0]))
 
@@ -138,6 +219,7 @@ def drift_check(ref32, prompt: torch.Tensor, out, ref_logits: torch.Tensor | Non
     tokens against ours (match rate, first divergence). ``ref_logits``: FP32's teacher-forced logits, if known."""
     n = out.tokens.shape[1]
     ref = teacher_forced(ref32, prompt, out.tokens) if ref_logits is None else ref_logits
+    check_finite(ref, "the fp32 drift reference")
     want = ref32.greedy(prompt, n, layout=full_attention_kind()).tokens[0]
     return dict(stats=logit_stats(out.logits[0], ref), match_rate=(want == out.tokens[0]).float().mean().item(),
                 first_divergence=_first_true(want != out.tokens[0]))
@@ -160,6 +242,8 @@ def generation_checks(engine, prompts: list[torch.Tensor], new_tokens: int, spec
     checks = []  # one record per prompt: its equivalence, full-loop and drift checks
     for i, prompt in enumerate(tqdm(prompts, desc=f"generate+check ({spec.label})", disable=not progress)):
         out = spec.greedy(engine, prompt, new_tokens)
+        check_finite(out.logits[0], f"the cached generation of prompt {i}",
+                     lambda: locate_in_generation(engine, prompt, out.tokens, spec))
         eq = equivalence_check(engine, prompt, out, reference)
         checks.append(dict(
             tokens=out.tokens[0].tolist(), eq=eq["stats"], first_wrong=eq["first_wrong"],

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import base64
 import html
+import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -49,11 +51,14 @@ def _table(df: pd.DataFrame) -> str:
     return f'<div style="overflow-x:auto">{t}</div>'  # wide tables scroll instead of running off the page
 
 
-def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dict[str, Path]) -> str:
+def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dict[str, Path],
+                skipped: list | None = None) -> str:
     """One HTML page with everything inline (images as data: URIs): no network, no other files needed."""
     ok, failed = runs[runs.status == "ok"], runs[runs.status != "ok"]
+    skipped = skipped or []
     parts = [f"<h1>{html.escape(title)}</h1>",
-             f"<p>{len(runs)} runs: {len(ok)} ok, {len(failed)} failed.</p>"]
+             f"<p>{len(runs)} runs: {len(ok)} ok, {len(failed)} not ok"
+             + (f"; {len(skipped)} skipped (below)" if skipped else "") + ".</p>"]
     weights = sorted(runs["weights"].dropna().unique()) if "weights" in runs else []
     if weights:
         parts.append("<p><b>Weights:</b> " + "; ".join(html.escape(w) for w in weights) + ". Random-init weights "
@@ -61,7 +66,10 @@ def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dic
                      "text.</p>")
     if len(failed):
         parts += ["<h2>Failed runs</h2>", _table(failed[[c for c in ("run_name", "model", "cache_label", "dtype",
-                                                                   "device", "error") if c in failed]])]
+                                                                   "device", "status", "error") if c in failed]])]
+    if skipped:
+        rows = pd.DataFrame([{"folder": str(f or ""), "why": why} for f, why in skipped])
+        parts += ["<h2>Skipped: could not be read, or never finished</h2>", _table(rows)]
     parts += ["<h2>Runs</h2>", _table(runs[[c for c in SUMMARY_COLS if c in runs]])]
     if len(steps):
         index = ["model", "device", "dtype", "cache_label" if "cache_label" in steps else "cache", "mode"]
@@ -83,15 +91,25 @@ def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dic
             f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")
 
 
-def build_report(path: str | Path, out: str | Path | None = None) -> dict:
-    """Load every run under ``path`` and write the report folder (default ``path/report``). Returns what it
-    wrote: tables, images (stem -> PNG path), html, and the runs DataFrame."""
+def build_report(path: str | Path, out: str | Path | None = None, invocation: str | None = None) -> dict:
+    """Load every readable run under ``path`` (with ``invocation``: only that invocation's runs) and write the report
+    folder (default ``path/report``). What could not be read is listed on the page, and in ``skipped``. Returns
+    tables, images (stem -> PNG path), html, the runs DataFrame and skipped [(folder, why)]."""
     path = Path(path)
     out = Path(out) if out else path / "report"
-    runs, steps, drift = results.load_runs(path), results.load_steps(path), results.load_drift(path)
-    memory = results.load_memory(path)
+    found = results.scan(path, invocation)
+    skipped = [(f, why) for f, why in found["skipped"]]
+    skipped += [(f, "no results.json: the run was interrupted or is still going") for f in found["interrupted"]
+                if invocation is None or _started_by(f, invocation)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", results.IncompleteRunWarning)
+        runs, steps = results.load_runs(path, invocation), results.load_steps(path, invocation)
+        drift, memory = results.load_drift(path, invocation), results.load_memory(path, invocation)
+    skipped += sorted({(None, str(w.message)) for w in caught if "its rows are missing" in str(w.message)},
+                      key=lambda x: x[1])  # tables that could not be read
     if runs.empty:
-        raise FileNotFoundError(f"{path}: no runs (no results.json) found under it")
+        raise FileNotFoundError(f"{path}: no readable kvlab runs (results.json) found under it"
+                                + (f"; skipped {len(skipped)}: {skipped[0][1]}" if skipped else ""))
     out.mkdir(parents=True, exist_ok=True)
     tables = []
     for stem, df in (("results", runs), ("steps", steps), ("drift", drift), ("memory", memory)):
@@ -104,45 +122,83 @@ def build_report(path: str | Path, out: str | Path | None = None) -> dict:
             fig.savefig(images[stem], dpi=110, bbox_inches="tight")
             plots.plt.close(fig)
     page = out / "report.html"
-    page.write_text(render_html(f"kvlab report: {path.name}", runs, steps, images), encoding="utf-8")
-    return dict(runs=runs, tables=tables, images=images, html=page, folder=out)
+    page.write_text(render_html(f"kvlab report: {path.name}", runs, steps, images, skipped), encoding="utf-8")
+    return dict(runs=runs, tables=tables, images=images, html=page, folder=out, skipped=skipped)
+
+
+def _started_by(folder: Path, invocation: str) -> bool:
+    """Whether a job folder without results.json belongs to ``invocation`` (it was started after the sweep began)."""
+    since = experiment.WHERE.get("since")
+    return since is None or (folder / ".hydra").stat().st_mtime >= since
 
 
 def report_and_log(path: Path, mode: str, project: str, entity: str | None, group: str | None = None,
-                   out: Path | None = None) -> dict:
-    rep = build_report(path, out)
+                   out: Path | None = None, invocation: str | None = None) -> dict:
+    """The report, then the aggregate W&B run; a W&B failure is a warning in ``rep["wandb"]``, not a failed
+    report."""
+    rep = build_report(path, out, invocation)
     runs = rep["runs"]
     group = group or (runs["group"].dropna().iloc[0] if "group" in runs and runs["group"].notna().any()
                       else path.name)
-    rep["wandb"] = tracking.log_wandb_aggregate(mode, project, entity, group, rep["folder"], runs, rep["images"])
+    if mode != "disabled":  # one aggregate run per sweep: a report made again replaces it
+        shutil.rmtree(Path(rep["folder"]) / "wandb", ignore_errors=True)
+    try:
+        rep["wandb"] = tracking.log_wandb_aggregate(mode, project, entity, group, rep["folder"], runs, rep["images"],
+                                                    run_id=experiment.wandb_id(group, "report"))
+    except Exception as e:  # the report is written; W&B trouble is said, not fatal
+        rep["wandb"] = f"failed: {experiment.one_line(e)}"
+        print(f"kvlab report: W&B logging failed ({rep['wandb']}); the report is in {rep['folder']}",
+              file=sys.stderr)
     return rep
 
 
 def print_summary(rep: dict) -> None:
     runs = rep["runs"]
     failed = runs[runs.status != "ok"]
-    print(f"kvlab report: {len(runs)} runs ({len(failed)} failed) -> {rep['html']}")
+    print(f"kvlab report: {len(runs)} runs ({len(failed)} not ok) -> {rep['html']}")
     for _, r in failed.iterrows():
-        print(f"kvlab: run {r['run_name']} failed: {r['error']}", file=sys.stderr)
+        print(f"kvlab: run {r['run_name']} {r['status']}: {r['error']}", file=sys.stderr)
+    for folder, why in rep.get("skipped", []):
+        print(f"kvlab report: skipped {folder or ''}{': ' if folder else ''}{why}", file=sys.stderr)
+
+
+def _can_create(folder: Path, what: str) -> None:
+    """Stop before any work, in one line, when the outputs folder cannot be made or written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".kvlab-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        print(f"kvlab: cannot write the {what} {folder}: {e.strerror or e}; choose another with "
+              f"hydra.{'sweep' if what == 'sweep folder' else 'run'}.dir=...", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 class SweepReport(Callback):
-    """Hydra callback: after every multirun, report on the sweep folder and note failed runs for the exit code."""
+    """Hydra callback: checks the outputs folder can be written before any run; after a multirun, reports on the
+    runs of this invocation (each config once). The exit code is read from the runs' files (run.py)."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        _can_create(Path(config.hydra.run.dir), "run folder")
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        _can_create(Path(config.hydra.sweep.dir), "sweep folder")
+        experiment.invocation()  # made here at the latest, so every job of the sweep inherits it
+        experiment.note_sweep(Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep = Path(config.hydra.sweep.dir)
         t = config.tracking
         try:
-            rep = report_and_log(sweep, t.mode, t.project, t.entity, t.group or sweep.name)
+            rep = report_and_log(sweep, t.mode, t.project, t.entity, t.group or sweep.name,
+                                 invocation=experiment.invocation())
         except Exception as e:  # the runs' own files are already complete: say so and keep the exit code honest
             print(f"kvlab: sweep report failed ({experiment.one_line(e)}); each run's results are in {sweep}",
                   file=sys.stderr)
-            experiment.FAILED.append(f"{sweep} (report)")
+            experiment.WHERE.setdefault("failures", []).append(f"{sweep} (the sweep report)")
             return
         print_summary(rep)
-        for d in rep["runs"].loc[rep["runs"].status != "ok", "run_dir"]:
-            if d not in experiment.FAILED:
-                experiment.FAILED.append(d)
 
 
 def main(argv=None) -> int:
@@ -156,8 +212,9 @@ def main(argv=None) -> int:
     try:
         rep = report_and_log(Path(args.path), args.wandb, args.project, None, None,
                              Path(args.out) if args.out else None)
-    except FileNotFoundError as e:
-        print(f"kvlab report: {e}", file=sys.stderr)
+    except (FileNotFoundError, OSError) as e:
+        print(f"kvlab report: {experiment.one_line(e) if not isinstance(e, FileNotFoundError) else e}",
+              file=sys.stderr)
         return 2
     print_summary(rep)
     return 0

@@ -7,8 +7,9 @@
     memory = load_memory("outputs/multirun") # one row per (run, tokens): cache bytes, formula and measured
 
 A run is a folder with a ``results.json`` (written last, atomically, by every run, failed ones included). A Hydra
-job folder without one (a run that was killed, or is still going) is skipped with a warning; a failed run is kept,
-with its ``status`` and ``error``, and simply has no step or drift rows.
+job folder without one (a run that was killed, or is still going), an unreadable or foreign results.json and an
+unreadable table are skipped with a warning; a failed run is kept, with its ``status`` and ``error``, and simply
+has no step or drift rows. A config measured more than once (a resumed sweep) is one row: its latest record.
 """
 
 from __future__ import annotations
@@ -39,26 +40,57 @@ def _skipped(path: Path) -> bool:
     return any(part in SKIP_DIRS for part in path.parts)
 
 
-def run_folders(path: str | Path) -> list[tuple[Path, dict]]:
-    """(folder, record) of every finished run under ``path``, sorted by folder; warns about incomplete ones."""
+REQUIRED = ("status", "run_name", "model", "cache")  # what makes a results.json kvlab's
+
+
+def read_record(path: Path) -> tuple[dict | None, str | None]:
+    """A run's record from its results.json, or (None, why not)."""
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, f"unreadable {RESULTS} ({type(e).__name__})"
+    if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in REQUIRED):
+        return None, f"{RESULTS} is not a kvlab record (it needs {', '.join(REQUIRED)})"
+    return record, None
+
+
+def scan(path: str | Path, invocation: str | None = None) -> dict:
+    """Every run under ``path``: ``runs`` [(folder, record)] sorted by folder, one per config and sweep (``group``,
+    ``config_id``; the latest finished wins), ``skipped`` [(folder, why)] for what could not be read, and ``interrupted`` [folder] for job
+    folders without a results.json. With ``invocation``, only the runs that invocation of run.py made or confirmed."""
     root = Path(path)
-    if not root.exists():
+    if not root.is_dir():
         raise FileNotFoundError(f"{root}: no such folder; pass a run or sweep folder under outputs/")
-    found = []
+    runs, skipped = [], []
     for f in sorted(root.rglob(RESULTS)):
         if _skipped(f.relative_to(root).parent):
             continue
-        try:
-            found.append((f.parent, json.loads(f.read_text())))
-        except (OSError, json.JSONDecodeError) as e:
-            warnings.warn(f"skipping {f.parent}: unreadable {RESULTS} ({e})", IncompleteRunWarning, stacklevel=2)
-    done = {folder for folder, _ in found}
-    for hydra in sorted(root.rglob(".hydra")):
-        job = hydra.parent
-        if job not in done and not _skipped(job.relative_to(root)):
-            warnings.warn(f"skipping {job}: no {RESULTS} (the run was interrupted or is still going)",
-                          IncompleteRunWarning, stacklevel=2)
-    return found
+        record, why = read_record(f)
+        if record is None:
+            skipped.append((f.parent, why))
+        elif invocation is None or record.get("invocation") == invocation:
+            runs.append((f.parent, record))
+    latest: dict[tuple, tuple[Path, dict]] = {}
+    for folder, record in runs:  # one row per config and sweep: a config measured twice keeps its newest record
+        key = (record.get("group"), record.get("config_id") or str(folder))
+        if key not in latest or str(record.get("finished_at", "")) >= str(latest[key][1].get("finished_at", "")):
+            latest[key] = (folder, record)
+    seen = {folder for folder, _ in runs} | {folder for folder, _ in skipped}
+    interrupted = [h.parent for h in sorted(root.rglob(".hydra"))
+                   if h.parent not in seen and not _skipped(h.parent.relative_to(root))]
+    return dict(runs=sorted(latest.values(), key=lambda r: str(r[0])), skipped=skipped, interrupted=interrupted)
+
+
+def run_folders(path: str | Path, invocation: str | None = None) -> list[tuple[Path, dict]]:
+    """(folder, record) of every finished run under ``path`` (one per config), sorted by folder; warns about what
+    it skips: unreadable or foreign results.json files, and job folders without one."""
+    found = scan(path, invocation)
+    for folder, why in found["skipped"]:
+        warnings.warn(f"skipping {folder}: {why}", IncompleteRunWarning, stacklevel=2)
+    for folder in found["interrupted"]:
+        warnings.warn(f"skipping {folder}: no {RESULTS} (the run was interrupted or is still going)",
+                      IncompleteRunWarning, stacklevel=2)
+    return found["runs"]
 
 
 def _order(df: pd.DataFrame, first: list[str]) -> pd.DataFrame:
@@ -66,17 +98,28 @@ def _order(df: pd.DataFrame, first: list[str]) -> pd.DataFrame:
     return df[head + sorted(c for c in df.columns if c not in head)]
 
 
-def load_runs(path: str | Path) -> pd.DataFrame:
+def load_runs(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
     """One row per run: the run's results.json, flat."""
-    rows = [dict(record, run_dir=str(folder)) for folder, record in run_folders(path)]
+    rows = [dict(record, run_dir=str(folder)) for folder, record in run_folders(path, invocation)]
     if not rows:
         return pd.DataFrame(columns=FIRST)
     return _order(pd.DataFrame(rows), FIRST).reset_index(drop=True)
 
 
-def _long(path: str | Path, name: str) -> pd.DataFrame:
+def read_table(f: Path) -> tuple[pd.DataFrame | None, str | None]:
+    """A run's CSV table, or (None, why not)."""
+    try:
+        df = pd.read_csv(f)
+    except (OSError, UnicodeDecodeError, ValueError, pd.errors.ParserError) as e:
+        return None, f"unreadable {f.name} ({type(e).__name__})"
+    if df.empty:
+        return None, f"{f.name} has no rows"
+    return df, None
+
+
+def _long(path: str | Path, name: str, invocation: str | None = None) -> pd.DataFrame:
     frames = []
-    for folder, record in run_folders(path):
+    for folder, record in run_folders(path, invocation):
         f = folder / name
         if record.get("status") != "ok":
             continue
@@ -84,7 +127,10 @@ def _long(path: str | Path, name: str) -> pd.DataFrame:
             warnings.warn(f"{folder}: finished but has no {name}; its rows are missing", IncompleteRunWarning,
                           stacklevel=3)
             continue
-        df = pd.read_csv(f)
+        df, why = read_table(f)
+        if df is None:
+            warnings.warn(f"{folder}: {why}; its rows are missing", IncompleteRunWarning, stacklevel=3)
+            continue
         for k in KEYS:
             df[k] = record.get(k)
         frames.append(df)
@@ -93,20 +139,21 @@ def _long(path: str | Path, name: str) -> pd.DataFrame:
     return _order(pd.concat(frames, ignore_index=True), KEYS)
 
 
-def load_steps(path: str | Path) -> pd.DataFrame:
+def load_steps(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
     """Decode-step times: one row per (run, context_len, mode) with ms_median, ms_p10, ms_p90, speedup."""
-    return _long(path, STEPS)
+    return _long(path, STEPS, invocation)
 
 
-def load_drift(path: str | Path) -> pd.DataFrame:
-    """Per decode step: eq_max_abs_diff (cached vs uncached) and drift_* vs fp32 (NaN for fp32 runs)."""
-    return _long(path, DRIFT)
+def load_drift(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
+    """Per decode step: eq_max_abs_diff (cached vs the kind's reference) and drift_* vs fp32 full attention (NaN
+    where the run has no drift)."""
+    return _long(path, DRIFT, invocation)
 
 
-def load_memory(path: str | Path) -> pd.DataFrame:
+def load_memory(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
     """Cache bytes vs tokens: one row per (run, tokens) with nbytes_formula and nbytes_measured (NaN where the
     generation did not reach that length)."""
-    return _long(path, MEMORY)
+    return _long(path, MEMORY, invocation)
 
 
 def save_table(df: pd.DataFrame, folder: str | Path, stem: str) -> list[Path]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -55,19 +56,48 @@ def write_run_files(run_dir: Path, record: dict, steps: pd.DataFrame | None, dri
     _atomic_write(run_dir / RESULTS, lambda f: json.dump(clean, f, indent=2, sort_keys=True))
 
 
+INIT_TIMEOUT_S = 15  # how long an online W&B run may take to start before kvlab logs offline instead
+ONLINE_FAILED: list[str] = []  # why online W&B failed in this process: later runs go offline at once
+
+
+def _offline_env() -> None:
+    # wandb's process-wide settings, not the run's mode, decide whether it sends usage telemetry and error
+    # reports: say offline there too, before wandb sets itself up, so an offline run opens no connection.
+    os.environ["WANDB_MODE"] = "offline"
+    os.environ["WANDB_ERROR_REPORTING"] = "false"
+
+
 def _wandb_run(mode: str, project: str, entity: str | None, group: str, name: str, folder: Path, config: dict,
-               job_type: str):
+               job_type: str, run_id: str | None = None):
+    """(wandb, run, mode it really runs in). ``online`` that cannot start within INIT_TIMEOUT_S (no API key, no
+    network, a server that does not answer) falls back to ``offline`` with one line on stderr: nothing is lost,
+    ``wandb sync`` sends it later."""
+    if mode == "online" and ONLINE_FAILED:
+        mode = "offline"
     if mode == "offline":
-        # wandb's process-wide settings, not the run's mode, decide whether it sends usage telemetry and error
-        # reports: say offline there too, before wandb sets itself up, so an offline run opens no connection.
-        os.environ["WANDB_MODE"] = "offline"
-        os.environ["WANDB_ERROR_REPORTING"] = "false"
+        _offline_env()
     import wandb
 
     folder.mkdir(parents=True, exist_ok=True)
-    return wandb, wandb.init(mode=mode, project=project, entity=entity, group=group, name=name, job_type=job_type,
-                             dir=str(folder), config=config, reinit="create_new",
-                             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
+
+    def start(m: str):
+        return wandb.init(mode=m, project=project, entity=entity, group=group, name=name, job_type=job_type,
+                          dir=str(folder), config=config, reinit="create_new", id=run_id,
+                          resume="allow" if run_id else None,
+                          settings=wandb.Settings(console="off", silent=True, x_disable_stats=True,
+                                                  init_timeout=INIT_TIMEOUT_S))
+
+    if mode != "online":
+        return wandb, start(mode), mode
+    try:
+        return wandb, start("online"), "online"
+    except Exception as e:  # no key, no network, no answer: keep the run, offline
+        why = " ".join(str(e).split()).split(" Consider increasing")[0][:160] or type(e).__name__
+        ONLINE_FAILED.append(why)
+        print(f"kvlab: W&B online could not start ({type(e).__name__}: {why}); logging offline instead, "
+              "`wandb sync` sends it later", file=sys.stderr)
+        _offline_env()
+        return wandb, start("offline"), "offline"
 
 
 def _where(run, mode: str) -> str:
@@ -76,13 +106,13 @@ def _where(run, mode: str) -> str:
 
 def log_wandb(mode: str, project: str, entity: str | None, group: str, name: str, run_dir: Path, config: dict,
               record: dict, steps: pd.DataFrame | None, drift: pd.DataFrame | None,
-              memory: pd.DataFrame | None = None) -> str:
+              memory: pd.DataFrame | None = None, run_id: str | None = None) -> str:
     """One W&B run, finished before returning: config = the resolved config, summary = the record, history = one
     row per decode step (equivalence and drift), Tables of the step-time, drift and memory rows. Returns where it
     went."""
     if mode == "disabled":
         return "disabled"
-    wandb, run = _wandb_run(mode, project, entity, group, name, Path(run_dir), config, "run")
+    wandb, run, mode = _wandb_run(mode, project, entity, group, name, Path(run_dir), config, "run", run_id)
     try:
         if drift is not None:
             run.define_metric("decode_step")
@@ -104,12 +134,12 @@ def log_wandb(mode: str, project: str, entity: str | None, group: str, name: str
 
 
 def log_wandb_aggregate(mode: str, project: str, entity: str | None, group: str, folder: Path,
-                        runs: pd.DataFrame, images: dict[str, Path]) -> str:
+                        runs: pd.DataFrame, images: dict[str, Path], run_id: str | None = None) -> str:
     """The sweep's aggregate W&B run (job_type "aggregate", the sweep's group): the runs table and the plots."""
     if mode == "disabled":
         return "disabled"
-    wandb, run = _wandb_run(mode, project, entity, group, f"{group}-report", Path(folder),
-                            {"n_runs": len(runs)}, "aggregate")
+    wandb, run, mode = _wandb_run(mode, project, entity, group, f"{group}-report", Path(folder),
+                                  {"n_runs": len(runs)}, "aggregate", run_id)
     try:
         table = runs.map(lambda v: v if isinstance(v, (bool, int, float, str)) or v is None else str(v))
         run.log({"runs": wandb.Table(dataframe=table),

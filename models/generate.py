@@ -22,13 +22,21 @@ class GreedyOutput:
     logits: torch.Tensor  # (B, n_new, vocab) the logits each step chose from
 
 
-def _as_batch(ids) -> torch.Tensor:
-    ids = torch.as_tensor(ids, dtype=torch.long)
-    if ids.dim() == 1:
-        ids = ids.unsqueeze(0)
-    if ids.dim() != 2 or ids.shape[1] == 0:
-        raise ValueError(f"prompt ids must be (B, T) with T >= 1, got shape {tuple(ids.shape)}")
-    return ids
+def _as_batch(ids, vocab_size: int | None = None) -> torch.Tensor:
+    """Prompt token ids as a (B, T) long tensor; floats, empty prompts and ids outside the vocabulary are refused."""
+    t = torch.as_tensor(ids)
+    if t.numel() == 0:
+        raise ValueError(f"prompt ids must be (B, T) with B, T >= 1, got shape {tuple(t.shape)}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"token ids must be integers, got {t.dtype}")
+    t = t.long()
+    if t.dim() == 1:
+        t = t.unsqueeze(0)
+    if t.dim() != 2 or t.shape[1] == 0 or t.shape[0] == 0:
+        raise ValueError(f"prompt ids must be (B, T) with B, T >= 1, got shape {tuple(t.shape)}")
+    if vocab_size is not None and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
+        raise ValueError(f"token ids must lie in [0, {vocab_size}), got {int(t.min())} .. {int(t.max())}")
+    return t
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -52,6 +60,7 @@ def prefill(model: GPT2, prompt_ids: torch.Tensor, cache: KVCache,
             last_only: bool = False) -> tuple[torch.Tensor, KVCache]:
     """(B, T) prompt in one pass -> logits (B, T, vocab), or (B, 1, vocab) with ``last_only``; the cache then holds
     T more positions."""
+    prompt_ids = _as_batch(prompt_ids, model.config.vocab_size).to(model_device(model))
     return model(prompt_ids, cache=cache, last_only=last_only), cache
 
 
@@ -104,7 +113,7 @@ def greedy(model: GPT2, prompt_ids, max_new_tokens: int, layout: str | None = No
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    idx = _as_batch(prompt_ids).to(model_device(model))
+    idx = _as_batch(prompt_ids, model.config.vocab_size).to(model_device(model))
     B, T = idx.shape
     if layout is None:
         return greedy_uncached(lambda ctx: model(ctx, last_only=True, **options), idx, max_new_tokens)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -100,6 +101,17 @@ class GPT2Config:
     initializer_range: float = 0.02
 
     def __post_init__(self):
+        for name in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_positions > MAX_POSITIONS:
+            raise ValueError(f"n_positions {self.n_positions:,} is beyond what kvlab builds: at most "
+                             f"{MAX_POSITIONS:,}")
+        for name in ("layer_norm_epsilon", "initializer_range"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+                raise ValueError(f"{name} must be a number between 0 and 1, got {value!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
 
@@ -116,19 +128,32 @@ class GPT2Config:
 
     @classmethod
     def from_hf_dict(cls, d: dict, source: str = "config.json") -> GPT2Config:
-        """Our config from an HF GPT-2 ``config.json`` dict; refuses what is not GPT-2."""
+        """Our config from an HF GPT-2 ``config.json`` dict; refuses what is not GPT-2, naming the file."""
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{source}: holds a JSON {type(d).__name__}, not an object of GPT-2 settings")
         if d.get("model_type") != "gpt2":
             raise CheckpointError(f"{source}: model_type is {d.get('model_type')!r}, kvlab loads only 'gpt2'")
         act = d.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
             raise CheckpointError(f"{source}: activation_function {act!r} is not GPT-2's tanh GELU (gelu_new)")
+        missing = [k for k in ARCHITECTURE if k not in d]
+        if missing:
+            raise CheckpointError(f"{source}: missing {', '.join(repr(k) for k in missing)}; a GPT-2 config.json "
+                                  f"gives {', '.join(ARCHITECTURE)}")
         if d.get("n_inner") not in (None, 4 * d["n_embd"]):
             raise CheckpointError(f"{source}: n_inner {d['n_inner']} is not 4 * n_embd; kvlab's MLP is 4x wide")
         if not d.get("scale_attn_weights", True) or d.get("scale_attn_by_inverse_layer_idx", False):
             raise CheckpointError(f"{source}: attention scaling differs from GPT-2's 1/sqrt(head_dim) "
                                   "(scale_attn_weights / scale_attn_by_inverse_layer_idx); kvlab computes GPT-2's")
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        try:
+            return cls(**{k: v for k, v in d.items() if k in names})
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{source}: {e}") from None
+
+
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")  # what a config.json must give
+MAX_POSITIONS = 1 << 20
 
 
 class CheckpointError(ValueError):
@@ -214,6 +239,8 @@ class GPT2(nn.Module):
         ``window``/``sinks`` make the uncached forward the reference of the window cache kind: the query at position
         t sees the keys at positions j with j < sinks or t - window < j <= t. A cache applies its own kind's rule
         (``cache.reference``), so they are not given with one."""
+        if idx.dim() != 2 or idx.is_floating_point() or idx.dtype == torch.bool:
+            raise ValueError(f"idx must be (B, T) integer token ids, got {idx.dtype} of shape {tuple(idx.shape)}")
         B, T = idx.shape
         past = 0 if cache is None else cache.pos
         if past + T > self.config.n_positions:
@@ -244,15 +271,7 @@ class GPT2(nn.Module):
         """Load an HF GPT-2 checkpoint: a local folder (config.json + model.safetensors, or pytorch_model.bin read
         with ``weights_only=True``), or a hub id resolved through huggingface_hub when the machine is online."""
         folder = _resolve_checkpoint(path_or_id)
-        cfg_file = folder / "config.json"
-        if not cfg_file.is_file():
-            raise CheckpointError(f"{cfg_file}: not found; a GPT-2 checkpoint folder holds config.json and "
-                                  "model.safetensors")
-        try:
-            hf_cfg = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
-        cfg = GPT2Config.from_hf_dict(hf_cfg, source=str(cfg_file))
+        cfg = read_hf_config(folder)
         weights_file, state = _read_state_dict(folder)
         model = cls(cfg)
         model.load_hf_state_dict(state, source=str(weights_file))
@@ -278,6 +297,10 @@ class GPT2(nn.Module):
             if src.shape != target.shape:
                 raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(src.shape)} but the config "
                                       f"implies {tuple(target.shape)}")
+            if src.is_floating_point() and not torch.isfinite(src).all():
+                bad = int((~torch.isfinite(src)).sum())
+                raise CheckpointError(f"{source}: tensor {name!r} holds {bad} non-finite values (NaN/inf): the "
+                                      "checkpoint is corrupt; nothing measured on it could be trusted")
             with torch.no_grad():
                 target.copy_(src)
         if "lm_head.weight" in state and not torch.equal(state["lm_head.weight"].to(target.dtype),
@@ -289,6 +312,19 @@ class GPT2(nn.Module):
         d = asdict(self.config)
         d.update(model_type="gpt2", activation_function="gelu_new", architectures=["GPT2LMHeadModel"])
         return d
+
+
+def read_hf_config(folder: str | os.PathLike) -> GPT2Config:
+    """The GPT2Config of an HF checkpoint folder's config.json; every fault names the file."""
+    cfg_file = Path(folder) / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file}: not found; a GPT-2 checkpoint folder holds config.json and "
+                              "model.safetensors")
+    try:
+        hf_cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({type(e).__name__}: {e})") from None
+    return GPT2Config.from_hf_dict(hf_cfg, source=str(cfg_file))
 
 
 def _resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
@@ -305,13 +341,15 @@ def _resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
     hint = (f"cannot fetch {text!r} from the hub {{why}}; download it on a machine with network "
             "(e.g. `huggingface-cli download {id} config.json model.safetensors --local-dir DIR`) and pass DIR")
     if offline:
-        raise CheckpointError(hint.format(why="(HF_HUB_OFFLINE is set)", id=text))
+        raise CheckpointError(f"{text}: no such folder here, and " + hint.format(why="(HF_HUB_OFFLINE is set)",
+                                                                             id=text))
     try:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(text, allow_patterns=["config.json", "*.safetensors"]))
     except Exception as e:  # no network, unknown repo, auth: one line that says what to do
-        raise CheckpointError(hint.format(why=f"({type(e).__name__})", id=text)) from None
+        raise CheckpointError(f"{text}: no such folder here, and " + hint.format(why=f"({type(e).__name__})",
+                                                                             id=text)) from None
 
 
 def _read_state_dict(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
@@ -328,5 +366,8 @@ def _read_state_dict(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
         try:
             return binf, torch.load(binf, map_location="cpu", weights_only=True)
         except Exception as e:
-            raise CheckpointError(f"{binf}: cannot be read with weights_only=True ({e})") from None
+            why = ("it holds pickled objects, not only tensors" if isinstance(e, pickle.UnpicklingError)
+                   else f"{type(e).__name__}: {' '.join(str(e).split())[:120]}")
+            raise CheckpointError(f"{binf}: cannot be read with weights_only=True ({why}); kvlab never unpickles "
+                                  "code: save the weights as model.safetensors") from None
     raise CheckpointError(f"{folder}: no model.safetensors (or pytorch_model.bin) in the checkpoint folder")

@@ -29,6 +29,8 @@ def _build():
 class Tokenizer:
     """encode(str) -> list[int]; decode(ids) -> str. ``<|endoftext|>`` is 50256."""
 
+    VOCAB_SIZE = 50257
+
     def __init__(self):
         self._tok, vocab = _build()
         self.vocab_size = len(vocab)

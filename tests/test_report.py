@@ -99,7 +99,7 @@ def test_sweep_end_wrote_the_report_and_an_aggregate_wandb_run(tiny_sweep):
     assert (sweep / "report" / "report.html").is_file() and (sweep / "report" / "results.parquet").is_file()
     runs = list((sweep / "report" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
-    assert "kvlab report: 4 runs (0 failed)" in proc.stdout
+    assert "kvlab report: 4 runs (0 not ok)" in proc.stdout
     assert trip.hits == 0
 
 
@@ -108,7 +108,7 @@ def test_report_command_line(tree, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "harness.report", str(tree), "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert (out / "report.html").is_file() and "5 runs (1 failed)" in proc.stdout
+    assert (out / "report.html").is_file() and "5 runs (1 not ok)" in proc.stdout
     missing = subprocess.run([sys.executable, "-m", "harness.report", str(tmp_path / "nope")], cwd=REPO,
                              capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no such folder" in missing.stderr

@@ -1,0 +1,385 @@
+"""Every bad input answered: one clear line that says what was wrong and what would be right, a non-zero exit where
+it ends the run, no traceback, nothing half-written. Each case has an id; the README's "Bad inputs and faults" table
+lists the same ids (``test_the_readme_table_lists_every_case``)."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import save_file
+
+from harness.config import ConfigError, register, validate
+from harness.experiment import text_prompts
+from models.generate import decode_step, greedy, new_cache, prefill
+from models.gpt2 import GPT2, CheckpointError
+from models.kv_cache import kv_bytes, make_cache
+from models.tokenizer import Tokenizer
+from tests.conftest import REPO, TINY, run_py
+
+# ---- config values: refused before any work -------------------------------------------------------------------
+
+CONFIG = [
+    ("n-prompts-zero", ["n_prompts=0"], "n_prompts=0 must be at least 1"),
+    ("new-tokens-zero", ["new_tokens=0"], "new_tokens=0 must be at least 1"),
+    ("prompt-len-zero", ["prompt_len=0"], "prompt_len=0 must be at least 1"),
+    ("repeats-zero", ["repeats=0"], "repeats=0 must be at least 1"),
+    ("warmup-negative", ["warmup=-1"], "warmup=-1 must be 0 or more"),
+    ("max-len-too-long", ["max_len=2048"], "max_len=2048 > n_positions=1024"),
+    ("lengths-past-max-len", ["new_tokens=1000"], "prompt_len + new_tokens = 32 + 1000 > max_len=1024"),
+    ("context-past-max-len", ["context_lengths=[32,1024]"], "context_lengths has 1024"),
+    ("contexts-empty", ["context_lengths=[]"], "context_lengths is empty"),
+    ("context-repeated", ["context_lengths=[8,32,32]"], "repeats a length"),
+    ("storage-dtype-unknown", ["dtype.storage=fp8"], "dtype.storage='fp8'"),
+    ("compute-dtype-unknown", ["dtype.compute=int8"], "dtype.compute='int8'"),
+    ("device-unknown", ["device.name=tpu"], "device='tpu'"),
+    ("tracking-mode-unknown", ["tracking.mode=loud"], "tracking.mode='loud'"),
+    ("prompts-source-unknown", ["prompts=web"], "prompts='web'"),
+    ("full-prompts-negative", ["full_prompts=-1"], "full_prompts=-1"),
+    ("seed-negative", ["seed=-1"], "seed=-1: use an integer 0 <= seed < 2**63"),
+    ("seed-huge", ["model.seed=100000000000000000000000"], "model.seed=100000000000000000000000"),
+    ("wandb-project-name", ["tracking.project=team/kv"], "W&B names are 1-128 characters"),
+    ("model-name-empty", ["model.name= "], "model.name is empty"),
+    ("cache-kind-unknown", ["cache.kind=lru"], "cache.kind='lru': use one of concat, prealloc"),
+    ("cache-option-range", ["cache=quant", "cache.k_bits=3"], "cache option k_bits=3: use 8, 4 or 2"),
+    ("cache-window-zero", ["cache=window", "cache.window=0"], "window must be an integer >= 1"),
+]
+HYDRA = [  # refused by Hydra while composing, against kvlab's typed schema
+    ("group-option-unknown", ["cache=lru"], "Could not find 'cache/lru'"),
+    ("value-wrong-type", ["n_prompts=many"], "n_prompts"),
+    ("option-of-another-kind", ["cache=quant", "cache.window=8"], "Could not override 'cache.window'"),
+    ("key-unknown", ["n_promts=3"], "n_promts"),
+]
+
+
+def compose_cfg(overrides):
+    register()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+@pytest.mark.parametrize("case,overrides,message", CONFIG, ids=[c[0] for c in CONFIG])
+def test_config_values_are_refused_in_one_line(case, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        validate(compose_cfg(overrides), 1024)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("case,overrides,message", HYDRA, ids=[c[0] for c in HYDRA])
+def test_hydra_refuses_what_the_schema_does_not_allow(case, overrides, message):
+    with pytest.raises(Exception, match=re.escape(message)):
+        compose_cfg(overrides)
+
+
+@pytest.mark.slow
+def test_a_refused_config_from_the_command_line(tmp_path):
+    out = tmp_path / "run"
+    proc = run_py([*TINY, "warmup=-1", "tracking=disabled", f"hydra.run.dir={out}"], tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "warmup=-1 must be 0 or more" in proc.stderr
+    record = json.loads((out / "results.json").read_text())
+    assert record["status"] == "failed" and not (out / "steps.csv").exists()
+    proc = run_py([*TINY, "cache=lru", f"hydra.run.dir={tmp_path / 'x'}"], tmp_path)
+    assert proc.returncode == 1 and "Could not find 'cache/lru'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------------------
+
+def hf_checkpoint(folder: Path, **config) -> Path:
+    from transformers import GPT2Config as HFConfig
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    settings = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=300, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(HFConfig(**{**settings, **config})).save_pretrained(folder)
+    return folder
+
+
+def edit_config(folder: Path, change) -> None:
+    f = folder / "config.json"
+    f.write_text(json.dumps(change(json.loads(f.read_text()))))
+
+
+def edit_weights(folder: Path, change) -> None:
+    from safetensors.torch import load_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    save_file(change(state), str(folder / "model.safetensors"))
+
+
+class Payload:
+    """Unpickling this would create a marker file: a pickle-only checkpoint must never be unpickled."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def pickle_only(folder: Path) -> None:
+    (folder / "model.safetensors").unlink()
+    torch.save({"transformer.wte.weight": Payload(folder.parent / "PWNED")}, folder / "pytorch_model.bin")
+
+
+def nan_weight(state):
+    state["transformer.h.0.attn.c_attn.weight"][0, 0] = float("nan")
+    return state
+
+
+CHECKPOINTS = [
+    ("ckpt-missing", lambda d: d.rename(d.with_name("gone")), "no such checkpoint folder"),
+    ("ckpt-is-a-file", None, "is a file"),  # model.weights=.../config.json
+    ("ckpt-bad-json", lambda d: (d / "config.json").write_text("{not json"), "not valid JSON"),
+    ("ckpt-empty-json", lambda d: (d / "config.json").write_text(""), "not valid JSON"),
+    ("ckpt-json-list", lambda d: (d / "config.json").write_text("[1, 2]"), "holds a JSON list"),
+    ("ckpt-missing-n-embd", lambda d: edit_config(d, lambda c: {k: v for k, v in c.items() if k != "n_embd"}),
+     "missing 'n_embd'"),
+    ("ckpt-n-head-zero", lambda d: edit_config(d, lambda c: {**c, "n_head": 0}), "n_head must be a positive"),
+    ("ckpt-n-head-string", lambda d: edit_config(d, lambda c: {**c, "n_head": "two"}), "n_head must be a positive"),
+    ("ckpt-huge-positions", lambda d: edit_config(d, lambda c: {**c, "n_positions": 10 ** 10}),
+     "is beyond what kvlab builds"),
+    ("ckpt-not-gpt2", lambda d: edit_config(d, lambda c: {**c, "model_type": "llama"}), "kvlab loads only 'gpt2'"),
+    ("ckpt-wrong-shape", lambda d: edit_config(d, lambda c: {**c, "n_positions": 32}), "has shape"),
+    ("ckpt-corrupt-safetensors", lambda d: (d / "model.safetensors").write_bytes(b"\x00garbage" * 10),
+     "not a readable safetensors file"),
+    ("ckpt-pickle-only", pickle_only, "cannot be read with weights_only=True"),
+    ("ckpt-extra-tensors", lambda d: edit_weights(d, lambda s: {**s, "transformer.h.9.mlp.c_fc.weight":
+                                                                 torch.zeros(2)}), "does not account for"),
+    ("ckpt-nan-weights", lambda d: edit_weights(d, nan_weight), "non-finite values (NaN/inf)"),
+]
+
+
+@pytest.mark.parametrize("case,fault,message", CHECKPOINTS, ids=[c[0] for c in CHECKPOINTS])
+def test_checkpoint_faults_name_the_file_and_what_is_wrong(tmp_path, case, fault, message):
+    folder = hf_checkpoint(tmp_path / "ckpt")
+    target = folder
+    if case == "ckpt-is-a-file":
+        target = folder / "config.json"
+    else:
+        fault(folder)
+    with pytest.raises(CheckpointError) as e:
+        GPT2.from_pretrained(target)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "PWNED").exists()  # the pickle payload never ran
+
+
+@pytest.mark.slow
+def test_nan_weights_fail_the_run_never_called_equivalent(tmp_path):
+    folder = hf_checkpoint(tmp_path / "ckpt")
+    edit_weights(folder, nan_weight)
+    out = tmp_path / "run"
+    proc = run_py([*TINY, f"model.weights={folder}", "prompts=random", "tracking=disabled", f"hydra.run.dir={out}"],
+                  tmp_path)
+    record = json.loads((out / "results.json").read_text())
+    assert proc.returncode == 1 and record["status"] == "failed" and record.get("tokens_identical") is None
+    assert "transformer.h.0.attn.c_attn.weight" in record["error"] and "non-finite" in record["error"]
+    assert "Traceback" not in proc.stderr
+
+
+def test_non_finite_values_made_while_running_fail_with_where(tiny_model):
+    import copy
+
+    from harness import measure
+    from harness.engines import KvlabEngine
+
+    bad = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        bad.transformer.h[1].attn.c_attn.bias[64 + 3] = -1e6  # a K channel below fp16's range: quant scales fail
+    spec = measure.CacheSpec("quant", {"group_size": 2})
+    with pytest.raises(measure.NonFiniteError, match="in the cached generation of prompt 0 at step 0; first "
+                                                     "non-finite values in the K/V the quant cache returned at "
+                                                     "layer 1"):
+        measure.generation_checks(KvlabEngine(bad), [torch.tensor([[1, 2, 3]])], 5, spec, 1)
+    with torch.no_grad():
+        bad = copy.deepcopy(tiny_model)
+        bad.transformer.h[0].mlp.c_proj.bias[0] = float("inf")
+    with pytest.raises(measure.NonFiniteError, match="first non-finite values in the weight"):
+        measure.generation_checks(KvlabEngine(bad), [torch.tensor([[1, 2, 3]])], 5, measure.CacheSpec("prealloc"),
+                                  1)
+
+
+@pytest.mark.slow
+def test_text_prompts_on_a_small_vocabulary_model(tmp_path):
+    folder = hf_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "run"
+    proc = run_py([*TINY, f"model.weights={folder}", "tracking=disabled", f"hydra.run.dir={out}"], tmp_path)
+    assert proc.returncode == 1 and "vocab_size 300: use prompts=random" in proc.stderr
+    assert "IndexError" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---- prompts files --------------------------------------------------------------------------------------------
+
+PROMPTS = [
+    ("prompts-missing", None, "does not exist"),
+    ("prompts-empty", b"", "has no text"),
+    ("prompts-whitespace", b"  \n\t\n   \n", "has no text"),
+    ("prompts-binary", bytes(range(256)) * 4, "is not UTF-8 text"),
+    ("prompts-folder", "folder", "is a folder"),
+]
+
+
+@pytest.mark.parametrize("case,content,message", PROMPTS, ids=[c[0] for c in PROMPTS])
+def test_prompts_file_faults(tmp_path, case, content, message):
+    path = tmp_path / "prompts.txt"
+    if content == "folder":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    if case == "prompts-missing":  # checked in the run, before tokenizing
+        proc = run_py([*TINY, f"prompts_file={path}", "tracking=disabled", f"hydra.run.dir={tmp_path / 'r'}"],
+                      tmp_path)
+        assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr
+        return
+    with pytest.raises(ConfigError, match=message):
+        text_prompts(path, 2, 8, Tokenizer())
+
+
+def test_a_long_prompts_file_costs_what_the_prompts_read(tmp_path):
+    """40,000 short lines used to take 50 s to cut two prompts; only the paragraphs the prompts read are tokenized."""
+    path = tmp_path / "many.txt"
+    path.write_text("".join(f"line {i} of many.\n" for i in range(40_000)))
+
+    class Counting(Tokenizer):
+        calls = 0
+
+        def encode(self, text):
+            Counting.calls += 1
+            return super().encode(text)
+
+    t0 = time.perf_counter()
+    prompts = text_prompts(path, 2, 16, Counting())
+    assert len(prompts) == 2 and all(p.shape == (1, 16) for p in prompts)
+    assert Counting.calls < 100 and time.perf_counter() - t0 < 5
+
+
+# ---- the Python API -------------------------------------------------------------------------------------------
+
+def api_cases(model):
+    cache = new_cache(model, "prealloc", max_len=6)
+    prefill(model, torch.tensor([[1, 2, 3, 4, 5, 6]]), cache)
+    c = model.config
+    return {
+        "api-empty-prompt": (lambda: greedy(model, [], 3), "(B, T) with B, T >= 1"),
+        "api-3d-ids": (lambda: greedy(model, torch.zeros(1, 2, 3, dtype=torch.long), 3), "(B, T) with B, T >= 1"),
+        "api-float-ids": (lambda: greedy(model, torch.tensor([[1.0, 2.0]]), 3), "token ids must be integers"),
+        "api-negative-ids": (lambda: greedy(model, [[5, -1]], 3), "token ids must lie in [0, 50257)"),
+        "api-ids-out-of-range": (lambda: greedy(model, [[5, 50257]], 3), "token ids must lie in [0, 50257)"),
+        "api-decode-past-max-len": (lambda: decode_step(model, torch.tensor([[7]]), cache),
+                                    "KV cache overflow: pos 6 + 1 new tokens > max_len 6"),
+        "api-cache-other-geometry": (
+            lambda: prefill(model, torch.tensor([[1, 2]]), make_cache("prealloc", c.n_layer, 4, 16, 8)),
+            "but this cache holds (batch, heads, t, head_dim) = (1, 4, t, 16)"),
+        "api-cache-other-batch": (
+            lambda: prefill(model, torch.tensor([[1, 2], [3, 4]]), new_cache(model, "concat", max_len=8)),
+            "k_new has shape (2, 2, 2, 32) but this cache holds"),
+        "api-restore-foreign-snapshot": (
+            lambda: new_cache(model, "prealloc", max_len=9).restore(cache.snapshot()), "cannot restore into one"),
+        "api-integer-cache-dtype": (lambda: greedy(model, [[1, 2]], 3, "prealloc", cache_dtype=torch.int8),
+                                    "torch.int8 is not a K/V storage dtype"),
+        "api-negative-bytes": (lambda: kv_bytes(12, 12, 64, -5), "n_tokens must be an integer >= 0"),
+        "api-two-tokens-decode": (lambda: decode_step(model, torch.tensor([[1, 2]]), new_cache(model, "concat", 8)),
+                                  "exactly one token"),
+    }
+
+
+API = ["api-empty-prompt", "api-3d-ids", "api-float-ids", "api-negative-ids", "api-ids-out-of-range",
+       "api-decode-past-max-len", "api-cache-other-geometry", "api-cache-other-batch", "api-restore-foreign-snapshot",
+       "api-integer-cache-dtype", "api-negative-bytes", "api-two-tokens-decode"]
+
+
+@pytest.mark.parametrize("case", API)
+def test_python_api_misuse_says_what_is_wrong(tiny_model, case):
+    call, message = api_cases(tiny_model)[case]
+    with pytest.raises(ValueError) as e:
+        call()
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- the run's surroundings -----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_an_unwritable_outputs_folder(tmp_path):
+    for where in ("hydra.run.dir=/proc/kvlab/run", "hydra.sweep.dir=/proc/kvlab/sweep"):
+        proc = run_py([*TINY, "tracking=disabled", where] + (["-m"] if "sweep" in where else []), tmp_path)
+        assert proc.returncode == 2 and "cannot write the" in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_run_leaves_a_clear_record_and_nothing_half_written(tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_DIR=str(tmp_path))
+    args = [sys.executable, "run.py", "model=tiny", "n_prompts=3", "new_tokens=30", "repeats=200",
+            "context_lengths=[8,32,64]", "tracking=disabled", f"hydra.run.dir={out}"]
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / ".hydra" / "config.yaml").exists():
+        time.sleep(0.2)
+    time.sleep(3.0)  # well into the measurements
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-1500:]
+    assert "Traceback" not in stderr and "interrupted" in stderr
+    record = json.loads((out / "results.json").read_text())
+    assert record["status"] == "interrupted" and "resume" in record["error"]
+    assert not list(out.glob(".*.tmp")) and not (out / "steps.csv").exists()
+
+
+@pytest.mark.slow
+def test_online_tracking_without_a_key_falls_back_to_offline(tmp_path):
+    out = tmp_path / "run"
+    env = {"WANDB_API_KEY": "", "WANDB_BASE_URL": "http://127.0.0.1:9"}
+    t0 = time.time()
+    proc = run_py([*TINY, "tracking=online", f"hydra.run.dir={out}"], tmp_path, {**env, "WANDB_MODE": ""})
+    assert proc.returncode == 0 and "logging offline instead" in proc.stderr and time.time() - t0 < 90
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 1
+
+
+@pytest.mark.slow
+def test_the_report_builds_from_whatever_is_readable(tmp_path):
+    from harness.report import build_report
+
+    proc = run_py(["-m", "cache=concat,prealloc", *TINY, "tracking=disabled", f"hydra.sweep.dir={tmp_path / 's'}"],
+                  tmp_path)
+    assert proc.returncode == 0
+    runs = sorted(p for p in (tmp_path / "s").iterdir() if (p / "results.json").exists())
+    (runs[0] / "steps.csv").write_bytes(b"\x00\xff" * 50)  # binary
+    for name, text in (("list", "[1, 2]"), ("foreign", '{"status": "ok", "score": 3}'), ("broken", "{")):
+        (tmp_path / "s" / name).mkdir()
+        (tmp_path / "s" / name / "results.json").write_text(text)
+    (tmp_path / "s" / "killed" / ".hydra").mkdir(parents=True)
+    rep = build_report(tmp_path / "s", tmp_path / "report")
+    assert len(rep["runs"]) == 2
+    why = "\n".join(f"{f} {w}" for f, w in rep["skipped"])
+    assert "is not a kvlab record" in why and "unreadable results.json" in why and "interrupted" in why
+    assert "unreadable steps.csv" in why
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert "Skipped" in page and "killed" in page
+    cli = subprocess.run([sys.executable, "-m", "harness.report", str(tmp_path / "nowhere")], cwd=REPO,
+                         capture_output=True, text=True)
+    assert cli.returncode == 2 and "no such folder" in cli.stderr and "Traceback" not in cli.stderr
+
+
+# ---- the docs list every case ---------------------------------------------------------------------------------
+
+OTHER = ["run-refused-config", "run-nan-weights", "run-non-finite-while-running", "run-small-vocabulary",
+         "prompts-many-lines", "outputs-unwritable", "ctrl-c", "tracking-online-no-key", "report-bad-files",
+         "sweeps-into-one-folder", "resume-after-kill", "model-name-path", "cuda-without-cuda", "api-key-never-logged"]
+
+
+def test_the_readme_table_lists_every_case():
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("### Bad inputs and faults")
+    table = readme[start:readme.index("\n## ", start)]
+    listed = set(re.findall(r"^\| `([a-z0-9-]+)` \|", table, flags=re.M))
+    cases = {c[0] for c in CONFIG + HYDRA + CHECKPOINTS + PROMPTS} | set(API) | set(OTHER)
+    assert listed == cases, (sorted(cases - listed), sorted(listed - cases))
+    assert len(cases) >= 30

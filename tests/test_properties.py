@@ -1,0 +1,122 @@
+"""Property tests over random small models, prompt lengths, chunkings, batch sizes and every kind in CACHE_KINDS
+(with each option set its class lists in ``examples``), so a kind registered later is covered with no new test.
+Bounded (a few dozen examples each, derandomized so a CI run is repeatable) to keep the suite within its budget."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from models.generate import decode_step, new_cache, prefill
+from models.gpt2 import GPT2, GPT2Config
+from models.kv_cache import CACHE_KINDS, make_cache
+
+BOUNDED = settings(max_examples=50, deadline=None, derandomize=True, database=None,
+                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+VOCAB, POSITIONS = 97, 48
+
+
+@st.composite
+def setups(draw, kinds):
+    kind = draw(st.sampled_from(kinds))
+    return dict(
+        kind=kind, opts=draw(st.sampled_from(CACHE_KINDS[kind].examples)),
+        n_layer=draw(st.integers(1, 3)), n_head=draw(st.integers(1, 4)),
+        head_dim=draw(st.sampled_from([2, 4, 6, 8, 12])), batch=draw(st.integers(1, 3)),
+        chunks=draw(st.lists(st.integers(1, 9), min_size=1, max_size=4)), new=draw(st.integers(1, 10)),
+        seed=draw(st.integers(0, 2 ** 16)))
+
+
+def build(s) -> GPT2:
+    torch.manual_seed(s["seed"])
+    cfg = GPT2Config(n_layer=s["n_layer"], n_head=s["n_head"], n_embd=s["n_head"] * s["head_dim"],
+                     n_positions=POSITIONS, vocab_size=VOCAB)
+    return GPT2(cfg).eval()
+
+
+def cached_run(model, s, ids, kind=None, opts=None):
+    """Prefill ``ids`` (B, T) in the drawn chunks, then ``new`` greedy decode steps: (tokens, logits at every
+    position that was fed), as the cache computed them."""
+    kind, opts = kind or s["kind"], s["opts"] if opts is None else opts
+    cache = new_cache(model, kind, max_len=ids.shape[1] + s["new"], batch=ids.shape[0], **opts)
+    logits, start = [], 0
+    for t in s["chunks"]:
+        logits.append(prefill(model, ids[:, start:start + t], cache)[0])
+        start += t
+    tokens = []
+    for _ in range(s["new"]):
+        nxt = logits[-1][:, -1:].argmax(-1)
+        tokens.append(nxt)
+        logits.append(decode_step(model, nxt, cache)[0])
+    return torch.cat(tokens, 1), torch.cat(logits, 1), cache
+
+
+EXACT = [k for k, c in CACHE_KINDS.items() if c.exact]
+LOSSY = [k for k, c in CACHE_KINDS.items() if not c.exact]
+FULL = [k for k in EXACT if not CACHE_KINDS[k].reference(CACHE_KINDS[k].Options())]  # full attention, as configured
+
+
+@BOUNDED
+@given(setups(EXACT))
+def test_exact_kinds_equal_their_reference(s):
+    model = build(s)
+    ids = torch.randint(0, VOCAB, (s["batch"], sum(s["chunks"])), generator=torch.Generator().manual_seed(s["seed"]))
+    tokens, logits, cache = cached_run(model, s, ids)
+    with torch.no_grad():
+        ref = model(torch.cat([ids, tokens], 1), **cache.reference(cache.opts))  # every fed position
+    assert torch.equal(ref[:, ids.shape[1] - 1:-1].argmax(-1), tokens)  # tokens identical to the reference's choice
+    assert (logits - ref).abs().max().item() <= 1e-4
+
+
+@BOUNDED
+@given(setups(FULL))
+def test_full_attention_kinds_equal_each_other(s):
+    model = build(s)
+    ids = torch.randint(0, VOCAB, (s["batch"], sum(s["chunks"])), generator=torch.Generator().manual_seed(s["seed"]))
+    first_tokens, first_logits, _ = cached_run(model, s, ids, FULL[0], {})
+    for kind in FULL[1:]:
+        tokens, logits, _ = cached_run(model, s, ids, kind, {})
+        assert torch.equal(tokens, first_tokens) and (logits - first_logits).abs().max().item() <= 1e-5
+    if "window" in CACHE_KINDS:  # a window wider than the sequence is full attention too
+        tokens, _, _ = cached_run(model, s, ids, "window", {"window": POSITIONS, "sinks": 0})
+        assert torch.equal(tokens, first_tokens)
+
+
+@BOUNDED
+@given(setups(list(CACHE_KINDS)), st.sampled_from(DTYPES))
+def test_nbytes_is_the_formula_and_the_storage_kept_alive(s, dtype):
+    cache = make_cache(s["kind"], s["n_layer"], s["n_head"], s["head_dim"], sum(s["chunks"]) + s["new"],
+                       s["batch"], dtype=dtype, **s["opts"])
+    g = torch.Generator().manual_seed(s["seed"])
+    for t in s["chunks"] + [1] * s["new"]:
+        for layer in range(s["n_layer"]):
+            k = torch.randn(s["batch"], s["n_head"], t, s["head_dim"], generator=g).to(dtype)
+            cache.update(layer, k, -k)
+        cache.advance(t)
+        storages = {}
+        for v in vars(cache).values():
+            for x in (v if isinstance(v, list) else [v]):
+                if isinstance(x, torch.Tensor):
+                    storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        assert cache.nbytes == sum(storages.values()) == cache.formula_nbytes()
+
+
+@pytest.mark.skipif(not LOSSY, reason="no lossy kind is registered")
+@BOUNDED
+@given(setups(LOSSY or ["concat"]), st.sampled_from(DTYPES))
+def test_lossy_kinds_stay_within_their_bound(s, dtype):
+    cache = make_cache(s["kind"], s["n_layer"], s["n_head"], s["head_dim"], sum(s["chunks"]) + s["new"],
+                       s["batch"], dtype=dtype, **s["opts"])
+    g = torch.Generator().manual_seed(s["seed"])
+    written = [[] for _ in range(s["n_layer"])]
+    for t in s["chunks"] + [1] * s["new"]:
+        for layer in range(s["n_layer"]):
+            k = (torch.randn(s["batch"], s["n_head"], t, s["head_dim"], generator=g) * 3 + 1).to(dtype)
+            written[layer].append(k)
+            got_k, got_v = cache.update(layer, k, -k)
+            want = torch.cat(written[layer], 2).float()
+            kb, vb = cache.error_bound(layer)
+            assert ((got_k.float() - want).abs() <= kb * (1 + 1e-5) + 1e-6).all()
+            assert ((got_v.float() + want).abs() <= vb * (1 + 1e-5) + 1e-6).all()
+        cache.advance(t)
