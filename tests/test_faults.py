@@ -368,11 +368,36 @@ def test_the_report_builds_from_whatever_is_readable(tmp_path):
     assert cli.returncode == 2 and "no such folder" in cli.stderr and "Traceback" not in cli.stderr
 
 
+def test_a_write_error_is_one_line_and_counts_as_not_ok(capsys):
+    from harness import experiment
+
+    experiment.WHERE.clear()
+    ok = experiment._write(Path("/proc/kvlab-nowhere"), {"run_name": "r", "status": "ok"}, None, None, None)
+    err = capsys.readouterr().err
+    assert not ok and err.count("\n") == 1 and "cannot write the results of run r to /proc/kvlab-nowhere" in err
+    experiment.WHERE["run"] = Path("/proc/kvlab-nowhere")
+    assert any("cannot write" in f for f in experiment.invocation_failures())
+    experiment.WHERE.clear()
+
+
+def test_runs_on_two_checkpoint_folders_get_two_labels():
+    from types import SimpleNamespace
+
+    from harness.experiment import model_label
+
+    a = SimpleNamespace(name="tiny", preset="tiny", weights="/ckpts/run-a")
+    b = SimpleNamespace(name="tiny", preset="tiny", weights="/ckpts/run-b")
+    assert model_label(a) == "tiny@run-a" and model_label(b) == "tiny@run-b"
+    assert model_label(SimpleNamespace(name="mine", preset="tiny", weights="/ckpts/run-a")) == "mine"
+    assert model_label(SimpleNamespace(name="gpt2", preset="gpt2", weights="random")) == "gpt2"
+
+
 # ---- the docs list every case ---------------------------------------------------------------------------------
 
 OTHER = ["run-refused-config", "run-nan-weights", "run-non-finite-while-running", "run-small-vocabulary",
          "prompts-many-lines", "outputs-unwritable", "ctrl-c", "tracking-online-no-key", "report-bad-files",
-         "sweeps-into-one-folder", "resume-after-kill", "model-name-path", "cuda-without-cuda", "api-key-never-logged"]
+         "sweeps-into-one-folder", "resume-after-kill", "model-name-path", "cuda-without-cuda", "api-key-never-logged",
+         "run-write-error"]
 
 
 def test_the_readme_table_lists_every_case():
