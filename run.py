@@ -11,7 +11,7 @@ import hydra
 from omegaconf import DictConfig
 
 from harness.config import register
-from harness.experiment import invocation, invocation_failures, run
+from harness.experiment import invocation_failures, new_invocation, run
 
 register()
 
@@ -22,7 +22,7 @@ def main(cfg: DictConfig) -> dict:
 
 
 if __name__ == "__main__":
-    invocation()  # this invocation's id, inherited by every job a launcher starts
+    new_invocation()  # this invocation's id (never a parent's), inherited by every job a launcher starts
     try:
         main()
     except KeyboardInterrupt:

@@ -37,10 +37,16 @@ from models.kv_cache import as_dtype, cache_kind
 # ---- identity, invocations, resume ------------------------------------------------------------------------------
 
 def invocation() -> str:
-    """The id of this ``run.py`` invocation (set by run.py; made here for plain Python use), shared with the jobs a
-    launcher starts through the environment."""
+    """The id of this ``run.py`` invocation (made by ``new_invocation`` in run.py; made here for plain Python use),
+    shared with the jobs a launcher starts through the environment."""
     if not os.environ.get("KVLAB_INVOCATION"):
-        os.environ["KVLAB_INVOCATION"] = uuid.uuid4().hex[:12]
+        new_invocation()
+    return os.environ["KVLAB_INVOCATION"]
+
+
+def new_invocation() -> str:
+    """A fresh invocation id for this process and the jobs it starts: never one inherited from a parent process."""
+    os.environ["KVLAB_INVOCATION"] = uuid.uuid4().hex[:12]
     return os.environ["KVLAB_INVOCATION"]
 
 
@@ -58,16 +64,15 @@ def invocation_failures() -> list[str]:
 
     inv, bad = invocation(), list(WHERE.get("failures", []))
     if "sweep" in WHERE:
-        folders = [h.parent for h in Path(WHERE["sweep"]).glob("*/.hydra")]
+        folders = job_folders(Path(WHERE["sweep"]))
     elif "run" in WHERE:
         folders = [Path(WHERE["run"])]
     else:
-        return bad + ["no run was started"]
+        return bad  # nothing was run (--cfg, --info, --help)
     for folder in folders:
         record, _ = read_record(folder / RESULTS)
         if record is None:
-            started = (folder / ".hydra").stat().st_mtime if (folder / ".hydra").exists() else time.time()
-            if "run" in WHERE or started >= WHERE.get("since", 0):
+            if "run" in WHERE or started_at(folder) >= WHERE.get("since", 0):
                 bad.append(f"{folder} (no complete results.json)")
         elif record.get("invocation") == inv and record.get("status") != "ok":
             bad.append(f"{folder} ({record.get('status')}: {record.get('error')})")
@@ -98,6 +103,20 @@ def concurrent_runs() -> int:
         except PermissionError:
             others += 1  # alive, another user's
     return others
+
+
+def job_folders(sweep: Path) -> list[Path]:
+    """Every Hydra job folder under a sweep folder, at any depth (a subdir pattern may nest them)."""
+    skip = {"wandb", "report", ".submitit"}
+    return [h.parent for h in sorted(Path(sweep).rglob(".hydra"))
+            if not skip & set(h.parent.relative_to(sweep).parts)]
+
+
+def started_at(folder: Path) -> float:
+    """When Hydra last started a job in ``folder``: it rewrites .hydra/config.yaml each time (the folder's own
+    mtime does not change when a job is re-entered)."""
+    f = Path(folder) / ".hydra" / "config.yaml"
+    return f.stat().st_mtime if f.exists() else 0.0
 
 
 PARTIAL = ("steps.csv", "drift.csv", "memory.csv", "results.json", "wandb")
@@ -329,8 +348,8 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
         return _confirm(run_dir, prior, inv, name)
     clear_partial(run_dir)
     record = dict(status="failed", error=None, run_name=name, group=group, run_dir=str(run_dir), config_id=ident,
-                  invocation=inv, started_at=dt.datetime.now().isoformat(timespec="seconds"),
-                  weights=model_config_safe(cfg), **config_record(cfg))
+                  invocation=inv, device=cfg.device.name, weights=model_config_safe(cfg),
+                  started_at=dt.datetime.now().isoformat(timespec="seconds"), **config_record(cfg))
     steps = drift = memory = None
     t0 = time.perf_counter()
     active = _mark_active()
@@ -360,7 +379,7 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     try:
         record["wandb"] = tracking.log_wandb(cfg.tracking.mode, cfg.tracking.project, cfg.tracking.entity, group,
                                              name, run_dir, OmegaConf.to_container(cfg, resolve=True), record,
-                                             steps, drift, memory, run_id=wandb_id(group, ident))
+                                             steps, drift, memory, run_id=wandb_id(run_dir, ident))
     except Exception as e:  # tracking trouble must not lose the measurements already on disk
         record["wandb"] = f"failed: {one_line(e)}"
         print(f"kvlab: W&B logging failed ({record['wandb']}); results are in {run_dir}", file=sys.stderr)
@@ -369,9 +388,10 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     return record
 
 
-def wandb_id(group: str, ident: str) -> str:
-    """The W&B run id of a config in a sweep: the same on a resumed run, so W&B continues it instead of adding one."""
-    return hashlib.sha256(f"{group}/{ident}".encode()).hexdigest()[:16]
+def wandb_id(folder: Path, ident: str) -> str:
+    """The W&B run id of a config measured in ``folder``: the same when the run is resumed there, so W&B continues
+    it instead of adding one; a different folder (another sweep, a single run) is another W&B run."""
+    return hashlib.sha256(f"{Path(folder).resolve()}/{ident}".encode()).hexdigest()[:16]
 
 
 def _confirm(run_dir: Path, record: dict, inv: str, name: str) -> dict:

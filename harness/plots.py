@@ -374,6 +374,12 @@ def all_figures(runs: pd.DataFrame, steps: pd.DataFrame, drift: pd.DataFrame,
 
     "drift" is still made when none of its ok rows drifts: it then says so.
     """
+    return {stem: fn(df) for stem, (fn, df) in figure_makers(runs, steps, drift, memory).items()}
+
+
+def figure_makers(runs: pd.DataFrame, steps: pd.DataFrame, drift: pd.DataFrame,
+                  memory: pd.DataFrame | None = None) -> dict:
+    """stem -> (figure function, its table), for every figure whose table has ok rows."""
     makers = {
         "step_time": (step_time_plot, steps),
         "speedup": (speedup_plot, steps),
@@ -382,4 +388,4 @@ def all_figures(runs: pd.DataFrame, steps: pd.DataFrame, drift: pd.DataFrame,
         "drift": (drift_plot, drift),
         "equivalence": (equivalence_grid, runs),
     }
-    return {stem: fn(df) for stem, (fn, df) in makers.items() if df is not None and not _ok(df).empty}
+    return {stem: (fn, df) for stem, (fn, df) in makers.items() if df is not None and not _ok(df).empty}

@@ -117,10 +117,15 @@ def build_report(path: str | Path, out: str | Path | None = None, invocation: st
     images = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # matplotlib's glyph warnings for ✓/✗ on minimal fonts
-        for stem, fig in plots.all_figures(runs, steps, drift, memory).items():
-            images[stem] = out / f"{stem}.png"
-            fig.savefig(images[stem], dpi=110, bbox_inches="tight")
-            plots.plt.close(fig)
+        for stem, (fn, df) in plots.figure_makers(runs, steps, drift, memory).items():
+            try:
+                fig = fn(df)
+                fig.savefig(out / f"{stem}.png", dpi=110, bbox_inches="tight")
+                images[stem] = out / f"{stem}.png"
+            except Exception as e:  # one figure's bad input must not cost the report
+                skipped.append((None, f"figure {stem} could not be drawn ({experiment.one_line(e)})"))
+            finally:
+                plots.plt.close("all")
     page = out / "report.html"
     page.write_text(render_html(f"kvlab report: {path.name}", runs, steps, images, skipped), encoding="utf-8")
     return dict(runs=runs, tables=tables, images=images, html=page, folder=out, skipped=skipped)
@@ -129,7 +134,7 @@ def build_report(path: str | Path, out: str | Path | None = None, invocation: st
 def _started_by(folder: Path, invocation: str) -> bool:
     """Whether a job folder without results.json belongs to ``invocation`` (it was started after the sweep began)."""
     since = experiment.WHERE.get("since")
-    return since is None or (folder / ".hydra").stat().st_mtime >= since
+    return since is None or experiment.started_at(folder) >= since
 
 
 def report_and_log(path: Path, mode: str, project: str, entity: str | None, group: str | None = None,
@@ -144,7 +149,7 @@ def report_and_log(path: Path, mode: str, project: str, entity: str | None, grou
         shutil.rmtree(Path(rep["folder"]) / "wandb", ignore_errors=True)
     try:
         rep["wandb"] = tracking.log_wandb_aggregate(mode, project, entity, group, rep["folder"], runs, rep["images"],
-                                                    run_id=experiment.wandb_id(group, "report"))
+                                                    run_id=experiment.wandb_id(rep["folder"], "report"))
     except Exception as e:  # the report is written; W&B trouble is said, not fatal
         rep["wandb"] = f"failed: {experiment.one_line(e)}"
         print(f"kvlab report: W&B logging failed ({rep['wandb']}); the report is in {rep['folder']}",

@@ -9,7 +9,7 @@
 A run is a folder with a ``results.json`` (written last, atomically, by every run, failed ones included). A Hydra
 job folder without one (a run that was killed, or is still going), an unreadable or foreign results.json and an
 unreadable table are skipped with a warning; a failed run is kept, with its ``status`` and ``error``, and simply
-has no step or drift rows. A config measured more than once (a resumed sweep) is one row: its latest record.
+has no step or drift rows.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def _skipped(path: Path) -> bool:
     return any(part in SKIP_DIRS for part in path.parts)
 
 
-REQUIRED = ("status", "run_name", "model", "cache")  # what makes a results.json kvlab's
+REQUIRED = ("status", "run_name", "model", "cache", "dtype")  # what makes a results.json kvlab's
+COLUMNS = {STEPS: ("context_len", "mode", "ms_median"), DRIFT: ("step",), MEMORY: ("tokens", "nbytes_formula")}
 
 
 def read_record(path: Path) -> tuple[dict | None, str | None]:
@@ -50,39 +51,40 @@ def read_record(path: Path) -> tuple[dict | None, str | None]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         return None, f"unreadable {RESULTS} ({type(e).__name__})"
     if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in REQUIRED):
-        return None, f"{RESULTS} is not a kvlab record (it needs {', '.join(REQUIRED)})"
+        return None, f"{RESULTS} is not a kvlab record (it needs {', '.join(REQUIRED)} as text)"
+    if not isinstance(record.setdefault("device", record.get("device_requested") or "unknown"), str):
+        return None, f"{RESULTS} is not a kvlab record (its device is not text)"
+    bad = [k for k, v in record.items() if isinstance(v, (list, dict))]
+    if bad:
+        return None, f"{RESULTS} is not a kvlab record ({bad[0]!r} holds a {type(record[bad[0]]).__name__})"
     return record, None
 
 
 def scan(path: str | Path, invocation: str | None = None) -> dict:
-    """Every run under ``path``: ``runs`` [(folder, record)] sorted by folder, one per config and sweep (``group``,
-    ``config_id``; the latest finished wins), ``skipped`` [(folder, why)] for what could not be read, and ``interrupted`` [folder] for job
-    folders without a results.json. With ``invocation``, only the runs that invocation of run.py made or confirmed."""
+    """Every run under ``path``: ``runs`` [(folder, record)] sorted by folder (a resumed sweep measures each config in
+    one folder, so each appears once), ``skipped`` [(folder, why)] for what could not be read, and ``interrupted``
+    [folder] for job folders without a results.json. With ``invocation``, only the runs that invocation of run.py
+    made or confirmed."""
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: no such folder; pass a run or sweep folder under outputs/")
-    runs, skipped = [], []
+    runs, skipped, recorded = [], [], set()
     for f in sorted(root.rglob(RESULTS)):
         if _skipped(f.relative_to(root).parent):
             continue
+        recorded.add(f.parent)
         record, why = read_record(f)
         if record is None:
             skipped.append((f.parent, why))
         elif invocation is None or record.get("invocation") == invocation:
             runs.append((f.parent, record))
-    latest: dict[tuple, tuple[Path, dict]] = {}
-    for folder, record in runs:  # one row per config and sweep: a config measured twice keeps its newest record
-        key = (record.get("group"), record.get("config_id") or str(folder))
-        if key not in latest or str(record.get("finished_at", "")) >= str(latest[key][1].get("finished_at", "")):
-            latest[key] = (folder, record)
-    seen = {folder for folder, _ in runs} | {folder for folder, _ in skipped}
     interrupted = [h.parent for h in sorted(root.rglob(".hydra"))
-                   if h.parent not in seen and not _skipped(h.parent.relative_to(root))]
-    return dict(runs=sorted(latest.values(), key=lambda r: str(r[0])), skipped=skipped, interrupted=interrupted)
+                   if h.parent not in recorded and not _skipped(h.parent.relative_to(root))]
+    return dict(runs=runs, skipped=skipped, interrupted=interrupted)
 
 
 def run_folders(path: str | Path, invocation: str | None = None) -> list[tuple[Path, dict]]:
-    """(folder, record) of every finished run under ``path`` (one per config), sorted by folder; warns about what
+    """(folder, record) of every finished run under ``path``, sorted by folder; warns about what
     it skips: unreadable or foreign results.json files, and job folders without one."""
     found = scan(path, invocation)
     for folder, why in found["skipped"]:
@@ -114,6 +116,9 @@ def read_table(f: Path) -> tuple[pd.DataFrame | None, str | None]:
         return None, f"unreadable {f.name} ({type(e).__name__})"
     if df.empty:
         return None, f"{f.name} has no rows"
+    missing = [c for c in COLUMNS.get(f.name, ()) if c not in df.columns]
+    if missing:
+        return None, f"{f.name} is not kvlab's (no {', '.join(missing)} column)"
     return df, None
 
 
@@ -161,6 +166,9 @@ def save_table(df: pd.DataFrame, folder: str | Path, stem: str) -> list[Path]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     pq, csv = folder / f"{stem}.parquet", folder / f"{stem}.csv"
+    mixed = [c for c in df.columns if df[c].dtype == object and df[c].dropna().map(type).nunique() > 1]
+    if mixed:  # a column that holds numbers and text (a record written by hand): parquet needs one type
+        df = df.astype({c: "string" for c in mixed})
     df.to_parquet(pq, index=False)
     df.to_csv(csv, index=False)
     return [pq, csv]

@@ -60,7 +60,7 @@ def prefill(model: GPT2, prompt_ids: torch.Tensor, cache: KVCache,
             last_only: bool = False) -> tuple[torch.Tensor, KVCache]:
     """(B, T) prompt in one pass -> logits (B, T, vocab), or (B, 1, vocab) with ``last_only``; the cache then holds
     T more positions."""
-    prompt_ids = _as_batch(prompt_ids, model.config.vocab_size).to(model_device(model))
+    prompt_ids = _as_batch(prompt_ids).to(model_device(model))  # shape and dtype only: no device sync here
     return model(prompt_ids, cache=cache, last_only=last_only), cache
 
 

@@ -352,15 +352,23 @@ def test_the_report_builds_from_whatever_is_readable(tmp_path):
     assert proc.returncode == 0
     runs = sorted(p for p in (tmp_path / "s").iterdir() if (p / "results.json").exists())
     (runs[0] / "steps.csv").write_bytes(b"\x00\xff" * 50)  # binary
-    for name, text in (("list", "[1, 2]"), ("foreign", '{"status": "ok", "score": 3}'), ("broken", "{")):
+    (runs[1] / "memory.csv").write_text("a,b\n1,2\n")  # another tool's table
+    good = json.loads((runs[0] / "results.json").read_text())
+    for name, text in (("list", "[1, 2]"), ("foreign", '{"status": "ok", "score": 3}'), ("broken", "{"),
+                       ("almost", '{"status": "ok", "run_name": "x", "model": "m", "cache": "c"}'),
+                       ("group-list", json.dumps({**good, "group": [1]})),
+                       ("dtype-null", json.dumps({**good, "dtype": None}))):
         (tmp_path / "s" / name).mkdir()
         (tmp_path / "s" / name / "results.json").write_text(text)
+    (tmp_path / "s" / "odd").mkdir()  # a kvlab-shaped record whose numbers are text: its figure is skipped
+    (tmp_path / "s" / "odd" / "results.json").write_text(json.dumps({**good, "config_id": "odd",
+                                                                    "cache_nbytes": "many"}))
     (tmp_path / "s" / "killed" / ".hydra").mkdir(parents=True)
     rep = build_report(tmp_path / "s", tmp_path / "report")
-    assert len(rep["runs"]) == 2
+    assert len(rep["runs"]) == 3
     why = "\n".join(f"{f} {w}" for f, w in rep["skipped"])
-    assert "is not a kvlab record" in why and "unreadable results.json" in why and "interrupted" in why
-    assert "unreadable steps.csv" in why
+    assert why.count("is not a kvlab record") == 5 and "unreadable results.json" in why and "interrupted" in why
+    assert "unreadable steps.csv" in why and "memory.csv is not kvlab's" in why
     page = (tmp_path / "report" / "report.html").read_text()
     assert "Skipped" in page and "killed" in page
     cli = subprocess.run([sys.executable, "-m", "harness.report", str(tmp_path / "nowhere")], cwd=REPO,

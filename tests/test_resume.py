@@ -87,7 +87,8 @@ def test_two_sweeps_into_one_folder_stay_apart(tmp_path):
     assert a.returncode == b.returncode == 0
     runs = records(sweep)
     assert len(runs) == 3 and len({r["config_id"] for r in runs.values()}) == 3
-    assert "kvlab report: 1 runs" in b.stdout  # the second sweep's report counts its own run
+    assert "kvlab report: 1 runs" in b.stdout  # the second sweep's report counts its own run...
+    assert "skipped" not in b.stderr  # ...and does not take the first sweep's runs for interrupted ones
     assert len(pd.read_csv(sweep / "report" / "results.csv")) == 1
 
 
@@ -130,3 +131,48 @@ def test_an_api_key_never_reaches_a_file_or_the_console(tmp_path):
     for f in out.rglob("*"):
         if f.is_file():
             assert secret.encode() not in f.read_bytes(), f
+
+
+def test_nested_job_folders_count_for_the_exit_code(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_py(["-m", "max_len=64,1000", *TINY, "tracking=disabled", f"hydra.sweep.dir={sweep}",
+                   "hydra.sweep.subdir=${cache.kind}/${kvlab_id:}"], tmp_path)
+    assert proc.returncode == 1 and "max_len=1000" in proc.stderr
+    assert len(list(sweep.glob("*/*/results.json"))) == 2
+
+
+def test_printing_the_config_is_not_a_failure(tmp_path):
+    proc = run_py([*TINY, "--cfg", "job"], tmp_path)
+    assert proc.returncode == 0 and "kind: prealloc" in proc.stdout
+
+
+def test_one_config_in_two_folders_is_two_runs_and_two_wandb_runs(tmp_path):
+    from harness.experiment import wandb_id
+    from harness.results import scan
+
+    record = {"status": "ok", "run_name": "r", "model": "tiny", "cache": "prealloc", "dtype": "fp32",
+              "device": "cpu", "config_id": "abc", "group": "paper"}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(record))
+    assert len(scan(tmp_path)["runs"]) == 2  # same config, same tracking.group, two measurements: both kept
+    assert wandb_id(tmp_path / "a", "abc") != wandb_id(tmp_path / "b", "abc")
+    assert wandb_id(tmp_path / "a", "abc") == wandb_id(tmp_path / "a", "abc")
+
+
+def test_a_job_re_entered_and_killed_counts_as_not_ok(tmp_path):
+    from harness import experiment
+
+    old = tmp_path / "sweep" / "old"
+    (old / ".hydra").mkdir(parents=True)
+    (old / ".hydra" / "config.yaml").write_text("x: 1")
+    os.utime(old / ".hydra", (0, 0))  # the folder itself looks old...
+    experiment.WHERE.clear()
+    experiment.note_sweep(tmp_path / "sweep")
+    time.sleep(0.05)
+    (old / ".hydra" / "config.yaml").write_text("x: 2")  # ...but Hydra started a job in it again just now
+    os.utime(old / ".hydra" / "config.yaml", None)
+    try:
+        assert any("no complete results.json" in f for f in experiment.invocation_failures())
+    finally:
+        experiment.WHERE.clear()
