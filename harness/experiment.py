@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import hashlib
-import json
 import os
 import shutil
 import sys

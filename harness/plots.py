@@ -238,7 +238,6 @@ def cache_bytes_plot(runs: pd.DataFrame) -> Figure:
         return _message_figure("no ok runs")
     df["run"] = _run_labels(df)
     models = _levels(df["model"], MODEL_ORDER)
-    dtypes = _levels(df["dtype"], DTYPE_ORDER)
     rank = {m: i for i, m in enumerate(models)}
     df = df.sort_values(["model", "cache", "dtype"], key=lambda s: s.map(rank) if s.name == "model" else s)
     order = df["run"].tolist()

@@ -254,10 +254,9 @@ def test_a_long_prompts_file_costs_what_the_prompts_read(tmp_path):
             Counting.calls += 1
             return super().encode(text)
 
-    t0 = time.perf_counter()
     prompts = text_prompts(path, 2, 16, Counting())
     assert len(prompts) == 2 and all(p.shape == (1, 16) for p in prompts)
-    assert Counting.calls < 100 and time.perf_counter() - t0 < 5
+    assert Counting.calls < 100  # of 40,000 lines
 
 
 # ---- the Python API -------------------------------------------------------------------------------------------
@@ -317,13 +316,15 @@ def test_an_unwritable_outputs_folder(tmp_path):
 def test_ctrl_c_mid_run_leaves_a_clear_record_and_nothing_half_written(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_DIR=str(tmp_path))
-    args = [sys.executable, "run.py", "model=tiny", "n_prompts=3", "new_tokens=30", "repeats=200",
-            "context_lengths=[8,32,64]", "tracking=disabled", f"hydra.run.dir={out}"]
+    args = [sys.executable, "run.py", "model=tiny", "n_prompts=30", "full_prompts=30", "new_tokens=90",
+            "prompt_len=8", "repeats=200", "context_lengths=[8,32,64]", "tracking=disabled",
+            f"hydra.run.dir={out}"]  # a minute of work: Ctrl-C lands in the middle of it
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and not (out / ".hydra" / "config.yaml").exists():
         time.sleep(0.2)
     time.sleep(3.0)  # well into the measurements
+    assert not (out / "results.json").exists() and proc.poll() is None
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr[-1500:]
@@ -337,9 +338,8 @@ def test_ctrl_c_mid_run_leaves_a_clear_record_and_nothing_half_written(tmp_path)
 def test_online_tracking_without_a_key_falls_back_to_offline(tmp_path):
     out = tmp_path / "run"
     env = {"WANDB_API_KEY": "", "WANDB_BASE_URL": "http://127.0.0.1:9"}
-    t0 = time.time()
     proc = run_py([*TINY, "tracking=online", f"hydra.run.dir={out}"], tmp_path, {**env, "WANDB_MODE": ""})
-    assert proc.returncode == 0 and "logging offline instead" in proc.stderr and time.time() - t0 < 90
+    assert proc.returncode == 0 and "logging offline instead" in proc.stderr
     assert len(list((out / "wandb").glob("offline-run-*"))) == 1
 
 
