@@ -48,17 +48,6 @@ def test_nbytes_tracks_generation(tiny_model, layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_update_returns_the_whole_history(layout):
-    cache = (ConcatKVCache if layout == "concat" else PreallocKVCache)(2, 3, 4, 10, 1)
-    chunks = [torch.randn(1, 3, t, 4) for t in (3, 1, 2)]
-    for ch in chunks:
-        k, v = cache.update(1, ch, -ch)
-        cache.advance(ch.shape[2])
-    assert torch.equal(k, torch.cat(chunks, dim=2)) and torch.equal(v, -torch.cat(chunks, dim=2))
-    assert cache.pos == 6
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
 def test_overflow_past_max_len_raises_and_writes_nothing(tiny_model, layout):
     cache = new_cache(tiny_model, layout, max_len=6)
     prefill(tiny_model, torch.tensor([[1, 2, 3, 4, 5]]), cache)

@@ -10,12 +10,12 @@
 """
 
 from models.kv_cache.base import (CACHE_KINDS, DTYPE_NAMES, DTYPES, KVCache, NoOptions, as_dtype, cache_kind,
-                                  dtype_name, kv_bytes, make_cache, register)
+                                  kv_bytes, make_cache, register)
 from models.kv_cache.concat import ConcatKVCache
 from models.kv_cache.prealloc import PreallocKVCache
 from models.kv_cache.quant import QuantKVCache
 from models.kv_cache.window import WindowKVCache
 
-__all__ = ["CACHE_KINDS", "DTYPE_NAMES", "DTYPES", "KVCache", "NoOptions", "as_dtype", "cache_kind", "dtype_name",
+__all__ = ["CACHE_KINDS", "DTYPE_NAMES", "DTYPES", "KVCache", "NoOptions", "as_dtype", "cache_kind",
            "kv_bytes", "make_cache", "register", "ConcatKVCache", "PreallocKVCache", "QuantKVCache",
            "WindowKVCache"]

@@ -44,11 +44,6 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_NAMES)}") from None
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """The short name (fp32, fp16, bf16) of a storage dtype."""
-    return next(n for n in DTYPE_NAMES if DTYPES[n] == dtype)
-
-
 def itemsize(dtype: torch.dtype | str) -> int:
     return torch.empty((), dtype=as_dtype(dtype)).element_size()
 
