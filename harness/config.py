@@ -24,9 +24,10 @@ from models.kv_cache import CACHE_KINDS, DTYPE_NAMES, KVCache, cache_kind
 @dataclass
 class ModelConfig:
     name: str = "gpt2"  # how runs are labelled
-    preset: str = "gpt2"  # GPT2Config.preset name (random weights)
-    weights: str = "random"  # "random" (seeded GPT-2 init) or an HF GPT-2 checkpoint folder / hub id
+    preset: str = "gpt2"  # GPT2Config.preset name (random weights; auto's hub checkpoint)
+    weights: str = "auto"  # auto (the preset's real checkpoint if reachable, else random) | random | folder | hub id
     seed: int = 0  # seed of the random init
+    build: Optional[str] = None  # the command that makes the checkpoint folder, shown when it is missing
 
 
 def cache_schema(cls: type[KVCache]) -> type:

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import measure, tracking
+from harness import measure, tracking, weights
+from harness.weights import Weights
 from harness.config import ConfigError, cache_options, config_id, dtype_label, validate
 from harness.engines import KvlabEngine
 from models.gpt2 import GPT2, GPT2Config, read_hf_config
@@ -159,21 +160,33 @@ def resolve_dtypes(storage: str, compute: str, device: torch.device) -> tuple[to
     return as_dtype(storage), as_dtype(compute)
 
 
-def model_config(m) -> tuple[GPT2Config, str]:
-    """The model's config (read cheaply, before any weights) and a description of its weights."""
-    if m.weights == "random":
-        return GPT2Config.preset(m.preset), f"random init (GPT-2 initialisation, seed {m.seed}), not pretrained"
-    folder = Path(m.weights).expanduser()
+def model_config(w: Weights, m) -> GPT2Config | None:
+    """The model's config, read cheaply before any weights (None for a hub id: known once loaded)."""
+    if w.random:
+        return GPT2Config.preset(m.preset)
+    folder = Path(w.load_from)
     if folder.is_dir():
-        return read_hf_config(folder), f"checkpoint {m.weights}"
-    return None, f"checkpoint {m.weights}"  # a hub id (or a missing folder): known once loaded
+        return read_hf_config(folder)
+    if getattr(m, "build", None):
+        raise ConfigError(f"model={m.name} needs its checkpoint folder {m.weights}, which is missing: build it with "
+                          f"`{m.build}`")
+    return None
 
 
-def build_model(m, cfg: GPT2Config | None) -> GPT2:
-    if m.weights == "random":
+def build_model(w: Weights, m, cfg: GPT2Config | None) -> GPT2:
+    if w.random:
         torch.manual_seed(m.seed)
         return GPT2(cfg).eval()
-    return GPT2.from_pretrained(m.weights).eval()
+    return GPT2.from_pretrained(w.load_from).eval()
+
+
+def weights_record(w: Weights | None, m) -> dict:
+    """What results.json says of the weights: ``weights`` (random | pretrained), ``weights_source`` (random, the hub
+    id or the folder), ``weights_detail`` (one line for people) and what was asked (``weights_requested``)."""
+    if w is None:  # the request itself was refused; the run fails on it with its own message
+        return dict(weights=None, weights_source=str(m.weights), weights_detail=f"checkpoint {m.weights}",
+                    weights_requested=str(m.weights))
+    return dict(weights=w.kind, weights_source=w.source, weights_detail=w.detail, weights_requested=str(m.weights))
 
 
 def text_prompts(path: Path, n: int, length: int, tokenizer) -> list[torch.Tensor]:
@@ -234,15 +247,15 @@ def _hydra_dirs() -> tuple[Path, str, str]:
 def model_label(m) -> str:
     """How runs are labelled: the model's name; on a checkpoint folder whose name was left at the preset's, the
     folder's name is added, so runs on two checkpoints never share a label."""
-    if m.weights == "random" or m.name != m.preset:
+    if m.weights in ("random", "auto") or m.name != m.preset:
         return m.name
     return f"{m.name}@{Path(str(m.weights)).name}"
 
 
 def config_record(cfg) -> dict:
     return dict(
-        model=model_label(cfg.model), preset=cfg.model.preset if cfg.model.weights == "random" else None,
-        weights_source=cfg.model.weights, model_seed=cfg.model.seed, cache=cfg.cache.kind,
+        model=model_label(cfg.model), preset=cfg.model.preset if cfg.model.weights in ("random", "auto") else None,
+        model_seed=cfg.model.seed, cache=cfg.cache.kind,
         **cache_record(cfg.cache),
         dtype=dtype_label(cfg.dtype.storage, cfg.dtype.compute),
         device_requested=cfg.device.name, experiment=cfg.experiment, n_prompts=cfg.n_prompts,
@@ -264,17 +277,18 @@ def cache_record(node) -> dict:
     return {**head, **{f"cache_{k}": v for k, v in options.items()}}
 
 
-def measure_run(cfg, progress: bool = True):
+def measure_run(cfg, w: Weights | None = None, progress: bool = True):
     """Everything a run measures -> (record fields, steps table, drift table, memory table). Raises on any
     failure."""
     from models.tokenizer import Tokenizer
 
-    mcfg, weights = model_config(cfg.model)
+    w = w or weights.resolve(cfg.model)
+    mcfg = model_config(w, cfg.model)
     max_len, contexts = validate(cfg, mcfg.n_positions) if mcfg is not None else (None, None)
     device = resolve_device(cfg.device.name)
     storage, compute = resolve_dtypes(cfg.dtype.storage, cfg.dtype.compute, device)
 
-    model32 = build_model(cfg.model, mcfg)
+    model32 = build_model(w, cfg.model, mcfg)
     if mcfg is None:  # a hub checkpoint: validate now that its config is known
         mcfg = model32.config
         max_len, contexts = validate(cfg, mcfg.n_positions)
@@ -326,7 +340,7 @@ def measure_run(cfg, progress: bool = True):
                step_ms_uncached_at_max_context=float(top.loc["uncached", "ms_median"]),
                speedup_at_max_context=float(top.loc["cached", "speedup"]))
     rec.update(measure.peak_memory(device, reset_ok))
-    rec.update(measure.fingerprint(device, weights))
+    rec.update(measure.fingerprint(device), **weights_record(w, cfg.model))
     return rec, steps, drift, memory
 
 
@@ -346,14 +360,18 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     if prior is not None:
         return _confirm(run_dir, prior, inv, name)
     clear_partial(run_dir)
+    try:
+        w = weights.resolve(cfg.model)
+    except Exception:  # measure_run asks again and fails the run with its own message
+        w = None
     record = dict(status="failed", error=None, run_name=name, group=group, run_dir=str(run_dir), config_id=ident,
-                  invocation=inv, device=cfg.device.name, weights=model_config_safe(cfg),
+                  invocation=inv, device=cfg.device.name, **weights_record(w, cfg.model),
                   started_at=dt.datetime.now().isoformat(timespec="seconds"), **config_record(cfg))
     steps = drift = memory = None
     t0 = time.perf_counter()
     active = _mark_active()
     try:
-        fields, steps, drift, memory = measure_run(cfg, progress)
+        fields, steps, drift, memory = measure_run(cfg, w, progress)
         record.update(fields, status="ok")
     except KeyboardInterrupt:
         record.update(status="interrupted", error="interrupted (Ctrl-C); run the same command again to resume",
@@ -414,13 +432,6 @@ def _write(run_dir: Path, record: dict, steps, drift, memory) -> bool:
         return False
 
 
-def model_config_safe(cfg) -> str:
-    try:
-        return model_config(cfg.model)[1]
-    except Exception:
-        return f"checkpoint {cfg.model.weights}"
-
-
 def summary_text(r: dict, steps) -> str:
     """The short table printed at the end of a run."""
     head = (f"kvlab run {r['run_name']}: model {r['model']} · cache {r.get('cache_label') or r['cache']} · dtype "
@@ -433,7 +444,7 @@ def summary_text(r: dict, steps) -> str:
 
     lines = [
         head + f" · device {r['device']} ({r['device_name']})",
-        f"  weights           {r['weights']}",
+        f"  weights           {r['weights_detail']}",
         f"  tokens identical  {r['tokens_identical']}  ({r['equivalence_method']}, {r['n_prompts']} prompts x "
         f"{r['new_tokens']} tokens)" + ("  lossy kind: this is its error" if r.get("cache_exact") is False else ""),
         f"  max |dlogit|      {r['max_abs_logit_diff']:.3g}  (cached vs the kind's uncached reference, same compute "

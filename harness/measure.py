@@ -468,7 +468,7 @@ def attention_backend(device: torch.device) -> str:
     return "sdpa:cpu"
 
 
-def fingerprint(device: torch.device, weights: str) -> dict:
+def fingerprint(device: torch.device) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return dict(
         torch_version=torch.__version__,
@@ -478,7 +478,6 @@ def fingerprint(device: torch.device, weights: str) -> dict:
         attn_backend=attention_backend(device),
         tf32=bool(torch.backends.cuda.matmul.allow_tf32) if device.type == "cuda" else False,
         git_commit=git_commit(),
-        weights=weights,
         python_version=platform.python_version(),
     )
 

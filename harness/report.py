@@ -28,13 +28,13 @@ from hydra.experimental.callback import Callback
 
 from harness import experiment, plots, results, tracking
 
-SUMMARY_COLS = ["run_name", "status", "model", "cache_label", "dtype", "device", "cache_exact", "tokens_identical",
-                "max_abs_logit_diff",
+SUMMARY_COLS = ["run_name", "status", "model", "weights", "cache_label", "dtype", "device", "cache_exact",
+                "tokens_identical", "max_abs_logit_diff",
                 "nbytes_match", "cache_nbytes", "bytes_per_token", "drift_kl", "drift_top1_agreement",
                 "drift_token_match_rate", "ttft_ms", "step_ms_cached_at_max_context",
                 "step_ms_uncached_at_max_context", "speedup_at_max_context"]  # errors: in the failed-runs table
 FINGERPRINT_COLS = ["torch_version", "device_name", "threads", "attn_backend", "tf32", "git_commit", "weights",
-                    "python_version"]
+                    "weights_source", "python_version"]
 CAPTIONS = {
     "step_time": "Decode-step time vs context length: cached (by cache) vs uncached (full recompute).",
     "speedup": "Speedup of a cached decode step over the uncached one (uncached / cached).",
@@ -51,6 +51,28 @@ def _table(df: pd.DataFrame) -> str:
     return f'<div style="overflow-x:auto">{t}</div>'  # wide tables scroll instead of running off the page
 
 
+def weights_notice(runs: pd.DataFrame) -> list[str]:
+    """What the page says about the weights: which were used, and loudly when one sweep mixes pretrained and
+    random weights (their drift figures are not comparable)."""
+    if "weights_detail" not in runs:
+        return []
+    details = sorted(runs["weights_detail"].dropna().unique())
+    kinds = set(runs["weights"].dropna()) if "weights" in runs else set()
+    parts = []
+    if {"random", "pretrained"} <= kinds:
+        by = runs.groupby("weights")["run_name"].count()
+        parts.append('<p style="background:#fee;border:2px solid #c00;padding:8px"><b>Warning: this sweep mixes '
+                     f"pretrained weights ({by.get('pretrained', 0)} runs) and random-init weights "
+                     f"({by.get('random', 0)} runs).</b> Bytes and step times compare; drift and generated text do "
+                     "not: random-init logits are nearly flat. See the <code>weights</code> column.</p>")
+    if details:
+        parts.append("<p><b>Weights:</b> " + "; ".join(html.escape(w) for w in details) + "."
+                     + (" Random-init weights measure the cache exactly (speed, bytes, equivalence) but their drift "
+                        "says little about trained models and they generate no meaningful text." if "random" in kinds
+                        else "") + "</p>")
+    return parts
+
+
 def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dict[str, Path],
                 skipped: list | None = None) -> str:
     """One HTML page with everything inline (images as data: URIs): no network, no other files needed."""
@@ -59,11 +81,7 @@ def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dic
     parts = [f"<h1>{html.escape(title)}</h1>",
              f"<p>{len(runs)} runs: {len(ok)} ok, {len(failed)} not ok"
              + (f"; {len(skipped)} skipped (below)" if skipped else "") + ".</p>"]
-    weights = sorted(runs["weights"].dropna().unique()) if "weights" in runs else []
-    if weights:
-        parts.append("<p><b>Weights:</b> " + "; ".join(html.escape(w) for w in weights) + ". Random-init weights "
-                     "measure the cache exactly (speed, bytes, equivalence, drift) but generate no meaningful "
-                     "text.</p>")
+    parts += weights_notice(runs)
     if len(failed):
         parts += ["<h2>Failed runs</h2>", _table(failed[[c for c in ("run_name", "model", "cache_label", "dtype",
                                                                    "device", "status", "error") if c in failed]])]

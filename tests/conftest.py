@@ -57,7 +57,7 @@ class Tripwire:
 
 def run_py(args, tmp_path, extra_env=None) -> subprocess.CompletedProcess:
     """``python run.py ARGS`` in a subprocess, offline, W&B's folders under tmp_path."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", **(extra_env or {}))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
     for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
         env[var] = str(Path(tmp_path) / var.lower())
     return subprocess.run([sys.executable, "run.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
