@@ -73,6 +73,7 @@ class KvlabConfig:
     n_prompts: int = 4
     new_tokens: int = 32
     prompt_len: int = 32
+    drift_text_len: int = 128  # tokens of real text per prompt scored for drift (prompt + its continuation)
     max_len: Optional[int] = None  # cache capacity; default: the model's n_positions
     context_lengths: Optional[list[int]] = None  # timed contexts; default: those of 32, 128, 512 below max_len
     repeats: int = 10
@@ -161,6 +162,8 @@ def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
     for name in ("n_prompts", "new_tokens", "prompt_len", "repeats"):
         need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be at least 1")
     need(cfg.warmup >= 0, f"warmup={cfg.warmup} must be 0 or more")
+    need(cfg.get("drift_text_len", 2) >= 2, f"drift_text_len={cfg.get('drift_text_len')} must be at least 2 (a "
+         "token and the one it predicts)")
     max_len = n_positions if cfg.max_len is None else cfg.max_len
     need(max_len <= n_positions, f"max_len={max_len} > n_positions={n_positions} of model {cfg.model.name}: "
          f"use max_len <= {n_positions}")

@@ -24,6 +24,7 @@ import time
 import uuid
 from pathlib import Path
 
+import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -119,7 +120,7 @@ def started_at(folder: Path) -> float:
     return f.stat().st_mtime if f.exists() else 0.0
 
 
-PARTIAL = ("steps.csv", "drift.csv", "memory.csv", "results.json", "wandb")
+PARTIAL = (*tracking.TABLES.values(), "results.json", "wandb")
 
 
 def clear_partial(run_dir: Path) -> None:
@@ -299,6 +300,7 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
     # drift (against FP32 full attention) is measured for every run that is not that reference itself
     plain_fp32 = storage == compute == torch.float32 and spec.cls.exact and not spec.reference
     ref32 = None if plain_fp32 else (engine if compute == torch.float32 else KvlabEngine(model32))
+    text_len = min(max_len, max(cfg.drift_text_len, cfg.prompt_len + 1))  # drift on text: prompt + continuation
     if cfg.prompts == "file":
         path = Path(cfg.prompts_file)
         path = path if path.is_absolute() else measure.REPO / path
@@ -309,9 +311,12 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
         if mcfg.vocab_size < Tokenizer.VOCAB_SIZE:
             raise ConfigError(f"prompts=file uses GPT-2's {Tokenizer.VOCAB_SIZE:,}-token vocabulary, but model "
                               f"{cfg.model.name} has vocab_size {mcfg.vocab_size:,}: use prompts=random")
+        texts = text_prompts(path, cfg.n_prompts, text_len, Tokenizer()) if ref32 is not None else None
     else:
         prompts = random_prompts(cfg.n_prompts, cfg.prompt_len, mcfg.vocab_size, cfg.seed)
+        texts = random_prompts(cfg.n_prompts, text_len, mcfg.vocab_size, cfg.seed) if ref32 is not None else None
     prompts = [p.to(device) for p in prompts]
+    texts = texts and [t.to(device) for t in texts]
     full = cfg.full_prompts if cfg.full_prompts is not None else (1 if device.type == "cpu" else cfg.n_prompts)
     full = min(full, cfg.n_prompts)
     reset_ok = measure.reset_peak_memory(device)
@@ -321,7 +326,9 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
                n_head=mcfg.n_head, n_embd=mcfg.n_embd, n_params=model.num_params(), full_prompts=full,
                context_lengths=",".join(map(str, contexts)),
                drift_reference=None if ref32 is None else "fp32 full attention (uncached)")
-    checks, drift = measure.generation_checks(engine, prompts, cfg.new_tokens, spec, full, ref32, progress)
+    checks, drift = measure.generation_checks(engine, prompts, cfg.new_tokens, spec, full, ref32, progress, texts)
+    layers = checks.pop("layers")
+    layers = pd.DataFrame(columns=["layer", "k_rel_err", "v_rel_err"]) if layers is None else layers
     tok, sample = Tokenizer(), checks.pop("sample_tokens")
     rec.update(checks, sample_prompt=tok.decode(prompts[0][0].tolist()), sample_text=tok.decode(sample))
     mem, memory = measure.cache_memory(engine, spec, prompts[0], cfg.new_tokens, max_len)
@@ -341,7 +348,7 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
                speedup_at_max_context=float(top.loc["cached", "speedup"]))
     rec.update(measure.peak_memory(device, reset_ok))
     rec.update(measure.fingerprint(device), **weights_record(w, cfg.model))
-    return rec, steps, drift, memory
+    return rec, dict(steps=steps, drift=drift, memory=memory, layers=layers)
 
 
 def one_line(e: BaseException) -> str:
@@ -367,16 +374,16 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     record = dict(status="failed", error=None, run_name=name, group=group, run_dir=str(run_dir), config_id=ident,
                   invocation=inv, device=cfg.device.name, **weights_record(w, cfg.model),
                   started_at=dt.datetime.now().isoformat(timespec="seconds"), **config_record(cfg))
-    steps = drift = memory = None
+    tables: dict = {}
     t0 = time.perf_counter()
     active = _mark_active()
     try:
-        fields, steps, drift, memory = measure_run(cfg, w, progress)
+        fields, tables = measure_run(cfg, w, progress)
         record.update(fields, status="ok")
     except KeyboardInterrupt:
         record.update(status="interrupted", error="interrupted (Ctrl-C); run the same command again to resume",
                       duration_s=round(time.perf_counter() - t0, 2))
-        _write(run_dir, record, None, None, None)
+        _write(run_dir, record)
         print(f"kvlab: run {name} interrupted; its record says so ({run_dir}). The same command resumes.",
               file=sys.stderr)
         raise SystemExit(130) from None
@@ -387,21 +394,21 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
         active.unlink(missing_ok=True)
     record["duration_s"] = round(time.perf_counter() - t0, 2)
     record["finished_at"] = dt.datetime.now().isoformat(timespec="seconds")
-    for df in (steps, drift, memory):
+    for df in tables.values():
         if df is not None:
             for i, k in enumerate(("model", "cache", "cache_label", "dtype", "device")):
                 df.insert(i, k, record.get(k))
-    if not _write(run_dir, record, steps, drift, memory):
+    if not _write(run_dir, record, tables):
         return record
     try:
         record["wandb"] = tracking.log_wandb(cfg.tracking.mode, cfg.tracking.project, cfg.tracking.entity, group,
                                              name, run_dir, OmegaConf.to_container(cfg, resolve=True), record,
-                                             steps, drift, memory, run_id=wandb_id(run_dir, ident))
+                                             tables, run_id=wandb_id(run_dir, ident))
     except Exception as e:  # tracking trouble must not lose the measurements already on disk
         record["wandb"] = f"failed: {one_line(e)}"
         print(f"kvlab: W&B logging failed ({record['wandb']}); results are in {run_dir}", file=sys.stderr)
-    _write(run_dir, record, None, None, None)
-    print(summary_text(record, steps))
+    _write(run_dir, record)
+    print(summary_text(record, tables.get("steps")))
     return record
 
 
@@ -414,16 +421,16 @@ def wandb_id(folder: Path, ident: str) -> str:
 def _confirm(run_dir: Path, record: dict, inv: str, name: str) -> dict:
     """A complete run of the same config: keep its measurements, stamp this invocation on it."""
     record = dict(record, invocation=inv)
-    _write(run_dir, record, None, None, None)
+    _write(run_dir, record)
     print(f"kvlab: run {name} is complete (config {record['config_id']}, measured {record.get('finished_at')}): "
           "skipped; resume=false measures it again")
     return record
 
 
-def _write(run_dir: Path, record: dict, steps, drift, memory) -> bool:
+def _write(run_dir: Path, record: dict, tables: dict | None = None) -> bool:
     """Write the run's files; a write error is one line on stderr (the run then has no complete record)."""
     try:
-        tracking.write_run_files(run_dir, record, steps, drift, memory)
+        tracking.write_run_files(run_dir, record, tables)
         return True
     except OSError as e:
         WHERE.setdefault("failures", []).append(f"{run_dir} (cannot write: {e.strerror or e})")
@@ -452,12 +459,21 @@ def summary_text(r: dict, steps) -> str:
         f"  sample            {r['sample_prompt'][-40:]!r} -> {r['sample_text'][:40]!r}",
         f"  cache bytes       {r['cache_nbytes']:,} measured = {r['predicted_nbytes']:,} formula: "
         f"{r['nbytes_match']}  ({r['bytes_per_token']:,.0f} B/token, {r['cache_tokens']} tokens held)",
-        f"  drift vs fp32     KL {f(r['drift_kl'], '.3g')} · max |d| {f(r['drift_max_abs'], '.3g')} · top-1 "
-        f"{f(r['drift_top1_agreement'], '.1%')} · token match {f(r['drift_token_match_rate'], '.1%')}",
+        f"  drift vs fp32     text: KL mean {f(r.get('drift_kl'), '.3g')} · p99 {f(r.get('drift_kl_p99'), '.3g')} · "
+        f"max {f(r.get('drift_kl_max'), '.3g')} · dNLL {f(r.get('drift_delta_nll'), '+.3g')} nats/token · RMS dp "
+        f"{f(r.get('drift_rms_dp'), '.3g')} · same top-1 {f(r.get('drift_same_top1'), '.1%')}",
+        f"                    generation: max |d| {f(r['drift_max_abs'], '.3g')} · top-1 "
+        f"{f(r['drift_top1_agreement'], '.1%')} · token match {f(r['drift_token_match_rate'], '.1%')}"
+        + (f" · {r['drift_divergence_diagnosis']}" if r.get("drift_divergence_diagnosis") else ""),
+        *([f"  K/V vs fp32       K max {f(r.get('drift_k_rel_err_max'), '.3g')} · V max "
+           f"{f(r.get('drift_v_rel_err_max'), '.3g')} (relative, vs fp32) · first layer over "
+           f"{r['drift_layer_tol']:g}: {f(r.get('drift_first_layer_over_tol'), 'd')}"]
+          if r.get("drift_layer_tol") is not None else []),
+        f"  text NLL          {f(r.get('text_nll_fp32'), '.3f')} nats/token in fp32 (the model on the prompts' text)",
         f"  TTFT              {r['ttft_ms']:.1f} ms ({r['prompt_len']}-token prompt)",
         *(f"  decode step       ctx {c:>4}: {g.loc['cached', 'ms_median']:8.2f} ms cached   "
           f"{g.loc['uncached', 'ms_median']:8.2f} ms uncached   {g.loc['cached', 'speedup']:5.1f}x"
           for c, g in ((c, g.set_index("mode")) for c, g in steps.groupby("context_len"))),
-        f"  files             {r['run_dir']}  (results.json, steps.csv, drift.csv, memory.csv)",
+        f"  files             {r['run_dir']}  (results.json, steps.csv, drift.csv, memory.csv, layers.csv)",
     ]
     return "\n".join(lines)

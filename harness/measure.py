@@ -225,18 +225,21 @@ def drift_check(ref32, prompt: torch.Tensor, out, ref_logits: torch.Tensor | Non
                 first_divergence=_first_true(want != out.tokens[0]))
 
 
-DRIFT_KEYS = ("drift_max_abs", "drift_mean_abs", "drift_kl", "drift_top1_agreement", "drift_token_match_rate",
+DRIFT_KEYS = ("drift_max_abs", "drift_mean_abs", "drift_gen_kl", "drift_top1_agreement", "drift_token_match_rate",
               "drift_first_divergence_step")
 
 
 def generation_checks(engine, prompts: list[torch.Tensor], new_tokens: int, spec: CacheSpec, full_prompts: int,
-                      ref32=None, progress: bool = False) -> tuple[dict, pd.DataFrame]:
+                      ref32=None, progress: bool = False, texts: list[torch.Tensor] | None = None
+                      ) -> tuple[dict, pd.DataFrame]:
     """Generate greedily with the cache ``spec`` from every prompt and check each generation.
 
     Equivalence, against the kind's uncached reference in the same compute dtype: ``equivalence_check`` for every
     prompt, ``full_loop_check`` for the first ``full_prompts``. Drift, when ``ref32`` (an FP32 engine) is given:
-    ``drift_check`` against FP32 full attention. Returns a flat summary dict and a per-step DataFrame (aggregated
-    over prompts)."""
+    ``drift_check`` against FP32 full attention, and with ``texts`` (real text, one (1, L) tensor per prompt) the
+    llama.cpp-style statistics of ``text_drift`` (its per-layer K/V errors under the key ``layers``). Where the
+    cached greedy tokens first leave FP32's, ``diagnose_divergence`` says why. Returns a flat summary dict and a
+    per-step DataFrame (aggregated over prompts)."""
     reference = spec.reference
     same = ref32 is engine and not reference  # the equivalence reference already is FP32 full attention
     checks = []  # one record per prompt: its equivalence, full-loop and drift checks
@@ -252,6 +255,18 @@ def generation_checks(engine, prompts: list[torch.Tensor], new_tokens: int, spec
     summary, table = equivalence_summary(checks, new_tokens)
     drift_summary, drift_table = drift_summary_of(checks, new_tokens)
     summary.update(drift_summary, sample_tokens=checks[0]["tokens"])  # what the first prompt generated
+    summary.update(dict.fromkeys(TEXT_KEYS + DIVERGENCE_KEYS), drift_kl=None, layers=None)
+    if ref32 is not None:
+        if texts:
+            text, summary["layers"] = text_drift(engine, ref32, spec, texts, prompts[0].shape[1], progress)
+            summary.update(text)
+        diverged = [(c["drift"]["first_divergence"], i) for i, c in enumerate(checks)
+                    if c["drift"]["first_divergence"] is not None]
+        if diverged:
+            step, i = min(diverged)
+            stats = checks[i]["drift"]["stats"]
+            summary.update(diagnose_divergence(engine, ref32, spec, prompts[i], checks[i]["tokens"], step,
+                                               float(stats["ref_margin"][step]), float(stats["max_abs"][step])))
     return summary, table.join(drift_table)
 
 
@@ -290,7 +305,7 @@ def drift_summary_of(checks: list[dict], new_tokens: int) -> tuple[dict, pd.Data
     summary = dict(
         drift_max_abs=float(d["max_abs"].max()),
         drift_mean_abs=float(d["mean_abs"].mean()),
-        drift_kl=float(d["kl"].mean()),
+        drift_gen_kl=float(d["kl"].mean()),
         drift_top1_agreement=float(d["top1_agree"].mean()),
         drift_token_match_rate=float(np.mean([c["drift"]["match_rate"] for c in checks])),
         drift_first_divergence_step=min(diverged) if diverged else None,
@@ -299,6 +314,137 @@ def drift_summary_of(checks: list[dict], new_tokens: int) -> tuple[dict, pd.Data
                           "drift_mean_abs": d["mean_abs"].mean(0).numpy(), "drift_kl": d["kl"].mean(0).numpy(),
                           "drift_top1_agreement": d["top1_agree"].mean(0).numpy()})
     return summary, table
+
+
+# ---- drift statistics as llama.cpp's perplexity tool reports them (--kl-divergence) ----------------------------
+
+LAYER_TOL = 1e-2  # relative K/V error (vs fp32) from which a layer counts as disagreeing
+NEAR_TIE = 2.0  # a divergence is a near tie when the reference's top-1/top-2 margin < NEAR_TIE x max |dlogit| there
+
+TEXT_KEYS = ("drift_kl_p99", "drift_kl_max", "drift_delta_nll", "drift_delta_ppl", "drift_rms_dp", "drift_same_top1",
+             "text_nll_fp32", "text_nll", "drift_text_positions", "drift_layer_tol", "drift_first_layer_over_tol",
+             "drift_k_rel_err_max", "drift_v_rel_err_max")
+
+
+def recorded(cache, seen: dict):
+    """Wrap ``cache.update`` so that ``seen[layer]`` holds the (K, V, key positions) its last call returned."""
+    update = cache.update
+
+    def recording(layer, k, v):
+        out = update(layer, k, v)
+        seen[layer] = (out[0], out[1], cache.key_positions(k.shape[2]))
+        return out
+
+    cache.update = recording
+    return cache
+
+
+def text_pass(engine, spec: CacheSpec, seq: torch.Tensor, T: int) -> tuple[torch.Tensor, dict]:
+    """Teacher-forced text through a cache, as inference runs: prefill ``seq[:, :T]``, then the rest one decode step
+    at a time. Returns the logits (L - 1, vocab) that predicted tokens 1 .. L - 1 and, per layer, the (K, V, key
+    positions) attention read at the last step (empty for caches that are not ours)."""
+    L = seq.shape[1]
+    T = max(1, min(T, L - 1))
+    seen: dict = {}
+    cache = spec.new(engine, L)
+    if hasattr(cache, "key_positions"):
+        recorded(cache, seen)
+    logits = [engine.prefill(seq[:, :T], cache)[0]]  # (T, vocab)
+    for i in range(T, L - 1):
+        logits.append(engine.decode(seq[:, i:i + 1], cache)[0])  # (1, vocab)
+    return torch.cat(logits).float(), seen
+
+
+def kv_errors(seen: dict, ref: dict) -> pd.DataFrame:
+    """Per layer: squared error of K and V against the reference's at the same positions, and the reference's squared
+    norm (sums, so prompts add up); ``k_rel_err`` / ``v_rel_err`` = sqrt(error / norm)."""
+    rows = []
+    for layer in sorted(set(seen) & set(ref)):
+        k, v, pos = seen[layer]
+        kr, vr, _ = ref[layer]
+        if pos is not None:
+            kr, vr = kr[:, :, pos.to(kr.device)], vr[:, :, pos.to(vr.device)]
+        ek, ev = (k.double() - kr.double()).pow(2).sum().item(), (v.double() - vr.double()).pow(2).sum().item()
+        nk, nv = kr.double().pow(2).sum().item(), vr.double().pow(2).sum().item()
+        rows.append(dict(layer=layer, k_err2=ek, k_norm2=nk, v_err2=ev, v_norm2=nv))
+    df = pd.DataFrame(rows, columns=["layer", "k_err2", "k_norm2", "v_err2", "v_norm2"])
+    return _with_rel(df)
+
+
+def _with_rel(df: pd.DataFrame) -> pd.DataFrame:
+    df = df.copy()
+    df["k_rel_err"] = np.sqrt(df.k_err2 / df.k_norm2.where(df.k_norm2 > 0))
+    df["v_rel_err"] = np.sqrt(df.v_err2 / df.v_norm2.where(df.v_norm2 > 0))
+    return df
+
+
+def first_layer_over(layers: pd.DataFrame, tol: float = LAYER_TOL) -> int | None:
+    over = layers[(layers.k_rel_err > tol) | (layers.v_rel_err > tol)]
+    return None if over.empty else int(over.layer.min())
+
+
+def text_drift(engine, ref32, spec: CacheSpec, texts: list[torch.Tensor], T: int,
+               progress: bool = False) -> tuple[dict, pd.DataFrame]:
+    """Drift on real text, teacher-forced, against FP32 with the exact full-attention cache on the same tokens:
+    KL(fp32 || ours) mean / p99 / max over every scored position, the change in next-token NLL of the text (ΔNLL,
+    nats/token, and ΔPPL), the RMS change of the probability fp32 puts on its own top token (RMS Δp), how often
+    the top token is the same, and the per-layer relative error of K and V (``layers``)."""
+    ref_spec = CacheSpec(full_attention_kind(), {}, torch.float32)
+    kl, nll, nll_ref, dp, same, layers = [], [], [], [], [], []
+    for seq in tqdm(texts, desc=f"text drift ({spec.label})", disable=not progress):
+        ours, seen = text_pass(engine, spec, seq, T)
+        ref, seen_ref = text_pass(ref32, ref_spec, seq, T)
+        check_finite(ours, "the cached text pass")
+        ref = ref.to(ours.device)
+        target = seq[0, 1:].to(ours.device)
+        lp, lr = ours.double().log_softmax(-1), ref.double().log_softmax(-1)
+        kl.append((lr.exp() * (lr - lp)).sum(-1).clamp_min(0))
+        nll.append(-lp.gather(-1, target[:, None])[:, 0])
+        nll_ref.append(-lr.gather(-1, target[:, None])[:, 0])
+        top = lr.argmax(-1, keepdim=True)
+        dp.append(lp.gather(-1, top)[:, 0].exp() - lr.gather(-1, top)[:, 0].exp())
+        same.append((lp.argmax(-1) == top[:, 0]).double())
+        layers.append(kv_errors(seen, seen_ref))
+    kl, nll, nll_ref = torch.cat(kl).cpu(), torch.cat(nll).cpu(), torch.cat(nll_ref).cpu()
+    dp, same = torch.cat(dp).cpu(), torch.cat(same).cpu()
+    per_layer = pd.concat(layers).groupby("layer", as_index=False)[["k_err2", "k_norm2", "v_err2", "v_norm2"]].sum()
+    per_layer = _with_rel(per_layer)[["layer", "k_rel_err", "v_rel_err"]]
+    summary = dict(
+        drift_kl=float(kl.mean()), drift_kl_p99=float(torch.quantile(kl, 0.99)), drift_kl_max=float(kl.max()),
+        drift_delta_nll=float(nll.mean() - nll_ref.mean()),
+        drift_delta_ppl=float(nll.mean().exp() - nll_ref.mean().exp()),
+        drift_rms_dp=float(dp.pow(2).mean().sqrt()), drift_same_top1=float(same.mean()),
+        text_nll_fp32=float(nll_ref.mean()), text_nll=float(nll.mean()), drift_text_positions=int(kl.numel()),
+        drift_layer_tol=LAYER_TOL,
+        drift_first_layer_over_tol=first_layer_over(per_layer) if len(per_layer) else None,
+        drift_k_rel_err_max=float(per_layer.k_rel_err.max()) if len(per_layer) else None,
+        drift_v_rel_err_max=float(per_layer.v_rel_err.max()) if len(per_layer) else None,
+    )
+    return summary, per_layer
+
+
+def diagnose_divergence(engine, ref32, spec: CacheSpec, prompt: torch.Tensor, tokens: list[int], step: int,
+                        margin: float, max_abs: float) -> dict:
+    """Where cached greedy tokens first leave FP32's: the step, FP32's top-1/top-2 margin there against the logit
+    drift there (a near tie flipped by precision, or a margin far beyond the drift: look for a bug), and the first
+    layer whose K or V, read at that step, is off fp32's by more than ``LAYER_TOL``."""
+    seq = torch.cat([prompt, torch.tensor([tokens[:step + 1]], device=prompt.device)], dim=1)
+    _, seen = text_pass(engine, spec, seq, prompt.shape[1])
+    _, seen_ref = text_pass(ref32, CacheSpec(full_attention_kind(), {}, torch.float32), seq, prompt.shape[1])
+    layers = kv_errors(seen, seen_ref)
+    layer = first_layer_over(layers) if len(layers) else None
+    tie = margin < NEAR_TIE * max_abs
+    why = (f"step {step}: fp32's top-1/top-2 margin {margin:.3g} vs max |dlogit| {max_abs:.3g} there: "
+           + ("a near tie flipped by the lower precision" if tie else "the margin is far beyond the drift: look for a "
+              "bug")
+           + (f"; K/V first off by > {LAYER_TOL:g} (relative) at layer {layer}" if layer is not None else
+              f"; no layer's K/V is off by > {LAYER_TOL:g} (relative)"))
+    return dict(drift_margin_at_divergence=margin, drift_near_tie=tie, drift_divergence_layer=layer,
+                drift_divergence_diagnosis=why)
+
+
+DIVERGENCE_KEYS = ("drift_margin_at_divergence", "drift_near_tie", "drift_divergence_layer",
+                   "drift_divergence_diagnosis")
 
 
 def _stack(per_prompt: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

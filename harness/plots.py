@@ -1,8 +1,8 @@
 """Figures for the KV-cache experiments, drawn from the tidy results tables (never from files).
 
-Inputs are four DataFrames: ``runs`` (one row per run), ``steps`` (decode-step timing per run, context length and
-mode), ``drift`` (per decode step: equivalence, and drift against fp32 full attention) and ``memory`` (cache bytes vs
-tokens). Rows whose ``status`` is not "ok" are dropped before anything is drawn. A run's cache is shown by its
+Inputs are five DataFrames: ``runs`` (one row per run), ``steps`` (decode-step timing per run, context length and
+mode), ``drift`` (per decode step: equivalence, and drift against fp32 full attention), ``memory`` (cache bytes vs
+tokens) and ``layers`` (K/V relative error per layer). Rows whose ``status`` is not "ok" are dropped before anything is drawn. A run's cache is shown by its
 ``cache_label`` (kind + options: "quant k4/v8 g32", "window S4+W256"), so two settings of one kind are two series;
 kinds are ordered as the registry lists them. Every function returns a matplotlib Figure; nothing is shown or saved.
 
@@ -26,7 +26,9 @@ kinds are ordered as the registry lists them. Every function returns a matplotli
                               max |Δlogit| (log scale), each cell annotated with the value, ✓/✗ for whether the
                               generated tokens were identical, and "lossy" for lossy kinds (whose difference is
                               their error). Several runs in one cell show the worst of them.
-    all_figures(runs, steps, drift, memory)   all of the above keyed by file stem; a figure whose input table has
+    layers_plot(layers)       relative error of K and of V per layer against fp32, a line per run, with the
+                              tolerance from which a layer counts as disagreeing.
+    all_figures(runs, steps, drift, memory, layers)   all of the above keyed by file stem; a figure whose input table has
                               no ok rows is left out of the dict.
 
 When runs from more than one device are mixed, the dtype label becomes "dtype · device" wherever timings or drift
@@ -49,6 +51,7 @@ from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import NullLocator, ScalarFormatter  # noqa: E402
 
+from harness.measure import LAYER_TOL  # noqa: E402
 from models.kv_cache import CACHE_KINDS  # noqa: E402
 
 # known levels in a sensible order; anything unknown goes after them, sorted
@@ -307,6 +310,37 @@ def drift_plot(drift: pd.DataFrame) -> Figure:
     return fig
 
 
+def layers_plot(layers: pd.DataFrame) -> Figure:
+    """Relative error of the K and V attention read, per layer, against fp32 (what the cache stored, plus what the
+    layers before it already changed): a panel for K and one for V per model, a line per run (colour = cache, line
+    style = dtype); the dotted line is the tolerance from which a layer counts as disagreeing."""
+    df = _ok(layers)
+    df = df[df["k_rel_err"].notna() | df["v_rel_err"].notna()] if "k_rel_err" in df else df.iloc[0:0]
+    if df.empty:
+        return _message_figure("no runs with per-layer K/V errors (exact fp32 runs have none)")
+    df, precs = _with_prec(df)
+    models = _levels(df["model"], MODEL_ORDER)
+    caches = _cache_levels(df["cache"])
+    fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.2 * len(models)), squeeze=False, layout="constrained")
+    for i, model in enumerate(models):
+        sub = df[df["model"] == model]
+        for j, (col, what) in enumerate((("k_rel_err", "K"), ("v_rel_err", "V"))):
+            ax = axes[i, j]
+            for _, g in sub.groupby("run_name"):
+                prec, cache = g["prec"].iloc[0], g["cache"].iloc[0]
+                _line(ax, g.sort_values("layer"), "layer", col, f"{prec} · {cache}", marker="o", markersize=3,
+                      color=_cache_color(caches, cache), linestyle=DASHES[precs.index(prec) % len(DASHES)])
+            ax.axhline(LAYER_TOL, color="0.5", linestyle=":", linewidth=1)
+            if (sub[col] > 0).all():
+                ax.set_yscale("log")
+            ax.set_title(f"{model}: {what}")
+            ax.set_xlabel("layer")
+            ax.set_ylabel(f"‖{what} − {what}_fp32‖ / ‖{what}_fp32‖")
+    fig.suptitle(f"K and V relative error per layer vs fp32 (dotted: tolerance {LAYER_TOL:g})")
+    _fig_legend(fig, axes)
+    return fig
+
+
 def equivalence_grid(runs: pd.DataFrame) -> Figure:
     """Heatmap model × cache/dtype of max |Δlogit| (cached vs uncached), annotated ✓/✗ for identical tokens."""
     df = _ok(runs).copy()
@@ -368,16 +402,16 @@ def memory_plot(memory: pd.DataFrame) -> Figure:
 
 
 def all_figures(runs: pd.DataFrame, steps: pd.DataFrame, drift: pd.DataFrame,
-                memory: pd.DataFrame | None = None) -> dict[str, Figure]:
+                memory: pd.DataFrame | None = None, layers: pd.DataFrame | None = None) -> dict[str, Figure]:
     """Every figure keyed by file stem. A figure whose input table has no ok rows is skipped (absent from the dict).
 
     "drift" is still made when none of its ok rows drifts: it then says so.
     """
-    return {stem: fn(df) for stem, (fn, df) in figure_makers(runs, steps, drift, memory).items()}
+    return {stem: fn(df) for stem, (fn, df) in figure_makers(runs, steps, drift, memory, layers).items()}
 
 
 def figure_makers(runs: pd.DataFrame, steps: pd.DataFrame, drift: pd.DataFrame,
-                  memory: pd.DataFrame | None = None) -> dict:
+                  memory: pd.DataFrame | None = None, layers: pd.DataFrame | None = None) -> dict:
     """stem -> (figure function, its table), for every figure whose table has ok rows."""
     makers = {
         "step_time": (step_time_plot, steps),
@@ -385,6 +419,7 @@ def figure_makers(runs: pd.DataFrame, steps: pd.DataFrame, drift: pd.DataFrame,
         "cache_bytes": (cache_bytes_plot, runs),
         "memory": (memory_plot, memory),
         "drift": (drift_plot, drift),
+        "layers": (layers_plot, layers),
         "equivalence": (equivalence_grid, runs),
     }
     return {stem: (fn, df) for stem, (fn, df) in makers.items() if df is not None and not _ok(df).empty}

@@ -30,7 +30,8 @@ from harness import experiment, plots, results, tracking
 
 SUMMARY_COLS = ["run_name", "status", "model", "weights", "cache_label", "dtype", "device", "cache_exact",
                 "tokens_identical", "max_abs_logit_diff",
-                "nbytes_match", "cache_nbytes", "bytes_per_token", "drift_kl", "drift_top1_agreement",
+                "nbytes_match", "cache_nbytes", "bytes_per_token", "drift_kl", "drift_kl_p99", "drift_kl_max",
+                "drift_delta_nll", "drift_rms_dp", "drift_same_top1", "drift_first_layer_over_tol",
                 "drift_token_match_rate", "ttft_ms", "step_ms_cached_at_max_context",
                 "step_ms_uncached_at_max_context", "speedup_at_max_context"]  # errors: in the failed-runs table
 FINGERPRINT_COLS = ["torch_version", "device_name", "threads", "attn_backend", "tf32", "git_commit", "weights",
@@ -41,6 +42,7 @@ CAPTIONS = {
     "cache_bytes": "Cache bytes: measured vs the formula, and bytes per cached token.",
     "memory": "Cache bytes held vs tokens in the sequence: the kind's formula (line), measured (dots).",
     "drift": "Drift vs fp32 full attention per decode step: KL, max |Δlogit|, top-1 agreement.",
+    "layers": "Relative error of the K and V attention read, per layer, against fp32.",
     "equivalence": "Cached vs the kind's uncached reference: max |Δlogit| per model × cache/dtype; ✓ = identical "
                    "greedy tokens.",
 }
@@ -73,6 +75,35 @@ def weights_notice(runs: pd.DataFrame) -> list[str]:
     return parts
 
 
+DRIFT_COLS = {"drift_kl": "KL mean", "drift_kl_p99": "KL p99", "drift_kl_max": "KL max",
+              "drift_delta_nll": "ΔNLL (nats/token)", "drift_delta_ppl": "ΔPPL", "drift_rms_dp": "RMS Δp",
+              "drift_same_top1": "same top-1", "drift_k_rel_err_max": "K rel err (max layer)",
+              "drift_v_rel_err_max": "V rel err (max layer)"}
+
+
+def drift_tables(ok: pd.DataFrame) -> list[str]:
+    """Drift on text against fp32, one row per (model, cache, dtype), ranked by KL; and where runs sweep K's and V's
+    bits separately, a K-vs-V table: ΔNLL and KL by k_bits (rows) x v_bits (columns)."""
+    if "drift_kl" not in ok or ok["drift_kl"].dropna().empty:
+        return []
+    d = ok[ok["drift_kl"].notna()]
+    cols = [c for c in DRIFT_COLS if c in d]
+    rank = (d.groupby(["model", "weights", "cache_label", "dtype"], dropna=False)[cols].mean().reset_index()
+            .sort_values(["model", "drift_kl"]).rename(columns=DRIFT_COLS))
+    parts = ["<h2>Drift on text vs fp32 (teacher-forced, every position; llama.cpp's --kl-divergence statistics)</h2>",
+             _table(rank)]
+    if {"cache_k_bits", "cache_v_bits"} <= set(d) and d["cache_k_bits"].nunique() * d["cache_v_bits"].nunique() > 1:
+        q = d[d["cache_k_bits"].notna() & d["cache_v_bits"].notna()]
+        for (model, dtype), g in q.groupby(["model", "dtype"]):
+            for col in ("drift_delta_nll", "drift_kl"):
+                t = g.pivot_table(index="cache_k_bits", columns="cache_v_bits", values=col, aggfunc="mean")
+                t.index = [f"K {int(b)}-bit" for b in t.index]
+                t.columns = [f"V {int(b)}-bit" for b in t.columns]
+                parts += [f"<h3>K vs V sensitivity, {html.escape(str(model))} {html.escape(str(dtype))}: "
+                          f"{DRIFT_COLS[col]}</h3>", _table(t.reset_index(names="K bits \\ V bits"))]
+    return parts
+
+
 def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dict[str, Path],
                 skipped: list | None = None) -> str:
     """One HTML page with everything inline (images as data: URIs): no network, no other files needed."""
@@ -89,6 +120,7 @@ def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dic
         rows = pd.DataFrame([{"folder": str(f or ""), "why": why} for f, why in skipped])
         parts += ["<h2>Skipped: could not be read, or never finished</h2>", _table(rows)]
     parts += ["<h2>Runs</h2>", _table(runs[[c for c in SUMMARY_COLS if c in runs]])]
+    parts += drift_tables(ok)
     if len(steps):
         index = ["model", "device", "dtype", "cache_label" if "cache_label" in steps else "cache", "mode"]
         pivot = steps.pivot_table(index=index, columns="context_len",
@@ -123,6 +155,7 @@ def build_report(path: str | Path, out: str | Path | None = None, invocation: st
         warnings.simplefilter("always", results.IncompleteRunWarning)
         runs, steps = results.load_runs(path, invocation), results.load_steps(path, invocation)
         drift, memory = results.load_drift(path, invocation), results.load_memory(path, invocation)
+        layers = results.load_layers(path, invocation)
     skipped += sorted({(None, str(w.message)) for w in caught if "its rows are missing" in str(w.message)},
                       key=lambda x: x[1])  # tables that could not be read
     if runs.empty:
@@ -130,12 +163,12 @@ def build_report(path: str | Path, out: str | Path | None = None, invocation: st
                                 + (f"; skipped {len(skipped)}: {skipped[0][1]}" if skipped else ""))
     out.mkdir(parents=True, exist_ok=True)
     tables = []
-    for stem, df in (("results", runs), ("steps", steps), ("drift", drift), ("memory", memory)):
+    for stem, df in (("results", runs), ("steps", steps), ("drift", drift), ("memory", memory), ("layers", layers)):
         tables += results.save_table(df, out, stem)
     images = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # matplotlib's glyph warnings for ✓/✗ on minimal fonts
-        for stem, (fn, df) in plots.figure_makers(runs, steps, drift, memory).items():
+        for stem, (fn, df) in plots.figure_makers(runs, steps, drift, memory, layers).items():
             try:
                 fig = fn(df)
                 fig.savefig(out / f"{stem}.png", dpi=110, bbox_inches="tight")

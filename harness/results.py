@@ -5,6 +5,7 @@
     steps = load_steps("outputs/multirun")   # one row per (run, context length, cached/uncached): step times
     drift = load_drift("outputs/multirun")   # one row per (run, decode step): equivalence and drift vs fp32
     memory = load_memory("outputs/multirun") # one row per (run, tokens): cache bytes, formula and measured
+    layers = load_layers("outputs/multirun") # one row per (run, layer): K and V relative error vs fp32
 
 A run is a folder with a ``results.json`` (written last, atomically, by every run, failed ones included). A Hydra
 job folder without one (a run that was killed, or is still going), an unreadable or foreign results.json and an
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.tracking import DRIFT, MEMORY, RESULTS, STEPS
+from harness.tracking import DRIFT, LAYERS, MEMORY, RESULTS, STEPS
 
 # the columns that say which run a row belongs to, first in every table
 KEYS = ["run_name", "group", "status", "model", "cache", "cache_label", "dtype", "device"]
@@ -41,7 +42,8 @@ def _skipped(path: Path) -> bool:
 
 
 REQUIRED = ("status", "run_name", "model", "cache", "dtype")  # what makes a results.json kvlab's
-COLUMNS = {STEPS: ("context_len", "mode", "ms_median"), DRIFT: ("step",), MEMORY: ("tokens", "nbytes_formula")}
+COLUMNS = {STEPS: ("context_len", "mode", "ms_median"), DRIFT: ("step",), MEMORY: ("tokens", "nbytes_formula"),
+           LAYERS: ("layer", "k_rel_err", "v_rel_err")}
 
 
 def read_record(path: Path) -> tuple[dict | None, str | None]:
@@ -122,13 +124,15 @@ def read_table(f: Path) -> tuple[pd.DataFrame | None, str | None]:
     return df, None
 
 
-def _long(path: str | Path, name: str, invocation: str | None = None) -> pd.DataFrame:
+def _long(path: str | Path, name: str, invocation: str | None = None, required: bool = True) -> pd.DataFrame:
     frames = []
     for folder, record in run_folders(path, invocation):
         f = folder / name
         if record.get("status") != "ok":
             continue
         if not f.is_file():
+            if not required:  # a table that runs of earlier kvlab versions did not write
+                continue
             warnings.warn(f"{folder}: finished but has no {name}; its rows are missing", IncompleteRunWarning,
                           stacklevel=3)
             continue
@@ -159,6 +163,12 @@ def load_memory(path: str | Path, invocation: str | None = None) -> pd.DataFrame
     """Cache bytes vs tokens: one row per (run, tokens) with nbytes_formula and nbytes_measured (NaN where the
     generation did not reach that length)."""
     return _long(path, MEMORY, invocation)
+
+
+def load_layers(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
+    """Per layer: k_rel_err and v_rel_err, the relative error of the K and V attention read against fp32 (no rows
+    for runs without drift)."""
+    return _long(path, LAYERS, invocation, required=False)
 
 
 def save_table(df: pd.DataFrame, folder: str | Path, stem: str) -> list[Path]:

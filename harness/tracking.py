@@ -2,7 +2,8 @@
 
 Files in the run's folder: ``steps.csv`` (decode-step time per context length, cached and uncached), ``drift.csv``
 (equivalence and drift per decode step), ``memory.csv`` (cache bytes vs tokens: formula, and measured where the
-generation reached) and ``results.json`` (one flat record), written last: a folder with a
+generation reached), ``layers.csv`` (relative error of K and V per layer against fp32; no rows without drift) and
+``results.json`` (one flat record), written last: a folder with a
 results.json is a finished run. Every file goes to a temporary name first and is renamed into place, so a crash
 never leaves a half-written one.
 """
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import pandas as pd
 
-RESULTS, STEPS, DRIFT, MEMORY = "results.json", "steps.csv", "drift.csv", "memory.csv"
+RESULTS, STEPS, DRIFT, MEMORY, LAYERS = "results.json", "steps.csv", "drift.csv", "memory.csv", "layers.csv"
+TABLES = {"steps": STEPS, "drift": DRIFT, "memory": MEMORY, "layers": LAYERS}  # a run's tables and their files
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
@@ -46,12 +48,12 @@ def _jsonable(v):
     return v
 
 
-def write_run_files(run_dir: Path, record: dict, steps: pd.DataFrame | None, drift: pd.DataFrame | None,
-                    memory: pd.DataFrame | None = None) -> None:
+def write_run_files(run_dir: Path, record: dict, tables: dict[str, pd.DataFrame] | None = None) -> None:
+    """The run's tables (``TABLES``: steps, drift, memory, layers), then results.json, last."""
     run_dir = Path(run_dir)
-    for name, df in ((STEPS, steps), (DRIFT, drift), (MEMORY, memory)):
+    for key, df in (tables or {}).items():
         if df is not None:
-            _atomic_write(run_dir / name, lambda f, df=df: df.to_csv(f, index=False))
+            _atomic_write(run_dir / TABLES[key], lambda f, df=df: df.to_csv(f, index=False))
     clean = {k: _jsonable(v) for k, v in record.items()}
     _atomic_write(run_dir / RESULTS, lambda f: json.dump(clean, f, indent=2, sort_keys=True))
 
@@ -105,14 +107,14 @@ def _where(run, mode: str) -> str:
 
 
 def log_wandb(mode: str, project: str, entity: str | None, group: str, name: str, run_dir: Path, config: dict,
-              record: dict, steps: pd.DataFrame | None, drift: pd.DataFrame | None,
-              memory: pd.DataFrame | None = None, run_id: str | None = None) -> str:
+              record: dict, tables: dict[str, pd.DataFrame | None], run_id: str | None = None) -> str:
     """One W&B run, finished before returning: config = the resolved config, summary = the record, history = one
     row per decode step (equivalence and drift), Tables of the step-time, drift and memory rows. Returns where it
     went."""
     if mode == "disabled":
         return "disabled"
     wandb, run, mode = _wandb_run(mode, project, entity, group, name, Path(run_dir), config, "run", run_id)
+    steps, drift, memory, layers = (tables.get(k) for k in ("steps", "drift", "memory", "layers"))
     try:
         if drift is not None:
             run.define_metric("decode_step")
@@ -126,6 +128,8 @@ def log_wandb(mode: str, project: str, entity: str | None, group: str, name: str
             run.log({"step_time_table": wandb.Table(dataframe=steps)})
         if memory is not None:
             run.log({"memory_table": wandb.Table(dataframe=memory)})
+        if layers is not None and len(layers):
+            run.log({"layers_table": wandb.Table(dataframe=layers)})
         run.summary.update({k: _jsonable(v) for k, v in record.items()})
         where = _where(run, mode)
     finally:

@@ -172,7 +172,7 @@ def test_drift_is_measured_against_fp32(tiny_model):
     prompts = [torch.tensor([[464, 3290, 318]]), torch.tensor([[15496, 995]])]
     s, table = measure.generation_checks(engine, prompts, 12, measure.CacheSpec("concat", {}, torch.bfloat16), 1,
                                          ref32=engine)
-    assert 0 < s["drift_max_abs"] and 0 < s["drift_kl"] and 0 <= s["drift_top1_agreement"] <= 1
+    assert 0 < s["drift_max_abs"] and 0 < s["drift_gen_kl"] and 0 <= s["drift_top1_agreement"] <= 1
     assert table.drift_kl.notna().all() and len(table) == 12
     assert s["drift_max_abs"] == pytest.approx(table.drift_max_abs.max())
 

@@ -13,7 +13,7 @@ import pytest
 
 from harness import plots
 from harness.report import build_report
-from harness.results import IncompleteRunWarning, load_drift, load_memory, load_runs, load_steps
+from harness.results import IncompleteRunWarning, load_drift, load_layers, load_memory, load_runs, load_steps
 from tests.conftest import REPO, TINY, run_py
 
 pytestmark = pytest.mark.slow  # every test here reads the session's real sweep
@@ -51,6 +51,15 @@ def test_load_runs_one_row_per_run(tree):
     assert per_token["fp32"] == 2 * per_token["fp16"]
 
 
+def test_layers_hold_every_layer_of_the_drifting_runs_only(tree):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IncompleteRunWarning)
+        layers, runs = load_layers(tree), load_runs(tree)
+    assert set(layers.run_name) == set(runs.run_name[(runs.status == "ok") & (runs.dtype == "fp16")])
+    for _, g in layers.groupby("run_name"):
+        assert list(g.layer) == list(range(2)) and (g.k_rel_err > 0).all() and g.v_rel_err.iloc[0] <= 2 ** -11
+
+
 def test_load_steps_and_drift_have_every_context_and_step(tree):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", IncompleteRunWarning)
@@ -78,7 +87,8 @@ def test_report_tables_plots_and_html(tree, tmp_path):
     assert len(pd.read_csv(out / "results.csv")) == 5
     assert set(pd.read_parquet(out / "steps.parquet").context_len) == {8, 32}
     pngs = sorted(p.name for p in out.glob("*.png"))
-    assert pngs == ["cache_bytes.png", "drift.png", "equivalence.png", "memory.png", "speedup.png", "step_time.png"]
+    assert pngs == ["cache_bytes.png", "drift.png", "equivalence.png", "layers.png", "memory.png", "speedup.png",
+                    "step_time.png"]
     page = (out / "report.html").read_text()
     for name in pngs:
         assert name in page

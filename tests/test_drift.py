@@ -1,0 +1,133 @@
+"""Drift statistics as llama.cpp reports them: KL (mean, p99, max), ΔNLL, RMS Δp, same top-1 on real text against
+fp32 with the exact cache, the per-layer relative error of K and V, and why cached tokens left fp32's."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import measure
+from harness.engines import KvlabEngine
+from models.gpt2 import GPT2, GPT2Config
+
+TEXT = [torch.tensor([[464, 3290, 318, 257, 1332, 286, 262, 6801, 13, 198, 464, 2068, 7586, 21831, 18045, 625,
+                       262, 16931, 3290, 13, 632, 373, 257, 3223, 290, 30367, 1755, 13, 383, 2344, 340, 19228,
+                       11, 290, 262, 5417, 547, 3436, 13, 198, 464, 5252, 373, 1593, 290]])]
+
+
+def spec(kind="prealloc", dtype=torch.float32, **options):
+    return measure.CacheSpec(kind, options, dtype)
+
+
+def test_the_exact_fp32_cache_against_itself_drifts_by_nothing(tiny_model):
+    e = KvlabEngine(tiny_model)
+    s, layers = measure.text_drift(e, e, spec("concat"), TEXT, T=8)
+    assert s["drift_kl_max"] < 1e-9 and abs(s["drift_delta_nll"]) < 1e-6 and s["drift_same_top1"] == 1.0
+    assert s["drift_text_positions"] == TEXT[0].shape[1] - 1
+    assert (layers.k_rel_err < 1e-6).all() and (layers.v_rel_err < 1e-6).all()
+    assert s["drift_first_layer_over_tol"] is None
+
+
+def test_statistics_equal_their_definitions_on_the_pass_logits(tiny_model):
+    """KL, ΔNLL and RMS Δp recomputed with torch's own functions from the logits of the two text passes."""
+    e = KvlabEngine(tiny_model)
+    lossy = spec("quant", k_bits=2, v_bits=2, group_size=8)
+    s, _ = measure.text_drift(e, e, lossy, TEXT, T=8)
+    ours, _ = measure.text_pass(e, lossy, TEXT[0], 8)
+    ref, _ = measure.text_pass(e, spec("prealloc"), TEXT[0], 8)
+    assert torch.allclose(ref, tiny_model(TEXT[0])[0, :-1], atol=1e-4)  # the fp32 pass is full attention
+    target = TEXT[0][0, 1:]
+    kl = F.kl_div(ours.double().log_softmax(-1), ref.double().log_softmax(-1), log_target=True,
+                  reduction="none").sum(-1)
+    dnll = F.cross_entropy(ours.double(), target) - F.cross_entropy(ref.double(), target)
+    top = ref.argmax(-1)
+    dp = ours.double().softmax(-1)[range(len(top)), top] - ref.double().softmax(-1)[range(len(top)), top]
+    assert s["drift_kl"] == pytest.approx(kl.mean().item(), rel=1e-6)
+    assert s["drift_kl_max"] == pytest.approx(kl.max().item(), rel=1e-6)
+    assert kl.mean().item() <= s["drift_kl_p99"] <= kl.max().item() + 1e-12
+    assert s["drift_delta_nll"] == pytest.approx(dnll.item(), rel=1e-6, abs=1e-12)
+    assert s["drift_delta_ppl"] == pytest.approx(math.exp(s["text_nll"]) - math.exp(s["text_nll_fp32"]), rel=1e-6)
+    assert s["drift_rms_dp"] == pytest.approx(dp.pow(2).mean().sqrt().item(), rel=1e-6)
+    assert s["drift_same_top1"] == pytest.approx((ours.argmax(-1) == top).double().mean().item())
+    assert s["drift_kl"] > 0
+
+
+@pytest.mark.parametrize("dtype,unit", [(torch.float16, 2.0 ** -11), (torch.bfloat16, 2.0 ** -8)])
+def test_layer_zero_kv_error_is_the_storage_rounding_alone(tiny_model, dtype, unit):
+    """Layer 0's K and V come from the same embeddings in both passes: their relative error is the storage dtype's
+    rounding, at most its unit roundoff; later layers add what the layers before them changed."""
+    e = KvlabEngine(tiny_model)
+    _, layers = measure.text_drift(e, e, spec("prealloc", dtype), TEXT, T=8)
+    first = layers.set_index("layer").loc[0]
+    assert 0 < first.k_rel_err <= unit and 0 < first.v_rel_err <= unit
+    assert list(layers.layer) == list(range(tiny_model.config.n_layer))
+
+
+def test_window_kv_is_compared_at_the_positions_it_holds(tiny_model):
+    """A window cache keeps sinks + the latest W keys: in fp32 they are fp32's own at those positions (error 0 at
+    layer 0), while its logits drift because attention sees fewer keys."""
+    e = KvlabEngine(tiny_model)
+    s, layers = measure.text_drift(e, e, spec("window", window=8, sinks=2), TEXT, T=4)
+    assert layers.set_index("layer").loc[0, "k_rel_err"] < 1e-6
+    assert s["drift_kl"] > 1e-6
+
+
+def test_fewer_bits_drift_more(tiny_model):
+    e = KvlabEngine(tiny_model)
+    kl = {b: measure.text_drift(e, e, spec("quant", k_bits=b, v_bits=b, group_size=8), TEXT, T=8)[0]["drift_kl"]
+          for b in (8, 4, 2)}
+    assert kl[8] < kl[4] < kl[2]
+
+
+def test_a_divergence_is_diagnosed_with_its_margin_and_first_layer(tiny_model):
+    e = KvlabEngine(tiny_model)
+    lossy = spec("quant", k_bits=2, v_bits=2, group_size=8)
+    prompt, tokens = TEXT[0][:, :8], TEXT[0][0, 8:20].tolist()
+    tie = measure.diagnose_divergence(e, e, lossy, prompt, tokens, step=6, margin=0.01, max_abs=1.0)
+    assert tie["drift_near_tie"] and "near tie" in tie["drift_divergence_diagnosis"]
+    assert tie["drift_divergence_layer"] == 0  # 2-bit K/V are off by far more than 1% from the first layer on
+    bug = measure.diagnose_divergence(e, e, lossy, prompt, tokens, step=6, margin=10.0, max_abs=0.1)
+    assert not bug["drift_near_tie"] and "bug" in bug["drift_divergence_diagnosis"]
+    exact = measure.diagnose_divergence(e, e, spec("concat"), prompt, tokens, step=6, margin=0.01, max_abs=1.0)
+    assert exact["drift_divergence_layer"] is None
+
+
+def test_generation_checks_report_text_drift_and_layers(tiny_model):
+    e = KvlabEngine(tiny_model)
+    prompts = [TEXT[0][:, :8]]
+    s, _ = measure.generation_checks(e, prompts, 6, spec("prealloc", torch.float16), 1, ref32=e, texts=TEXT)
+    assert s["drift_kl"] > 0 and s["drift_text_positions"] == TEXT[0].shape[1] - 1
+    assert list(s["layers"].columns) == ["layer", "k_rel_err", "v_rel_err"]
+    plain, _ = measure.generation_checks(e, prompts, 6, spec("prealloc"), 1)
+    assert plain["drift_kl"] is None and plain["layers"] is None
+
+
+# ---- what the report says about them -------------------------------------------------------------------------
+
+def _runs(**cols):
+    import pandas as pd
+
+    base = dict(run_name=["a", "b", "c", "d"], status="ok", model="mini", cache_label=["q k2/v2", "q k2/v8",
+                "q k8/v2", "q k8/v8"], dtype="fp32", weights="pretrained", cache_k_bits=[2, 2, 8, 8],
+                cache_v_bits=[2, 8, 2, 8], drift_kl=[0.3, 0.2, 0.1, 0.01], drift_delta_nll=[0.5, 0.3, 0.2, 0.02],
+                weights_detail="checkpoint models/weights/mini")
+    base.update(cols)
+    return pd.DataFrame(base)
+
+
+def test_the_report_builds_a_k_vs_v_table_from_bit_sweeps():
+    from harness.report import drift_tables
+
+    page = "".join(drift_tables(_runs()))
+    assert "K vs V sensitivity, mini fp32: ΔNLL" in page and "K 2-bit" in page and "V 8-bit" in page
+    assert page.index("q k8/v8") < page.index("q k2/v2")  # ranked by KL, smallest first
+    assert drift_tables(_runs(drift_kl=None)) == []
+
+
+def test_the_report_warns_loudly_when_a_sweep_mixes_real_and_random_weights():
+    from harness.report import weights_notice
+
+    mixed = "".join(weights_notice(_runs(weights=["random", "pretrained", "pretrained", "pretrained"])))
+    assert "Warning: this sweep mixes pretrained weights (3 runs) and random-init weights (1 runs)" in mixed
+    assert "Warning" not in "".join(weights_notice(_runs()))
