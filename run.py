@@ -3,6 +3,7 @@ of this invocation did not end ok (read from the runs' own results.json files).
 
     python run.py                                          # gpt2 size, prealloc cache, fp32, quick preset
     python run.py -m cache=concat,prealloc dtype=fp32,fp16 # a sweep: four runs, then a report in the sweep folder
+    python run.py model=mini -m dtype=fp32,fp16,bf16       # -m may come after overrides
 """
 
 import sys
@@ -16,12 +17,20 @@ from harness.experiment import invocation_failures, new_invocation, run
 register()
 
 
+def flags_first(argv: list[str]) -> list[str]:
+    """``-m``/``--multirun`` anywhere on the line, as users type it (``python run.py model=mini -m dtype=fp32,fp16``):
+    Hydra's parser takes it only before the overrides, so it is moved there."""
+    flags = [a for a in argv[1:] if a in ("-m", "--multirun")]
+    return argv[:1] + flags + [a for a in argv[1:] if a not in ("-m", "--multirun")]
+
+
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> dict:
     return run(cfg)
 
 
 if __name__ == "__main__":
+    sys.argv = flags_first(sys.argv)
     new_invocation()  # this invocation's id (never a parent's), inherited by every job a launcher starts
     try:
         main()

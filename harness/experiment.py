@@ -231,8 +231,15 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[torch.Ten
 
 # ---- the run ---------------------------------------------------------------------------------------------------
 
+def default_group(experiment_name: str, folder: str) -> str:
+    """The W&B group of a sweep's runs (or of a single run): ``<experiment>-<sweep folder>``, the folder being named
+    by the time it started."""
+    return f"{experiment_name}-{folder}"[:128]
+
+
 def _hydra_dirs() -> tuple[Path, str, str]:
-    """(run folder, group, run name) from Hydra's runtime; a plain call (no Hydra) uses outputs/adhoc/<time>."""
+    """(run folder, the sweep's folder name (the run's, for a single run), run name) from Hydra's runtime; a plain
+    call (no Hydra) uses outputs/adhoc/<time>."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -359,8 +366,8 @@ def one_line(e: BaseException) -> str:
 def run(cfg: DictConfig, progress: bool = True) -> dict:
     """One run from a composed config. Writes the run's files and its W&B run; never raises for a failed run (a
     Ctrl-C records the run as interrupted and stops the process with exit code 130)."""
-    run_dir, group, name = _hydra_dirs()
-    group = cfg.tracking.group or group
+    run_dir, folder, name = _hydra_dirs()
+    group = cfg.tracking.group or default_group(cfg.experiment, folder)
     ident, inv = config_id(cfg), invocation()
     WHERE.setdefault("run", run_dir)
     prior = completed(run_dir, ident) if cfg.get("resume", True) else None
@@ -375,6 +382,7 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
                   invocation=inv, device=cfg.device.name, **weights_record(w, cfg.model),
                   started_at=dt.datetime.now().isoformat(timespec="seconds"), **config_record(cfg))
     tables: dict = {}
+    wb = _open_wandb(cfg, record, group, name, run_dir, ident)
     t0 = time.perf_counter()
     active = _mark_active()
     try:
@@ -384,6 +392,7 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
         record.update(status="interrupted", error="interrupted (Ctrl-C); run the same command again to resume",
                       duration_s=round(time.perf_counter() - t0, 2))
         _write(run_dir, record)
+        _close_wandb(wb, record, {}, run_dir, exit_code=130)
         print(f"kvlab: run {name} interrupted; its record says so ({run_dir}). The same command resumes.",
               file=sys.stderr)
         raise SystemExit(130) from None
@@ -399,17 +408,54 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
             for i, k in enumerate(("model", "cache", "cache_label", "dtype", "device")):
                 df.insert(i, k, record.get(k))
     if not _write(run_dir, record, tables):
+        _close_wandb(wb, record, tables, run_dir, exit_code=1)
         return record
-    try:
-        record["wandb"] = tracking.log_wandb(cfg.tracking.mode, cfg.tracking.project, cfg.tracking.entity, group,
-                                             name, run_dir, OmegaConf.to_container(cfg, resolve=True), record,
-                                             tables, run_id=wandb_id(run_dir, ident))
-    except Exception as e:  # tracking trouble must not lose the measurements already on disk
-        record["wandb"] = f"failed: {one_line(e)}"
-        print(f"kvlab: W&B logging failed ({record['wandb']}); results are in {run_dir}", file=sys.stderr)
-    _write(run_dir, record)
+    _close_wandb(wb, record, tables, run_dir, exit_code=0 if record["status"] == "ok" else 1)
     print(summary_text(record, tables.get("steps")))
     return record
+
+
+def run_tags(cfg, record: dict) -> list[str]:
+    """W&B tags: experiment, model, cache kind, dtype, device, and whether the weights are random."""
+    weights_tag = {"random": "random-weights", "pretrained": "pretrained"}.get(record.get("weights"), "weights-unknown")
+    return [str(t)[:64] for t in (cfg.experiment, record.get("model"), cfg.cache.kind, record.get("dtype"),
+                                  cfg.device.name, weights_tag)]
+
+
+def hydra_overrides() -> str:
+    """The command line's overrides of this job (W&B notes), or "defaults"."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return "defaults"
+    return " ".join(HydraConfig.get().overrides.task) or "defaults"
+
+
+def _open_wandb(cfg, record: dict, group: str, name: str, run_dir: Path, ident: str):
+    """The run's W&B run, opened as the measurement starts; trouble with W&B never costs the measurement."""
+    try:
+        wb = tracking.WandbRun(cfg.tracking.mode, cfg.tracking.project, cfg.tracking.entity, group, name, run_dir,
+                               OmegaConf.to_container(cfg, resolve=True), run_id=wandb_id(run_dir, ident),
+                               tags=run_tags(cfg, record), notes=hydra_overrides())
+        record.update(wandb=wb.where, wandb_id=wb.id)
+        return wb
+    except Exception as e:
+        record.update(wandb=f"failed: {one_line(e)}", wandb_id=None)
+        print(f"kvlab: W&B could not start ({record['wandb']}); the run goes on, results in {run_dir}",
+              file=sys.stderr)
+        return None
+
+
+def _close_wandb(wb, record: dict, tables: dict, run_dir: Path, exit_code: int) -> None:
+    if wb is None:
+        return
+    files = [run_dir / n for n in (tracking.RESULTS, *tracking.TABLES.values(), ".hydra", "run.log")]
+    try:
+        wb.finish(record, tables, files, exit_code)
+    except Exception as e:  # the measurements are on disk already
+        record["wandb"] = f"failed: {one_line(e)}"
+        print(f"kvlab: W&B logging failed ({record['wandb']}); results are in {run_dir}", file=sys.stderr)
+        _write(run_dir, record)
 
 
 def wandb_id(folder: Path, ident: str) -> str:

@@ -2,7 +2,8 @@
 
 Inputs are five DataFrames: ``runs`` (one row per run), ``steps`` (decode-step timing per run, context length and
 mode), ``drift`` (per decode step: equivalence, and drift against fp32 full attention), ``memory`` (cache bytes vs
-tokens) and ``layers`` (K/V relative error per layer). Rows whose ``status`` is not "ok" are dropped before anything is drawn. A run's cache is shown by its
+tokens) and ``layers`` (K/V relative error per layer). Rows whose ``status`` is not "ok" are dropped before anything
+is drawn. A run's cache is shown by its
 ``cache_label`` (kind + options: "quant k4/v8 g32", "window S4+W256"), so two settings of one kind are two series;
 kinds are ordered as the registry lists them. Every function returns a matplotlib Figure; nothing is shown or saved.
 
@@ -28,8 +29,8 @@ kinds are ordered as the registry lists them. Every function returns a matplotli
                               their error). Several runs in one cell show the worst of them.
     layers_plot(layers)       relative error of K and of V per layer against fp32, a line per run, with the
                               tolerance from which a layer counts as disagreeing.
-    all_figures(runs, steps, drift, memory, layers)   all of the above keyed by file stem; a figure whose input table has
-                              no ok rows is left out of the dict.
+    all_figures(runs, steps, drift, memory, layers)   all of the above keyed by file stem; a figure whose input
+                              table has no ok rows is left out of the dict.
 
 When runs from more than one device are mixed, the dtype label becomes "dtype · device" wherever timings or drift
 are grouped by dtype (a CPU and a GPU step time must not be averaged together).

@@ -179,7 +179,8 @@ def build_report(path: str | Path, out: str | Path | None = None, invocation: st
                 plots.plt.close("all")
     page = out / "report.html"
     page.write_text(render_html(f"kvlab report: {path.name}", runs, steps, images, skipped), encoding="utf-8")
-    return dict(runs=runs, tables=tables, images=images, html=page, folder=out, skipped=skipped)
+    return dict(runs=runs, tables=tables, images=images, html=page, folder=out, skipped=skipped,
+                frames=dict(steps=steps, drift=drift, memory=memory, layers=layers))
 
 
 def _started_by(folder: Path, invocation: str) -> bool:
@@ -200,7 +201,8 @@ def report_and_log(path: Path, mode: str, project: str, entity: str | None, grou
         shutil.rmtree(Path(rep["folder"]) / "wandb", ignore_errors=True)
     try:
         rep["wandb"] = tracking.log_wandb_aggregate(mode, project, entity, group, rep["folder"], runs, rep["images"],
-                                                    run_id=experiment.wandb_id(rep["folder"], "report"))
+                                                    run_id=experiment.wandb_id(rep["folder"], "report"),
+                                                    tables=rep["frames"], page=rep["html"])
     except Exception as e:  # the report is written; W&B trouble is said, not fatal
         rep["wandb"] = f"failed: {experiment.one_line(e)}"
         print(f"kvlab report: W&B logging failed ({rep['wandb']}); the report is in {rep['folder']}",
@@ -247,7 +249,8 @@ class SweepReport(Callback):
         sweep = Path(config.hydra.sweep.dir)
         t = config.tracking
         try:
-            rep = report_and_log(sweep, t.mode, t.project, t.entity, t.group or sweep.name,
+            rep = report_and_log(sweep, t.mode, t.project, t.entity,
+                                 t.group or experiment.default_group(config.experiment, sweep.name),
                                  invocation=experiment.invocation())
         except Exception as e:  # the runs' own files are already complete: say so and keep the exit code honest
             print(f"kvlab: sweep report failed ({experiment.one_line(e)}); each run's results are in {sweep}",

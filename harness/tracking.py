@@ -58,6 +58,7 @@ def write_run_files(run_dir: Path, record: dict, tables: dict[str, pd.DataFrame]
     _atomic_write(run_dir / RESULTS, lambda f: json.dump(clean, f, indent=2, sort_keys=True))
 
 
+FLUSH_S = 2.0  # the run's .wandb file is flushed this often: a run killed mid-way is on disk, and shows as crashed
 INIT_TIMEOUT_S = 15  # how long an online W&B run may take to start before kvlab logs offline instead
 ONLINE_FAILED: list[str] = []  # why online W&B failed in this process: later runs go offline at once
 
@@ -69,8 +70,15 @@ def _offline_env() -> None:
     os.environ["WANDB_ERROR_REPORTING"] = "false"
 
 
+def keep_inside(folder: Path) -> None:
+    """Point W&B's data and cache folders (artifact staging, the artifact file cache) into ``folder``: everything a
+    run writes stays in its own folder, so a copied ``outputs/`` syncs from anywhere."""
+    os.environ["WANDB_DATA_DIR"] = str(Path(folder) / "wandb" / "data")
+    os.environ["WANDB_CACHE_DIR"] = str(Path(folder) / "wandb" / "cache")
+
+
 def _wandb_run(mode: str, project: str, entity: str | None, group: str, name: str, folder: Path, config: dict,
-               job_type: str, run_id: str | None = None):
+               job_type: str, run_id: str | None = None, tags: list[str] | None = None, notes: str | None = None):
     """(wandb, run, mode it really runs in). ``online`` that cannot start within INIT_TIMEOUT_S (no API key, no
     network, a server that does not answer) falls back to ``offline`` with one line on stderr: nothing is lost,
     ``wandb sync`` sends it later."""
@@ -78,16 +86,17 @@ def _wandb_run(mode: str, project: str, entity: str | None, group: str, name: st
         mode = "offline"
     if mode == "offline":
         _offline_env()
-    import wandb
-
     folder.mkdir(parents=True, exist_ok=True)
+    keep_inside(folder)
+    import wandb
 
     def start(m: str):
         return wandb.init(mode=m, project=project, entity=entity, group=group, name=name, job_type=job_type,
                           dir=str(folder), config=config, reinit="create_new", id=run_id,
-                          resume="allow" if run_id else None,
+                          resume="allow" if run_id else None, tags=tags, notes=notes,
                           settings=wandb.Settings(console="off", silent=True, x_disable_stats=True,
-                                                  init_timeout=INIT_TIMEOUT_S))
+                                                  init_timeout=INIT_TIMEOUT_S,
+                                                  x_transaction_log_flush_interval=FLUSH_S))
 
     if mode != "online":
         return wandb, start(mode), mode
@@ -106,48 +115,123 @@ def _where(run, mode: str) -> str:
     return str(Path(run.dir).parent) if mode == "offline" else (run.url or "online")
 
 
-def log_wandb(mode: str, project: str, entity: str | None, group: str, name: str, run_dir: Path, config: dict,
-              record: dict, tables: dict[str, pd.DataFrame | None], run_id: str | None = None) -> str:
-    """One W&B run, finished before returning: config = the resolved config, summary = the record, history = one
-    row per decode step (equivalence and drift), Tables of the step-time, drift and memory rows. Returns where it
-    went."""
-    if mode == "disabled":
-        return "disabled"
-    wandb, run, mode = _wandb_run(mode, project, entity, group, name, Path(run_dir), config, "run", run_id)
-    steps, drift, memory, layers = (tables.get(k) for k in ("steps", "drift", "memory", "layers"))
-    try:
-        if drift is not None:
-            run.define_metric("decode_step")
-            run.define_metric("step/*", step_metric="decode_step")
-            for row in drift.to_dict("records"):
-                run.log({"decode_step": row["step"], **{f"step/{k}": _jsonable(v) for k, v in row.items()
-                                                        if isinstance(v, (int, float)) and k != "step"
-                                                        and _jsonable(v) is not None}})
-            run.log({"drift_table": wandb.Table(dataframe=drift)})
-        if steps is not None:
-            run.log({"step_time_table": wandb.Table(dataframe=steps)})
-        if memory is not None:
-            run.log({"memory_table": wandb.Table(dataframe=memory)})
-        if layers is not None and len(layers):
-            run.log({"layers_table": wandb.Table(dataframe=layers)})
-        run.summary.update({k: _jsonable(v) for k, v in record.items()})
-        where = _where(run, mode)
-    finally:
-        run.finish(exit_code=0 if record.get("status") == "ok" else 1)
-    return where
+STEP_MS = {"ms_median": "", "ms_p10": "_p10", "ms_p90": "_p90"}  # steps.csv column -> step_ms/<mode><suffix>
+
+
+class WandbRun:
+    """The W&B run of one measurement, open from its start (true start time; a process killed mid-way leaves it
+    crashed, and the same id resumes it) to ``finish``. Mode ``disabled``: nothing at all."""
+
+    def __init__(self, mode: str, project: str, entity: str | None, group: str, name: str, run_dir: Path,
+                 config: dict, run_id: str | None = None, tags: list[str] | None = None, notes: str | None = None):
+        self.run = None
+        self.where, self.id = "disabled", None
+        if mode == "disabled":
+            return
+        self.wandb, self.run, self.mode = _wandb_run(mode, project, entity, group, name, Path(run_dir), config, "run",
+                                                     run_id, tags, notes)
+        self.where, self.id = _where(self.run, self.mode), self.run.id
+
+    def finish(self, record: dict, tables: dict, files: list[Path], exit_code: int) -> None:
+        """Log what the run measured and close it: per-decode-step history against ``decode_step``, step times
+        against ``context_len`` (``step_ms/<mode>``, p10/p90, ``step_ms/speedup``), the tables, the record as the
+        summary (keys whose value is null are left out, listed in ``null_keys``), the effective config, and the
+        run's files as an artifact."""
+        if self.run is None:
+            return
+        run, wandb = self.run, self.wandb
+        try:
+            run.config.update({"effective": effective(record)}, allow_val_change=True)
+            drift, steps = tables.get("drift"), tables.get("steps")
+            if drift is not None:
+                run.define_metric("decode_step")
+                run.define_metric("step/*", step_metric="decode_step", summary="none")
+                for row in drift.to_dict("records"):
+                    run.log({"decode_step": row["step"], **{f"step/{k}": _jsonable(v) for k, v in row.items()
+                                                            if isinstance(v, (int, float)) and k != "step"
+                                                            and _jsonable(v) is not None}})
+            if steps is not None:
+                run.define_metric("context_len")
+                run.define_metric("step_ms/*", step_metric="context_len", summary="none")
+                for ctx, g in steps.groupby("context_len"):
+                    row = {"context_len": int(ctx)}
+                    for _, r in g.iterrows():
+                        row.update({f"step_ms/{r['mode']}{sfx}": float(r[col]) for col, sfx in STEP_MS.items()})
+                        if r["mode"] == "cached":
+                            row["step_ms/speedup"] = float(r["speedup"])
+                    run.log(row)
+            for key, df in tables.items():
+                if df is not None and len(df):
+                    run.log({f"{key}_table": wandb.Table(dataframe=df)})
+            summary = {k: _jsonable(v) for k, v in record.items()}
+            nulls = sorted(k for k, v in summary.items() if v is None)
+            run.summary.update({k: v for k, v in summary.items() if v is not None})
+            run.summary["null_keys"] = nulls
+            art = wandb.Artifact(f"run-{self.id}", type="kvlab-run",
+                                 description=f"kvlab run {record.get('run_name')}: results and tables")
+            for f in files:
+                f = Path(f)
+                if f.is_dir():
+                    art.add_dir(str(f), name=f.name)
+                elif f.is_file():
+                    art.add_file(str(f), name=f.name)
+            run.log_artifact(art)
+        finally:
+            run.finish(exit_code=exit_code)
+
+
+def effective(record: dict) -> dict:
+    """The values a run really used, where its config says null / auto: what W&B can group and filter by."""
+    ctx = record.get("context_lengths")
+    return dict(
+        max_len=record.get("max_len"),
+        context_lengths=[int(c) for c in str(ctx).split(",")] if ctx else None,
+        full_prompts=record.get("full_prompts"), storage_dtype=record.get("storage_dtype"),
+        compute_dtype=record.get("compute_dtype"), device=record.get("device"),
+        device_name=record.get("device_name"), n_params=record.get("n_params"), weights=record.get("weights"),
+        weights_source=record.get("weights_source"), torch_version=record.get("torch_version"),
+        cache_label=record.get("cache_label"),
+    )
 
 
 def log_wandb_aggregate(mode: str, project: str, entity: str | None, group: str, folder: Path,
-                        runs: pd.DataFrame, images: dict[str, Path], run_id: str | None = None) -> str:
-    """The sweep's aggregate W&B run (job_type "aggregate", the sweep's group): the runs table and the plots."""
+                        runs: pd.DataFrame, images: dict[str, Path], run_id: str | None = None,
+                        tables: dict[str, pd.DataFrame] | None = None, page: Path | None = None) -> str:
+    """The sweep's aggregate W&B run (job_type "aggregate", the sweep's group): the sweep-wide tables, the plots as
+    images, step time vs context as a line series per cache and mode, report.html as ``wandb.Html``, and the report
+    folder as an artifact."""
     if mode == "disabled":
         return "disabled"
     wandb, run, mode = _wandb_run(mode, project, entity, group, f"{group}-report", Path(folder),
-                                  {"n_runs": len(runs)}, "aggregate", run_id)
+                                  {"n_runs": len(runs)}, "aggregate", run_id, tags=["report"])
     try:
-        table = runs.map(lambda v: v if isinstance(v, (bool, int, float, str)) or v is None else str(v))
-        run.log({"runs": wandb.Table(dataframe=table),
+        def cells(df):
+            return df.map(lambda v: v if isinstance(v, (bool, int, float, str)) or v is None else str(v))
+
+        run.log({"runs": wandb.Table(dataframe=cells(runs)),
+                 **{f"{k}_table": wandb.Table(dataframe=cells(df)) for k, df in (tables or {}).items()
+                    if df is not None and len(df)},
                  **{f"plots/{stem}": wandb.Image(str(path)) for stem, path in images.items()}})
+        steps = (tables or {}).get("steps")
+        if steps is not None and len(steps) and "cache_label" in steps:
+            ok = steps[steps["status"] == "ok"] if "status" in steps else steps
+            series = ok.groupby(["model", "cache_label", "dtype", "mode", "context_len"], as_index=False)[
+                "ms_median"].median()
+            xs = sorted(series.context_len.unique().tolist())
+            keys, ys = [], []
+            for key, g in series.groupby(["model", "cache_label", "dtype", "mode"]):
+                by = dict(zip(g.context_len, g.ms_median))
+                keys.append(" · ".join(map(str, key)))
+                ys.append([float(by.get(x, float("nan"))) for x in xs])
+            run.log({"lines/step_time": wandb.plot.line_series(xs=xs, ys=ys, keys=keys, xname="context_len",
+                                                               title="decode-step time (ms) vs context length")})
+        if page is not None and Path(page).is_file():
+            run.log({"report": wandb.Html(Path(page).read_text(encoding="utf-8"))})
+        art = wandb.Artifact(f"report-{run.id}", type="kvlab-report", description=f"kvlab sweep report {group}")
+        for f in sorted(Path(folder).iterdir()):
+            if f.is_file():
+                art.add_file(str(f), name=f.name)
+        run.log_artifact(art)
         run.summary.update({"n_runs": len(runs), "n_failed": int((runs["status"] != "ok").sum())})
         where = _where(run, mode)
     finally:

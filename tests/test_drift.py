@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 from harness import measure
 from harness.engines import KvlabEngine
-from models.gpt2 import GPT2, GPT2Config
 
 TEXT = [torch.tensor([[464, 3290, 318, 257, 1332, 286, 262, 6801, 13, 198, 464, 2068, 7586, 21831, 18045, 625,
                        262, 16931, 3290, 13, 632, 373, 257, 3223, 290, 30367, 1755, 13, 383, 2344, 340, 19228,

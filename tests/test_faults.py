@@ -32,6 +32,7 @@ CONFIG = [
     ("prompt-len-zero", ["prompt_len=0"], "prompt_len=0 must be at least 1"),
     ("repeats-zero", ["repeats=0"], "repeats=0 must be at least 1"),
     ("warmup-negative", ["warmup=-1"], "warmup=-1 must be 0 or more"),
+    ("drift-text-len-one", ["drift_text_len=1"], "drift_text_len=1 must be at least 2"),
     ("max-len-too-long", ["max_len=2048"], "max_len=2048 > n_positions=1024"),
     ("lengths-past-max-len", ["new_tokens=1000"], "prompt_len + new_tokens = 32 + 1000 > max_len=1024"),
     ("context-past-max-len", ["context_lengths=[32,1024]"], "context_lengths has 1024"),
@@ -405,7 +406,16 @@ def test_runs_on_two_checkpoint_folders_get_two_labels():
 OTHER = ["run-refused-config", "run-nan-weights", "run-non-finite-while-running", "run-small-vocabulary",
          "prompts-many-lines", "outputs-unwritable", "ctrl-c", "tracking-online-no-key", "report-bad-files",
          "sweeps-into-one-folder", "resume-after-kill", "model-name-path", "cuda-without-cuda", "api-key-never-logged",
-         "run-write-error"]
+         "run-write-error", "hub-unreachable", "model-checkpoint-missing"]
+
+
+def test_a_missing_checkpoint_says_how_to_build_it(tmp_path):
+    out = tmp_path / "run"
+    proc = run_py(["model=mini", f"model.weights={tmp_path / 'no-mini'}", "tracking=disabled",
+                   f"hydra.run.dir={out}"], tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    err = json.loads((out / "results.json").read_text())["error"]
+    assert "needs its checkpoint folder" in err and "python -m harness.train --out models/weights/mini" in err
 
 
 def test_the_readme_table_lists_every_case():

@@ -26,7 +26,7 @@ GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml"))
 
 
 def test_groups_hold_what_users_sweep():
-    assert set(GROUPS["model"]) == {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "tiny"}
+    assert set(GROUPS["model"]) == {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "mini", "tiny"}
     assert set(GROUPS["cache"]) == set(CACHE_KINDS)  # one YAML per registered kind
     assert set(GROUPS["dtype"]) == {"fp32", "fp16", "bf16"}
     assert set(GROUPS["device"]) == {"cpu", "cuda", "auto"}
@@ -57,7 +57,7 @@ def test_every_group_combination_composes_and_validates():
             checked += 1
         with pytest.raises(Exception, match="n_prompts"):  # the schema types every node
             compose(config_name="config", overrides=["n_prompts=many"])
-    assert checked == 5 * len(CACHE_KINDS) * 3 * 3
+    assert checked == len(GROUPS["model"]) * len(CACHE_KINDS) * 3 * 3
     assert all(seen[g] == set(GROUPS[g]) for g in seen)
 
 
@@ -212,7 +212,7 @@ def test_sweep_writes_complete_runs_offline_without_network(tiny_sweep):
         assert r["nbytes_match"] and r["cache_nbytes"] == r["predicted_nbytes"]
         held = r["prompt_len"] + r["new_tokens"] - 1 if r["cache"] == "concat" else r["max_len"]
         assert r["cache_tokens"] == held and r["cache_exact"] and r["cache_label"] == r["cache"]
-        assert r["group"] == sweep.name and "random init" in r["weights_detail"] and r["weights"] == "random"
+        assert r["group"] == f"quick-{sweep.name}" and "random init" in r["weights_detail"] and r["weights"] == "random"
         for key in ("torch_version", "device_name", "threads", "attn_backend", "tf32", "git_commit"):
             assert key in r
         if sys.platform == "linux":  # the peak is reset per run, even though the sweep's jobs share a process
@@ -272,7 +272,8 @@ def test_a_run_on_a_checkpoint_folder(tmp_path):
                    f"hydra.run.dir={out}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads((out / "results.json").read_text())
-    assert r["status"] == "ok" and r["weights"] == "pretrained" and r["weights_source"] == str(ckpt) and r["model"] == "my-ckpt"
+    assert r["status"] == "ok" and r["weights"] == "pretrained" and r["model"] == "my-ckpt"
+    assert r["weights_source"] == str(ckpt)
     assert (r["n_layer"], r["n_head"], r["n_embd"], r["max_len"]) == (2, 3, 48, 64)
     assert r["tokens_identical"] and r["nbytes_match"]
     bad = run_py([*TINY, f"model.weights={tmp_path / 'missing'}", "tracking=disabled",

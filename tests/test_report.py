@@ -111,6 +111,15 @@ def test_sweep_end_wrote_the_report_and_an_aggregate_wandb_run(tiny_sweep):
     assert len(runs) == 1 and runs[0].stat().st_size > 0
     assert "kvlab report: 4 runs (0 not ok)" in proc.stdout
     assert trip.hits == 0
+    from tests.test_wandb import of_type, wandb_records
+
+    recs = wandb_records(sweep / "report")
+    logged = {k.split(".")[0] for h in of_type(recs, "history") for k in h["item"]}  # media keys come as key.field
+    assert {"runs", "steps_table", "drift_table", "lines/step_time_table", "report", "plots/step_time"} <= logged
+    arts = [a for a in of_type(recs, "artifact") if a.get("type") == "kvlab-report"]
+    assert len(arts) == 1 and "report.html" in {c["path"] for c in arts[0]["manifest"]["contents"]}
+    (run,) = of_type(recs, "run")
+    assert run["run_group"].startswith("quick-") and run["job_type"] == "aggregate"
 
 
 def test_report_command_line(tree, tmp_path):

@@ -1,0 +1,199 @@
+"""harness.train: the offline reference GPT-2 ("mini"). Tiny runs on the real corpus with a small config; the shipped
+checkpoint in models/weights/mini is checked with the full 50,257-way softmax."""
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from harness import train as T
+from models.gpt2 import GPT2, GPT2Config
+
+REPO = Path(__file__).resolve().parent.parent
+MINI = REPO / "models" / "weights" / "mini"
+SMALL = GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64)
+FAST = dict(config=SMALL, batch=8, seq_len=32, eval_tokens=1024, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "run"
+    meta = T.train(out, steps=40, eval_every=10, **FAST)
+    return out, meta
+
+
+def test_checkpoint_loads_with_the_trained_models_logits(tiny_run):
+    out, meta = tiny_run
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "train_log.csv", "heldout.txt"}
+    docs = T.corpus_documents()
+    _, held = T.split_documents(docs)  # the prompts of runs on the model: held-out chapters, one per line
+    assert (out / "heldout.txt").read_text().splitlines() == [docs[i] for i in held]
+    trained = meta["_model"]
+    loaded = GPT2.from_pretrained(out).eval()
+    assert loaded.config.vocab_size == 50257 and loaded.config.n_embd == 32
+    idx = torch.tensor([T.Tokenizer().encode("And the LORD said unto Moses, Go in unto Pharaoh, and say")])
+    with torch.no_grad():
+        assert torch.equal(loaded(idx), trained(idx))
+    state = load_file(str(out / "model.safetensors"))  # HF names and layouts: Conv1D weights are (in, out)
+    assert state["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)
+    assert state["transformer.h.0.mlp.c_proj.weight"].shape == (128, 32)
+    assert "lm_head.weight" not in state and state["transformer.wte.weight"].shape == (50257, 32)
+
+
+def test_hf_transformers_loads_it_with_the_same_logits(tiny_run):
+    from transformers import GPT2LMHeadModel
+
+    out, meta = tiny_run
+    hf = GPT2LMHeadModel.from_pretrained(out, dtype=torch.float32).eval()
+    idx = torch.randint(0, 50257, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, meta["_model"](idx), atol=1e-4, rtol=1e-4)
+
+
+def test_training_lowers_the_full_softmax_heldout_nll(tiny_run):
+    out, meta = tiny_run
+    cfg = json.loads((out / "config.json").read_text())
+    rec = cfg["kvlab_train"]
+    assert rec["done"] and rec["steps"] == 40 and rec["tokens"] == 40 * 8 * 32 and rec["seed"] == 0
+    assert rec["heldout_nll"] < math.log(50257) - 2  # ~10.8 at init
+    assert math.isfinite(rec["prompts_nll"]) and rec["corpus"].startswith("King James Bible")
+    # the reported number is the saved model's, with the full softmax
+    tok, _, held = T.load_data()
+    loaded = GPT2.from_pretrained(out)
+    assert T.nll(loaded, T.windows(held, 1024, T=32)) == pytest.approx(rec["heldout_nll"], abs=1e-3)
+    rows = (out / "train_log.csv").read_text().splitlines()
+    assert rows[0] == "step,elapsed_s,train_loss,lr,heldout_nll" and len(rows) >= 6
+    first, last = float(rows[1].split(",")[-1]), float(rows[-2].split(",")[-1])
+    assert last < first - 1  # quick held-out NLL along the way went down
+
+
+def test_unused_vocabulary_rows_get_one_small_constant_logit(tiny_run):
+    _, meta = tiny_run
+    model = meta["_model"]
+    _, train_stream, _ = T.load_data()
+    unused = torch.ones(50257, dtype=torch.bool)
+    unused[torch.unique(train_stream)] = False
+    idx = torch.randint(0, 50257, (3, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(idx)
+    u = logits[..., unused]
+    assert float(u.std()) < 1e-3 and float(u.mean()) == pytest.approx(meta["unused_rows_logit"], abs=1e-2)
+    mass = torch.softmax(logits, -1)[..., unused].sum(-1)
+    assert float(mass.max()) < 0.05
+
+
+def test_finished_folder_is_reported_not_retrained(tiny_run):
+    out, meta = tiny_run
+    before = (out / "model.safetensors").stat().st_mtime_ns
+    again = T.train(out, steps=40, **{**FAST, "progress": False})
+    assert again["heldout_nll"] == meta["heldout_nll"] and "_model" not in again
+    assert (out / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
+    whole = T.train(tmp_path / "whole", steps=8, eval_every=4, **FAST)
+    part = T.train(tmp_path / "split", steps=8, eval_every=4, stop_after=3, **FAST)
+    assert not part["done"] and (tmp_path / "split" / T.STATE).is_file()
+    assert not (tmp_path / "split" / "model.safetensors").exists()
+    state = torch.load(tmp_path / "split" / T.STATE, weights_only=True)
+    assert state["step"] == 3
+    with pytest.raises(T.TrainError, match="other settings"):
+        T.train(tmp_path / "split", steps=9, **FAST)
+    resumed = T.train(tmp_path / "split", steps=8, eval_every=4, **FAST)
+    assert resumed["done"] and resumed["steps"] == 8 and not (tmp_path / "split" / T.STATE).exists()
+    a = load_file(str(tmp_path / "whole" / "model.safetensors"))
+    b = load_file(str(tmp_path / "split" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed["heldout_nll"] == whole["heldout_nll"]
+
+
+def test_a_fractional_minutes_budget_trains_and_finishes(tmp_path):
+    meta = T.train(tmp_path / "quick", minutes=0.01, **FAST)
+    assert meta["done"] and meta["steps"] >= 1 and meta["budget"] == "0.01 minutes"
+    assert 0.01 <= meta["minutes"] < 0.05 and (tmp_path / "quick" / "model.safetensors").is_file()
+
+
+def test_heldout_split_is_whole_documents_never_trained_on():
+    docs = T.corpus_documents()
+    train_i, held_i = T.split_documents(docs)
+    assert len(docs) == 1189 and not set(train_i) & set(held_i) and sorted(train_i + held_i) == list(range(1189))
+    assert 0.04 < len(held_i) / len(docs) < 0.06
+    train_docs = {docs[i] for i in train_i}
+    assert not any(docs[i] in train_docs for i in held_i)
+    tok, train_stream, held_stream = T.load_data()
+    assert torch.equal(held_stream, T.encode_stream(tok, [docs[i] for i in held_i]))
+    assert len(train_stream) + len(held_stream) == sum(len(tok.encode(d)) + 1 for d in docs)
+    assert not re.search(r"\d+:\d+", docs[0]) and docs[0].startswith("In the beginning God created")
+
+
+def test_prompts_text_is_not_in_the_corpus():
+    words = lambda t: re.findall(r"[a-z']+", t.lower())  # noqa: E731
+    shingles = set()
+    for d in T.corpus_documents():
+        w = words(d)
+        shingles.update(" ".join(w[i:i + 6]) for i in range(len(w) - 5))
+    lines = [ln for ln in T.PROMPTS.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    assert len(lines) >= 10
+    for line in lines:
+        w = words(line)
+        assert not [" ".join(w[i:i + 6]) for i in range(len(w) - 5) if " ".join(w[i:i + 6]) in shingles], line
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--minutes", "-1"], "--minutes must be a positive number"),
+    (["--minutes", "0"], "--minutes must be a positive number"),
+    (["--minutes", "nan"], "--minutes must be a positive number"),
+    (["--minutes", "abc"], "invalid float value"),
+    (["--steps", "0"], "--steps must be a positive integer"),
+    (["--minutes", "1", "--steps", "5"], "one budget"),
+    ([], "--out"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, args, why):
+    out = tmp_path / "ckpt"
+    argv = args if args == [] else ["--out", str(out), *args]
+    assert T.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and why in err[0], err
+    assert not out.exists()  # nothing half-written
+
+
+def test_out_must_be_a_folder_of_ours(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert T.main(["--out", str(f), "--steps", "1"]) == 2
+    assert "is a file" in capsys.readouterr().err
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert T.main(["--out", str(tmp_path / "other"), "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a kvlab training run" in err[0]
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["notes.txt"]
+
+
+def test_cli_reports_a_finished_folder_and_exits_0(tiny_run):
+    out, meta = tiny_run
+    p = subprocess.run([sys.executable, "-m", "harness.train", "--out", str(out), "--steps", "40"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    # different settings than the tiny run's config, but a finished folder is only reported
+    assert p.returncode == 0, p.stderr
+    assert "already trained" in p.stdout and f"{meta['heldout_nll']:.3f}" in p.stdout
+
+
+def test_shipped_mini_checkpoint_is_good_with_the_full_vocabulary():
+    assert (MINI / "model.safetensors").is_file(), "build it: python -m harness.train --out models/weights/mini"
+    assert (MINI / "model.safetensors").stat().st_size < 20 * 2**20
+    model = GPT2.from_pretrained(MINI).eval()
+    assert model.config.vocab_size == 50257 and model.config.n_positions == 1024
+    rec = json.loads((MINI / "config.json").read_text())["kvlab_train"]
+    assert rec["done"] and rec["heldout_nll"] <= 5.0 and rec["minutes"] <= 15
+    _, _, held = T.load_data()
+    wins = T.windows(held, 4096, T=128)
+    assert wins[:, 1:].numel() >= 4000
+    assert T.nll(model, wins) <= 5.0  # full 50,257-way softmax of the loaded checkpoint
+    assert (MINI / "train_log.csv").read_text().startswith("step,elapsed_s,train_loss,lr,heldout_nll\n")
