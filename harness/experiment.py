@@ -254,8 +254,8 @@ def _hydra_dirs() -> tuple[Path, str, str]:
 
 def model_label(m) -> str:
     """How runs are labelled: the model's name; on a checkpoint folder whose name was left at the preset's, the
-    folder's name is added, so runs on two checkpoints never share a label."""
-    if m.weights in ("random", "auto") or m.name != m.preset:
+    folder's name is added (unless it is the model's name), so runs on two checkpoints never share a label."""
+    if m.weights in ("random", "auto") or m.name != m.preset or Path(str(m.weights)).name == m.name:
         return m.name
     return f"{m.name}@{Path(str(m.weights)).name}"
 
@@ -515,7 +515,8 @@ def summary_text(r: dict, steps) -> str:
            f"{f(r.get('drift_v_rel_err_max'), '.3g')} (relative, vs fp32) · first layer over "
            f"{r['drift_layer_tol']:g}: {f(r.get('drift_first_layer_over_tol'), 'd')}"]
           if r.get("drift_layer_tol") is not None else []),
-        f"  text NLL          {f(r.get('text_nll_fp32'), '.3f')} nats/token in fp32 (the model on the prompts' text)",
+        *([f"  text NLL          {r['text_nll_fp32']:.3f} nats/token in fp32 (the model on the prompts' text)"]
+          if r.get("text_nll_fp32") is not None else []),
         f"  TTFT              {r['ttft_ms']:.1f} ms ({r['prompt_len']}-token prompt)",
         *(f"  decode step       ctx {c:>4}: {g.loc['cached', 'ms_median']:8.2f} ms cached   "
           f"{g.loc['uncached', 'ms_median']:8.2f} ms uncached   {g.loc['cached', 'speedup']:5.1f}x"

