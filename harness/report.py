@@ -19,6 +19,7 @@ import base64
 import html
 import os
 import shutil
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -207,13 +208,47 @@ def report_and_log(path: Path, mode: str, project: str, entity: str | None, grou
         rep["wandb"] = f"failed: {experiment.one_line(e)}"
         print(f"kvlab report: W&B logging failed ({rep['wandb']}); the report is in {rep['folder']}",
               file=sys.stderr)
+    if mode != "disabled":
+        wandb_report_of(rep, group, project, entity, online=mode == "online" and not tracking.ONLINE_FAILED)
     return rep
+
+
+def wandb_report_of(rep: dict, group: str, project: str, entity: str | None, online: bool) -> None:
+    """The sweep's W&B Report: its spec beside report.html (``wandb_report.json``, always) and, for an online
+    sweep, the Report itself, made by ``python -m harness.wandb_report --from-spec`` in a process of its own (a
+    bounded wait). Trouble here is a line on stderr, never a failed report."""
+    from harness import wandb_report
+
+    try:
+        spec = wandb_report.build_spec(group, project, entity)
+        rep["wandb_report_spec"] = wandb_report.write_spec(rep["folder"], spec)
+    except (ValueError, OSError) as e:
+        print(f"kvlab report: no W&B Report spec ({experiment.one_line(e)})", file=sys.stderr)
+        return
+    if not online:
+        return
+    cmd = [sys.executable, "-m", "harness.wandb_report", "--from-spec", str(rep["wandb_report_spec"])]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=wandb_report.SAVE_TIMEOUT_S + 60,
+                              cwd=Path(__file__).resolve().parent.parent)
+        out = (proc.stdout.strip().splitlines() or [""])[-1]
+        rep["wandb_report"] = out if proc.returncode == 0 else f"failed: {proc.stderr.strip()[-300:]}"
+    except subprocess.TimeoutExpired:
+        rep["wandb_report"] = "failed: no answer from W&B in time"
+    if rep["wandb_report"].startswith("failed"):
+        print(f"kvlab report: the W&B Report was not made ({rep['wandb_report']}); publish it later with "
+              f"`python -m harness.wandb_report --from-spec {rep['wandb_report_spec']}`", file=sys.stderr)
 
 
 def print_summary(rep: dict) -> None:
     runs = rep["runs"]
     failed = runs[runs.status != "ok"]
     print(f"kvlab report: {len(runs)} runs ({len(failed)} not ok) -> {rep['html']}")
+    if rep.get("wandb_report"):
+        print(f"kvlab report: W&B Report {rep['wandb_report']}")
+    elif rep.get("wandb_report_spec"):
+        print(f"kvlab report: W&B Report spec {rep['wandb_report_spec']} (publish: `wandb sync` the runs, then "
+              f"`python -m harness.wandb_report --from-spec {rep['wandb_report_spec']}`)")
     for _, r in failed.iterrows():
         print(f"kvlab: run {r['run_name']} {r['status']}: {r['error']}", file=sys.stderr)
     for folder, why in rep.get("skipped", []):

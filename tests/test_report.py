@@ -122,6 +122,28 @@ def test_sweep_end_wrote_the_report_and_an_aggregate_wandb_run(tiny_sweep):
     assert run["run_group"].startswith("quick-") and run["job_type"] == "aggregate"
 
 
+def test_the_sweep_leaves_a_wandb_report_spec_whose_metrics_its_runs_log(tiny_sweep):
+    """Offline, the W&B Report's spec is written beside report.html; every metric a panel plots is a key the
+    sweep's runs really logged (history or summary), decoded from their .wandb files."""
+    from harness.wandb_report import spec_from_file
+    from tests.test_wandb import of_type, wandb_records
+
+    sweep, proc, _ = tiny_sweep
+    spec = spec_from_file(sweep / "report" / "wandb_report.json")
+    assert "python -m harness.wandb_report --from-spec" in proc.stdout
+    logged: set[str] = set()
+    groups = set()
+    for job in [p.parent.parent for p in sweep.glob("*/wandb/offline-run-*")]:
+        recs = wandb_records(job)
+        logged |= {k for h in of_type(recs, "history") for k in h["item"]}
+        logged |= {k for s in of_type(recs, "summary") for k in s.get("update", {})}
+        groups |= {r["run_group"] for r in of_type(recs, "run")}
+    assert groups == {spec["group"]}
+    plotted = {y for p in spec["panels"] for y in p.get("y") or []} | {p["x"] for p in spec["panels"] if p.get("x")}
+    assert plotted and plotted <= logged, sorted(plotted - logged)
+    assert all(spec["group"] in p["filters"] for p in spec["panels"])
+
+
 def test_report_command_line(tree, tmp_path):
     out = tmp_path / "by-hand"
     proc = subprocess.run([sys.executable, "-m", "harness.report", str(tree), "--out", str(out)], cwd=REPO,
