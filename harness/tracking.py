@@ -115,6 +115,16 @@ def _where(run, mode: str) -> str:
     return str(Path(run.dir).parent) if mode == "offline" else (run.url or "online")
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+def sources() -> list[Path]:
+    """kvlab's own code and configs: run.py and the .py / .yaml files under conf/, harness/ and models/."""
+    found = [REPO / "run.py"] + [p for d in ("conf", "harness", "models") for ext in ("py", "yaml")
+                                 for p in (REPO / d).rglob(f"*.{ext}")]
+    return sorted(p for p in found if p.is_file())
+
+
 STEP_MS = {"ms_median": "", "ms_p10": "_p10", "ms_p90": "_p90"}  # steps.csv column -> step_ms/<mode><suffix>
 
 
@@ -131,6 +141,13 @@ class WandbRun:
         self.wandb, self.run, self.mode = _wandb_run(mode, project, entity, group, name, Path(run_dir), config, "run",
                                                      run_id, tags, notes)
         self.where, self.id = _where(self.run, self.mode), self.run.id
+        try:  # the code that measured it: kvlab's own sources and configs (a "kvlab-code" artifact)
+            code = self.wandb.Artifact(f"source-{self.id}", type="kvlab-code")
+            for f in sources():
+                code.add_file(str(f), name=str(f.relative_to(REPO)))
+            self.run.log_artifact(code)
+        except Exception as e:  # never worth a run
+            print(f"kvlab: W&B could not save the code ({type(e).__name__}); the run goes on", file=sys.stderr)
 
     def finish(self, record: dict, tables: dict, files: list[Path], exit_code: int) -> None:
         """Log what the run measured and close it: per-decode-step history against ``decode_step``, step times

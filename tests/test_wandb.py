@@ -110,6 +110,11 @@ def test_the_run_files_go_up_as_an_artifact_and_nothing_is_written_outside(offli
         assert c["local_path"].startswith(str(out)), c["local_path"]
     assert list(home.rglob("*")) == []  # HOME stays empty: W&B's data, cache and staging are in the run folder
     assert of_type(recs, "exit")[0]["exit_code"] == 0
+    code = [a for a in of_type(recs, "artifact") if a.get("type") == "kvlab-code"]
+    assert len(code) == 1
+    files = {c["path"] for c in code[0]["manifest"]["contents"]}
+    assert {"run.py", "harness/experiment.py", "models/gpt2.py", "conf/config.yaml"} <= files
+    assert not any(f.startswith((".venv", "outputs", "tests")) for f in files)
 
 
 def test_a_killed_run_is_left_crashed_and_resumes_under_its_id(tmp_path):
