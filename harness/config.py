@@ -63,8 +63,14 @@ class TrackingConfig:
 
 
 @dataclass
+class EngineConfig:
+    name: str = "kvlab"  # kvlab (our GPT-2 and caches) | hf (transformers' GPT2LMHeadModel and caches, same weights)
+
+
+@dataclass
 class KvlabConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     cache: Any = MISSING  # one of the cache group's nodes, typed by its kind's schema
     dtype: DtypeConfig = field(default_factory=DtypeConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
@@ -131,6 +137,7 @@ class ConfigError(ValueError):
 
 
 AUTO_CONTEXTS = (32, 128, 512)
+ENGINE_NAMES = ("kvlab", "hf")  # harness.engines.ENGINES, named here without importing transformers
 
 
 def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
@@ -149,6 +156,8 @@ def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
     need(cfg.dtype.compute in DTYPE_NAMES + ("auto",),
          f"dtype.compute={cfg.dtype.compute!r}: use auto or one of {DTYPE_NAMES}")
     need(cfg.device.name in ("cpu", "cuda", "auto"), f"device={cfg.device.name!r}: use cpu, cuda or auto")
+    engine = cfg.get("engine", {}).get("name", "kvlab")
+    need(engine in ENGINE_NAMES, f"engine={engine!r}: use one of {', '.join(ENGINE_NAMES)}")
     need(cfg.tracking.mode in ("offline", "online", "disabled"),
          f"tracking.mode={cfg.tracking.mode!r}: use offline, online or disabled")
     need(cfg.prompts in ("file", "random"), f"prompts={cfg.prompts!r}: use file or random")

@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness import measure, tracking, weights
 from harness.weights import Weights
 from harness.config import ConfigError, cache_options, config_id, dtype_label, validate
-from harness.engines import KvlabEngine
+from harness.engines import ENGINES, KvlabEngine
 from models.gpt2 import GPT2, GPT2Config, read_hf_config
 from models.kv_cache import as_dtype, cache_kind
 
@@ -263,8 +263,8 @@ def model_label(m) -> str:
 def config_record(cfg) -> dict:
     return dict(
         model=model_label(cfg.model), preset=cfg.model.preset if cfg.model.weights in ("random", "auto") else None,
-        model_seed=cfg.model.seed, cache=cfg.cache.kind,
-        **cache_record(cfg.cache),
+        model_seed=cfg.model.seed, engine=engine_name(cfg), cache=cfg.cache.kind,
+        **cache_record(cfg.cache, engine_name(cfg)),
         dtype=dtype_label(cfg.dtype.storage, cfg.dtype.compute),
         device_requested=cfg.device.name, experiment=cfg.experiment, n_prompts=cfg.n_prompts,
         new_tokens=cfg.new_tokens, prompt_len=cfg.prompt_len, max_len=cfg.max_len,
@@ -273,13 +273,20 @@ def config_record(cfg) -> dict:
         seed=cfg.seed, prompts=cfg.prompts)
 
 
-def cache_record(node) -> dict:
-    """The cache's label, whether it is exact, and its options as ``cache_<option>`` columns."""
+def engine_name(cfg) -> str:
+    return str(cfg.get("engine", {}).get("name", "kvlab"))
+
+
+def cache_record(node, engine: str = "kvlab") -> dict:
+    """The cache's label, whether it is exact, and its options as ``cache_<option>`` columns. On another engine
+    than kvlab's the label says which (``prealloc · hf``), so its runs are their own series in every table and
+    plot."""
     options = cache_options(node)
     try:
         cls = cache_kind(node.kind)
         opts = cls.parse_options(**options)
-        head = dict(cache_label=cls.label(opts), cache_exact=cls.exact)
+        head = dict(cache_label=cls.label(opts) + ("" if engine == "kvlab" else f" · {engine}"),
+                    cache_exact=cls.exact)
     except ValueError:  # recorded as given; the run fails on it with its own message
         head = dict(cache_label=str(node.kind), cache_exact=None)
     return {**head, **{f"cache_{k}": v for k, v in options.items()}}
@@ -302,11 +309,12 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
         max_len, contexts = validate(cfg, mcfg.n_positions)
     model32 = model32.to(device)
     model = model32 if compute == torch.float32 else copy.deepcopy(model32).to(compute)
-    engine = KvlabEngine(model)
+    engine = ENGINES[engine_name(cfg)](model)
     spec = measure.CacheSpec(cfg.cache.kind, cache_options(cfg.cache), storage)
     # drift (against FP32 full attention) is measured for every run that is not that reference itself
     plain_fp32 = storage == compute == torch.float32 and spec.cls.exact and not spec.reference
-    ref32 = None if plain_fp32 else (engine if compute == torch.float32 else KvlabEngine(model32))
+    ref32 = None if plain_fp32 else (engine if compute == torch.float32 and engine.name == "kvlab"
+                                     else KvlabEngine(model32))  # the reference is always kvlab's fp32
     text_len = min(max_len, max(cfg.drift_text_len, cfg.prompt_len + 1))  # drift on text: prompt + continuation
     if cfg.prompts == "file":
         path = Path(cfg.prompts_file)
@@ -405,7 +413,7 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     record["finished_at"] = dt.datetime.now().isoformat(timespec="seconds")
     for df in tables.values():
         if df is not None:
-            for i, k in enumerate(("model", "cache", "cache_label", "dtype", "device")):
+            for i, k in enumerate(("model", "engine", "cache", "cache_label", "dtype", "device")):
                 df.insert(i, k, record.get(k))
     if not _write(run_dir, record, tables):
         _close_wandb(wb, record, tables, run_dir, exit_code=1)
@@ -418,8 +426,8 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
 def run_tags(cfg, record: dict) -> list[str]:
     """W&B tags: experiment, model, cache kind, dtype, device, and whether the weights are random."""
     weights_tag = {"random": "random-weights", "pretrained": "pretrained"}.get(record.get("weights"), "weights-unknown")
-    return [str(t)[:64] for t in (cfg.experiment, record.get("model"), cfg.cache.kind, record.get("dtype"),
-                                  cfg.device.name, weights_tag)]
+    return [str(t)[:64] for t in (cfg.experiment, record.get("model"), f"engine-{engine_name(cfg)}", cfg.cache.kind,
+                                  record.get("dtype"), cfg.device.name, weights_tag)]
 
 
 def hydra_overrides() -> str:
@@ -487,8 +495,8 @@ def _write(run_dir: Path, record: dict, tables: dict | None = None) -> bool:
 
 def summary_text(r: dict, steps) -> str:
     """The short table printed at the end of a run."""
-    head = (f"kvlab run {r['run_name']}: model {r['model']} · cache {r.get('cache_label') or r['cache']} · dtype "
-            f"{r['dtype']}")
+    head = (f"kvlab run {r['run_name']}: model {r['model']} · engine {r.get('engine', 'kvlab')} · cache "
+            f"{r.get('cache_label') or r['cache']} · dtype {r['dtype']}")
     if r["status"] != "ok":
         return f"{head}\n  FAILED: {r['error']}\n  record: {r['run_dir']}/results.json"
 

@@ -521,18 +521,25 @@ def time_to_first_token(engine, spec: CacheSpec, prompt: torch.Tensor, max_len: 
 
 # ---- memory ----------------------------------------------------------------------------------------------------
 
+def geometry(engine) -> tuple[int, int, int]:
+    """(n_layer, n_head, head_dim) of either engine's model (HF's config has no head_dim for GPT-2)."""
+    c = engine.model.config
+    return c.n_layer, c.n_head, getattr(c, "head_dim", None) or c.n_embd // c.n_head
+
+
 def cache_memory(engine, spec: CacheSpec, prompt: torch.Tensor, new_tokens: int, max_len: int,
                  curve_points: int = 64) -> tuple[dict, pd.DataFrame]:
     """Fill a cache with a prompt and ``new_tokens - 1`` decode steps (what one generation stores) and compare its
     bytes with the kind's formula, computed from the inputs and the ASKED storage dtype (not the cache's own
     bookkeeping). Also returns bytes vs tokens: measured after the prefill and every step, and the formula at
     ``curve_points`` lengths out to ``max_len`` (where the generation does not reach)."""
-    c, cls, opts = engine.model.config, spec.cls, spec.opts
+    cls, opts = spec.cls, spec.opts
+    n_layer, n_head, head_dim = geometry(engine)
     dtype = spec.dtype or next(engine.model.parameters()).dtype
     B = prompt.shape[0]
 
     def formula(n: int) -> int:
-        return cls.nbytes_formula(c.n_layer, c.n_head, c.head_dim, max_len, B, dtype, n, opts)
+        return cls.nbytes_formula(n_layer, n_head, head_dim, max_len, B, dtype, n, opts)
 
     cache = spec.new(engine, max_len, B)
     logits = engine.prefill(prompt, cache, last_only=True)
@@ -548,7 +555,7 @@ def cache_memory(engine, spec: CacheSpec, prompt: torch.Tensor, new_tokens: int,
                           "nbytes_measured": [measured.get(n, np.nan) for n in grid]})
     rec = dict(cache_nbytes=measured[filled], predicted_nbytes=predicted, nbytes_match=measured[filled] == predicted,
                cache_tokens=held, cache_filled_tokens=filled,
-               bytes_per_token=cls.bytes_per_token(c.n_layer, c.n_head, c.head_dim, dtype, opts),
+               bytes_per_token=cls.bytes_per_token(n_layer, n_head, head_dim, dtype, opts),
                measured_bytes_per_token=measured[filled] / held,
                nbytes_curve_match=all(curve.nbytes_formula[curve.nbytes_measured.notna()]
                                       == curve.nbytes_measured.dropna()))

@@ -24,7 +24,7 @@ import pandas as pd
 from harness.tracking import DRIFT, LAYERS, MEMORY, RESULTS, STEPS
 
 # the columns that say which run a row belongs to, first in every table
-KEYS = ["run_name", "group", "status", "model", "cache", "cache_label", "dtype", "device"]
+KEYS = ["run_name", "group", "status", "model", "cache", "cache_label", "dtype", "device", "engine"]
 # the readable order of the runs table; everything else follows, alphabetically
 FIRST = KEYS + ["error", "experiment", "weights", "cache_exact", "tokens_identical", "max_abs_logit_diff",
                 "first_diff_step", "nbytes_match", "cache_nbytes", "predicted_nbytes", "bytes_per_token", "drift_kl",

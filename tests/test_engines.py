@@ -59,3 +59,30 @@ def test_hf_refuses_what_it_has_no_counterpart_of(engines):
         hf.forward(torch.tensor([[1, 2, 3]]), window=2, sinks=0)
     with pytest.raises(ValueError, match="in the model dtype"):
         hf.new_cache("prealloc", max_len=16, dtype=torch.float16)
+
+
+@pytest.mark.slow
+def test_hf_is_a_peer_in_the_grid(tmp_path):
+    """`-m engine=kvlab,hf cache=concat,prealloc`: four comparable runs, measured the same way, told apart by their
+    engine in every table."""
+    import json
+
+    from tests.conftest import TINY, run_py
+
+    sweep = tmp_path / "sweep"
+    proc = run_py(["-m", "engine=kvlab,hf", "cache=concat,prealloc", *TINY, "tracking=disabled",
+                   f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = [json.loads(p.read_text()) for p in sweep.glob("*/results.json")]
+    got = {(r["engine"], r["cache"]): r for r in runs}
+    assert set(got) == {(e, c) for e in ("kvlab", "hf") for c in ("concat", "prealloc")}
+    for (engine, cache), r in got.items():
+        assert r["status"] == "ok" and r["tokens_identical"] and r["nbytes_match"], r
+        assert r["cache_label"] == (cache if engine == "kvlab" else f"{cache} · hf")
+    for e in ("kvlab", "hf"):  # same weights, same bytes: HF's caches hold what ours hold
+        assert got[(e, "concat")]["cache_nbytes"] == got[("kvlab", "concat")]["cache_nbytes"]
+        assert got[(e, "prealloc")]["cache_nbytes"] == got[("kvlab", "prealloc")]["cache_nbytes"]
+    import pandas as pd
+
+    steps = pd.read_csv(sweep / "report" / "steps.csv")
+    assert set(steps.engine) == {"kvlab", "hf"} and steps.cache_label.nunique() == 4

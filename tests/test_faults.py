@@ -41,6 +41,7 @@ CONFIG = [
     ("storage-dtype-unknown", ["dtype.storage=fp8"], "dtype.storage='fp8'"),
     ("compute-dtype-unknown", ["dtype.compute=int8"], "dtype.compute='int8'"),
     ("device-unknown", ["device.name=tpu"], "device='tpu'"),
+    ("engine-unknown", ["engine.name=vllm"], "engine='vllm': use one of kvlab, hf"),
     ("tracking-mode-unknown", ["tracking.mode=loud"], "tracking.mode='loud'"),
     ("prompts-source-unknown", ["prompts=web"], "prompts='web'"),
     ("full-prompts-negative", ["full_prompts=-1"], "full_prompts=-1"),
@@ -54,6 +55,7 @@ CONFIG = [
 ]
 HYDRA = [  # refused by Hydra while composing, against kvlab's typed schema
     ("group-option-unknown", ["cache=lru"], "Could not find 'cache/lru'"),
+    ("engine-option-unknown", ["engine=vllm"], "Could not find 'engine/vllm'"),
     ("value-wrong-type", ["n_prompts=many"], "n_prompts"),
     ("option-of-another-kind", ["cache=quant", "cache.window=8"], "Could not override 'cache.window'"),
     ("key-unknown", ["n_promts=3"], "n_promts"),

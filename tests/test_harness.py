@@ -22,12 +22,13 @@ from models.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml"))
-          for g in ("model", "cache", "dtype", "device", "tracking", "experiment")}
+          for g in ("model", "engine", "cache", "dtype", "device", "tracking", "experiment")}
 
 
 def test_groups_hold_what_users_sweep():
     assert set(GROUPS["model"]) == {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "mini", "tiny"}
     assert set(GROUPS["cache"]) == set(CACHE_KINDS)  # one YAML per registered kind
+    assert set(GROUPS["engine"]) == {"kvlab", "hf"}
     assert set(GROUPS["dtype"]) == {"fp32", "fp16", "bf16"}
     assert set(GROUPS["device"]) == {"cpu", "cuda", "auto"}
     assert set(GROUPS["tracking"]) == {"offline", "online", "disabled"}
