@@ -351,6 +351,9 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
     others = concurrent_runs()
     steps = measure.step_times(engine, spec, contexts, max_len, cfg.repeats, cfg.warmup, device, cfg.seed,
                                progress)
+    steps = measure.with_bandwidth(steps, engine, spec, max_len)
+    rec.update(measure.bandwidth_probe(device, measure.weight_bytes(model)))
+    rec.update(measure.cost_model(steps, spec.cls.copies_history))
     rec.update(measure.time_to_first_token(engine, spec, prompts[0], max_len, cfg.repeats, cfg.warmup, device))
     rec["concurrent_runs_while_timing"] = max(others, concurrent_runs())
     if rec["concurrent_runs_while_timing"]:
@@ -360,7 +363,11 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
     rec.update(max_context_len=int(steps.context_len.max()),
                step_ms_cached_at_max_context=float(top.loc["cached", "ms_median"]),
                step_ms_uncached_at_max_context=float(top.loc["uncached", "ms_median"]),
-               speedup_at_max_context=float(top.loc["cached", "speedup"]))
+               speedup_at_max_context=float(top.loc["cached", "speedup"]),
+               weight_bytes=int(top.loc["cached", "weight_bytes"]),
+               kv_bytes_at_max_context=int(top.loc["cached", "kv_bytes"]),
+               gb_per_s_at_max_context=float(top.loc["cached", "gb_per_s"]),
+               bw_fraction_at_max_context=float(top.loc["cached", "gb_per_s"]) / rec["probe_gbps"])
     rec.update(measure.peak_memory(device, reset_ok))
     rec.update(measure.fingerprint(device), **weights_record(w, cfg.model))
     return rec, dict(steps=steps, drift=drift, memory=memory, layers=layers)

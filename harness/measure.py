@@ -505,6 +505,84 @@ def step_times(engine, spec: CacheSpec, context_lengths: list[int], max_len: int
     return pd.DataFrame(rows)
 
 
+# ---- bandwidth: a decode step reads every weight once plus the K/V history --------------------------------------
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter once (the tied output embedding is the token
+    embedding, read whole by the output projection), but only one row of the position embedding."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+        if name.endswith("wpe.weight"):  # one position's row is read, not the table
+            total -= (p.shape[0] - 1) * p.shape[1] * p.element_size()
+    return total
+
+
+def kv_read_bytes(engine, spec: CacheSpec, max_len: int, ctx: int, batch: int = 1) -> int:
+    """Bytes of K/V one decode step at context ``ctx`` reads: the kind's bytes per cached token (its storage dtype,
+    scales included) times the tokens attention reads (ctx + 1, or the slots a window keeps)."""
+    n_layer, n_head, head_dim = geometry(engine)
+    cls, opts = spec.cls, spec.opts
+    dtype = spec.dtype or next(engine.model.parameters()).dtype
+    read = min(ctx + 1, cls.held_tokens(max_len, ctx + 1, opts))
+    return round(cls.bytes_per_token(n_layer, n_head, head_dim, dtype, opts) * read * batch)
+
+
+def with_bandwidth(steps: pd.DataFrame, engine, spec: CacheSpec, max_len: int) -> pd.DataFrame:
+    """steps.csv's cached rows gain ``weight_bytes``, ``kv_bytes``, ``bytes_read`` (their sum) and ``gb_per_s``
+    (bytes_read / median step time); uncached rows (a full forward: compute, not a read of the cache) get NaN."""
+    steps = steps.copy()
+    w = weight_bytes(engine.model)
+    cached = steps["mode"] == "cached"
+    kv = steps["context_len"].map(lambda c: kv_read_bytes(engine, spec, max_len, int(c)))
+    steps["weight_bytes"] = np.where(cached, w, np.nan)
+    steps["kv_bytes"] = np.where(cached, kv, np.nan)
+    steps["bytes_read"] = steps["weight_bytes"] + steps["kv_bytes"]
+    steps["gb_per_s"] = steps["bytes_read"] / (steps["ms_median"] * 1e-3) / 1e9
+    return steps
+
+
+def cost_model(steps: pd.DataFrame, quadratic: bool) -> dict:
+    """Least-squares fit of the cached step time (ms) against context length T: a + b*T, or a + b*T + c*T^2 for a
+    kind that copies its history every step (that needs three contexts or more). ``cost_quadratic_overtakes_at``:
+    the T from which the copy's c*T^2 exceeds the linear b*T (b / c), when both are positive."""
+    c = steps[steps["mode"] == "cached"].sort_values("context_len")
+    T, y = c["context_len"].to_numpy(float), c["ms_median"].to_numpy(float)
+    degree = 2 if quadratic and len(T) >= 3 else 1
+    if len(T) < degree + 1:
+        return dict(cost_model=None, cost_a_ms=None, cost_b_ms_per_token=None, cost_c_ms_per_token2=None,
+                    cost_quadratic_overtakes_at=None)
+    coef = np.polynomial.polynomial.polyfit(T, y, degree)  # a, b[, c]
+    a, b = float(coef[0]), float(coef[1])
+    cq = float(coef[2]) if degree == 2 else None
+    return dict(cost_model="a + b*T + c*T^2" if degree == 2 else "a + b*T", cost_a_ms=a, cost_b_ms_per_token=b,
+                cost_c_ms_per_token2=cq,
+                cost_quadratic_overtakes_at=b / cq if cq is not None and cq > 0 and b > 0 else None)
+
+
+def bandwidth_probe(device: torch.device, nbytes: int, repeats: int = 9) -> dict:
+    """The machine's memory bandwidth, measured here: a copy of a ``max(nbytes, 256 MiB)`` buffer (read + write) and
+    a matrix-vector product whose matrix has ``nbytes`` (a decode step's weight read); GB/s of the median of
+    ``repeats`` after one warm-up. ``probe_gbps`` is the better of the two: what a step could reach."""
+    n = max(nbytes, 256 << 20) // 4
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    cols = 1024
+    rows = max(1, nbytes // 4 // cols)
+    mat, vec = torch.randn(rows, cols, device=device), torch.randn(cols, device=device)
+    out = {}
+    for name, fn, moved in (("copy", lambda: dst.copy_(src), 2 * n * 4), ("matvec", lambda: mat @ vec,
+                                                                          rows * cols * 4)):
+        ts = [_timed(fn, device) for _ in range(repeats + 1)][1:]
+        out[f"probe_{name}_gbps"] = moved / float(np.median(ts)) / 1e9
+    out["probe_gbps"] = max(out["probe_copy_gbps"], out["probe_matvec_gbps"])
+    out["probe_bytes"] = rows * cols * 4
+    return out
+
+
 def time_to_first_token(engine, spec: CacheSpec, prompt: torch.Tensor, max_len: int, repeats: int, warmup: int,
                         device: torch.device) -> dict:
     """Prefill of ``prompt`` into an empty cache (last position's logits only): median and spread."""

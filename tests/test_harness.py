@@ -6,6 +6,7 @@ import sys
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -310,3 +311,33 @@ def test_every_kind_sweeps_beside_the_others(tmp_path):
     table = pd.read_csv(report / "results.csv")
     assert table.cache_label.nunique() == len(CACHE_KINDS)
     assert "window S4+W32" in (report / "report.html").read_text()
+
+
+def test_the_cost_model_recovers_known_coefficients():
+    T = [32, 128, 512, 960]
+    lin = pd.DataFrame({"context_len": T * 2, "mode": ["cached"] * 4 + ["uncached"] * 4,
+                        "ms_median": [2 + 0.01 * t for t in T] + [99.0] * 4})
+    fit = measure.cost_model(lin, quadratic=False)
+    assert fit["cost_a_ms"] == pytest.approx(2) and fit["cost_b_ms_per_token"] == pytest.approx(0.01)
+    assert fit["cost_c_ms_per_token2"] is None and fit["cost_quadratic_overtakes_at"] is None
+    quad = lin.assign(ms_median=[2 + 0.01 * t + 1e-5 * t * t for t in T] + [99.0] * 4)
+    fit = measure.cost_model(quad, quadratic=True)
+    assert fit["cost_c_ms_per_token2"] == pytest.approx(1e-5) and fit["cost_quadratic_overtakes_at"] == pytest.approx(
+        1000)
+
+
+def test_bandwidth_columns_count_weights_once_and_the_kv_history(tiny_model):
+    from harness.engines import KvlabEngine
+
+    e = KvlabEngine(tiny_model)
+    c = tiny_model.config
+    params = sum(p.numel() for p in tiny_model.parameters()) * 4  # the tied lm_head counts once
+    assert measure.weight_bytes(tiny_model) == params - (c.n_positions - 1) * c.n_embd * 4
+    steps = pd.DataFrame({"context_len": [8, 8], "mode": ["cached", "uncached"], "ms_median": [1.0, 2.0]})
+    got = measure.with_bandwidth(steps, e, measure.CacheSpec("prealloc", {}, torch.float16), 64)
+    kv = 2 * c.n_layer * c.n_embd * 2 * 9  # K and V, fp16, ctx + 1 tokens
+    assert got.loc[0, "kv_bytes"] == kv and got.loc[0, "bytes_read"] == kv + measure.weight_bytes(tiny_model)
+    assert got.loc[0, "gb_per_s"] == pytest.approx(got.loc[0, "bytes_read"] / 1e-3 / 1e9)
+    assert np.isnan(got.loc[1, "gb_per_s"])
+    win = measure.with_bandwidth(steps, e, measure.CacheSpec("window", {"window": 4, "sinks": 1}, torch.float32), 64)
+    assert win.loc[0, "kv_bytes"] == 2 * c.n_layer * c.n_embd * 4 * 5  # the 1 + 4 slots a window keeps
