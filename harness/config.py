@@ -80,6 +80,8 @@ class KvlabConfig:
     new_tokens: int = 32
     prompt_len: int = 32
     drift_text_len: int = 128  # tokens of real text per prompt scored for drift (prompt + its continuation)
+    batch_sizes: Optional[list[int]] = None  # decode throughput vs batch (batches.csv); None: not measured
+    batch_context: int = 512  # context each sequence holds while batches are timed (capped below max_len)
     max_len: Optional[int] = None  # cache capacity; default: the model's n_positions
     context_lengths: Optional[list[int]] = None  # timed contexts; default: those of 32, 128, 512 below max_len
     repeats: int = 10
@@ -171,6 +173,9 @@ def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
     for name in ("n_prompts", "new_tokens", "prompt_len", "repeats"):
         need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be at least 1")
     need(cfg.warmup >= 0, f"warmup={cfg.warmup} must be 0 or more")
+    for b in cfg.get("batch_sizes") or []:
+        need(isinstance(b, int) and b >= 1, f"batch_sizes has {b!r}: give batch sizes >= 1, e.g. [1,8,32]")
+    need(cfg.get("batch_context", 1) >= 1, f"batch_context={cfg.get('batch_context')} must be at least 1")
     need(cfg.get("drift_text_len", 2) >= 2, f"drift_text_len={cfg.get('drift_text_len')} must be at least 2 (a "
          "token and the one it predicts)")
     max_len = n_positions if cfg.max_len is None else cfg.max_len

@@ -354,6 +354,11 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
     steps = measure.with_bandwidth(steps, engine, spec, max_len)
     rec.update(measure.bandwidth_probe(device, measure.weight_bytes(model)))
     rec.update(measure.cost_model(steps, spec.cls.copies_history))
+    batches = None
+    if cfg.get("batch_sizes"):
+        batches = measure.batch_throughput(engine, spec, list(cfg.batch_sizes), min(cfg.batch_context, max_len - 1),
+                                           max_len, cfg.repeats, cfg.warmup, device, cfg.seed, progress)
+    rec.update(measure.batch_summary(batches))
     rec.update(measure.time_to_first_token(engine, spec, prompts[0], max_len, cfg.repeats, cfg.warmup, device))
     rec["concurrent_runs_while_timing"] = max(others, concurrent_runs())
     if rec["concurrent_runs_while_timing"]:
@@ -370,7 +375,7 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
                bw_fraction_at_max_context=float(top.loc["cached", "gb_per_s"]) / rec["probe_gbps"])
     rec.update(measure.peak_memory(device, reset_ok))
     rec.update(measure.fingerprint(device), **weights_record(w, cfg.model))
-    return rec, dict(steps=steps, drift=drift, memory=memory, layers=layers)
+    return rec, dict(steps=steps, drift=drift, memory=memory, layers=layers, batches=batches)
 
 
 def one_line(e: BaseException) -> str:

@@ -545,6 +545,49 @@ def with_bandwidth(steps: pd.DataFrame, engine, spec: CacheSpec, max_len: int) -
     return steps
 
 
+def batch_throughput(engine, spec: CacheSpec, batches: list[int], ctx: int, max_len: int, repeats: int,
+                     warmup: int, device: torch.device, seed: int = 0, progress: bool = False) -> pd.DataFrame:
+    """Decode throughput against batch size: a cache of ``spec`` holding ``ctx`` tokens for each of B sequences
+    decodes one token per sequence, then is put back; median of ``repeats`` after ``warmup``. Per batch size:
+    ``ms_median``, ``tokens_per_s`` (B / step time), and what the step reads: the weights once for the whole batch
+    and every sequence's K/V (``weight_bytes``, ``kv_bytes``). Decode amortises the weights over the batch until
+    the K/V reads dominate (``kv_bytes`` > ``weight_bytes``)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.model.config.vocab_size
+    w = weight_bytes(engine.model)
+    rows = []
+    for B in tqdm(batches, desc=f"batches ({spec.label})", disable=not progress):
+        seq = torch.randint(0, vocab, (B, ctx + 1), generator=g).to(device)
+        cache = spec.new(engine, max_len, B)
+        engine.prefill(seq[:, :ctx], cache)
+        back = engine.checkpoint(cache)
+        ts = []
+        for r in range(warmup + repeats):
+            dt = _timed(lambda: engine.decode(seq[:, ctx:], cache), device)
+            back()
+            if r >= warmup:
+                ts.append(dt)
+        t = _spread(ts)
+        rows.append(dict(batch=B, context_len=ctx, **t, tokens_per_s=B / (t["ms_median"] * 1e-3), weight_bytes=w,
+                         kv_bytes=kv_read_bytes(engine, spec, max_len, ctx, B)))
+    df = pd.DataFrame(rows)
+    df["gb_per_s"] = (df.weight_bytes + df.kv_bytes) / (df.ms_median * 1e-3) / 1e9
+    return df
+
+
+def batch_summary(batches: pd.DataFrame) -> dict:
+    """The batch at which the K/V read overtakes the weight read (from the byte counts: weight / K/V bytes per
+    sequence), and throughput at the smallest and largest batch measured."""
+    if batches is None or batches.empty:
+        return dict(batch_kv_overtakes_weights_at=None, tokens_per_s_batch_min=None, tokens_per_s_batch_max=None,
+                    batch_max=None)
+    per_seq = float(batches.kv_bytes.iloc[0]) / float(batches.batch.iloc[0])
+    lo, hi = batches.loc[batches.batch.idxmin()], batches.loc[batches.batch.idxmax()]
+    return dict(batch_kv_overtakes_weights_at=float(batches.weight_bytes.iloc[0]) / per_seq if per_seq else None,
+                tokens_per_s_batch_min=float(lo.tokens_per_s), tokens_per_s_batch_max=float(hi.tokens_per_s),
+                batch_max=int(hi.batch))
+
+
 def cost_model(steps: pd.DataFrame, quadratic: bool) -> dict:
     """Least-squares fit of the cached step time (ms) against context length T: a + b*T, or a + b*T + c*T^2 for a
     kind that copies its history every step (that needs three contexts or more). ``cost_quadratic_overtakes_at``:

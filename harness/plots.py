@@ -29,7 +29,9 @@ kinds are ordered as the registry lists them. Every function returns a matplotli
                               their error). Several runs in one cell show the worst of them.
     layers_plot(layers)       relative error of K and of V per layer against fp32, a line per run, with the
                               tolerance from which a layer counts as disagreeing.
-    all_figures(runs, steps, drift, memory, layers)   all of the above keyed by file stem; a figure whose input
+    batch_plot(batches)       decode tokens/s against batch size, and the K/V bytes a step reads against the weights
+                              (flat): where batching stops paying.
+    all_figures(runs, steps, drift, memory, layers, batches)   all of the above keyed by file stem; a figure whose input
                               table has no ok rows is left out of the dict.
 
 When runs from more than one device are mixed, the dtype label becomes "dtype · device" wherever timings or drift
@@ -342,6 +344,40 @@ def layers_plot(layers: pd.DataFrame) -> Figure:
     return fig
 
 
+def batch_plot(batches: pd.DataFrame) -> Figure:
+    """Decode throughput against batch size (tokens/s, log-log), a line per cache (and dtype), one panel per model;
+    with the bytes a step reads: the weights (flat) and every sequence's K/V (growing with the batch)."""
+    df = _ok(batches)
+    if df.empty:
+        return _message_figure("no runs with batch_sizes")
+    df, precs = _with_prec(df)
+    models = _levels(df["model"], MODEL_ORDER)
+    caches = _cache_levels(df["cache"])
+    fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models) + 2, 7), squeeze=False, layout="constrained")
+    for j, model in enumerate(models):
+        sub = df[df["model"] == model]
+        top, bottom = axes[0, j], axes[1, j]
+        for (cache, prec), g in sub.groupby(["cache", "prec"]):
+            g = g.groupby("batch", as_index=False)[["tokens_per_s", "kv_bytes", "weight_bytes"]].median()
+            name = f"{cache} · {prec}" if len(precs) > 1 else cache
+            color, ls = _cache_color(caches, cache), DASHES[precs.index(prec) % len(DASHES)]
+            _line(top, g, "batch", "tokens_per_s", name, color=color, linestyle=ls, marker="o")
+            _line(bottom, g, "batch", "kv_bytes", name, color=color, linestyle=ls, marker="o")
+        w = float(sub["weight_bytes"].max())
+        bottom.axhline(w, color="0.3", linestyle=":", label="weights (read once per step)")
+        for ax in (top, bottom):
+            _log2_x(ax, sub["batch"])
+            ax.set_yscale("log")
+            ax.set_xlabel("batch size (sequences decoded together)")
+        top.set_title(f"{model}: decode throughput")
+        top.set_ylabel("tokens / s")
+        bottom.set_title(f"{model}: bytes read per step")
+        bottom.set_ylabel("K/V bytes read per step (bytes)")
+    fig.suptitle("Batching amortises the weight read until the K/V reads dominate")
+    _fig_legend(fig, axes)
+    return fig
+
+
 def equivalence_grid(runs: pd.DataFrame) -> Figure:
     """Heatmap model × cache/dtype of max |Δlogit| (cached vs uncached), annotated ✓/✗ for identical tokens."""
     df = _ok(runs).copy()
@@ -403,16 +439,18 @@ def memory_plot(memory: pd.DataFrame) -> Figure:
 
 
 def all_figures(runs: pd.DataFrame, steps: pd.DataFrame, drift: pd.DataFrame,
-                memory: pd.DataFrame | None = None, layers: pd.DataFrame | None = None) -> dict[str, Figure]:
+                memory: pd.DataFrame | None = None, layers: pd.DataFrame | None = None,
+                batches: pd.DataFrame | None = None) -> dict[str, Figure]:
     """Every figure keyed by file stem. A figure whose input table has no ok rows is skipped (absent from the dict).
 
     "drift" is still made when none of its ok rows drifts: it then says so.
     """
-    return {stem: fn(df) for stem, (fn, df) in figure_makers(runs, steps, drift, memory, layers).items()}
+    return {stem: fn(df) for stem, (fn, df) in figure_makers(runs, steps, drift, memory, layers, batches).items()}
 
 
 def figure_makers(runs: pd.DataFrame, steps: pd.DataFrame, drift: pd.DataFrame,
-                  memory: pd.DataFrame | None = None, layers: pd.DataFrame | None = None) -> dict:
+                  memory: pd.DataFrame | None = None, layers: pd.DataFrame | None = None,
+                  batches: pd.DataFrame | None = None) -> dict:
     """stem -> (figure function, its table), for every figure whose table has ok rows."""
     makers = {
         "step_time": (step_time_plot, steps),
@@ -421,6 +459,7 @@ def figure_makers(runs: pd.DataFrame, steps: pd.DataFrame, drift: pd.DataFrame,
         "memory": (memory_plot, memory),
         "drift": (drift_plot, drift),
         "layers": (layers_plot, layers),
+        "batches": (batch_plot, batches),
         "equivalence": (equivalence_grid, runs),
     }
     return {stem: (fn, df) for stem, (fn, df) in makers.items() if df is not None and not _ok(df).empty}

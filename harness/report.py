@@ -43,6 +43,7 @@ CAPTIONS = {
     "cache_bytes": "Cache bytes: measured vs the formula, and bytes per cached token.",
     "memory": "Cache bytes held vs tokens in the sequence: the kind's formula (line), measured (dots).",
     "drift": "Drift vs fp32 full attention per decode step: KL, max |Δlogit|, top-1 agreement.",
+    "batches": "Decode throughput vs batch size, and the K/V bytes a step reads against the weights.",
     "layers": "Relative error of the K and V attention read, per layer, against fp32.",
     "equivalence": "Cached vs the kind's uncached reference: max |Δlogit| per model × cache/dtype; ✓ = identical "
                    "greedy tokens.",
@@ -82,6 +83,27 @@ DRIFT_COLS = {"drift_kl": "KL mean", "drift_kl_p99": "KL p99", "drift_kl_max": "
               "drift_v_rel_err_max": "V rel err (max layer)"}
 
 
+def engine_ratios(steps: pd.DataFrame, batches: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Ours / HF cached step time, measured in the same sweep: one row per (model, cache kind, dtype, device,
+    context length, and batch where batches were timed); below 1 ours is faster. Empty without both engines."""
+    rows = []
+    if "engine" in steps and {"kvlab", "hf"} <= set(steps["engine"].dropna()):
+        s = steps[(steps["mode"] == "cached") & (steps.get("status", "ok") == "ok")]
+        p = s.pivot_table(index=["model", "cache", "dtype", "device", "context_len"], columns="engine",
+                          values="ms_median", aggfunc="median").dropna()
+        for idx, r in p.iterrows():
+            rows.append(dict(zip(p.index.names, idx), batch=1, kvlab_ms=r["kvlab"], hf_ms=r["hf"]))
+    if batches is not None and len(batches) and "engine" in batches and {"kvlab", "hf"} <= set(batches["engine"]):
+        b = batches[batches["batch"] > 1]
+        p = b.pivot_table(index=["model", "cache", "dtype", "device", "context_len", "batch"], columns="engine",
+                          values="ms_median", aggfunc="median").dropna()
+        for idx, r in p.iterrows():
+            rows.append(dict(zip(p.index.names, idx), kvlab_ms=r["kvlab"], hf_ms=r["hf"]))
+    df = pd.DataFrame(rows, columns=["model", "cache", "dtype", "device", "context_len", "batch", "kvlab_ms", "hf_ms"])
+    df["ours_over_hf"] = df["kvlab_ms"] / df["hf_ms"]
+    return df.sort_values(["model", "cache", "batch", "context_len"]).reset_index(drop=True)
+
+
 def drift_tables(ok: pd.DataFrame) -> list[str]:
     """Drift on text against fp32, one row per (model, cache, dtype), ranked by KL; and where runs sweep K's and V's
     bits separately, a K-vs-V table: ΔNLL and KL by k_bits (rows) x v_bits (columns)."""
@@ -106,7 +128,7 @@ def drift_tables(ok: pd.DataFrame) -> list[str]:
 
 
 def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dict[str, Path],
-                skipped: list | None = None) -> str:
+                skipped: list | None = None, ratios: pd.DataFrame | None = None) -> str:
     """One HTML page with everything inline (images as data: URIs): no network, no other files needed."""
     ok, failed = runs[runs.status == "ok"], runs[runs.status != "ok"]
     skipped = skipped or []
@@ -122,6 +144,9 @@ def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dic
         parts += ["<h2>Skipped: could not be read, or never finished</h2>", _table(rows)]
     parts += ["<h2>Runs</h2>", _table(runs[[c for c in SUMMARY_COLS if c in runs]])]
     parts += drift_tables(ok)
+    if ratios is not None and len(ratios):
+        parts += ["<h2>Ours vs HF transformers: cached decode-step time, ours / HF (below 1: ours is faster)</h2>",
+                  _table(ratios)]
     if len(steps):
         index = ["model", "device", "dtype", "cache_label" if "cache_label" in steps else "cache", "mode"]
         pivot = steps.pivot_table(index=index, columns="context_len",
@@ -156,7 +181,7 @@ def build_report(path: str | Path, out: str | Path | None = None, invocation: st
         warnings.simplefilter("always", results.IncompleteRunWarning)
         runs, steps = results.load_runs(path, invocation), results.load_steps(path, invocation)
         drift, memory = results.load_drift(path, invocation), results.load_memory(path, invocation)
-        layers = results.load_layers(path, invocation)
+        layers, batches = results.load_layers(path, invocation), results.load_batches(path, invocation)
     skipped += sorted({(None, str(w.message)) for w in caught if "its rows are missing" in str(w.message)},
                       key=lambda x: x[1])  # tables that could not be read
     if runs.empty:
@@ -164,12 +189,13 @@ def build_report(path: str | Path, out: str | Path | None = None, invocation: st
                                 + (f"; skipped {len(skipped)}: {skipped[0][1]}" if skipped else ""))
     out.mkdir(parents=True, exist_ok=True)
     tables = []
-    for stem, df in (("results", runs), ("steps", steps), ("drift", drift), ("memory", memory), ("layers", layers)):
+    for stem, df in (("results", runs), ("steps", steps), ("drift", drift), ("memory", memory), ("layers", layers),
+                     ("batches", batches)):
         tables += results.save_table(df, out, stem)
     images = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # matplotlib's glyph warnings for ✓/✗ on minimal fonts
-        for stem, (fn, df) in plots.figure_makers(runs, steps, drift, memory, layers).items():
+        for stem, (fn, df) in plots.figure_makers(runs, steps, drift, memory, layers, batches).items():
             try:
                 fig = fn(df)
                 fig.savefig(out / f"{stem}.png", dpi=110, bbox_inches="tight")
@@ -179,9 +205,13 @@ def build_report(path: str | Path, out: str | Path | None = None, invocation: st
             finally:
                 plots.plt.close("all")
     page = out / "report.html"
-    page.write_text(render_html(f"kvlab report: {path.name}", runs, steps, images, skipped), encoding="utf-8")
-    return dict(runs=runs, tables=tables, images=images, html=page, folder=out, skipped=skipped,
-                frames=dict(steps=steps, drift=drift, memory=memory, layers=layers))
+    ratios = engine_ratios(steps, batches)
+    if len(ratios):
+        tables += results.save_table(ratios, out, "engine_ratios")
+    page.write_text(render_html(f"kvlab report: {path.name}", runs, steps, images, skipped, ratios),
+                    encoding="utf-8")
+    return dict(runs=runs, tables=tables, images=images, html=page, folder=out, skipped=skipped, ratios=ratios,
+                frames=dict(steps=steps, drift=drift, memory=memory, layers=layers, batches=batches))
 
 
 def _started_by(folder: Path, invocation: str) -> bool:
@@ -244,6 +274,10 @@ def print_summary(rep: dict) -> None:
     runs = rep["runs"]
     failed = runs[runs.status != "ok"]
     print(f"kvlab report: {len(runs)} runs ({len(failed)} not ok) -> {rep['html']}")
+    ratios = rep.get("ratios")
+    if ratios is not None and len(ratios):
+        print("kvlab report: ours / HF cached decode-step time (below 1: ours is faster), measured in this sweep:")
+        print(ratios.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
     if rep.get("wandb_report"):
         print(f"kvlab report: W&B Report {rep['wandb_report']}")
     elif rep.get("wandb_report_spec"):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.tracking import DRIFT, LAYERS, MEMORY, RESULTS, STEPS
+from harness.tracking import BATCHES, DRIFT, LAYERS, MEMORY, RESULTS, STEPS
 
 # the columns that say which run a row belongs to, first in every table
 KEYS = ["run_name", "group", "status", "model", "cache", "cache_label", "dtype", "device", "engine"]
@@ -43,7 +43,7 @@ def _skipped(path: Path) -> bool:
 
 REQUIRED = ("status", "run_name", "model", "cache", "dtype")  # what makes a results.json kvlab's
 COLUMNS = {STEPS: ("context_len", "mode", "ms_median"), DRIFT: ("step",), MEMORY: ("tokens", "nbytes_formula"),
-           LAYERS: ("layer", "k_rel_err", "v_rel_err")}
+           LAYERS: ("layer", "k_rel_err", "v_rel_err"), BATCHES: ("batch", "ms_median", "tokens_per_s")}
 
 
 def read_record(path: Path) -> tuple[dict | None, str | None]:
@@ -171,6 +171,12 @@ def load_layers(path: str | Path, invocation: str | None = None) -> pd.DataFrame
     """Per layer: k_rel_err and v_rel_err, the relative error of the K and V attention read against fp32 (no rows
     for runs without drift)."""
     return _long(path, LAYERS, invocation, required=False)
+
+
+def load_batches(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
+    """Decode throughput vs batch size: one row per (run, batch) with ms_median, tokens_per_s, weight_bytes,
+    kv_bytes (runs without ``batch_sizes`` have none)."""
+    return _long(path, BATCHES, invocation, required=False)
 
 
 def save_table(df: pd.DataFrame, folder: str | Path, stem: str) -> list[Path]:

@@ -20,7 +20,9 @@ from pathlib import Path
 import pandas as pd
 
 RESULTS, STEPS, DRIFT, MEMORY, LAYERS = "results.json", "steps.csv", "drift.csv", "memory.csv", "layers.csv"
-TABLES = {"steps": STEPS, "drift": DRIFT, "memory": MEMORY, "layers": LAYERS}  # a run's tables and their files
+BATCHES = "batches.csv"
+TABLES = {"steps": STEPS, "drift": DRIFT, "memory": MEMORY, "layers": LAYERS,
+          "batches": BATCHES}  # a run's tables and their files
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 

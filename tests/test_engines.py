@@ -70,8 +70,8 @@ def test_hf_is_a_peer_in_the_grid(tmp_path):
     from tests.conftest import TINY, run_py
 
     sweep = tmp_path / "sweep"
-    proc = run_py(["-m", "engine=kvlab,hf", "cache=concat,prealloc", *TINY, "tracking=disabled",
-                   f"hydra.sweep.dir={sweep}"], tmp_path)
+    proc = run_py(["-m", "engine=kvlab,hf", "cache=concat,prealloc", *TINY, "batch_sizes=[1,2]", "batch_context=8",
+                   "tracking=disabled", f"hydra.sweep.dir={sweep}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = [json.loads(p.read_text()) for p in sweep.glob("*/results.json")]
     got = {(r["engine"], r["cache"]): r for r in runs}
@@ -86,3 +86,17 @@ def test_hf_is_a_peer_in_the_grid(tmp_path):
 
     steps = pd.read_csv(sweep / "report" / "steps.csv")
     assert set(steps.engine) == {"kvlab", "hf"} and steps.cache_label.nunique() == 4
+    # ours / HF from this one sweep: every (cache, context) at batch 1 from steps.csv, and batch 2 from batches.csv
+    ratios = pd.read_csv(sweep / "report" / "engine_ratios.csv")
+    assert set(zip(ratios.cache, ratios.context_len, ratios.batch)) == {
+        (c, t, 1) for c in ("concat", "prealloc") for t in (8, 32)} | {(c, 8, 2) for c in ("concat", "prealloc")}
+    cached = steps[steps["mode"] == "cached"].set_index(["engine", "cache", "context_len"]).ms_median
+    for _, r in ratios[ratios.batch == 1].iterrows():
+        assert r.ours_over_hf == pytest.approx(cached["kvlab", r.cache, r.context_len]
+                                               / cached["hf", r.cache, r.context_len])
+    assert "ours / HF cached decode-step time" in proc.stdout
+    batches = pd.read_csv(sweep / "report" / "batches.csv")
+    for _, g in batches.groupby("run_name"):
+        g = g.set_index("batch")
+        assert g.loc[2, "kv_bytes"] == 2 * g.loc[1, "kv_bytes"] and g.loc[2, "weight_bytes"] == g.loc[1, "weight_bytes"]
+        assert g.loc[2, "tokens_per_s"] == pytest.approx(2 / (g.loc[2, "ms_median"] * 1e-3))

@@ -33,6 +33,7 @@ CONFIG = [
     ("repeats-zero", ["repeats=0"], "repeats=0 must be at least 1"),
     ("warmup-negative", ["warmup=-1"], "warmup=-1 must be 0 or more"),
     ("drift-text-len-one", ["drift_text_len=1"], "drift_text_len=1 must be at least 2"),
+    ("batch-size-zero", ["batch_sizes=[0,8]"], "batch_sizes has 0: give batch sizes >= 1"),
     ("max-len-too-long", ["max_len=2048"], "max_len=2048 > n_positions=1024"),
     ("lengths-past-max-len", ["new_tokens=1000"], "prompt_len + new_tokens = 32 + 1000 > max_len=1024"),
     ("context-past-max-len", ["context_lengths=[32,1024]"], "context_lengths has 1024"),

@@ -33,7 +33,7 @@ def test_groups_hold_what_users_sweep():
     assert set(GROUPS["dtype"]) == {"fp32", "fp16", "bf16"}
     assert set(GROUPS["device"]) == {"cpu", "cuda", "auto"}
     assert set(GROUPS["tracking"]) == {"offline", "online", "disabled"}
-    assert set(GROUPS["experiment"]) == {"quick", "seed_protocol", "long"}
+    assert set(GROUPS["experiment"]) == {"quick", "seed_protocol", "long", "bench"}
 
 
 @pytest.mark.slow  # 180 compositions, about half a minute
@@ -50,8 +50,8 @@ def test_every_group_combination_composes_and_validates():
                 overrides.append(f"{g}={GROUPS[g][i % len(GROUPS[g])]}")
             cfg = compose(config_name="config", overrides=overrides)
             n_pos = GPT2Config.preset(cfg.model.preset).n_positions
-            if cfg.model.name == "tiny" and cfg.experiment == "long":
-                with pytest.raises(ConfigError, match="context_lengths has 128"):
+            if cfg.model.name == "tiny" and cfg.experiment in ("long", "bench"):
+                with pytest.raises(ConfigError, match="context_lengths has (128|512)"):
                     validate(cfg, n_pos)
             else:
                 max_len, contexts = validate(cfg, n_pos)
@@ -59,7 +59,7 @@ def test_every_group_combination_composes_and_validates():
             checked += 1
         with pytest.raises(Exception, match="n_prompts"):  # the schema types every node
             compose(config_name="config", overrides=["n_prompts=many"])
-    assert checked == len(GROUPS["model"]) * len(CACHE_KINDS) * 3 * 3
+    assert checked == len(GROUPS["model"]) * len(CACHE_KINDS) * 3 * len(GROUPS["experiment"])
     assert all(seen[g] == set(GROUPS[g]) for g in seen)
 
 
@@ -341,3 +341,14 @@ def test_bandwidth_columns_count_weights_once_and_the_kv_history(tiny_model):
     assert np.isnan(got.loc[1, "gb_per_s"])
     win = measure.with_bandwidth(steps, e, measure.CacheSpec("window", {"window": 4, "sinks": 1}, torch.float32), 64)
     assert win.loc[0, "kv_bytes"] == 2 * c.n_layer * c.n_embd * 4 * 5  # the 1 + 4 slots a window keeps
+
+
+def test_the_benchmark_is_a_sweep_of_both_engines_on_two_models():
+    register()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=["experiment=bench"], return_hydra_config=True)
+    assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+    params = {k: set(str(v).split(",")) for k, v in cfg.hydra.sweeper.params.items()}
+    assert params == {"model": {"gpt2", "gpt2-medium"}, "engine": {"kvlab", "hf"}, "cache": {"concat", "prealloc"}}
+    assert list(cfg.context_lengths) == [32, 512, 960] and list(cfg.batch_sizes) == [1, 8]
+    assert cfg.dtype.storage == "fp32"
