@@ -354,6 +354,8 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
     steps = measure.with_bandwidth(steps, engine, spec, max_len)
     rec.update(measure.bandwidth_probe(device, measure.weight_bytes(model)))
     rec.update(measure.cost_model(steps, spec.cls.copies_history))
+    # the context from which a step reads more K/V than weights (batch 1)
+    rec["kv_overtakes_weights_at_context"] = measure.weight_bytes(model) / rec["bytes_per_token"]
     batches = None
     if cfg.get("batch_sizes"):
         batches = measure.batch_throughput(engine, spec, list(cfg.batch_sizes), min(cfg.batch_context, max_len - 1),

@@ -82,7 +82,7 @@ def test_config_holds_the_values_the_run_used(offline_run):
 def test_tags_notes_group_and_id(offline_run):
     out, _, args, record, recs = offline_run
     (run,) = of_type(recs, "run")
-    assert set(run["tags"]) == {"quick", "tiny", "prealloc", "fp16", "cpu", "random-weights"}
+    assert set(run["tags"]) == {"quick", "tiny", "engine-kvlab", "prealloc", "fp16", "cpu", "random-weights"}
     assert run["notes"] == " ".join(a for a in args if not a.startswith("hydra."))  # the job's overrides
     assert run["run_group"] == record["group"] == f"quick-{out.name}"
     assert run["run_id"] == record["wandb_id"] and record["wandb"].startswith(str(out / "wandb"))
