@@ -39,6 +39,7 @@ FINGERPRINT_COLS = ["torch_version", "device_name", "threads", "attn_backend", "
                     "weights_source", "python_version"]
 CAPTIONS = {
     "step_time": "Decode-step time vs context length: cached (by cache) vs uncached (full recompute).",
+    "cost_model": "Cost model: cached step time vs context, measured (dots) and fitted per run (lines).",
     "speedup": "Speedup of a cached decode step over the uncached one (uncached / cached).",
     "cache_bytes": "Cache bytes: measured vs the formula, and bytes per cached token.",
     "memory": "Cache bytes held vs tokens in the sequence: the kind's formula (line), measured (dots).",

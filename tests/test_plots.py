@@ -214,7 +214,7 @@ def test_equivalence_grid_cells_equal_logit_diffs(tables):
 def test_all_figures_keys_and_skips(tables):
     runs, steps, drift = tables
     figs = all_figures(runs, steps, drift)
-    assert set(figs) == {"step_time", "speedup", "cache_bytes", "drift", "equivalence"}
+    assert set(figs) == {"step_time", "speedup", "cost_model", "cache_bytes", "drift", "equivalence"}
     # a table with only failed rows skips its figures
     figs = all_figures(runs, steps[steps["status"] != "ok"], drift[drift["status"] != "ok"])
     assert set(figs) == {"cache_bytes", "equivalence"}
@@ -244,3 +244,22 @@ def test_memory_lines_follow_the_formula_and_dots_the_measurements():
     want = ok.dropna(subset=["nbytes_measured"])
     assert sorted(map(tuple, dots.tolist())) == sorted(zip(want.tokens.astype(float), want.nbytes_measured))
     assert not np.isclose(all_line_values(fig), SENTINEL).any()
+
+
+def test_cost_lines_are_each_runs_fit(tables):
+    from harness.measure import cost_model
+    from harness.plots import cost_plot
+
+    _, steps, _ = tables
+    ok = steps[(steps["status"] == "ok") & (steps["mode"] == "cached")]
+    fig = cost_plot(steps)
+    for model, ax in axes_by_title(fig).items():
+        lines = {ln.get_label().split(":")[0]: ln for ln in ax.get_lines() if not ln.get_label().startswith("_")}
+        assert set(lines) == {f"{c} · {d}" for c in CACHES for d in DTYPES}
+        for cache, dtype in itertools.product(CACHES, DTYPES):
+            run = ok[(ok["model"] == model) & (ok["cache"] == cache) & (ok["dtype"] == dtype)]
+            fit = cost_model(run, cache == "concat")
+            line = lines[f"{cache} · {dtype}"]
+            T = np.asarray(line.get_xdata())
+            want = fit["cost_a_ms"] + fit["cost_b_ms_per_token"] * T + (fit["cost_c_ms_per_token2"] or 0) * T * T
+            np.testing.assert_allclose(line.get_ydata(), want)
