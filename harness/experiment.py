@@ -374,7 +374,8 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
                weight_bytes=int(top.loc["cached", "weight_bytes"]),
                kv_bytes_at_max_context=int(top.loc["cached", "kv_bytes"]),
                gb_per_s_at_max_context=float(top.loc["cached", "gb_per_s"]),
-               bw_fraction_at_max_context=float(top.loc["cached", "gb_per_s"]) / rec["probe_gbps"])
+               bw_fraction_at_max_context=float(top.loc["cached", "gb_per_s"]) / rec["probe_gbps"],
+               flop_per_byte_at_max_context=float(top.loc["cached", "flop_per_byte"]))
     rec.update(measure.peak_memory(device, reset_ok))
     rec.update(measure.fingerprint(device), **weights_record(w, cfg.model))
     return rec, dict(steps=steps, drift=drift, memory=memory, layers=layers, batches=batches)

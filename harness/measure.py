@@ -531,17 +531,30 @@ def kv_read_bytes(engine, spec: CacheSpec, max_len: int, ctx: int, batch: int = 
     return round(cls.bytes_per_token(n_layer, n_head, head_dim, dtype, opts) * read * batch)
 
 
+def step_flops(engine, spec: CacheSpec, max_len: int, ctx: int, batch: int = 1) -> int:
+    """Floating-point operations of one decode step: 2 per weight multiply-add (every matrix; the position table is
+    a lookup) and, per layer, 2 x 2 x d per key read (q.k and the weighted sum of V)."""
+    n_layer, n_head, head_dim = geometry(engine)
+    matrices = sum(p.numel() for n, p in engine.model.named_parameters() if p.dim() == 2 and "wpe" not in n)
+    read = min(ctx + 1, spec.cls.held_tokens(max_len, ctx + 1, spec.opts))
+    return batch * (2 * matrices + 4 * n_layer * n_head * head_dim * read)
+
+
 def with_bandwidth(steps: pd.DataFrame, engine, spec: CacheSpec, max_len: int) -> pd.DataFrame:
-    """steps.csv's cached rows gain ``weight_bytes``, ``kv_bytes``, ``bytes_read`` (their sum) and ``gb_per_s``
-    (bytes_read / median step time); uncached rows (a full forward: compute, not a read of the cache) get NaN."""
+    """steps.csv's cached rows gain ``weight_bytes``, ``kv_bytes``, ``bytes_read`` (their sum), ``gb_per_s``
+    (bytes_read / median step time), ``flops`` and ``flop_per_byte`` (arithmetic intensity); uncached rows (a full
+    forward: compute, not a read of the cache) get NaN."""
     steps = steps.copy()
     w = weight_bytes(engine.model)
     cached = steps["mode"] == "cached"
     kv = steps["context_len"].map(lambda c: kv_read_bytes(engine, spec, max_len, int(c)))
+    steps["flops"] = np.where(cached, steps["context_len"].map(lambda c: step_flops(engine, spec, max_len, int(c))),
+                              np.nan)
     steps["weight_bytes"] = np.where(cached, w, np.nan)
     steps["kv_bytes"] = np.where(cached, kv, np.nan)
     steps["bytes_read"] = steps["weight_bytes"] + steps["kv_bytes"]
     steps["gb_per_s"] = steps["bytes_read"] / (steps["ms_median"] * 1e-3) / 1e9
+    steps["flop_per_byte"] = steps["flops"] / steps["bytes_read"]
     return steps
 
 
@@ -607,7 +620,8 @@ def cost_model(steps: pd.DataFrame, quadratic: bool) -> dict:
 
 
 def bandwidth_probe(device: torch.device, nbytes: int, repeats: int = 9) -> dict:
-    """The machine's memory bandwidth, measured here: a copy of a ``max(nbytes, 256 MiB)`` buffer (read + write) and
+    """The machine's memory bandwidth, measured here (and its fp32 matrix-multiply rate, for the machine balance):
+    a copy of a ``max(nbytes, 256 MiB)`` buffer (read + write) and
     a matrix-vector product whose matrix has ``nbytes`` (a decode step's weight read); GB/s of the median of
     ``repeats`` after one warm-up. ``probe_gbps`` is the better of the two: what a step could reach."""
     n = max(nbytes, 256 << 20) // 4
@@ -623,6 +637,10 @@ def bandwidth_probe(device: torch.device, nbytes: int, repeats: int = 9) -> dict
         out[f"probe_{name}_gbps"] = moved / float(np.median(ts)) / 1e9
     out["probe_gbps"] = max(out["probe_copy_gbps"], out["probe_matvec_gbps"])
     out["probe_bytes"] = rows * cols * 4
+    a, b = torch.randn(1024, 1024, device=device), torch.randn(1024, 1024, device=device)
+    ts = [_timed(lambda: a @ b, device) for _ in range(repeats + 1)][1:]
+    out["probe_gflops"] = 2 * 1024 ** 3 / float(np.median(ts)) / 1e9  # fp32 matrix-matrix: compute-bound
+    out["machine_balance"] = out["probe_gflops"] / out["probe_gbps"]  # flop/byte where compute meets bandwidth
     return out
 
 

@@ -339,6 +339,9 @@ def test_bandwidth_columns_count_weights_once_and_the_kv_history(tiny_model):
     assert got.loc[0, "kv_bytes"] == kv and got.loc[0, "bytes_read"] == kv + measure.weight_bytes(tiny_model)
     assert got.loc[0, "gb_per_s"] == pytest.approx(got.loc[0, "bytes_read"] / 1e-3 / 1e9)
     assert np.isnan(got.loc[1, "gb_per_s"])
+    matrices = sum(p.numel() for n, p in tiny_model.named_parameters() if p.dim() == 2 and "wpe" not in n)
+    assert got.loc[0, "flops"] == 2 * matrices + 4 * c.n_layer * c.n_embd * 9  # q.k and the sum of V over 9 keys
+    assert got.loc[0, "flop_per_byte"] == pytest.approx(got.loc[0, "flops"] / got.loc[0, "bytes_read"])
     win = measure.with_bandwidth(steps, e, measure.CacheSpec("window", {"window": 4, "sinks": 1}, torch.float32), 64)
     assert win.loc[0, "kv_bytes"] == 2 * c.n_layer * c.n_embd * 4 * 5  # the 1 + 4 slots a window keeps
 
