@@ -118,6 +118,12 @@ def _with_prec(df: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     return df, levels
 
 
+def _levels_of(df: pd.DataFrame) -> tuple[pd.DataFrame, list[str], list[str], list[str]]:
+    """What every per-model figure starts from: the frame with 'prec', and the precision, model and cache levels."""
+    df, precs = _with_prec(df)
+    return df, precs, _levels(df["model"], MODEL_ORDER), _cache_levels(df["cache"])
+
+
 def _line(ax, data: pd.DataFrame, x: str, y: str, label: str, **kw) -> None:
     """One labelled seaborn line (seaborn leaves its lines unlabelled; the label lets a legend and a reader find it)."""
     sns.lineplot(data=data, x=x, y=y, errorbar=None, legend=False, ax=ax, **kw)
@@ -166,9 +172,7 @@ def step_time_plot(steps: pd.DataFrame) -> Figure:
     df = _ok(steps)
     if df.empty:
         return _message_figure("no ok runs with step timings")
-    df, precs = _with_prec(df)
-    models = _levels(df["model"], MODEL_ORDER)
-    caches = _cache_levels(df["cache"])
+    df, precs, models, caches = _levels_of(df)
     fig, axes = plt.subplots(len(precs), len(models), figsize=(4 * len(models) + 2, 3.2 * len(precs)),
                              squeeze=False, sharex=True, sharey=True, layout="constrained")
     cols = ["ms_median", "ms_p10", "ms_p90"]
@@ -240,9 +244,7 @@ def cost_plot(steps: pd.DataFrame) -> Figure:
     df = df[df["mode"] == "cached"] if "mode" in df else df.iloc[0:0]
     if df.empty:
         return _message_figure("no ok runs with step timings")
-    df, precs = _with_prec(df)
-    models = _levels(df["model"], MODEL_ORDER)
-    caches = _cache_levels(df["cache"])
+    df, precs, models, caches = _levels_of(df)
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models) + 2, 4), squeeze=False, layout="constrained")
     for j, model in enumerate(models):
         ax = axes[0, j]
@@ -335,9 +337,7 @@ def drift_plot(drift: pd.DataFrame) -> Figure:
     if df.empty:
         return _message_figure("no reduced-precision runs (fp16/bf16) and no lossy or windowed caches:\n"
                                "nothing drifts from fp32 full attention")
-    df, precs = _with_prec(df)
-    models = _levels(df["model"], MODEL_ORDER)
-    caches = _cache_levels(df["cache"])
+    df, precs, models, caches = _levels_of(df)
     fig, axes = plt.subplots(len(models), len(METRICS), figsize=(4.2 * len(METRICS) + 2, 3.2 * len(models)),
                              squeeze=False, sharex=True, layout="constrained")
     for i, model in enumerate(models):
@@ -368,9 +368,7 @@ def layers_plot(layers: pd.DataFrame) -> Figure:
     df = df[df["k_rel_err"].notna() | df["v_rel_err"].notna()] if "k_rel_err" in df else df.iloc[0:0]
     if df.empty:
         return _message_figure("no runs with per-layer K/V errors (exact fp32 runs have none)")
-    df, precs = _with_prec(df)
-    models = _levels(df["model"], MODEL_ORDER)
-    caches = _cache_levels(df["cache"])
+    df, precs, models, caches = _levels_of(df)
     fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.2 * len(models)), squeeze=False, layout="constrained")
     for i, model in enumerate(models):
         sub = df[df["model"] == model]
@@ -397,9 +395,7 @@ def batch_plot(batches: pd.DataFrame) -> Figure:
     df = _ok(batches)
     if df.empty:
         return _message_figure("no runs with batch_sizes")
-    df, precs = _with_prec(df)
-    models = _levels(df["model"], MODEL_ORDER)
-    caches = _cache_levels(df["cache"])
+    df, precs, models, caches = _levels_of(df)
     fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models) + 2, 7), squeeze=False, layout="constrained")
     for j, model in enumerate(models):
         sub = df[df["model"] == model]
@@ -462,9 +458,7 @@ def memory_plot(memory: pd.DataFrame) -> Figure:
     df = _ok(memory)
     if df.empty:
         return _message_figure("no ok runs with a memory table")
-    df, precs = _with_prec(df)
-    models = _levels(df["model"], MODEL_ORDER)
-    caches = _cache_levels(df["cache"])
+    df, precs, models, caches = _levels_of(df)
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models) + 2, 4), squeeze=False, layout="constrained")
     for j, model in enumerate(models):
         ax = axes[0, j]

@@ -52,7 +52,10 @@ class Tripwire:
             except OSError:
                 return
             self.hits += 1
-            conn.close()
+            self.took(conn)
+
+    def took(self, conn) -> None:
+        conn.close()
 
 
 def run_py(args, tmp_path, extra_env=None) -> subprocess.CompletedProcess:

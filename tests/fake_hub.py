@@ -13,6 +13,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from tests.conftest import Tripwire
+
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -72,24 +74,16 @@ class FakeHub:
         self.server.server_close()
 
 
-class Blackhole:
+class Blackhole(Tripwire):
     """Accepts TCP connections and never sends a byte: what a client sees behind a firewall that drops replies."""
 
     def __init__(self):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.held: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
+        self.url = f"http://127.0.0.1:{self.port}"
 
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.held.append(conn)
+    def took(self, conn) -> None:
+        self.held.append(conn)  # kept open, unanswered
 
     def close(self):
         for c in self.held:
