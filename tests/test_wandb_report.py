@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import types
 
 import pytest
@@ -211,10 +210,9 @@ def _cli(args, tmp_path, **env):
     full.pop("WANDB_API_KEY", None)  # no key unless the test gives one; no ~/.netrc in this HOME
     full.update(env)
     (tmp_path / "home").mkdir(exist_ok=True)
-    t = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "harness.wandb_report", *args], cwd=REPO, env=full,
+    # a hang (no bounded wait) ends in TimeoutExpired: the guard is the timeout, no time is asserted
+    return subprocess.run([sys.executable, "-m", "harness.wandb_report", *args], cwd=REPO, env=full,
                           capture_output=True, text=True, timeout=60, check=False)
-    return proc, time.monotonic() - t
 
 
 def _closed_port() -> int:
@@ -231,27 +229,25 @@ def test_cli_spec_only_writes_the_json_with_no_network(tmp_path):
     proxies = dict(WANDB_BASE_URL=url, HTTP_PROXY=url, HTTPS_PROXY=url, http_proxy=url, https_proxy=url)
     out = tmp_path / "out"
     out.mkdir()
-    proc, _ = _cli([GROUP, "--project", "p", "--spec-only", str(out)], tmp_path, **proxies)
+    proc = _cli([GROUP, "--project", "p", "--spec-only", str(out)], tmp_path, **proxies)
     assert proc.returncode == 0, proc.stderr
     assert json.loads((out / wrep.SPEC_FILE).read_text()) == wrep.build_spec(GROUP, "p")
-    proc, _ = _cli([GROUP, "--entity", "e", "--spec-only", str(tmp_path / "x.json")], tmp_path, **proxies)
+    proc = _cli([GROUP, "--entity", "e", "--spec-only", str(tmp_path / "x.json")], tmp_path, **proxies)
     assert proc.returncode == 0, proc.stderr
     assert wrep.spec_from_file(tmp_path / "x.json") == wrep.build_spec(GROUP, entity="e")
     assert trip.hits == 0
 
 
 def test_cli_online_without_a_key_says_what_to_do_and_exits_2(tmp_path):
-    proc, took = _cli([GROUP], tmp_path, WANDB_BASE_URL=f"http://127.0.0.1:{_closed_port()}")
+    proc = _cli([GROUP], tmp_path, WANDB_BASE_URL=f"http://127.0.0.1:{_closed_port()}")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert "wandb login" in proc.stderr and "--spec-only" in proc.stderr
-    assert took < 30
 
 
 def test_cli_publishing_a_spec_when_the_server_does_not_answer_exits_2_in_bounded_time(tmp_path):
     path = wrep.write_spec(tmp_path, wrep.build_spec(GROUP))
-    proc, took = _cli(["--from-spec", str(path), "--entity", "e", "--timeout", "2"], tmp_path,
-                      WANDB_API_KEY="0" * 40, WANDB_BASE_URL=f"http://127.0.0.1:{_closed_port()}")
+    proc = _cli(["--from-spec", str(path), "--entity", "e", "--timeout", "2"], tmp_path,
+                WANDB_API_KEY="0" * 40, WANDB_BASE_URL=f"http://127.0.0.1:{_closed_port()}")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and "wandb login" in proc.stderr
-    assert took < 30

@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -39,20 +38,20 @@ def checkpoint(tmp_path_factory):
 def resolve_in_subprocess(tmp_path, endpoint: str, preset: str = "gpt2", offline: bool = False):
     env = dict(os.environ, HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf"), KVLAB_HUB_TIMEOUT="1",
                HF_HUB_OFFLINE="1" if offline else "0")
-    t0 = time.monotonic()
+    # a hang (an unbounded wait for the hub) ends in TimeoutExpired: the guard is the timeout, no time is asserted
     proc = subprocess.run([sys.executable, "-c", RESOLVE, preset], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr, time.monotonic() - t0
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
 def test_auto_downloads_through_the_hub_and_loads_the_same_logits(tmp_path, checkpoint):
     hub = FakeHub(checkpoint)
     try:
-        w, err, _ = resolve_in_subprocess(tmp_path, hub.url)
+        w, err = resolve_in_subprocess(tmp_path, hub.url)
         asked = list(hub.requests)
         # a second process finds it in the local HF cache, without asking the hub, even offline
-        again, _, _ = resolve_in_subprocess(tmp_path, hub.url, offline=True)
+        again, _ = resolve_in_subprocess(tmp_path, hub.url, offline=True)
     finally:
         hub.close()
     assert w["kind"] == "pretrained" and w["source"] == "openai-community/gpt2", (w, err)
@@ -90,20 +89,19 @@ def test_an_unreachable_hub_falls_back_to_random_in_seconds(tmp_path, where):
     url = {"closed-port": closed_port_url, "no-answer": lambda: hole.url,
            "dns-failure": lambda: "http://kvlab-no-such-host.invalid"}[where]()
     try:
-        w, err, took = resolve_in_subprocess(tmp_path, url)
+        w, err = resolve_in_subprocess(tmp_path, url)
     finally:
         if hole:
             hole.close()
     assert w["kind"] == "random" and w["source"] == "random" and w["load_from"] is None
     lines = [ln for ln in err.splitlines() if "model.weights=auto" in ln]
     assert len(lines) == 1 and "openai-community/gpt2" in lines[0] and "random init" in lines[0]
-    assert took < 60  # bounded (KVLAB_HUB_TIMEOUT=1 here), never a hang: a generous bound, not a speed claim
 
 
 def test_offline_never_asks_the_hub(tmp_path, checkpoint):
     hub = FakeHub(checkpoint)
     try:
-        w, err, _ = resolve_in_subprocess(tmp_path, hub.url, offline=True)
+        w, err = resolve_in_subprocess(tmp_path, hub.url, offline=True)
     finally:
         hub.close()
     assert hub.requests == [] and w["kind"] == "random" and "HF_HUB_OFFLINE is set" in err
@@ -112,7 +110,7 @@ def test_offline_never_asks_the_hub(tmp_path, checkpoint):
 def test_a_preset_without_a_published_checkpoint_is_random_without_asking(tmp_path, checkpoint):
     hub = FakeHub(checkpoint)
     try:
-        w, _, _ = resolve_in_subprocess(tmp_path, hub.url, preset="tiny")
+        w, _ = resolve_in_subprocess(tmp_path, hub.url, preset="tiny")
     finally:
         hub.close()
     assert hub.requests == [] and w["kind"] == "random" and "no published checkpoint" in w["detail"]
