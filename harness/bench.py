@@ -4,6 +4,7 @@
     python -m harness.bench --model tiny --contexts 16 64 --repeats 20
     python -m harness.bench --kinds              # every cache kind of ours: bytes held and step time vs prealloc
     python -m harness.bench --kinds --cache prealloc --cache quant:k_bits=8,v_bits=8 --cache window:window=256
+    python -m harness.bench --prefix             # prefix reuse: time to first token with and without a snapshot
 
 Ours vs HF: for each context length and each kind transformers has a counterpart of (concat: DynamicCache, prealloc:
 StaticCache) both caches are prefilled with the same prompt; then each repeat times one decode step of each engine,
@@ -15,6 +16,13 @@ each owning ``max_len`` = the model's positions; at each context all are prefill
 repeat times one decode step of every kind in turn (rotating who goes first) and puts each cache back with its
 ``checkpoint``. Prints the bytes each holds at the longest context, that as a fraction of fp32 prealloc's, and the
 median step time per context with its ratio to prealloc's.
+
+Prefix reuse (``--prefix``): requests that share a prefix of P tokens and add S of their own (``--suffix``, default
+16). Cold: an empty cache prefills all P + S tokens. Reuse: ``cache.restore(snapshot)`` of the prefix (taken once,
+untimed), then a prefill of the S new tokens. Both are timed to the first token's logits, alternating, for every
+exact kind that snapshots (default concat and prealloc); prints the medians, cold / reuse, the largest |Δlogit|
+between the two first-token logits (they must agree), and the break-even: the shortest prefix from which reuse is
+faster.
 
 The weights are a seeded random init (no pretrained weights needed: the cost of a step and the bytes held do not
 depend on their values).
@@ -105,6 +113,57 @@ def time_kinds(engine, specs: list[CacheSpec], ctx: int, max_len: int, repeats: 
     return times, {s.label: engine.nbytes(c) for s, c in zip(specs, caches)}
 
 
+def time_prefix_reuse(engine, spec: CacheSpec, prefix: int, suffix: int, repeats: int, warmup: int,
+                      seed: int = 0) -> dict:
+    """Time to first token for a request of ``prefix`` shared + ``suffix`` own tokens: cold (prefill everything)
+    against reuse (restore the prefix's snapshot, prefill the suffix). Seconds per repeat, and the largest |Δlogit|
+    between the two ways' first-token logits."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, engine.model.config.vocab_size, (1, prefix + suffix), generator=g)
+    max_len = prefix + suffix + 1
+    warm = spec.new(engine, max_len)
+    engine.prefill(ids[:, :prefix], warm)
+    snap = warm.snapshot()  # once, untimed: what a server keeps for the shared prefix
+    cold_cache, reuse_cache = spec.new(engine, max_len), spec.new(engine, max_len)
+    out: dict = {"cold": [], "reuse": []}
+
+    def cold():
+        cold_cache.reset()
+        return engine.prefill(ids, cold_cache, last_only=True)
+
+    def reuse():
+        reuse_cache.restore(snap)
+        return engine.prefill(ids[:, prefix:], reuse_cache, last_only=True)
+
+    for r in range(warmup + repeats):
+        for name, fn in ((("cold", cold), ("reuse", reuse)) if r % 2 == 0 else (("reuse", reuse), ("cold", cold))):
+            t0 = time.perf_counter()
+            logits = fn()
+            dt = time.perf_counter() - t0
+            out[name + "_logits"] = logits
+            if r >= warmup:
+                out[name].append(dt)
+    out["max_abs"] = float((out.pop("cold_logits") - out.pop("reuse_logits")).abs().max())
+    return out
+
+
+def bench_prefix(args, model: GPT2) -> None:
+    kinds = [parse_kind(k) for k in (args.cache or ["concat", "prealloc"])]
+    engine = KvlabEngine(model)
+    print(f"prefix reuse: {args.suffix} new tokens after a shared prefix; time to first token, ms")
+    print(f"{'cache':<12}{'prefix':>8}{'cold ms':>10}{'reuse ms':>10}{'cold/reuse':>11}{'max |dlogit|':>14}")
+    for spec in kinds:
+        even = None
+        for p in args.prefixes:
+            t = time_prefix_reuse(engine, spec, p, args.suffix, args.repeats, args.warmup, args.seed)
+            cold, reuse = statistics.median(t["cold"]) * 1e3, statistics.median(t["reuse"]) * 1e3
+            if even is None and reuse < cold:
+                even = p
+            print(f"{spec.label:<12}{p:>8}{cold:>10.2f}{reuse:>10.2f}{cold / reuse:>10.2f}x{t['max_abs']:>14.2e}")
+        print(f"{spec.label:<12}break-even: " + (f"reuse is faster from a prefix of {even} tokens (of those timed)"
+                                                  if even is not None else "reuse was never faster here"))
+
+
 def bench_hf(args, model: GPT2) -> None:
     engines = [KvlabEngine(model), HFEngine(model)]
     print(f"{'context':>7}  {'kind':<9} {'kvlab ms':>9} {'HF ms':>9} {'HF cache':<13} {'kvlab/HF':>8}")
@@ -147,15 +206,25 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kinds", action="store_true", help="compare our cache kinds instead of ours vs HF")
     ap.add_argument("--cache", action="append", metavar="KIND[:OPT=V,...]",
-                    help=f"with --kinds: a cache to time (repeatable); kinds: {', '.join(CACHE_KINDS)}")
+                    help=f"with --kinds or --prefix: a cache to time (repeatable); kinds: {', '.join(CACHE_KINDS)}")
+    ap.add_argument("--prefix", action="store_true", help="time to first token with and without prefix reuse")
+    ap.add_argument("--prefixes", type=int, nargs="+", default=[16, 64, 256, 512], help="with --prefix")
+    ap.add_argument("--suffix", type=int, default=16, help="with --prefix: each request's own tokens")
     args = ap.parse_args(argv)
     cfg = GPT2Config.preset(args.model)
     args.contexts = args.contexts or ([32, 128, 512, 960] if args.kinds else [32, 512])
     if args.repeats < 1 or args.warmup < 0:
         ap.error(f"--repeats must be >= 1 and --warmup >= 0 (got {args.repeats}, {args.warmup})")
-    if args.cache and not args.kinds:
-        ap.error("--cache is for --kinds; the HF comparison runs every kind transformers has a counterpart of")
-    for ctx in args.contexts:
+    if args.cache and not (args.kinds or args.prefix):
+        ap.error("--cache is for --kinds or --prefix; the HF comparison runs every kind transformers has a counterpart "
+                 "of")
+    if args.prefix:
+        if args.suffix < 1 or min(args.prefixes) < 1:
+            ap.error(f"--suffix and --prefixes must be >= 1 token (got {args.suffix}, {args.prefixes})")
+        if max(args.prefixes) + args.suffix + 1 > cfg.n_positions:
+            ap.error(f"prefix {max(args.prefixes)} + suffix {args.suffix} + 1 exceeds n_positions {cfg.n_positions} "
+                     f"of {args.model}")
+    for ctx in [] if args.prefix else args.contexts:
         if ctx < 1:
             ap.error(f"context {ctx}: contexts must be >= 1 token")
         if ctx + 1 > cfg.n_positions:
@@ -168,7 +237,7 @@ def main(argv=None) -> None:
     model = GPT2(cfg).eval()
     print(f"model {args.model} (seeded random init, seed {args.seed}), fp32, batch 1, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; median of {args.repeats} steps after {args.warmup} warm-up")
-    (bench_kinds if args.kinds else bench_hf)(args, model)
+    (bench_prefix if args.prefix else bench_kinds if args.kinds else bench_hf)(args, model)
 
 
 if __name__ == "__main__":

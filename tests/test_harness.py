@@ -355,3 +355,21 @@ def test_the_benchmark_is_a_sweep_of_both_engines_on_two_models():
     assert params == {"model": {"gpt2", "gpt2-medium"}, "engine": {"kvlab", "hf"}, "cache": {"concat", "prealloc"}}
     assert list(cfg.context_lengths) == [32, 512, 960] and list(cfg.batch_sizes) == [1, 8]
     assert cfg.dtype.storage == "fp32"
+
+
+@pytest.mark.parametrize("kind", [k for k, c in CACHE_KINDS.items() if c.exact and not c.reference(c.Options())])
+def test_prefix_reuse_gives_the_cold_prefills_first_token(tiny_model, kind):
+    """The prefix benchmark's two ways to the first token (prefill everything, or restore the prefix's snapshot and
+    prefill the rest) agree, and each was timed `repeats` times."""
+    from harness.bench import time_prefix_reuse
+
+    t = time_prefix_reuse(KvlabEngine(tiny_model), measure.CacheSpec(kind), prefix=24, suffix=6, repeats=3, warmup=1)
+    assert t["max_abs"] < 1e-4 and len(t["cold"]) == len(t["reuse"]) == 3
+
+
+def test_prefix_bench_refuses_what_does_not_fit(capsys):
+    from harness.bench import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--prefix", "--model", "tiny", "--prefixes", "120", "--suffix", "16"])
+    assert e.value.code == 2 and "exceeds n_positions 128 of tiny" in capsys.readouterr().err
