@@ -116,6 +116,11 @@ class HFEngine:
         self._full_attention(ref)
         return self.model(ids, use_cache=False, logits_to_keep=1).logits
 
+    @staticmethod
+    def keys_read(kind: str, ctx: int, max_len: int) -> int | None:
+        """StaticCache hands attention all ``max_len`` slots every step (the unwritten ones masked)."""
+        return max_len if kind == "prealloc" else None
+
     def new_cache(self, kind: str, max_len: int, batch: int = 1, dtype=None, **options):
         if kind not in HF_COUNTERPARTS:
             raise ValueError(f"HF transformers has no counterpart of cache kind {kind!r} here: it runs "

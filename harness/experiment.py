@@ -351,17 +351,19 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
     others = concurrent_runs()
     steps = measure.step_times(engine, spec, contexts, max_len, cfg.repeats, cfg.warmup, device, cfg.seed,
                                progress)
+    rec.update(measure.time_to_first_token(engine, spec, prompts[0], max_len, cfg.repeats, cfg.warmup, device))
+    rec.update(measure.peak_memory(device, reset_ok))  # the run's own peak: before the probes' buffers and batches
     steps = measure.with_bandwidth(steps, engine, spec, max_len)
     rec.update(measure.bandwidth_probe(device, measure.weight_bytes(model)))
-    rec.update(measure.cost_model(steps, spec.cls.copies_history))
-    # the context from which a step reads more K/V than weights (batch 1)
-    rec["kv_overtakes_weights_at_context"] = measure.weight_bytes(model) / rec["bytes_per_token"]
+    rec.update(measure.cost_model(steps))
+    # the context from which a step reads more K/V than weights (batch 1); never, for a kind that caps its reads
+    capped = measure.keys_read(engine, spec, max_len, max_len - 1) < max_len
+    rec["kv_overtakes_weights_at_context"] = None if capped else measure.weight_bytes(model) / rec["bytes_per_token"]
     batches = None
     if cfg.get("batch_sizes"):
         batches = measure.batch_throughput(engine, spec, list(cfg.batch_sizes), min(cfg.batch_context, max_len - 1),
                                            max_len, cfg.repeats, cfg.warmup, device, cfg.seed, progress)
     rec.update(measure.batch_summary(batches))
-    rec.update(measure.time_to_first_token(engine, spec, prompts[0], max_len, cfg.repeats, cfg.warmup, device))
     rec["concurrent_runs_while_timing"] = max(others, concurrent_runs())
     if rec["concurrent_runs_while_timing"]:
         print(f"kvlab: {rec['concurrent_runs_while_timing']} other kvlab run(s) measured on this machine while this "
@@ -376,7 +378,6 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
                gb_per_s_at_max_context=float(top.loc["cached", "gb_per_s"]),
                bw_fraction_at_max_context=float(top.loc["cached", "gb_per_s"]) / rec["probe_gbps"],
                flop_per_byte_at_max_context=float(top.loc["cached", "flop_per_byte"]))
-    rec.update(measure.peak_memory(device, reset_ok))
     rec.update(measure.fingerprint(device), **weights_record(w, cfg.model))
     return rec, dict(steps=steps, drift=drift, memory=memory, layers=layers, batches=batches)
 
@@ -393,22 +394,30 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     group = cfg.tracking.group or default_group(cfg.experiment, folder)
     ident, inv = config_id(cfg), invocation()
     WHERE.setdefault("run", run_dir)
+    try:  # decided once per process (weights=auto may ask the hub, a bounded wait)
+        w = weights.resolve(cfg.model)
+    except KeyboardInterrupt:
+        print(f"kvlab: run {name} interrupted before it started; the same command runs it", file=sys.stderr)
+        raise SystemExit(130) from None
+    except Exception:  # measure_run asks again and fails the run with its own message
+        w = None
     prior = completed(run_dir, ident) if cfg.get("resume", True) else None
+    if prior is not None and w is not None and prior.get("weights_source") not in (None, w.source):
+        print(f"kvlab: run {name} was measured on {prior['weights_source']} but model.weights={cfg.model.weights} now "
+              f"gives {w.source}: measuring it again", file=sys.stderr)
+        prior = None
     if prior is not None:
         return _confirm(run_dir, prior, inv, name)
     clear_partial(run_dir)
-    try:
-        w = weights.resolve(cfg.model)
-    except Exception:  # measure_run asks again and fails the run with its own message
-        w = None
     record = dict(status="failed", error=None, run_name=name, group=group, run_dir=str(run_dir), config_id=ident,
                   invocation=inv, device=cfg.device.name, **weights_record(w, cfg.model),
                   started_at=dt.datetime.now().isoformat(timespec="seconds"), **config_record(cfg))
     tables: dict = {}
-    wb = _open_wandb(cfg, record, group, name, run_dir, ident)
+    wb = None
     t0 = time.perf_counter()
     active = _mark_active()
     try:
+        wb = _open_wandb(cfg, record, group, name, run_dir, ident)
         fields, tables = measure_run(cfg, w, progress)
         record.update(fields, status="ok")
     except KeyboardInterrupt:
@@ -544,6 +553,7 @@ def summary_text(r: dict, steps) -> str:
         *(f"  decode step       ctx {c:>4}: {g.loc['cached', 'ms_median']:8.2f} ms cached   "
           f"{g.loc['uncached', 'ms_median']:8.2f} ms uncached   {g.loc['cached', 'speedup']:5.1f}x"
           for c, g in ((c, g.set_index("mode")) for c, g in steps.groupby("context_len"))),
-        f"  files             {r['run_dir']}  (results.json, steps.csv, drift.csv, memory.csv, layers.csv)",
+        f"  files             {r['run_dir']}  (results.json, steps.csv, drift.csv, memory.csv, layers.csv"
+        f"{', batches.csv' if r.get('batch_max') else ''})",
     ]
     return "\n".join(lines)

@@ -265,8 +265,11 @@ def generation_checks(engine, prompts: list[torch.Tensor], new_tokens: int, spec
         if diverged:
             step, i = min(diverged)
             stats = checks[i]["drift"]["stats"]
+            # the run's usual drift: before the divergence (the step itself must flip the tokens, so its own
+            # drift is at least half the margin by construction)
+            usual = float(stats["max_abs"][:step].median()) if step > 0 else float(stats["max_abs"][0])
             summary.update(diagnose_divergence(engine, ref32, spec, prompts[i], checks[i]["tokens"], step,
-                                               float(stats["ref_margin"][step]), float(stats["max_abs"][step])))
+                                               float(stats["ref_margin"][step]), usual))
     return summary, table.join(drift_table)
 
 
@@ -387,8 +390,9 @@ def text_drift(engine, ref32, spec: CacheSpec, texts: list[torch.Tensor], T: int
                progress: bool = False) -> tuple[dict, pd.DataFrame]:
     """Drift on real text, teacher-forced, against FP32 with the exact full-attention cache on the same tokens:
     KL(fp32 || ours) mean / p99 / max over every scored position, the change in next-token NLL of the text (ΔNLL,
-    nats/token, and ΔPPL), the RMS change of the probability fp32 puts on its own top token (RMS Δp), how often
-    the top token is the same, and the per-layer relative error of K and V (``layers``)."""
+    nats/token, and ΔPPL), the RMS change of the probability fp32 puts on its own top token (RMS Δp: llama.cpp's
+    Δp uses the text's next token instead), how often the top token is the same, and the per-layer relative error of
+    K and V (``layers``)."""
     ref_spec = CacheSpec(full_attention_kind(), {}, torch.float32)
     kl, nll, nll_ref, dp, same, layers = [], [], [], [], [], []
     for seq in tqdm(texts, desc=f"text drift ({spec.label})", disable=not progress):
@@ -425,19 +429,23 @@ def text_drift(engine, ref32, spec: CacheSpec, texts: list[torch.Tensor], T: int
 
 def diagnose_divergence(engine, ref32, spec: CacheSpec, prompt: torch.Tensor, tokens: list[int], step: int,
                         margin: float, max_abs: float) -> dict:
-    """Where cached greedy tokens first leave FP32's: the step, FP32's top-1/top-2 margin there against the logit
-    drift there (a near tie flipped by precision, or a margin far beyond the drift: look for a bug), and the first
-    layer whose K or V, read at that step, is off fp32's by more than ``LAYER_TOL``."""
+    """Where cached greedy tokens first leave FP32's: the step, FP32's top-1/top-2 margin there against the run's
+    usual logit drift ``max_abs`` (the median max |Δlogit| of the steps before it: a margin within twice that is a
+    near tie that the precision or the lossy cache flipped; a margin far beyond it means that step's drift jumped:
+    look for a bug), and the first layer whose K or V, read at that step, is off fp32's by more than
+    ``LAYER_TOL``."""
     seq = torch.cat([prompt, torch.tensor([tokens[:step + 1]], device=prompt.device)], dim=1)
     _, seen = text_pass(engine, spec, seq, prompt.shape[1])
     _, seen_ref = text_pass(ref32, CacheSpec(full_attention_kind(), {}, torch.float32), seq, prompt.shape[1])
     layers = kv_errors(seen, seen_ref)
     layer = first_layer_over(layers) if len(layers) else None
     tie = margin < NEAR_TIE * max_abs
-    why = (f"step {step}: fp32's top-1/top-2 margin {margin:.3g} vs max |dlogit| {max_abs:.3g} there: "
-           + ("a near tie flipped by the lower precision" if tie else "the margin is far beyond the drift: look for a "
+    cause = "the lower precision" if spec.cls.exact else f"the lossy {spec.kind} cache"
+    why = (f"step {step}: fp32's top-1/top-2 margin {margin:.3g} vs the run's usual max |dlogit| {max_abs:.3g}: "
+           + (f"a near tie flipped by {cause}" if tie else "the margin is far beyond the usual drift: look for a "
               "bug")
-           + (f"; K/V first off by > {LAYER_TOL:g} (relative) at layer {layer}" if layer is not None else
+           + ("; K/V not recorded (not kvlab's cache)" if not seen else
+              f"; K/V first off by > {LAYER_TOL:g} (relative) at layer {layer}" if layer is not None else
               f"; no layer's K/V is off by > {LAYER_TOL:g} (relative)"))
     return dict(drift_margin_at_divergence=margin, drift_near_tie=tie, drift_divergence_layer=layer,
                 drift_divergence_diagnosis=why)
@@ -479,7 +487,7 @@ def step_times(engine, spec: CacheSpec, context_lengths: list[int], max_len: int
         seq = torch.randint(0, vocab, (1, ctx + 1), generator=g).to(device)
         prompt, token = seq[:, :ctx], seq[:, ctx:]
         cache = spec.new(engine, max_len)
-        engine.prefill(prompt, cache)
+        engine.prefill(prompt, cache, last_only=True)
         back = engine.checkpoint(cache)
 
         def cached_step():
@@ -527,8 +535,16 @@ def kv_read_bytes(engine, spec: CacheSpec, max_len: int, ctx: int, batch: int = 
     n_layer, n_head, head_dim = geometry(engine)
     cls, opts = spec.cls, spec.opts
     dtype = spec.dtype or next(engine.model.parameters()).dtype
-    read = min(ctx + 1, cls.held_tokens(max_len, ctx + 1, opts))
-    return round(cls.bytes_per_token(n_layer, n_head, head_dim, dtype, opts) * read * batch)
+    return round(cls.bytes_per_token(n_layer, n_head, head_dim, dtype, opts) * keys_read(engine, spec, max_len, ctx)
+                 * batch)
+
+
+def keys_read(engine, spec: CacheSpec, max_len: int, ctx: int) -> int:
+    """Keys one decode step at context ``ctx`` attends over: ctx + 1, or the slots a window keeps; an engine whose
+    cache hands attention more (HF's StaticCache: all ``max_len`` slots, masked) says so (``keys_read``)."""
+    own = getattr(engine, "keys_read", None)
+    got = own(spec.kind, ctx, max_len) if own is not None else None
+    return got if got is not None else min(ctx + 1, spec.cls.held_tokens(max_len, ctx + 1, spec.opts))
 
 
 def step_flops(engine, spec: CacheSpec, max_len: int, ctx: int, batch: int = 1) -> int:
@@ -536,7 +552,7 @@ def step_flops(engine, spec: CacheSpec, max_len: int, ctx: int, batch: int = 1) 
     a lookup) and, per layer, 2 x 2 x d per key read (q.k and the weighted sum of V)."""
     n_layer, n_head, head_dim = geometry(engine)
     matrices = sum(p.numel() for n, p in engine.model.named_parameters() if p.dim() == 2 and "wpe" not in n)
-    read = min(ctx + 1, spec.cls.held_tokens(max_len, ctx + 1, spec.opts))
+    read = keys_read(engine, spec, max_len, ctx)
     return batch * (2 * matrices + 4 * n_layer * n_head * head_dim * read)
 
 
@@ -572,7 +588,7 @@ def batch_throughput(engine, spec: CacheSpec, batches: list[int], ctx: int, max_
     for B in tqdm(batches, desc=f"batches ({spec.label})", disable=not progress):
         seq = torch.randint(0, vocab, (B, ctx + 1), generator=g).to(device)
         cache = spec.new(engine, max_len, B)
-        engine.prefill(seq[:, :ctx], cache)
+        engine.prefill(seq[:, :ctx], cache, last_only=True)
         back = engine.checkpoint(cache)
         ts = []
         for r in range(warmup + repeats):
@@ -601,22 +617,17 @@ def batch_summary(batches: pd.DataFrame) -> dict:
                 batch_max=int(hi.batch))
 
 
-def cost_model(steps: pd.DataFrame, quadratic: bool) -> dict:
-    """Least-squares fit of the cached step time (ms) against context length T: a + b*T, or a + b*T + c*T^2 for a
-    kind that copies its history every step (that needs three contexts or more). ``cost_quadratic_overtakes_at``:
-    the T from which the copy's c*T^2 exceeds the linear b*T (b / c), when both are positive."""
+def cost_model(steps: pd.DataFrame) -> dict:
+    """Least-squares fit of the cached step time (ms) against context length T: a + b*T. One decode step reads (and,
+    for a kind that copies its history, copies) T tokens of K/V: linear in T for every kind, a kind that copies
+    having the larger b; only a whole generation (a sum of steps) is quadratic. ``a`` is what a step costs with no
+    history (the weights), ``b`` what each cached token adds. Needs two context lengths or more."""
     c = steps[steps["mode"] == "cached"].sort_values("context_len")
     T, y = c["context_len"].to_numpy(float), c["ms_median"].to_numpy(float)
-    degree = 2 if quadratic and len(T) >= 3 else 1
-    if len(T) < degree + 1:
-        return dict(cost_model=None, cost_a_ms=None, cost_b_ms_per_token=None, cost_c_ms_per_token2=None,
-                    cost_quadratic_overtakes_at=None)
-    coef = np.polynomial.polynomial.polyfit(T, y, degree)  # a, b[, c]
-    a, b = float(coef[0]), float(coef[1])
-    cq = float(coef[2]) if degree == 2 else None
-    return dict(cost_model="a + b*T + c*T^2" if degree == 2 else "a + b*T", cost_a_ms=a, cost_b_ms_per_token=b,
-                cost_c_ms_per_token2=cq,
-                cost_quadratic_overtakes_at=b / cq if cq is not None and cq > 0 and b > 0 else None)
+    if len(T) < 2:
+        return dict(cost_model=None, cost_a_ms=None, cost_b_ms_per_token=None)
+    a, b = (float(x) for x in np.polynomial.polynomial.polyfit(T, y, 1))
+    return dict(cost_model="a + b*T", cost_a_ms=a, cost_b_ms_per_token=b)
 
 
 def bandwidth_probe(device: torch.device, nbytes: int, repeats: int = 9) -> dict:
@@ -624,6 +635,7 @@ def bandwidth_probe(device: torch.device, nbytes: int, repeats: int = 9) -> dict
     a copy of a ``max(nbytes, 256 MiB)`` buffer (read + write) and
     a matrix-vector product whose matrix has ``nbytes`` (a decode step's weight read); GB/s of the median of
     ``repeats`` after one warm-up. ``probe_gbps`` is the better of the two: what a step could reach."""
+    nbytes = min(nbytes, 1 << 30)  # a GiB says the bandwidth as well as more would, without crowding out the model
     n = max(nbytes, 256 << 20) // 4
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)

@@ -14,7 +14,7 @@ kinds are ordered as the registry lists them. Every function returns a matplotli
     speedup_plot(steps)       uncached / cached step time against context length: colour = cache, line style
                               = dtype, one panel per model. The dotted line at 1x is break-even.
     cost_plot(steps)          cached step time vs context: the measured medians and each run's fitted cost model
-                              (a + b·T, + c·T² for kinds that copy their history), with where the copy overtakes.
+                              a + b·T (the weights' fixed cost, and what each cached token adds).
     cache_bytes_plot(runs)    (a) measured cache bytes next to the formula's prediction, one bar pair per run
                               (a red ✗ over a run where they differ); (b) KV bytes per cached token by model,
                               cache and dtype (caches that cost the same share a bar).
@@ -234,11 +234,10 @@ def speedup_plot(steps: pd.DataFrame) -> Figure:
 
 
 def cost_plot(steps: pd.DataFrame) -> Figure:
-    """The cost model over the points: cached step time vs context length (dots: medians; line: the run's fit,
-    a + b·T, or a + b·T + c·T² for a kind that copies its history each step, drawn from 0 to the longest context;
-    a marker where c·T² overtakes b·T when that is inside the plot). One line per run, a panel per model."""
+    """The cost model over the points: cached step time vs context length (dots: medians; line: the run's fit
+    a + b·T drawn from 0 to the longest context, its coefficients in the legend). One line per run, a panel per
+    model; where two lines cross, one kind's per-token cost has overtaken the other's head start."""
     from harness.measure import cost_model
-    from models.kv_cache import cache_kind
 
     df = _ok(steps)
     df = df[df["mode"] == "cached"] if "mode" in df else df.iloc[0:0]
@@ -252,26 +251,18 @@ def cost_plot(steps: pd.DataFrame) -> Figure:
         top = float(sub["context_len"].max())
         for run, g in sub.groupby("run_name"):
             cache, prec = g["cache"].iloc[0], g["prec"].iloc[0]
-            kind = cache.split(" ")[0].split("(")[0]
-            try:
-                quadratic = cache_kind(kind).copies_history
-            except ValueError:
-                quadratic = False
-            fit = cost_model(g, quadratic)
+            fit = cost_model(g)
             color, ls = _cache_color(caches, cache), DASHES[precs.index(prec) % len(DASHES)]
             ax.scatter(g["context_len"], g["ms_median"], color=color, s=14, zorder=3, label="_points")
             if fit["cost_a_ms"] is None:
                 continue
             T = np.linspace(0, top, 64)
-            y = fit["cost_a_ms"] + fit["cost_b_ms_per_token"] * T + (fit["cost_c_ms_per_token2"] or 0) * T * T
-            ax.plot(T, y, color=color, linestyle=ls, label=f"{cache} · {prec}: {fit['cost_model']}")
-            cross = fit["cost_quadratic_overtakes_at"]
-            if cross is not None and cross <= top:
-                ax.axvline(cross, color=color, linestyle=":", linewidth=1, label="_overtakes")
+            ax.plot(T, fit["cost_a_ms"] + fit["cost_b_ms_per_token"] * T, color=color, linestyle=ls,
+                    label=f"{cache} · {prec}: {fit['cost_a_ms']:.3g} ms + {fit['cost_b_ms_per_token']:.2g} ms × T")
         ax.set_title(model)
         ax.set_xlabel("context length T (tokens)")
         ax.set_ylabel("cached decode step (ms)")
-    fig.suptitle("Cost model: cached step time vs context (dots: measured medians, lines: the fit)")
+    fig.suptitle("Cost model: cached step time vs context (dots: measured medians, lines: a + b·T fitted per run)")
     _fig_legend(fig, axes)
     return fig
 

@@ -100,3 +100,17 @@ def test_hf_is_a_peer_in_the_grid(tmp_path):
         g = g.set_index("batch")
         assert g.loc[2, "kv_bytes"] == 2 * g.loc[1, "kv_bytes"] and g.loc[2, "weight_bytes"] == g.loc[1, "weight_bytes"]
         assert g.loc[2, "tokens_per_s"] == pytest.approx(2 / (g.loc[2, "ms_median"] * 1e-3))
+
+
+def test_bytes_read_count_what_each_engines_cache_hands_attention(engines):
+    """HF's StaticCache returns all max_len slots to attention every step (masked): a step reads them all; its
+    DynamicCache and our kinds read the ctx + 1 tokens held."""
+    from harness.measure import CacheSpec, kv_read_bytes
+
+    ours, hf = engines
+    c = ours.model.config
+    per_token = 2 * c.n_layer * c.n_embd * 4
+    for e in (ours, hf):
+        assert kv_read_bytes(e, CacheSpec("concat"), 64, 10) == per_token * 11
+    assert kv_read_bytes(ours, CacheSpec("prealloc"), 64, 10) == per_token * 11
+    assert kv_read_bytes(hf, CacheSpec("prealloc"), 64, 10) == per_token * 64

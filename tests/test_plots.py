@@ -258,8 +258,8 @@ def test_cost_lines_are_each_runs_fit(tables):
         assert set(lines) == {f"{c} · {d}" for c in CACHES for d in DTYPES}
         for cache, dtype in itertools.product(CACHES, DTYPES):
             run = ok[(ok["model"] == model) & (ok["cache"] == cache) & (ok["dtype"] == dtype)]
-            fit = cost_model(run, cache == "concat")
+            fit = cost_model(run)
             line = lines[f"{cache} · {dtype}"]
             T = np.asarray(line.get_xdata())
-            want = fit["cost_a_ms"] + fit["cost_b_ms_per_token"] * T + (fit["cost_c_ms_per_token2"] or 0) * T * T
+            want = fit["cost_a_ms"] + fit["cost_b_ms_per_token"] * T
             np.testing.assert_allclose(line.get_ydata(), want)

@@ -176,3 +176,17 @@ def test_a_job_re_entered_and_killed_counts_as_not_ok(tmp_path):
         assert any("no complete results.json" in f for f in experiment.invocation_failures())
     finally:
         experiment.WHERE.clear()
+
+
+def test_a_finished_run_on_other_weights_is_measured_again(tmp_path):
+    """The identity hashes model.weights as asked (auto); a finished run whose weights came from elsewhere than they
+    would now (an offline fallback, then the hub answers) is measured again, not mixed into the sweep."""
+    out = tmp_path / "run"
+    args = [*TINY, "prompts=random", "tracking=disabled", f"hydra.run.dir={out}"]
+    assert run_py(args, tmp_path).returncode == 0
+    record = json.loads((out / "results.json").read_text())
+    record["weights_source"] = "openai-community/gpt2"  # as if measured on the real checkpoint
+    (out / "results.json").write_text(json.dumps(record))
+    again = run_py(args, tmp_path)
+    assert again.returncode == 0 and "measuring it again" in again.stderr
+    assert json.loads((out / "results.json").read_text())["weights_source"] == "random"

@@ -104,8 +104,6 @@ class KVCache:
     Options: ClassVar[type] = NoOptions
     exact: ClassVar[bool] = True  # must equal its reference (tokens identical); False: lossy, measured as drift
     description: ClassVar[str] = ""
-    # whether a decode step copies the whole history (its step time grows as a + bT + cT^2, not a + bT)
-    copies_history: ClassVar[bool] = False
     # option sets the conformance tests (tests/test_cache_kinds.py) run this kind with on tiny models, chosen so
     # that the kind's own mechanics (eviction, groups, ...) happen within a short generation
     examples: ClassVar[tuple[dict, ...]] = ({},)

@@ -12,7 +12,6 @@ from models.kv_cache.base import KVCache, register
 class ConcatKVCache(KVCache):
     kind = "concat"
     description = "layout A: torch.cat per step (grows with the sequence, copies the history every step)"
-    copies_history = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
