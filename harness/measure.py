@@ -322,6 +322,7 @@ def drift_summary_of(checks: list[dict], new_tokens: int) -> tuple[dict, pd.Data
 # ---- drift statistics as llama.cpp's perplexity tool reports them (--kl-divergence) ----------------------------
 
 LAYER_TOL = 1e-2  # relative K/V error (vs fp32) from which a layer counts as disagreeing
+STAT_ROWS = 128  # positions whose float64 log-softmax over the vocabulary is held at once (text_drift)
 NEAR_TIE = 2.0  # a divergence is a near tie when the reference's top-1/top-2 margin < NEAR_TIE x max |dlogit| there
 
 TEXT_KEYS = ("drift_kl_p99", "drift_kl_max", "drift_delta_nll", "drift_delta_ppl", "drift_rms_dp", "drift_same_top1",
@@ -401,13 +402,16 @@ def text_drift(engine, ref32, spec: CacheSpec, texts: list[torch.Tensor], T: int
         check_finite(ours, "the cached text pass")
         ref = ref.to(ours.device)
         target = seq[0, 1:].to(ours.device)
-        lp, lr = ours.double().log_softmax(-1), ref.double().log_softmax(-1)
-        kl.append((lr.exp() * (lr - lp)).sum(-1).clamp_min(0))
-        nll.append(-lp.gather(-1, target[:, None])[:, 0])
-        nll_ref.append(-lr.gather(-1, target[:, None])[:, 0])
-        top = lr.argmax(-1, keepdim=True)
-        dp.append(lp.gather(-1, top)[:, 0].exp() - lr.gather(-1, top)[:, 0].exp())
-        same.append((lp.argmax(-1) == top[:, 0]).double())
+        for a in range(0, len(target), STAT_ROWS):  # float64 over the vocabulary, a bounded number of rows at once
+            rows = slice(a, a + STAT_ROWS)
+            lp, lr = ours[rows].double().log_softmax(-1), ref[rows].double().log_softmax(-1)
+            t = target[rows, None]
+            kl.append((lr.exp() * (lr - lp)).sum(-1).clamp_min(0))
+            nll.append(-lp.gather(-1, t)[:, 0])
+            nll_ref.append(-lr.gather(-1, t)[:, 0])
+            top = lr.argmax(-1, keepdim=True)
+            dp.append(lp.gather(-1, top)[:, 0].exp() - lr.gather(-1, top)[:, 0].exp())
+            same.append((lp.argmax(-1) == top[:, 0]).double())
         layers.append(kv_errors(seen, seen_ref))
     kl, nll, nll_ref = torch.cat(kl).cpu(), torch.cat(nll).cpu(), torch.cat(nll_ref).cpu()
     dp, same = torch.cat(dp).cpu(), torch.cat(same).cpu()

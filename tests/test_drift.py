@@ -166,3 +166,14 @@ def test_trained_weights_drift_far_more_than_random_ones(mini_texts):
     assert trained["drift_kl"] > 10 * untrained["drift_kl"]
     assert trained["drift_rms_dp"] > 100 * untrained["drift_rms_dp"]
     assert trained["text_nll_fp32"] < 5.0 < untrained["text_nll_fp32"]
+
+
+def test_statistics_do_not_depend_on_how_many_rows_are_held_at_once(tiny_model, monkeypatch):
+    e = KvlabEngine(tiny_model)
+    lossy = spec("quant", k_bits=2, v_bits=2, group_size=8)
+    whole, _ = measure.text_drift(e, e, lossy, TEXT, T=8)
+    monkeypatch.setattr(measure, "STAT_ROWS", 5)  # TEXT scores 44 positions: nine blocks
+    blocks, _ = measure.text_drift(e, e, lossy, TEXT, T=8)
+    for key, value in whole.items():
+        if isinstance(value, float):
+            assert blocks[key] == pytest.approx(value, rel=1e-9, abs=1e-15), key
