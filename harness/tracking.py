@@ -28,11 +28,14 @@ os.umask(_UMASK)
 
 
 def _atomic_write(path: Path, write) -> None:
+    """``write(f)`` into a unique temporary file beside ``path`` (text; or ``write`` is bytes, written as they are),
+    flushed to disk, then renamed into place: a crash leaves the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            write(f)
+        data = write if isinstance(write, bytes) else None
+        with os.fdopen(fd, "wb") if data is not None else os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(data) if data is not None else write(f)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are for everyone who may read the folder

@@ -50,7 +50,6 @@ import re
 import shlex
 import sqlite3
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from functools import lru_cache
@@ -59,6 +58,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from harness.tracking import _atomic_write
 from models.gpt2 import PRESETS, _CONV1D, GPT2, GPT2Config
 from models.tokenizer import Tokenizer
 
@@ -264,22 +264,6 @@ def hf_state_dict(model: GPT2, dtype: torch.dtype) -> dict[str, torch.Tensor]:
             t = t.t()
         out[name] = t.to(dtype).contiguous().clone()
     return out
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """``data`` into ``path`` through a unique temporary file, flushed to disk before the rename: a crash leaves the
-    old file or the new one, never half of one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a checkpoint is for everyone who may read the folder
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_heldout_text(folder: Path) -> Path:
