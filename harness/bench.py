@@ -124,7 +124,7 @@ def time_prefix_reuse(engine, spec: CacheSpec, prefix: int, suffix: int, repeats
     warm = spec.new(engine, max_len)
     engine.prefill(ids[:, :prefix], warm)
     snap = warm.snapshot()  # once, untimed: what a server keeps for the shared prefix
-    cold_cache, reuse_cache = spec.new(engine, max_len), spec.new(engine, max_len)
+    cold_cache, reuse_cache = spec.new(engine, max_len), warm.empty_like()  # (a paged one shares warm's pool)
     out: dict = {"cold": [], "reuse": []}
 
     def cold():

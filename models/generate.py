@@ -39,6 +39,44 @@ def _as_batch(ids, vocab_size: int | None = None) -> torch.Tensor:
     return t
 
 
+def is_ragged(prompts) -> bool:
+    """Whether ``prompts`` is a list of prompts (lists of ids or 1-D tensors) of different lengths."""
+    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)) or not prompts:
+        return False
+    if not all(isinstance(p, (list, tuple)) or (isinstance(p, torch.Tensor) and p.dim() == 1) for p in prompts):
+        return False
+    return len({len(p) for p in prompts}) > 1
+
+
+def left_pad(prompts, pad_id: int = 0, length: int | None = None,
+             vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths as one left-padded batch: (B, L) ids and (B,) padding per sequence, L the
+    longest prompt (or ``length``). The padding's id does not matter: the model never lets a token attend to it."""
+    rows = []
+    for i, p in enumerate(prompts):
+        t = torch.as_tensor(p)
+        if t.dim() != 1 or t.numel() == 0:
+            raise ValueError(f"prompt {i} must be a non-empty list of token ids, got shape {tuple(t.shape)}")
+        rows.append(_as_batch(t, vocab_size)[0])
+    if not rows:
+        raise ValueError("no prompts: give at least one list of token ids")
+    longest = max(len(r) for r in rows)
+    L = longest if length is None else length
+    if L < longest:
+        raise ValueError(f"length {L} is shorter than the longest prompt ({longest} tokens)")
+    idx = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        idx[i, L - len(r):] = r
+    return idx, torch.tensor([L - len(r) for r in rows])
+
+
+def as_prompts(prompts, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A batch (B, T) and its left padding (B,), None when every prompt has the same length."""
+    if is_ragged(prompts):
+        return left_pad(prompts, vocab_size=vocab_size)
+    return _as_batch(prompts, vocab_size), None
+
+
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
@@ -56,11 +94,22 @@ def new_cache(model: GPT2, kind: str, max_len: int, batch: int = 1, dtype=None, 
 
 
 @torch.inference_mode()
-def prefill(model: GPT2, prompt_ids: torch.Tensor, cache: KVCache,
-            last_only: bool = False) -> tuple[torch.Tensor, KVCache]:
+def prefill(model: GPT2, prompt_ids, cache: KVCache, last_only: bool = False,
+            pad=None) -> tuple[torch.Tensor, KVCache]:
     """(B, T) prompt in one pass -> logits (B, T, vocab), or (B, 1, vocab) with ``last_only``; the cache then holds
-    T more positions."""
+    T more positions.
+
+    Prompts of different lengths (a list of id lists or 1-D tensors) are left-padded into one batch, and ``pad``
+    (B,) says how many padding slots an already padded batch has; either way the cache records the padding
+    (``set_padding``), so every later step of the batch keeps each sequence's own positions. The logits are in
+    the padded layout: the last column is every sequence's last token."""
+    if is_ragged(prompt_ids):
+        if pad is not None:
+            raise ValueError("give either prompts of different lengths or a padded batch with pad, not both")
+        prompt_ids, pad = left_pad(prompt_ids, vocab_size=model.config.vocab_size)
     prompt_ids = _as_batch(prompt_ids).to(model_device(model))  # shape and dtype only: no device sync here
+    if pad is not None:
+        cache.set_padding(pad)
     return model(prompt_ids, cache=cache, last_only=last_only), cache
 
 
@@ -101,8 +150,10 @@ def greedy_uncached(forward_last, idx: torch.Tensor, max_new_tokens: int) -> Gre
 
 @torch.inference_mode()
 def greedy(model: GPT2, prompt_ids, max_new_tokens: int, layout: str | None = None, cache_dtype=None,
-           max_len: int | None = None, **options) -> GreedyOutput:
-    """Greedy generation of ``max_new_tokens`` tokens after ``prompt_ids`` (B, T).
+           max_len: int | None = None, pad=None, **options) -> GreedyOutput:
+    """Greedy generation of ``max_new_tokens`` tokens after ``prompt_ids`` (B, T), or after each of a list of
+    prompts of different lengths (``[[464, 3290], [50256], ...]``: left-padded into one batch, each sequence with
+    its own positions; ``out.tokens[i]`` is sequence i's). ``pad`` (B,) gives the padding of a batch padded already.
 
     ``layout`` None re-runs the whole context every step (the uncached oracle); a cache kind ("concat", "prealloc",
     "quant", "window", ...) prefills a cache of that kind once and then decodes one token per step. ``options``
@@ -113,10 +164,14 @@ def greedy(model: GPT2, prompt_ids, max_new_tokens: int, layout: str | None = No
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    idx = _as_batch(prompt_ids, model.config.vocab_size).to(model_device(model))
+    if pad is None:
+        idx, pad = as_prompts(prompt_ids, model.config.vocab_size)
+    else:
+        idx = _as_batch(prompt_ids, model.config.vocab_size)
+    idx = idx.to(model_device(model))
     B, T = idx.shape
     if layout is None:
-        return greedy_uncached(lambda ctx: model(ctx, last_only=True, **options), idx, max_new_tokens)
+        return greedy_uncached(lambda ctx: model(ctx, last_only=True, pad=pad, **options), idx, max_new_tokens)
     cache = new_cache(model, layout, max_len or T + max_new_tokens, B, cache_dtype, **options)
-    return greedy_loop(lambda: prefill(model, idx, cache, last_only=True)[0][:, -1],
+    return greedy_loop(lambda: prefill(model, idx, cache, last_only=True, pad=pad)[0][:, -1],
                        lambda nxt: decode_step(model, nxt, cache)[0][:, -1], max_new_tokens)

@@ -169,25 +169,52 @@ HF_MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
 
 
 def attention_mask(past: int, T: int, key_pos: torch.Tensor | None, device, window: int | None = None,
-                   sinks: int = 0) -> torch.Tensor | None:
-    """Which keys each of the T queries (at positions past .. past + T - 1) may attend: (T, n_keys) bool, or None
-    when it is plain causal attention over the whole history in order (attention's fast paths handle that).
+                   sinks: int = 0, pad: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Which keys each of the T queries (in slots past .. past + T - 1) may attend: (T, n_keys) bool, (B, 1, T,
+    n_keys) for a ragged batch, or None when it is plain causal attention over the whole history in order
+    (attention's fast paths handle that).
 
-    ``key_pos`` is the absolute position of every key the cache returns (None: 0 .. past + T - 1). A query at t sees
-    a key at j when j <= t and, with a ``window``, when also j < ``sinks`` or t - window < j."""
-    if key_pos is None and window is None:
+    ``pad`` (B,): sequence b's first pad[b] slots are padding, and its token in slot s has position s - pad[b].
+    ``key_pos`` says where each key the cache returns sits: (n_keys,) the slot of each key, shared by the batch;
+    (B, n_keys) the position of each key per sequence (negative: the slot holds nothing); None: slots 0 .. past +
+    T - 1. A query at position t sees a key at position j when 0 <= j <= t and, with a ``window``, when also j <
+    ``sinks`` or t - window < j. A padding query sees every key: its output is never read, and a query that sees
+    nothing would make attention NaN."""
+    if key_pos is None and window is None and pad is None:
         return None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1
                                or isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0):
         raise ValueError(f"window={window!r}, sinks={sinks!r}: window must be an integer >= 1 and sinks >= 0")
-    q = torch.arange(past, past + T, device=device).unsqueeze(1)  # (T, 1)
-    j = (torch.arange(past + T, device=device) if key_pos is None else key_pos).unsqueeze(0)  # (1, n_keys)
-    mask = j <= q
+    q = torch.arange(past, past + T, device=device).unsqueeze(1)  # (T, 1) slots
+    j = torch.arange(past + T, device=device) if key_pos is None else key_pos
+    if pad is None and j.dim() == 1:
+        j = j.unsqueeze(0)  # (1, n_keys)
+        mask = j <= q
+    else:
+        off = 0 if pad is None else pad.view(-1, 1, 1)
+        q = q.unsqueeze(0) - off  # (B, T, 1) positions
+        j = j.unsqueeze(1) if j.dim() == 2 else j.view(1, 1, -1) - off  # (B, 1, n_keys) positions
+        mask = (j >= 0) & (j <= q)
     if window is not None:
         mask &= (j < sinks) | (j > q - window)
+    if mask.dim() == 3:
+        mask = (mask | (q < 0)).unsqueeze(1)  # (B, 1, T, n_keys), one mask per sequence for every head
     if T == 1 and bool(mask.all()):
         return None  # a decode step that sees every key it is given
     return mask
+
+
+def check_padding(pad, B: int, T: int, device) -> torch.Tensor | None:
+    """``pad`` as a (B,) long tensor on ``device`` (None when no sequence is padded); each sequence keeps a token."""
+    if pad is None:
+        return None
+    pad = torch.as_tensor(pad)
+    if pad.is_floating_point() or pad.dtype == torch.bool or tuple(pad.shape) != (B,):
+        raise ValueError(f"pad must be {B} integers (one per sequence), got {pad.dtype} of shape {tuple(pad.shape)}")
+    if int(pad.min()) < 0 or int(pad.max()) >= T:
+        raise ValueError(f"pad must lie in [0, {T}) so that every sequence of the {T} slots keeps a token, got "
+                         f"{pad.tolist()}")
+    return pad.to(device=device, dtype=torch.long) if pad.any() else None
 
 
 class GPT2(nn.Module):
@@ -233,27 +260,39 @@ class GPT2(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, last_only: bool = False,
-                window: int | None = None, sinks: int = 0) -> torch.Tensor:
+                window: int | None = None, sinks: int = 0, pad=None) -> torch.Tensor:
         """idx (B, T) -> logits (B, T, vocab). With a cache, positions start at ``cache.pos`` and ``pos`` advances
         by T once every layer has stored its K and V. ``last_only`` asks for the last position's logits alone,
         (B, 1, vocab), sparing the vocabulary projection of positions nobody reads (generation's choice).
 
         ``window``/``sinks`` make the uncached forward the reference of the window cache kind: the query at position
         t sees the keys at positions j with j < sinks or t - window < j <= t. A cache applies its own kind's rule
-        (``cache.reference``), so they are not given with one."""
+        (``cache.reference``), so they are not given with one.
+
+        ``pad`` (B,) makes idx a left-padded ragged batch: sequence b's first pad[b] columns are padding, its tokens
+        start at position 0, and no query attends to padding. With a cache, the padding is the cache's
+        (``cache.set_padding``, which ``prefill`` calls), so it is not given here."""
         if idx.dim() != 2 or idx.is_floating_point() or idx.dtype == torch.bool:
             raise ValueError(f"idx must be (B, T) integer token ids, got {idx.dtype} of shape {tuple(idx.shape)}")
         B, T = idx.shape
-        past = 0 if cache is None else cache.pos
-        if past + T > self.config.n_positions:
-            raise ValueError(f"sequence too long: {past} cached + {T} new tokens > n_positions "
+        if cache is not None and (window is not None or pad is not None):
+            raise ValueError("window/sinks and pad describe the uncached reference; a cache applies its own kind's "
+                             "rule and holds its own padding (cache.set_padding)")
+        if cache is None:
+            past, pad = 0, check_padding(pad, B, T, idx.device)
+            pad_min = 0 if pad is None else int(pad.min())
+        else:
+            past, pad, pad_min = cache.pos, cache.pad, cache.pad_min
+        if past + T - pad_min > self.config.n_positions:
+            raise ValueError(f"sequence too long: {past - pad_min} cached + {T} new tokens > n_positions "
                              f"{self.config.n_positions}")
-        if cache is not None and window is not None:
-            raise ValueError("window/sinks describe the uncached reference; a cache applies its own kind's rule")
         rule = cache.reference(cache.opts) if cache is not None else (
             {} if window is None else {"window": window, "sinks": sinks})
-        mask = attention_mask(past, T, None if cache is None else cache.key_positions(T), idx.device, **rule)
+        mask = attention_mask(past, T, None if cache is None else cache.key_positions(T), idx.device, pad=pad,
+                              **rule)
         pos = torch.arange(past, past + T, device=idx.device)  # (T,)
+        if pad is not None:
+            pos = (pos - pad.unsqueeze(1)).clamp(min=0)  # (B, T): each sequence's own positions; padding gets 0
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
         for layer, block in enumerate(self.transformer.h):
             x = block(x, cache, layer, mask)

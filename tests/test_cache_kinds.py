@@ -41,6 +41,34 @@ def walk_storage_bytes(cache) -> int:
     return sum(storages.values())
 
 
+def own_bytes(cache) -> int:
+    """The test's own count of the bytes a cache holds: the storage behind its tensors; for a kind that draws blocks
+    from a pool, the blocks the pool has handed out (one cache on the pool, no snapshot alive) at the block's size
+    worked out from the geometry."""
+    if not cache.pooled:
+        return walk_storage_bytes(cache)
+    block = 2 * cache.n_layer * cache.n_head * cache.opts.block_size * cache.head_dim * cache.pool.k.element_size()
+    return (cache.pool.n_blocks - len(cache.pool.free)) * block
+
+
+def state(cache) -> dict:
+    """What a cache holds, as values: its snapshot, or for a pooled kind (whose snapshot names shared blocks) the
+    K/V it reads through its block tables."""
+    if not cache.pooled:
+        return cache.snapshot()
+    reads = [cache.read(layer) for layer in range(cache.n_layer)]
+    return {"pos": cache.pos, "k": [k for k, _ in reads], "v": [v for _, v in reads]}
+
+
+def snapshot_state(cache, snap) -> dict:
+    """What a snapshot holds, as values (a pooled kind's: restored into a twin on the same pool)."""
+    if not cache.pooled:
+        return snap
+    twin = cache.empty_like()
+    twin.restore(snap)
+    return state(twin)
+
+
 def visible(q: int, n: int, reference: dict) -> set[int]:
     """Positions the reference lets a query at q see among 0..n-1, worked out here from the rule itself."""
     W, S = reference.get("window"), reference.get("sinks", 0)
@@ -112,7 +140,7 @@ def test_registry_holds_the_kinds_and_make_cache_builds_them():
         assert cls.kind == kind and issubclass(cls, KVCache) and isinstance(cls.exact, bool)
         assert isinstance(make(kind, {}), cls)
         cls.parse_options(**cls.option_defaults())  # the defaults are valid options
-    with pytest.raises(ValueError, match="unknown cache kind 'lru': use one of concat, prealloc, quant, window"):
+    with pytest.raises(ValueError, match="unknown cache kind 'lru': use one of concat, prealloc, quant, window, paged"):
         make_cache("lru", 2, 2, 4, 8)
 
 
@@ -188,11 +216,11 @@ def test_overflow_names_the_numbers_and_writes_nothing(kind, opts):
     w = Writer(cache)
     w.write(7)
     w.write(3)
-    before = cache.snapshot()
+    before = state(cache)
     k, v = w.chunk(3)[0]
     with pytest.raises(ValueError, match=r"pos 10 \+ 3 new tokens > max_len 12"):
         cache.update(0, k, v)
-    assert cache.pos == 10 and same_state(before, cache.snapshot())
+    assert cache.pos == 10 and same_state(before, state(cache))
     w.write(2)  # exactly full is fine
     assert cache.pos == 12
 
@@ -210,7 +238,7 @@ def test_nbytes_is_every_tensor_held_and_equals_the_formula(kind, opts, dtype):
             w.write(t)
         n = cache.pos
         want = cls.nbytes_formula(GEOM["n_layer"], GEOM["n_head"], GEOM["head_dim"], 40, 2, dtype, n, cache.opts)
-        assert cache.nbytes == walk_storage_bytes(cache) == want == cache.formula_nbytes()
+        assert cache.nbytes == own_bytes(cache) == want == cache.formula_nbytes()
         assert cache.held == cls.held_tokens(40, n, cache.opts)
 
 
@@ -266,7 +294,7 @@ def test_crop_gives_the_shorter_cache_or_says_why_not(kind, opts):
         cropped_somewhere += 1
         cache.crop(m)
         assert cache.pos == m
-        assert cache.nbytes == walk_storage_bytes(cache) == cache.formula_nbytes()  # nothing longer kept alive
+        assert cache.nbytes == own_bytes(cache) == cache.formula_nbytes()  # nothing longer kept alive
         # the cache that only ever wrote the first m tokens
         short = make(kind, opts)
         flat = [torch.cat([d[layer][i] for d in data], dim=2)[:, :, :m] for layer in range(2) for i in range(2)]
@@ -315,18 +343,18 @@ def test_real_crops_give_the_shorter_cache(kind, opts, chunks, m):
 @pytest.mark.parametrize("kind,opts,chunks,m", NO_CROPS)
 def test_crops_that_would_need_lost_data_are_refused(kind, opts, chunks, m):
     cache, _ = replay(kind, opts, chunks)
-    before = cache.snapshot()
+    before = state(cache)
     assert not cache.can_crop(m)
     with pytest.raises(ValueError, match="snapshot\\(\\) before and restore\\(\\) instead"):
         cache.crop(m)
-    assert same_state(before, cache.snapshot())
+    assert same_state(before, state(cache))
 
 
 @pytest.mark.parametrize("kind,opts", CASES)
 def test_snapshot_restore_is_exact_and_shares_no_storage(kind, opts):
     cache, _ = replay(kind, opts, [6, 1, 1, 4, 1])
     snap = cache.snapshot()
-    kept = copy.deepcopy(snap)
+    kept = copy.deepcopy(snapshot_state(cache, snap))
     def storages(tensors):  # empty tensors own no storage
         return {t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().nbytes()}
 
@@ -337,14 +365,15 @@ def test_snapshot_restore_is_exact_and_shares_no_storage(kind, opts):
     w.write(3)
     w.write(1)
     cache.restore(snap)
-    assert cache.pos == 13 and same_state(cache.snapshot(), kept)
+    assert cache.pos == 13 and same_state(state(cache), kept)
     after = Writer(cache, seed=6).write(2)[0]  # writes after a restore never reach the snapshot
-    assert same_state(snap, kept)
+    assert same_state(snapshot_state(cache, snap), kept)
     twin, _ = replay(kind, opts, [6, 1, 1, 4, 1])
     again = Writer(twin, seed=6).write(2)[0]
     for (ka, va), (kb, vb) in zip(after, again):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
-    other = make(kind, opts, max_len=41)
+    other = make(kind, opts, max_len=41) if not cache.pooled else type(cache)(
+        2, 3, 8, 41, 2, pool=cache.pool, **opts)
     with pytest.raises(ValueError, match="cannot restore into one with"):
         other.restore(snap)
     with pytest.raises(ValueError, match="not a snapshot of a"):
@@ -354,12 +383,12 @@ def test_snapshot_restore_is_exact_and_shares_no_storage(kind, opts):
 @pytest.mark.parametrize("kind,opts", CASES)
 def test_checkpoint_puts_a_timed_step_back(kind, opts):
     cache, _ = replay(kind, opts, [20, 1, 1])
-    before = cache.snapshot()
+    before = state(cache)
     back = cache.checkpoint()
     for _ in range(3):
         Writer(cache, seed=4).write(1)
         back()
-        assert cache.pos == 22 and same_state(cache.snapshot(), before)
+        assert cache.pos == 22 and same_state(state(cache), before)
 
 
 # ---- the model on every kind ------------------------------------------------------------------------------------

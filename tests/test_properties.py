@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from models.generate import decode_step, new_cache, prefill
 from models.gpt2 import GPT2, GPT2Config
 from models.kv_cache import CACHE_KINDS, make_cache
+from tests.test_cache_kinds import own_bytes
 
 BOUNDED = settings(max_examples=50, deadline=None, derandomize=True, database=None,
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -69,6 +70,36 @@ def test_exact_kinds_equal_their_reference(s):
     assert (logits - ref).abs().max().item() <= 1e-4
 
 
+RAGGED = [k for k in EXACT if not CACHE_KINDS[k].why_no_padding]
+
+
+@BOUNDED
+@given(setups(RAGGED), st.lists(st.integers(1, 12), min_size=2, max_size=4), st.integers(0, 5))
+def test_ragged_batches_give_each_sequence_what_it_gets_alone(s, lengths, extra):
+    """Prompts of the drawn lengths, left-padded (``extra`` more padding slots than needed), prefilled in the drawn
+    chunks, then decoded: each sequence's logits equal its own reference run, alone and unpadded."""
+    model = build(s)
+    g = torch.Generator().manual_seed(s["seed"])
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+    T = max(lengths) + extra
+    ids = torch.stack([torch.cat([torch.randint(0, VOCAB, (T - len(p),), generator=g), p]) for p in prompts])
+    pad = torch.tensor([T - len(p) for p in prompts])
+    cache = new_cache(model, s["kind"], max_len=T + s["new"], batch=len(prompts), **s["opts"])
+    cache.set_padding(pad)
+    cuts = sorted({0, T} | {c for c in torch.cumsum(torch.tensor(s["chunks"]), 0).tolist() if c < T})
+    logits = [prefill(model, ids[:, a:b], cache)[0] for a, b in zip(cuts, cuts[1:])]
+    tokens = []
+    for _ in range(s["new"]):
+        tokens.append(logits[-1][:, -1:].argmax(-1))
+        logits.append(decode_step(model, tokens[-1], cache)[0])
+    fed = torch.cat(logits, 1)  # (B, T + new, vocab)
+    tokens = torch.cat(tokens, 1)
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = model(torch.cat([p, tokens[i]]).unsqueeze(0), **cache.reference(cache.opts))[0]
+        assert (fed[i, int(pad[i]):] - ref).abs().max().item() <= 1e-4
+
+
 @BOUNDED
 @given(setups(FULL))
 def test_full_attention_kinds_equal_each_other(s):
@@ -94,12 +125,7 @@ def test_nbytes_is_the_formula_and_the_storage_kept_alive(s, dtype):
             k = torch.randn(s["batch"], s["n_head"], t, s["head_dim"], generator=g).to(dtype)
             cache.update(layer, k, -k)
         cache.advance(t)
-        storages = {}
-        for v in vars(cache).values():
-            for x in (v if isinstance(v, list) else [v]):
-                if isinstance(x, torch.Tensor):
-                    storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        assert cache.nbytes == sum(storages.values()) == cache.formula_nbytes()
+        assert cache.nbytes == own_bytes(cache) == cache.formula_nbytes()
 
 
 @pytest.mark.skipif(not LOSSY, reason="no lossy kind is registered")

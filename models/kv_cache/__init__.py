@@ -4,9 +4,11 @@
     cache = make_cache("prealloc", n_layer, n_head, head_dim, max_len, batch, dtype=torch.float32)
     cache = make_cache("quant", ..., k_bits=4, v_bits=8, group_size=32, residual=0)
     cache = make_cache("window", ..., window=256, sinks=4)
+    cache = make_cache("paged", ..., block_size=16)
 
 ``base.py`` holds the contract (``KVCache``) and the registry; each kind is one module with one registered class:
-``concat`` (layout A), ``prealloc`` (layout B), ``quant`` (low-bit K/V) and ``window`` (sinks + sliding window).
+``concat`` (layout A), ``prealloc`` (layout B), ``quant`` (low-bit K/V), ``window`` (sinks + sliding window) and
+``paged`` (blocks from a shared pool, a block table per sequence).
 """
 
 from models.kv_cache.base import (CACHE_KINDS, DTYPE_NAMES, DTYPES, KVCache, NoOptions, as_dtype, cache_kind,
@@ -15,7 +17,8 @@ from models.kv_cache.concat import ConcatKVCache
 from models.kv_cache.prealloc import PreallocKVCache
 from models.kv_cache.quant import QuantKVCache
 from models.kv_cache.window import WindowKVCache
+from models.kv_cache.paged import BlockPool, PagedKVCache  # noqa: E402  (registered last: the kinds' order)
 
 __all__ = ["CACHE_KINDS", "DTYPE_NAMES", "DTYPES", "KVCache", "NoOptions", "as_dtype", "cache_kind",
            "kv_bytes", "make_cache", "register", "ConcatKVCache", "PreallocKVCache", "QuantKVCache",
-           "WindowKVCache"]
+           "WindowKVCache", "BlockPool", "PagedKVCache"]

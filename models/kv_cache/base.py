@@ -98,7 +98,7 @@ class NoOptions:
 
 class KVCache:
     """The base of every cache kind. Subclasses set ``kind`` (the registry name), ``Options``, ``exact`` and
-    implement ``update``, ``_crop``, ``reset``, ``snapshot``/``restore`` and the classmethods that describe them."""
+    implement ``update``, ``_crop``, ``_reset``, ``snapshot``/``restore`` and the classmethods that describe them."""
 
     kind: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
@@ -107,6 +107,10 @@ class KVCache:
     # option sets the conformance tests (tests/test_cache_kinds.py) run this kind with on tiny models, chosen so
     # that the kind's own mechanics (eviction, groups, ...) happen within a short generation
     examples: ClassVar[tuple[dict, ...]] = ({},)
+    # whether the kind runs left-padded ragged batches exactly; if not, why (the one-line refusal)
+    why_no_padding: ClassVar[str] = ""
+    # True: K/V live in a pool the cache draws blocks from (and may share); nbytes counts the blocks it uses
+    pooled: ClassVar[bool] = False
 
     def __init__(self, n_layer: int, n_head: int, head_dim: int, max_len: int, batch: int = 1,
                  dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu", **options):
@@ -118,7 +122,9 @@ class KVCache:
         self.dtype = as_dtype(dtype)
         self.device = torch.device(device)
         self.opts = self.parse_options(**options)
-        self.pos = 0  # tokens written so far; advanced by the model's forward, after its last layer
+        self.pos = 0  # slots written so far; advanced by the model's forward, after its last layer
+        self.pad: torch.Tensor | None = None  # (B,) left padding of a ragged batch (set_padding); None: none
+        self.pad_min = 0  # the least of pad, as a Python int (the forward checks positions without a device sync)
 
     # ---- what a kind declares -------------------------------------------------------------------------------
 
@@ -231,8 +237,32 @@ class KVCache:
 
     @property
     def filled_nbytes(self) -> int:
-        """Bytes of the positions written so far (``pos`` of them) at the storage dtype."""
-        return kv_bytes(self.n_layer, self.n_head, self.head_dim, self.pos, self.batch, self.dtype)
+        """Bytes of the tokens written so far at the storage dtype (padding slots of a ragged batch excluded)."""
+        return sum(kv_bytes(self.n_layer, self.n_head, self.head_dim, n, 1, self.dtype) for n in self.lengths())
+
+    # ---- ragged batches ---------------------------------------------------------------------------------------
+
+    def set_padding(self, pad) -> None:
+        """Declare a left-padded ragged batch before its prefill: sequence b's first ``pad[b]`` slots hold padding,
+        not tokens, and its token at slot s has position s - pad[b]. The model then gives each sequence its own
+        positions and masks the padding out of attention; a kind that stores per token skips the padding."""
+        if self.why_no_padding:
+            raise ValueError(f"cache kind {self.kind!r} does not run ragged batches: {self.why_no_padding}")
+        if self.pos:
+            raise ValueError(f"set_padding comes before the prefill: this cache already holds {self.pos} slots")
+        pad = torch.as_tensor(pad)
+        if pad.is_floating_point() or pad.dtype == torch.bool or tuple(pad.shape) != (self.batch,):
+            raise ValueError(f"pad must be {self.batch} integers (one per sequence), got {pad.dtype} of shape "
+                             f"{tuple(pad.shape)}")
+        if int(pad.min()) < 0 or int(pad.max()) >= self.max_len:
+            raise ValueError(f"pad must lie in [0, max_len {self.max_len}), got {pad.tolist()}")
+        self.pad = None if not pad.any() else pad.to(device=self.device, dtype=torch.long)
+        self.pad_min = int(pad.min())
+
+    def lengths(self, n_slots: int | None = None) -> list[int]:
+        """Tokens each sequence holds after ``n_slots`` (default: ``pos``) slots: the slots less its padding."""
+        n = self.pos if n_slots is None else n_slots
+        return [n] * self.batch if self.pad is None else [max(0, n - p) for p in self.pad.tolist()]
 
     # ---- rewinding and reuse --------------------------------------------------------------------------------
 
@@ -262,7 +292,18 @@ class KVCache:
         return lambda: self.crop(pos)
 
     def reset(self) -> None:
+        """Empty again (padding forgotten); the storage a kind allocated up front is kept."""
+        self._reset()
+        self.pos, self.pad, self.pad_min = 0, None, 0
+
+    def _reset(self) -> None:
         raise NotImplementedError
+
+    def empty_like(self, batch: int | None = None) -> KVCache:
+        """An empty cache of the same kind, geometry and options (``batch`` sequences if given): one that this
+        cache's snapshots restore into. A pooled kind's draws from the same pool."""
+        return type(self)(self.n_layer, self.n_head, self.head_dim, self.max_len, batch or self.batch,
+                          dtype=self.dtype, device=self.device, **dataclasses.asdict(self.opts))
 
     def snapshot(self) -> dict:
         raise NotImplementedError
@@ -271,7 +312,8 @@ class KVCache:
         raise NotImplementedError
 
     def _snapshot_header(self) -> dict:
-        return dict(kind=self.kind, geometry=self._geometry(), pos=self.pos)
+        return dict(kind=self.kind, geometry=self._geometry(), pos=self.pos,
+                    pad=None if self.pad is None else self.pad.clone())
 
     def _geometry(self) -> tuple:
         return (self.n_layer, self.batch, self.n_head, self.head_dim, self.max_len, str(self.dtype), self.opts)
@@ -283,6 +325,9 @@ class KVCache:
         if snap.get("geometry") != self._geometry():
             raise ValueError(f"snapshot of a cache with (layers, batch, heads, head_dim, max_len, dtype, options) "
                              f"= {snap.get('geometry')} cannot restore into one with {self._geometry()}")
+        pad = snap.get("pad")
+        self.pad = None if pad is None else pad.clone()
+        self.pad_min = 0 if pad is None else int(pad.min())
         return snap["pos"]
 
     def __repr__(self) -> str:

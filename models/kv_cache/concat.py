@@ -37,10 +37,9 @@ class ConcatKVCache(KVCache):
         self.k = [None if t is None or n == 0 else t[:, :, :n].clone() for t in self.k]
         self.v = [None if t is None or n == 0 else t[:, :, :n].clone() for t in self.v]
 
-    def reset(self) -> None:
+    def _reset(self) -> None:
         self.k = [None] * self.n_layer
         self.v = [None] * self.n_layer
-        self.pos = 0
 
     def snapshot(self) -> dict:
         return {**self._snapshot_header(), "k": [None if t is None else t.clone() for t in self.k],

@@ -33,8 +33,8 @@ class PreallocKVCache(KVCache):
     def _crop(self, n: int) -> None:
         pass  # slots past pos are never read and are overwritten by the next write
 
-    def reset(self) -> None:
-        self.pos = 0  # storage kept; stale slots past pos are never read
+    def _reset(self) -> None:
+        pass  # storage kept; stale slots past pos are never read
 
     def snapshot(self) -> dict:
         return {**self._snapshot_header(), "k": self.k[:, :, :, :self.pos].clone(),

@@ -99,6 +99,8 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 @register
 class QuantKVCache(KVCache):
     kind = "quant"
+    why_no_padding = ("its K groups span tokens, so padding slots would change how real tokens are quantised; run "
+                      "ragged batches on an exact kind")
     Options = QuantOptions
     exact = False
     description = "K per channel, V per token, as 8/4/2-bit integers with fp16 scales (KIVI)"
@@ -257,8 +259,8 @@ class QuantKVCache(KVCache):
         snap = self.snapshot()
         return lambda: self.restore(snap)
 
-    def reset(self) -> None:
-        self.pos, self._returned = 0, (0, torch.float32)
+    def _reset(self) -> None:
+        self._returned = (0, torch.float32)
 
     def _parts(self, n: int) -> dict[str, tuple[torch.Tensor, int]]:
         """Each storage tensor and how many of its slots (dim 3) hold data after n tokens."""

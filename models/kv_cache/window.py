@@ -74,7 +74,24 @@ class WindowKVCache(KVCache):
         latest = S + r + W * torch.div(n - 1 - S - r, W, rounding_mode="floor")
         return torch.where(s < S, s, latest)
 
+    def _ring_positions(self, n: torch.Tensor, width: int) -> torch.Tensor:
+        """A ragged batch's ring: the position each of its first ``width`` slots holds per sequence after sequence b
+        wrote n[b] tokens, (B, width); -1 where a sequence has not filled the slot."""
+        S, W = self.opts.sinks, self.opts.window
+        s = torch.arange(width, device=self.device).unsqueeze(0)  # (1, width)
+        n = n.unsqueeze(1)  # (B, 1)
+        r = s - S
+        latest = S + r + W * torch.div(n - 1 - S - r, W, rounding_mode="floor")
+        return torch.where(s < n, torch.where(s < S, s, latest), -1)
+
     def key_positions(self, t: int) -> torch.Tensor:
+        """Slots (n_keys,) of one batch in step; with padding, each sequence's positions (B, n_keys)."""
+        if self.pad is not None:  # each sequence wrote pos - pad[b] tokens so far (none while in its padding)
+            if t == 1:
+                return self._ring_positions((self.pos + 1 - self.pad).clamp(min=0), self._ring_read(1))
+            new = torch.arange(self.pos, self.pos + t, device=self.device) - self.pad.unsqueeze(1)  # (B, t)
+            ring = self._ring_positions((self.pos - self.pad).clamp(min=0), self._ring_read(0))
+            return torch.cat([ring, new], dim=1)
         if t == 1:  # written into its slot, then the ring is returned as is
             return self._slot_positions(self.pos + 1)
         new = torch.arange(self.pos, self.pos + t, device=self.device)
@@ -84,6 +101,8 @@ class WindowKVCache(KVCache):
 
     def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = self._check_room(layer, k_new, v_new)
+        if self.pad is not None:
+            return self._update_ragged(layer, k_new, v_new, t)
         p0 = self.pos
         if t == 1:  # a decode step: the position it evicts (p0 - W) is exactly the one the new query stops seeing
             s = int(self._slot(torch.tensor(p0)))
@@ -102,6 +121,36 @@ class WindowKVCache(KVCache):
         self.v[layer][:, :, slots] = v_new[:, :, keep].to(self.dtype)
         return k_all, v_all
 
+    def _ring_read(self, t: int) -> int:
+        """Ring slots a ragged batch's step hands attention: those its longest sequence has filled (a decode step:
+        after writing; at least one, so that a step of padding alone still has a key, masked)."""
+        if t == 1:
+            return max(1, min(self.pos - self.pad_min + 1, self.n_slots))
+        return min(max(self.pos - self.pad_min, 0), self.n_slots)
+
+    def _update_ragged(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
+                       t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same ring per sequence, at each sequence's own positions; padding is never stored."""
+        p0 = self.pos - self.pad  # (B,) tokens each sequence wrote before this forward
+        if t == 1:
+            live = p0 >= 0  # sequences past their padding
+            rows = torch.arange(self.batch, device=self.device)[live]
+            slots = self._slot(p0[live])
+            self.k[layer, rows, :, slots] = k_new[live, :, 0].to(self.dtype)  # (live, nh, hs), each into its slot
+            self.v[layer, rows, :, slots] = v_new[live, :, 0].to(self.dtype)
+            n = self._ring_read(1)
+            return self.k[layer, :, :, :n], self.v[layer, :, :, :n]
+        filled = self._ring_read(t)
+        k_all = torch.cat([self.k[layer, :, :, :filled], k_new.to(self.dtype)], dim=2)  # (B, nh, filled + t, hs)
+        v_all = torch.cat([self.v[layer, :, :, :filled], v_new.to(self.dtype)], dim=2)
+        for b, start in enumerate(p0.tolist()):
+            p = torch.arange(start, start + t, device=self.device)
+            keep = (p >= 0) & ((p < self.opts.sinks) | (p >= start + t - self.opts.window))
+            slots = self._slot(p[keep])
+            self.k[layer, b][:, slots] = k_new[b][:, keep].to(self.dtype)
+            self.v[layer, b][:, slots] = v_new[b][:, keep].to(self.dtype)
+        return k_all, v_all
+
     # ---- rewinding and reuse --------------------------------------------------------------------------------
 
     def can_crop(self, n_tokens: int) -> bool:
@@ -109,7 +158,9 @@ class WindowKVCache(KVCache):
             return False
         # every position a cache of n_tokens holds must still be here: the ring has evicted nothing yet (pos - W
         # <= S), or the shorter cache holds only sinks
-        return n_tokens == self.pos or self.pos - self.opts.window <= self.opts.sinks or n_tokens <= self.opts.sinks
+        # (a ragged batch: its longest sequence, pad_min slots shorter than the slots, decides)
+        longest, kept = self.pos - self.pad_min, n_tokens - self.pad_min
+        return n_tokens == self.pos or longest - self.opts.window <= self.opts.sinks or kept <= self.opts.sinks
 
     def _why_no_crop(self, n_tokens: int) -> str:
         return (f"cannot crop a window cache from {self.pos} to {n_tokens} tokens: positions it would need again "
@@ -122,8 +173,8 @@ class WindowKVCache(KVCache):
         snap = self.snapshot()
         return lambda: self.restore(snap)
 
-    def reset(self) -> None:
-        self.pos = 0
+    def _reset(self) -> None:
+        pass
 
     def snapshot(self) -> dict:
         n = min(self.pos, self.n_slots)

@@ -1,0 +1,316 @@
+"""Paged K/V (vLLM's PagedAttention layout, without its kernel): K and V live in fixed-size blocks of ``block_size``
+tokens drawn from a pool; each sequence keeps a block table, the pool block that holds each of its ``block_size``-
+token pieces. A sequence takes a block when it grows past its last one and returns its blocks when it ends
+(``end(b)``), is cropped, or the cache is reset.
+
+- ``nbytes`` counts the blocks this cache's sequences use: a sequence of T tokens holds ceil(T / block_size) blocks,
+  so at most block_size - 1 slots per sequence are wasted, and padding of a ragged batch takes none. The pool itself
+  (``pool_nbytes``) is allocated whole, as engines allocate theirs; what paging buys is that the pool serves
+  sequences by what they hold, not by what they might reach.
+- Attention reads each sequence's keys through its block table: a gather per layer and step (no paged-attention
+  kernel here), so a decode step pays for the indirection. That price is what ``python -m harness.bench --paged``
+  measures.
+- Blocks are reference-counted. ``snapshot()`` shares the blocks it names instead of copying them, ``fork(n)`` gives
+  n sequences that share one sequence's blocks (parallel continuations of one prompt), and ``restore`` shares the
+  snapshot's blocks again. A write into a shared block first copies it (copy-on-write), so writes after a restore
+  or a fork never reach the snapshot or the other sequences: only the first divergent block is ever copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from models.kv_cache.base import KVCache, itemsize, register
+
+
+@dataclass(frozen=True)
+class PagedOptions:
+    block_size: int = 16  # tokens per block
+    blocks: int = 0  # blocks in the pool; 0: enough for every sequence of the batch to reach max_len, plus one
+    # each for the copy-on-write of the block a snapshot shares with it
+
+    def __post_init__(self):
+        for name, low in (("block_size", 1), ("blocks", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"cache option {name} must be an integer >= {low}, got {value!r}")
+
+
+class BlockPool:
+    """Blocks of K and V for every layer, shared by the sequences (and the caches) that draw from it. Block b of
+    head h is rows b * block_size .. (b + 1) * block_size - 1 of ``k[layer, h]``."""
+
+    def __init__(self, n_layer: int, n_head: int, head_dim: int, block_size: int, n_blocks: int, dtype, device):
+        shape = (n_layer, n_head, n_blocks * block_size, head_dim)  # (L, nh, blocks * block_size, hs)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size, self.n_blocks = block_size, n_blocks
+        self.refs = [0] * n_blocks
+        self.free = list(range(n_blocks - 1, -1, -1))  # pop() hands out the lowest free id first
+
+    @property
+    def block_nbytes(self) -> int:
+        """K and V of one block, every layer and head."""
+        L, nh, _, hs = self.k.shape
+        return 2 * L * nh * self.block_size * hs * self.k.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.untyped_storage().nbytes() + self.v.untyped_storage().nbytes()
+
+    @property
+    def used(self) -> int:
+        return self.n_blocks - len(self.free)
+
+    def take(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise ValueError(f"paged pool out of blocks: {n} more needed, {len(self.free)} of {self.n_blocks} "
+                             "free; build the cache with more blocks (cache option blocks) or end sequences "
+                             "(cache.end(b))")
+        ids = [self.free.pop() for _ in range(n)]
+        for b in ids:
+            self.refs[b] = 1
+        return ids
+
+    def share(self, ids) -> None:
+        for b in ids:
+            self.refs[b] += 1
+
+    def release(self, ids) -> None:
+        for b in ids:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free.append(b)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        bs = self.block_size
+        self.k[:, :, dst * bs:(dst + 1) * bs] = self.k[:, :, src * bs:(src + 1) * bs]
+        self.v[:, :, dst * bs:(dst + 1) * bs] = self.v[:, :, src * bs:(src + 1) * bs]
+
+
+class PagedSnapshot(dict):
+    """A snapshot that holds a share of the blocks it names; the share is returned when the snapshot is dropped."""
+
+
+@register
+class PagedKVCache(KVCache):
+    kind = "paged"
+    Options = PagedOptions
+    description = "paged: fixed-size blocks from a shared pool, a block table per sequence, copy-on-write sharing"
+    examples = ({"block_size": 4}, {"block_size": 16}, {"block_size": 1})
+    pooled = True
+
+    def __init__(self, *args, pool: BlockPool | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        bs = self.opts.block_size
+        if pool is None:
+            n_blocks = self.opts.blocks or self.batch * (math.ceil(self.max_len / bs) + 1)
+            pool = BlockPool(self.n_layer, self.n_head, self.head_dim, bs, n_blocks, self.dtype, self.device)
+        elif (pool.block_size != bs or tuple(pool.k.shape[:2]) != (self.n_layer, self.n_head)
+              or pool.k.shape[3] != self.head_dim or pool.k.dtype != self.dtype):
+            raise ValueError("the pool's blocks do not fit this cache: give a pool of the same layers, heads, "
+                             "head_dim, dtype and block_size")
+        self.pool = pool
+        self.tables: list[list[int]] = [[] for _ in range(self.batch)]  # sequence -> its pool blocks, in order
+        self.ended = [False] * self.batch
+        self._rows = None  # (B, slots) pool row of every slot of the forward in progress, built by its first layer
+        self._ready = None  # (pos, t) the rows were built for
+
+    @classmethod
+    def held_tokens(cls, max_len: int, n_tokens: int, opts) -> int:
+        return math.ceil(n_tokens / opts.block_size) * opts.block_size
+
+    @classmethod
+    def label(cls, opts) -> str:
+        return f"paged(block_size={opts.block_size})"
+
+    # ---- bytes --------------------------------------------------------------------------------------------------
+
+    @property
+    def blocks_in_use(self) -> int:
+        """Distinct pool blocks this cache's sequences hold (a block two of them share counts once)."""
+        return len({b for table in self.tables for b in table})
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks in use."""
+        return self.blocks_in_use * self.pool.block_nbytes
+
+    @property
+    def pool_nbytes(self) -> int:
+        """Bytes of the whole pool, allocated up front."""
+        return self.pool.nbytes
+
+    def formula_nbytes(self, n_tokens: int | None = None) -> int:
+        """ceil(T_b / block_size) blocks for each sequence b of T_b tokens (padding takes none; unshared blocks)."""
+        bs, isz = self.opts.block_size, itemsize(self.dtype)
+        blocks = sum(math.ceil(n / bs) for b, n in enumerate(self.lengths(n_tokens)) if not self.ended[b])
+        return blocks * 2 * self.n_layer * self.n_head * bs * self.head_dim * isz
+
+    @property
+    def held(self) -> int:
+        return self.blocks_in_use * self.opts.block_size // self.batch
+
+    # ---- the contract ---------------------------------------------------------------------------------------
+
+    def _prepare(self, t: int) -> None:
+        """Before the first layer writes ``t`` slots at ``pos``: take the blocks the new tokens need, copy any shared
+        block they write into (copy-on-write), and work out the pool row of every slot attention will read."""
+        bs = self.opts.block_size
+        pads = [0] * self.batch if self.pad is None else self.pad.tolist()
+        plan = []  # (sequence, new blocks needed, indexes of shared blocks written into)
+        for b in range(self.batch):
+            first, end = self.pos - pads[b], self.pos + t - pads[b]  # its positions written now: first .. end - 1
+            if self.ended[b] or end <= 0:
+                continue
+            table = self.tables[b]
+            shared = [i for i in range(max(first, 0) // bs, len(table)) if self.pool.refs[table[i]] > 1]
+            plan.append((b, math.ceil(end / bs) - len(table), shared))
+        want = sum(n + len(shared) for _, n, shared in plan)
+        if want > len(self.pool.free):
+            self.pool.take(want)  # raises, naming the numbers; nothing was taken or written
+        for b, n, shared in plan:
+            table = self.tables[b]
+            for i in shared:
+                (fresh,) = self.pool.take(1)
+                self.pool.copy_block(table[i], fresh)
+                self.pool.release([table[i]])
+                table[i] = fresh
+            table += self.pool.take(n)
+        self._rows = self._slot_rows(self.pos + t)
+        self._ready = (self.pos, t)
+
+    def _slot_rows(self, n: int) -> torch.Tensor:
+        """(B, n) the pool row of slots 0 .. n - 1 of every sequence; padding and ended sequences read row 0 (masked
+        or never read)."""
+        bs = self.opts.block_size
+        width = max(1, max(len(t) for t in self.tables))
+        tab = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.long, device=self.device)
+        p = torch.arange(n, device=self.device).unsqueeze(0)  # (1, n) slots
+        if self.pad is not None:
+            p = p - self.pad.unsqueeze(1)  # (B, n) positions
+        p = p.expand(self.batch, n).clamp(min=0)
+        blk = torch.div(p, bs, rounding_mode="floor").clamp(max=width - 1)
+        return tab.gather(1, blk) * bs + p % bs
+
+    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self._check_room(layer, k_new, v_new)
+        if self._ready != (self.pos, t):
+            self._prepare(t)
+        rows = self._rows[:, self.pos:self.pos + t]  # (B, t)
+        keep = self._written(t)  # (B, t) bool, or None: every slot is a token of a live sequence
+        kn, vn = k_new.transpose(0, 1), v_new.transpose(0, 1)  # (nh, B, t, hs)
+        if keep is None:
+            self.pool.k[layer][:, rows.reshape(-1)] = kn.reshape(self.n_head, -1, self.head_dim).to(self.dtype)
+            self.pool.v[layer][:, rows.reshape(-1)] = vn.reshape(self.n_head, -1, self.head_dim).to(self.dtype)
+        else:
+            self.pool.k[layer][:, rows[keep]] = kn[:, keep].to(self.dtype)  # (nh, kept, hs)
+            self.pool.v[layer][:, rows[keep]] = vn[:, keep].to(self.dtype)
+        return self._read(layer, self._rows)
+
+    def _written(self, t: int) -> torch.Tensor | None:
+        if self.pad is None and not any(self.ended):
+            return None
+        p = torch.arange(self.pos, self.pos + t, device=self.device).unsqueeze(0).expand(self.batch, t)
+        if self.pad is not None:
+            p = p - self.pad.unsqueeze(1)
+        alive = torch.tensor([not e for e in self.ended], device=self.device).unsqueeze(1)
+        return (p >= 0) & alive
+
+    def _read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, n = rows.shape
+        flat = rows.reshape(-1)
+        k = self.pool.k[layer].index_select(1, flat).view(self.n_head, B, n, self.head_dim)  # (nh, B, n, hs)
+        v = self.pool.v[layer].index_select(1, flat).view(self.n_head, B, n, self.head_dim)
+        return k.transpose(0, 1), v.transpose(0, 1)  # (B, nh, n, hs)
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every slot written so far, (B, nh, pos, hs), gathered through the block tables (padding slots
+        hold whatever row 0 holds)."""
+        return self._read(layer, self._slot_rows(self.pos))
+
+    # ---- sequences that end, share, rewind ------------------------------------------------------------------
+
+    def empty_like(self, batch: int | None = None) -> PagedKVCache:
+        return type(self)(self.n_layer, self.n_head, self.head_dim, self.max_len, batch or self.batch,
+                          dtype=self.dtype, device=self.device, pool=self.pool, **dataclasses.asdict(self.opts))
+
+    def end(self, b: int) -> None:
+        """Sequence ``b`` is done: its blocks go back to the pool; later steps store nothing for it."""
+        if not 0 <= b < self.batch:
+            raise IndexError(f"sequence {b} out of range for a batch of {self.batch}")
+        self.pool.release(self.tables[b])
+        self.tables[b], self.ended[b] = [], True
+        self._ready = None
+
+    def fork(self, n: int) -> PagedKVCache:
+        """A cache of ``n`` sequences drawing from the same pool, each sharing this one-sequence cache's blocks
+        (parallel continuations of one prompt); the first write into a shared block copies it."""
+        if self.batch != 1:
+            raise ValueError(f"fork shares one sequence's blocks: this cache holds {self.batch}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"fork(n) needs n >= 1 sequences, got {n!r}")
+        other = self.empty_like(n)
+        other.pos = self.pos
+        other.tables = [list(self.tables[0]) for _ in range(n)]
+        for table in other.tables:
+            self.pool.share(table)
+        return other
+
+    def can_crop(self, n_tokens: int) -> bool:
+        return 0 <= n_tokens <= self.pos
+
+    def _crop(self, n: int) -> None:
+        bs = self.opts.block_size
+        for b, kept in enumerate(self.lengths(n)):
+            keep = math.ceil(kept / bs)
+            self.pool.release(self.tables[b][keep:])
+            del self.tables[b][keep:]
+        self._ready = None
+
+    def _reset(self) -> None:
+        for table in self.tables:
+            self.pool.release(table)
+        self.tables = [[] for _ in range(self.batch)]
+        self.ended = [False] * self.batch
+        self._ready = None
+
+    def __del__(self):
+        try:
+            for table in self.tables:  # a dropped cache hands its blocks back to a pool others may share
+                self.pool.release(table)
+        except (AttributeError, TypeError):  # interpreter shutdown or a half-built cache
+            pass
+
+    def snapshot(self) -> dict:
+        """The block tables, sharing their blocks (no K/V is copied): writes after a restore copy a shared block
+        before writing into it, so they never reach the snapshot."""
+        width = max(1, max(len(t) for t in self.tables))
+        tables = torch.tensor([t + [-1] * (width - len(t)) for t in self.tables], dtype=torch.long)
+        snap = PagedSnapshot(**self._snapshot_header(), pool=id(self.pool), tables=tables,
+                             ended=torch.tensor(self.ended))
+        ids = [b for t in self.tables for b in t]
+        self.pool.share(ids)
+        weakref.finalize(snap, self.pool.release, ids)
+        return snap
+
+    def set_padding(self, pad) -> None:
+        super().set_padding(pad)
+        self._ready = None
+
+    def restore(self, snap: dict) -> None:
+        if isinstance(snap, dict) and snap.get("kind") == self.kind and snap.get("pool") != id(self.pool):
+            raise ValueError("a paged snapshot restores into a cache that draws from the same block pool")
+        self._check_snapshot(snap)
+        pos = snap["pos"]
+        tables = [[b for b in row if b >= 0] for row in snap["tables"].tolist()]
+        for table in self.tables:
+            self.pool.release(table)
+        for table in tables:
+            self.pool.share(table)
+        self.tables, self.ended, self.pos, self._ready = tables, snap["ended"].tolist(), pos, None
