@@ -80,6 +80,8 @@ class KvlabConfig:
     new_tokens: int = 32
     prompt_len: int = 32
     drift_text_len: int = 128  # tokens of real text per prompt scored for drift (prompt + its continuation)
+    batch: int = 1  # sequences served together in the run's throughput / waste measurement
+    prompt_lengths: str = "uniform"  # uniform (every prompt prompt_len tokens) | ragged (seeded, 1 .. prompt_len)
     batch_sizes: Optional[list[int]] = None  # decode throughput vs batch (batches.csv); None: not measured
     batch_context: int = 512  # context each sequence holds while batches are timed (capped below max_len)
     max_len: Optional[int] = None  # cache capacity; default: the model's n_positions
@@ -139,6 +141,7 @@ class ConfigError(ValueError):
 
 
 AUTO_CONTEXTS = (32, 128, 512)
+PROMPT_LENGTHS = ("uniform", "ragged")
 ENGINE_NAMES = ("kvlab", "hf")  # harness.engines.ENGINES, named here without importing transformers
 
 
@@ -173,6 +176,15 @@ def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
     for name in ("n_prompts", "new_tokens", "prompt_len", "repeats"):
         need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be at least 1")
     need(cfg.warmup >= 0, f"warmup={cfg.warmup} must be 0 or more")
+    need(isinstance(cfg.get("batch", 1), int) and cfg.get("batch", 1) >= 1,
+         f"batch={cfg.get('batch')!r} must be an integer >= 1 (sequences served together)")
+    lengths = cfg.get("prompt_lengths", "uniform")
+    need(lengths in PROMPT_LENGTHS, f"prompt_lengths={lengths!r}: use one of {', '.join(PROMPT_LENGTHS)}")
+    if lengths == "ragged" and cfg.cache.kind in CACHE_KINDS:
+        why = CACHE_KINDS[cfg.cache.kind].why_no_padding
+        need(not why, f"prompt_lengths=ragged: cache kind {cfg.cache.kind!r} does not run ragged batches ({why})")
+        need(engine == "kvlab", f"prompt_lengths=ragged: engine={engine} runs batches of one prompt length here; "
+             "use engine=kvlab")
     for b in cfg.get("batch_sizes") or []:
         need(isinstance(b, int) and b >= 1, f"batch_sizes has {b!r}: give batch sizes >= 1, e.g. [1,8,32]")
     need(cfg.get("batch_context", 1) >= 1, f"batch_context={cfg.get('batch_context')} must be at least 1")

@@ -6,7 +6,8 @@ An engine wraps one model and offers:
     forward_last(ids, **ref) -> (B, 1, vocab) the same, last position's logits only (one uncached decode step)
     new_cache(kind, max_len, batch, dtype, **options)  an empty cache of a kind of ``models.kv_cache.CACHE_KINDS``
                                              (HF: its counterparts, ``HF_COUNTERPARTS``)
-    prefill(ids, cache, last_only=False)     logits (B, T, vocab) or (B, 1, vocab); the cache holds T more tokens
+    prefill(ids, cache, last_only=False, pad=None)  logits (B, T, vocab) or (B, 1, vocab); the cache holds T more
+                                             slots (``pad``: a left-padded ragged batch's padding, kvlab only)
     decode(token, cache) -> (B, 1, vocab)    exactly one new token per sequence
     checkpoint(cache) -> fn                  fn() puts the cache back to its state now (a timed step is undone)
     rewind(cache, n) / reset(cache)          forget the last n tokens / all of them
@@ -56,8 +57,8 @@ class KvlabEngine:
     def new_cache(self, kind: str, max_len: int, batch: int = 1, dtype=None, **options):
         return new_cache(self.model, kind, max_len, batch, dtype, **options)
 
-    def prefill(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
-        return prefill(self.model, ids, cache, last_only=last_only)[0]
+    def prefill(self, ids: torch.Tensor, cache, last_only: bool = False, pad=None) -> torch.Tensor:
+        return prefill(self.model, ids, cache, last_only=last_only, pad=pad)[0]
 
     def decode(self, token: torch.Tensor, cache) -> torch.Tensor:
         return decode_step(self.model, token, cache)[0]
@@ -132,7 +133,9 @@ class HFEngine:
         return HF_COUNTERPARTS[kind][1](self.config, max_len)
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, cache, last_only: bool = False, pad=None) -> torch.Tensor:
+        if pad is not None:
+            raise ValueError("the HF engine runs batches of one prompt length here: ragged batches run on kvlab")
         return self._step(ids, cache, 1 if last_only else 0)
 
     @torch.inference_mode()

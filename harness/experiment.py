@@ -224,6 +224,15 @@ def text_prompts(path: Path, n: int, length: int, tokenizer) -> list[torch.Tenso
     return prompts
 
 
+def batch_lengths(batch: int, prompt_len: int, kind: str, seed: int) -> list[int]:
+    """The served batch's prompt lengths: all ``prompt_len`` (uniform), or drawn uniformly from 1 .. prompt_len with
+    the first one ``prompt_len`` (ragged: the batch is as wide as a uniform one; seeded)."""
+    if kind == "uniform" or batch == 1:
+        return [prompt_len] * batch
+    g = torch.Generator().manual_seed(seed)
+    return [prompt_len] + torch.randint(1, prompt_len + 1, (batch - 1,), generator=g).tolist()
+
+
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (1, length), generator=g) for _ in range(n)]
@@ -267,7 +276,8 @@ def config_record(cfg) -> dict:
         **cache_record(cfg.cache, engine_name(cfg)),
         dtype=dtype_label(cfg.dtype.storage, cfg.dtype.compute),
         device_requested=cfg.device.name, experiment=cfg.experiment, n_prompts=cfg.n_prompts,
-        new_tokens=cfg.new_tokens, prompt_len=cfg.prompt_len, max_len=cfg.max_len,
+        new_tokens=cfg.new_tokens, prompt_len=cfg.prompt_len, max_len=cfg.max_len, batch=cfg.get("batch", 1),
+        prompt_lengths=cfg.get("prompt_lengths", "uniform"),
         context_lengths=None if cfg.context_lengths is None else ",".join(str(c) for c in cfg.context_lengths),
         repeats=cfg.repeats, warmup=cfg.warmup,
         seed=cfg.seed, prompts=cfg.prompts)
@@ -327,9 +337,13 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
             raise ConfigError(f"prompts=file uses GPT-2's {Tokenizer.VOCAB_SIZE:,}-token vocabulary, but model "
                               f"{cfg.model.name} has vocab_size {mcfg.vocab_size:,}: use prompts=random")
         texts = text_prompts(path, cfg.n_prompts, text_len, Tokenizer()) if ref32 is not None else None
+        served = text_prompts(path, cfg.batch, cfg.prompt_len, Tokenizer())
     else:
         prompts = random_prompts(cfg.n_prompts, cfg.prompt_len, mcfg.vocab_size, cfg.seed)
         texts = random_prompts(cfg.n_prompts, text_len, mcfg.vocab_size, cfg.seed) if ref32 is not None else None
+        served = random_prompts(cfg.batch, cfg.prompt_len, mcfg.vocab_size, cfg.seed)
+    lengths = batch_lengths(cfg.batch, cfg.prompt_len, cfg.prompt_lengths, cfg.seed)
+    served = [p[0, :n] for p, n in zip(served, lengths)]  # (n,) each
     prompts = [p.to(device) for p in prompts]
     texts = texts and [t.to(device) for t in texts]
     full = cfg.full_prompts if cfg.full_prompts is not None else (1 if device.type == "cpu" else cfg.n_prompts)
@@ -364,6 +378,8 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
         batches = measure.batch_throughput(engine, spec, list(cfg.batch_sizes), min(cfg.batch_context, max_len - 1),
                                            max_len, cfg.repeats, cfg.warmup, device, cfg.seed, progress)
     rec.update(measure.batch_summary(batches))
+    rec.update(measure.serve_batch(engine, spec, served, cfg.new_tokens, max_len, min(cfg.repeats, 3),
+                                   min(cfg.warmup, 1), device, check=spec.cls.exact))
     rec["concurrent_runs_while_timing"] = max(others, concurrent_runs())
     if rec["concurrent_runs_while_timing"]:
         print(f"kvlab: {rec['concurrent_runs_while_timing']} other kvlab run(s) measured on this machine while this "
@@ -550,6 +566,14 @@ def summary_text(r: dict, steps) -> str:
         *([f"  text NLL          {r['text_nll_fp32']:.3f} nats/token in fp32 (the model on the prompts' text)"]
           if r.get("text_nll_fp32") is not None else []),
         f"  TTFT              {r['ttft_ms']:.1f} ms ({r['prompt_len']}-token prompt)",
+        *([f"  served batch      {r['serve_batch']} x {r.get('prompt_lengths', 'uniform')} prompts "
+           f"({r['serve_shortest_prompt']}..{r['serve_longest_prompt']} tokens) + {r['new_tokens']} new: "
+           f"{r['tokens_per_s']:,.0f} tokens/s · KV waste {r['kv_waste']:.1%} ({r['kv_token_slots']:,} of "
+           f"{r['kv_held_slots']:,} held slots hold a token)"
+           + ("" if r.get("serve_tokens_identical") is None else
+              f" · each sequence = its own reference: {r['serve_tokens_identical']} "
+              f"(max |dlogit| {r['serve_max_abs_logit']:.2g})")]
+          if r.get("tokens_per_s") is not None and r.get("kv_waste") is not None else []),
         *(f"  decode step       ctx {c:>4}: {g.loc['cached', 'ms_median']:8.2f} ms cached   "
           f"{g.loc['uncached', 'ms_median']:8.2f} ms uncached   {g.loc['cached', 'speedup']:5.1f}x"
           for c, g in ((c, g.set_index("mode")) for c, g in steps.groupby("context_len"))),

@@ -621,6 +621,70 @@ def batch_summary(batches: pd.DataFrame) -> dict:
                 batch_max=int(hi.batch))
 
 
+def serve_batch(engine, spec: CacheSpec, prompts: list[torch.Tensor], new_tokens: int, max_len: int,
+                repeats: int, warmup: int, device: torch.device, check: bool = True) -> dict:
+    """One batch served as a server would: prompts of their own lengths (1-D each; different lengths are
+    left-padded) prefilled together, then ``new_tokens`` greedy tokens each, a fresh cache every repeat (median
+    of ``repeats`` after ``warmup``).
+
+    Returns throughput (``tokens_per_s``: generated tokens over prefill + decode; ``decode_tokens_per_s``: over
+    the decode steps alone), the batch's time to first token, and what the cache holds at the end: slots held,
+    slots that hold a token, ``kv_waste`` (the held share that holds none) and bytes. With ``check`` (an exact
+    kind), every sequence is compared with its own uncached reference run on its own tokens:
+    ``serve_tokens_identical`` and ``serve_max_abs_logit``."""
+    from models.generate import left_pad
+
+    B = len(prompts)
+    idx, pad = left_pad(prompts)
+    idx = idx.to(device)
+    pad = pad if bool(pad.any()) else None
+    runs = []
+    for r in range(warmup + repeats):
+        cache = spec.new(engine, max_len, B)
+        sync(device)
+        t0 = time.perf_counter()
+        logits = engine.prefill(idx, cache, last_only=True, pad=pad)[:, -1]
+        sync(device)
+        t1 = time.perf_counter()
+        chosen, seen = [], []
+        for i in range(new_tokens):
+            nxt = logits.argmax(-1, keepdim=True)  # (B, 1)
+            chosen.append(nxt)
+            if r == warmup + repeats - 1:
+                seen.append(logits.float().cpu())
+            if i + 1 < new_tokens:
+                logits = engine.decode(nxt, cache)[:, -1]
+        sync(device)
+        t2 = time.perf_counter()
+        if r >= warmup:
+            runs.append((t1 - t0, t2 - t1))
+    prefill_s = float(np.median([a for a, _ in runs]))
+    decode_s = float(np.median([b for _, b in runs]))
+    total = float(np.median([a + b for a, b in runs]))
+    rec = dict(serve_batch=B, serve_prompt_tokens=int(sum(len(p) for p in prompts)),
+               serve_longest_prompt=int(max(len(p) for p in prompts)),
+               serve_shortest_prompt=int(min(len(p) for p in prompts)),
+               tokens_per_s=B * new_tokens / total,
+               decode_tokens_per_s=B * (new_tokens - 1) / decode_s if new_tokens > 1 else None,
+               serve_ttft_ms=prefill_s * 1e3)
+    nbytes = engine.nbytes(cache)
+    held = getattr(cache, "held_slots", None)
+    rec.update(kv_held_slots=held, kv_token_slots=getattr(cache, "occupied_slots", None),
+               kv_waste=getattr(cache, "waste", None), serve_cache_nbytes=nbytes,
+               serve_pool_nbytes=getattr(cache, "pool_nbytes", None))
+    rec.update(serve_tokens_identical=None, serve_max_abs_logit=None)
+    if check:
+        tokens, logits = torch.cat(chosen, dim=1).cpu(), torch.stack(seen, dim=1)  # (B, n), (B, n, vocab)
+        same, worst = True, 0.0
+        for i, p in enumerate(prompts):
+            ctx = torch.cat([p.cpu(), tokens[i, :-1]]).unsqueeze(0).to(device)
+            ref = engine.forward(ctx, **spec.reference)[0, len(p) - 1:].float().cpu()  # (n, vocab)
+            same &= bool(torch.equal(ref.argmax(-1), tokens[i]))
+            worst = max(worst, float((ref - logits[i]).abs().max()))
+        rec.update(serve_tokens_identical=same, serve_max_abs_logit=worst)
+    return rec
+
+
 def cost_model(steps: pd.DataFrame) -> dict:
     """Least-squares fit of the cached step time (ms) against context length T: a + b*T. One decode step reads (and,
     for a kind that copies its history, copies) T tokens of K/V: linear in T for every kind, a kind that copies

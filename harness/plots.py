@@ -25,6 +25,8 @@ kinds are ordered as the registry lists them. Every function returns a matplotli
                               lossy or windowed caches): KL(fp32 ‖ run), max |Δlogit| and top-1 agreement;
                               colour = cache, line style = dtype, one line per run, one row of panels per model.
                               Runs without drift are left out; with none left the figure just says so.
+    serving_plot(runs)        each run's served batch: generated tokens/s against batch size, and KV waste (held
+                              slots that hold no token): colour = cache, line style = uniform / ragged prompts.
     equivalence_grid(runs)    cached-vs-reference check as a heatmap: rows = model, columns = cache/dtype, colour =
                               max |Δlogit| (log scale), each cell annotated with the value, ✓/✗ for whether the
                               generated tokens were identical, and "lossy" for lossy kinds (whose difference is
@@ -412,6 +414,42 @@ def batch_plot(batches: pd.DataFrame) -> Figure:
     return fig
 
 
+def serving_plot(runs: pd.DataFrame) -> Figure:
+    """The served batch of every run (``batch`` sequences, ``prompt_lengths`` uniform or ragged): generation
+    throughput (tokens/s) against batch size, and the share of the cache's held slots that hold no token (KV
+    waste); colour = cache, line style = prompt lengths, one column of panels per model."""
+    df = _ok(runs)
+    df = df[df["tokens_per_s"].notna()] if "tokens_per_s" in df else df.iloc[0:0]
+    if df.empty:
+        return _message_figure("no runs with a served batch")
+    df = df.assign(prompt_lengths=df["prompt_lengths"].fillna("uniform") if "prompt_lengths" in df else "uniform",
+                   batch=df["serve_batch"].astype(int), waste=100 * df["kv_waste"].astype(float))
+    df, precs, models, caches = _levels_of(df)
+    shapes = _levels(df["prompt_lengths"], ["uniform", "ragged"])
+    fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models) + 2, 7), squeeze=False, layout="constrained")
+    for j, model in enumerate(models):
+        sub = df[df["model"] == model]
+        top, bottom = axes[0, j], axes[1, j]
+        for (cache, prec, shape), g in sub.groupby(["cache", "prec", "prompt_lengths"]):
+            g = g.groupby("batch", as_index=False)[["tokens_per_s", "waste"]].median()
+            name = " · ".join([cache] + ([prec] if len(precs) > 1 else []) + [f"{shape} prompts"])
+            color, ls = _cache_color(caches, cache), DASHES[shapes.index(shape) % len(DASHES)]
+            _line(top, g, "batch", "tokens_per_s", name, color=color, linestyle=ls, marker="o")
+            _line(bottom, g, "batch", "waste", name, color=color, linestyle=ls, marker="o")
+        for ax in (top, bottom):
+            _log2_x(ax, sub["batch"])
+            ax.set_xlabel("batch (sequences served together)")
+        top.set_yscale("log")
+        top.set_title(f"{model}: generation throughput")
+        top.set_ylabel("generated tokens / s")
+        bottom.set_ylim(-2, 102)
+        bottom.set_title(f"{model}: KV waste after the generation")
+        bottom.set_ylabel("held slots holding no token (%)")
+    fig.suptitle("Serving a batch: throughput, and what each layout reserves in vain")
+    _fig_legend(fig, axes)
+    return fig
+
+
 def equivalence_grid(runs: pd.DataFrame) -> Figure:
     """Heatmap model × cache/dtype of max |Δlogit| (cached vs uncached), annotated ✓/✗ for identical tokens."""
     df = _ok(runs).copy()
@@ -493,6 +531,7 @@ def figure_makers(runs: pd.DataFrame, steps: pd.DataFrame, drift: pd.DataFrame,
         "drift": (drift_plot, drift),
         "layers": (layers_plot, layers),
         "batches": (batch_plot, batches),
+        "serving": (serving_plot, runs if "tokens_per_s" in runs and runs["tokens_per_s"].notna().any() else None),
         "equivalence": (equivalence_grid, runs),
     }
     return {stem: (fn, df) for stem, (fn, df) in makers.items() if df is not None and not _ok(df).empty}

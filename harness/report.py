@@ -34,7 +34,11 @@ SUMMARY_COLS = ["run_name", "status", "model", "engine", "weights", "cache_label
                 "nbytes_match", "cache_nbytes", "bytes_per_token", "drift_kl", "drift_kl_p99", "drift_kl_max",
                 "drift_delta_nll", "drift_rms_dp", "drift_same_top1", "drift_first_layer_over_tol",
                 "drift_token_match_rate", "ttft_ms", "step_ms_cached_at_max_context",
-                "step_ms_uncached_at_max_context", "speedup_at_max_context"]  # errors: in the failed-runs table
+                "step_ms_uncached_at_max_context", "speedup_at_max_context", "batch", "prompt_lengths",
+                "tokens_per_s", "kv_waste", "serve_tokens_identical"]  # errors: in the failed-runs table
+SERVING_COLS = ["model", "engine", "cache_label", "dtype", "batch", "prompt_lengths", "serve_prompt_tokens",
+                "tokens_per_s", "decode_tokens_per_s", "serve_ttft_ms", "kv_token_slots", "kv_held_slots", "kv_waste",
+                "serve_cache_nbytes", "serve_tokens_identical"]
 FINGERPRINT_COLS = ["torch_version", "device_name", "threads", "attn_backend", "tf32", "git_commit", "weights",
                     "weights_source", "python_version"]
 CAPTIONS = {
@@ -46,6 +50,8 @@ CAPTIONS = {
     "drift": "Drift vs fp32 full attention per decode step: KL, max |Δlogit|, top-1 agreement.",
     "batches": "Decode throughput vs batch size, and the K/V bytes a step reads against the weights.",
     "layers": "Relative error of the K and V attention read, per layer, against fp32.",
+    "serving": "A served batch per run: generated tokens/s vs batch size, and KV waste (held slots holding no "
+               "token).",
     "equivalence": "Cached vs the kind's uncached reference: max |Δlogit| per model × cache/dtype; ✓ = identical "
                    "greedy tokens.",
 }
@@ -105,6 +111,15 @@ def engine_ratios(steps: pd.DataFrame, batches: pd.DataFrame | None = None) -> p
     return df.sort_values(["model", "cache", "batch", "context_len"]).reset_index(drop=True)
 
 
+def serving_table(ok: pd.DataFrame) -> pd.DataFrame:
+    """One row per ok run that served a batch: throughput, waste and the per-sequence check, by cache and batch."""
+    if "tokens_per_s" not in ok or ok["tokens_per_s"].isna().all():
+        return pd.DataFrame()
+    df = ok[ok["tokens_per_s"].notna()]
+    return df[[c for c in SERVING_COLS if c in df]].sort_values(
+        [c for c in ("model", "prompt_lengths", "batch", "cache_label") if c in df]).reset_index(drop=True)
+
+
 def drift_tables(ok: pd.DataFrame) -> list[str]:
     """Drift on text against fp32, one row per (model, cache, dtype), ranked by KL; and where runs sweep K's and V's
     bits separately, a K-vs-V table: ΔNLL and KL by k_bits (rows) x v_bits (columns)."""
@@ -145,6 +160,10 @@ def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dic
         parts += ["<h2>Skipped: could not be read, or never finished</h2>", _table(rows)]
     parts += ["<h2>Runs</h2>", _table(runs[[c for c in SUMMARY_COLS if c in runs]])]
     parts += drift_tables(ok)
+    serving = serving_table(ok)
+    if len(serving):
+        parts += ["<h2>Served batches: throughput and KV waste (held slots that hold no token)</h2>",
+                  _table(serving)]
     if ratios is not None and len(ratios):
         parts += ["<h2>Ours vs HF transformers: cached decode-step time, ours / HF (below 1: ours is faster)</h2>",
                   _table(ratios)]

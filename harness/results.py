@@ -24,12 +24,14 @@ import pandas as pd
 from harness.tracking import BATCHES, DRIFT, LAYERS, MEMORY, RESULTS, STEPS
 
 # the columns that say which run a row belongs to, first in every table
-KEYS = ["run_name", "group", "status", "model", "cache", "cache_label", "dtype", "device", "engine"]
+KEYS = ["run_name", "group", "status", "model", "cache", "cache_label", "dtype", "device", "engine", "batch",
+        "prompt_lengths"]
 # the readable order of the runs table; everything else follows, alphabetically
 FIRST = KEYS + ["error", "experiment", "weights", "cache_exact", "tokens_identical", "max_abs_logit_diff",
                 "first_diff_step", "nbytes_match", "cache_nbytes", "predicted_nbytes", "bytes_per_token", "drift_kl",
                 "drift_max_abs", "drift_top1_agreement", "drift_token_match_rate", "ttft_ms",
-                "step_ms_cached_at_max_context", "step_ms_uncached_at_max_context", "speedup_at_max_context"]
+                "step_ms_cached_at_max_context", "step_ms_uncached_at_max_context", "speedup_at_max_context",
+                "tokens_per_s", "kv_waste", "serve_tokens_identical"]
 SKIP_DIRS = {"wandb", "report", ".hydra"}
 
 

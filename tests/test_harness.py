@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from harness import measure
 from harness.config import ConfigError, cache_options, dtype_label, register, validate
 from harness.engines import KvlabEngine
-from harness.experiment import text_prompts
+from harness.experiment import batch_lengths, text_prompts
 from tests.conftest import TINY, run_py
 from models.gpt2 import GPT2Config
 from models.kv_cache import CACHE_KINDS
@@ -89,11 +89,16 @@ def test_each_cache_yaml_is_its_kinds_defaults_and_options_are_typed():
     ("cache.kind=lru", "cache.kind='lru': use one of concat, prealloc"),
     ("dtype.storage=fp8", "dtype.storage='fp8'"),
     ("full_prompts=-1", "full_prompts=-1"),
+    ("batch=0", "batch=0 must be an integer >= 1"),
+    ("prompt_lengths=zigzag", "prompt_lengths='zigzag': use one of uniform, ragged"),
+    ("cache=quant prompt_lengths=ragged", "prompt_lengths=ragged: cache kind 'quant' does not run ragged batches (its "
+     "K groups span tokens"),
+    ("engine=hf prompt_lengths=ragged", "prompt_lengths=ragged: engine=hf runs batches of one prompt length here"),
 ])
 def test_impossible_configs_are_refused_in_one_line(override, message):
     register()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=[override])
+        cfg = compose(config_name="config", overrides=override.split())
     with pytest.raises(ConfigError) as e:
         validate(cfg, 1024)
     assert message in str(e.value) and "\n" not in str(e.value)
@@ -311,6 +316,33 @@ def test_every_kind_sweeps_beside_the_others(tmp_path):
     table = pd.read_csv(report / "results.csv")
     assert table.cache_label.nunique() == len(CACHE_KINDS)
     assert "window S4+W32" in (report / "report.html").read_text()
+
+
+def test_a_ragged_batch_is_served_on_every_layout_with_its_waste(tmp_path):
+    """`-m cache=concat,prealloc,paged batch=5 prompt_lengths=ragged`: each run serves the same ragged batch, every
+    sequence equals its own reference, and the waste is what each layout's slots give, worked out here."""
+    sweep = tmp_path / "sweep"
+    proc = run_py(["-m", "cache=concat,prealloc,paged", "batch=5", "prompt_lengths=ragged", "tracking=disabled",
+                   *TINY, f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = {r["cache"]: r for r in results(sweep).values()}
+    prompt_len, new = int(TINY[3].split("=")[1]), int(TINY[2].split("=")[1])
+    lengths = batch_lengths(5, prompt_len, "ragged", 0)
+    assert len(set(lengths)) > 1 and max(lengths) == prompt_len
+    tokens = [n + new - 1 for n in lengths]  # the last generated token is never fed back
+    held = {"concat": 5 * (prompt_len + new - 1), "prealloc": 5 * 128,
+            "paged": sum(-(-t // 16) * 16 for t in tokens)}
+    for kind, r in runs.items():
+        assert r["status"] == "ok" and r["serve_batch"] == 5 and r["prompt_lengths"] == "ragged"
+        assert r["serve_tokens_identical"] and r["serve_max_abs_logit"] <= 1e-4
+        assert r["serve_prompt_tokens"] == sum(lengths) and r["kv_token_slots"] == sum(tokens)
+        assert r["kv_held_slots"] == held[kind]
+        assert r["kv_waste"] == pytest.approx(1 - sum(tokens) / held[kind])
+        assert r["tokens_per_s"] > 0
+    # (prompts of 1..6 tokens fill few of paged's 16-slot blocks: its waste beats concat's only on longer ones)
+    assert max(runs["paged"]["kv_waste"], runs["concat"]["kv_waste"]) < runs["prealloc"]["kv_waste"]
+    report = sweep / "report"
+    assert (report / "serving.png").is_file() and "Served batches" in (report / "report.html").read_text()
 
 
 def test_the_cost_model_recovers_known_coefficients():

@@ -17,7 +17,9 @@ from harness.plots import (  # noqa: E402
     cache_bytes_plot,
     drift_plot,
     equivalence_grid,
+    figure_makers,
     memory_plot,
+    serving_plot,
     speedup_plot,
     step_time_plot,
 )
@@ -263,3 +265,33 @@ def test_cost_lines_are_each_runs_fit(tables):
             T = np.asarray(line.get_xdata())
             want = fit["cost_a_ms"] + fit["cost_b_ms_per_token"] * T
             np.testing.assert_allclose(line.get_ydata(), want)
+
+
+def test_serving_lines_are_the_runs_throughput_and_waste_per_cache_and_prompt_shape():
+    rows = []
+    for cache, waste in (("prealloc", 0.9), ("paged(block_size=16)", 0.05)):
+        for shape in ("uniform", "ragged"):
+            for b in (1, 4, 16):
+                rows.append(dict(run_name=f"{cache}-{shape}-{b}", status="ok", model="gpt2",
+                                 cache=cache.split("(")[0], cache_label=cache, dtype="fp32", device="cpu",
+                                 serve_batch=b, prompt_lengths=shape,
+                                 tokens_per_s=100.0 * b + (7 if shape == "ragged" else 0),
+                                 kv_waste=waste + (0.01 if shape == "ragged" else 0)))
+    rows.append(dict(rows[0], run_name="bad", status="failed", tokens_per_s=SENTINEL, kv_waste=SENTINEL))
+    runs = pd.DataFrame(rows)
+    fig = serving_plot(runs)
+    titles = axes_by_title(fig)
+    top, bottom = titles["gpt2: generation throughput"], titles["gpt2: KV waste after the generation"]
+    lines = lines_by_label(top)
+    assert set(lines) == {f"{c} · {s} prompts" for c in ("prealloc", "paged(block_size=16)")
+                          for s in ("uniform", "ragged")}
+    ok = runs[runs.status == "ok"]
+    for label, line in lines.items():
+        cache, shape = label.split(" · ")[0], label.split(" · ")[1].split()[0]
+        want = ok[(ok.cache_label == cache) & (ok.prompt_lengths == shape)].sort_values("serve_batch")
+        assert list(line.get_xdata()) == want.serve_batch.tolist()
+        assert np.allclose(line.get_ydata(), want.tokens_per_s)
+        waste = lines_by_label(bottom)[label]
+        assert np.allclose(waste.get_ydata(), 100 * want.kv_waste)
+    assert "serving" in figure_makers(runs, runs.iloc[0:0], runs.iloc[0:0])
+    assert "serving" not in figure_makers(runs.drop(columns=["tokens_per_s"]), runs.iloc[0:0], runs.iloc[0:0])

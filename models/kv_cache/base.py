@@ -240,6 +240,22 @@ class KVCache:
         """Bytes of the tokens written so far at the storage dtype (padding slots of a ragged batch excluded)."""
         return sum(kv_bytes(self.n_layer, self.n_head, self.head_dim, n, 1, self.dtype) for n in self.lengths())
 
+    @property
+    def held_slots(self) -> int:
+        """Token slots held now, all sequences together."""
+        return self.held * self.batch
+
+    @property
+    def occupied_slots(self) -> int:
+        """Held slots that hold a token (padding and slots not yet written do not)."""
+        return sum(min(n, self.held) for n in self.lengths())
+
+    @property
+    def waste(self) -> float:
+        """The fraction of held slots that hold no token: vLLM's measure of what a layout reserves in vain."""
+        held = self.held_slots
+        return 1.0 - self.occupied_slots / held if held else 0.0
+
     # ---- ragged batches ---------------------------------------------------------------------------------------
 
     def set_padding(self, pad) -> None:

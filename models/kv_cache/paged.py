@@ -154,7 +154,16 @@ class PagedKVCache(KVCache):
 
     @property
     def held(self) -> int:
-        return self.blocks_in_use * self.opts.block_size // self.batch
+        """Token slots held per sequence, on average (blocks in use x block_size / batch)."""
+        return self.held_slots // self.batch
+
+    @property
+    def held_slots(self) -> int:
+        return self.blocks_in_use * self.opts.block_size
+
+    @property
+    def occupied_slots(self) -> int:
+        return sum(n for b, n in enumerate(self.lengths()) if not self.ended[b])
 
     # ---- the contract ---------------------------------------------------------------------------------------
 
