@@ -5,6 +5,7 @@
     python -m harness.bench --kinds              # every cache kind of ours: bytes held and step time vs prealloc
     python -m harness.bench --kinds --cache prealloc --cache quant:k_bits=8,v_bits=8 --cache window:window=256
     python -m harness.bench --prefix             # prefix reuse: time to first token with and without a snapshot
+    python -m harness.bench --paged --model mini # a ragged batch served: KV waste per layout, step time, tokens
 
 Ours vs HF: for each context length and each kind transformers has a counterpart of (concat: DynamicCache, prealloc:
 StaticCache) both caches are prefilled with the same prompt; then each repeat times one decode step of each engine,
@@ -24,6 +25,15 @@ exact kind that snapshots (default concat and prealloc); prints the medians, col
 between the two first-token logits (they must agree), and the break-even: the shortest prefix from which reuse is
 faster.
 
+Paged serving (``--paged``): ``--batch`` requests (default 16) with prompt lengths drawn from 1 .. ``--prompt-max``
+and output lengths from 1 .. ``--output-max`` (seeded) are served as one left-padded batch on each layout (default
+prealloc, concat, paged), the cache owning the model's ``n_positions`` slots per sequence where a layout reserves
+ahead. After every decode step: the slots the cache holds against the tokens of the requests still running (a
+request that has its output is done: ``paged`` hands its blocks back with ``cache.end(b)``; the other layouts keep
+its slots until the batch ends). Prints the time-averaged and end-of-prefill waste (held slots holding no live
+token), the most bytes held, the median decode step (ms) and its ratio to prealloc's (the price of the block-table
+gather), and whether every request's tokens equal prealloc's.
+
 The weights are a seeded random init (no pretrained weights needed: the cost of a step and the bytes held do not
 depend on their values).
 """
@@ -42,7 +52,7 @@ from models.gpt2 import GPT2, GPT2Config, PRESETS
 from models.kv_cache import CACHE_KINDS, cache_kind
 
 DEFAULT_KINDS = ["concat", "prealloc", "quant:k_bits=8,v_bits=8", "quant:k_bits=4,v_bits=4",
-                 "quant:k_bits=2,v_bits=2", "window:window=256,sinks=4"]
+                 "quant:k_bits=2,v_bits=2", "window:window=256,sinks=4", "paged:block_size=16"]
 
 
 def time_steps(engines, layout: str, ctx: int, repeats: int, warmup: int, seed: int = 0) -> dict[str, list[float]]:
@@ -164,6 +174,66 @@ def bench_prefix(args, model: GPT2) -> None:
                                                   if even is not None else "reuse was never faster here"))
 
 
+def serve_ragged(engine, spec: CacheSpec, prompts: list[torch.Tensor], out_lens: list[int], max_len: int) -> dict:
+    """Serve ``prompts`` as one left-padded batch until every request has its ``out_lens`` tokens; after every
+    decode step, the slots held against the live requests' tokens. Returns each request's tokens, per-step waste,
+    the most bytes held and the step times (s)."""
+    from models.generate import left_pad
+
+    B = len(prompts)
+    idx, pad = left_pad(prompts)
+    cache = spec.new(engine, max_len, B)
+    logits = engine.prefill(idx, cache, last_only=True, pad=pad if bool(pad.any()) else None)[:, -1]
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    live, waste, peak, times = set(range(B)), [], 0, []
+    while True:
+        nxt = logits.argmax(-1, keepdim=True)  # (B, 1)
+        for b in sorted(live):
+            tokens[b].append(int(nxt[b]))
+            if len(tokens[b]) == out_lens[b]:
+                live.discard(b)
+                if hasattr(cache, "end"):
+                    cache.end(b)  # a paged cache hands the finished request's blocks back
+        held = cache.held_slots
+        used = sum(len(prompts[b]) + len(tokens[b]) - 1 for b in live)  # the newest token is not cached yet
+        waste.append(1 - used / held if held else 0.0)
+        peak = max(peak, engine.nbytes(cache))
+        if not live:
+            break
+        t0 = time.perf_counter()
+        logits = engine.decode(nxt, cache)[:, -1]
+        times.append(time.perf_counter() - t0)
+    return dict(tokens=tokens, waste=waste, peak_nbytes=peak, times=times)
+
+
+def bench_paged(args, model: GPT2) -> None:
+    specs = [parse_kind(k) for k in (args.cache or ["prealloc", "concat", "paged"])]
+    n_pos = model.config.n_positions
+    if args.prompt_max + args.output_max > n_pos:
+        raise SystemExit(f"--prompt-max {args.prompt_max} + --output-max {args.output_max} exceeds n_positions "
+                         f"{n_pos} of {args.model}")
+    g = torch.Generator().manual_seed(args.seed)
+    p_lens = torch.randint(1, args.prompt_max + 1, (args.batch,), generator=g).tolist()
+    o_lens = torch.randint(1, args.output_max + 1, (args.batch,), generator=g).tolist()
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in p_lens]
+    engine = KvlabEngine(model)
+    print(f"{args.batch} requests: prompts of {min(p_lens)}..{max(p_lens)} tokens (mean {sum(p_lens) / len(p_lens):.0f}),"
+          f" outputs of {min(o_lens)}..{max(o_lens)} (mean {sum(o_lens) / len(o_lens):.0f}); max_len {n_pos} per "
+          "sequence where a layout reserves ahead; waste = held slots holding no live request's token")
+    print(f"{'cache':<24}{'mean waste':>11}{'waste@prefill':>14}{'peak bytes':>16}{'step ms':>9}{'vs prealloc':>12}"
+          f"{'tokens = prealloc':>18}")
+    base = None
+    for spec in specs:
+        r = serve_ragged(engine, spec, prompts, o_lens, n_pos)
+        ms = statistics.median(r["times"]) * 1e3 if r["times"] else float("nan")
+        if base is None:
+            base = (spec.label, ms, r["tokens"])
+        same = r["tokens"] == base[2]
+        print(f"{spec.label:<24}{statistics.mean(r['waste']):>10.1%}{r['waste'][0]:>14.1%}{r['peak_nbytes']:>16,}"
+              f"{ms:>9.2f}{ms / base[1]:>11.2f}x{str(same):>18}")
+    print(f"(ratios and token checks against {base[0]}, the first cache listed)")
+
+
 def bench_hf(args, model: GPT2) -> None:
     engines = [KvlabEngine(model), HFEngine(model)]
     print(f"{'context':>7}  {'kind':<9} {'kvlab ms':>9} {'HF ms':>9} {'HF cache':<13} {'kvlab/HF':>8}")
@@ -210,12 +280,19 @@ def main(argv=None) -> None:
     ap.add_argument("--prefix", action="store_true", help="time to first token with and without prefix reuse")
     ap.add_argument("--prefixes", type=int, nargs="+", default=[16, 64, 256, 512], help="with --prefix")
     ap.add_argument("--suffix", type=int, default=16, help="with --prefix: each request's own tokens")
+    ap.add_argument("--paged", action="store_true", help="a ragged batch served on each layout: KV waste, step time")
+    ap.add_argument("--batch", type=int, default=16, help="with --paged: requests served together")
+    ap.add_argument("--prompt-max", type=int, default=512, help="with --paged: longest prompt drawn")
+    ap.add_argument("--output-max", type=int, default=256, help="with --paged: longest output drawn")
     args = ap.parse_args(argv)
     cfg = GPT2Config.preset(args.model)
     args.contexts = args.contexts or ([32, 128, 512, 960] if args.kinds else [32, 512])
     if args.repeats < 1 or args.warmup < 0:
         ap.error(f"--repeats must be >= 1 and --warmup >= 0 (got {args.repeats}, {args.warmup})")
-    if args.cache and not (args.kinds or args.prefix):
+    if args.paged and min(args.batch, args.prompt_max, args.output_max) < 1:
+        ap.error(f"--batch, --prompt-max and --output-max must be >= 1 (got {args.batch}, {args.prompt_max}, "
+                 f"{args.output_max})")
+    if args.cache and not (args.kinds or args.prefix or args.paged):
         ap.error("--cache is for --kinds or --prefix; the HF comparison runs every kind transformers has a counterpart "
                  "of")
     if args.prefix:
@@ -224,7 +301,7 @@ def main(argv=None) -> None:
         if max(args.prefixes) + args.suffix + 1 > cfg.n_positions:
             ap.error(f"prefix {max(args.prefixes)} + suffix {args.suffix} + 1 exceeds n_positions {cfg.n_positions} "
                      f"of {args.model}")
-    for ctx in [] if args.prefix else args.contexts:
+    for ctx in [] if args.prefix or args.paged else args.contexts:
         if ctx < 1:
             ap.error(f"context {ctx}: contexts must be >= 1 token")
         if ctx + 1 > cfg.n_positions:
@@ -235,6 +312,10 @@ def main(argv=None) -> None:
         ap.error(str(e))
     torch.manual_seed(args.seed)
     model = GPT2(cfg).eval()
+    if args.paged:
+        print(f"model {args.model} (seeded random init, seed {args.seed}), fp32, torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads")
+        return bench_paged(args, model)
     print(f"model {args.model} (seeded random init, seed {args.seed}), fp32, batch 1, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; median of {args.repeats} steps after {args.warmup} warm-up")
     (bench_prefix if args.prefix else bench_kinds if args.kinds else bench_hf)(args, model)

@@ -24,7 +24,7 @@ import pandas as pd
 from harness.tracking import BATCHES, DRIFT, LAYERS, MEMORY, RESULTS, STEPS
 
 # the columns that say which run a row belongs to, first in every table
-KEYS = ["run_name", "group", "status", "model", "cache", "cache_label", "dtype", "device", "engine", "batch",
+KEYS = ["run_name", "group", "status", "model", "cache", "cache_label", "dtype", "device", "engine", "serve_batch",
         "prompt_lengths"]
 # the readable order of the runs table; everything else follows, alphabetically
 FIRST = KEYS + ["error", "experiment", "weights", "cache_exact", "tokens_identical", "max_abs_logit_diff",

@@ -195,3 +195,13 @@ def test_snapshot_shares_blocks_and_restore_is_copy_on_write(tiny_model):
     cache.reset()
     del snap  # dropping the snapshot hands its share back
     assert cache.pool.used == 0
+
+
+@pytest.mark.parametrize("kind", ["concat", "prealloc", "window"])
+def test_a_ragged_batch_holds_the_bytes_of_its_slots_padding_included(tiny_model, ragged_prompts, kind):
+    """Layouts that keep slots per batch row hold the padding slots too (that is their waste); the padding vector
+    itself is bookkeeping, not K/V."""
+    cache = new_cache(tiny_model, kind, max_len=30, batch=len(LENGTHS))
+    prefill(tiny_model, ragged_prompts, cache)
+    assert cache.pad is not None and cache.nbytes == cache.formula_nbytes()
+    assert cache.filled_nbytes == kv_bytes(2, 2, 32, sum(LENGTHS))  # the tokens alone

@@ -222,8 +222,9 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of storage the cache keeps alive: every tensor it holds, a view counting the tensor behind it."""
-        return storage_nbytes(held_tensors(self))
+        """Bytes of storage the cache keeps alive: every tensor it holds (but the padding vector of a ragged batch),
+        a view counting the tensor behind it."""
+        return storage_nbytes([t for t in held_tensors(self) if t is not self.pad])
 
     def formula_nbytes(self, n_tokens: int | None = None) -> int:
         """The kind's byte formula for this cache after ``n_tokens`` (default: ``pos``) tokens."""
