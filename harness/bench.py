@@ -217,8 +217,9 @@ def bench_paged(args, model: GPT2) -> None:
     o_lens = torch.randint(1, args.output_max + 1, (args.batch,), generator=g).tolist()
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in p_lens]
     engine = KvlabEngine(model)
-    print(f"{args.batch} requests: prompts of {min(p_lens)}..{max(p_lens)} tokens (mean {sum(p_lens) / len(p_lens):.0f}),"
-          f" outputs of {min(o_lens)}..{max(o_lens)} (mean {sum(o_lens) / len(o_lens):.0f}); max_len {n_pos} per "
+    mean_p = sum(p_lens) / len(p_lens)
+    print(f"{args.batch} requests: prompts of {min(p_lens)}..{max(p_lens)} tokens (mean {mean_p:.0f}), outputs of "
+          f"{min(o_lens)}..{max(o_lens)} (mean {sum(o_lens) / len(o_lens):.0f}); max_len {n_pos} per "
           "sequence where a layout reserves ahead; waste = held slots holding no live request's token")
     print(f"{'cache':<24}{'mean waste':>11}{'waste@prefill':>14}{'peak bytes':>16}{'step ms':>9}{'vs prealloc':>12}"
           f"{'tokens = prealloc':>18}")

@@ -401,3 +401,37 @@ def test_prefix_bench_refuses_what_does_not_fit(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--prefix", "--model", "tiny", "--prefixes", "120", "--suffix", "16"])
     assert e.value.code == 2 and "exceeds n_positions 128 of tiny" in capsys.readouterr().err
+
+
+def test_serving_a_ragged_batch_counts_waste_from_each_layouts_slots(tiny_model):
+    """The paged benchmark's bookkeeping, worked out here: prealloc holds max_len slots a row from the start, paged
+    with one-token blocks holds exactly the live requests' tokens (finished ones hand theirs back), and every layout
+    gives each request the same tokens."""
+    from harness.bench import serve_ragged
+
+    g = torch.Generator().manual_seed(2)
+    p_lens, o_lens = [9, 2, 17, 5], [6, 11, 3, 8]
+    prompts = [torch.randint(0, 50257, (n,), generator=g) for n in p_lens]
+    engine = KvlabEngine(tiny_model)
+    runs = {kind: serve_ragged(engine, measure.CacheSpec(kind, opts), prompts, o_lens, 128)
+            for kind, opts in (("prealloc", {}), ("concat", {}), ("paged", {"block_size": 1}))}
+    assert runs["prealloc"]["tokens"] == runs["concat"]["tokens"] == runs["paged"]["tokens"]
+    assert [len(t) for t in runs["paged"]["tokens"]] == o_lens
+    assert runs["prealloc"]["waste"][0] == pytest.approx(1 - sum(p_lens) / (4 * 128))
+    assert runs["concat"]["waste"][0] == pytest.approx(1 - sum(p_lens) / (4 * 17))
+    assert all(w == 0 for w in runs["paged"]["waste"])  # no padding, no partial block, nothing kept for the done
+    assert len(runs["paged"]["times"]) == max(o_lens) - 1
+
+
+def test_paged_bench_prints_each_layouts_waste(capsys):
+    from harness.bench import main
+
+    main(["--paged", "--model", "tiny", "--batch", "4", "--prompt-max", "30", "--output-max", "12"])
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("prealloc", "concat", "paged"))}
+    assert set(rows) == {"prealloc", "concat", "paged(block_size=16)"}
+    waste = {k: float(r[1].rstrip("%")) for k, r in rows.items()}
+    assert waste["paged(block_size=16)"] < waste["prealloc"] and waste["concat"] < waste["prealloc"]
+    assert all(r[-1] == "True" for r in rows.values())  # every request's tokens equal prealloc's
+    with pytest.raises(SystemExit, match="exceeds n_positions 128 of tiny"):
+        main(["--paged", "--model", "tiny", "--prompt-max", "100", "--output-max", "40"])
