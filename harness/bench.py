@@ -161,7 +161,7 @@ def bench_prefix(args, model: GPT2) -> None:
     kinds = [parse_kind(k) for k in (args.cache or ["concat", "prealloc"])]
     engine = KvlabEngine(model)
     print(f"prefix reuse: {args.suffix} new tokens after a shared prefix; time to first token, ms")
-    print(f"{'cache':<12}{'prefix':>8}{'cold ms':>10}{'reuse ms':>10}{'cold/reuse':>11}{'max |dlogit|':>14}")
+    print(f"{'cache':<22}{'prefix':>8}{'cold ms':>10}{'reuse ms':>10}{'cold/reuse':>11}{'max |dlogit|':>14}")
     for spec in kinds:
         even = None
         for p in args.prefixes:
@@ -169,8 +169,8 @@ def bench_prefix(args, model: GPT2) -> None:
             cold, reuse = statistics.median(t["cold"]) * 1e3, statistics.median(t["reuse"]) * 1e3
             if even is None and reuse < cold:
                 even = p
-            print(f"{spec.label:<12}{p:>8}{cold:>10.2f}{reuse:>10.2f}{cold / reuse:>10.2f}x{t['max_abs']:>14.2e}")
-        print(f"{spec.label:<12}break-even: " + (f"reuse is faster from a prefix of {even} tokens (of those timed)"
+            print(f"{spec.label:<22}{p:>8}{cold:>10.2f}{reuse:>10.2f}{cold / reuse:>10.2f}x{t['max_abs']:>14.2e}")
+        print(f"{spec.label:<22}break-even: " + (f"reuse is faster from a prefix of {even} tokens (of those timed)"
                                                   if even is not None else "reuse was never faster here"))
 
 

@@ -94,8 +94,9 @@ class Writer:
         return out
 
     def write(self, t: int, data=None):
-        """One forward's worth: every layer's update, then advance. Returns what each layer's update returned and
-        the key positions the cache declared for it."""
+        """One forward's worth: every layer's update, then advance. Returns what each layer's update returned (with
+        any key a kind declares empty, position -1, zeroed: what it holds there is never read) and the key positions
+        the cache declared for it."""
         data = data or self.chunk(t)
         pos = self.cache.key_positions(t)
         returned = []
@@ -104,6 +105,9 @@ class Writer:
             self.k[layer] = torch.cat([self.k[layer], k], dim=2)
             self.v[layer] = torch.cat([self.v[layer], v], dim=2)
         self.cache.advance(t)
+        if pos is not None and pos.dim() == 2:
+            empty = (pos < 0)[:, None, :, None]  # (B, 1, keys, 1)
+            returned = [(k.masked_fill(empty, 0), v.masked_fill(empty, 0)) for k, v in returned]
         return returned, pos, data
 
 
@@ -184,22 +188,27 @@ def test_update_returns_what_the_reference_sees_and_never_moves_pos(kind, opts, 
         assert cache.pos == before + t  # advance moves pos, once per forward
         n = before + t
         key_pos = torch.arange(n) if key_pos is None else key_pos
-        assert len(set(key_pos.tolist())) == len(key_pos) and int(key_pos.max()) < n
-        for q in range(before, n):  # every key the reference shows any new query is among those returned
-            assert visible(q, n, reference) <= set(key_pos.tolist())
-        for layer, (k, v) in enumerate(returned):
-            assert k.shape == v.shape == (cache.batch, cache.n_head, len(key_pos), cache.head_dim)
-            want_k = w.k[layer][:, :, key_pos].to(cache.dtype)
-            want_v = w.v[layer][:, :, key_pos].to(cache.dtype)
-            bound = cache.error_bound(layer)
-            assert k.dtype == v.dtype == dtype  # attention gets them in its own dtype
-            if cache.exact:
-                assert bound is None
-                assert torch.equal(k.to(cache.dtype), want_k) and torch.equal(v.to(cache.dtype), want_v)
-            else:
-                kb, vb = bound
-                assert ((k.float() - want_k.float()).abs() <= kb * (1 + 1e-5) + 1e-6).all()
-                assert ((v.float() - want_v.float()).abs() <= vb * (1 + 1e-5) + 1e-6).all()
+        rows = key_pos.expand(cache.batch, -1) if key_pos.dim() == 1 else key_pos  # (B, keys): per sequence
+        for b in range(cache.batch):
+            valid = rows[b] >= 0  # a kind may hand over slots that hold nothing yet (-1), masked by the model
+            kp = rows[b][valid]
+            assert len(set(kp.tolist())) == len(kp) and int(kp.max()) < n
+            for q in range(before, n):  # every key the reference shows any new query is among those returned
+                assert visible(q, n, reference) <= set(kp.tolist())
+            for layer, (k, v) in enumerate(returned):
+                assert k.shape == v.shape == (cache.batch, cache.n_head, rows.shape[1], cache.head_dim)
+                k, v = k[b][:, valid], v[b][:, valid]
+                want_k = w.k[layer][b][:, kp].to(cache.dtype)
+                want_v = w.v[layer][b][:, kp].to(cache.dtype)
+                bound = cache.error_bound(layer)
+                assert k.dtype == v.dtype == dtype  # attention gets them in its own dtype
+                if cache.exact:
+                    assert bound is None
+                    assert torch.equal(k.to(cache.dtype), want_k) and torch.equal(v.to(cache.dtype), want_v)
+                else:
+                    kb, vb = bound[0][b][:, valid], bound[1][b][:, valid]
+                    assert ((k.float() - want_k.float()).abs() <= kb * (1 + 1e-5) + 1e-6).all()
+                    assert ((v.float() - want_v.float()).abs() <= vb * (1 + 1e-5) + 1e-6).all()
 
 
 @pytest.mark.parametrize("kind,opts", CASES)

@@ -118,8 +118,7 @@ class PagedKVCache(KVCache):
         self.pool = pool
         self.tables: list[list[int]] = [[] for _ in range(self.batch)]  # sequence -> its pool blocks, in order
         self.ended = [False] * self.batch
-        self._rows = None  # (B, slots) pool row of every slot of the forward in progress, built by its first layer
-        self._ready = None  # (pos, t) the rows were built for
+        self._ready = None  # (pos, t) the forward in progress was prepared for (blocks taken, rows worked out)
 
     @classmethod
     def held_tokens(cls, max_len: int, n_tokens: int, opts) -> int:
@@ -169,7 +168,10 @@ class PagedKVCache(KVCache):
 
     def _prepare(self, t: int) -> None:
         """Before the first layer writes ``t`` slots at ``pos``: take the blocks the new tokens need, copy any shared
-        block they write into (copy-on-write), and work out the pool row of every slot attention will read."""
+        block they write into (copy-on-write), and work out where the new tokens go and which keys attention reads:
+        every sequence's blocks, whole, in its own token order."""
+        if self.pos + t > self.max_len:
+            raise ValueError(f"KV cache overflow: pos {self.pos} + {t} new tokens > max_len {self.max_len}")
         bs = self.opts.block_size
         pads = [0] * self.batch if self.pad is None else self.pad.tolist()
         plan = []  # (sequence, new blocks needed, indexes of shared blocks written into)
@@ -191,12 +193,64 @@ class PagedKVCache(KVCache):
                 self.pool.release([table[i]])
                 table[i] = fresh
             table += self.pool.take(n)
-        self._rows = self._slot_rows(self.pos + t)
+        width = max(1, max(len(table) for table in self.tables))
+        self._tab = torch.tensor([table + [0] * (width - len(table)) for table in self.tables], dtype=torch.long,
+                                 device=self.device)  # (B, width) blocks; padding entries read block 0
+        # the key positions attention sees: each sequence's tokens 0 .. n - 1, then nothing (-1)
+        n = [0 if self.ended[b] else max(self.pos + t - pads[b], 0) for b in range(self.batch)]
+        p = torch.arange(width * bs, device=self.device).unsqueeze(0)  # (1, width * bs)
+        have = torch.tensor(n, device=self.device).unsqueeze(1)
+        floor = torch.tensor([int(e) for e in self.ended], device=self.device).unsqueeze(1)
+        self._positions = torch.where(p < torch.maximum(have, floor), p, -1)  # (B, width * bs); a done sequence
+        # keeps one (stale) key, so that its rows stay finite
+        # every sequence alike (no padding, none done): the first pos + t keys are the history in order, and
+        # attention needs no mask (its fast path)
+        self._uniform = self.pad is None and not any(self.ended)
+        # where the t new slots go: pool rows, and which of them are tokens of a live sequence
+        q = torch.arange(self.pos, self.pos + t, device=self.device).unsqueeze(0) - torch.tensor(
+            pads, device=self.device).unsqueeze(1)  # (B, t) positions
+        keep = (q >= 0) & (floor == 0)
+        qc = q.clamp(min=0)
+        blk = torch.div(qc, bs, rounding_mode="floor").clamp(max=width - 1)
+        self._new_rows = self._tab.gather(1, blk) * bs + qc % bs  # (B, t)
+        self._keep = None if bool(keep.all()) else keep
         self._ready = (self.pos, t)
 
+    def key_positions(self, t: int) -> torch.Tensor:
+        """(B, keys): the position of each key per sequence (its blocks in token order; -1: an empty slot)."""
+        if self._ready != (self.pos, t):
+            self._prepare(t)
+        return None if self._uniform else self._positions
+
+    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self._check_room(layer, k_new, v_new)
+        if self._ready != (self.pos, t):
+            self._prepare(t)
+        rows, keep = self._new_rows, self._keep  # (B, t); keep: None when every slot is a live token
+        kn, vn = k_new.transpose(0, 1), v_new.transpose(0, 1)  # (nh, B, t, hs)
+        if keep is None:
+            self.pool.k[layer][:, rows.reshape(-1)] = kn.reshape(self.n_head, -1, self.head_dim).to(self.dtype)
+            self.pool.v[layer][:, rows.reshape(-1)] = vn.reshape(self.n_head, -1, self.head_dim).to(self.dtype)
+        else:
+            self.pool.k[layer][:, rows[keep]] = kn[:, keep].to(self.dtype)  # (nh, kept, hs)
+            self.pool.v[layer][:, rows[keep]] = vn[:, keep].to(self.dtype)
+        k, v = self._blocks(layer, self._tab)
+        if self._uniform:
+            n = self.pos + t
+            return k[:, :, :n], v[:, :, :n]  # (B, nh, pos + t, hs)
+        return k, v
+
+    def _blocks(self, layer: int, tab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every block of every sequence, whole blocks in table order: (B, nh, width * bs, hs)."""
+        B, width = tab.shape
+        bs, nh, hs = self.opts.block_size, self.n_head, self.head_dim
+        flat = tab.reshape(-1)
+        k = self.pool.k[layer].view(nh, -1, bs, hs).index_select(1, flat).view(nh, B, width * bs, hs)
+        v = self.pool.v[layer].view(nh, -1, bs, hs).index_select(1, flat).view(nh, B, width * bs, hs)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
     def _slot_rows(self, n: int) -> torch.Tensor:
-        """(B, n) the pool row of slots 0 .. n - 1 of every sequence; padding and ended sequences read row 0 (masked
-        or never read)."""
+        """(B, n) the pool row of slots 0 .. n - 1 of every sequence; padding and ended sequences read row 0."""
         bs = self.opts.block_size
         width = max(1, max(len(t) for t in self.tables))
         tab = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.long, device=self.device)
@@ -207,41 +261,14 @@ class PagedKVCache(KVCache):
         blk = torch.div(p, bs, rounding_mode="floor").clamp(max=width - 1)
         return tab.gather(1, blk) * bs + p % bs
 
-    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        t = self._check_room(layer, k_new, v_new)
-        if self._ready != (self.pos, t):
-            self._prepare(t)
-        rows = self._rows[:, self.pos:self.pos + t]  # (B, t)
-        keep = self._written(t)  # (B, t) bool, or None: every slot is a token of a live sequence
-        kn, vn = k_new.transpose(0, 1), v_new.transpose(0, 1)  # (nh, B, t, hs)
-        if keep is None:
-            self.pool.k[layer][:, rows.reshape(-1)] = kn.reshape(self.n_head, -1, self.head_dim).to(self.dtype)
-            self.pool.v[layer][:, rows.reshape(-1)] = vn.reshape(self.n_head, -1, self.head_dim).to(self.dtype)
-        else:
-            self.pool.k[layer][:, rows[keep]] = kn[:, keep].to(self.dtype)  # (nh, kept, hs)
-            self.pool.v[layer][:, rows[keep]] = vn[:, keep].to(self.dtype)
-        return self._read(layer, self._rows)
-
-    def _written(self, t: int) -> torch.Tensor | None:
-        if self.pad is None and not any(self.ended):
-            return None
-        p = torch.arange(self.pos, self.pos + t, device=self.device).unsqueeze(0).expand(self.batch, t)
-        if self.pad is not None:
-            p = p - self.pad.unsqueeze(1)
-        alive = torch.tensor([not e for e in self.ended], device=self.device).unsqueeze(1)
-        return (p >= 0) & alive
-
-    def _read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B, n = rows.shape
-        flat = rows.reshape(-1)
-        k = self.pool.k[layer].index_select(1, flat).view(self.n_head, B, n, self.head_dim)  # (nh, B, n, hs)
-        v = self.pool.v[layer].index_select(1, flat).view(self.n_head, B, n, self.head_dim)
-        return k.transpose(0, 1), v.transpose(0, 1)  # (B, nh, n, hs)
-
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of every slot written so far, (B, nh, pos, hs), gathered through the block tables (padding slots
-        hold whatever row 0 holds)."""
-        return self._read(layer, self._slot_rows(self.pos))
+        """K and V of every slot written so far, (B, nh, pos, hs), in slot order, gathered through the block tables
+        (padding slots hold whatever row 0 holds)."""
+        rows = self._slot_rows(self.pos)
+        B, n = rows.shape
+        k = self.pool.k[layer].index_select(1, rows.reshape(-1)).view(self.n_head, B, n, self.head_dim)
+        v = self.pool.v[layer].index_select(1, rows.reshape(-1)).view(self.n_head, B, n, self.head_dim)
+        return k.transpose(0, 1), v.transpose(0, 1)
 
     # ---- sequences that end, share, rewind ------------------------------------------------------------------
 
