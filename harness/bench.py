@@ -22,8 +22,9 @@ Prefix reuse (``--prefix``): requests that share a prefix of P tokens and add S 
 16). Cold: an empty cache prefills all P + S tokens. Reuse: ``cache.restore(snapshot)`` of the prefix (taken once,
 untimed), then a prefill of the S new tokens. Both are timed to the first token's logits, alternating, for every
 exact kind that snapshots (default concat and prealloc); prints the medians, cold / reuse, the largest |Δlogit|
-between the two first-token logits (they must agree), and the break-even: the shortest prefix from which reuse is
-faster.
+between the two first-token logits (they must agree), the bytes the snapshot took (a copy of the prefix's K/V; a
+paged snapshot shares the prefix's blocks, copy-on-write, and takes none), and the break-even: the shortest prefix
+from which reuse is faster.
 
 Paged serving (``--paged``): ``--batch`` requests (default 16) with prompt lengths drawn from 1 .. ``--prompt-max``
 and output lengths from 1 .. ``--output-max`` (seeded) are served as one left-padded batch on each layout (default
@@ -50,6 +51,7 @@ from harness.engines import HF_COUNTERPARTS, HFEngine, KvlabEngine
 from harness.measure import CacheSpec
 from models.gpt2 import GPT2, GPT2Config, PRESETS
 from models.kv_cache import CACHE_KINDS, cache_kind
+from models.kv_cache.base import storage_nbytes
 
 DEFAULT_KINDS = ["concat", "prealloc", "quant:k_bits=8,v_bits=8", "quant:k_bits=4,v_bits=4",
                  "quant:k_bits=2,v_bits=2", "window:window=256,sinks=4", "paged:block_size=16"]
@@ -133,9 +135,15 @@ def time_prefix_reuse(engine, spec: CacheSpec, prefix: int, suffix: int, repeats
     max_len = prefix + suffix + 1
     warm = spec.new(engine, max_len)
     engine.prefill(ids[:, :prefix], warm)
+    used = getattr(getattr(warm, "pool", None), "used", 0)
     snap = warm.snapshot()  # once, untimed: what a server keeps for the shared prefix
+    if warm.pooled:  # blocks the snapshot took from the pool (sharing: none)
+        snap_nbytes = (warm.pool.used - used) * warm.pool.block_nbytes
+    else:  # the K/V it copied
+        snap_nbytes = storage_nbytes([t for v in snap.values() for t in (v if isinstance(v, list) else [v])
+                                      if isinstance(t, torch.Tensor) and t is not snap.get("pad")])
     cold_cache, reuse_cache = spec.new(engine, max_len), warm.empty_like()  # (a paged one shares warm's pool)
-    out: dict = {"cold": [], "reuse": []}
+    out: dict = {"cold": [], "reuse": [], "snapshot_nbytes": snap_nbytes}
 
     def cold():
         cold_cache.reset()
@@ -161,7 +169,8 @@ def bench_prefix(args, model: GPT2) -> None:
     kinds = [parse_kind(k) for k in (args.cache or ["concat", "prealloc"])]
     engine = KvlabEngine(model)
     print(f"prefix reuse: {args.suffix} new tokens after a shared prefix; time to first token, ms")
-    print(f"{'cache':<22}{'prefix':>8}{'cold ms':>10}{'reuse ms':>10}{'cold/reuse':>11}{'max |dlogit|':>14}")
+    print(f"{'cache':<22}{'prefix':>8}{'cold ms':>10}{'reuse ms':>10}{'cold/reuse':>11}{'max |dlogit|':>14}"
+          f"{'snapshot bytes':>16}")
     for spec in kinds:
         even = None
         for p in args.prefixes:
@@ -169,7 +178,8 @@ def bench_prefix(args, model: GPT2) -> None:
             cold, reuse = statistics.median(t["cold"]) * 1e3, statistics.median(t["reuse"]) * 1e3
             if even is None and reuse < cold:
                 even = p
-            print(f"{spec.label:<22}{p:>8}{cold:>10.2f}{reuse:>10.2f}{cold / reuse:>10.2f}x{t['max_abs']:>14.2e}")
+            print(f"{spec.label:<22}{p:>8}{cold:>10.2f}{reuse:>10.2f}{cold / reuse:>10.2f}x{t['max_abs']:>14.2e}"
+                  f"{t['snapshot_nbytes']:>16,}")
         print(f"{spec.label:<22}break-even: " + (f"reuse is faster from a prefix of {even} tokens (of those timed)"
                                                   if even is not None else "reuse was never faster here"))
 

@@ -53,6 +53,13 @@ CONFIG = [
     ("cache-kind-unknown", ["cache.kind=lru"], "cache.kind='lru': use one of concat, prealloc"),
     ("cache-option-range", ["cache=quant", "cache.k_bits=3"], "cache option k_bits=3: use 8, 4 or 2"),
     ("cache-window-zero", ["cache=window", "cache.window=0"], "window must be an integer >= 1"),
+    ("batch-zero", ["batch=0"], "batch=0 must be an integer >= 1 (sequences served together)"),
+    ("prompt-lengths-unknown", ["prompt_lengths=zigzag"], "prompt_lengths='zigzag': use one of uniform, ragged"),
+    ("ragged-on-quant", ["cache=quant", "prompt_lengths=ragged"],
+     "prompt_lengths=ragged: cache kind 'quant' does not run ragged batches (its K groups span tokens"),
+    ("ragged-on-hf", ["engine=hf", "prompt_lengths=ragged"],
+     "prompt_lengths=ragged: engine=hf runs batches of one prompt length here; use engine=kvlab"),
+    ("paged-block-size-zero", ["cache=paged", "cache.block_size=0"], "block_size must be an integer >= 1"),
 ]
 HYDRA = [  # refused by Hydra while composing, against kvlab's typed schema
     ("group-option-unknown", ["cache=lru"], "Could not find 'cache/lru'"),
@@ -290,12 +297,21 @@ def api_cases(model):
         "api-negative-bytes": (lambda: kv_bytes(12, 12, 64, -5), "n_tokens must be an integer >= 0"),
         "api-two-tokens-decode": (lambda: decode_step(model, torch.tensor([[1, 2]]), new_cache(model, "concat", 8)),
                                   "exactly one token"),
+        "api-ragged-on-quant": (lambda: greedy(model, [[1, 2, 3], [4]], 3, "quant"),
+                                "cache kind 'quant' does not run ragged batches"),
+        "api-pad-too-wide": (lambda: model(torch.zeros(2, 3, dtype=torch.long), pad=[0, 3]),
+                             "pad must lie in [0, 3) so that every sequence of the 3 slots keeps a token"),
+        "api-paged-pool-empty": (
+            lambda: prefill(model, torch.zeros(2, 9, dtype=torch.long),
+                            new_cache(model, "paged", max_len=40, batch=2, block_size=4, blocks=5)),
+            "paged pool out of blocks: 6 more needed, 5 of 5 free"),
     }
 
 
 API = ["api-empty-prompt", "api-3d-ids", "api-float-ids", "api-negative-ids", "api-ids-out-of-range",
        "api-decode-past-max-len", "api-cache-other-geometry", "api-cache-other-batch", "api-restore-foreign-snapshot",
-       "api-integer-cache-dtype", "api-negative-bytes", "api-two-tokens-decode"]
+       "api-integer-cache-dtype", "api-negative-bytes", "api-two-tokens-decode", "api-ragged-on-quant",
+       "api-pad-too-wide", "api-paged-pool-empty"]
 
 
 @pytest.mark.parametrize("case", API)
