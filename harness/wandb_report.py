@@ -59,12 +59,13 @@ STEP_METRICS = ("context_len", "decode_step")
 # Summary keys (results.json's keys) the report shows.
 SUMMARY_KEYS = ("bytes_per_token", "cache_nbytes", "drift_kl", "drift_kl_p99", "drift_kl_max", "drift_delta_nll",
                 "drift_rms_dp", "drift_same_top1", "speedup_at_max_context", "step_ms_cached_at_max_context",
-                "cache_label", "dtype", "model", "status")
+                "tokens_per_s", "kv_waste", "cache_label", "dtype", "model", "status")
 # Config keys (the resolved Hydra config, plus tracking's ``effective``) the report groups by or shows.
-CONFIG_KEYS = ("cache.kind", "dtype.name", "model.name", "effective.cache_label", "effective.device", "experiment")
+CONFIG_KEYS = ("cache.kind", "dtype.name", "model.name", "effective.cache_label", "effective.device", "experiment",
+               "batch", "prompt_lengths")
 # What a panel groups by, in wandb-workspaces' run set syntax ("config.<key>").
 GROUP_BY = {"cache": "config.cache.kind", "dtype": "config.dtype.name", "cache_label": "config.effective.cache_label",
-            "model": "config.model.name"}
+            "model": "config.model.name", "batch": "config.batch", "prompt_lengths": "config.prompt_lengths"}
 # The runs table's columns, as wandb-workspaces addresses them: "config:<top>.value.<rest>", "summary:<key>".
 TABLE_COLUMNS = ["config:model.value.name", "config:effective.value.cache_label", "config:dtype.value.name",
                  "config:effective.value.device"] + [
@@ -123,6 +124,9 @@ def build_spec(group: str, project: str = PROJECT, entity: str | None = None) ->
                "The same drift, grouped by cache kind.", log_x=False, log_y=True),
         _panel("Drift on text", "bar", text, [label, dtype], f, None,
                "Teacher-forced drift on text vs fp32: mean and p99 KL, ΔNLL (nats/token), RMS Δp."),
+        _panel("Served batch: throughput and KV waste", "bar", ["tokens_per_s", "kv_waste"],
+               [label, GROUP_BY["batch"], GROUP_BY["prompt_lengths"]], f, None,
+               "Each run's served batch: generated tokens/s, and the share of held cache slots that hold no token."),
         _panel("Runs", "table", list(SUMMARY_KEYS), [], f, None,
                f"The sweep's runs (job type {JOB_TYPE}); its aggregate run is left out.", columns=TABLE_COLUMNS),
     ]

@@ -22,7 +22,8 @@ from tests.conftest import REPO, Tripwire
 GROUP = "quick-2026-11-30_23-51-40"
 N_STEPS = 3
 BACKEND_KEY = {"config.cache.kind": "cache.value.kind", "config.dtype.name": "dtype.value.name",  # nested config
-               "config.effective.cache_label": "effective.value.cache_label"}
+               "config.effective.cache_label": "effective.value.cache_label",
+               "config.batch": "batch.value", "config.prompt_lengths": "prompt_lengths.value"}  # top-level keys
 
 
 def _drift_table():
