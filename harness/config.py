@@ -93,6 +93,7 @@ class KvlabConfig:
     prompts_file: str = "harness/prompts.txt"  # relative to the repository root
     full_prompts: Optional[int] = None  # prompts (at most n_prompts) also checked with the true uncached loop;
     # default 1 on CPU, all on GPU
+    compile: bool = False  # torch.compile the prealloc kind's decode step (static shapes; CUDA graphs on a GPU)
     resume: bool = True  # skip a run whose folder holds a complete, ok record of the same config
 
 
@@ -185,6 +186,10 @@ def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
         need(not why, f"prompt_lengths=ragged: cache kind {cfg.cache.kind!r} does not run ragged batches ({why})")
         need(engine == "kvlab", f"prompt_lengths=ragged: engine={engine} runs batches of one prompt length here; "
              "use engine=kvlab")
+    if cfg.get("compile", False):
+        need(cfg.cache.kind == "prealloc", f"compile=true compiles the pre-allocated kind's decode step (static "
+             f"shapes): use cache=prealloc, not cache={cfg.cache.kind}")
+        need(engine == "kvlab", f"compile=true compiles kvlab's decode step: use engine=kvlab, not engine={engine}")
     for b in cfg.get("batch_sizes") or []:
         need(isinstance(b, int) and b >= 1, f"batch_sizes has {b!r}: give batch sizes >= 1, e.g. [1,8,32]")
     need(cfg.get("batch_context", 1) >= 1, f"batch_context={cfg.get('batch_context')} must be at least 1")

@@ -17,11 +17,14 @@ An engine wraps one model and offers:
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from models.generate import (GreedyOutput, decode_step, greedy, greedy_loop, greedy_uncached, model_device,
-                             model_dtype, new_cache, prefill)
+from models.generate import (GreedyOutput, StaticDecoder, decode_step, greedy, greedy_loop, greedy_uncached,
+                             model_device, model_dtype, new_cache, prefill)
 from models.gpt2 import _CONV1D, GPT2, HF_MASK_BUFFERS
+from models.kv_cache import PreallocKVCache
 
 
 def _dynamic_cache(config, max_len: int):
@@ -40,11 +43,23 @@ def _static_cache(config, max_len: int):
 HF_COUNTERPARTS = {"concat": ("DynamicCache", _dynamic_cache), "prealloc": ("StaticCache", _static_cache)}
 
 
+WARMUP_CALLS = 2  # calls after the compiling one that count as its warm-up (reduce-overhead records CUDA graphs)
+
+
 class KvlabEngine:
+    """Our GPT-2. With ``compile``, decode steps on a prealloc cache run ``models.generate.StaticDecoder`` through
+    ``torch.compile`` (fullgraph, static shapes; CUDA graphs via mode reduce-overhead on a GPU). The time of each
+    first call per geometry (compilation + the first run) and every recompile are counted in ``compile_stats``,
+    apart from anything timed as a step: a step is timed after its warm-up."""
+
     name = "kvlab"
 
-    def __init__(self, model: GPT2):
+    def __init__(self, model: GPT2, compile: bool = False):
         self.model = model.eval()
+        self.compile = compile
+        self.compile_stats = dict(compile_s=0.0, compile_warmup_s=0.0, compile_graphs=0, compile_recompiles=0,
+                                  compiled_steps=0, compile_cudagraph_skips=0)
+        self._decoder, self._step, self._seen = None, None, {}
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, **ref) -> torch.Tensor:
@@ -61,7 +76,50 @@ class KvlabEngine:
         return prefill(self.model, ids, cache, last_only=last_only, pad=pad)[0]
 
     def decode(self, token: torch.Tensor, cache) -> torch.Tensor:
+        if self.compile and isinstance(cache, PreallocKVCache) and cache.pad is None:
+            return self._decode_compiled(token, cache)
         return decode_step(self.model, token, cache)[0]
+
+    @torch.inference_mode()
+    def _decode_compiled(self, token: torch.Tensor, cache: PreallocKVCache) -> torch.Tensor:
+        from torch._dynamo.utils import counters
+
+        if token.dim() != 2 or token.shape != (cache.batch, 1):
+            raise ValueError(f"decode takes exactly one token per sequence, shape ({cache.batch}, 1); got "
+                             f"{tuple(token.shape)}")
+        if cache.pos + 1 > cache.max_len:
+            raise ValueError(f"KV cache overflow: pos {cache.pos} + 1 new tokens > max_len {cache.max_len}")
+        if self._decoder is None:
+            self._decoder = StaticDecoder(self.model, cache)
+            mode = "reduce-overhead" if cache.device.type == "cuda" else "default"
+            self._step = torch.compile(self._decoder, mode=mode, fullgraph=True, dynamic=False)
+        else:
+            self._decoder.use(cache)
+        geometry = (tuple(cache.k.shape), cache.k.dtype, str(cache.device))
+        graphs, skips = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
+        t0 = time.perf_counter()
+        idx = token.clone(memory_format=torch.contiguous_format)  # one layout (and an inference tensor) each call
+        logits = self._step(idx, torch.tensor([cache.pos], device=cache.device))
+        if cache.device.type == "cuda":
+            logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay
+        new = counters["stats"]["unique_graphs"] - graphs
+        st = self.compile_stats
+        if cache.device.type == "cuda":
+            torch.cuda.synchronize(cache.device)
+        dt = time.perf_counter() - t0
+        calls = self._seen.get(geometry, 0)
+        self._seen[geometry] = calls + 1
+        if calls == 0:  # the first call for this geometry: compilation, measured on its own
+            st["compile_s"] += dt
+            st["compile_graphs"] += new
+        else:
+            if calls <= WARMUP_CALLS:  # CUDA graphs are recorded over the first calls after compiling
+                st["compile_warmup_s"] += dt
+            st["compile_recompiles"] += new
+            st["compiled_steps"] += 1
+        st["compile_cudagraph_skips"] += counters["inductor"]["cudagraph_skips"] - skips
+        cache.advance(1)
+        return logits
 
     def checkpoint(self, cache):
         return cache.checkpoint()

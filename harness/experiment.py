@@ -277,6 +277,7 @@ def config_record(cfg) -> dict:
         dtype=dtype_label(cfg.dtype.storage, cfg.dtype.compute),
         device_requested=cfg.device.name, experiment=cfg.experiment, n_prompts=cfg.n_prompts,
         new_tokens=cfg.new_tokens, prompt_len=cfg.prompt_len, max_len=cfg.max_len, batch=cfg.get("batch", 1),
+        compile=bool(cfg.get("compile", False)),
         prompt_lengths=cfg.get("prompt_lengths", "uniform"),
         context_lengths=None if cfg.context_lengths is None else ",".join(str(c) for c in cfg.context_lengths),
         repeats=cfg.repeats, warmup=cfg.warmup,
@@ -319,7 +320,8 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
         max_len, contexts = validate(cfg, mcfg.n_positions)
     model32 = model32.to(device)
     model = model32 if compute == torch.float32 else copy.deepcopy(model32).to(compute)
-    engine = ENGINES[engine_name(cfg)](model)
+    compiled = bool(cfg.get("compile", False))
+    engine = KvlabEngine(model, compile=True) if compiled else ENGINES[engine_name(cfg)](model)
     spec = measure.CacheSpec(cfg.cache.kind, cache_options(cfg.cache), storage)
     # drift (against FP32 full attention) is measured for every run that is not that reference itself
     plain_fp32 = storage == compute == torch.float32 and spec.cls.exact and not spec.reference
@@ -378,6 +380,10 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
         batches = measure.batch_throughput(engine, spec, list(cfg.batch_sizes), min(cfg.batch_context, max_len - 1),
                                            max_len, cfg.repeats, cfg.warmup, device, cfg.seed, progress)
     rec.update(measure.batch_summary(batches))
+    if compiled:  # its own time, and whether the compiled step equals the eager one
+        rec.update(engine.compile_stats, compile_mode="reduce-overhead" if device.type == "cuda" else "default",
+                   **measure.compiled_equivalence(engine, KvlabEngine(model), spec, prompts[0], cfg.new_tokens,
+                                                  max_len))
     rec.update(measure.serve_batch(engine, spec, served, cfg.new_tokens, max_len, min(cfg.repeats, 3),
                                    min(cfg.warmup, 1), device, check=spec.cls.exact))
     rec["concurrent_runs_while_timing"] = max(others, concurrent_runs())
@@ -566,6 +572,11 @@ def summary_text(r: dict, steps) -> str:
         *([f"  text NLL          {r['text_nll_fp32']:.3f} nats/token in fp32 (the model on the prompts' text)"]
           if r.get("text_nll_fp32") is not None else []),
         f"  TTFT              {r['ttft_ms']:.1f} ms ({r['prompt_len']}-token prompt)",
+        *([f"  compiled step     compile {r['compile_s']:.1f} s + warm-up {r['compile_warmup_s']:.2g} s (not in step "
+           f"times; mode {r['compile_mode']}), {r['compile_graphs']} graph, {r['compile_recompiles']} recompiles over "
+           f"{r['compiled_steps']} steps, {r['compile_cudagraph_skips']} CUDA-graph skips; = eager: "
+           f"{r['compile_tokens_identical']} (max |dlogit| {r['compile_max_abs_logit']:.2g})"]
+          if r.get("compile_s") is not None else []),
         *([f"  served batch      {r['serve_batch']} x {r.get('prompt_lengths', 'uniform')} prompts "
            f"({r['serve_shortest_prompt']}..{r['serve_longest_prompt']} tokens) + {r['new_tokens']} new: "
            f"{r['tokens_per_s']:,.0f} tokens/s · KV waste {r['kv_waste']:.1%} ({r['kv_token_slots']:,} of "

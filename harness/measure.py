@@ -621,6 +621,20 @@ def batch_summary(batches: pd.DataFrame) -> dict:
                 batch_max=int(hi.batch))
 
 
+def compiled_equivalence(compiled, eager, spec: CacheSpec, prompt: torch.Tensor, steps: int, max_len: int) -> dict:
+    """The compiled decode step against the eager one from the same prompt: both caches prefilled alike, then
+    ``steps`` decode steps each fed the eager step's greedy token. Max |Δlogit| and whether every argmax agrees."""
+    a, b = spec.new(eager, max_len), spec.new(compiled, max_len)
+    la, lb = eager.prefill(prompt, a, last_only=True), compiled.prefill(prompt, b, last_only=True)
+    worst, same = 0.0, True
+    for _ in range(steps):
+        nxt = la[:, -1:].argmax(-1)
+        la, lb = eager.decode(nxt, a), compiled.decode(nxt, b)
+        worst = max(worst, float((la.float() - lb.float()).abs().max()))
+        same &= bool(torch.equal(la[:, -1].argmax(-1), lb[:, -1].argmax(-1)))
+    return dict(compile_max_abs_logit=worst, compile_tokens_identical=same)
+
+
 def serve_batch(engine, spec: CacheSpec, prompts: list[torch.Tensor], new_tokens: int, max_len: int,
                 repeats: int, warmup: int, device: torch.device, check: bool = True) -> dict:
     """One batch served as a server would: prompts of their own lengths (1-D each; different lengths are

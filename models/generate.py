@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+import torch.nn as nn
+
 from models.gpt2 import GPT2
-from models.kv_cache import KVCache, make_cache
+from models.kv_cache import KVCache, PreallocKVCache, make_cache
 
 
 @dataclass
@@ -175,3 +177,59 @@ def greedy(model: GPT2, prompt_ids, max_new_tokens: int, layout: str | None = No
     cache = new_cache(model, layout, max_len or T + max_new_tokens, B, cache_dtype, **options)
     return greedy_loop(lambda: prefill(model, idx, cache, last_only=True, pad=pad)[0][:, -1],
                        lambda nxt: decode_step(model, nxt, cache)[0][:, -1], max_new_tokens)
+
+
+# ---- a static decode step, for torch.compile -------------------------------------------------------------------
+
+class _StaticWrites:
+    """What attention's ``cache.update`` sees inside a compiled decode step: K/V written at a position held in a
+    tensor, each layer's whole buffer handed back (static shapes; the mask hides the slots past the position)."""
+
+    pos = 0  # attention reads it only on its no-mask paths, which a static step never takes
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], input_pos: torch.Tensor):
+        self.k, self.v, self.input_pos = k, v, input_pos
+
+    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
+        k, v = self.k[layer], self.v[layer]  # (B, nh, max_len, hs), written in place
+        k[:, :, self.input_pos] = k_new.to(k.dtype)
+        v[:, :, self.input_pos] = v_new.to(v.dtype)
+        return k, v
+
+
+class StaticDecoder(nn.Module):
+    """One decode step of a pre-allocated cache with static shapes, for ``torch.compile`` (gpt-fast's recipe):
+    the position is a tensor, not a Python int; each layer's K and V (views of the cache's storage) are registered
+    buffers of this module, so the compiled step writes them in place (one buffer for all layers would be copied
+    whole by every layer's write: 4x slower on CPU) and CUDA graphs treat them as static; attention reads all
+    ``max_len`` slots under a mask. Same weights, same blocks as the model's own forward: only where K/V are
+    written and which slots are read differ."""
+
+    def __init__(self, model, cache: PreallocKVCache):
+        super().__init__()
+        self.model = model
+        self.n_layer = cache.n_layer
+        self.use(cache)
+
+    def use(self, cache: PreallocKVCache) -> None:
+        """Decode into ``cache``: its buffers become this module's (same shapes: no recompile; CUDA graphs
+        re-record)."""
+        if not isinstance(cache, PreallocKVCache) or cache.pad is not None:
+            raise ValueError("a static decode step runs on a prealloc cache of one prompt length (no padding)")
+        for layer in range(self.n_layer):
+            self.register_buffer(f"k{layer}", cache.k[layer], persistent=False)  # (B, nh, max_len, hs) views
+            self.register_buffer(f"v{layer}", cache.v[layer], persistent=False)
+        slots = getattr(self, "slots", None)
+        if slots is None or slots.numel() != cache.max_len or slots.device != cache.device:
+            self.register_buffer("slots", torch.arange(cache.max_len, device=cache.device), persistent=False)
+
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """idx (B, 1), input_pos (1,) long: the position written -> logits (B, 1, vocab)."""
+        m = self.model.transformer
+        x = m.wte(idx) + m.wpe(input_pos)  # (B, 1, C)
+        mask = (self.slots <= input_pos).view(1, 1, 1, -1)  # (1, 1, 1, max_len)
+        writes = _StaticWrites([getattr(self, f"k{i}") for i in range(self.n_layer)],
+                               [getattr(self, f"v{i}") for i in range(self.n_layer)], input_pos)
+        for layer, block in enumerate(m.h):
+            x = block(x, writes, layer, mask)
+        return self.model.lm_head(m.ln_f(x))

@@ -60,6 +60,8 @@ CONFIG = [
     ("ragged-on-hf", ["engine=hf", "prompt_lengths=ragged"],
      "prompt_lengths=ragged: engine=hf runs batches of one prompt length here; use engine=kvlab"),
     ("paged-block-size-zero", ["cache=paged", "cache.block_size=0"], "block_size must be an integer >= 1"),
+    ("compile-not-prealloc", ["cache=concat", "compile=true"],
+     "compile=true compiles the pre-allocated kind's decode step (static shapes): use cache=prealloc"),
 ]
 HYDRA = [  # refused by Hydra while composing, against kvlab's typed schema
     ("group-option-unknown", ["cache=lru"], "Could not find 'cache/lru'"),

@@ -1,0 +1,70 @@
+"""The compiled decode step (``compile=true``): gpt-fast's static-shape step on the prealloc kind, through
+torch.compile with fullgraph (a graph break is an error). It must equal the eager step, compile once per cache
+geometry, and never recompile across decode steps. On CPU inductor needs a C++ compiler; on a GPU the same test runs
+with CUDA graphs (mode reduce-overhead) and also counts CUDA-graph skips."""
+
+import copy
+import shutil
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from harness.engines import KvlabEngine
+from models.generate import StaticDecoder, new_cache
+
+pytestmark = pytest.mark.slow  # compiling takes seconds
+
+
+def run_compiled(model, device, batch=2, prompt=9, steps=12):
+    """Two caches of one geometry, decoded eager and compiled from the same prompt: the largest |Δlogit| and
+    whether every greedy token agrees."""
+    eager, compiled = KvlabEngine(model), KvlabEngine(model, compile=True)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=g).to(device)
+    worst, same = 0.0, True
+    for _ in range(2):  # a second cache of the same geometry: the buffers are swapped, nothing recompiles
+        a, b = new_cache(model, "prealloc", 40, batch), new_cache(model, "prealloc", 40, batch)
+        la, lb = eager.prefill(ids, a, last_only=True), compiled.prefill(ids, b, last_only=True)
+        for _ in range(steps):
+            nxt = la[:, -1:].argmax(-1)
+            la, lb = eager.decode(nxt, a), compiled.decode(nxt, b)
+            worst = max(worst, float((la.float() - lb.float()).abs().max()))
+            same &= bool(torch.equal(la.argmax(-1), lb.argmax(-1)))
+        assert a.pos == b.pos == prompt + steps
+    return compiled.compile_stats, worst, same
+
+
+def check(stats, worst, same, tol):
+    assert stats["compile_graphs"] == 1 and stats["compile_recompiles"] == 0
+    assert stats["compiled_steps"] == 2 * 12 - 1 and stats["compile_s"] > 0
+    assert not counters["graph_break"]  # fullgraph=True would have raised; and none were counted
+    assert same and worst <= tol
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor compiles CPU kernels with a C++ compiler; none on this machine")
+def test_compiled_cpu_step_equals_eager_and_never_recompiles(tiny_model):
+    counters.clear()
+    stats, worst, same = run_compiled(tiny_model, "cpu")
+    check(stats, worst, same, 1e-5)
+    assert stats["compile_cudagraph_skips"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU path runs CUDA graphs")
+def test_compiled_gpu_step_with_cuda_graphs_equals_eager_and_never_recompiles(tiny_model):
+    counters.clear()
+    model = copy.deepcopy(tiny_model).to("cuda", torch.float16)
+    stats, worst, same = run_compiled(model, "cuda")
+    check(stats, worst, same, 2e-2)
+    assert stats["compile_cudagraph_skips"] == 0
+
+
+def test_a_static_step_refuses_what_it_cannot_run(tiny_model):
+    with pytest.raises(ValueError, match="runs on a prealloc cache of one prompt length"):
+        StaticDecoder(tiny_model, new_cache(tiny_model, "concat", 8))
+    engine = KvlabEngine(tiny_model, compile=True)
+    cache = new_cache(tiny_model, "prealloc", 3)
+    engine.prefill(torch.tensor([[1, 2, 3]]), cache)
+    with pytest.raises(ValueError, match=r"KV cache overflow: pos 3 \+ 1 new tokens > max_len 3"):
+        engine.decode(torch.tensor([[4]]), cache)
