@@ -41,13 +41,11 @@ def _as_batch(ids, vocab_size: int | None = None) -> torch.Tensor:
     return t
 
 
-def is_ragged(prompts) -> bool:
-    """Whether ``prompts`` is a list of prompts (lists of ids or 1-D tensors) of different lengths."""
+def is_prompt_list(prompts) -> bool:
+    """Whether ``prompts`` is a list of prompts, each a list of ids or a 1-D tensor (of any lengths)."""
     if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)) or not prompts:
         return False
-    if not all(isinstance(p, (list, tuple)) or (isinstance(p, torch.Tensor) and p.dim() == 1) for p in prompts):
-        return False
-    return len({len(p) for p in prompts}) > 1
+    return all(isinstance(p, (list, tuple)) or (isinstance(p, torch.Tensor) and p.dim() == 1) for p in prompts)
 
 
 def left_pad(prompts, pad_id: int = 0, length: int | None = None,
@@ -74,8 +72,9 @@ def left_pad(prompts, pad_id: int = 0, length: int | None = None,
 
 def as_prompts(prompts, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A batch (B, T) and its left padding (B,), None when every prompt has the same length."""
-    if is_ragged(prompts):
-        return left_pad(prompts, vocab_size=vocab_size)
+    if is_prompt_list(prompts):
+        idx, pad = left_pad(prompts, vocab_size=vocab_size)
+        return idx, pad if bool(pad.any()) else None
     return _as_batch(prompts, vocab_size), None
 
 
@@ -105,10 +104,10 @@ def prefill(model: GPT2, prompt_ids, cache: KVCache, last_only: bool = False,
     (B,) says how many padding slots an already padded batch has; either way the cache records the padding
     (``set_padding``), so every later step of the batch keeps each sequence's own positions. The logits are in
     the padded layout: the last column is every sequence's last token."""
-    if is_ragged(prompt_ids):
+    if is_prompt_list(prompt_ids):
         if pad is not None:
-            raise ValueError("give either prompts of different lengths or a padded batch with pad, not both")
-        prompt_ids, pad = left_pad(prompt_ids, vocab_size=model.config.vocab_size)
+            raise ValueError("give either a list of prompts or a padded batch with pad, not both")
+        prompt_ids, pad = as_prompts(prompt_ids, model.config.vocab_size)
     prompt_ids = _as_batch(prompt_ids).to(model_device(model))  # shape and dtype only: no device sync here
     if pad is not None:
         cache.set_padding(pad)

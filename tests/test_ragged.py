@@ -205,3 +205,13 @@ def test_a_ragged_batch_holds_the_bytes_of_its_slots_padding_included(tiny_model
     prefill(tiny_model, ragged_prompts, cache)
     assert cache.pad is not None and cache.nbytes == cache.formula_nbytes()
     assert cache.filled_nbytes == kv_bytes(2, 2, 32, sum(LENGTHS))  # the tokens alone
+
+
+def test_a_list_of_equal_length_prompts_is_a_plain_batch(tiny_model):
+    rows = [torch.tensor([5, 6, 7]), torch.tensor([8, 9, 10])]
+    listed = greedy(tiny_model, rows, 4, layout="prealloc")
+    stacked = greedy(tiny_model, torch.stack(rows), 4, layout="prealloc")
+    assert torch.equal(listed.tokens, stacked.tokens) and torch.equal(listed.logits, stacked.logits)
+    cache = new_cache(tiny_model, "prealloc", max_len=8, batch=2)
+    prefill(tiny_model, [[1, 2], [3, 4]], cache)
+    assert cache.pad is None
