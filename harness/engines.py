@@ -89,6 +89,9 @@ class KvlabEngine:
                              f"{tuple(token.shape)}")
         if cache.pos + 1 > cache.max_len:
             raise ValueError(f"KV cache overflow: pos {cache.pos} + 1 new tokens > max_len {cache.max_len}")
+        if cache.pos + 1 > self.model.config.n_positions:
+            raise ValueError(f"sequence too long: {cache.pos} cached + 1 new tokens > n_positions "
+                             f"{self.model.config.n_positions}")
         if self._decoder is None:
             self._decoder = StaticDecoder(self.model, cache)
             mode = "reduce-overhead" if cache.device.type == "cuda" else "default"

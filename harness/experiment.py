@@ -384,8 +384,8 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
         rec.update(engine.compile_stats, compile_mode="reduce-overhead" if device.type == "cuda" else "default",
                    **measure.compiled_equivalence(engine, KvlabEngine(model), spec, prompts[0], cfg.new_tokens,
                                                   max_len))
-    rec.update(measure.serve_batch(engine, spec, served, cfg.new_tokens, max_len, min(cfg.repeats, 3),
-                                   min(cfg.warmup, 1), device, check=spec.cls.exact))
+    rec.update(measure.serve_batch(engine, spec, served, cfg.new_tokens, max_len, min(cfg.repeats, 3), 1, device,
+                                   check=spec.cls.exact))  # always one warm-up: a compiled step compiles in it
     rec["concurrent_runs_while_timing"] = max(others, concurrent_runs())
     if rec["concurrent_runs_while_timing"]:
         print(f"kvlab: {rec['concurrent_runs_while_timing']} other kvlab run(s) measured on this machine while this "

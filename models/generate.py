@@ -14,7 +14,7 @@ import torch
 
 import torch.nn as nn
 
-from models.gpt2 import GPT2
+from models.gpt2 import GPT2, check_padding
 from models.kv_cache import KVCache, PreallocKVCache, make_cache
 
 
@@ -109,8 +109,10 @@ def prefill(model: GPT2, prompt_ids, cache: KVCache, last_only: bool = False,
             raise ValueError("give either a list of prompts or a padded batch with pad, not both")
         prompt_ids, pad = as_prompts(prompt_ids, model.config.vocab_size)
     prompt_ids = _as_batch(prompt_ids).to(model_device(model))  # shape and dtype only: no device sync here
-    if pad is not None:
-        cache.set_padding(pad)
+    if pad is not None:  # every sequence keeps a token of its prompt (a chunked prefill calls set_padding itself)
+        pad = check_padding(pad, *prompt_ids.shape, prompt_ids.device)
+        if pad is not None:
+            cache.set_padding(pad)
     return model(prompt_ids, cache=cache, last_only=last_only), cache
 
 

@@ -68,3 +68,8 @@ def test_a_static_step_refuses_what_it_cannot_run(tiny_model):
     engine.prefill(torch.tensor([[1, 2, 3]]), cache)
     with pytest.raises(ValueError, match=r"KV cache overflow: pos 3 \+ 1 new tokens > max_len 3"):
         engine.decode(torch.tensor([[4]]), cache)
+    n = tiny_model.config.n_positions
+    long = new_cache(tiny_model, "prealloc", n + 4)
+    engine.prefill(torch.zeros(1, n, dtype=torch.long), long)
+    with pytest.raises(ValueError, match=f"sequence too long: {n} cached \\+ 1 new tokens > n_positions {n}"):
+        engine.decode(torch.tensor([[4]]), long)

@@ -215,3 +215,45 @@ def test_a_list_of_equal_length_prompts_is_a_plain_batch(tiny_model):
     cache = new_cache(tiny_model, "prealloc", max_len=8, batch=2)
     prefill(tiny_model, [[1, 2], [3, 4]], cache)
     assert cache.pad is None
+
+
+def test_paged_edges_fork_keeps_padding_crop_after_end_sharing_and_stale_snapshots(tiny_model):
+    # a padded prompt's fork keeps its padding: each continuation equals its own reference
+    prompt = [11, 12, 13, 14]
+    one = new_cache(tiny_model, "paged", max_len=16, batch=1, block_size=4, blocks=16)
+    prefill(tiny_model, torch.tensor([[0, 0, 0] + prompt]), one, pad=[3])
+    forks = one.fork(2)
+    assert forks.pad.tolist() == [3, 3] and forks.lengths() == [4, 4]
+    out = decode_step(tiny_model, torch.tensor([[20], [30]]), forks)[0]
+    for i, t in enumerate((20, 30)):
+        with torch.no_grad():
+            want = tiny_model(torch.tensor([prompt + [t]]))[0, -1]
+        assert (out[i, -1] - want).abs().max().item() <= 1e-5
+    # shared blocks count once: a fork of a 4-token prompt in one block wastes nothing, never less
+    assert one.held_slots == 4 and one.waste == 0
+    twins = new_cache(tiny_model, "paged", max_len=16, batch=1, block_size=4, blocks=16)
+    prefill(tiny_model, torch.tensor([prompt]), twins)
+    four = twins.fork(4)
+    assert four.held_slots == 4 and four.occupied_slots == 4 and four.waste == 0
+    # a sequence that ended cannot be cropped back to life
+    cache = new_cache(tiny_model, "paged", max_len=16, batch=2, block_size=4)
+    prefill(tiny_model, torch.tensor([[1, 2, 3], [4, 5, 6]]), cache)
+    decode_step(tiny_model, torch.tensor([[7], [8]]), cache)
+    cache.end(1)
+    assert not cache.can_crop(3) and cache.can_crop(4)
+    with pytest.raises(ValueError, match=r"sequence\(s\) \[1\] ended and gave their blocks back"):
+        cache.crop(3)
+    # a copy of a snapshot that was dropped holds no blocks: restoring it is refused
+    import copy
+    snap = twins.snapshot()
+    kept = copy.copy(snap)
+    del snap
+    with pytest.raises(ValueError, match="no longer holds its blocks"):
+        twins.restore(kept)
+
+
+def test_a_padded_prefill_keeps_a_token_of_every_prompt(tiny_model):
+    cache = new_cache(tiny_model, "prealloc", max_len=8, batch=2)
+    with pytest.raises(ValueError, match=r"pad must lie in \[0, 3\) so that every sequence"):
+        prefill(tiny_model, torch.tensor([[0, 0, 0], [1, 2, 3]]), cache, pad=[3, 0])
+    assert cache.pos == 0 and cache.pad is None

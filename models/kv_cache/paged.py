@@ -52,6 +52,7 @@ class BlockPool:
         self.block_size, self.n_blocks = block_size, n_blocks
         self.refs = [0] * n_blocks
         self.free = list(range(n_blocks - 1, -1, -1))  # pop() hands out the lowest free id first
+        self.snapshots, self.held = 0, set()  # snapshots taken; those whose share of blocks is still held
 
     @property
     def block_nbytes(self) -> int:
@@ -86,6 +87,11 @@ class BlockPool:
             self.refs[b] -= 1
             if self.refs[b] == 0:
                 self.free.append(b)
+
+    def drop_share(self, token: int, ids) -> None:
+        """A snapshot was dropped: its share of the blocks goes back."""
+        self.held.discard(token)
+        self.release(ids)
 
     def copy_block(self, src: int, dst: int) -> None:
         bs = self.block_size
@@ -162,7 +168,12 @@ class PagedKVCache(KVCache):
 
     @property
     def occupied_slots(self) -> int:
-        return sum(n for b, n in enumerate(self.lengths()) if not self.ended[b])
+        """Slots of the blocks in use that hold a token (a block shared by several sequences counts once)."""
+        bs, filled = self.opts.block_size, {}
+        for b, n in enumerate(self.lengths()):
+            for i, block in enumerate(self.tables[b]):
+                filled[block] = max(filled.get(block, 0), min(bs, n - i * bs))
+        return sum(filled.values())
 
     # ---- the contract ---------------------------------------------------------------------------------------
 
@@ -250,7 +261,8 @@ class PagedKVCache(KVCache):
         return k.transpose(0, 1), v.transpose(0, 1)
 
     def _slot_rows(self, n: int) -> torch.Tensor:
-        """(B, n) the pool row of slots 0 .. n - 1 of every sequence; padding and ended sequences read row 0."""
+        """(B, n) the pool row of slots 0 .. n - 1 of every sequence; a padding slot reads its sequence's first
+        token's row, an ended sequence rows of block 0 (neither is a token of that sequence)."""
         bs = self.opts.block_size
         width = max(1, max(len(t) for t in self.tables))
         tab = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.long, device=self.device)
@@ -263,7 +275,7 @@ class PagedKVCache(KVCache):
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every slot written so far, (B, nh, pos, hs), in slot order, gathered through the block tables
-        (padding slots hold whatever row 0 holds)."""
+        (what padding slots and ended sequences hold is not theirs: see ``_slot_rows``)."""
         rows = self._slot_rows(self.pos)
         B, n = rows.shape
         k = self.pool.k[layer].index_select(1, rows.reshape(-1)).view(self.n_head, B, n, self.head_dim)
@@ -293,13 +305,22 @@ class PagedKVCache(KVCache):
             raise ValueError(f"fork(n) needs n >= 1 sequences, got {n!r}")
         other = self.empty_like(n)
         other.pos = self.pos
+        if self.pad is not None:  # each continuation keeps the prompt's padding, so its positions
+            other.pad, other.pad_min = self.pad.repeat(n), self.pad_min
+        other.ended = [self.ended[0]] * n
         other.tables = [list(self.tables[0]) for _ in range(n)]
         for table in other.tables:
             self.pool.share(table)
         return other
 
     def can_crop(self, n_tokens: int) -> bool:
-        return 0 <= n_tokens <= self.pos
+        # a sequence that ended gave its blocks back: no crop brings it back
+        return 0 <= n_tokens <= self.pos and (n_tokens == self.pos or not any(self.ended))
+
+    def _why_no_crop(self, n_tokens: int) -> str:
+        return (f"cannot crop a paged cache from {self.pos} to {n_tokens} tokens: sequence(s) "
+                f"{[b for b, e in enumerate(self.ended) if e]} ended and gave their blocks back; take snapshot() "
+                "before and restore() instead")
 
     def _crop(self, n: int) -> None:
         bs = self.opts.block_size
@@ -328,11 +349,14 @@ class PagedKVCache(KVCache):
         before writing into it, so they never reach the snapshot."""
         width = max(1, max(len(t) for t in self.tables))
         tables = torch.tensor([t + [-1] * (width - len(t)) for t in self.tables], dtype=torch.long)
+        self.pool.snapshots += 1
+        token = self.pool.snapshots  # names this snapshot's share of the blocks while it holds it
         snap = PagedSnapshot(**self._snapshot_header(), pool=id(self.pool), tables=tables,
-                             ended=torch.tensor(self.ended))
+                             ended=torch.tensor(self.ended), share=token)
         ids = [b for t in self.tables for b in t]
         self.pool.share(ids)
-        weakref.finalize(snap, self.pool.release, ids)
+        self.pool.held.add(token)
+        weakref.finalize(snap, self.pool.drop_share, token, ids)
         return snap
 
     def set_padding(self, pad) -> None:
@@ -342,6 +366,9 @@ class PagedKVCache(KVCache):
     def restore(self, snap: dict) -> None:
         if isinstance(snap, dict) and snap.get("kind") == self.kind and snap.get("pool") != id(self.pool):
             raise ValueError("a paged snapshot restores into a cache that draws from the same block pool")
+        if isinstance(snap, dict) and snap.get("kind") == self.kind and snap.get("share") not in self.pool.held:
+            raise ValueError("this paged snapshot no longer holds its blocks (a copy of a snapshot that was dropped): "
+                             "restore the snapshot snapshot() returned, while it is alive")
         self._check_snapshot(snap)
         pos = snap["pos"]
         tables = [[b for b in row if b >= 0] for row in snap["tables"].tolist()]
