@@ -382,6 +382,16 @@ def layers_plot(layers: pd.DataFrame) -> Figure:
     return fig
 
 
+def _by_batch(top, bottom, sub: pd.DataFrame, keys: list[str], top_y: str, bottom_y: str, label, style) -> None:
+    """A line per group of ``keys`` in two panels over batch size: ``top_y`` above, ``bottom_y`` below (medians per
+    batch); ``label(key)`` names the line, ``style(key)`` gives its (colour, line style)."""
+    for key, g in sub.groupby(keys):
+        g = g.groupby("batch", as_index=False)[[top_y, bottom_y]].median()
+        color, ls = style(key)
+        for ax, y in ((top, top_y), (bottom, bottom_y)):
+            _line(ax, g, "batch", y, label(key), color=color, linestyle=ls, marker="o")
+
+
 def batch_plot(batches: pd.DataFrame) -> Figure:
     """Decode throughput against batch size (tokens/s, log-log), a line per cache (and dtype), one panel per model;
     with the bytes a step reads: the weights (flat) and every sequence's K/V (growing with the batch)."""
@@ -393,12 +403,9 @@ def batch_plot(batches: pd.DataFrame) -> Figure:
     for j, model in enumerate(models):
         sub = df[df["model"] == model]
         top, bottom = axes[0, j], axes[1, j]
-        for (cache, prec), g in sub.groupby(["cache", "prec"]):
-            g = g.groupby("batch", as_index=False)[["tokens_per_s", "kv_bytes", "weight_bytes"]].median()
-            name = f"{cache} · {prec}" if len(precs) > 1 else cache
-            color, ls = _cache_color(caches, cache), DASHES[precs.index(prec) % len(DASHES)]
-            _line(top, g, "batch", "tokens_per_s", name, color=color, linestyle=ls, marker="o")
-            _line(bottom, g, "batch", "kv_bytes", name, color=color, linestyle=ls, marker="o")
+        _by_batch(top, bottom, sub, ["cache", "prec"], "tokens_per_s", "kv_bytes",
+                  lambda k: f"{k[0]} · {k[1]}" if len(precs) > 1 else k[0],
+                  lambda k: (_cache_color(caches, k[0]), DASHES[precs.index(k[1]) % len(DASHES)]))
         w = float(sub["weight_bytes"].max())
         bottom.axhline(w, color="0.3", linestyle=":", label="weights (read once per step)")
         for ax in (top, bottom):
@@ -430,12 +437,9 @@ def serving_plot(runs: pd.DataFrame) -> Figure:
     for j, model in enumerate(models):
         sub = df[df["model"] == model]
         top, bottom = axes[0, j], axes[1, j]
-        for (cache, prec, shape), g in sub.groupby(["cache", "prec", "prompt_lengths"]):
-            g = g.groupby("batch", as_index=False)[["tokens_per_s", "waste"]].median()
-            name = " · ".join([cache] + ([prec] if len(precs) > 1 else []) + [f"{shape} prompts"])
-            color, ls = _cache_color(caches, cache), DASHES[shapes.index(shape) % len(DASHES)]
-            _line(top, g, "batch", "tokens_per_s", name, color=color, linestyle=ls, marker="o")
-            _line(bottom, g, "batch", "waste", name, color=color, linestyle=ls, marker="o")
+        _by_batch(top, bottom, sub, ["cache", "prec", "prompt_lengths"], "tokens_per_s", "waste",
+                  lambda k: " · ".join([k[0]] + ([k[1]] if len(precs) > 1 else []) + [f"{k[2]} prompts"]),
+                  lambda k: (_cache_color(caches, k[0]), DASHES[shapes.index(k[2]) % len(DASHES)]))
         for ax in (top, bottom):
             _log2_x(ax, sub["batch"])
             ax.set_xlabel("batch (sequences served together)")
