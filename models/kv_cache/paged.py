@@ -204,9 +204,8 @@ class PagedKVCache(KVCache):
                 self.pool.release([table[i]])
                 table[i] = fresh
             table += self.pool.take(n)
-        width = max(1, max(len(table) for table in self.tables))
-        self._tab = torch.tensor([table + [0] * (width - len(table)) for table in self.tables], dtype=torch.long,
-                                 device=self.device)  # (B, width) blocks; padding entries read block 0
+        self._tab = self._table_tensor()  # (B, width) blocks; padding entries read block 0
+        width = self._tab.shape[1]
         # the key positions attention sees: each sequence's tokens 0 .. n - 1, then nothing (-1)
         n = [0 if self.ended[b] else max(self.pos + t - pads[b], 0) for b in range(self.batch)]
         p = torch.arange(width * bs, device=self.device).unsqueeze(0)  # (1, width * bs)
@@ -218,12 +217,8 @@ class PagedKVCache(KVCache):
         # attention needs no mask (its fast path)
         self._uniform = self.pad is None and not any(self.ended)
         # where the t new slots go: pool rows, and which of them are tokens of a live sequence
-        q = torch.arange(self.pos, self.pos + t, device=self.device).unsqueeze(0) - torch.tensor(
-            pads, device=self.device).unsqueeze(1)  # (B, t) positions
+        q, self._new_rows = self._rows(self._tab, self.pos, self.pos + t)  # (B, t) positions and pool rows
         keep = (q >= 0) & (floor == 0)
-        qc = q.clamp(min=0)
-        blk = torch.div(qc, bs, rounding_mode="floor").clamp(max=width - 1)
-        self._new_rows = self._tab.gather(1, blk) * bs + qc % bs  # (B, t)
         self._keep = None if bool(keep.all()) else keep
         self._ready = (self.pos, t)
 
@@ -260,18 +255,27 @@ class PagedKVCache(KVCache):
         v = self.pool.v[layer].view(nh, -1, bs, hs).index_select(1, flat).view(nh, B, width * bs, hs)
         return k.transpose(0, 1), v.transpose(0, 1)
 
-    def _slot_rows(self, n: int) -> torch.Tensor:
-        """(B, n) the pool row of slots 0 .. n - 1 of every sequence; a padding slot reads its sequence's first
-        token's row, an ended sequence rows of block 0 (neither is a token of that sequence)."""
-        bs = self.opts.block_size
+    def _table_tensor(self, fill: int = 0) -> torch.Tensor:
+        """The block tables as one (B, width) tensor, short tables filled with ``fill``."""
         width = max(1, max(len(t) for t in self.tables))
-        tab = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.long, device=self.device)
-        p = torch.arange(n, device=self.device).unsqueeze(0)  # (1, n) slots
+        return torch.tensor([t + [fill] * (width - len(t)) for t in self.tables], dtype=torch.long,
+                            device=self.device)
+
+    def _rows(self, tab: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots start .. end - 1 of every sequence: their positions (B, n), negative in padding, and pool rows
+        (B, n) through ``tab``; a padding slot reads its sequence's first token's row, an ended sequence rows of
+        block 0 (neither is a token of that sequence)."""
+        bs = self.opts.block_size
+        p = torch.arange(start, end, device=self.device).unsqueeze(0).expand(self.batch, end - start)  # (B, n)
         if self.pad is not None:
-            p = p - self.pad.unsqueeze(1)  # (B, n) positions
-        p = p.expand(self.batch, n).clamp(min=0)
-        blk = torch.div(p, bs, rounding_mode="floor").clamp(max=width - 1)
-        return tab.gather(1, blk) * bs + p % bs
+            p = p - self.pad.unsqueeze(1)
+        pc = p.clamp(min=0)
+        blk = torch.div(pc, bs, rounding_mode="floor").clamp(max=tab.shape[1] - 1)
+        return p, tab.gather(1, blk) * bs + pc % bs
+
+    def _slot_rows(self, n: int) -> torch.Tensor:
+        """(B, n) the pool row of slots 0 .. n - 1 of every sequence (see ``_rows``)."""
+        return self._rows(self._table_tensor(), 0, n)[1]
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every slot written so far, (B, nh, pos, hs), in slot order, gathered through the block tables
@@ -347,8 +351,7 @@ class PagedKVCache(KVCache):
     def snapshot(self) -> dict:
         """The block tables, sharing their blocks (no K/V is copied): writes after a restore copy a shared block
         before writing into it, so they never reach the snapshot."""
-        width = max(1, max(len(t) for t in self.tables))
-        tables = torch.tensor([t + [-1] * (width - len(t)) for t in self.tables], dtype=torch.long)
+        tables = self._table_tensor(fill=-1).cpu()
         self.pool.snapshots += 1
         token = self.pool.snapshots  # names this snapshot's share of the blocks while it holds it
         snap = PagedSnapshot(**self._snapshot_header(), pool=id(self.pool), tables=tables,
