@@ -8,9 +8,10 @@
     python -m harness.bench --paged --model mini # a ragged batch served: KV waste per layout, step time, tokens
 
 Ours vs HF: for each context length and each kind transformers has a counterpart of (concat: DynamicCache, prealloc:
-StaticCache) both caches are prefilled with the same prompt; then each repeat times one decode step of each engine,
-alternating which goes first, and rewinds the step, so every timed step runs at exactly that context. Prints the
-medians and the ratio ours / HF.
+StaticCache, quant at its defaults, 4 bits, groups of 32: QuantizedCache with optimum-quanto) both caches are
+prefilled with the same prompt; then each repeat times one decode step of each engine, alternating which goes first,
+and puts the step back (``checkpoint``), so every timed step runs at exactly that context. Prints the medians and the
+ratio ours / HF.
 
 Kinds (``--kinds``): one cache per kind (default: every registered kind, quant at 8, 4 and 2 bits, window 4 + 256),
 each owning ``max_len`` = the model's positions; at each context all are prefilled with the same prompt, then each
@@ -63,21 +64,22 @@ def time_steps(engines, layout: str, ctx: int, repeats: int, warmup: int, seed: 
     vocab = engines[0].model.config.vocab_size
     prompt = torch.randint(0, vocab, (1, ctx), generator=g)
     token = torch.randint(0, vocab, (1, 1), generator=g)
-    caches = []
+    caches, backs = [], []
     for e in engines:
         cache = e.new_cache(layout, max_len=ctx + 1)
         e.prefill(prompt, cache)
         caches.append(cache)
+        backs.append(e.checkpoint(cache))
     times: dict[str, list[float]] = {e.name: [] for e in engines}
     for r in range(warmup + repeats):
-        order = list(zip(engines, caches))
+        order = list(zip(engines, caches, backs))
         if r % 2:
             order.reverse()
-        for e, cache in order:
+        for e, cache, back in order:
             t0 = time.perf_counter()
             e.decode(token, cache)
             dt = time.perf_counter() - t0
-            e.rewind(cache, 1)
+            back()
             if r >= warmup:
                 times[e.name].append(dt)
     return times
@@ -247,12 +249,12 @@ def bench_paged(args, model: GPT2) -> None:
 
 def bench_hf(args, model: GPT2) -> None:
     engines = [KvlabEngine(model), HFEngine(model)]
-    print(f"{'context':>7}  {'kind':<9} {'kvlab ms':>9} {'HF ms':>9} {'HF cache':<13} {'kvlab/HF':>8}")
+    print(f"{'context':>7}  {'kind':<9} {'kvlab ms':>9} {'HF ms':>9} {'HF cache':<15} {'kvlab/HF':>8}")
     for ctx in args.contexts:
         for kind, (hf_name, _) in HF_COUNTERPARTS.items():
             t = time_steps(engines, kind, ctx, args.repeats, args.warmup, args.seed)
             ours, hf = statistics.median(t["kvlab"]) * 1e3, statistics.median(t["hf"]) * 1e3
-            print(f"{ctx:>7}  {kind:<9} {ours:>9.2f} {hf:>9.2f} {hf_name:<13} {ours / hf:>7.2f}x")
+            print(f"{ctx:>7}  {kind:<9} {ours:>9.2f} {hf:>9.2f} {hf_name:<15} {ours / hf:>7.2f}x")
 
 
 def bench_kinds(args, model: GPT2) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from harness.engines import ENGINES, hf_refuses
 from models.kv_cache import CACHE_KINDS, DTYPE_NAMES, KVCache, cache_kind
 
 
@@ -143,7 +144,7 @@ class ConfigError(ValueError):
 
 AUTO_CONTEXTS = (32, 128, 512)
 PROMPT_LENGTHS = ("uniform", "ragged")
-ENGINE_NAMES = ("kvlab", "hf")  # harness.engines.ENGINES, named here without importing transformers
+ENGINE_NAMES = tuple(ENGINES)
 
 
 def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
@@ -164,6 +165,9 @@ def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
     need(cfg.device.name in ("cpu", "cuda", "auto"), f"device={cfg.device.name!r}: use cpu, cuda or auto")
     engine = cfg.get("engine", {}).get("name", "kvlab")
     need(engine in ENGINE_NAMES, f"engine={engine!r}: use one of {', '.join(ENGINE_NAMES)}")
+    if engine == "hf":
+        why = hf_refuses(cfg.cache.kind, cache_kind(cfg.cache.kind).parse_options(**cache_options(cfg.cache)))
+        need(not why, f"engine=hf cache={cfg.cache.kind}: {why}")
     need(cfg.tracking.mode in ("offline", "online", "disabled"),
          f"tracking.mode={cfg.tracking.mode!r}: use offline, online or disabled")
     need(cfg.prompts in ("file", "random"), f"prompts={cfg.prompts!r}: use file or random")

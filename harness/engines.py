@@ -17,30 +17,106 @@ An engine wraps one model and offers:
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass
 
 import torch
 
 from models.generate import (GreedyOutput, StaticDecoder, decode_step, greedy, greedy_loop, greedy_uncached,
                              model_device, model_dtype, new_cache, prefill)
 from models.gpt2 import _CONV1D, GPT2, HF_MASK_BUFFERS
-from models.kv_cache import PreallocKVCache
+from models.kv_cache import PreallocKVCache, cache_kind
+from models.kv_cache.base import itemsize
 
 
-def _dynamic_cache(config, max_len: int):
+def _dynamic_cache(config, max_len: int, opts):
     from transformers import DynamicCache
 
     return DynamicCache(config=config)
 
 
-def _static_cache(config, max_len: int):
+def _static_cache(config, max_len: int, opts):
     from transformers import StaticCache
 
     return StaticCache(config=config, max_cache_len=max_len)
 
 
-# our cache kinds that transformers has a counterpart of: (its class name, how to build one)
-HF_COUNTERPARTS = {"concat": ("DynamicCache", _dynamic_cache), "prealloc": ("StaticCache", _static_cache)}
+QUANTO_BITS = (2, 4)
+
+
+def _quantized_cache(config, max_len: int, opts):
+    """transformers' QuantizedCache, quanto backend, set as close to our ``quant`` as that backend goes: one bit
+    width for K and V (2 or 4), our ``group_size`` and ``residual``. It groups K per token, like V (axis 0): its
+    per-channel K (axis -1) needs batch x heads x tokens to divide by the group size, which a growing cache breaks."""
+    from transformers import QuantizedCache
+
+    head_dim = config.n_embd // config.n_head
+    if head_dim % opts.group_size:
+        raise ValueError(f"HF's QuantizedCache (quanto) needs group_size to divide the head size {head_dim}: got "
+                         f"group_size={opts.group_size}")
+    return QuantizedCache(backend="quanto", config=config, nbits=opts.k_bits, axis_key=0, axis_value=0,
+                          q_group_size=opts.group_size, residual_length=opts.residual)
+
+
+# our cache kinds that transformers has a counterpart of: (its class name, how to build one from its config, max_len
+# and our kind's parsed options)
+HF_COUNTERPARTS = {"concat": ("DynamicCache", _dynamic_cache), "prealloc": ("StaticCache", _static_cache),
+                   "quant": ("QuantizedCache", _quantized_cache)}
+
+
+def hf_refuses(kind: str, opts) -> str | None:
+    """Why the HF engine cannot run cache ``kind`` with these (parsed) options, in one line; None if it can."""
+    if kind not in HF_COUNTERPARTS:
+        return (f"HF transformers has no counterpart of cache kind {kind!r} here: it runs "
+                + ", ".join(f"{k} ({name})" for k, (name, _) in HF_COUNTERPARTS.items()))
+    if kind == "quant" and (opts.k_bits != opts.v_bits or opts.k_bits not in QUANTO_BITS):
+        return (f"HF's QuantizedCache (quanto) takes one bit width for K and V, 2 or 4: got k_bits={opts.k_bits}, "
+                f"v_bits={opts.v_bits}; use cache.k_bits=4 cache.v_bits=4 (or 2 and 2)")
+    return None
+
+
+def prepare_quanto() -> None:
+    """Build (once per environment) the C++ extension optimum-quanto compiles on its first use on a CPU, so that
+    no measurement or test pays for it. ``make setup`` calls this."""
+    t0 = time.perf_counter()
+    from optimum.quanto.library.extensions import get_extension
+
+    get_extension("quanto_cpp").lib
+    print(f"optimum-quanto's CPU extension is ready ({time.perf_counter() - t0:.0f} s)")
+
+
+def tensor_bytes(t) -> int:
+    """Bytes a tensor holds. A quantised tensor subclass (quanto's) counts what it stores (packed values, scales,
+    shifts), not its logical shape."""
+    if hasattr(t, "__tensor_flatten__"):
+        return sum(tensor_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+    return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class QuantoStorage:
+    """The bytes transformers' QuantizedCache (quanto backend) holds, worked out from its layout rather than read
+    from it: every ``residual`` decode steps (every step for 0 or 1) it quantises all tokens so far, the prefill
+    included; the tokens since stay in full precision. A quantised tensor is ``rows`` groups of ``group_size``
+    values (rows = batch x heads x tokens x head_dim / group_size), packed 8 / bits rows to a byte along the rows,
+    plus a scale and a shift per row in the storage dtype. ``prefilled``: the prompt's length."""
+
+    prefilled: int
+
+    def held_tokens(self, max_len: int, n_tokens: int, opts) -> int:
+        return n_tokens
+
+    def nbytes_formula(self, n_layer, n_head, head_dim, max_len, batch, dtype, n_tokens, opts) -> int:
+        R, G, isz = opts.residual, opts.group_size, itemsize(dtype)
+        tail = (n_tokens - self.prefilled) % R if R and n_tokens > self.prefilled else 0
+        rows = batch * n_head * (n_tokens - tail) * head_dim // G
+        quantised = math.ceil(rows / (8 // opts.k_bits)) * G + rows * 2 * isz
+        return n_layer * 2 * (quantised + batch * n_head * tail * head_dim * isz)
+
+    def bytes_per_token(self, n_layer, n_head, head_dim, dtype, opts) -> float:
+        per_head = head_dim * opts.k_bits / 8 + head_dim / opts.group_size * 2 * itemsize(dtype)
+        return n_layer * 2 * n_head * per_head
 
 
 WARMUP_CALLS = 2  # calls after the compiling one that count as its warm-up (reduce-overhead records CUDA graphs)
@@ -183,15 +259,19 @@ class HFEngine:
         """StaticCache hands attention all ``max_len`` slots every step (the unwritten ones masked)."""
         return max_len if kind == "prealloc" else None
 
+    def storage(self, spec, prefilled: int):
+        """What knows this engine's bytes for ``spec`` (``held_tokens``, ``nbytes_formula``, ``bytes_per_token``):
+        our kind's class where transformers' counterpart stores what ours does, else its own layout."""
+        return QuantoStorage(prefilled) if spec.kind == "quant" else spec.cls
+
     def new_cache(self, kind: str, max_len: int, batch: int = 1, dtype=None, **options):
-        if kind not in HF_COUNTERPARTS:
-            raise ValueError(f"HF transformers has no counterpart of cache kind {kind!r} here: it runs "
-                             + ", ".join(f"{k} ({name})" for k, (name, _) in HF_COUNTERPARTS.items()))
-        if options:
-            raise ValueError(f"cache kind {kind!r} takes no options on the HF engine, got {options}")
+        opts = cache_kind(kind).parse_options(**options)
+        why = hf_refuses(kind, opts)
+        if why:
+            raise ValueError(why)
         if dtype is not None and dtype != model_dtype(self.model):
             raise ValueError(f"HF caches store K/V in the model dtype {model_dtype(self.model)}, not {dtype}")
-        return HF_COUNTERPARTS[kind][1](self.config, max_len)
+        return HF_COUNTERPARTS[kind][1](self.config, max_len, opts)
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, cache, last_only: bool = False, pad=None) -> torch.Tensor:
@@ -208,7 +288,22 @@ class HFEngine:
         pos = torch.arange(past, past + ids.shape[1], device=ids.device).unsqueeze(0)
         return self.model(ids, cache=cache, use_cache=True, position_ids=pos, logits_to_keep=keep).logits
 
+    @staticmethod
+    def _croppable(cache) -> bool:
+        return all(getattr(layer, "is_croppable", True) for layer in cache.layers)
+
     def checkpoint(self, cache):
+        if not self._croppable(cache):
+            # QuantizedCache cannot crop, but its update never writes into a tensor it holds (it re-binds new
+            # ones), so keeping each layer's attributes keeps its state
+            saved = [dict(vars(layer)) for layer in cache.layers]
+
+            def restore():
+                for layer, state in zip(cache.layers, saved):
+                    vars(layer).clear()
+                    vars(layer).update(state)
+
+            return restore
         pos = int(cache.get_seq_length())
 
         @torch.inference_mode()
@@ -221,6 +316,9 @@ class HFEngine:
 
     @torch.inference_mode()
     def rewind(self, cache, n: int = 1) -> None:
+        if not self._croppable(cache):
+            raise ValueError(f"HF's {type(cache).__name__} cannot drop tokens (transformers cannot crop it): take "
+                             "a checkpoint() before the steps to undo")
         cache.crop(-n)
 
     @torch.inference_mode()  # its tensors were made in inference mode; zeroing them must be too
@@ -228,11 +326,14 @@ class HFEngine:
         cache.reset()
 
     def nbytes(self, cache) -> int:
+        """Bytes of K and V every layer holds: full-precision tensors and, in a QuantizedCache, the quantised
+        ones (packed values, scales and shifts)."""
         total = 0
         for layer in cache.layers:
-            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+                t = getattr(layer, name, None)
                 if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
+                    total += tensor_bytes(t)
         return total
 
     @torch.inference_mode()

@@ -537,10 +537,18 @@ def kv_read_bytes(engine, spec: CacheSpec, max_len: int, ctx: int, batch: int = 
     """Bytes of K/V one decode step at context ``ctx`` reads: the kind's bytes per cached token (its storage dtype,
     scales included) times the tokens attention reads (ctx + 1, or the slots a window keeps)."""
     n_layer, n_head, head_dim = geometry(engine)
-    cls, opts = spec.cls, spec.opts
+    cls, opts = storage(engine, spec), spec.opts
     dtype = spec.dtype or next(engine.model.parameters()).dtype
     return round(cls.bytes_per_token(n_layer, n_head, head_dim, dtype, opts) * keys_read(engine, spec, max_len, ctx)
                  * batch)
+
+
+def storage(engine, spec: CacheSpec, prefilled: int = 0):
+    """What knows the bytes ``engine``'s cache for ``spec`` holds (``held_tokens``, ``nbytes_formula``,
+    ``bytes_per_token``): the kind's class, unless the engine stores it its own way (HF's QuantizedCache, whose
+    bytes also depend on the ``prefilled`` prompt's length)."""
+    own = getattr(engine, "storage", None)
+    return own(spec, prefilled) if own is not None else spec.cls
 
 
 def keys_read(engine, spec: CacheSpec, max_len: int, ctx: int) -> int:
@@ -766,7 +774,7 @@ def cache_memory(engine, spec: CacheSpec, prompt: torch.Tensor, new_tokens: int,
     bytes with the kind's formula, computed from the inputs and the ASKED storage dtype (not the cache's own
     bookkeeping). Also returns bytes vs tokens: measured after the prefill and every step, and the formula at
     ``curve_points`` lengths out to ``max_len`` (where the generation does not reach)."""
-    cls, opts = spec.cls, spec.opts
+    cls, opts = storage(engine, spec, prompt.shape[1]), spec.opts
     n_layer, n_head, head_dim = geometry(engine)
     dtype = spec.dtype or next(engine.model.parameters()).dtype
     B = prompt.shape[0]

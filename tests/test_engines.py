@@ -1,11 +1,16 @@
 """Both engines behind one interface: HF transformers' GPT-2 on our weights generates our tokens with its
-counterpart caches, and rewinding, checkpoints and byte counts work on DynamicCache and StaticCache."""
+counterpart caches, and rewinding, checkpoints and byte counts work on DynamicCache and StaticCache; its
+QuantizedCache (quanto) runs beside our quant kind, its bytes counted from what it stores."""
+
+import math
 
 import pytest
 import torch
 
-from harness.engines import HF_COUNTERPARTS, HFEngine, KvlabEngine
-from models.kv_cache import kv_bytes
+from harness.engines import HF_COUNTERPARTS, HFEngine, KvlabEngine, QuantoStorage
+from models.kv_cache import cache_kind, kv_bytes
+
+EXACT = [k for k in HF_COUNTERPARTS if cache_kind(k).exact]
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +18,7 @@ def engines(tiny_model):
     return KvlabEngine(tiny_model), HFEngine(tiny_model)
 
 
-@pytest.mark.parametrize("kind", list(HF_COUNTERPARTS))
+@pytest.mark.parametrize("kind", EXACT)
 def test_hf_greedy_equals_ours_on_the_same_weights(engines, kind):
     ours, hf = engines
     g = torch.Generator().manual_seed(0)
@@ -26,7 +31,7 @@ def test_hf_greedy_equals_ours_on_the_same_weights(engines, kind):
     assert torch.equal(hf.greedy(prompt, 5).tokens, ours.greedy(prompt, 5).tokens)  # uncached too
 
 
-@pytest.mark.parametrize("kind", list(HF_COUNTERPARTS))
+@pytest.mark.parametrize("kind", EXACT)
 def test_hf_rewind_checkpoint_and_nbytes(engines, kind):
     _, hf = engines
     c = hf.model.config
@@ -51,6 +56,67 @@ def test_hf_rewind_checkpoint_and_nbytes(engines, kind):
     assert int(cache.get_seq_length()) == 0
 
 
+def quanto_bytes(B, H, D, n_layer, bits, G, quantised, tail, isz=4):
+    """What quanto stores for K and V: per layer and tensor, B*H*tokens*D/G groups of G values, 8/bits groups
+    packed to a byte each, and an fp32 scale and shift per group; plus the full-precision tail."""
+    groups = B * H * quantised * D // G
+    return n_layer * 2 * (math.ceil(groups * bits / 8) * G + groups * 2 * isz + B * H * tail * D * isz)
+
+
+@pytest.mark.parametrize("opts", [{}, {"residual": 3}, {"k_bits": 2, "v_bits": 2, "group_size": 16, "residual": 1}])
+def test_hf_quantized_cache_holds_what_its_layout_says_and_checkpoints(engines, opts):
+    """Every ``residual`` steps (every step for 0 or 1) it quantises all tokens so far; the rest wait in full
+    precision. The bytes read from its quanto tensors equal that layout at every step, at batch 1 and 3."""
+    _, hf = engines
+    c = hf.model.config
+    H, D, o = c.n_head, c.n_embd // c.n_head, cache_kind("quant").parse_options(**opts)
+    R = o.residual
+    for B in (1, 3):
+        prompt = torch.randint(0, 50257, (B, 7), generator=torch.Generator().manual_seed(B))
+        cache = hf.new_cache("quant", max_len=64, batch=B, **opts)
+        assert type(cache).__name__ == "QuantizedCache"
+        logits = hf.prefill(prompt, cache, last_only=True)
+        for step in range(12):
+            tail = step % R if R else 0
+            want = quanto_bytes(B, H, D, c.n_layer, o.k_bits, o.group_size, 7 + step - tail, tail)
+            assert hf.nbytes(cache) == want
+            assert QuantoStorage(7).nbytes_formula(c.n_layer, H, D, 64, B, torch.float32, 7 + step, o) == want
+            logits = hf.decode(logits[:, -1:].argmax(-1), cache)
+        back = hf.checkpoint(cache)  # it cannot crop: the checkpoint keeps each layer's state instead
+        token = torch.full((B, 1), 42)
+        first = hf.decode(token, cache)
+        back()
+        assert int(cache.get_seq_length()) == 19 and torch.equal(hf.decode(token, cache), first)
+        with pytest.raises(ValueError, match="cannot drop tokens"):
+            hf.rewind(cache, 1)
+        hf.reset(cache)
+        assert int(cache.get_seq_length()) == 0 and hf.nbytes(cache) == 0
+        assert torch.equal(hf.prefill(prompt, cache, last_only=True), hf.prefill(prompt, hf.new_cache(
+            "quant", 64, B, **opts), last_only=True))
+
+
+def test_hf_quantized_cache_is_lossy_and_fewer_bits_lose_more(engines):
+    """Both quantised caches move the logits off the exact cache's, 2 bits further than 4, each engine's by an
+    amount of the same order (they group K differently: ours per channel, quanto's per token)."""
+    ours, hf = engines
+    prompt = torch.randint(0, 50257, (2, 20), generator=torch.Generator().manual_seed(3))
+    exact = ours.greedy(prompt, 16, layout="prealloc")
+    drift = {}
+    for e in (ours, hf):
+        for bits in (4, 2):
+            out = e.greedy(prompt, 16, layout="quant", k_bits=bits, v_bits=bits)
+            # teacher-forced on the exact cache's tokens, so both engines score the same contexts
+            cache = e.new_cache("quant", 36, 2, k_bits=bits, v_bits=bits)
+            seq = torch.cat([prompt, exact.tokens], dim=1)
+            logits = [e.prefill(seq[:, :20], cache, last_only=True)]
+            logits += [e.decode(seq[:, i:i + 1], cache) for i in range(20, 35)]
+            drift[e.name, bits] = (torch.cat(logits, dim=1) - exact.logits).abs().max().item()
+            assert out.tokens.shape == exact.tokens.shape
+    for name in ("kvlab", "hf"):
+        assert 0 < drift[name, 4] < drift[name, 2]
+    assert 0.2 < drift["hf", 4] / drift["kvlab", 4] < 5
+
+
 def test_hf_refuses_what_it_has_no_counterpart_of(engines):
     _, hf = engines
     with pytest.raises(ValueError, match="no counterpart of cache kind 'window' here: it runs concat"):
@@ -59,37 +125,48 @@ def test_hf_refuses_what_it_has_no_counterpart_of(engines):
         hf.forward(torch.tensor([[1, 2, 3]]), window=2, sinks=0)
     with pytest.raises(ValueError, match="in the model dtype"):
         hf.new_cache("prealloc", max_len=16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="one bit width for K and V, 2 or 4: got k_bits=8, v_bits=4"):
+        hf.new_cache("quant", max_len=16, k_bits=8)
+    with pytest.raises(ValueError, match="group_size to divide the head size 32: got group_size=5"):
+        hf.new_cache("quant", max_len=16, group_size=5)
+    with pytest.raises(ValueError, match="has no option 'window'"):
+        hf.new_cache("quant", max_len=16, window=4)
 
 
 @pytest.mark.slow
 def test_hf_is_a_peer_in_the_grid(tmp_path):
-    """`-m engine=kvlab,hf cache=concat,prealloc`: four comparable runs, measured the same way, told apart by their
-    engine in every table."""
+    """`-m engine=kvlab,hf cache=concat,prealloc,quant`: six comparable runs, measured the same way, told apart by
+    their engine in every table."""
     import json
 
     from tests.conftest import TINY, run_py
 
-    sweep = tmp_path / "sweep"
-    proc = run_py(["-m", "engine=kvlab,hf", "cache=concat,prealloc", *TINY, "batch_sizes=[1,2]", "batch_context=8",
-                   "tracking=disabled", f"hydra.sweep.dir={sweep}"], tmp_path)
+    sweep, kinds = tmp_path / "sweep", ("concat", "prealloc", "quant")
+    proc = run_py(["-m", "engine=kvlab,hf", f"cache={','.join(kinds)}", *TINY, "batch_sizes=[1,2]",
+                   "batch_context=8", "tracking=disabled", f"hydra.sweep.dir={sweep}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = [json.loads(p.read_text()) for p in sweep.glob("*/results.json")]
     got = {(r["engine"], r["cache"]): r for r in runs}
-    assert set(got) == {(e, c) for e in ("kvlab", "hf") for c in ("concat", "prealloc")}
+    assert set(got) == {(e, c) for e in ("kvlab", "hf") for c in kinds}
     for (engine, cache), r in got.items():
-        assert r["status"] == "ok" and r["tokens_identical"] and r["nbytes_match"], r
-        assert r["cache_label"] == (cache if engine == "kvlab" else f"{cache} · hf")
-    for e in ("kvlab", "hf"):  # same weights, same bytes: HF's caches hold what ours hold
+        assert r["status"] == "ok" and r["nbytes_match"] and r["nbytes_curve_match"], r
+        assert r["tokens_identical"] or cache == "quant", r
+        label = "quant k4/v4 g32" if cache == "quant" else cache
+        assert r["cache_label"] == (label if engine == "kvlab" else f"{label} · hf")
+    for e in ("kvlab", "hf"):  # same weights, same bytes: HF's exact caches hold what ours hold
         assert got[(e, "concat")]["cache_nbytes"] == got[("kvlab", "concat")]["cache_nbytes"]
         assert got[(e, "prealloc")]["cache_nbytes"] == got[("kvlab", "prealloc")]["cache_nbytes"]
+    for e in ("kvlab", "hf"):  # both quantised caches drift off fp32, and a token costs less than in fp32
+        q = got[(e, "quant")]
+        assert q["drift_kl"] > 0 and q["bytes_per_token"] < got[(e, "concat")]["bytes_per_token"] / 2
     import pandas as pd
 
     steps = pd.read_csv(sweep / "report" / "steps.csv")
-    assert set(steps.engine) == {"kvlab", "hf"} and steps.cache_label.nunique() == 4
+    assert set(steps.engine) == {"kvlab", "hf"} and steps.cache_label.nunique() == 6
     # ours / HF from this one sweep: every (cache, context) at batch 1 from steps.csv, and batch 2 from batches.csv
     ratios = pd.read_csv(sweep / "report" / "engine_ratios.csv")
     assert set(zip(ratios.cache, ratios.context_len, ratios.batch)) == {
-        (c, t, 1) for c in ("concat", "prealloc") for t in (8, 32)} | {(c, 8, 2) for c in ("concat", "prealloc")}
+        (c, t, 1) for c in kinds for t in (8, 32)} | {(c, 8, 2) for c in kinds}
     cached = steps[steps["mode"] == "cached"].set_index(["engine", "cache", "context_len"]).ms_median
     for _, r in ratios[ratios.batch == 1].iterrows():
         assert r.ours_over_hf == pytest.approx(cached["kvlab", r.cache, r.context_len]

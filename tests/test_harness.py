@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 
 from harness import measure
 from harness.config import ConfigError, cache_options, dtype_label, register, validate
-from harness.engines import KvlabEngine
+from harness.engines import HF_COUNTERPARTS, KvlabEngine
 from harness.experiment import batch_lengths, text_prompts
 from tests.conftest import TINY, run_py
 from models.gpt2 import GPT2Config
@@ -376,7 +376,7 @@ def test_the_benchmark_is_a_sweep_of_both_engines_on_two_models():
         cfg = compose(config_name="config", overrides=["experiment=bench"], return_hydra_config=True)
     assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
     params = {k: set(str(v).split(",")) for k, v in cfg.hydra.sweeper.params.items()}
-    assert params == {"model": {"gpt2", "gpt2-medium"}, "engine": {"kvlab", "hf"}, "cache": {"concat", "prealloc"}}
+    assert params == {"model": {"gpt2", "gpt2-medium"}, "engine": {"kvlab", "hf"}, "cache": set(HF_COUNTERPARTS)}
     assert list(cfg.context_lengths) == [32, 512, 960] and list(cfg.batch_sizes) == [1, 8]
     assert cfg.dtype.storage == "fp32"
 
