@@ -325,9 +325,9 @@ LAYER_TOL = 1e-2  # relative K/V error (vs fp32) from which a layer counts as di
 STAT_ROWS = 128  # positions whose float64 log-softmax over the vocabulary is held at once (text_drift)
 NEAR_TIE = 2.0  # a divergence is a near tie when the reference's top-1/top-2 margin < NEAR_TIE x max |dlogit| there
 
-TEXT_KEYS = ("drift_kl_p99", "drift_kl_max", "drift_delta_nll", "drift_delta_ppl", "drift_rms_dp", "drift_same_top1",
-             "text_nll_fp32", "text_nll", "drift_text_positions", "drift_layer_tol", "drift_first_layer_over_tol",
-             "drift_k_rel_err_max", "drift_v_rel_err_max")
+TEXT_KEYS = ("drift_kl_p99", "drift_kl_max", "drift_kl_decode", "drift_delta_nll", "drift_delta_ppl", "drift_rms_dp",
+             "drift_same_top1", "text_nll_fp32", "text_nll", "drift_text_positions", "drift_layer_tol",
+             "drift_first_layer_over_tol", "drift_k_rel_err_max", "drift_v_rel_err_max")
 
 
 def recorded(cache, seen: dict):
@@ -393,11 +393,14 @@ def text_drift(engine, ref32, spec: CacheSpec, texts: list[torch.Tensor], T: int
     KL(fp32 || ours) mean / p99 / max over every scored position, the change in next-token NLL of the text (ΔNLL,
     nats/token, and ΔPPL), the RMS change of the probability fp32 puts on its own top token (RMS Δp: llama.cpp's
     Δp uses the text's next token instead), how often the top token is the same, and the per-layer relative error of
-    K and V (``layers``)."""
+    K and V (``layers``). ``drift_kl_decode`` is the KL mean over the positions scored by decode steps alone (not
+    the prefill's): what to compare across caches that treat a prefill differently (HF's QuantizedCache attends
+    to the prompt's K/V unquantised, ours to what it stored)."""
     ref_spec = CacheSpec(full_attention_kind(), {}, torch.float32)
-    kl, nll, nll_ref, dp, same, layers = [], [], [], [], [], []
+    kl, nll, nll_ref, dp, same, layers, decoded = [], [], [], [], [], [], []
     for seq in tqdm(texts, desc=f"text drift ({spec.label})", disable=not progress):
         ours, seen = text_pass(engine, spec, seq, T)
+        decoded.append(torch.arange(ours.shape[0]) >= max(1, min(T, seq.shape[1] - 1)))  # rows after the prefill
         ref, seen_ref = text_pass(ref32, ref_spec, seq, T)
         check_finite(ours, "the cached text pass")
         ref = ref.to(ours.device)
@@ -414,11 +417,13 @@ def text_drift(engine, ref32, spec: CacheSpec, texts: list[torch.Tensor], T: int
             same.append((lp.argmax(-1) == top[:, 0]).double())
         layers.append(kv_errors(seen, seen_ref))
     kl, nll, nll_ref = torch.cat(kl).cpu(), torch.cat(nll).cpu(), torch.cat(nll_ref).cpu()
+    decoded = torch.cat(decoded)
     dp, same = torch.cat(dp).cpu(), torch.cat(same).cpu()
     per_layer = pd.concat(layers).groupby("layer", as_index=False)[["k_err2", "k_norm2", "v_err2", "v_norm2"]].sum()
     per_layer = _with_rel(per_layer)[["layer", "k_rel_err", "v_rel_err"]]
     summary = dict(
         drift_kl=float(kl.mean()), drift_kl_p99=float(torch.quantile(kl, 0.99)), drift_kl_max=float(kl.max()),
+        drift_kl_decode=float(kl[decoded].mean()) if decoded.any() else None,
         drift_delta_nll=float(nll.mean() - nll_ref.mean()),
         drift_delta_ppl=float(nll.mean().exp() - nll_ref.mean().exp()),
         drift_rms_dp=float(dp.pow(2).mean().sqrt()), drift_same_top1=float(same.mean()),

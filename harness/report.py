@@ -84,24 +84,34 @@ def weights_notice(runs: pd.DataFrame) -> list[str]:
     return parts
 
 
-DRIFT_COLS = {"drift_kl": "KL mean", "drift_kl_p99": "KL p99", "drift_kl_max": "KL max",
+DRIFT_COLS = {"drift_kl": "KL mean", "drift_kl_decode": "KL mean (decode)", "drift_kl_p99": "KL p99",
+              "drift_kl_max": "KL max",
               "drift_delta_nll": "ΔNLL (nats/token)", "drift_delta_ppl": "ΔPPL", "drift_rms_dp": "RMS Δp",
               "drift_same_top1": "same top-1", "drift_k_rel_err_max": "K rel err (max layer)",
               "drift_v_rel_err_max": "V rel err (max layer)"}
 
 
+def _setting(df: pd.DataFrame) -> pd.DataFrame:
+    """``cache`` as the cache's label without its engine (``quant k4/v4 g32 · hf`` -> ``quant k4/v4 g32``), so
+    that runs of one kind with other options are never pooled together."""
+    if "cache_label" not in df:
+        return df
+    return df.assign(cache=df["cache_label"].astype(str).str.split(" · ").str[0])
+
+
 def engine_ratios(steps: pd.DataFrame, batches: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Ours / HF cached step time, measured in the same sweep: one row per (model, cache kind, dtype, device,
-    context length, and batch where batches were timed); below 1 ours is faster. Empty without both engines."""
+    """Ours / HF cached step time, measured in the same sweep: one row per (model, cache kind and options, dtype,
+    device, context length, and batch where batches were timed); below 1 ours is faster. Empty without both
+    engines."""
     rows = []
     if "engine" in steps and {"kvlab", "hf"} <= set(steps["engine"].dropna()):
-        s = steps[(steps["mode"] == "cached") & (steps.get("status", "ok") == "ok")]
+        s = _setting(steps[(steps["mode"] == "cached") & (steps.get("status", "ok") == "ok")])
         p = s.pivot_table(index=["model", "cache", "dtype", "device", "context_len"], columns="engine",
                           values="ms_median", aggfunc="median").dropna()
         for idx, r in p.iterrows():
             rows.append(dict(zip(p.index.names, idx), batch=1, kvlab_ms=r["kvlab"], hf_ms=r["hf"]))
     if batches is not None and len(batches) and "engine" in batches and {"kvlab", "hf"} <= set(batches["engine"]):
-        b = batches[batches["batch"] > 1]
+        b = _setting(batches[batches["batch"] > 1])
         p = b.pivot_table(index=["model", "cache", "dtype", "device", "context_len", "batch"], columns="engine",
                           values="ms_median", aggfunc="median").dropna()
         for idx, r in p.iterrows():

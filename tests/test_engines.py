@@ -2,6 +2,7 @@
 counterpart caches, and rewinding, checkpoints and byte counts work on DynamicCache and StaticCache; its
 QuantizedCache (quanto) runs beside our quant kind, its bytes counted from what it stores."""
 
+import copy
 import math
 
 import pytest
@@ -63,14 +64,17 @@ def quanto_bytes(B, H, D, n_layer, bits, G, quantised, tail, isz=4):
     return n_layer * 2 * (math.ceil(groups * bits / 8) * G + groups * 2 * isz + B * H * tail * D * isz)
 
 
-@pytest.mark.parametrize("opts", [{}, {"residual": 3}, {"k_bits": 2, "v_bits": 2, "group_size": 16, "residual": 1}])
-def test_hf_quantized_cache_holds_what_its_layout_says_and_checkpoints(engines, opts):
+@pytest.mark.parametrize("opts,dtype", [({}, torch.float32), ({"residual": 3}, torch.float32),
+                                        ({"k_bits": 2, "v_bits": 2, "group_size": 16, "residual": 1}, torch.float32),
+                                        ({"k_bits": 2, "v_bits": 2}, torch.float32),  # 6 x tokens groups: rounded up
+                                        ({"residual": 2}, torch.bfloat16)])  # scales and shifts in bf16
+def test_hf_quantized_cache_holds_what_its_layout_says_and_checkpoints(tiny_model, opts, dtype):
     """Every ``residual`` steps (every step for 0 or 1) it quantises all tokens so far; the rest wait in full
     precision. The bytes read from its quanto tensors equal that layout at every step, at batch 1 and 3."""
-    _, hf = engines
+    hf = HFEngine(copy.deepcopy(tiny_model).to(dtype))
     c = hf.model.config
     H, D, o = c.n_head, c.n_embd // c.n_head, cache_kind("quant").parse_options(**opts)
-    R = o.residual
+    R, isz = o.residual, torch.empty((), dtype=dtype).element_size()
     for B in (1, 3):
         prompt = torch.randint(0, 50257, (B, 7), generator=torch.Generator().manual_seed(B))
         cache = hf.new_cache("quant", max_len=64, batch=B, **opts)
@@ -78,9 +82,9 @@ def test_hf_quantized_cache_holds_what_its_layout_says_and_checkpoints(engines, 
         logits = hf.prefill(prompt, cache, last_only=True)
         for step in range(12):
             tail = step % R if R else 0
-            want = quanto_bytes(B, H, D, c.n_layer, o.k_bits, o.group_size, 7 + step - tail, tail)
+            want = quanto_bytes(B, H, D, c.n_layer, o.k_bits, o.group_size, 7 + step - tail, tail, isz)
             assert hf.nbytes(cache) == want
-            assert QuantoStorage(7).nbytes_formula(c.n_layer, H, D, 64, B, torch.float32, 7 + step, o) == want
+            assert QuantoStorage(7).nbytes_formula(c.n_layer, H, D, 64, B, dtype, 7 + step, o) == want
             logits = hf.decode(logits[:, -1:].argmax(-1), cache)
         back = hf.checkpoint(cache)  # it cannot crop: the checkpoint keeps each layer's state instead
         token = torch.full((B, 1), 42)
@@ -104,17 +108,33 @@ def test_hf_quantized_cache_is_lossy_and_fewer_bits_lose_more(engines):
     drift = {}
     for e in (ours, hf):
         for bits in (4, 2):
-            out = e.greedy(prompt, 16, layout="quant", k_bits=bits, v_bits=bits)
             # teacher-forced on the exact cache's tokens, so both engines score the same contexts
             cache = e.new_cache("quant", 36, 2, k_bits=bits, v_bits=bits)
             seq = torch.cat([prompt, exact.tokens], dim=1)
             logits = [e.prefill(seq[:, :20], cache, last_only=True)]
             logits += [e.decode(seq[:, i:i + 1], cache) for i in range(20, 35)]
             drift[e.name, bits] = (torch.cat(logits, dim=1) - exact.logits).abs().max().item()
-            assert out.tokens.shape == exact.tokens.shape
     for name in ("kvlab", "hf"):
         assert 0 < drift[name, 4] < drift[name, 2]
     assert 0.2 < drift["hf", 4] / drift["kvlab", 4] < 5
+
+
+def test_hf_quantized_runs_bytes_and_decode_drift_measured_as_ours(engines, tiny_model):
+    """Through the harness's own measurements: with a residual, the bytes after a prompt and every step match
+    quanto's layout from that prompt on; and HF's prefill attends to the prompt unquantised, so the text drift
+    of its prefill positions is ~0 and all of it sits in the decode positions, which ``drift_kl_decode`` isolates."""
+    from harness import measure
+
+    _, hf = engines
+    spec = measure.CacheSpec("quant", {"residual": 3})
+    prompt = torch.randint(0, 50257, (1, 9), generator=torch.Generator().manual_seed(5))
+    rec, curve = measure.cache_memory(hf, spec, prompt, 8, 64)
+    assert rec["nbytes_match"] and rec["nbytes_curve_match"] and curve.nbytes_measured.notna().sum() == 8
+    texts = [torch.randint(0, 50257, (1, 30), generator=torch.Generator().manual_seed(s)) for s in (6, 7)]
+    got, _ = measure.text_drift(hf, KvlabEngine(tiny_model), spec, texts, T=10)
+    decode_share = 2 * 19 / got["drift_text_positions"]  # 29 scored positions per text, 10 of them by the prefill
+    assert got["drift_kl_decode"] > 0
+    assert got["drift_kl"] == pytest.approx(got["drift_kl_decode"] * decode_share, rel=1e-3)
 
 
 def test_hf_refuses_what_it_has_no_counterpart_of(engines):
@@ -165,12 +185,13 @@ def test_hf_is_a_peer_in_the_grid(tmp_path):
     assert set(steps.engine) == {"kvlab", "hf"} and steps.cache_label.nunique() == 6
     # ours / HF from this one sweep: every (cache, context) at batch 1 from steps.csv, and batch 2 from batches.csv
     ratios = pd.read_csv(sweep / "report" / "engine_ratios.csv")
+    settings = ("concat", "prealloc", "quant k4/v4 g32")  # each kind with its options
     assert set(zip(ratios.cache, ratios.context_len, ratios.batch)) == {
-        (c, t, 1) for c in kinds for t in (8, 32)} | {(c, 8, 2) for c in kinds}
-    cached = steps[steps["mode"] == "cached"].set_index(["engine", "cache", "context_len"]).ms_median
+        (c, t, 1) for c in settings for t in (8, 32)} | {(c, 8, 2) for c in settings}
+    cached = steps[steps["mode"] == "cached"].set_index(["cache_label", "context_len"]).ms_median
     for _, r in ratios[ratios.batch == 1].iterrows():
-        assert r.ours_over_hf == pytest.approx(cached["kvlab", r.cache, r.context_len]
-                                               / cached["hf", r.cache, r.context_len])
+        assert r.ours_over_hf == pytest.approx(cached[r.cache, r.context_len] / cached[f"{r.cache} · hf",
+                                                                                      r.context_len])
     assert "ours / HF cached decode-step time" in proc.stdout
     batches = pd.read_csv(sweep / "report" / "batches.csv")
     for _, g in batches.groupby("run_name"):
@@ -191,3 +212,22 @@ def test_bytes_read_count_what_each_engines_cache_hands_attention(engines):
         assert kv_read_bytes(e, CacheSpec("concat"), 64, 10) == per_token * 11
     assert kv_read_bytes(ours, CacheSpec("prealloc"), 64, 10) == per_token * 11
     assert kv_read_bytes(hf, CacheSpec("prealloc"), 64, 10) == per_token * 64
+
+
+def test_engine_ratios_pair_runs_of_the_same_options_only():
+    """A sweep over quant's bits on both engines: each bit width gets its own ours / HF row, never a median of
+    both."""
+    import pandas as pd
+
+    from harness.report import engine_ratios
+
+    rows = []
+    for label, ms in (("quant k4/v4 g32", 10.0), ("quant k2/v2 g32", 30.0)):
+        for engine, factor in (("kvlab", 1.0), ("hf", 2.0)):
+            rows.append(dict(model="tiny", cache="quant", cache_label=label + ("" if engine == "kvlab" else " · hf"),
+                             dtype="fp32", device="cpu", context_len=8, engine=engine, mode="cached", status="ok",
+                             ms_median=ms * factor + (0 if engine == "kvlab" else ms)))
+    got = engine_ratios(pd.DataFrame(rows)).set_index("cache")
+    assert set(got.index) == {"quant k4/v4 g32", "quant k2/v2 g32"}
+    assert got.loc["quant k4/v4 g32", "ours_over_hf"] == pytest.approx(10 / 30)
+    assert got.loc["quant k2/v2 g32", "ours_over_hf"] == pytest.approx(30 / 90)
