@@ -559,7 +559,8 @@ def summary_text(r: dict, steps) -> str:
         f"  sample            {r['sample_prompt'][-40:]!r} -> {r['sample_text'][:40]!r}",
         f"  cache bytes       {r['cache_nbytes']:,} measured = {r['predicted_nbytes']:,} formula: "
         f"{r['nbytes_match']}  ({r['bytes_per_token']:,.0f} B/token, {r['cache_tokens']} tokens held)",
-        f"  drift vs fp32     text: KL mean {f(r.get('drift_kl'), '.3g')} · p99 {f(r.get('drift_kl_p99'), '.3g')} · "
+        f"  drift vs fp32     text: KL mean {f(r.get('drift_kl'), '.3g')} "
+        f"(decode {f(r.get('drift_kl_decode'), '.3g')}) · p99 {f(r.get('drift_kl_p99'), '.3g')} · "
         f"max {f(r.get('drift_kl_max'), '.3g')} · dNLL {f(r.get('drift_delta_nll'), '+.3g')} nats/token · RMS dp "
         f"{f(r.get('drift_rms_dp'), '.3g')} · same top-1 {f(r.get('drift_same_top1'), '.1%')}",
         f"                    generation: max |d| {f(r['drift_max_abs'], '.3g')} · top-1 "
