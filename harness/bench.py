@@ -58,31 +58,39 @@ DEFAULT_KINDS = ["concat", "prealloc", "quant:k_bits=8,v_bits=8", "quant:k_bits=
                  "quant:k_bits=2,v_bits=2", "window:window=256,sinks=4", "paged:block_size=16"]
 
 
+def _prompt_and_token(vocab: int, ctx: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (1, ctx), generator=g), torch.randint(0, vocab, (1, 1), generator=g)
+
+
+def time_in_turns(runners: list[tuple], token: torch.Tensor, repeats: int, warmup: int) -> dict[str, list[float]]:
+    """``runners``: (label, engine, prefilled cache). Each repeat times one decode step of each in turn, starting one
+    further along every repeat, and puts each cache back (``checkpoint``), so every step runs at the same context.
+    Returns label -> seconds per step (after ``warmup`` repeats)."""
+    backs = [engine.checkpoint(cache) for _, engine, cache in runners]
+    times: dict[str, list[float]] = {label: [] for label, _, _ in runners}
+    for r in range(warmup + repeats):
+        for i in range(len(runners)):
+            j = (r + i) % len(runners)
+            label, engine, cache = runners[j]
+            t0 = time.perf_counter()
+            engine.decode(token, cache)
+            dt = time.perf_counter() - t0
+            backs[j]()
+            if r >= warmup:
+                times[label].append(dt)
+    return times
+
+
 def time_steps(engines, layout: str, ctx: int, repeats: int, warmup: int, seed: int = 0) -> dict[str, list[float]]:
     """Per-engine decode-step times (seconds) at context ``ctx``; engines alternate within each repeat."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = engines[0].model.config.vocab_size
-    prompt = torch.randint(0, vocab, (1, ctx), generator=g)
-    token = torch.randint(0, vocab, (1, 1), generator=g)
-    caches, backs = [], []
+    prompt, token = _prompt_and_token(engines[0].model.config.vocab_size, ctx, seed)
+    runners = []
     for e in engines:
         cache = e.new_cache(layout, max_len=ctx + 1)
         e.prefill(prompt, cache)
-        caches.append(cache)
-        backs.append(e.checkpoint(cache))
-    times: dict[str, list[float]] = {e.name: [] for e in engines}
-    for r in range(warmup + repeats):
-        order = list(zip(engines, caches, backs))
-        if r % 2:
-            order.reverse()
-        for e, cache, back in order:
-            t0 = time.perf_counter()
-            e.decode(token, cache)
-            dt = time.perf_counter() - t0
-            back()
-            if r >= warmup:
-                times[e.name].append(dt)
-    return times
+        runners.append((e.name, e, cache))
+    return time_in_turns(runners, token, repeats, warmup)
 
 
 def parse_kind(text: str) -> CacheSpec:
@@ -104,27 +112,13 @@ def time_kinds(engine, specs: list[CacheSpec], ctx: int, max_len: int, repeats: 
                seed: int = 0) -> tuple[dict[str, list[float]], dict[str, int]]:
     """Decode-step times (seconds) of each cache at context ``ctx``, kinds taking turns within each repeat, and the
     bytes each holds there."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = engine.model.config.vocab_size
-    prompt = torch.randint(0, vocab, (1, ctx), generator=g)
-    token = torch.randint(0, vocab, (1, 1), generator=g)
-    caches, backs = [], []
+    prompt, token = _prompt_and_token(engine.model.config.vocab_size, ctx, seed)
+    runners = []
     for spec in specs:
         cache = spec.new(engine, max_len)
         engine.prefill(prompt, cache)
-        caches.append(cache)
-        backs.append(engine.checkpoint(cache))
-    times: dict[str, list[float]] = {s.label: [] for s in specs}
-    for r in range(warmup + repeats):
-        k = r % len(specs)
-        for spec, cache, back in list(zip(specs, caches, backs))[k:] + list(zip(specs, caches, backs))[:k]:
-            t0 = time.perf_counter()
-            engine.decode(token, cache)
-            dt = time.perf_counter() - t0
-            back()
-            if r >= warmup:
-                times[spec.label].append(dt)
-    return times, {s.label: engine.nbytes(c) for s, c in zip(specs, caches)}
+        runners.append((spec.label, engine, cache))
+    return time_in_turns(runners, token, repeats, warmup), {label: engine.nbytes(c) for label, _, c in runners}
 
 
 def time_prefix_reuse(engine, spec: CacheSpec, prefix: int, suffix: int, repeats: int, warmup: int,

@@ -433,3 +433,21 @@ def test_paged_bench_prints_each_layouts_waste(capsys):
     assert all(r[-1] == "True" for r in rows.values())  # every request's tokens equal prealloc's
     with pytest.raises(SystemExit, match="exceeds n_positions 128 of tiny"):
         main(["--paged", "--model", "tiny", "--prompt-max", "100", "--output-max", "40"])
+
+
+def test_bench_steps_run_in_turns_each_at_the_same_context(tiny_model):
+    """Every runner is timed `repeats` times, and each step is put back: the caches end where the prompt left them,
+    holding what they held, so no timed step ran at a longer context than asked."""
+    from harness.bench import time_in_turns
+
+    e = KvlabEngine(tiny_model)
+    prompt = torch.randint(0, 50257, (1, 12), generator=torch.Generator().manual_seed(0))
+    runners = []
+    for kind in ("concat", "prealloc", "paged"):
+        cache = e.new_cache(kind, 64)
+        e.prefill(prompt, cache)
+        runners.append((kind, e, cache))
+    held = {kind: e.nbytes(c) for kind, _, c in runners}
+    times = time_in_turns(runners, torch.tensor([[7]]), repeats=4, warmup=2)
+    assert {k: len(t) for k, t in times.items()} == {"concat": 4, "prealloc": 4, "paged": 4}
+    assert all(c.pos == 12 and e.nbytes(c) == held[k] for k, _, c in runners)
