@@ -31,7 +31,8 @@ from harness import experiment, plots, results, tracking
 
 SUMMARY_COLS = ["run_name", "status", "model", "engine", "weights", "cache_label", "dtype", "device", "cache_exact",
                 "tokens_identical", "max_abs_logit_diff",
-                "nbytes_match", "cache_nbytes", "bytes_per_token", "drift_kl", "drift_kl_p99", "drift_kl_max",
+                "nbytes_match", "cache_nbytes", "bytes_per_token", "drift_kl", "drift_kl_decode", "drift_kl_p99",
+                "drift_kl_max",
                 "drift_delta_nll", "drift_rms_dp", "drift_same_top1", "drift_first_layer_over_tol",
                 "drift_token_match_rate", "ttft_ms", "step_ms_cached_at_max_context",
                 "step_ms_uncached_at_max_context", "speedup_at_max_context", "batch", "prompt_lengths",

@@ -57,9 +57,9 @@ HISTORY_KEYS = {
 }
 STEP_METRICS = ("context_len", "decode_step")
 # Summary keys (results.json's keys) the report shows.
-SUMMARY_KEYS = ("bytes_per_token", "cache_nbytes", "drift_kl", "drift_kl_p99", "drift_kl_max", "drift_delta_nll",
-                "drift_rms_dp", "drift_same_top1", "speedup_at_max_context", "step_ms_cached_at_max_context",
-                "tokens_per_s", "kv_waste", "cache_label", "dtype", "model", "status")
+SUMMARY_KEYS = ("bytes_per_token", "cache_nbytes", "drift_kl", "drift_kl_decode", "drift_kl_p99", "drift_kl_max",
+                "drift_delta_nll", "drift_rms_dp", "drift_same_top1", "speedup_at_max_context",
+                "step_ms_cached_at_max_context", "tokens_per_s", "kv_waste", "cache_label", "dtype", "model", "status")
 # Config keys (the resolved Hydra config, plus tracking's ``effective``) the report groups by or shows.
 CONFIG_KEYS = ("cache.kind", "dtype.name", "model.name", "effective.cache_label", "effective.device", "experiment",
                "batch", "prompt_lengths")
@@ -70,7 +70,8 @@ GROUP_BY = {"cache": "config.cache.kind", "dtype": "config.dtype.name", "cache_l
 TABLE_COLUMNS = ["config:model.value.name", "config:effective.value.cache_label", "config:dtype.value.name",
                  "config:effective.value.device"] + [
     f"summary:{k}" for k in ("status", "bytes_per_token", "cache_nbytes", "speedup_at_max_context",
-                             "step_ms_cached_at_max_context", "drift_kl", "drift_kl_p99", "drift_delta_nll",
+                             "step_ms_cached_at_max_context", "drift_kl", "drift_kl_decode", "drift_kl_p99",
+                             "drift_delta_nll",
                              "drift_rms_dp", "drift_same_top1")]
 
 
@@ -107,7 +108,7 @@ def build_spec(group: str, project: str = PROJECT, entity: str | None = None) ->
     cache, dtype, label = GROUP_BY["cache"], GROUP_BY["dtype"], GROUP_BY["cache_label"]
     step_ms = ["step_ms/cached", "step_ms/uncached"]
     drift = ["step/drift_kl", "step/drift_max_abs"]
-    text = ["drift_kl", "drift_kl_p99", "drift_delta_nll", "drift_rms_dp"]
+    text = ["drift_kl", "drift_kl_decode", "drift_kl_p99", "drift_delta_nll", "drift_rms_dp"]
     panels = [
         _panel("Decode-step time vs context length, by cache kind", "line", step_ms, [cache], f, "context_len",
                "Median time (ms) of one decode step: cached (the cache kind) vs uncached (full recompute).",
