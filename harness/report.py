@@ -30,9 +30,8 @@ from hydra.experimental.callback import Callback
 from harness import experiment, plots, results, tracking
 
 SUMMARY_COLS = ["run_name", "status", "model", "engine", "weights", "cache_label", "dtype", "device", "cache_exact",
-                "tokens_identical", "max_abs_logit_diff",
-                "nbytes_match", "cache_nbytes", "bytes_per_token", "drift_kl", "drift_kl_decode", "drift_kl_p99",
-                "drift_kl_max",
+                "tokens_identical", "max_abs_logit_diff", "nbytes_match", "cache_nbytes", "bytes_per_token",
+                "drift_kl", "drift_kl_decode", "drift_kl_p99", "drift_kl_max",
                 "drift_delta_nll", "drift_rms_dp", "drift_same_top1", "drift_first_layer_over_tol",
                 "drift_token_match_rate", "ttft_ms", "step_ms_cached_at_max_context",
                 "step_ms_uncached_at_max_context", "speedup_at_max_context", "batch", "prompt_lengths",
@@ -86,9 +85,8 @@ def weights_notice(runs: pd.DataFrame) -> list[str]:
 
 
 DRIFT_COLS = {"drift_kl": "KL mean", "drift_kl_decode": "KL mean (decode)", "drift_kl_p99": "KL p99",
-              "drift_kl_max": "KL max",
-              "drift_delta_nll": "ΔNLL (nats/token)", "drift_delta_ppl": "ΔPPL", "drift_rms_dp": "RMS Δp",
-              "drift_same_top1": "same top-1", "drift_k_rel_err_max": "K rel err (max layer)",
+              "drift_kl_max": "KL max", "drift_delta_nll": "ΔNLL (nats/token)", "drift_delta_ppl": "ΔPPL",
+              "drift_rms_dp": "RMS Δp", "drift_same_top1": "same top-1", "drift_k_rel_err_max": "K rel err (max layer)",
               "drift_v_rel_err_max": "V rel err (max layer)"}
 
 
