@@ -12,7 +12,7 @@ import hydra
 from omegaconf import DictConfig
 
 from harness.config import register
-from harness.experiment import invocation_failures, new_invocation, run
+from harness.experiment import catch_signals, forget_invocation, interruption, invocation_failures, new_invocation, run
 
 register()
 
@@ -32,13 +32,16 @@ def main(cfg: DictConfig) -> dict:
 if __name__ == "__main__":
     sys.argv = flags_first(sys.argv)
     new_invocation()  # this invocation's id (never a parent's), inherited by every job a launcher starts
+    catch_signals()  # SIGTERM, SIGHUP, SIGUSR2 end it as Ctrl-C does: a record, one line, exit 128 + n
     try:
         main()
-    except KeyboardInterrupt:
-        print("kvlab: interrupted (Ctrl-C); finished runs are complete on disk, and the same command resumes",
+    except KeyboardInterrupt as e:
+        what, code = interruption(e)
+        print(f"kvlab: interrupted ({what}); finished runs are complete on disk, and the same command resumes",
               file=sys.stderr)
-        sys.exit(130)
+        sys.exit(code)
     failures = invocation_failures()
+    forget_invocation()
     for line in failures:
         print(f"kvlab: not ok: {line}", file=sys.stderr)
     sys.exit(1 if failures else 0)

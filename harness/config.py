@@ -95,7 +95,8 @@ class KvlabConfig:
     full_prompts: Optional[int] = None  # prompts (at most n_prompts) also checked with the true uncached loop;
     # default 1 on CPU, all on GPU
     compile: bool = False  # torch.compile the prealloc kind's decode step (static shapes; CUDA graphs on a GPU)
-    resume: bool = True  # skip a run whose folder holds a complete, ok record of the same config
+    resume: bool = True  # skip a run whose folder holds a complete, ok record of the same config and inputs
+    equivalence_tol: float = 1e-4  # an exact kind in fp32 whose max |dlogit| exceeds this is not_equivalent
 
 
 def dtype_label(storage: str, compute: str) -> str:
@@ -212,6 +213,9 @@ def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
     for ctx in contexts:
         need(1 <= ctx < max_len, f"context_lengths has {ctx}: a timed step at context c needs 1 <= c < max_len="
              f"{max_len}")
+    tol = cfg.get("equivalence_tol", 1e-4)
+    need(isinstance(tol, (int, float)) and not isinstance(tol, bool) and 0 < tol < float("inf"),
+         f"equivalence_tol={tol!r} must be a positive number (max |dlogit| an exact kind in fp32 may show), e.g. 1e-4")
     if cfg.full_prompts is not None:
         need(cfg.full_prompts >= 0, f"full_prompts={cfg.full_prompts} must be 0 or more (n_prompts caps it)")
     return max_len, contexts

@@ -16,19 +16,23 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import hashlib
+import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import measure, tracking, weights
+from harness import measure, ownership, tracking, weights
 from harness.weights import Weights
 from harness.config import ConfigError, cache_options, config_id, dtype_label, validate
 from harness.engines import ENGINES, KvlabEngine
@@ -51,31 +55,66 @@ def new_invocation() -> str:
     return os.environ["KVLAB_INVOCATION"]
 
 
-WHERE: dict = {}  # what this process ran: {"run": run folder} or {"sweep": folder, "since": time}, for the exit code
+WHERE: dict = {}  # what this process ran: {"run": run folder} or {"sweep": folder}, and failures with no record
 
 
 def note_sweep(folder: Path) -> None:
-    WHERE.update(sweep=Path(folder), since=time.time() - 2)
+    WHERE.update(sweep=Path(folder))
+
+
+def _notes(inv: str) -> Path:
+    """Where this invocation notes the run folders it starts (one small file each, in the machine's temp folder):
+    the exit code and the sweep report read exactly these, whichever process ran them."""
+    return Path(tempfile.gettempdir()) / "kvlab-invocations" / inv
+
+
+def note_started(run_dir: Path, refused: str | None = None) -> None:
+    """Note that this invocation started a run in ``run_dir`` (and, if so, that it was refused without a record)."""
+    notes = _notes(invocation())
+    notes.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(str(Path(run_dir).resolve()).encode(errors="surrogateescape")).hexdigest()[:16]
+    data = json.dumps({"folder": str(Path(run_dir).resolve()), "refused": refused})
+    (notes / f"{key}.json").write_text(data, encoding="utf-8", errors="surrogateescape")
+
+
+def _noted(inv: str) -> list[dict]:
+    notes = _notes(inv)
+    out = []
+    for f in sorted(notes.glob("*.json")) if notes.is_dir() else []:
+        try:
+            out.append(json.loads(f.read_text(encoding="utf-8", errors="surrogateescape")))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def invocation_folders(inv: str | None = None) -> list[Path]:
+    """The run folders invocation ``inv`` (default: this one) started, finished or not."""
+    return [Path(n["folder"]) for n in _noted(inv or invocation())]
+
+
+def forget_invocation(inv: str | None = None) -> None:
+    """Remove this invocation's notes (kvlab's own files in the temp folder) once its exit code is known."""
+    shutil.rmtree(_notes(inv or invocation()), ignore_errors=True)
 
 
 def invocation_failures() -> list[str]:
-    """Runs of this invocation that did not end ok, read from their files: failed or interrupted records, and job
-    folders started by this invocation that have no results.json. Empty: every run is ok."""
+    """Runs of this invocation that did not end ok: records that are not ok, runs refused without a record, and run
+    folders it started that hold no complete results.json. Empty: every run is ok (or nothing ran)."""
     from harness.results import RESULTS, read_record
 
-    inv, bad = invocation(), list(WHERE.get("failures", []))
-    if "sweep" in WHERE:
-        folders = job_folders(Path(WHERE["sweep"]))
-    elif "run" in WHERE:
-        folders = [Path(WHERE["run"])]
-    else:
-        return bad  # nothing was run (--cfg, --info, --help)
-    for folder in folders:
+    bad = list(WHERE.get("failures", []))
+    for note in _noted(invocation()):
+        folder = Path(note["folder"])
+        if any(line.startswith(f"{folder} (") for line in bad):
+            continue  # already said (a write error in this process)
+        if note.get("refused"):
+            bad.append(f"{folder} (refused: {note['refused']})")
+            continue
         record, _ = read_record(folder / RESULTS)
         if record is None:
-            if "run" in WHERE or started_at(folder) >= WHERE.get("since", 0):
-                bad.append(f"{folder} (no complete results.json)")
-        elif record.get("invocation") == inv and record.get("status") != "ok":
+            bad.append(f"{folder} (no complete results.json)")
+        elif record.get("status") != "ok":
             bad.append(f"{folder} ({record.get('status')}: {record.get('error')})")
     return bad
 
@@ -106,33 +145,42 @@ def concurrent_runs() -> int:
     return others
 
 
-def job_folders(sweep: Path) -> list[Path]:
-    """Every Hydra job folder under a sweep folder, at any depth (a subdir pattern may nest them)."""
-    skip = {"wandb", "report", ".submitit"}
-    return [h.parent for h in sorted(Path(sweep).rglob(".hydra"))
-            if not skip & set(h.parent.relative_to(sweep).parts)]
+PARTIAL = (*tracking.TABLES.values(), tracking.RESULTS, tracking.LOG, "wandb", ".hydra")  # what a run writes
 
 
-def started_at(folder: Path) -> float:
-    """When Hydra last started a job in ``folder``: it rewrites .hydra/config.yaml each time (the folder's own
-    mtime does not change when a job is re-entered)."""
-    f = Path(folder) / ".hydra" / "config.yaml"
-    return f.stat().st_mtime if f.exists() else 0.0
+def _is_kvlab_run(folder: Path) -> bool:
+    """Whether a folder without a manifest is a run an earlier kvlab wrote: its results.json is a kvlab record, or
+    (a run killed before its record) its .hydra/config.yaml is a kvlab config."""
+    from harness.results import RESULTS, read_record
+
+    if (Path(folder) / RESULTS).exists():
+        record, _ = read_record(Path(folder) / RESULTS)
+        return record is not None and bool(record.get("config_id") and record.get("run_name"))
+    try:
+        job = OmegaConf.load(Path(folder) / ".hydra" / "config.yaml")
+        return OmegaConf.select(job, "cache.kind") is not None and OmegaConf.select(job, "model.preset") is not None
+    except Exception:
+        return False
 
 
-PARTIAL = (*tracking.TABLES.values(), "results.json", "wandb")
+def take_folder(run_dir: Path) -> None:
+    """Make sure ``run_dir`` is kvlab's to write in: new, empty, or holding only what kvlab's manifest lists (a run
+    folder an earlier kvlab wrote before manifests is adopted when all it holds is a run's files and its record is a
+    kvlab record). Anything else: ``NotOurs``, in one line, and nothing is touched."""
+    ownership.adopt(run_dir, set(PARTIAL), _is_kvlab_run)
+    ownership.refuse_foreign(run_dir, "run folder", "point hydra.run.dir (or hydra.sweep.dir) at a new or empty "
+                             "folder, or at a kvlab run folder")
 
 
-def clear_partial(run_dir: Path) -> None:
-    """Remove what an earlier, unfinished or failed attempt left in a run folder (Hydra's .hydra and log stay)."""
-    for name in PARTIAL:
-        p = Path(run_dir) / name
-        if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        elif p.exists():
-            p.unlink()
-    for tmp in Path(run_dir).glob(".*.tmp"):
-        tmp.unlink(missing_ok=True)
+def _fresh_or_failed_attempt(run_dir: Path, ident: str) -> bool:
+    """Whether a refused config may record its failure in ``run_dir``: it holds nothing of kvlab's yet, or only a
+    failed or interrupted attempt of this same config (never a finished run, never another config's record)."""
+    from harness.results import RESULTS, read_record
+
+    if not ownership.owned(run_dir) & set(ownership.entries(run_dir)):
+        return True
+    record, _ = read_record(Path(run_dir) / RESULTS)
+    return record is not None and record.get("config_id") == ident and record.get("status") != "ok"
 
 
 def completed(run_dir: Path, ident: str) -> dict | None:
@@ -142,6 +190,60 @@ def completed(run_dir: Path, ident: str) -> dict | None:
     record, _ = read_record(Path(run_dir) / RESULTS)
     ok = record is not None and record.get("status") == "ok" and record.get("config_id") == ident
     return record if ok else None
+
+
+INPUTS = {"inputs_prompts": "the prompts file", "inputs_checkpoint": "the checkpoint", "inputs_code": "kvlab's code"}
+
+
+def changed_inputs(prior: dict, inputs: dict) -> list[str]:
+    """What changed since ``prior`` was measured, among the inputs its config does not name (one phrase each)."""
+    return [f"{what} changed ({prior.get(k) or 'not recorded'} -> {inputs[k]})" for k, what in INPUTS.items()
+            if prior.get(k) != inputs[k]]
+
+
+def _sha(chunks) -> str:
+    h = hashlib.sha256()
+    for c in chunks:
+        h.update(c)
+    return h.hexdigest()[:16]
+
+
+WHOLE_FILE = 256 * 2 ** 20  # checkpoints up to this size are hashed whole; larger ones by size and 64 samples
+
+
+def file_id(path: Path) -> str:
+    """A content id of a file: the sha256 of all of it, or of its size and 64 evenly spaced 64 KiB samples when it
+    is large (a checkpoint of several GB costs milliseconds; a retrained one differs in every sample)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size <= WHOLE_FILE:
+            return _sha(iter(lambda: f.read(2 ** 20), b""))
+
+        def samples():
+            yield str(size).encode()
+            for i in range(64):
+                f.seek(i * (size - 2 ** 16) // 63)
+                yield f.read(2 ** 16)
+        return _sha(samples())
+
+
+def input_ids(cfg, w: Weights | None) -> dict:
+    """What a run's results depend on beyond its config: the prompts file's contents, the checkpoint's contents
+    (config.json and weights; the seed for random weights) and kvlab's own code (its sources and configs)."""
+    prompts = "random prompts"
+    if cfg.prompts == "file":
+        path = Path(cfg.prompts_file)
+        path = path if path.is_absolute() else measure.REPO / path
+        prompts = file_id(path) if path.is_file() else "missing"
+    if w is None or w.random:
+        ckpt = f"random init (seed {cfg.model.seed})"
+    elif Path(w.load_from).is_dir():
+        files = [Path(w.load_from) / n for n in weights.FILES]
+        ckpt = _sha(file_id(f).encode() if f.is_file() else b"missing" for f in files)
+    else:
+        ckpt = f"hub {w.load_from}"
+    code = _sha(p.read_bytes() for p in tracking.sources())
+    return dict(inputs_prompts=prompts, inputs_checkpoint=ckpt, inputs_code=code)
 
 
 # ---- inputs ----------------------------------------------------------------------------------------------------
@@ -303,9 +405,25 @@ def cache_record(node, engine: str = "kvlab") -> dict:
     return {**head, **{f"cache_{k}": v for k, v in options.items()}}
 
 
-def measure_run(cfg, w: Weights | None = None, progress: bool = True):
-    """Everything a run measures -> (record fields, steps table, drift table, memory table). Raises on any
-    failure."""
+@dataclass(frozen=True)
+class Plan:
+    """What a valid config resolves to, checked before anything is built, written or opened."""
+
+    weights: Weights
+    model_cfg: GPT2Config | None  # None: a hub checkpoint, known once loaded
+    max_len: int | None
+    contexts: list[int] | None
+    device: torch.device
+    storage: torch.dtype
+    compute: torch.dtype
+    prompts_path: Path | None  # prompts=file: the file
+    inputs: dict  # input_ids: what the results depend on beyond the config
+
+
+def plan_run(cfg, w: Weights | None = None) -> Plan:
+    """Check the whole config from the config alone, purely (files are only read): the knobs, the checkpoint's
+    config and its tensors' shapes, the device, the prompts file, and the run's peak memory against what the machine
+    has free. Raises (``ConfigError``, ``CheckpointError``: one line) on anything that cannot run."""
     from models.tokenizer import Tokenizer
 
     w = w or weights.resolve(cfg.model)
@@ -313,11 +431,53 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
     max_len, contexts = validate(cfg, mcfg.n_positions) if mcfg is not None else (None, None)
     device = resolve_device(cfg.device.name)
     storage, compute = resolve_dtypes(cfg.dtype.storage, cfg.dtype.compute, device)
+    path = None
+    if cfg.prompts == "file":
+        path = Path(cfg.prompts_file)
+        path = path if path.is_absolute() else measure.REPO / path
+        if not path.is_file():
+            raise ConfigError(f"prompts_file {path} does not exist: point prompts_file at a text file or use "
+                              "prompts=random")
+        if mcfg is not None and mcfg.vocab_size < Tokenizer.VOCAB_SIZE:
+            raise ConfigError(f"prompts=file uses GPT-2's {Tokenizer.VOCAB_SIZE:,}-token vocabulary, but model "
+                              f"{cfg.model.name} has vocab_size {mcfg.vocab_size:,}: use prompts=random")
+    if mcfg is not None:
+        check_memory(cfg, mcfg, max_len, contexts, storage, compute, device)
+    return Plan(w, mcfg, max_len, contexts, device, storage, compute, path, input_ids(cfg, w))
 
+
+def check_memory(cfg, mcfg: GPT2Config, max_len: int, contexts: list[int], storage, compute, device) -> None:
+    """The run's peak bytes (weights, caches, the measurements' largest tensors) against what is free: refused in
+    one line, with what would fit, before anything is allocated (``harness.memory``)."""
+    from harness import memory
+
+    need = memory.run_bytes(mcfg, storage=storage, compute=compute, kind=cfg.cache.kind,
+                            options=cache_options(cfg.cache), max_len=max_len, context_lengths=contexts,
+                            batch=cfg.get("batch", 1), batch_sizes=list(cfg.get("batch_sizes") or []) or None,
+                            batch_context=cfg.get("batch_context", 512), n_prompts=cfg.n_prompts,
+                            new_tokens=cfg.new_tokens, prompt_len=cfg.prompt_len,
+                            drift_text_len=cfg.drift_text_len, engine=engine_name(cfg), device=device.type,
+                            compile=bool(cfg.get("compile", False)))
+    memory.check(need, memory.available_bytes(device),
+                 where="this machine" if device.type == "cpu" else f"GPU {device}")
+
+
+def measure_run(cfg, plan: Plan, rec: dict, progress: bool = True):
+    """Everything a run measures, written into ``rec`` as it goes (a run that fails late keeps what it measured,
+    and ``rec["failed_stage"]`` names the stage it was in) -> the run's tables. Raises on any failure."""
+    from models.tokenizer import Tokenizer
+
+    def stage(name: str) -> None:
+        rec["failed_stage"] = name  # cleared when the run ends ok
+
+    w, mcfg, max_len, contexts = plan.weights, plan.model_cfg, plan.max_len, plan.contexts
+    device, storage, compute = plan.device, plan.storage, plan.compute
+    stage("load the model")
     model32 = build_model(w, cfg.model, mcfg)
     if mcfg is None:  # a hub checkpoint: validate now that its config is known
         mcfg = model32.config
         max_len, contexts = validate(cfg, mcfg.n_positions)
+        check_memory(cfg, mcfg, max_len, contexts, storage, compute, device)
     model32 = model32.to(device)
     model = model32 if compute == torch.float32 else copy.deepcopy(model32).to(compute)
     compiled = bool(cfg.get("compile", False))
@@ -328,16 +488,13 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
     ref32 = None if plain_fp32 else (engine if compute == torch.float32 and engine.name == "kvlab"
                                      else KvlabEngine(model32))  # the reference is always kvlab's fp32
     text_len = min(max_len, max(cfg.drift_text_len, cfg.prompt_len + 1))  # drift on text: prompt + continuation
-    if cfg.prompts == "file":
-        path = Path(cfg.prompts_file)
-        path = path if path.is_absolute() else measure.REPO / path
-        if not path.is_file():
-            raise ConfigError(f"prompts_file {path} does not exist: point prompts_file at a text file or use "
-                              "prompts=random")
-        prompts = text_prompts(path, cfg.n_prompts, cfg.prompt_len, Tokenizer())
+    stage("make the prompts")
+    if plan.prompts_path is not None:
         if mcfg.vocab_size < Tokenizer.VOCAB_SIZE:
             raise ConfigError(f"prompts=file uses GPT-2's {Tokenizer.VOCAB_SIZE:,}-token vocabulary, but model "
                               f"{cfg.model.name} has vocab_size {mcfg.vocab_size:,}: use prompts=random")
+        path = plan.prompts_path
+        prompts = text_prompts(path, cfg.n_prompts, cfg.prompt_len, Tokenizer())
         texts = text_prompts(path, cfg.n_prompts, text_len, Tokenizer()) if ref32 is not None else None
         served = text_prompts(path, cfg.batch, cfg.prompt_len, Tokenizer())
     else:
@@ -352,23 +509,28 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
     full = min(full, cfg.n_prompts)
     reset_ok = measure.reset_peak_memory(device)
 
-    rec = dict(device=device.type, storage_dtype=str(storage).removeprefix("torch."),
+    rec.update(device=device.type, storage_dtype=str(storage).removeprefix("torch."),
                compute_dtype=str(compute).removeprefix("torch."), max_len=max_len, n_layer=mcfg.n_layer,
                n_head=mcfg.n_head, n_embd=mcfg.n_embd, n_params=model.num_params(), full_prompts=full,
                context_lengths=",".join(map(str, contexts)),
                drift_reference=None if ref32 is None else "fp32 full attention (uncached)")
+    rec.update(measure.fingerprint(device), **weights_record(w, cfg.model))
+    stage("equivalence and drift")
     checks, drift = measure.generation_checks(engine, prompts, cfg.new_tokens, spec, full, ref32, progress, texts)
     layers = checks.pop("layers")
     layers = pd.DataFrame(columns=["layer", "k_rel_err", "v_rel_err"]) if layers is None else layers
     tok, sample = Tokenizer(), checks.pop("sample_tokens")
     rec.update(checks, sample_prompt=tok.decode(prompts[0][0].tolist()), sample_text=tok.decode(sample))
+    stage("cache memory")
     mem, memory = measure.cache_memory(engine, spec, prompts[0], cfg.new_tokens, max_len)
     rec.update(mem)
     others = concurrent_runs()
+    stage("step times")
     steps = measure.step_times(engine, spec, contexts, max_len, cfg.repeats, cfg.warmup, device, cfg.seed,
                                progress)
     rec.update(measure.time_to_first_token(engine, spec, prompts[0], max_len, cfg.repeats, cfg.warmup, device))
     rec.update(measure.peak_memory(device, reset_ok))  # the run's own peak: before the probes' buffers and batches
+    stage("bandwidth")
     steps = measure.with_bandwidth(steps, engine, spec, max_len)
     rec.update(measure.bandwidth_probe(device, measure.weight_bytes(model)))
     rec.update(measure.cost_model(steps))
@@ -377,13 +539,16 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
     rec["kv_overtakes_weights_at_context"] = None if capped else measure.weight_bytes(model) / rec["bytes_per_token"]
     batches = None
     if cfg.get("batch_sizes"):
+        stage("batch throughput")
         batches = measure.batch_throughput(engine, spec, list(cfg.batch_sizes), min(cfg.batch_context, max_len - 1),
                                            max_len, cfg.repeats, cfg.warmup, device, cfg.seed, progress)
     rec.update(measure.batch_summary(batches))
     if compiled:  # its own time, and whether the compiled step equals the eager one
+        stage("compiled step")
         rec.update(engine.compile_stats, compile_mode="reduce-overhead" if device.type == "cuda" else "default",
                    **measure.compiled_equivalence(engine, KvlabEngine(model), spec, prompts[0], cfg.new_tokens,
                                                   max_len))
+    stage("served batch")
     rec.update(measure.serve_batch(engine, spec, served, cfg.new_tokens, max_len, min(cfg.repeats, 3), 1, device,
                                    check=spec.cls.exact))  # always one warm-up: a compiled step compiles in it
     rec["concurrent_runs_while_timing"] = max(others, concurrent_runs())
@@ -400,8 +565,31 @@ def measure_run(cfg, w: Weights | None = None, progress: bool = True):
                gb_per_s_at_max_context=float(top.loc["cached", "gb_per_s"]),
                bw_fraction_at_max_context=float(top.loc["cached", "gb_per_s"]) / rec["probe_gbps"],
                flop_per_byte_at_max_context=float(top.loc["cached", "flop_per_byte"]))
-    rec.update(measure.fingerprint(device), **weights_record(w, cfg.model))
-    return rec, dict(steps=steps, drift=drift, memory=memory, layers=layers, batches=batches)
+    rec["failed_stage"] = None
+    return dict(steps=steps, drift=drift, memory=memory, layers=layers, batches=batches)
+
+
+def verdict(cfg, rec: dict) -> tuple[str, str | None]:
+    """``("ok", None)``, or ``("not_equivalent", why)`` for an exact kind whose storage and compute are fp32 and
+    whose cached tokens differ from its reference's, or whose max |dlogit| exceeds ``equivalence_tol``: a failure,
+    never "ok". Reduced precision and lossy kinds are findings, not verdicts."""
+    exact32 = rec.get("cache_exact") and rec.get("storage_dtype") == rec.get("compute_dtype") == "float32"
+    if not exact32:
+        return "ok", None
+    tol = float(cfg.get("equivalence_tol", 1e-4))
+    why = []
+    if rec.get("tokens_identical") is False:
+        why.append(f"cached tokens differ from the reference's from step {rec.get('first_diff_step')}")
+    if rec.get("max_abs_logit_diff") is not None and rec["max_abs_logit_diff"] > tol:
+        why.append(f"max |dlogit| {rec['max_abs_logit_diff']:.3g} > equivalence_tol {tol:g}")
+    for key, what in (("serve_tokens_identical", "the served batch"), ("compile_tokens_identical", "the compiled "
+                                                                                                  "step")):
+        if rec.get(key) is False:
+            why.append(f"{what} differs from its reference")
+    if not why:
+        return "ok", None
+    return "not_equivalent", (f"cache {rec.get('cache_label') or rec.get('cache')} is an exact kind in fp32 but not "
+                              f"equivalent: {'; '.join(why)}")
 
 
 def one_line(e: BaseException) -> str:
@@ -409,64 +597,171 @@ def one_line(e: BaseException) -> str:
     return msg if isinstance(e, ConfigError) else f"{type(e).__name__}: {msg}"
 
 
+class Interrupted(KeyboardInterrupt):
+    """A signal handled like Ctrl-C: SIGTERM (what Slurm sends on pre-emption), SIGUSR2 (submitit's), SIGHUP."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+CAUGHT = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+def catch_signals() -> None:
+    """SIGTERM, SIGHUP and SIGUSR2 raise ``Interrupted`` in this process (main thread), as SIGINT raises
+    KeyboardInterrupt; a signal another handler already takes (a launcher's) is left to it."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for s in CAUGHT:
+        if signal.getsignal(s) in (signal.SIG_DFL, None):
+            signal.signal(s, _raise_interrupted)
+
+
+def interruption(e: KeyboardInterrupt) -> tuple[str, int]:
+    """(what stopped the run, for people; the exit code: 128 + the signal's number)."""
+    n = getattr(e, "signum", signal.SIGINT)
+    return ("Ctrl-C" if n == signal.SIGINT else signal.Signals(n).name), 128 + int(n)
+
+
+def _ignore_signals() -> None:
+    """While an interrupted run writes its record, a second signal must not cut it in half."""
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, *CAUGHT):
+            signal.signal(s, signal.SIG_IGN)
+
+
 def run(cfg: DictConfig, progress: bool = True) -> dict:
-    """One run from a composed config. Writes the run's files and its W&B run; never raises for a failed run (a
-    Ctrl-C records the run as interrupted and stops the process with exit code 130)."""
+    """One run from a composed config. The config is checked first, purely; then the run folder must be kvlab's
+    (new, empty, or holding only what kvlab wrote) and is locked; then the run is measured, its files and W&B run
+    written. Never raises for a failed run; Ctrl-C, SIGTERM, SIGHUP or SIGUSR2 record it as interrupted and stop
+    the process with exit code 128 + the signal's number."""
     run_dir, folder, name = _hydra_dirs()
+    WHERE.setdefault("run", run_dir)
+    catch_signals()
+    try:
+        return _run(cfg, run_dir, folder, name, progress)
+    except KeyboardInterrupt as e:  # outside the measurement: nothing of this attempt was written
+        what, code = interruption(e)
+        print(f"kvlab: run {name} interrupted ({what}) before its measurement started; the same command runs it",
+              file=sys.stderr)
+        raise SystemExit(code) from None
+
+
+def _refuse(run_dir: Path, name: str, why: str) -> dict:
+    """A run that writes nothing at all: one line, counted as not ok for the exit code."""
+    print(f"kvlab: run {name} refused: {why}", file=sys.stderr)
+    note_started(run_dir, refused=why)
+    return dict(status="failed", error=why, run_name=name, run_dir=str(run_dir))
+
+
+def _run(cfg, run_dir: Path, folder: str, name: str, progress: bool) -> dict:
     group = cfg.tracking.group or default_group(cfg.experiment, folder)
     ident, inv = config_id(cfg), invocation()
-    WHERE.setdefault("run", run_dir)
-    try:  # decided once per process (weights=auto may ask the hub, a bounded wait)
-        w = weights.resolve(cfg.model)
+    note_started(run_dir)
+    try:
+        plan, refused = plan_run(cfg), None
     except KeyboardInterrupt:
-        print(f"kvlab: run {name} interrupted before it started; the same command runs it", file=sys.stderr)
-        raise SystemExit(130) from None
-    except Exception:  # measure_run asks again and fails the run with its own message
-        w = None
-    prior = completed(run_dir, ident) if cfg.get("resume", True) else None
-    if prior is not None and w is not None and prior.get("weights_source") not in (None, w.source):
-        print(f"kvlab: run {name} was measured on {prior['weights_source']} but model.weights={cfg.model.weights} now "
-              f"gives {w.source}: measuring it again", file=sys.stderr)
-        prior = None
-    if prior is not None:
-        return _confirm(run_dir, prior, inv, name)
-    clear_partial(run_dir)
-    record = dict(status="failed", error=None, run_name=name, group=group, run_dir=str(run_dir), config_id=ident,
-                  invocation=inv, device=cfg.device.name, **weights_record(w, cfg.model),
-                  started_at=dt.datetime.now().isoformat(timespec="seconds"), **config_record(cfg))
+        raise
+    except Exception as e:  # recorded below, in a folder that holds nothing of an earlier run
+        plan, refused = None, one_line(e)
+    try:
+        take_folder(run_dir)
+    except ownership.NotOurs as e:
+        return _refuse(run_dir, name, str(e))
+    if refused is not None and not _fresh_or_failed_attempt(run_dir, ident):
+        return _refuse(run_dir, name, f"{refused} (the earlier run in {run_dir} is left as it was)")
+    try:
+        with ownership.locked(run_dir, "run folder", inv):
+            return _locked_run(cfg, plan, refused, run_dir, name, group, ident, inv, progress)
+    except OSError as e:  # the folder cannot be written: nothing was measured
+        why = f"cannot write in {run_dir}: {e.strerror or e}"
+        print(f"kvlab: run {name} failed: {why}", file=sys.stderr)
+        note_started(run_dir, refused=why)
+        return dict(status="failed", error=why, run_name=name, run_dir=str(run_dir))
+
+
+def _locked_run(cfg, plan: Plan | None, refused: str | None, run_dir: Path, name: str, group: str, ident: str,
+                inv: str, progress: bool) -> dict:
+    w = plan.weights if plan else None
+    if plan is not None and cfg.get("resume", True):
+        prior = completed(run_dir, ident)
+        if prior is not None:
+            why = changed_inputs(prior, plan.inputs)
+            if prior.get("weights_source") not in (None, w.source):
+                why.insert(0, f"it was measured on {prior['weights_source']} but model.weights={cfg.model.weights} "
+                              f"now gives {w.source}")
+            if not why:
+                return _confirm(run_dir, prior, inv, name)
+            print(f"kvlab: run {name} is measured again: {'; '.join(why)}", file=sys.stderr)
+    ownership.remove(run_dir, PARTIAL)  # what an earlier attempt of kvlab's left here, and nothing else
+    _write_hydra(run_dir, cfg)
+    record = dict(status="failed", error=refused, failed_stage=None if refused is None else "check the config",
+                  run_name=name, group=group, run_dir=str(run_dir), config_id=ident, invocation=inv,
+                  device=cfg.device.name, **weights_record(w, cfg.model),
+                  started_at=dt.datetime.now().isoformat(timespec="seconds"), **config_record(cfg),
+                  **(plan.inputs if plan else {}))
     tables: dict = {}
     wb = None
     t0 = time.perf_counter()
-    active = _mark_active()
-    try:
-        wb = _open_wandb(cfg, record, group, name, run_dir, ident)
-        fields, tables = measure_run(cfg, w, progress)
-        record.update(fields, status="ok")
-    except KeyboardInterrupt:
-        record.update(status="interrupted", error="interrupted (Ctrl-C); run the same command again to resume",
-                      duration_s=round(time.perf_counter() - t0, 2))
-        _write(run_dir, record)
-        _close_wandb(wb, record, {}, run_dir, exit_code=130)
-        print(f"kvlab: run {name} interrupted; its record says so ({run_dir}). The same command resumes.",
-              file=sys.stderr)
-        raise SystemExit(130) from None
-    except Exception as e:  # recorded, never raised: the sweep goes on
-        record["error"] = one_line(e)
-        print(f"kvlab: run {name} failed: {record['error']}", file=sys.stderr)
-    finally:
-        active.unlink(missing_ok=True)
+    if refused is not None:
+        print(f"kvlab: run {name} failed: {refused}", file=sys.stderr)
+    else:
+        active = _mark_active()
+        try:
+            wb = _open_wandb(cfg, record, group, name, run_dir, ident)
+            tables = measure_run(cfg, plan, record, progress)
+            record["status"], record["error"] = verdict(cfg, record)
+        except KeyboardInterrupt as e:
+            what, code = interruption(e)
+            _ignore_signals()
+            record.update(status="interrupted", signal=what, duration_s=round(time.perf_counter() - t0, 2),
+                          error=f"interrupted ({what}); run the same command again to resume")
+            _write(run_dir, record)
+            _close_wandb(wb, record, {}, run_dir, exit_code=code)
+            print(f"kvlab: run {name} interrupted ({what}); its record says so ({run_dir}). The same command "
+                  "resumes.", file=sys.stderr)
+            raise SystemExit(code) from None
+        except Exception as e:  # recorded, never raised: the sweep goes on
+            record["error"] = one_line(e)
+            stage = record.get("failed_stage")
+            print(f"kvlab: run {name} failed{f' in {stage}' if stage else ''}: {record['error']}", file=sys.stderr)
+        finally:
+            active.unlink(missing_ok=True)
+    if record["status"] == "not_equivalent":
+        print(f"kvlab: run {name} NOT EQUIVALENT: {record['error']}", file=sys.stderr)
     record["duration_s"] = round(time.perf_counter() - t0, 2)
     record["finished_at"] = dt.datetime.now().isoformat(timespec="seconds")
     for df in tables.values():
         if df is not None:
             for i, k in enumerate(("model", "engine", "cache", "cache_label", "dtype", "device")):
                 df.insert(i, k, record.get(k))
-    if not _write(run_dir, record, tables):
+    text = summary_text(record, tables.get("steps"))
+    if not _write(run_dir, record, tables, text):
         _close_wandb(wb, record, tables, run_dir, exit_code=1)
         return record
     _close_wandb(wb, record, tables, run_dir, exit_code=0 if record["status"] == "ok" else 1)
-    print(summary_text(record, tables.get("steps")))
+    print(text)
     return record
+
+
+def _write_hydra(run_dir: Path, cfg) -> None:
+    """The job's ``.hydra/`` (its config, Hydra's, the overrides), written by kvlab once the config is valid and the
+    folder is its own (Hydra's own writing of it is off: conf/config.yaml)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    ownership.claim(run_dir, ".hydra")
+    files = {"config.yaml": OmegaConf.to_yaml(cfg)}
+    if HydraConfig.initialized():
+        hc = HydraConfig.get()
+        files["hydra.yaml"] = OmegaConf.to_yaml(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}))
+        files["overrides.yaml"] = OmegaConf.to_yaml(OmegaConf.create(list(hc.overrides.task)))
+    for fname, text in files.items():
+        tracking.atomic_write(Path(run_dir) / ".hydra" / fname, text.encode())
 
 
 def run_tags(cfg, record: dict) -> list[str]:
@@ -503,7 +798,7 @@ def _open_wandb(cfg, record: dict, group: str, name: str, run_dir: Path, ident: 
 def _close_wandb(wb, record: dict, tables: dict, run_dir: Path, exit_code: int) -> None:
     if wb is None:
         return
-    files = [run_dir / n for n in (tracking.RESULTS, *tracking.TABLES.values(), ".hydra", "run.log")]
+    files = [run_dir / n for n in (tracking.RESULTS, *tracking.TABLES.values(), ".hydra", tracking.LOG)]
     try:
         wb.finish(record, tables, files, exit_code)
     except Exception as e:  # the measurements are on disk already
@@ -527,10 +822,10 @@ def _confirm(run_dir: Path, record: dict, inv: str, name: str) -> dict:
     return record
 
 
-def _write(run_dir: Path, record: dict, tables: dict | None = None) -> bool:
+def _write(run_dir: Path, record: dict, tables: dict | None = None, log: str | None = None) -> bool:
     """Write the run's files; a write error is one line on stderr (the run then has no complete record)."""
     try:
-        tracking.write_run_files(run_dir, record, tables)
+        tracking.write_run_files(run_dir, record, tables, log)
         return True
     except OSError as e:
         WHERE.setdefault("failures", []).append(f"{run_dir} (cannot write: {e.strerror or e})")

@@ -39,6 +39,13 @@ its exact ``nbytes_formula`` for a cache of N slots (packed values, an fp16 scal
 in groups of G tokens, V per token in groups of G channels, and the newest 1..G tokens of K still in the storage
 dtype); bytes per token is its steady-state ``bytes_per_token`` (amortised, no tail). Windowed layers are counted as a
 quant cache of min(tokens, window) slots.
+
+Bounds, checked before any arithmetic and before any per-layer list is built (generous: the largest published models
+have a few hundred layers, 128 heads, head_dim 256 and 10M positions): layers, heads, KV heads, sliding-window pattern
+and ``max_window_layers`` 1 .. 10,000; head_dim 1 .. 65,536; width 1 .. 1,048,576; tokens, positions and windows
+up to 10^12; batch 1 .. 10^9; group size 1 .. 10^6; ``--memory`` up to 10^18 bytes (1 EB). A config.json is read
+when it is a UTF-8 JSON object of at most 16 MiB nested at most 64 levels deep (HF's nest 2 or 3). Anything else is
+one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -63,6 +70,18 @@ HEAD_KEYS = ("num_attention_heads", "n_head")
 HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 
+# what kvcalc computes (see the module docstring): every number is checked against these before it is used
+MAX_LAYERS = 10_000
+MAX_HEADS = 10_000
+MAX_HEAD_DIM = 65_536
+MAX_HIDDEN = 2 ** 20
+MAX_TOKENS = 10 ** 12  # tokens, max positions and sliding windows
+MAX_BATCH = 10 ** 9
+MAX_GROUP_SIZE = 10 ** 6
+MAX_MEMORY = 10 ** 18  # bytes: 1 EB
+MAX_CONFIG_BYTES = 16 * 2 ** 20
+MAX_JSON_DEPTH = 64
+
 
 class KVCalcError(ValueError):
     """Bad input: the message says what was wrong and what would be right (the CLI prints it, exit code 2)."""
@@ -78,10 +97,27 @@ def _first(d: dict, keys: tuple[str, ...]):
     return None, None
 
 
-def _int(source: str, key: str, value, minimum: int = 1) -> int:
+def _show(value) -> str:
+    """A value for a one-line message: integers with separators (or in e-notation when huge), anything else as a
+    short repr."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value.bit_length() > 1000:
+            return f"an integer of {value.bit_length():,} bits"
+        return f"{value:,}" if abs(value) < 10 ** 15 else f"{float(value):g}"
+    if isinstance(value, float):
+        return f"{value:g}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _int(source: str, key: str, value, minimum: int = 1, maximum: int = MAX_LAYERS) -> int:
+    """``value`` when it is an integer in minimum .. maximum; else a KVCalcError that names the key and the range."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > maximum:  # 1e30, 2e9, inf
+        raise KVCalcError(f"{key}={_show(value)} in {source} is beyond what kvcalc computes: give "
+                          f"{minimum:,} .. {maximum:,}")
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         want = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise KVCalcError(f"{source}: {key} must be {want}, got {value!r}")
+        raise KVCalcError(f"{source}: {key} must be {want} (at most {maximum:,}), got {_show(value)}")
     return value
 
 
@@ -98,7 +134,7 @@ def _windows(d: dict, n_layer: int, source: str) -> tuple[list[int | None], str]
     """Each layer's window (None: full attention) and the rule that decided it."""
     window = d.get("sliding_window")
     if window is not None and window is not False:
-        window = _int(source, "sliding_window", window)
+        window = _int(source, "sliding_window", window, maximum=MAX_TOKENS)
     else:
         window = None
 
@@ -106,7 +142,7 @@ def _windows(d: dict, n_layer: int, source: str) -> tuple[list[int | None], str]
     if types is not None:
         if not isinstance(types, list) or len(types) != n_layer:
             raise KVCalcError(f"{source}: layer_types must be a list of {n_layer} entries (one per layer), got "
-                              f"{types!r:.80}")
+                              f"{_show(types)}")
         out = []
         for i, t in enumerate(types):
             if t == "full_attention":
@@ -117,14 +153,14 @@ def _windows(d: dict, n_layer: int, source: str) -> tuple[list[int | None], str]
                                       "give sliding_window (tokens)")
                 out.append(window)
             else:
-                raise KVCalcError(f"{source}: layer_types[{i}] is {t!r}; kvcalc counts only 'full_attention' and "
+                raise KVCalcError(f"{source}: layer_types[{i}] is {_show(t)}; kvcalc counts only 'full_attention' and "
                                   "'sliding_attention' layers")
         return out, "layer_types"
     if "use_sliding_window" in d:
         if not d["use_sliding_window"] or window is None:
             return [None] * n_layer, "use_sliding_window false (Qwen2 style): no window"
         mwl = d.get("max_window_layers")
-        mwl = 0 if mwl is None else _int(source, "max_window_layers", mwl, minimum=0)
+        mwl = 0 if mwl is None else _int(source, "max_window_layers", mwl, minimum=0, maximum=MAX_LAYERS)
         return ([None if i < mwl else window for i in range(n_layer)],
                 f"Qwen2 style: layers < max_window_layers={mwl} full, the rest windowed")
     if window is None:
@@ -133,20 +169,64 @@ def _windows(d: dict, n_layer: int, source: str) -> tuple[list[int | None], str]
     if pattern is None and d.get("model_type") == "gemma2":
         pattern = 2
     if pattern is not None:
-        pattern = _int(source, "sliding_window_pattern", pattern)
+        pattern = _int(source, "sliding_window_pattern", pattern, maximum=MAX_LAYERS)
         return ([None if (i + 1) % pattern == 0 else window for i in range(n_layer)],
                 f"every {pattern}th layer full (sliding_window_pattern), the rest windowed")
     return [window] * n_layer, "sliding_window on every layer (Mistral style)"
 
 
-def _config_geometry(path: Path) -> dict:
+def _json_depth(obj) -> int:
+    """How deep a parsed JSON value's arrays and objects nest (a scalar: 0), walked without recursion."""
+    depth, stack = 0, [(obj, 1)]
+    while stack:
+        v, level = stack.pop()
+        if isinstance(v, (dict, list)):
+            depth = max(depth, level)
+            stack.extend((c, level + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return depth
+
+
+def _read_config(path: Path) -> dict:
+    """The JSON value in ``path``: a UTF-8 file of at most MAX_CONFIG_BYTES (so reading it cannot exhaust memory)
+    nested at most MAX_JSON_DEPTH levels (deeper than Python's recursion limit is caught while parsing)."""
     source = str(path)
     try:
-        d = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise KVCalcError(f"{source}: cannot read it ({e.__class__.__name__}: {e}); pass a readable HF config.json")
+        chunks, n = [], 0
+        with open(path, "rb") as f:  # in pieces: never more than the bound, whatever the file's size says
+            while n <= MAX_CONFIG_BYTES and (chunk := f.read(2 ** 16)):
+                chunks.append(chunk)
+                n += len(chunk)
+        raw = b"".join(chunks)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise KVCalcError(f"{source}: more than {MAX_CONFIG_BYTES:,} bytes, larger than kvcalc reads; an HF "
+                              "config.json is a few kB")
+        text = raw.decode("utf-8")
+    except OSError as e:
+        raise KVCalcError(f"{source}: cannot read it ({e.__class__.__name__}: {e.strerror or e}); pass a readable HF "
+                          "config.json") from None
+    except UnicodeDecodeError as e:
+        raise KVCalcError(f"{source}: not UTF-8 text (byte {e.start:,}: {e.reason}); pass an HF config.json") from None
+    if not text.strip():
+        raise KVCalcError(f"{source}: is empty; pass an HF config.json")
+    too_deep = (f"{source}: JSON nested {{}} levels deep is beyond what kvcalc reads: give at most {MAX_JSON_DEPTH} "
+                "(an HF config.json nests 2 or 3)")
+    try:
+        d = json.loads(text)
     except json.JSONDecodeError as e:
-        raise KVCalcError(f"{source}: not JSON ({e.msg} at line {e.lineno}); pass an HF config.json")
+        raise KVCalcError(f"{source}: not JSON ({e.msg} at line {e.lineno}); pass an HF config.json") from None
+    except RecursionError:  # deeper than Python's recursion limit: the parser stops there, before using memory
+        raise KVCalcError(too_deep.format(f"more than {MAX_JSON_DEPTH}")) from None
+    except ValueError as e:  # e.g. an integer literal of more than 4,300 digits
+        raise KVCalcError(f"{source}: cannot read its JSON ({_show(str(e))}); pass an HF config.json") from None
+    depth = _json_depth(d)
+    if depth > MAX_JSON_DEPTH:
+        raise KVCalcError(too_deep.format(f"{depth:,}"))
+    return d
+
+
+def _config_geometry(path: Path) -> dict:
+    source = str(path)
+    d = _read_config(path)
     if not isinstance(d, dict):
         raise KVCalcError(f"{source}: holds a JSON {type(d).__name__}, not an object; pass an HF config.json")
     if _first(d, LAYER_KEYS)[0] is None and isinstance(d.get("text_config"), dict):
@@ -159,33 +239,33 @@ def _config_geometry(path: Path) -> dict:
                                     ("attention head count (num_attention_heads / n_head)", hk)) if k is None]
     if missing:
         raise KVCalcError(f"{source}: no {' and no '.join(missing)}; an HF config.json for a decoder gives both")
-    n_layer, n_head = _int(source, lk, n_layer), _int(source, hk, n_head)
+    n_layer, n_head = _int(source, lk, n_layer, maximum=MAX_LAYERS), _int(source, hk, n_head, maximum=MAX_HEADS)
 
     if d.get("num_key_value_heads") is not None:
-        n_kv = _int(source, "num_key_value_heads", d["num_key_value_heads"])
+        n_kv = _int(source, "num_key_value_heads", d["num_key_value_heads"], maximum=MAX_HEADS)
     elif d.get("multi_query") and not d.get("new_decoder_architecture"):
         n_kv = 1
     else:
         kk, n_kv = _first(d, ("num_kv_heads", "n_head_kv"))
-        n_kv = n_head if kk is None else _int(source, kk, n_kv)
+        n_kv = n_head if kk is None else _int(source, kk, n_kv, maximum=MAX_HEADS)
     if n_kv > n_head or n_head % n_kv:
         raise KVCalcError(f"{source}: {n_kv} KV heads do not divide {n_head} attention heads; GQA needs "
                           "num_attention_heads to be a multiple of num_key_value_heads")
 
     if d.get("head_dim") is not None:
-        head_dim = _int(source, "head_dim", d["head_dim"])
+        head_dim = _int(source, "head_dim", d["head_dim"], maximum=MAX_HEAD_DIM)
     else:
         wk, hidden = _first(d, HIDDEN_KEYS)
         if wk is None:
             raise KVCalcError(f"{source}: no head_dim and no hidden_size / n_embd / d_model to derive it from")
-        hidden = _int(source, wk, hidden)
+        hidden = _int(source, wk, hidden, maximum=MAX_HIDDEN)
         if hidden % n_head:
             raise KVCalcError(f"{source}: {wk} {hidden} is not divisible by {hk} {n_head}; fix the counts or give "
                               "head_dim explicitly")
-        head_dim = hidden // n_head
+        head_dim = _int(source, f"head_dim ({wk} / {hk})", hidden // n_head, maximum=MAX_HEAD_DIM)
 
     pk, max_pos = _first(d, POSITION_KEYS)
-    max_pos = None if pk is None else _int(source, pk, max_pos)
+    max_pos = None if pk is None else _int(source, pk, max_pos, maximum=MAX_TOKENS)
     windows, rule = _windows(d, n_layer, source)
     return {"n_layer": n_layer, "n_head": n_head, "n_kv_head": n_kv, "head_dim": head_dim, "windows": windows,
             "max_positions": max_pos, "source": source, "window_rule": rule}
@@ -201,10 +281,23 @@ def kv_geometry(name_or_path: str | Path) -> dict:
     if name in PRESETS:
         return _preset_geometry(name)
     path = Path(name)
-    if path.is_dir() and (path / "config.json").is_file():
-        path = path / "config.json"
-    if not path.is_file():
-        raise KVCalcError(f"unknown model {name!r}: not a preset ({', '.join(PRESETS)}) and no such file; pass a "
+    try:
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise KVCalcError(f"{_show(name)}: a folder without a config.json; pass a preset name, an HF "
+                                  "config.json or a folder holding one")
+            path = path / "config.json"
+        if path.exists() and not path.is_file():
+            raise KVCalcError(f"{_show(name)}: not a regular file; pass a preset name or a path to an HF config.json")
+        found = path.is_file()
+    except KVCalcError:
+        raise
+    except (OSError, ValueError) as e:  # a name too long for the filesystem, a NUL byte, ...
+        raise KVCalcError(f"unknown model {_show(name)}: not a preset ({', '.join(PRESETS)}) and not a path this "
+                          f"system can open ({getattr(e, 'strerror', None) or e}); pass a preset name or a path to "
+                          "an HF config.json") from None
+    if not found:
+        raise KVCalcError(f"unknown model {_show(name)}: not a preset ({', '.join(PRESETS)}) and no such file; pass a "
                           "preset name or a path to an HF config.json")
     return _config_geometry(path)
 
@@ -233,6 +326,9 @@ def _quant_opts(kv_bits, group_size: int, dtype: str):
         k_bits, v_bits = kv_bits
     except (TypeError, ValueError):
         raise KVCalcError(f"kv_bits must be a pair (K bits, V bits), got {kv_bits!r}") from None
+    if isinstance(group_size, int) and not isinstance(group_size, bool) and group_size > MAX_GROUP_SIZE:
+        raise KVCalcError(f"group_size={_show(group_size)} is beyond what kvcalc computes: give 1 .. "
+                          f"{MAX_GROUP_SIZE:,}")
     if dtype not in QUANT_TAIL_DTYPES:
         raise KVCalcError(f"dtype {dtype} with kv_bits: the quant kind keeps its newest tokens in the storage dtype, "
                           f"one of {', '.join(QUANT_TAIL_DTYPES)}")
@@ -250,9 +346,13 @@ def _held_groups(geom: dict, tokens: int) -> list[tuple[int, int]]:
 
 def _check_counts(tokens: int, batch: int) -> None:
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise KVCalcError(f"tokens must be an integer >= 0, got {tokens!r}")
+        raise KVCalcError(f"tokens must be an integer >= 0 (at most {MAX_TOKENS:,}), got {_show(tokens)}")
+    if tokens > MAX_TOKENS:
+        raise KVCalcError(f"tokens={_show(tokens)} is beyond what kvcalc computes: give 0 .. {MAX_TOKENS:,}")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise KVCalcError(f"batch must be a positive integer, got {batch!r}")
+        raise KVCalcError(f"batch must be a positive integer (at most {MAX_BATCH:,}), got {_show(batch)}")
+    if batch > MAX_BATCH:
+        raise KVCalcError(f"batch={_show(batch)} is beyond what kvcalc computes: give 1 .. {MAX_BATCH:,}")
 
 
 def bytes_per_token(geom: dict | str, dtype: str = "fp32", kv_bits=None, group_size: int = 32) -> int | float:
@@ -298,8 +398,10 @@ def sequences_that_fit(geom: dict | str, tokens: int, memory_bytes: int, dtype: 
 
 
 def parse_memory(text: str) -> int:
-    """Bytes from '80GB' (10^9), '80GiB' (2^30), '24e9', '512MB', '1.5TB', '4096' (bytes); floored to whole bytes."""
-    m = re.fullmatch(r"\s*([0-9.eE+_-]+)\s*([a-zA-Z]*)\s*", str(text))
+    """Bytes from '80GB' (10^9), '80GiB' (2^30), '24e9', '512MB', '1.5TB', '4096' (bytes); floored to whole bytes.
+    At least 1 byte and at most MAX_MEMORY (checked before multiplying, so no size can overflow)."""
+    text = str(text)
+    m = re.fullmatch(r"\s*([0-9.eE+_-]{1,100})\s*([a-zA-Z]*)\s*", text)
     unit = m and UNITS.get(m.group(2).lower())
     number = None
     if m and unit:
@@ -308,8 +410,14 @@ def parse_memory(text: str) -> int:
         except InvalidOperation:
             pass
     if number is None or not number.is_finite() or number <= 0:
-        raise KVCalcError(f"cannot read memory {text!r}: give a positive size such as 80GB, 80GiB, 24e9 or 512MB "
-                          "(KB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB powers of 2, no unit: bytes)")
+        raise KVCalcError(f"cannot read memory {_show(text)}: give a positive size such as 80GB, 80GiB, 24e9 or "
+                          "512MB (KB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB powers of 2, no unit: bytes)")
+    # compare before multiplying: Decimal('1e999999') * 10**9 overflows the decimal context
+    if number > Decimal(MAX_MEMORY) / unit:
+        raise KVCalcError(f"memory {_show(text)} is beyond what kvcalc computes: give at most {MAX_MEMORY:,} bytes "
+                          "(1 EB), such as 80GB or 1.5TiB")
+    if number * unit < 1:
+        raise KVCalcError(f"memory {_show(text)} is less than 1 byte: give a size such as 80GB, 80GiB or 512MB")
     return int(number * unit)
 
 
@@ -453,6 +561,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # KVCalcError, and the engine's own refusals (e.g. GPT2Config)
         print(f"kvcalc: error: {e}", file=sys.stderr)
         return 2
+    except (ArithmeticError, RecursionError, MemoryError) as e:  # the bounds should make these impossible
+        print(f"kvcalc: error: cannot compute this ({type(e).__name__}: {_show(str(e))}); a limit kvcalc does not "
+              "check yet: please report it with the command", file=sys.stderr)
+        return 1
     print(json.dumps(result, indent=2) if args.json else _text(result))
     return 0
 

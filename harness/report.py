@@ -9,7 +9,11 @@ hand on any outputs/ folder:
 ``report/`` holds results.parquet/.csv (one row per run), steps.parquet/.csv (step times), drift.parquet/.csv
 (per decode step), memory.parquet/.csv (cache bytes vs tokens), a PNG per plot and report.html (tables, images
 embedded, fingerprints, weights: opens with no network). Unless tracking is disabled, one W&B run with job_type
-"aggregate" in the sweep's group gets the plots and the table.
+"aggregate" in the sweep's group gets the plots and the table, and the files this report wrote as an artifact.
+
+The report folder follows kvlab's ownership rules (harness.ownership): every file is listed in the folder's
+manifest before it is written; a folder that holds anything kvlab did not write, or that is a run's folder, is
+refused in one line and left exactly as it was; one report writer at a time holds the folder's lock.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from __future__ import annotations
 import argparse
 import base64
 import html
+import contextlib
+import io
 import os
-import shutil
+import re
 import subprocess
 import sys
 import warnings
@@ -27,7 +33,8 @@ from pathlib import Path
 import pandas as pd
 from hydra.experimental.callback import Callback
 
-from harness import experiment, plots, results, tracking
+from harness import experiment, ownership, plots, results, tracking
+from harness.results import shown
 
 SUMMARY_COLS = ["run_name", "status", "model", "engine", "weights", "cache_label", "dtype", "device", "cache_exact",
                 "tokens_identical", "max_abs_logit_diff", "nbytes_match", "cache_nbytes", "bytes_per_token",
@@ -55,6 +62,14 @@ CAPTIONS = {
     "equivalence": "Cached vs the kind's uncached reference: max |Δlogit| per model × cache/dtype; ✓ = identical "
                    "greedy tokens.",
 }
+
+
+NOT_EQUIVALENT = "not_equivalent"  # an exact kind in fp32 whose tokens differ or whose max |dlogit| > tolerance
+NOT_EQUIVALENT_COLS = ["run_name", "model", "engine", "cache_label", "dtype", "device", "status", "tokens_identical",
+                       "max_abs_logit_diff", "equivalence_tol", "first_diff_step", "margin_at_first_diff", "error"]
+REPORT_TABLES = ("results", "steps", "drift", "memory", "layers", "batches", "engine_ratios")
+PAGE, SPEC, WANDB = results.REPORT_PAGE, "wandb_report.json", "wandb"  # the page, the W&B Report spec, W&B's folder
+CLI_HINT = "give --out a new or empty folder (or one a kvlab report wrote), or move those files away"
 
 
 def _table(df: pd.DataFrame) -> str:
@@ -156,16 +171,26 @@ def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dic
                 skipped: list | None = None, ratios: pd.DataFrame | None = None) -> str:
     """One HTML page with everything inline (images as data: URIs): no network, no other files needed."""
     ok, failed = runs[runs.status == "ok"], runs[runs.status != "ok"]
+    not_eq = runs[runs.status == NOT_EQUIVALENT]
     skipped = skipped or []
     parts = [f"<h1>{html.escape(title)}</h1>",
              f"<p>{len(runs)} runs: {len(ok)} ok, {len(failed)} not ok"
+             + (f" ({len(not_eq)} not equivalent)" if len(not_eq) else "")
              + (f"; {len(skipped)} skipped (below)" if skipped else "") + ".</p>"]
     parts += weights_notice(runs)
+    if len(not_eq):  # a broken cache must not read as a finding: said first, in red
+        parts += ['<h2 style="color:#c00">Not equivalent: exact caches whose output differs from their reference</h2>',
+                  '<p style="background:#fee;border:2px solid #c00;padding:8px"><b>'
+                  f"{len(not_eq)} run{'s' if len(not_eq) > 1 else ''} of an exact cache kind in fp32 did not "
+                  "reproduce the uncached reference</b> (tokens differ, or max |Δlogit| is over the tolerance): a "
+                  "failure, not drift. Listed with the failed runs; never plotted, and not in the step, drift or memory "
+                  "tables.</p>",
+                  _table(not_eq[[c for c in NOT_EQUIVALENT_COLS if c in not_eq]])]
     if len(failed):
         parts += ["<h2>Failed runs</h2>", _table(failed[[c for c in ("run_name", "model", "cache_label", "dtype",
                                                                    "device", "status", "error") if c in failed]])]
     if skipped:
-        rows = pd.DataFrame([{"folder": str(f or ""), "why": why} for f, why in skipped])
+        rows = pd.DataFrame([{"folder": shown(f), "why": shown(why)} for f, why in skipped])
         parts += ["<h2>Skipped: could not be read, or never finished</h2>", _table(rows)]
     parts += ["<h2>Runs</h2>", _table(runs[[c for c in SUMMARY_COLS if c in runs]])]
     parts += drift_tables(ok)
@@ -196,16 +221,13 @@ def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dic
             f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")
 
 
-def build_report(path: str | Path, out: str | Path | None = None, invocation: str | None = None) -> dict:
-    """Load every readable run under ``path`` (with ``invocation``: only that invocation's runs) and write the report
-    folder (default ``path/report``). What could not be read is listed on the page, and in ``skipped``. Returns
-    tables, images (stem -> PNG path), html, the runs DataFrame and skipped [(folder, why)]."""
-    path = Path(path)
-    out = Path(out) if out else path / "report"
+def _load(path: Path, invocation: str | None) -> dict:
+    """Every readable run under ``path`` (with ``invocation``: only that invocation's runs), its tables, and what was
+    skipped [(folder, why)]. Writes nothing."""
     found = results.scan(path, invocation)
     skipped = [(f, why) for f, why in found["skipped"]]
-    skipped += [(f, "no results.json: the run was interrupted or is still going") for f in found["interrupted"]
-                if invocation is None or _started_by(f, invocation)]
+    skipped += [(f, "no results.json: the run was interrupted, refused or is still going")
+                for f in _unfinished(path, found, invocation)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", results.IncompleteRunWarning)
         runs, steps = results.load_runs(path, invocation), results.load_steps(path, invocation)
@@ -214,61 +236,200 @@ def build_report(path: str | Path, out: str | Path | None = None, invocation: st
     skipped += sorted({(None, str(w.message)) for w in caught if "its rows are missing" in str(w.message)},
                       key=lambda x: x[1])  # tables that could not be read
     if runs.empty:
-        raise FileNotFoundError(f"{path}: no readable kvlab runs (results.json) found under it"
-                                + (f"; skipped {len(skipped)}: {skipped[0][1]}" if skipped else ""))
-    out.mkdir(parents=True, exist_ok=True)
+        raise FileNotFoundError(f"{shown(path)}: no readable kvlab runs (results.json) found under it"
+                                + (f"; skipped {len(skipped)}: {shown(skipped[0][1])}" if skipped else ""))
+    return dict(runs=runs, skipped=skipped,
+                frames=dict(steps=steps, drift=drift, memory=memory, layers=layers, batches=batches))
+
+
+def _report_names(names) -> list[str]:
+    """Of ``names``, those a kvlab report writes."""
+    tables = {f"{s}.{e}" for s in REPORT_TABLES for e in ("csv", "parquet")}
+    return [n for n in names if n in tables or n in (PAGE, SPEC, WANDB) or re.fullmatch(r"[\w.-]+\.png", n)]
+
+
+def _own_wandb(out: Path) -> bool:
+    """``out/wandb`` holds only the report's own aggregate W&B run (its id is ``wandb_id(out, "report")``)."""
+    w = out / WANDB
+    if not w.is_dir() or w.is_symlink():
+        return False
+    rid = re.escape(experiment.wandb_id(out, "report"))
+    known = {"cache", "data", "latest-run", "debug.log", "debug-internal.log"}
+    inside = ownership.entries(w)
+    return bool(inside) and all(n in known or re.fullmatch(rf"(offline-)?run-\d{{8}}_\d{{6}}-{rid}", n)
+                                for n in inside)
+
+
+def _legacy_foreign(out: Path) -> list[str] | None:
+    """For a report folder an earlier kvlab wrote before manifests (no manifest, its page is kvlab's): the names in
+    it that are not that report's (a ``wandb/`` holding any other W&B run included). None: not such a folder."""
+    if (out / ownership.MANIFEST).exists():
+        return None
+    try:
+        with open(out / PAGE, encoding="utf-8", errors="replace") as f:
+            if "<title>kvlab report: " not in f.read(4096):
+                return None
+    except OSError:
+        return None
+    names = ownership.foreign(out)
+    ours = set(_report_names(names))
+    return [n for n in names if n not in ours or (n == WANDB and not _own_wandb(out))]
+
+
+def _refusal(out: Path, hint: str) -> tuple[Exception | None, bool]:
+    """(why ``out`` may not take the report, or None; whether it is an earlier report to adopt). Writes nothing."""
+    why = results.run_folder(out)
+    if why:
+        return ownership.NotOurs(f"{shown(out)} is a run folder ({why}): give --out a folder of its own"), False
+    if not ownership.foreign(out):
+        return None, False
+    legacy = _legacy_foreign(out)
+    if legacy == []:
+        return None, True
+    if legacy:  # an earlier kvlab's report with someone else's files beside it: name those
+        listed = ", ".join(repr(n)[1:-1] for n in legacy[:4]) + (f" and {len(legacy) - 4} more"
+                                                                  if len(legacy) > 4 else "")
+        return ownership.NotOurs(shown(f"report folder {out} holds files kvlab did not write ({listed}); "
+                                       f"kvlab never empties or writes into such a folder: {hint}")), False
+    try:
+        ownership.refuse_foreign(out, "report folder", hint)
+    except ownership.NotOurs as e:
+        return ownership.NotOurs(shown(str(e))), False
+    return None, False
+
+
+@contextlib.contextmanager
+def _report_folder(path: str | Path, out: str | Path | None, invocation: str | None, hint: str):
+    """Load the runs, check the report folder may be written (refused in one line: ``ownership.NotOurs``, nothing
+    touched), hold its lock, check again under it; yields (path, out, loaded)."""
+    path = Path(path)
+    out = Path(out) if out else path / "report"
+    loaded = _load(path, invocation)
+    bad, _ = _refusal(out, hint)
+    if bad:
+        raise bad
+    if out == path / "report" and (path / ownership.MANIFEST).exists():
+        ownership.claim(path, "report")  # the sweep's (or run's) folder lists its report folder as kvlab's
+    with ownership.locked(out, "report folder", invocation):
+        bad, adopt = _refusal(out, hint)  # another writer may have come and gone while this one waited
+        if bad:
+            raise bad
+        if adopt:
+            ownership.adopt(out, set(_report_names(ownership.entries(out))), lambda f: _legacy_foreign(f) == [])
+        yield path, out, loaded
+
+
+def _write(path: Path, out: Path, loaded: dict) -> dict:
+    """The report's files in ``out`` (checked and locked by ``_report_folder``), each claimed before it is
+    written."""
+    runs, skipped, frames = loaded["runs"], list(loaded["skipped"]), loaded["frames"]
+    steps, batches = frames["steps"], frames["batches"]
+    ownership.claim(out, PAGE)  # first: the manifest says this is a report's folder (results.run_folder)
     tables = []
-    for stem, df in (("results", runs), ("steps", steps), ("drift", drift), ("memory", memory), ("layers", layers),
-                     ("batches", batches)):
+    for stem, df in (("results", runs), *frames.items()):
         tables += results.save_table(df, out, stem)
     images = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # matplotlib's glyph warnings for ✓/✗ on minimal fonts
-        for stem, (fn, df) in plots.figure_makers(runs, steps, drift, memory, layers, batches).items():
+        for stem, (fn, df) in plots.figure_makers(runs, steps, frames["drift"], frames["memory"], frames["layers"],
+                                                  batches).items():
             try:
                 fig = fn(df)
-                fig.savefig(out / f"{stem}.png", dpi=110, bbox_inches="tight")
+                buf = io.BytesIO()
+                fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+                ownership.claim(out, f"{stem}.png")
+                tracking._atomic_write(out / f"{stem}.png", buf.getvalue())
                 images[stem] = out / f"{stem}.png"
             except Exception as e:  # one figure's bad input must not cost the report
                 skipped.append((None, f"figure {stem} could not be drawn ({experiment.one_line(e)})"))
             finally:
                 plots.plt.close("all")
-    page = out / "report.html"
+    page = out / PAGE
     ratios = engine_ratios(steps, batches)
     if len(ratios):
         tables += results.save_table(ratios, out, "engine_ratios")
-    page.write_text(render_html(f"kvlab report: {path.name}", runs, steps, images, skipped, ratios),
-                    encoding="utf-8")
+    text = render_html(f"kvlab report: {shown(path.name)}", runs, steps, images, skipped, ratios)
+    tracking._atomic_write(page, text.encode("utf-8", "backslashreplace"))
     return dict(runs=runs, tables=tables, images=images, html=page, folder=out, skipped=skipped, ratios=ratios,
-                frames=dict(steps=steps, drift=drift, memory=memory, layers=layers, batches=batches))
+                frames=frames, files=[*tables, *images.values(), page])
 
 
-def _started_by(folder: Path, invocation: str) -> bool:
-    """Whether a job folder without results.json belongs to ``invocation`` (it was started after the sweep began)."""
+def build_report(path: str | Path, out: str | Path | None = None, invocation: str | None = None,
+                 hint: str = CLI_HINT) -> dict:
+    """Load every readable run under ``path`` (with ``invocation``: only that invocation's runs) and write the report
+    folder (default ``path/report``). What could not be read is listed on the page, and in ``skipped``. A folder
+    that holds files kvlab did not write, or a run's folder, is refused (``ownership.NotOurs``, one line) and left
+    as it was. Returns tables, images (stem -> PNG path), html, the runs DataFrame, skipped [(folder, why)] and
+    files (every file this report wrote)."""
+    with _report_folder(path, out, invocation, hint) as (path, out, loaded):
+        return _write(path, out, loaded)
+
+
+def _resolved(folder) -> Path:
+    try:
+        return Path(folder).resolve()
+    except (OSError, RuntimeError):
+        return Path(os.path.abspath(folder))
+
+
+def _invocation_folders(invocation: str) -> set[Path] | None:
+    """The run folders ``invocation`` started, finished or not (None: this kvlab cannot say)."""
+    folders = getattr(experiment, "invocation_folders", None)
+    if folders is None:
+        return None
+    return {_resolved(f) for f in folders(invocation)}
+
+
+def _started_by(folder: Path, invocation: str, mine: set[Path] | None = None) -> bool:
+    """Whether a job folder without results.json belongs to ``invocation``: it is one of the run folders the
+    invocation noted it started (``experiment.invocation_folders``); before those notes existed, whether it was
+    started after the sweep began."""
+    mine = _invocation_folders(invocation) if mine is None else mine
+    if mine is not None:
+        return _resolved(folder) in mine
     since = experiment.WHERE.get("since")
-    return since is None or experiment.started_at(folder) >= since
+    started_at = getattr(experiment, "started_at", None)
+    return since is None or started_at is None or started_at(folder) >= since
+
+
+def _unfinished(path: Path, found: dict, invocation: str | None) -> list[Path]:
+    """Run folders under ``path`` with no results.json that belong in this report: every job folder without one;
+    with ``invocation``, those it started (a run it started and that was refused or died included)."""
+    if invocation is None:
+        return list(found["interrupted"])
+    mine = _invocation_folders(invocation)
+    out = [f for f in found["interrupted"] if _started_by(f, invocation, mine)]
+    if mine:
+        root, seen = _resolved(path), {_resolved(f) for f in out}
+        seen |= {_resolved(f) for f, _ in found["skipped"]} | {_resolved(f) for f, _ in found["runs"]}
+        for f in sorted(mine - seen):
+            if (f == root or root in f.parents) and not (f / results.RESULTS).is_file():
+                out.append(f)
+    return out
 
 
 def report_and_log(path: Path, mode: str, project: str, entity: str | None, group: str | None = None,
-                   out: Path | None = None, invocation: str | None = None) -> dict:
-    """The report, then the aggregate W&B run; a W&B failure is a warning in ``rep["wandb"]``, not a failed
-    report."""
-    rep = build_report(path, out, invocation)
-    runs = rep["runs"]
-    group = group or (runs["group"].dropna().iloc[0] if "group" in runs and runs["group"].notna().any()
-                      else path.name)
-    if mode != "disabled":  # one aggregate run per sweep: a report made again replaces it
-        shutil.rmtree(Path(rep["folder"]) / "wandb", ignore_errors=True)
-    try:
-        rep["wandb"] = tracking.log_wandb_aggregate(mode, project, entity, group, rep["folder"], runs, rep["images"],
-                                                    run_id=experiment.wandb_id(rep["folder"], "report"),
-                                                    tables=rep["frames"], page=rep["html"])
-    except Exception as e:  # the report is written; W&B trouble is said, not fatal
-        rep["wandb"] = f"failed: {experiment.one_line(e)}"
-        print(f"kvlab report: W&B logging failed ({rep['wandb']}); the report is in {rep['folder']}",
-              file=sys.stderr)
-    if mode != "disabled":
-        wandb_report_of(rep, group, project, entity, online=mode == "online" and not tracking.ONLINE_FAILED)
+                   out: Path | None = None, invocation: str | None = None, hint: str = CLI_HINT) -> dict:
+    """The report, then the aggregate W&B run (under the report folder's lock); a W&B failure is a warning in
+    ``rep["wandb"]``, not a failed report. Only the files this report wrote go into the W&B artifact."""
+    with _report_folder(path, out, invocation, hint) as (path, out, loaded):
+        rep = _write(path, out, loaded)
+        runs = rep["runs"]
+        group = group or (runs["group"].dropna().iloc[0] if "group" in runs and runs["group"].notna().any()
+                          else path.name)
+        if mode != "disabled":  # one aggregate run per sweep: a report made again replaces it (if it is kvlab's)
+            ownership.remove(out, [WANDB])
+            ownership.claim(out, WANDB)
+        try:
+            rep["wandb"] = tracking.log_wandb_aggregate(mode, project, entity, group, out, runs, rep["images"],
+                                                        run_id=experiment.wandb_id(out, "report"),
+                                                        tables=rep["frames"], page=rep["html"], files=rep["files"])
+        except Exception as e:  # the report is written; W&B trouble is said, not fatal
+            rep["wandb"] = f"failed: {experiment.one_line(e)}"
+            print(f"kvlab report: W&B logging failed ({rep['wandb']}); the report is in {shown(out)}",
+                  file=sys.stderr)
+        if mode != "disabled":
+            wandb_report_of(rep, group, project, entity, online=mode == "online" and not tracking.ONLINE_FAILED)
     return rep
 
 
@@ -280,6 +441,7 @@ def wandb_report_of(rep: dict, group: str, project: str, entity: str | None, onl
 
     try:
         spec = wandb_report.build_spec(group, project, entity)
+        ownership.claim(rep["folder"], SPEC)
         rep["wandb_report_spec"] = wandb_report.write_spec(rep["folder"], spec)
     except (ValueError, OSError) as e:
         print(f"kvlab report: no W&B Report spec ({experiment.one_line(e)})", file=sys.stderr)
@@ -302,7 +464,9 @@ def wandb_report_of(rep: dict, group: str, project: str, entity: str | None, onl
 def print_summary(rep: dict) -> None:
     runs = rep["runs"]
     failed = runs[runs.status != "ok"]
-    print(f"kvlab report: {len(runs)} runs ({len(failed)} not ok) -> {rep['html']}")
+    n_eq = int((failed.status == NOT_EQUIVALENT).sum())
+    print(f"kvlab report: {len(runs)} runs ({len(failed)} not ok{f', {n_eq} not equivalent' if n_eq else ''}) -> "
+          f"{shown(rep['html'])}")
     ratios = rep.get("ratios")
     if ratios is not None and len(ratios):
         print("kvlab report: ours / HF cached decode-step time (below 1: ours is faster), measured in this sweep:")
@@ -310,12 +474,13 @@ def print_summary(rep: dict) -> None:
     if rep.get("wandb_report"):
         print(f"kvlab report: W&B Report {rep['wandb_report']}")
     elif rep.get("wandb_report_spec"):
-        print(f"kvlab report: W&B Report spec {rep['wandb_report_spec']} (publish: `wandb sync` the runs, then "
-              f"`python -m harness.wandb_report --from-spec {rep['wandb_report_spec']}`)")
+        spec = shown(rep["wandb_report_spec"])
+        print(f"kvlab report: W&B Report spec {spec} (publish: `wandb sync` the runs, then "
+              f"`python -m harness.wandb_report --from-spec {spec}`)")
     for _, r in failed.iterrows():
-        print(f"kvlab: run {r['run_name']} {r['status']}: {r['error']}", file=sys.stderr)
+        print(f"kvlab: run {r['run_name']} {r['status']}: {r.get('error')}", file=sys.stderr)
     for folder, why in rep.get("skipped", []):
-        print(f"kvlab report: skipped {folder or ''}{': ' if folder else ''}{why}", file=sys.stderr)
+        print(f"kvlab report: skipped {shown(folder)}{': ' if folder else ''}{shown(why)}", file=sys.stderr)
 
 
 def _can_create(folder: Path, what: str) -> None:
@@ -339,7 +504,13 @@ class SweepReport(Callback):
         _can_create(Path(config.hydra.run.dir), "run folder")
 
     def on_multirun_start(self, config, **kwargs) -> None:
-        _can_create(Path(config.hydra.sweep.dir), "sweep folder")
+        sweep = Path(config.hydra.sweep.dir)
+        _can_create(sweep, "sweep folder")
+        if (sweep / "multirun.yaml").exists() and "multirun.yaml" not in ownership.owned(sweep):
+            print(f"kvlab: the sweep folder {shown(sweep)} holds a multirun.yaml kvlab did not write, which Hydra "
+                  "would overwrite: choose another with hydra.sweep.dir=...", file=sys.stderr)
+            raise SystemExit(2)
+        ownership.claim(sweep, "multirun.yaml")  # Hydra writes it next; the runs go into folders of their own
         experiment.invocation()  # made here at the latest, so every job of the sweep inherits it
         experiment.note_sweep(Path(config.hydra.sweep.dir))
 
@@ -349,9 +520,15 @@ class SweepReport(Callback):
         try:
             rep = report_and_log(sweep, t.mode, t.project, t.entity,
                                  t.group or experiment.default_group(config.experiment, sweep.name),
-                                 invocation=experiment.invocation())
+                                 invocation=experiment.invocation(),
+                                 hint=f"move them away, or write the report elsewhere with `python -m harness.report "
+                                      f"{shown(sweep)} --out DIR`")
+        except ownership.NotOurs as e:  # nothing of the folder's was touched; the runs' own files are complete
+            print(f"kvlab: sweep report not written: {e}", file=sys.stderr)
+            experiment.WHERE.setdefault("failures", []).append(f"{sweep} (the sweep report: {e})")
+            return
         except Exception as e:  # the runs' own files are already complete: say so and keep the exit code honest
-            print(f"kvlab: sweep report failed ({experiment.one_line(e)}); each run's results are in {sweep}",
+            print(f"kvlab: sweep report failed ({experiment.one_line(e)}); each run's results are in {shown(sweep)}",
                   file=sys.stderr)
             experiment.WHERE.setdefault("failures", []).append(f"{sweep} (the sweep report)")
             return
@@ -369,6 +546,9 @@ def main(argv=None) -> int:
     try:
         rep = report_and_log(Path(args.path), args.wandb, args.project, None, None,
                              Path(args.out) if args.out else None)
+    except ownership.NotOurs as e:  # one line; the folder is as it was
+        print(f"kvlab report: {e}", file=sys.stderr)
+        return 2
     except (FileNotFoundError, OSError) as e:
         print(f"kvlab report: {experiment.one_line(e) if not isinstance(e, FileNotFoundError) else e}",
               file=sys.stderr)

@@ -9,18 +9,22 @@
 
 A run is a folder with a ``results.json`` (written last, atomically, by every run, failed ones included). A Hydra
 job folder without one (a run that was killed, or is still going), an unreadable or foreign results.json and an
-unreadable table are skipped with a warning; a failed run is kept, with its ``status`` and ``error``, and simply
-has no step or drift rows.
+unreadable table are skipped with a warning; a run that is not ok (failed, interrupted, not_equivalent) is kept,
+with its ``status`` and ``error``, and has no step or drift rows: the tables (and so the plots) hold ok runs only.
+A folder whose name is not UTF-8 is read like any other; its name is shown with the odd bytes escaped (``shown``).
 """
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import warnings
 from pathlib import Path
 
 import pandas as pd
 
+from harness import ownership, tracking
 from harness.tracking import BATCHES, DRIFT, LAYERS, MEMORY, RESULTS, STEPS
 
 # the columns that say which run a row belongs to, first in every table
@@ -37,6 +41,32 @@ SKIP_DIRS = {"wandb", "report", ".hydra"}
 
 class IncompleteRunWarning(UserWarning):
     pass
+
+
+def shown(path) -> str:
+    """``path`` as text that can be printed, written as UTF-8 and put in a table: bytes that are not UTF-8 in a
+    folder's name (kept by Python as surrogate escapes) are shown as ``\\xff``."""
+    if path is None:
+        return ""
+    text = os.fsdecode(path) if isinstance(path, (bytes, os.PathLike)) else str(path)
+    return _text(text)
+
+
+def _text(text: str) -> str:
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:  # surrogate escapes from a name, or lone surrogates from a JSON "\\udcff"
+        return text.encode("utf-8", "surrogateescape" if _escapes_only(text) else "backslashreplace").decode(
+            "utf-8", "backslashreplace")
+
+
+def _escapes_only(text: str) -> bool:
+    try:
+        text.encode("utf-8", "surrogateescape")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _skipped(path: Path) -> bool:
@@ -60,8 +90,9 @@ def read_record(path: Path) -> tuple[dict | None, str | None]:
         return None, f"{RESULTS} is not a kvlab record (its device is not text)"
     bad = [k for k, v in record.items() if isinstance(v, (list, dict))]
     if bad:
-        return None, f"{RESULTS} is not a kvlab record ({bad[0]!r} holds a {type(record[bad[0]]).__name__})"
-    return record, None
+        return None, f"{RESULTS} is not a kvlab record ({_text(bad[0])!r} holds a {type(record[bad[0]]).__name__})"
+    # text that cannot be written as UTF-8 (a JSON "\\udcff"): shown escaped, so tables and pages can hold it
+    return {_text(k): _text(v) if isinstance(v, str) else v for k, v in record.items()}, None
 
 
 def scan(path: str | Path, invocation: str | None = None) -> dict:
@@ -92,9 +123,9 @@ def run_folders(path: str | Path, invocation: str | None = None) -> list[tuple[P
     it skips: unreadable or foreign results.json files, and job folders without one."""
     found = scan(path, invocation)
     for folder, why in found["skipped"]:
-        warnings.warn(f"skipping {folder}: {why}", IncompleteRunWarning, stacklevel=2)
+        warnings.warn(f"skipping {shown(folder)}: {why}", IncompleteRunWarning, stacklevel=2)
     for folder in found["interrupted"]:
-        warnings.warn(f"skipping {folder}: no {RESULTS} (the run was interrupted or is still going)",
+        warnings.warn(f"skipping {shown(folder)}: no {RESULTS} (the run was interrupted or is still going)",
                       IncompleteRunWarning, stacklevel=2)
     return found["runs"]
 
@@ -105,8 +136,9 @@ def _order(df: pd.DataFrame, first: list[str]) -> pd.DataFrame:
 
 
 def load_runs(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
-    """One row per run: the run's results.json, flat."""
-    rows = [dict(record, run_dir=str(folder)) for folder, record in run_folders(path, invocation)]
+    """One row per run: the run's results.json, flat; ``run_dir`` is its folder (``shown``: a name that is not
+    UTF-8 has its odd bytes escaped)."""
+    rows = [dict(record, run_dir=shown(folder)) for folder, record in run_folders(path, invocation)]
     if not rows:
         return pd.DataFrame(columns=FIRST)
     return _order(pd.DataFrame(rows), FIRST).reset_index(drop=True)
@@ -135,14 +167,14 @@ def _long(path: str | Path, name: str, invocation: str | None = None, required: 
         if not f.is_file():
             if not required:  # a table that runs of earlier kvlab versions did not write
                 continue
-            warnings.warn(f"{folder}: finished but has no {name}; its rows are missing", IncompleteRunWarning,
+            warnings.warn(f"{shown(folder)}: finished but has no {name}; its rows are missing", IncompleteRunWarning,
                           stacklevel=3)
             continue
         df, why = read_table(f)
         if df is None and not required and why.endswith("has no rows"):
             continue  # an optional table a run had nothing for (layers.csv of an exact fp32 run)
         if df is None:
-            warnings.warn(f"{folder}: {why}; its rows are missing", IncompleteRunWarning, stacklevel=3)
+            warnings.warn(f"{shown(folder)}: {why}; its rows are missing", IncompleteRunWarning, stacklevel=3)
             continue
         for k in KEYS:
             df[k] = record.get(k)
@@ -181,14 +213,48 @@ def load_batches(path: str | Path, invocation: str | None = None) -> pd.DataFram
     return _long(path, BATCHES, invocation, required=False)
 
 
-def save_table(df: pd.DataFrame, folder: str | Path, stem: str) -> list[Path]:
-    """Write ``stem.parquet`` and ``stem.csv`` into ``folder``."""
+REPORT_PAGE = "report.html"  # a report folder's page: listed in its manifest before any of its tables is written
+RUN_FILES = (RESULTS, getattr(tracking, "LOG", "run.log"), *tracking.TABLES.values())  # what a run writes
+
+
+def run_folder(folder: str | Path) -> str | None:
+    """Why ``folder`` is a run's folder (None: it is not): it holds a run's results.json, it is a Hydra job folder,
+    or kvlab's manifest lists a run's tables there but no report page. A report never writes its tables into one
+    (its steps.csv would replace the run's)."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    names = set(ownership.entries(folder))
+    if RESULTS in names:
+        return f"it holds a run's {RESULTS}"
+    if ".hydra" in names:
+        return "it is a Hydra job folder (.hydra)"
+    mine = ownership.owned(folder)
+    tables = sorted(n for n in names & set(RUN_FILES) if n in mine)
+    if tables and REPORT_PAGE not in mine:
+        return f"it holds a run's {tables[0]}"
+    return None
+
+
+def save_table(df: pd.DataFrame, folder: str | Path, stem: str) -> list[Path]:
+    """Write ``stem.parquet`` and ``stem.csv`` into ``folder``, each listed in its manifest first and written
+    atomically. Refused (``ownership.NotOurs``, one line) in a run's folder, or where a file of that name is not
+    kvlab's."""
+    folder = Path(folder)
+    why = run_folder(folder)
+    if why:
+        raise ownership.NotOurs(f"{shown(folder)} is a run folder ({why}): a report's {stem} table is not written "
+                                "there; give the report a folder of its own")
     pq, csv = folder / f"{stem}.parquet", folder / f"{stem}.csv"
+    mine = ownership.owned(folder)
+    theirs = [p.name for p in (pq, csv) if (p.exists() or p.is_symlink()) and p.name not in mine]
+    if theirs:
+        raise ownership.NotOurs(f"{shown(folder)} holds {theirs[0]}, which kvlab did not write: it is not replaced; "
+                                "give the report a folder of its own")
     mixed = [c for c in df.columns if df[c].dtype == object and df[c].dropna().map(type).nunique() > 1]
     if mixed:  # a column that holds numbers and text (a record written by hand): parquet needs one type
         df = df.astype({c: "string" for c in mixed})
-    df.to_parquet(pq, index=False)
-    df.to_csv(csv, index=False)
+    ownership.claim(folder, pq.name, csv.name)
+    buf = io.BytesIO()
+    df.to_parquet(buf, index=False)
+    tracking._atomic_write(pq, buf.getvalue())
+    tracking._atomic_write(csv, lambda f: df.to_csv(f, index=False))
     return [pq, csv]

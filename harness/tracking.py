@@ -19,15 +19,17 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness import ownership
+
 RESULTS, STEPS, DRIFT, MEMORY, LAYERS = "results.json", "steps.csv", "drift.csv", "memory.csv", "layers.csv"
-BATCHES = "batches.csv"
+BATCHES, LOG = "batches.csv", "run.log"  # run.log: the run's summary, as printed
 TABLES = {"steps": STEPS, "drift": DRIFT, "memory": MEMORY, "layers": LAYERS,
           "batches": BATCHES}  # a run's tables and their files
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
     """``write(f)`` into a unique temporary file beside ``path`` (text; or ``write`` is bytes, written as they are),
     flushed to disk, then renamed into place: a crash leaves the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -45,6 +47,9 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
+_atomic_write = atomic_write  # the name other modules import
+
+
 def _jsonable(v):
     if isinstance(v, float) and not math.isfinite(v):
         return None
@@ -53,14 +58,19 @@ def _jsonable(v):
     return v
 
 
-def write_run_files(run_dir: Path, record: dict, tables: dict[str, pd.DataFrame] | None = None) -> None:
-    """The run's tables (``TABLES``: steps, drift, memory, layers), then results.json, last."""
+def write_run_files(run_dir: Path, record: dict, tables: dict[str, pd.DataFrame] | None = None,
+                    log: str | None = None) -> None:
+    """The run's tables (``TABLES``: steps, drift, memory, layers), its summary (``run.log``), then results.json,
+    last; each name listed in the folder's manifest before it is written (kvlab's own, to clear or replace)."""
     run_dir = Path(run_dir)
-    for key, df in (tables or {}).items():
-        if df is not None:
-            _atomic_write(run_dir / TABLES[key], lambda f, df=df: df.to_csv(f, index=False))
+    tables = {k: df for k, df in (tables or {}).items() if df is not None}
+    ownership.claim(run_dir, RESULTS, *(TABLES[k] for k in tables), *([LOG] if log is not None else []))
+    for key, df in tables.items():
+        atomic_write(run_dir / TABLES[key], lambda f, df=df: df.to_csv(f, index=False))
+    if log is not None:
+        atomic_write(run_dir / LOG, (log + "\n").encode())
     clean = {k: _jsonable(v) for k, v in record.items()}
-    _atomic_write(run_dir / RESULTS, lambda f: json.dump(clean, f, indent=2, sort_keys=True))
+    atomic_write(run_dir / RESULTS, lambda f: json.dump(clean, f, indent=2, sort_keys=True))
 
 
 FLUSH_S = 2.0  # the run's .wandb file is flushed this often: a run killed mid-way is on disk, and shows as crashed
@@ -91,7 +101,7 @@ def _wandb_run(mode: str, project: str, entity: str | None, group: str, name: st
         mode = "offline"
     if mode == "offline":
         _offline_env()
-    folder.mkdir(parents=True, exist_ok=True)
+    ownership.claim(folder, "wandb")  # listed before W&B writes it: kvlab's to clear when the run is redone
     keep_inside(folder)
     import wandb
 
@@ -216,10 +226,11 @@ def effective(record: dict) -> dict:
 
 def log_wandb_aggregate(mode: str, project: str, entity: str | None, group: str, folder: Path,
                         runs: pd.DataFrame, images: dict[str, Path], run_id: str | None = None,
-                        tables: dict[str, pd.DataFrame] | None = None, page: Path | None = None) -> str:
+                        tables: dict[str, pd.DataFrame] | None = None, page: Path | None = None,
+                        files: list[Path] | None = None) -> str:
     """The sweep's aggregate W&B run (job_type "aggregate", the sweep's group): the sweep-wide tables, the plots as
-    images, step time vs context as a line series per cache and mode, report.html as ``wandb.Html``, and the report
-    folder as an artifact."""
+    images, step time vs context as a line series per cache and mode, report.html as ``wandb.Html``, and the report's
+    own ``files`` (what kvlab wrote there, nothing else) as an artifact."""
     if mode == "disabled":
         return "disabled"
     wandb, run, mode = _wandb_run(mode, project, entity, group, f"{group}-report", Path(folder),
@@ -248,7 +259,7 @@ def log_wandb_aggregate(mode: str, project: str, entity: str | None, group: str,
         if page is not None and Path(page).is_file():
             run.log({"report": wandb.Html(Path(page).read_text(encoding="utf-8"))})
         art = wandb.Artifact(f"report-{run.id}", type="kvlab-report", description=f"kvlab sweep report {group}")
-        for f in sorted(Path(folder).iterdir()):
+        for f in sorted(map(Path, files or [])):
             if f.is_file():
                 art.add_file(str(f), name=f.name)
         run.log_artifact(art)

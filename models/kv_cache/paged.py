@@ -372,8 +372,15 @@ class PagedKVCache(KVCache):
         if isinstance(snap, dict) and snap.get("kind") == self.kind and snap.get("share") not in self.pool.held:
             raise ValueError("this paged snapshot no longer holds its blocks (a copy of a snapshot that was dropped): "
                              "restore the snapshot snapshot() returned, while it is alive")
-        self._check_snapshot(snap)
-        pos = snap["pos"]
+
+        def held(snap):  # every block the tables name is in the pool and still held (the snapshot's share)
+            named = snap["tables"].flatten().tolist()
+            if any(not -1 <= b < self.pool.n_blocks or (b >= 0 and self.pool.refs[b] < 1) for b in named):
+                raise ValueError(f"snapshot's 'tables' name blocks it does not hold (the pool has "
+                                 f"{self.pool.n_blocks}): restore takes what snapshot() returned, unchanged")
+
+        pos = self._check_snapshot(snap, lambda pos: {"tables": ((self.batch, None), torch.long, "cpu"),
+                                                      "ended": ((self.batch,), torch.bool, "cpu")}, held)
         tables = [[b for b in row if b >= 0] for row in snap["tables"].tolist()]
         for table in self.tables:
             self.pool.release(table)

@@ -41,7 +41,11 @@ class PreallocKVCache(KVCache):
                 "v": self.v[:, :, :, :self.pos].clone()}
 
     def restore(self, snap: dict) -> None:
-        n = self._check_snapshot(snap)
+        def expect(pos):  # (L, B, nh, pos, hs)
+            shape = ((self.n_layer, self.batch, self.n_head, pos, self.head_dim), self.dtype)
+            return {"k": shape, "v": shape}
+
+        n = self._check_snapshot(snap, expect)
         self.k[:, :, :, :n] = snap["k"]
         self.v[:, :, :, :n] = snap["v"]
         self.pos = n

@@ -275,7 +275,10 @@ class QuantKVCache(KVCache):
                 **{name: t[:, :, :, :used].clone() for name, (t, used) in self._parts(self.pos).items()}}
 
     def restore(self, snap: dict) -> None:
-        pos = self._check_snapshot(snap)
+        def expect(pos):  # each part's slots in use, its other dimensions and dtype as the cache's own
+            return {name: ((*t.shape[:3], used, t.shape[4]), t.dtype) for name, (t, used) in self._parts(pos).items()}
+
+        pos = self._check_snapshot(snap, expect)
         for name, (t, used) in self._parts(pos).items():
             t[:, :, :, :used] = snap[name]
         self.pos, self._returned = pos, (0, torch.float32)

@@ -181,7 +181,11 @@ class WindowKVCache(KVCache):
         return {**self._snapshot_header(), "k": self.k[:, :, :, :n].clone(), "v": self.v[:, :, :, :n].clone()}
 
     def restore(self, snap: dict) -> None:
-        pos = self._check_snapshot(snap)
+        def expect(pos):  # (L, B, nh, filled slots, hs)
+            shape = ((self.n_layer, self.batch, self.n_head, min(pos, self.n_slots), self.head_dim), self.dtype)
+            return {"k": shape, "v": shape}
+
+        pos = self._check_snapshot(snap, expect)
         n = min(pos, self.n_slots)
         self.k[:, :, :, :n] = snap["k"]
         self.v[:, :, :, :n] = snap["v"]

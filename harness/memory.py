@@ -1,0 +1,504 @@
+"""Memory before allocation: the bytes a run will need at its peak, from its config alone, against what the machine
+(or the device) has free. Pure functions: no printing, no files, nothing built.
+
+    need = run_bytes(GPT2Config.preset("gpt2"), storage="fp32", compute="fp32", kind="prealloc", options={},
+                     max_len=1024, batch=64, batch_sizes=[1, 8, 32], ...)
+    check(need, available_bytes(device))      # raises ConfigError in one line when it does not fit
+    need.describe()                           # one line for people
+
+A run holds its weights throughout and goes through its measurements one after another (harness/measure.py), each
+building its own caches and freeing them before the next: its peak is the weights plus the largest phase. Each
+phase counts the caches alive in it (exactly, from the kind's ``nbytes_formula``) and its largest transient
+tensors (logits, attention scores, activations, copies), a little conservatively: see ``run_bytes``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+from harness.config import ConfigError
+from harness.engines import ENGINES
+from harness.measure import STAT_ROWS
+from models.gpt2 import GPT2Config
+from models.kv_cache import CACHE_KINDS, KVCache, as_dtype, cache_kind, kv_bytes
+from models.kv_cache.base import itemsize
+
+F32, F64, I64 = 4, 8, 8
+ACT_WIDTH = 12  # activations of a forward held at once per token, in units of n_embd: the residual, a layer norm,
+# q/k/v (3) and their contiguous copies (3), or the MLP's 4x-wide input and its GELU (8), plus the output
+SLACK = 0.05  # added to each phase's cache + transients for the allocators' rounding and fragmentation (a served
+# batch on a CPU peaked about 1% above its tensors' bytes)
+MARGIN = 0.10  # of what is free, kept free
+MIN_MARGIN = 256 << 20  # and at least this much
+GB = 1e9
+
+
+# ---- weights ---------------------------------------------------------------------------------------------------
+
+def param_count(cfg: GPT2Config) -> int:
+    """GPT-2's parameters from its config alone (``GPT2Config.num_params``: the tied lm_head once)."""
+    return cfg.num_params()
+
+
+def decode_weight_bytes(cfg: GPT2Config, dtype) -> int:
+    """What ``harness.measure.weight_bytes`` reports for a model of ``cfg`` in ``dtype``: every parameter once, but
+    only one row of the position embedding (the bandwidth probe sizes its buffers by it)."""
+    return (param_count(cfg) - (cfg.n_positions - 1) * cfg.n_embd) * itemsize(dtype)
+
+
+# ---- the estimate ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RunBytes:
+    """The bytes a run needs at its peak. ``total`` = ``weights`` + ``cache`` + ``measurement``, where the last two
+    are those of ``peak``, the phase that needs the most; ``phases`` gives every phase's (name, cache,
+    measurement). ``inputs``: the arguments of ``run_bytes`` that made it (``check`` searches over them)."""
+
+    params: int
+    weights: int  # every copy of the weights the run holds, together
+    weights_copies: tuple[tuple[str, int], ...]  # (which copy, bytes)
+    cache: int  # caches alive at the peak
+    measurement: int  # other tensors alive at the peak: logits, attention scores, activations, copies
+    total: int
+    peak: str  # the phase of the peak
+    phases: tuple[tuple[str, int, int], ...] = ()
+    inputs: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def describe(self) -> str:
+        copies = " + ".join(f"{name} {size(b)}" for name, b in self.weights_copies)
+        return (f"about {size(self.total)} at its peak ({self.peak}): weights {size(self.weights)} ({copies}), "
+                f"cache {size(self.cache)}, measurement {size(self.measurement)}")
+
+
+def size(n: int | float) -> str:
+    """Bytes for people, decimal units, 3 significant digits: 52.4 GB, 0.302 GB, 12.5 MB, 12.5 kB."""
+    if n >= 1e12:
+        return f"{n / GB:,.0f} GB"
+    for unit, scale in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if n >= 0.1 * scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def _name(dtype) -> str:
+    """fp32 / fp16 / bf16."""
+    return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[str(as_dtype(dtype)).removeprefix("torch.")]
+
+
+def _storage(engine: str, kind: str, cls: type[KVCache], opts, prefilled: int):
+    """What knows the bytes ``engine``'s cache of ``kind`` holds: the kind's class, unless the engine stores the kind
+    its own way (``HFEngine.storage``: transformers' QuantizedCache). That method reads only the spec, so it is asked
+    without building an engine."""
+    own = getattr(ENGINES[engine], "storage", None)
+    if own is None:
+        return cls
+    try:
+        return own(None, SimpleNamespace(kind=kind, cls=cls, opts=opts), prefilled)
+    except (AttributeError, TypeError):  # it needs a built engine after all: the kind's own formula
+        return cls
+
+
+def _full_attention_kind() -> type[KVCache]:
+    """The kind the fp32 drift reference runs with (``harness.measure.full_attention_kind``)."""
+    return next(c for c in CACHE_KINDS.values() if c.exact and not c.reference(c.Options()))
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r}: give a positive integer")
+    return value
+
+
+def run_bytes(model: GPT2Config, *, storage="fp32", compute="fp32", kind: str = "prealloc",
+              options: dict | None = None, max_len: int | None = None, batch: int = 1,
+              batch_sizes: list[int] | None = None, batch_context: int = 512,
+              context_lengths: list[int] | None = None, n_prompts: int = 4, new_tokens: int = 32,
+              prompt_len: int = 32, drift_text_len: int = 128, engine: str = "kvlab", device: str = "cpu",
+              compile: bool = False, keep_fp32: bool | None = None) -> RunBytes:
+    """The bytes a run of ``model`` needs at its peak on ``device`` ("cpu" or "cuda"), from plain values only.
+
+    ``storage`` / ``compute``: the K/V and model dtypes (names or torch dtypes; compute "auto" resolves as the run
+    does: fp32 on a CPU, the storage dtype on CUDA). ``kind`` and ``options``: the cache kind and its options.
+    ``max_len``: cache capacity (default n_positions). ``batch``: the served batch (serve_batch); ``batch_sizes``:
+    the throughput batches (batch_throughput, None: not measured) at context min(batch_context, max_len - 1);
+    ``context_lengths``: the timed contexts (None: assume up to max_len). ``keep_fp32``: whether the fp32 model is
+    kept beside a reduced-precision copy (default: yes, as every run does: it is the drift reference).
+
+    Terms (V vocab, d n_embd, nh heads, hs head_dim; "cache(B, n)" is the kind's ``nbytes_formula`` for B
+    sequences, n tokens written, capacity max_len, in the storage dtype; a pooled kind counts its whole pool):
+
+    - weights: ``param_count`` x element size, per copy: the fp32 model (model32); a copy in the compute dtype
+      when compute is not fp32; and for engine=hf transformers' own model in the compute dtype (it holds its own
+      weights). The phase ``setup`` counts the fp32 copy a reduced-precision copy is made from (a deepcopy of
+      model32, then converted), and on a CPU the fp32 HF model before its conversion.
+    - generation (batch 1, T = prompt_len + new_tokens, n = new_tokens): the generation's cache and the fp32
+      reference's; the teacher-forced forward's full logits (T, V) in fp32 and the logit statistics over n steps
+      (6 (n, V) fp32 tensors, 5 float64 ones for the KL).
+    - text_drift (every run but plain fp32 on an exact full-attention kind), L = min(max_len, max(drift_text_len,
+      prompt_len + 1)): both text passes' caches, the K/V recorded per layer (fp32), both passes' logits (L - 1,
+      V) in fp32 as a list and concatenated (4 of them), and 7 float64 tensors of min(STAT_ROWS, L - 1) rows over
+      the vocabulary.
+    - cache_memory / step_times (batch 1): cache(1, ctx + 1) (twice if the kind's ``checkpoint`` snapshots), the
+      uncached forward over the longest timed context.
+    - bandwidth_probe: its copy buffers 2 x max(min(w, 1 GiB), 256 MiB) and its matrix min(w, 1 GiB), w the decode
+      weight bytes.
+    - batch_throughput: the previous batch's cache (and snapshot) is still held while the next is built and
+      prefilled: the worst of cache(B_prev) + cache(B) + prefill and cache(B) + its snapshot + a decode step.
+    - serve_batch (batch B, prompts of prompt_len, n = new_tokens): the worst of a new cache built while the last
+      repeat's is held, the prefill, the decode (with the B x n x V fp32 logits it keeps), and the check (those
+      logits stacked: twice, plus a (prompt_len + n, V) reference forward).
+    - compiled_equivalence (compile=true): two caches of batch 1.
+    - a forward of (B, T) tokens keeping r positions' logits: activations B x T x 12d in the compute dtype,
+      attention scores B x nh x T x T in fp32 (what SDPA's math fallback holds; the fused kernels torch picks for
+      kvlab's shapes, CPU and CUDA, hold none: this is the conservative part), masks 3 x B x T x T bools, logits
+      B x r x V. A decode step adds one layer's K and V in fp32, twice
+      (a dtype cast, a dequantised copy, a concatenation). On CUDA the logits the served batch keeps live on the
+      host and are counted here too (conservative).
+    - every phase's measurement adds ``SLACK`` (5%) of its cache + measurement: allocators round and fragment.
+    """
+    args = dict(storage=storage, compute=compute, kind=kind, options=dict(options or {}), max_len=max_len,
+                batch=batch, batch_sizes=None if batch_sizes is None else list(batch_sizes),
+                batch_context=batch_context, context_lengths=None if context_lengths is None
+                else list(context_lengths), n_prompts=n_prompts, new_tokens=new_tokens, prompt_len=prompt_len,
+                drift_text_len=drift_text_len, engine=engine, device=device, compile=compile, keep_fp32=keep_fp32)
+    if engine not in ENGINES:
+        raise ConfigError(f"engine={engine!r}: use one of {', '.join(ENGINES)}")
+    device = str(device).split(":")[0]
+    if compute == "auto":
+        compute = "fp32" if device == "cpu" else storage
+    storage, compute = as_dtype(storage), as_dtype(compute)
+    cls = cache_kind(kind)
+    opts = cls.parse_options(**(options or {}))
+    L, nh, d, V = model.n_layer, model.n_head, model.n_embd, model.vocab_size
+    hs = model.head_dim
+    max_len = model.n_positions if max_len is None else _positive("max_len", max_len)
+    for name, value in (("batch", batch), ("batch_context", batch_context), ("n_prompts", n_prompts),
+                        ("new_tokens", new_tokens), ("prompt_len", prompt_len), ("drift_text_len", drift_text_len)):
+        _positive(name, value)
+    for b in batch_sizes or []:
+        _positive("batch_sizes entry", b)
+    isz_c = itemsize(compute)
+    reduced = compute != as_dtype("fp32")
+
+    # -- weights
+    P = param_count(model)
+    copies = []
+    if keep_fp32 is not False or not reduced:
+        copies.append(("fp32 model", P * F32))
+    if reduced:
+        copies.append((f"{_name(compute)} copy", P * isz_c))
+    if engine == "hf":
+        copies.append((f"hf {_name(compute)} copy", P * isz_c))
+    weights = sum(b for _, b in copies)
+    # setup: deepcopy(model32) is fp32 until converted; on a CPU the HF model is built in fp32 beside the others
+    deep = 2 * P * F32 if reduced else 0
+    hf_build = 2 * P * F32 + P * isz_c if engine == "hf" and device == "cpu" and reduced else 0
+    setup = max(0, deep - weights, hf_build - weights)
+
+    # -- pieces
+    snapshots = cls.checkpoint is not KVCache.checkpoint  # its checkpoint copies the state instead of a crop
+    ctx_b = min(batch_context, max_len - 1) if max_len > 1 else 1
+
+    def cache_at(B: int, n: int, cap: int = max_len, prefilled: int = prompt_len) -> int:
+        """Bytes of a cache of the run's kind: B sequences, capacity cap, n tokens written."""
+        return cache_bytes(model, kind, options, storage, cap, B, max(0, min(n, cap)), engine, min(prefilled, cap))
+
+    def snap(B: int, n: int) -> int:
+        return cache_at(B, n) if snapshots else 0
+
+    def forward(B: int, T: int, rows: int, isz: int = isz_c) -> int:
+        """Transients of one forward of (B, T) tokens keeping ``rows`` positions' logits."""
+        return (B * T * d * ACT_WIDTH * isz + B * nh * T * T * F32 + 3 * B * T * T + B * rows * V * isz
+                + 2 * B * T * I64)
+
+    def layer_kv(B: int, n: int) -> int:
+        return 2 * kv_bytes(1, nh, hs, max(n, 1), B, "fp32")
+
+    phases: list[tuple[str, int, int]] = [("setup", 0, setup)]
+    plain_fp32 = not reduced and storage == as_dtype("fp32") and cls.exact and not cls.reference(opts)
+
+    # generation checks: batch 1
+    Tg, n = prompt_len + new_tokens, new_tokens
+    ref = _full_attention_kind()  # the fp32 reference's kind
+
+    def ref_cache(n: int) -> int:
+        return ref.nbytes_formula(L, nh, hs, n, 1, "fp32", n, ref.Options())
+
+    gen_cache = cache_at(1, Tg, cap=Tg) + ref_cache(Tg)
+    gen_meas = forward(1, Tg, Tg, F32) + n * V * (6 * F32 + 5 * F64)
+    phases.append(("generation", gen_cache, gen_meas))
+
+    # drift on text
+    if not plain_fp32:
+        Lt = min(max_len, max(drift_text_len, prompt_len + 1))
+        R = min(STAT_ROWS, Lt - 1)
+        seen = 2 * kv_bytes(L, nh, hs, Lt, 1, "fp32")
+        text_cache = cache_at(1, Lt, cap=Lt) + ref_cache(Lt)
+        text_meas = (forward(1, min(prompt_len, Lt - 1), min(prompt_len, Lt - 1), F32) + 4 * (Lt - 1) * V * F32
+                     + 7 * R * V * F64 + seen + n_prompts * Lt * I64)
+        phases.append(("text_drift", text_cache, text_meas))
+
+    # cache_memory and step_times: batch 1 at max_len
+    phases.append(("cache_memory", cache_at(1, Tg), forward(1, prompt_len, 1) + layer_kv(1, max_len)))
+    Tc = min(max_len, (max(context_lengths) + 1) if context_lengths else max_len)
+    phases.append(("step_times", cache_at(1, Tc) + snap(1, Tc), forward(1, Tc, 1) + layer_kv(1, Tc)))
+
+    # bandwidth probe
+    w = min(decode_weight_bytes(model, compute), 1 << 30)
+    phases.append(("bandwidth_probe", 0, 2 * max(w, 256 << 20) + max(1, w // 4 // 1024) * 1024 * F32
+                   + 3 * 1024 * 1024 * F32))
+
+    # throughput vs batch
+    if batch_sizes:
+        prev = 0
+        for B in batch_sizes:
+            c = cache_at(B, ctx_b + 1, prefilled=ctx_b)
+            moments = [(prev + c, forward(B, ctx_b, 1) + 2 * B * (ctx_b + 1) * I64),
+                       (c + snap(B, ctx_b + 1), layer_kv(B, ctx_b + 1) + B * V * isz_c)]
+            cache_b, meas_b = max(moments, key=sum)
+            phases.append((f"batch_throughput(batch={B})", cache_b, meas_b))
+            prev = c + snap(B, ctx_b + 1)
+
+    # the served batch
+    B, Ts = batch, prompt_len + new_tokens
+    full, empty = cache_at(B, Ts), cache_at(B, 0)
+    kept = B * n * V * F32
+    moments = [(full + empty, 0),
+               (cache_at(B, prompt_len), forward(B, prompt_len, 1) + 2 * B * prompt_len * I64),
+               (full, layer_kv(B, Ts) + kept + B * V * isz_c),
+               (full, 2 * kept + forward(1, Ts, Ts, F32))]
+    cache_s, meas_s = max(moments, key=sum)
+    phases.append((f"serve_batch(batch={B})", cache_s, meas_s))
+
+    if compile:
+        phases.append(("compiled_equivalence", 2 * cache_at(1, Tg), forward(1, prompt_len, 1) + layer_kv(1, Tg)))
+
+    phases = [(name, c, m + math.ceil(SLACK * (c + m))) for name, c, m in phases]
+    peak, cache, measurement = max(phases, key=lambda p: p[1] + p[2])
+    return RunBytes(params=P, weights=weights, weights_copies=tuple(copies), cache=cache, measurement=measurement,
+                    total=weights + cache + measurement, peak=peak, phases=tuple(phases), inputs=dict(model=model,
+                                                                                                      **args))
+
+
+def cache_bytes(model: GPT2Config, kind: str, options: dict | None = None, storage="fp32",
+                max_len: int | None = None, batch: int = 1, n_tokens: int | None = None, engine: str = "kvlab",
+                prefilled: int = 0) -> int:
+    """Bytes a cache of ``kind`` (with ``options``) for ``model`` holds: ``batch`` sequences, capacity ``max_len``
+    (default n_positions), ``n_tokens`` written (default max_len), K/V in ``storage``. The kind's
+    ``nbytes_formula``, or the engine's own layout where it stores the kind its own way (``prefilled``: the prompt's
+    length, which that layout depends on); a pooled kind counts its whole pool, allocated up front."""
+    cls = cache_kind(kind)
+    opts = cls.parse_options(**(options or {}))
+    max_len = model.n_positions if max_len is None else max_len
+    n_tokens = max_len if n_tokens is None else n_tokens
+    L, nh, hs = model.n_layer, model.n_head, model.head_dim
+    if cls.pooled:
+        return _pool_bytes(cls, opts, L, nh, hs, max_len, batch, storage)
+    own = _storage(engine, kind, cls, opts, prefilled)
+    return own.nbytes_formula(L, nh, hs, max_len, batch, as_dtype(storage), n_tokens, opts)
+
+
+def _pool_bytes(cls: type[KVCache], opts, n_layer: int, n_head: int, head_dim: int, max_len: int, batch: int,
+                dtype) -> int:
+    """A pooled kind allocates its whole pool up front: ``blocks`` blocks when the options give a count, else per
+    sequence the blocks of max_len plus one (copy-on-write headroom) — the kind's formula at one token past the
+    slots max_len holds."""
+    blocks = getattr(opts, "blocks", 0)
+    if blocks:  # one block of one sequence: the formula for a single token
+        return blocks * cls.nbytes_formula(n_layer, n_head, head_dim, max_len, 1, dtype, 1, opts)
+    held = cls.held_tokens(max_len, max_len, opts)
+    return cls.nbytes_formula(n_layer, n_head, head_dim, held + 1, batch, dtype, held + 1, opts)
+
+
+# ---- what is free ----------------------------------------------------------------------------------------------
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _meminfo_available() -> int | None:
+    text = _read(Path("/proc/meminfo"))
+    for line in (text or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _total_ram() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _inactive_file(stat: str | None) -> int:
+    """Page cache a cgroup's usage counts that the kernel reclaims before refusing memory."""
+    for line in (stat or "").splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("inactive_file", "total_inactive_file") and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def _cgroup_dirs(root: Path, rel: str) -> list[Path]:
+    """The process's own cgroup under ``root`` and its ancestors (every one's limit applies)."""
+    here = root / rel.lstrip("/")
+    out = []
+    while True:
+        out.append(here)
+        if here == root or root not in here.parents:
+            return out
+        here = here.parent
+
+
+def cgroup_free(base: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self/cgroup")) -> list[int]:
+    """Free memory under each cgroup limit that applies to this process: v2 memory.max - memory.current, v1
+    memory.limit_in_bytes - memory.usage_in_bytes, the reclaimable page cache (inactive_file) not counted as used;
+    unlimited ones give nothing. ``base``: where cgroups are mounted; ``proc``: the process's cgroup file."""
+    own = {}
+    for line in (_read(proc) or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            for controller in parts[1].split(",") or [""]:
+                own[controller] = parts[2]
+    out = []
+    v2 = [(base, own.get("", "/")), (base / "unified", own.get("", "/"))]
+    for root, rel in v2:
+        for d in _cgroup_dirs(root, rel):
+            limit, used = _read(d / "memory.max"), _read(d / "memory.current")
+            if limit and used and limit.strip().isdigit() and used.strip().isdigit():
+                out.append(int(limit) - int(used) + _inactive_file(_read(d / "memory.stat")))
+    root = base / "memory"
+    for d in _cgroup_dirs(root, own.get("memory", "/")):
+        limit, used = _read(d / "memory.limit_in_bytes"), _read(d / "memory.usage_in_bytes")
+        if limit and used and limit.strip().isdigit() and used.strip().isdigit() and int(limit) < 1 << 60:
+            out.append(int(limit) - int(used) + _inactive_file(_read(d / "memory.stat")))
+    return out
+
+
+def _rlimit_free() -> list[int]:
+    """Room under the process's address-space and data limits (``ulimit -v`` / ``-d``) beyond what it maps now."""
+    status = _read(Path("/proc/self/status")) or ""
+    mapped = {}
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmSize", "VmData") and value.split():
+            mapped[key] = int(value.split()[0]) * 1024
+    out = []
+    for limit, key in ((getattr(resource, "RLIMIT_AS", None), "VmSize"),
+                       (getattr(resource, "RLIMIT_DATA", None), "VmData")):
+        if limit is None:
+            continue
+        soft, _ = resource.getrlimit(limit)
+        if soft != resource.RLIM_INFINITY and soft > 0:
+            out.append(soft - mapped.get(key, 0))
+    return out
+
+
+def available_bytes(device="cpu") -> int:
+    """Bytes that ``device`` can give the run now. CPU: the least of MemAvailable (/proc/meminfo; elsewhere the free
+    pages), every cgroup memory limit that applies minus its usage (page cache excluded), and the room left under
+    ``ulimit -v`` / ``-d``. CUDA: ``torch.cuda.mem_get_info``'s free bytes plus what this process's allocator holds
+    unused. Never negative."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return max(0, int(free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)))
+    candidates = [c for c in [_meminfo_available(), *cgroup_free(), *_rlimit_free()] if c is not None]
+    if not candidates:
+        candidates = [_total_ram() or 0]
+    return max(0, int(min(candidates)))
+
+
+# ---- the verdict -----------------------------------------------------------------------------------------------
+
+def usable(available: int, margin: float = MARGIN, min_margin: int = MIN_MARGIN) -> int:
+    """What a run may plan to use out of ``available``: less a margin of ``margin`` of it, at least ``min_margin``."""
+    return available - max(int(available * margin), min_margin)
+
+
+def _largest(fits, lo: int, hi: int) -> int | None:
+    """The largest x in [lo, hi] with fits(x), fits being monotone (true up to some x); None if not even lo."""
+    if not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def _capped(sizes: list[int], cap: int) -> list[int]:
+    out = []
+    for b in sizes:
+        b = min(b, cap)
+        if b not in out:
+            out.append(b)
+    return out
+
+
+def what_fits(need: RunBytes, budget: int) -> str:
+    """What would fit in ``budget`` bytes, searched over the formula: the largest served batch and throughput batch,
+    else the largest max_len, else a smaller model (or dropping the weight copies that are optional)."""
+    inputs = dict(need.inputs)
+    model = inputs.pop("model")
+
+    def total(**change) -> int:
+        return run_bytes(model, **{**inputs, **change}).total
+
+    sizes = inputs["batch_sizes"]
+    small = dict(batch=1, batch_sizes=[1] if sizes else None)
+    if total(**small) <= budget:
+        parts = []
+        if inputs["batch"] > 1 and total(batch_sizes=small["batch_sizes"]) > budget:
+            b = _largest(lambda x: total(batch=x, batch_sizes=small["batch_sizes"]) <= budget, 1, inputs["batch"])
+            parts.append(f"batch <= {b}")
+        if sizes and total(batch=1) > budget:
+            m = _largest(lambda x: total(batch=1, batch_sizes=_capped(sizes, x)) <= budget, 1, max(sizes))
+            parts.append(f"batch_sizes=[{','.join(map(str, _capped(sizes, m)))}]")
+        if parts:
+            return " and ".join(parts) + " would fit, or use a smaller model"
+    max_len = inputs["max_len"] or model.n_positions
+    lo = min(max_len, inputs["prompt_len"] + inputs["new_tokens"])
+
+    def at(m: int, **change) -> int:
+        contexts = inputs["context_lengths"]
+        contexts = None if contexts is None else ([c for c in contexts if c < m] or None)
+        return total(max_len=m, context_lengths=contexts, **change)
+
+    for change, extra in (({}, ""), (small, " with batch=1" + (" and batch_sizes=[1]" if sizes else ""))):
+        m = _largest(lambda x: at(x, **change) <= budget, lo, max_len)
+        if m is not None and m < max_len:
+            return f"max_len <= {m}{extra} would fit, or use a smaller model"
+    others = []
+    if inputs["engine"] == "hf" and total(**small, engine="kvlab") <= budget:
+        others.append("engine=kvlab (the hf engine holds its own copy of the weights)")
+    if total(**small, compute="fp32", storage="fp32") < total(**small) and total(**small, compute="fp32",
+                                                                              storage="fp32") <= budget:
+        others.append("dtype=fp32 (a reduced-precision run also keeps the fp32 model)")
+    return "use a smaller model" + "".join(f", or {o}" for o in others)
+
+
+def check(need: RunBytes, available: int, margin: float = MARGIN, min_margin: int = MIN_MARGIN,
+          where: str = "this machine") -> None:
+    """Refuse a run that would not fit: ``ConfigError`` in one line when ``need.total`` exceeds ``available`` less
+    the margin (``usable``), naming the sizes and what would fit. ``where`` names what ``available`` is of."""
+    budget = usable(available, margin, min_margin)
+    if need.total <= budget:
+        return
+    raise ConfigError(
+        f"the run needs about {size(need.total)} (weights {size(need.weights)}, cache {size(need.cache)}, "
+        f"measurement {size(need.measurement)}, at its peak in {need.peak}) but {where} has {size(available)} free "
+        f"({size(max(budget, 0))} after a {size(available - budget)} margin): {what_fits(need, budget)}")
