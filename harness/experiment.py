@@ -55,12 +55,7 @@ def new_invocation() -> str:
     return os.environ["KVLAB_INVOCATION"]
 
 
-WHERE: dict = {}  # what this process ran: {"run": run folder} or {"sweep": folder}, and failures with no record
-
-
-def note_sweep(folder: Path) -> None:
-    WHERE.update(sweep=Path(folder))
-
+WHERE: dict = {}  # {"failures": [...]}: what went wrong in this process that no file can show (a write error)
 
 def _notes(inv: str) -> Path:
     """Where this invocation notes the run folders it starts (one small file each, in the machine's temp folder):
@@ -238,8 +233,8 @@ def input_ids(cfg, w: Weights | None) -> dict:
     if w is None or w.random:
         ckpt = f"random init (seed {cfg.model.seed})"
     elif Path(w.load_from).is_dir():
-        files = [Path(w.load_from) / n for n in weights.FILES]
-        ckpt = _sha(file_id(f).encode() if f.is_file() else b"missing" for f in files)
+        files = [Path(w.load_from) / n for n in (*weights.FILES, "pytorch_model.bin")]
+        ckpt = _sha(f"{f.name}:{file_id(f)}".encode() for f in files if f.is_file())
     else:
         ckpt = f"hub {w.load_from}"
     code = _sha(p.read_bytes() for p in tracking.sources())
@@ -641,7 +636,6 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     written. Never raises for a failed run; Ctrl-C, SIGTERM, SIGHUP or SIGUSR2 record it as interrupted and stop
     the process with exit code 128 + the signal's number."""
     run_dir, folder, name = _hydra_dirs()
-    WHERE.setdefault("run", run_dir)
     catch_signals()
     try:
         return _run(cfg, run_dir, folder, name, progress)

@@ -372,33 +372,13 @@ def _resolved(folder) -> Path:
         return Path(os.path.abspath(folder))
 
 
-def _invocation_folders(invocation: str) -> set[Path] | None:
-    """The run folders ``invocation`` started, finished or not (None: this kvlab cannot say)."""
-    folders = getattr(experiment, "invocation_folders", None)
-    if folders is None:
-        return None
-    return {_resolved(f) for f in folders(invocation)}
-
-
-def _started_by(folder: Path, invocation: str, mine: set[Path] | None = None) -> bool:
-    """Whether a job folder without results.json belongs to ``invocation``: it is one of the run folders the
-    invocation noted it started (``experiment.invocation_folders``); before those notes existed, whether it was
-    started after the sweep began."""
-    mine = _invocation_folders(invocation) if mine is None else mine
-    if mine is not None:
-        return _resolved(folder) in mine
-    since = experiment.WHERE.get("since")
-    started_at = getattr(experiment, "started_at", None)
-    return since is None or started_at is None or started_at(folder) >= since
-
-
 def _unfinished(path: Path, found: dict, invocation: str | None) -> list[Path]:
     """Run folders under ``path`` with no results.json that belong in this report: every job folder without one;
     with ``invocation``, those it started (a run it started and that was refused or died included)."""
     if invocation is None:
         return list(found["interrupted"])
-    mine = _invocation_folders(invocation)
-    out = [f for f in found["interrupted"] if _started_by(f, invocation, mine)]
+    mine = {_resolved(f) for f in experiment.invocation_folders(invocation)}  # the run folders it started
+    out = [f for f in found["interrupted"] if _resolved(f) in mine]
     if mine:
         root, seen = _resolved(path), {_resolved(f) for f in out}
         seen |= {_resolved(f) for f, _ in found["skipped"]} | {_resolved(f) for f, _ in found["runs"]}
@@ -512,7 +492,6 @@ class SweepReport(Callback):
             raise SystemExit(2)
         ownership.claim(sweep, "multirun.yaml")  # Hydra writes it next; the runs go into folders of their own
         experiment.invocation()  # made here at the latest, so every job of the sweep inherits it
-        experiment.note_sweep(Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep = Path(config.hydra.sweep.dir)

@@ -145,6 +145,7 @@ def mini_texts():
     return KvlabEngine(model), text_prompts(folder / "heldout.txt", 2, 128, Tokenizer())
 
 
+@pytest.mark.slow  # a run or a trained model's drift: tens of seconds
 def test_on_trained_weights_fp16_drifts_less_than_bf16_and_fewer_bits_more(mini_texts):
     e, texts = mini_texts
     kl = {name: measure.text_drift(e, e, s, texts, T=32)[0]["drift_kl"] for name, s in (

@@ -314,6 +314,7 @@ def test_every_kind_sweeps_beside_the_others(tmp_path):
     assert "window S4+W32" in (report / "report.html").read_text()
 
 
+@pytest.mark.slow  # a run or a trained model's drift: tens of seconds
 def test_a_ragged_batch_is_served_on_every_layout_with_its_waste(tmp_path):
     """`-m cache=concat,prealloc,paged batch=5 prompt_lengths=ragged`: each run serves the same ragged batch, every
     sequence equals its own reference, and the waste is what each layout's slots give, worked out here."""

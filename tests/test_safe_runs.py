@@ -2,7 +2,6 @@
 that is not equivalent is a failure, signals leave a record, one kvlab process at a time per run folder, and a
 changed input is measured again. Each case has an id; the README's fault table lists them (``CASES``)."""
 
-import hashlib
 import json
 import os
 import signal
@@ -315,7 +314,7 @@ def test_a_busy_folder_is_waited_for_and_a_dead_holder_is_taken_over(tmp_path, c
 @pytest.mark.slow
 def test_a_second_process_on_the_same_run_waits_then_skips(tmp_path):
     out = tmp_path / "run"
-    args = [*TINY, "n_prompts=8", "full_prompts=8", "new_tokens=40", "tracking=offline", f"hydra.run.dir={out}"]
+    args = [*TINY, "n_prompts=6", "full_prompts=6", "new_tokens=30", "tracking=offline", f"hydra.run.dir={out}"]
     first = start(args, tmp_path)
     wait_for(out / ownership.LOCK, first)
     second = run_py(args, tmp_path)

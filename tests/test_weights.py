@@ -66,6 +66,7 @@ def test_auto_downloads_through_the_hub_and_loads_the_same_logits(tmp_path, chec
     assert torch.equal(via_hub, direct)
 
 
+@pytest.mark.slow  # a run or a trained model's drift: tens of seconds
 def test_a_run_with_auto_weights_records_the_hub_checkpoint(tmp_path, checkpoint):
     hub = FakeHub(checkpoint)
     try:
