@@ -878,7 +878,7 @@ def summary_text(r: dict, steps) -> str:
         *(f"  decode step       ctx {c:>4}: {g.loc['cached', 'ms_median']:8.2f} ms cached   "
           f"{g.loc['uncached', 'ms_median']:8.2f} ms uncached   {g.loc['cached', 'speedup']:5.1f}x"
           for c, g in ((c, g.set_index("mode")) for c, g in steps.groupby("context_len"))),
-        f"  files             {r['run_dir']}  (results.json, steps.csv, drift.csv, memory.csv, layers.csv"
+        f"  files             {r['run_dir']}  (results.json, steps.csv, drift.csv, memory.csv, layers.csv, run.log"
         f"{', batches.csv' if r.get('batch_max') else ''})",
     ]
     return "\n".join(lines)
