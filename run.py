@@ -39,7 +39,11 @@ if __name__ == "__main__":
         what, code = interruption(e)
         print(f"kvlab: interrupted ({what}); finished runs are complete on disk, and the same command resumes",
               file=sys.stderr)
+        forget_invocation()
         sys.exit(code)
+    except SystemExit:  # a run stopped by a signal, or an outputs folder that cannot be written
+        forget_invocation()
+        raise
     failures = invocation_failures()
     forget_invocation()
     for line in failures:

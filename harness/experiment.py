@@ -13,11 +13,13 @@ the sweep report and ``run.py``'s exit code read exactly this invocation's runs 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime as dt
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -165,6 +167,15 @@ def take_folder(run_dir: Path) -> None:
     ownership.adopt(run_dir, set(PARTIAL), _is_kvlab_run)
     ownership.refuse_foreign(run_dir, "run folder", "point hydra.run.dir (or hydra.sweep.dir) at a new or empty "
                              "folder, or at a kvlab run folder")
+    for sub, made in INSIDE.items():  # the folders kvlab made are cleared whole: only while they hold only its own
+        names = [n for n in ownership.entries(Path(run_dir) / sub) if not re.fullmatch(made, n)]
+        if sub in ownership.owned(run_dir) and names:
+            raise ownership.NotOurs(f"run folder {run_dir}: its {sub}/ holds files kvlab did not write "
+                                    f"({', '.join(names[:4])}); kvlab never clears it: move them away")
+
+
+INSIDE = {".hydra": r"(config|hydra|overrides)\.yaml",  # what kvlab and W&B write in the folders kvlab makes
+          "wandb": r"(offline-)?run-\d{8}_\d{6}-\w+|latest-run|debug(-internal|-cli\.\w+)?\.log|data|cache"}
 
 
 def _fresh_or_failed_attempt(run_dir: Path, ident: str) -> bool:
@@ -179,12 +190,28 @@ def _fresh_or_failed_attempt(run_dir: Path, ident: str) -> bool:
 
 
 def completed(run_dir: Path, ident: str) -> dict | None:
-    """The run folder's record when it is complete, ok and of this identity."""
+    """The run folder's record when it is complete (every file kvlab listed is there), ok and of this identity."""
     from harness.results import RESULTS, read_record
 
     record, _ = read_record(Path(run_dir) / RESULTS)
     ok = record is not None and record.get("status") == "ok" and record.get("config_id") == ident
-    return record if ok else None
+    whole = all((Path(run_dir) / n).exists() for n in ownership.owned(run_dir))
+    return record if ok and whole else None
+
+
+def _finished_other(run_dir: Path, ident: str) -> str | None:
+    """Why ``run_dir`` may not take this run: it holds a sweep report, or a finished run of another config (kvlab
+    wrote them, but replacing one silently would lose it)."""
+    from harness.results import RESULTS, read_record
+
+    if "report.html" in ownership.owned(run_dir):
+        return (f"{run_dir} is a sweep report folder: kvlab never measures a run into it; point hydra.run.dir at a new "
+                "or empty folder")
+    record, _ = read_record(Path(run_dir) / RESULTS)
+    if record is not None and record.get("config_id") != ident and record.get("status") in ("ok", "not_equivalent"):
+        return (f"{run_dir} holds a finished run of another config ({record.get('config_id')}, this one is {ident}): "
+                "kvlab never replaces it; give this run a folder of its own (hydra.run.dir, hydra.sweep.subdir)")
+    return None
 
 
 INPUTS = {"inputs_prompts": "the prompts file", "inputs_checkpoint": "the checkpoint", "inputs_code": "kvlab's code"}
@@ -430,7 +457,7 @@ def plan_run(cfg, w: Weights | None = None) -> Plan:
     if cfg.prompts == "file":
         path = Path(cfg.prompts_file)
         path = path if path.is_absolute() else measure.REPO / path
-        if not path.is_file():
+        if not path.exists():
             raise ConfigError(f"prompts_file {path} does not exist: point prompts_file at a text file or use "
                               "prompts=random")
         if mcfg is not None and mcfg.vocab_size < Tokenizer.VOCAB_SIZE:
@@ -457,17 +484,13 @@ def check_memory(cfg, mcfg: GPT2Config, max_len: int, contexts: list[int], stora
                  where="this machine" if device.type == "cpu" else f"GPU {device}")
 
 
-def measure_run(cfg, plan: Plan, rec: dict, progress: bool = True):
-    """Everything a run measures, written into ``rec`` as it goes (a run that fails late keeps what it measured,
-    and ``rec["failed_stage"]`` names the stage it was in) -> the run's tables. Raises on any failure."""
+def load(cfg, plan: Plan) -> dict:
+    """What a run reads before it measures, loaded before anything in its folder is cleared: the model from its
+    checkpoint (every tensor checked), the engine, the prompts from their file. Raises, in one line, on a fault."""
     from models.tokenizer import Tokenizer
-
-    def stage(name: str) -> None:
-        rec["failed_stage"] = name  # cleared when the run ends ok
 
     w, mcfg, max_len, contexts = plan.weights, plan.model_cfg, plan.max_len, plan.contexts
     device, storage, compute = plan.device, plan.storage, plan.compute
-    stage("load the model")
     model32 = build_model(w, cfg.model, mcfg)
     if mcfg is None:  # a hub checkpoint: validate now that its config is known
         mcfg = model32.config
@@ -483,7 +506,6 @@ def measure_run(cfg, plan: Plan, rec: dict, progress: bool = True):
     ref32 = None if plain_fp32 else (engine if compute == torch.float32 and engine.name == "kvlab"
                                      else KvlabEngine(model32))  # the reference is always kvlab's fp32
     text_len = min(max_len, max(cfg.drift_text_len, cfg.prompt_len + 1))  # drift on text: prompt + continuation
-    stage("make the prompts")
     if plan.prompts_path is not None:
         if mcfg.vocab_size < Tokenizer.VOCAB_SIZE:
             raise ConfigError(f"prompts=file uses GPT-2's {Tokenizer.VOCAB_SIZE:,}-token vocabulary, but model "
@@ -502,6 +524,22 @@ def measure_run(cfg, plan: Plan, rec: dict, progress: bool = True):
     texts = texts and [t.to(device) for t in texts]
     full = cfg.full_prompts if cfg.full_prompts is not None else (1 if device.type == "cpu" else cfg.n_prompts)
     full = min(full, cfg.n_prompts)
+    return dict(mcfg=mcfg, max_len=max_len, contexts=contexts, model32=model32, model=model, engine=engine,
+                spec=spec, ref32=ref32, prompts=prompts, texts=texts, served=served, full=full, compiled=compiled)
+
+
+def measure_run(cfg, plan: Plan, loaded: dict, rec: dict, progress: bool = True):
+    """Everything a run measures, written into ``rec`` as it goes (a run that fails late keeps what it measured,
+    and ``rec["failed_stage"]`` names the stage it was in) -> the run's tables. Raises on any failure."""
+    from models.tokenizer import Tokenizer
+
+    def stage(name: str) -> None:
+        rec["failed_stage"] = name  # cleared when the run ends ok
+
+    w, device, storage, compute = plan.weights, plan.device, plan.storage, plan.compute
+    mcfg, max_len, contexts, model, engine, spec, ref32, prompts, texts, served, full, compiled = (
+        loaded[k] for k in ("mcfg", "max_len", "contexts", "model", "engine", "spec", "ref32", "prompts", "texts",
+                            "served", "full", "compiled"))
     reset_ok = measure.reset_peak_memory(device)
 
     rec.update(device=device.type, storage_dtype=str(storage).removeprefix("torch."),
@@ -692,6 +730,19 @@ def _locked_run(cfg, plan: Plan | None, refused: str | None, run_dir: Path, name
             if not why:
                 return _confirm(run_dir, prior, inv, name)
             print(f"kvlab: run {name} is measured again: {'; '.join(why)}", file=sys.stderr)
+    other = _finished_other(run_dir, ident)
+    if other:
+        return _refuse(run_dir, name, other)
+    loaded = None
+    if refused is None:
+        try:  # the checkpoint's tensors and the prompts file are read before anything here is cleared
+            loaded = load(cfg, plan)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:
+            refused = one_line(e)
+            if not _fresh_or_failed_attempt(run_dir, ident):
+                return _refuse(run_dir, name, f"{refused} (the earlier run in {run_dir} is left as it was)")
     ownership.remove(run_dir, PARTIAL)  # what an earlier attempt of kvlab's left here, and nothing else
     _write_hydra(run_dir, cfg)
     record = dict(status="failed", error=refused, failed_stage=None if refused is None else "check the config",
@@ -708,7 +759,7 @@ def _locked_run(cfg, plan: Plan | None, refused: str | None, run_dir: Path, name
         active = _mark_active()
         try:
             wb = _open_wandb(cfg, record, group, name, run_dir, ident)
-            tables = measure_run(cfg, plan, record, progress)
+            tables = measure_run(cfg, plan, loaded, record, progress)
             record["status"], record["error"] = verdict(cfg, record)
         except KeyboardInterrupt as e:
             what, code = interruption(e)
@@ -735,12 +786,36 @@ def _locked_run(cfg, plan: Plan | None, refused: str | None, run_dir: Path, name
             for i, k in enumerate(("model", "engine", "cache", "cache_label", "dtype", "device")):
                 df.insert(i, k, record.get(k))
     text = summary_text(record, tables.get("steps"))
-    if not _write(run_dir, record, tables, text):
-        _close_wandb(wb, record, tables, run_dir, exit_code=1)
-        return record
-    _close_wandb(wb, record, tables, run_dir, exit_code=0 if record["status"] == "ok" else 1)
-    print(text)
+    with held_signals() as pending:  # the measurement is done: its files and W&B run are finished whole
+        written = _write(run_dir, record, tables, text)
+        _close_wandb(wb, record, tables, run_dir, exit_code=0 if written and record["status"] == "ok" else 1)
+    if written:
+        print(text)
+    if pending:
+        what, code = interruption(Interrupted(pending[0]))
+        print(f"kvlab: {what} arrived as run {name} wrote its results: they are complete ({run_dir}); stopping",
+              file=sys.stderr)
+        raise SystemExit(code)
     return record
+
+
+@contextlib.contextmanager
+def held_signals():
+    """Hold Ctrl-C, SIGTERM, SIGHUP and SIGUSR2 for the ``with`` block (the signals that arrive are listed in the
+    list it yields), so a run's files and W&B run are written whole; the caller stops after it."""
+    pending: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield pending
+        return
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, *CAUGHT)}
+    for s in before:
+        if before[s] is not signal.SIG_IGN:
+            signal.signal(s, lambda n, f: pending.append(n))
+    try:
+        yield pending
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
 
 
 def _write_hydra(run_dir: Path, cfg) -> None:

@@ -147,8 +147,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, from /proc; None where there is no /proc): a pid reused
+    by another process since a lock was taken shows another start."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def holder(folder: Path) -> dict | None:
-    """Who holds ``folder``'s lock, when a live process does (None: free, or its holder is gone)."""
+    """Who holds ``folder``'s lock, when a live process does (None: free, or its holder is gone: dead, or its pid
+    now another process's)."""
     data = _read(Path(folder) / LOCK)
     if data is None:  # no lock; or one being written now (kept), or left unreadable long ago (gone)
         try:
@@ -156,8 +166,12 @@ def holder(folder: Path) -> dict | None:
         except FileNotFoundError:
             return None
         return None if age > 10 else {"pid": None, "host": "?", "since": "?"}
-    if data.get("host") == socket.gethostname() and isinstance(data.get("pid"), int) and not _alive(data["pid"]):
-        return None
+    if data.get("host") == socket.gethostname() and isinstance(data.get("pid"), int):
+        if not _alive(data["pid"]):
+            return None
+        now = _started(data["pid"])
+        if now is not None and data.get("started") != now:  # the pid is another process's now
+            return None
     return data
 
 
@@ -178,7 +192,7 @@ def locked(folder: Path, what: str, invocation: str | None = None, wait_s: float
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK
-    me = dict(pid=os.getpid(), host=socket.gethostname(), invocation=invocation,
+    me = dict(pid=os.getpid(), host=socket.gethostname(), invocation=invocation, started=_started(os.getpid()),
               since=time.strftime("%Y-%m-%dT%H:%M:%S"))
     said, t0 = False, time.monotonic()
     while not _try_lock(path, me):

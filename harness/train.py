@@ -477,6 +477,14 @@ def _check_writable(folder: Path) -> None:
                          "write to") from None
 
 
+def _is_kvlab_training(folder: Path) -> bool:
+    """Whether ``folder``'s config.json is one kvlab's training wrote (it carries a ``kvlab_train`` record)."""
+    try:
+        return isinstance(json.loads((folder / "config.json").read_text(encoding="utf-8")).get("kvlab_train"), dict)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def train(out: str | os.PathLike, minutes: float | None = None, steps: int | None = None, seed: int = 0,
           restart: bool = False, config: GPT2Config | None = None, stop_after: int | None = None,
           save_dtype: str = "fp16", batch: int = BATCH, seq_len: int = SEQ_LEN, eval_every: int | None = None,
@@ -527,6 +535,9 @@ def _train(out, minutes, steps, seed, restart, config, stop_after, save_dtype, b
     ours = {"config.json", "model.safetensors", "train_log.csv", HELDOUT_TEXT, STATE}
     if folder.is_dir() and any(p.name not in ours and not p.name.startswith(".") for p in folder.iterdir()):
         raise TrainError(f"--out {folder}: holds files that are not a kvlab training run's; give a new or empty folder")
+    if (folder / "config.json").is_file() and not _is_kvlab_training(folder):
+        raise TrainError(f"--out {folder}: holds a checkpoint kvlab did not train (its config.json has no "
+                         "kvlab_train record); kvlab never overwrites it: give a new or empty folder")
     cfg = config or GPT2Config(**MINI_CONFIG)
     if cfg.vocab_size != Tokenizer.VOCAB_SIZE:
         raise TrainError(f"vocab_size must be GPT-2's {Tokenizer.VOCAB_SIZE}, got {cfg.vocab_size}")

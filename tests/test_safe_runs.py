@@ -47,6 +47,17 @@ CASES = [
                              "largest batch that fits"),
     ("memory-checkpoint-too-big", "a checkpoint whose config.json asks for 64 layers x 4096 beside a small weights "
                                   "file is refused in one line before the model is built"),
+    ("bad-input-over-a-finished-run", "a prompts file made unreadable, or a NaN put in the checkpoint, after a run "
+                                      "finished: the run is refused in one line and its files stay as they were"),
+    ("run-dir-report-folder", "hydra.run.dir at a sweep's report/ folder is refused: the report stays whole"),
+    ("run-dir-other-config", "a finished run of another config in the folder (a hydra.sweep.subdir that collides) "
+                             "is never replaced: one line, exit 1"),
+    ("run-dir-table-deleted", "a finished run missing one of its files is measured again, not skipped"),
+    ("signal-while-writing", "a signal while a finished run writes its files and closes W&B: the files are written "
+                             "whole first, then one line, exit 128 + n"),
+    ("lock-pid-reused", "a lock whose pid now belongs to another process is taken over"),
+    ("run-dir-files-in-kvlab-subfolders", "a file of the user's put inside a run's .hydra/ or wandb/ keeps kvlab "
+                                          "from clearing that folder: one line, the file kept"),
     ("exit-code-own-runs-only", "the exit code counts this invocation's runs alone, never another's in progress"),
 ]
 
@@ -181,6 +192,87 @@ def test_a_run_too_big_for_the_machine_is_refused_before_anything_is_built(tmp_p
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and "\n" not in record["error"]
     assert "the run needs about" in record["error"] or "model.safetensors" in record["error"]
     assert record["failed_stage"] == "check the config"
+
+
+@pytest.mark.slow
+def test_bad_input_after_a_finished_run_leaves_it_as_it_was(tmp_path):
+    from tests.test_faults import edit_weights, hf_checkpoint, nan_weight
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The tide came in over the flats.\n")
+    out = tmp_path / "run"
+    args = [*FAST, f"prompts_file={prompts}", f"hydra.run.dir={out}"]
+    assert run_py(args, tmp_path).returncode == 0
+    before = snapshot(out)
+    prompts.write_bytes(b"\x00\xff\xfe" * 100)  # binary now
+    proc = run_py(args, tmp_path)
+    assert proc.returncode == 1 and "is not UTF-8 text" in proc.stderr and "left as it was" in proc.stderr
+    assert snapshot(out) == before
+
+    ckpt = hf_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "run-ckpt"
+    args = [*FAST, f"model.weights={ckpt}", "prompts=random", f"hydra.run.dir={out}"]
+    assert run_py(args, tmp_path).returncode == 0
+    before = snapshot(out)
+    edit_weights(ckpt, nan_weight)
+    proc = run_py(args, tmp_path)
+    assert proc.returncode == 1 and "non-finite" in proc.stderr and snapshot(out) == before
+
+
+@pytest.mark.slow
+def test_a_report_folder_or_another_configs_run_is_never_replaced(tmp_path):
+    sweep = tmp_path / "sweep"
+    assert run_py(["-m", "cache=concat,prealloc", *FAST, f"hydra.sweep.dir={sweep}"], tmp_path).returncode == 0
+    report = snapshot(sweep / "report")
+    proc = run_py([*FAST, f"hydra.run.dir={sweep / 'report'}"], tmp_path)
+    assert proc.returncode == 1 and "is a sweep report folder" in proc.stderr
+    assert snapshot(sweep / "report") == report
+    (concat,) = [p for p in sweep.iterdir() if "concat" in p.name]
+    before = snapshot(concat)
+    proc = run_py([*FAST, "cache=prealloc", f"hydra.run.dir={concat}"], tmp_path)
+    assert proc.returncode == 1 and "holds a finished run of another config" in proc.stderr
+    assert snapshot(concat) == before
+    (concat / "steps.csv").unlink()  # a finished run missing a file: measured again
+    again = run_py([*FAST, "cache=concat", f"hydra.run.dir={concat}"], tmp_path)
+    assert again.returncode == 0 and "is complete" not in again.stdout and (concat / "steps.csv").exists()
+
+
+@pytest.mark.slow
+def test_a_signal_while_the_results_are_written_waits_for_them(tmp_path):
+    out = tmp_path / "run"
+    patch = """
+import os, signal, harness.tracking as t
+_write = t.write_run_files
+def write(*a, **k):
+    os.kill(os.getpid(), signal.SIGTERM)  # lands while the files are written
+    return _write(*a, **k)
+t.write_run_files = write
+"""
+    proc = run_patched(patch, [*FAST, f"hydra.run.dir={out}"], tmp_path)
+    assert proc.returncode == 143 and "Traceback" not in proc.stderr
+    assert "SIGTERM arrived as run run wrote its results: they are complete" in proc.stderr
+    record = json.loads((out / "results.json").read_text())
+    assert record["status"] == "ok" and (out / "steps.csv").exists()
+
+
+def test_a_lock_whose_pid_is_another_process_now_is_taken_over(tmp_path):
+    (tmp_path / ownership.LOCK).write_text(json.dumps({"pid": 1, "host": __import__("socket").gethostname(),
+                                                       "started": "0", "since": "long ago"}))
+    with ownership.locked(tmp_path, "run folder", wait_s=1.0):  # pid 1 lives, but it is not the lock's process
+        assert json.loads((tmp_path / ownership.LOCK).read_text())["pid"] == os.getpid()
+
+
+@pytest.mark.slow
+def test_a_users_file_inside_a_runs_own_subfolders_is_kept(tmp_path):
+    out = tmp_path / "run"
+    args = [*TINY, "tracking=offline", f"hydra.run.dir={out}"]
+    assert run_py(args, tmp_path).returncode == 0
+    for sub in (".hydra", "wandb"):
+        (out / sub / "mynotes.txt").write_text("mine")
+        proc = run_py([*args, "resume=false"], tmp_path)
+        assert proc.returncode == 1 and f"its {sub}/ holds files kvlab did not write (mynotes.txt)" in proc.stderr
+        assert (out / sub / "mynotes.txt").read_text() == "mine"
+        (out / sub / "mynotes.txt").unlink()
 
 
 # ---- equivalence is a verdict -------------------------------------------------------------------------------------

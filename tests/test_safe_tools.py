@@ -62,6 +62,8 @@ CASES = [
                                     "nothing written"),
     ("train-out-unwritable", "--out under /proc, or under a path whose parent is a file: one line (`--out DIR: cannot "
                              "write there (...)` / `... is a file`), exit 2, before any data is loaded, nothing made"),
+    ("train-out-foreign-checkpoint", "--out at a checkpoint folder kvlab did not train (config.json without "
+                                     "kvlab_train): one line, exit 2, its files byte for byte as they were"),
     ("train-save-fails", "an OSError while saving (a full disk): `error: cannot write PATH: ...`, exit 1, no "
                          "traceback; the old state file is intact"),
 ]
@@ -461,3 +463,18 @@ def test_a_signal_while_starting_is_one_line(tmp_path):  # train-signal-while-st
     line = _last_line(stderr)
     assert line.startswith("interrupted by SIGUSR2: stopped") and "nothing was saved" in line, line
     assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_a_checkpoint_kvlab_did_not_train_is_never_overwritten(tmp_path, monkeypatch, capsys):  # train-out-foreign-checkpoint
+    def no_data():
+        raise AssertionError("data loaded before --out was checked")
+
+    monkeypatch.setattr(T, "load_data", no_data)
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_layer": 2}')
+    (tmp_path / "model.safetensors").write_bytes(b"their weights")
+    for extra in ([], ["--restart"]):
+        assert T.main(["--out", str(tmp_path), "--steps", "2", *extra]) == 2
+        line = one_line(capsys.readouterr().err)
+        assert "holds a checkpoint kvlab did not train" in line, line
+    assert (tmp_path / "model.safetensors").read_bytes() == b"their weights"
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
