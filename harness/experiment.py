@@ -507,7 +507,7 @@ def load(cfg, plan: Plan) -> dict:
                                      else KvlabEngine(model32))  # the reference is always kvlab's fp32
     text_len = min(max_len, max(cfg.drift_text_len, cfg.prompt_len + 1))  # drift on text: prompt + continuation
     if plan.prompts_path is not None:
-        if mcfg.vocab_size < Tokenizer.VOCAB_SIZE:
+        if plan.model_cfg is None and mcfg.vocab_size < Tokenizer.VOCAB_SIZE:  # a hub checkpoint: known only now
             raise ConfigError(f"prompts=file uses GPT-2's {Tokenizer.VOCAB_SIZE:,}-token vocabulary, but model "
                               f"{cfg.model.name} has vocab_size {mcfg.vocab_size:,}: use prompts=random")
         path = plan.prompts_path

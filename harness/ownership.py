@@ -40,17 +40,27 @@ def _read(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _write_json(path: Path, data: dict) -> None:
-    """``data`` as JSON at ``path``, through a temporary file renamed into place."""
+def atomic_write(path: Path, write) -> None:
+    """``write(f)`` into a unique temporary file beside ``path`` (text; or ``write`` is bytes, written as they are),
+    flushed to disk, then renamed into place: a crash leaves the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; the folder's readers may read it
+        data = write if isinstance(write, bytes) else None
+        with os.fdopen(fd, "wb") if data is not None else os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(data) if data is not None else write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are for everyone who may read the folder
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _write_json(path: Path, data: dict) -> None:
+    atomic_write(path, lambda f: json.dump(data, f, indent=1, sort_keys=True))
 
 
 def owned(folder: Path) -> set[str]:

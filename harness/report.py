@@ -338,7 +338,7 @@ def _write(path: Path, out: Path, loaded: dict) -> dict:
                 buf = io.BytesIO()
                 fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
                 ownership.claim(out, f"{stem}.png")
-                tracking._atomic_write(out / f"{stem}.png", buf.getvalue())
+                tracking.atomic_write(out / f"{stem}.png", buf.getvalue())
                 images[stem] = out / f"{stem}.png"
             except Exception as e:  # one figure's bad input must not cost the report
                 skipped.append((None, f"figure {stem} could not be drawn ({experiment.one_line(e)})"))
@@ -349,7 +349,7 @@ def _write(path: Path, out: Path, loaded: dict) -> dict:
     if len(ratios):
         tables += results.save_table(ratios, out, "engine_ratios")
     text = render_html(f"kvlab report: {shown(path.name)}", runs, steps, images, skipped, ratios)
-    tracking._atomic_write(page, text.encode("utf-8", "backslashreplace"))
+    tracking.atomic_write(page, text.encode("utf-8", "backslashreplace"))
     return dict(runs=runs, tables=tables, images=images, html=page, folder=out, skipped=skipped, ratios=ratios,
                 frames=frames, files=[*tables, *images.values(), page])
 

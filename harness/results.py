@@ -255,6 +255,6 @@ def save_table(df: pd.DataFrame, folder: str | Path, stem: str) -> list[Path]:
     ownership.claim(folder, pq.name, csv.name)
     buf = io.BytesIO()
     df.to_parquet(buf, index=False)
-    tracking._atomic_write(pq, buf.getvalue())
-    tracking._atomic_write(csv, lambda f: df.to_csv(f, index=False))
+    tracking.atomic_write(pq, buf.getvalue())
+    tracking.atomic_write(csv, lambda f: df.to_csv(f, index=False))
     return [pq, csv]

@@ -14,40 +14,17 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import pandas as pd
 
 from harness import ownership
+from harness.ownership import atomic_write
 
 RESULTS, STEPS, DRIFT, MEMORY, LAYERS = "results.json", "steps.csv", "drift.csv", "memory.csv", "layers.csv"
 BATCHES, LOG = "batches.csv", "run.log"  # run.log: the run's summary, as printed
 TABLES = {"steps": STEPS, "drift": DRIFT, "memory": MEMORY, "layers": LAYERS,
           "batches": BATCHES}  # a run's tables and their files
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-
-
-def atomic_write(path: Path, write) -> None:
-    """``write(f)`` into a unique temporary file beside ``path`` (text; or ``write`` is bytes, written as they are),
-    flushed to disk, then renamed into place: a crash leaves the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        data = write if isinstance(write, bytes) else None
-        with os.fdopen(fd, "wb") if data is not None else os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(data) if data is not None else write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are for everyone who may read the folder
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-_atomic_write = atomic_write  # the name other modules import
 
 
 def _jsonable(v):

@@ -40,7 +40,7 @@ import sys
 import threading
 from pathlib import Path
 
-from harness.tracking import _atomic_write
+from harness.tracking import atomic_write
 
 PROJECT = "kvlab"  # tracking's default project
 JOB_TYPE = "run"  # each measurement's W&B run; the sweep's own run has job type "aggregate"
@@ -156,7 +156,7 @@ def _spec_path(path: str | Path) -> Path:
 
 
 def _write_json(path: Path, spec: dict) -> Path:
-    _atomic_write(path, lambda f: (json.dump(spec, f, indent=2, ensure_ascii=False), f.write("\n")))
+    atomic_write(path, lambda f: (json.dump(spec, f, indent=2, ensure_ascii=False), f.write("\n")))
     return path
 
 
