@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run sweep test test-fast bench clean
+.PHONY: setup run sweep test test-fast bench docs clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not slow" $(ARGS)
+
+# docs/results.md from the measurements' declarations (a test fails when it is stale)
+docs: $(STAMP)
+	$(PY) -m harness.measurements --doc docs/results.md
 
 bench: $(STAMP)
 	$(PY) -m harness.bench $(ARGS)

@@ -18,7 +18,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from harness.engines import ENGINES, hf_refuses
+from harness.engines import ENGINES
 from models.kv_cache import CACHE_KINDS, DTYPE_NAMES, KVCache, cache_kind
 
 
@@ -68,10 +68,18 @@ class EngineConfig:
     name: str = "kvlab"  # kvlab (our GPT-2 and caches) | hf (transformers' GPT2LMHeadModel and caches, same weights)
 
 
+def engine_schema(name: str, cls) -> type:
+    """The config node of one engine: ``name`` plus the engine's typed ``Options`` (``schema/engine/<name>``, which
+    ``conf/engine/<name>.yaml`` extends)."""
+    fields = [("name", str, field(default=name))]
+    fields += [(f.name, f.type, field(default=f.default)) for f in dataclasses.fields(cls.Options)]
+    return dataclasses.make_dataclass(f"{cls.__name__}Config", fields)
+
+
 @dataclass
-class KvlabConfig:
+class BaseConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine: Any = MISSING  # one of the engine group's nodes, typed by its engine's schema
     cache: Any = MISSING  # one of the cache group's nodes, typed by its kind's schema
     dtype: DtypeConfig = field(default_factory=DtypeConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
@@ -80,23 +88,30 @@ class KvlabConfig:
     n_prompts: int = 4
     new_tokens: int = 32
     prompt_len: int = 32
-    drift_text_len: int = 128  # tokens of real text per prompt scored for drift (prompt + its continuation)
     batch: int = 1  # sequences served together in the run's throughput / waste measurement
     prompt_lengths: str = "uniform"  # uniform (every prompt prompt_len tokens) | ragged (seeded, 1 .. prompt_len)
-    batch_sizes: Optional[list[int]] = None  # decode throughput vs batch (batches.csv); None: not measured
-    batch_context: int = 512  # context each sequence holds while batches are timed (capped below max_len)
     max_len: Optional[int] = None  # cache capacity; default: the model's n_positions
-    context_lengths: Optional[list[int]] = None  # timed contexts; default: those of 32, 128, 512 below max_len
     repeats: int = 10
     warmup: int = 3
     seed: int = 0  # prompts and timing inputs
     prompts: str = "file"  # file (real English text, tokenized) | random (seeded random ids)
     prompts_file: str = "harness/prompts.txt"  # relative to the repository root
-    full_prompts: Optional[int] = None  # prompts (at most n_prompts) also checked with the true uncached loop;
-    # default 1 on CPU, all on GPU
     compile: bool = False  # torch.compile the prealloc kind's decode step (static shapes; CUDA graphs on a GPU)
     resume: bool = True  # skip a run whose folder holds a complete, ok record of the same config and inputs
-    equivalence_tol: float = 1e-4  # an exact kind in fp32 whose max |dlogit| exceeds this is not_equivalent
+    measurements: Optional[list[str]] = None  # the measurements to make (harness.measurements); None: all that apply
+
+
+def _with_options(base: type) -> type:
+    """The whole config's schema: ``base`` plus every registered measurement's options, as top-level keys
+    (``python run.py drift_text_len=256``), typed and defaulted as each measurement declares them."""
+    from harness.measurements import options
+
+    fields = [(f.name, f.type, dataclasses.field(default=f.default, default_factory=f.default_factory))
+              for _, f in options()]
+    return dataclasses.make_dataclass("KvlabConfig", fields, bases=(base,))
+
+
+KvlabConfig = _with_options(BaseConfig)
 
 
 def dtype_label(storage: str, compute: str) -> str:
@@ -111,8 +126,9 @@ NOT_MEASURED = ("tracking", "resume", "hydra")  # config keys that do not change
 
 
 def config_id(cfg) -> str:
-    """12 hex digits that name what a run measures: a hash of its resolved config without tracking and resume."""
-    keys = [k for k in cfg.keys() if k not in NOT_MEASURED]
+    """12 hex digits that name what a run measures: a hash of its resolved config without tracking and resume (and
+    without ``measurements`` when it is null, all of them, so runs made before the key existed keep their id)."""
+    keys = [k for k in cfg.keys() if k not in NOT_MEASURED and not (k == "measurements" and cfg[k] is None)]
     plain = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
              for k in keys}
     return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -137,6 +153,8 @@ def register() -> None:
     cs.store(name="kvlab_schema", node=KvlabConfig)
     for name, cls in CACHE_KINDS.items():
         cs.store(group="schema/cache", name=name, node=cache_schema(cls))
+    for name, cls in ENGINES.items():
+        cs.store(group="schema/engine", name=name, node=engine_schema(name, cls))
 
 
 class ConfigError(ValueError):
@@ -148,13 +166,23 @@ PROMPT_LENGTHS = ("uniform", "ragged")
 ENGINE_NAMES = tuple(ENGINES)
 
 
+def need(ok: bool, msg: str) -> None:
+    """Refuse a config: ``ConfigError`` with ``msg``, one line, unless ``ok``."""
+    if not ok:
+        raise ConfigError(msg)
+
+
 def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
     """Check the knobs against each other and the model; returns the effective max_len and context lengths."""
+    _check_choices(cfg)
+    _check_sizes(cfg)
+    max_len, contexts = _lengths(cfg, n_positions)
+    check_measurements(cfg, max_len)
+    return max_len, contexts
 
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ConfigError(msg)
 
+def _check_choices(cfg) -> None:
+    """The group choices and names: cache kind and options, dtypes, device, engine, tracking, prompts, seeds."""
     need(cfg.cache.kind in CACHE_KINDS, f"cache.kind={cfg.cache.kind!r}: use one of {', '.join(CACHE_KINDS)}")
     try:
         cache_kind(cfg.cache.kind).parse_options(**cache_options(cfg.cache))
@@ -166,9 +194,9 @@ def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
     need(cfg.device.name in ("cpu", "cuda", "auto"), f"device={cfg.device.name!r}: use cpu, cuda or auto")
     engine = cfg.get("engine", {}).get("name", "kvlab")
     need(engine in ENGINE_NAMES, f"engine={engine!r}: use one of {', '.join(ENGINE_NAMES)}")
-    if engine == "hf":
-        why = hf_refuses(cfg.cache.kind, cache_kind(cfg.cache.kind).parse_options(**cache_options(cfg.cache)))
-        need(not why, f"engine=hf cache={cfg.cache.kind}: {why}")
+    engine_cls = ENGINES[engine]
+    why = engine_cls.refuses(cfg.cache.kind, cache_kind(cfg.cache.kind).parse_options(**cache_options(cfg.cache)))
+    need(not why, f"engine={engine} cache={cfg.cache.kind}: {why}")
     need(cfg.tracking.mode in ("offline", "online", "disabled"),
          f"tracking.mode={cfg.tracking.mode!r}: use offline, online or disabled")
     need(cfg.prompts in ("file", "random"), f"prompts={cfg.prompts!r}: use file or random")
@@ -179,6 +207,12 @@ def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
         value = cfg.tracking.get(name)
         need(value is None or (0 < len(str(value)) <= 128 and not set(str(value)) & set("/\\#?%:")),
              f"tracking.{name}={value!r}: W&B names are 1-128 characters without / \\ # ? % :")
+
+
+def _check_sizes(cfg) -> None:
+    """Counts and what the engine and kind must support for them: ragged prompts, a compiled step."""
+    engine = cfg.get("engine", {}).get("name", "kvlab")
+    engine_cls = ENGINES[engine]
     for name in ("n_prompts", "new_tokens", "prompt_len", "repeats"):
         need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be at least 1")
     need(cfg.warmup >= 0, f"warmup={cfg.warmup} must be 0 or more")
@@ -189,17 +223,21 @@ def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
     if lengths == "ragged" and cfg.cache.kind in CACHE_KINDS:
         why = CACHE_KINDS[cfg.cache.kind].why_no_padding
         need(not why, f"prompt_lengths=ragged: cache kind {cfg.cache.kind!r} does not run ragged batches ({why})")
-        need(engine == "kvlab", f"prompt_lengths=ragged: engine={engine} runs batches of one prompt length here; "
-             "use engine=kvlab")
+        why = engine_cls.refuses_ragged()
+        need(not why, f"prompt_lengths=ragged: engine={engine} {why}")
     if cfg.get("compile", False):
-        need(cfg.cache.kind == "prealloc", f"compile=true compiles the pre-allocated kind's decode step (static "
-             f"shapes): use cache=prealloc, not cache={cfg.cache.kind}")
-        need(engine == "kvlab", f"compile=true compiles kvlab's decode step: use engine=kvlab, not engine={engine}")
-    for b in cfg.get("batch_sizes") or []:
-        need(isinstance(b, int) and b >= 1, f"batch_sizes has {b!r}: give batch sizes >= 1, e.g. [1,8,32]")
-    need(cfg.get("batch_context", 1) >= 1, f"batch_context={cfg.get('batch_context')} must be at least 1")
-    need(cfg.get("drift_text_len", 2) >= 2, f"drift_text_len={cfg.get('drift_text_len')} must be at least 2 (a "
-         "token and the one it predicts)")
+        why = engine_cls.refuses_compile(cfg.cache.kind)
+        need(not why, str(why))
+    compute = cfg.dtype.compute
+    if compute == "auto" and cfg.device.name in ("cpu", "cuda"):  # auto: fp32 on a CPU, the storage dtype on CUDA
+        compute = "fp32" if cfg.device.name == "cpu" else cfg.dtype.storage
+    if compute != "auto":
+        why = engine_cls.refuses_storage(cfg.dtype.storage, compute)
+        need(not why, f"engine={engine}: {why}")
+
+
+def _lengths(cfg, n_positions: int) -> tuple[int, list[int]]:
+    """The effective max_len and timed context lengths, checked against the model and each other."""
     max_len = n_positions if cfg.max_len is None else cfg.max_len
     need(max_len <= n_positions, f"max_len={max_len} > n_positions={n_positions} of model {cfg.model.name}: "
          f"use max_len <= {n_positions}")
@@ -213,9 +251,19 @@ def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
     for ctx in contexts:
         need(1 <= ctx < max_len, f"context_lengths has {ctx}: a timed step at context c needs 1 <= c < max_len="
              f"{max_len}")
-    tol = cfg.get("equivalence_tol", 1e-4)
-    need(isinstance(tol, (int, float)) and not isinstance(tol, bool) and 0 < tol < float("inf"),
-         f"equivalence_tol={tol!r} must be a positive number (max |dlogit| an exact kind in fp32 may show), e.g. 1e-4")
-    if cfg.full_prompts is not None:
-        need(cfg.full_prompts >= 0, f"full_prompts={cfg.full_prompts} must be 0 or more (n_prompts caps it)")
     return max_len, contexts
+
+
+def check_measurements(cfg, max_len: int) -> None:
+    """The ``measurements`` key names registered measurements, and each chosen one accepts its options."""
+    from harness import measurements
+
+    try:
+        names = measurements.chosen(cfg.get("measurements"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    ctx = measurements.Context(engine=None, spec=None, prompts=[], new_tokens=0, max_len=max_len, device=None,
+                               cfg=cfg)
+    for name in names:
+        cls = measurements.MEASUREMENTS[name]
+        cls.check(ctx.options(cls), cfg, max_len)

@@ -1,6 +1,7 @@
-"""Ours and HF transformers behind one small interface, so both run through the same measurements.
+"""Ours and HF transformers behind one engine protocol (``Engine``), so both run through the same measurements, and
+validation and the measurements ask an engine what it can do instead of branching on its name.
 
-An engine wraps one model and offers:
+What an engine does (``Engine``):
     forward(ids, **ref) -> (B, T, vocab)     uncached full causal forward (the oracle); ``ref`` is a cache kind's
                                              reference (``window``/``sinks``), {} for full attention
     forward_last(ids, **ref) -> (B, 1, vocab) the same, last position's logits only (one uncached decode step)
@@ -13,6 +14,15 @@ An engine wraps one model and offers:
     rewind(cache, n) / reset(cache)          forget the last n tokens / all of them
     nbytes(cache)                            bytes of K and V storage the cache holds
     greedy(prompt, n, layout, cache_dtype, **options)   greedy generation; layout None = uncached (options: ref)
+    storage(spec, prefilled)                 what knows the bytes its cache of ``spec`` holds (``nbytes_formula``,
+                                             ``bytes_per_token``, ``held_tokens``): the kind's class, or its own
+    keys_read(kind, ctx, max_len)            keys a decode step at context ``ctx`` attends over (None: the kind's)
+
+What it can do, asked from the class before anything is built (validation, the memory estimate):
+    refuses(kind, opts) / refuses_ragged() / refuses_compile(kind) / refuses_storage(storage, compute)
+                                             why not (one line), or None
+    holds_weight_copy                        it keeps its own copy of the weights beside kvlab's model
+    Options                                  its typed options (the ``engine`` config node's fields besides name)
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -119,6 +130,63 @@ class QuantoStorage:
         return n_layer * 2 * n_head * per_head
 
 
+@runtime_checkable
+class Engine(Protocol):
+    """The engine protocol (see the module docstring): what every engine in ``ENGINES`` offers."""
+
+    name: str
+    holds_weight_copy: bool
+    Options: type
+    model: Any
+
+    @classmethod
+    def refuses(cls, kind: str, opts) -> str | None: ...
+
+    @classmethod
+    def refuses_ragged(cls) -> str | None: ...
+
+    @classmethod
+    def refuses_compile(cls, kind: str) -> str | None: ...
+
+    @classmethod
+    def refuses_storage(cls, storage: str, compute: str) -> str | None: ...
+
+    def forward(self, ids: torch.Tensor, **ref) -> torch.Tensor: ...
+
+    def forward_last(self, ids: torch.Tensor, **ref) -> torch.Tensor: ...
+
+    def new_cache(self, kind: str, max_len: int, batch: int = 1, dtype=None, **options) -> Any: ...
+
+    def prefill(self, ids: torch.Tensor, cache, last_only: bool = False, pad=None) -> torch.Tensor: ...
+
+    def decode(self, token: torch.Tensor, cache) -> torch.Tensor: ...
+
+    def checkpoint(self, cache) -> Callable[[], None]: ...
+
+    def rewind(self, cache, n: int = 1) -> None: ...
+
+    def reset(self, cache) -> None: ...
+
+    def nbytes(self, cache) -> int: ...
+
+    def greedy(self, prompt: torch.Tensor, n: int, layout: str | None = None, cache_dtype=None,
+               **options) -> GreedyOutput: ...
+
+    def storage(self, spec, prefilled: int = 0) -> Any: ...
+
+    def keys_read(self, kind: str, ctx: int, max_len: int) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class KvlabOptions:
+    pass
+
+
+@dataclass(frozen=True)
+class HFOptions:
+    pass
+
+
 WARMUP_CALLS = 2  # calls after the compiling one that count as its warm-up (reduce-overhead records CUDA graphs)
 
 
@@ -129,6 +197,33 @@ class KvlabEngine:
     apart from anything timed as a step: a step is timed after its warm-up."""
 
     name = "kvlab"
+    holds_weight_copy = False
+    Options = KvlabOptions
+
+    @classmethod
+    def refuses(cls, kind: str, opts) -> str | None:
+        return None  # every registered kind
+
+    @classmethod
+    def refuses_ragged(cls) -> str | None:
+        return None
+
+    @classmethod
+    def refuses_compile(cls, kind: str) -> str | None:
+        if kind != "prealloc":
+            return (f"compile=true compiles the pre-allocated kind's decode step (static shapes): use cache=prealloc, "
+                    f"not cache={kind}")
+        return None
+
+    @classmethod
+    def refuses_storage(cls, storage: str, compute: str) -> str | None:
+        return None  # any storage dtype beside any compute dtype
+
+    def storage(self, spec, prefilled: int = 0):
+        return spec.cls
+
+    def keys_read(self, kind: str, ctx: int, max_len: int) -> int | None:
+        return None  # what the kind's class says
 
     def __init__(self, model: GPT2, compile: bool = False):
         self.model = model.eval()
@@ -222,6 +317,27 @@ class HFEngine:
     model's dtype: a ``dtype`` that differs is refused rather than silently ignored."""
 
     name = "hf"
+    holds_weight_copy = True  # GPT2LMHeadModel holds its own copy of the weights
+    Options = HFOptions
+
+    @classmethod
+    def refuses(cls, kind: str, opts) -> str | None:
+        return hf_refuses(kind, opts)
+
+    @classmethod
+    def refuses_ragged(cls) -> str | None:
+        return "runs batches of one prompt length here; use engine=kvlab"
+
+    @classmethod
+    def refuses_compile(cls, kind: str) -> str | None:
+        return "compile=true compiles kvlab's decode step: use engine=kvlab, not engine=hf"
+
+    @classmethod
+    def refuses_storage(cls, storage: str, compute: str) -> str | None:
+        if storage != compute:
+            return (f"HF caches store K/V in the model's dtype: dtype.storage={storage} with compute {compute}; set "
+                    f"dtype.compute={storage} (or use engine=kvlab, which stores any dtype)")
+        return None
 
     def __init__(self, model: GPT2):
         from transformers import GPT2Config as HFConfig
@@ -254,12 +370,11 @@ class HFEngine:
         self._full_attention(ref)
         return self.model(ids, use_cache=False, logits_to_keep=1).logits
 
-    @staticmethod
-    def keys_read(kind: str, ctx: int, max_len: int) -> int | None:
+    def keys_read(self, kind: str, ctx: int, max_len: int) -> int | None:
         """StaticCache hands attention all ``max_len`` slots every step (the unwritten ones masked)."""
         return max_len if kind == "prealloc" else None
 
-    def storage(self, spec, prefilled: int):
+    def storage(self, spec, prefilled: int = 0):
         """What knows this engine's bytes for ``spec`` (``held_tokens``, ``nbytes_formula``, ``bytes_per_token``):
         our kind's class where transformers' counterpart stores what ours does, else its own layout."""
         return QuantoStorage(prefilled) if spec.kind == "quant" else spec.cls
@@ -346,4 +461,4 @@ class HFEngine:
                            lambda nxt: self.decode(nxt, cache)[:, -1], n)
 
 
-ENGINES = {"kvlab": KvlabEngine, "hf": HFEngine}
+ENGINES: dict[str, type] = {"kvlab": KvlabEngine, "hf": HFEngine}  # name -> a class of the Engine protocol

@@ -1,4 +1,6 @@
-"""One run: build the model and cache from the config, call the measurements, hand the results to tracking.
+"""One run, one straight path: validate the whole config (``plan_run``: pure, once) -> resolve the weights -> take
+the folder -> load the model, engine and prompts (``load``) -> run the measurements (``measure_run``, from the
+registry ``harness.measurements``) -> write the record and tables -> log to W&B.
 
 A run never raises: whatever goes wrong (an impossible config, CUDA asked on a machine without it, out of memory,
 non-finite logits) is recorded as ``status: failed`` with its error, so a sweep goes on and keeps the runs around it.
@@ -17,132 +19,36 @@ import contextlib
 import copy
 import datetime as dt
 import hashlib
-import json
-import os
 import re
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import measure, ownership, tracking, weights
+from harness import measure, measurements, ownership, record, tracking, weights
 from harness.weights import Weights
 from harness.config import ConfigError, cache_options, config_id, dtype_label, validate
 from harness.engines import ENGINES, KvlabEngine
+from harness.invocation import (concurrent_runs, forget_invocation, invocation, invocation_failures,
+                                invocation_folders, mark_active, new_invocation, note_failure, note_started)
 from models.gpt2 import GPT2, GPT2Config, read_hf_config
 from models.kv_cache import as_dtype, cache_kind
 
-# ---- identity, invocations, resume ------------------------------------------------------------------------------
-
-def invocation() -> str:
-    """The id of this ``run.py`` invocation (made by ``new_invocation`` in run.py; made here for plain Python use),
-    shared with the jobs a launcher starts through the environment."""
-    if not os.environ.get("KVLAB_INVOCATION"):
-        new_invocation()
-    return os.environ["KVLAB_INVOCATION"]
+# the invocation's bookkeeping lives in harness.invocation; these names stay importable from here
+__all__ = ["concurrent_runs", "forget_invocation", "invocation", "invocation_failures", "invocation_folders",
+           "new_invocation", "note_failure", "note_started", "run"]
 
 
-def new_invocation() -> str:
-    """A fresh invocation id for this process and the jobs it starts: never one inherited from a parent process."""
-    os.environ["KVLAB_INVOCATION"] = uuid.uuid4().hex[:12]
-    return os.environ["KVLAB_INVOCATION"]
+# ---- the run folder, resume -------------------------------------------------------------------------------------
 
-
-WHERE: dict = {}  # {"failures": [...]}: what went wrong in this process that no file can show (a write error)
-
-def _notes(inv: str) -> Path:
-    """Where this invocation notes the run folders it starts (one small file each, in the machine's temp folder):
-    the exit code and the sweep report read exactly these, whichever process ran them."""
-    return Path(tempfile.gettempdir()) / "kvlab-invocations" / inv
-
-
-def note_started(run_dir: Path, refused: str | None = None) -> None:
-    """Note that this invocation started a run in ``run_dir`` (and, if so, that it was refused without a record)."""
-    notes = _notes(invocation())
-    notes.mkdir(parents=True, exist_ok=True)
-    key = hashlib.sha256(str(Path(run_dir).resolve()).encode(errors="surrogateescape")).hexdigest()[:16]
-    data = json.dumps({"folder": str(Path(run_dir).resolve()), "refused": refused})
-    (notes / f"{key}.json").write_text(data, encoding="utf-8", errors="surrogateescape")
-
-
-def _noted(inv: str) -> list[dict]:
-    notes = _notes(inv)
-    out = []
-    for f in sorted(notes.glob("*.json")) if notes.is_dir() else []:
-        try:
-            out.append(json.loads(f.read_text(encoding="utf-8", errors="surrogateescape")))
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-def invocation_folders(inv: str | None = None) -> list[Path]:
-    """The run folders invocation ``inv`` (default: this one) started, finished or not."""
-    return [Path(n["folder"]) for n in _noted(inv or invocation())]
-
-
-def forget_invocation(inv: str | None = None) -> None:
-    """Remove this invocation's notes (kvlab's own files in the temp folder) once its exit code is known."""
-    shutil.rmtree(_notes(inv or invocation()), ignore_errors=True)
-
-
-def invocation_failures() -> list[str]:
-    """Runs of this invocation that did not end ok: records that are not ok, runs refused without a record, and run
-    folders it started that hold no complete results.json. Empty: every run is ok (or nothing ran)."""
-    from harness.results import RESULTS, read_record
-
-    bad = list(WHERE.get("failures", []))
-    for note in _noted(invocation()):
-        folder = Path(note["folder"])
-        if any(line.startswith(f"{folder} (") for line in bad):
-            continue  # already said (a write error in this process)
-        if note.get("refused"):
-            bad.append(f"{folder} (refused: {note['refused']})")
-            continue
-        record, _ = read_record(folder / RESULTS)
-        if record is None:
-            bad.append(f"{folder} (no complete results.json)")
-        elif record.get("status") != "ok":
-            bad.append(f"{folder} ({record.get('status')}: {record.get('error')})")
-    return bad
-
-
-ACTIVE = Path(tempfile.gettempdir()) / "kvlab-active"  # one file per kvlab run measuring on this machine
-
-
-def _mark_active() -> Path:
-    ACTIVE.mkdir(parents=True, exist_ok=True)
-    me = ACTIVE / str(os.getpid())
-    me.touch()
-    return me
-
-
-def concurrent_runs() -> int:
-    """Other kvlab runs measuring on this machine now (their step times and ours share the cores)."""
-    others = 0
-    for f in ACTIVE.glob("*") if ACTIVE.is_dir() else []:
-        if not f.name.isdigit() or int(f.name) == os.getpid():
-            continue
-        try:
-            os.kill(int(f.name), 0)
-            others += 1
-        except ProcessLookupError:
-            f.unlink(missing_ok=True)  # a run that died without cleaning up
-        except PermissionError:
-            others += 1  # alive, another user's
-    return others
-
-
-PARTIAL = (*tracking.TABLES.values(), tracking.RESULTS, tracking.LOG, "wandb", ".hydra")  # what a run writes
+def partial_files() -> tuple[str, ...]:
+    """What a run writes in its folder: what an earlier attempt may have left."""
+    return (*tracking.run_files(), "wandb", ".hydra")
 
 
 def _is_kvlab_run(folder: Path) -> bool:
@@ -164,7 +70,7 @@ def take_folder(run_dir: Path) -> None:
     """Make sure ``run_dir`` is kvlab's to write in: new, empty, or holding only what kvlab's manifest lists (a run
     folder an earlier kvlab wrote before manifests is adopted when all it holds is a run's files and its record is a
     kvlab record). Anything else: ``NotOurs``, in one line, and nothing is touched."""
-    ownership.adopt(run_dir, set(PARTIAL), _is_kvlab_run)
+    ownership.adopt(run_dir, set(partial_files()), _is_kvlab_run)
     ownership.refuse_foreign(run_dir, "run folder", "point hydra.run.dir (or hydra.sweep.dir) at a new or empty "
                              "folder, or at a kvlab run folder")
     for sub, made in INSIDE.items():  # the folders kvlab made are cleared whole: only while they hold only its own
@@ -408,6 +314,14 @@ def config_record(cfg) -> dict:
         seed=cfg.seed, prompts=cfg.prompts)
 
 
+def asked_measurements(cfg) -> str:
+    """The measurements the config asks for, comma-separated (as given, when they are not all known)."""
+    try:
+        return ",".join(measurements.chosen(cfg.get("measurements")))
+    except ValueError:
+        return ",".join(map(str, cfg.get("measurements") or []))
+
+
 def engine_name(cfg) -> str:
     return str(cfg.get("engine", {}).get("name", "kvlab"))
 
@@ -479,7 +393,8 @@ def check_memory(cfg, mcfg: GPT2Config, max_len: int, contexts: list[int], stora
                             batch_context=cfg.get("batch_context", 512), n_prompts=cfg.n_prompts,
                             new_tokens=cfg.new_tokens, prompt_len=cfg.prompt_len,
                             drift_text_len=cfg.drift_text_len, engine=engine_name(cfg), device=device.type,
-                            compile=bool(cfg.get("compile", False)))
+                            compile=bool(cfg.get("compile", False)), retrieval_n=cfg.get("retrieval_n"),
+                            measurements=measurements.chosen(cfg.get("measurements")))
     memory.check(need, memory.available_bytes(device),
                  where="this machine" if device.type == "cpu" else f"GPU {device}")
 
@@ -522,84 +437,45 @@ def load(cfg, plan: Plan) -> dict:
     served = [p[0, :n] for p, n in zip(served, lengths)]  # (n,) each
     prompts = [p.to(device) for p in prompts]
     texts = texts and [t.to(device) for t in texts]
-    full = cfg.full_prompts if cfg.full_prompts is not None else (1 if device.type == "cpu" else cfg.n_prompts)
-    full = min(full, cfg.n_prompts)
     return dict(mcfg=mcfg, max_len=max_len, contexts=contexts, model32=model32, model=model, engine=engine,
-                spec=spec, ref32=ref32, prompts=prompts, texts=texts, served=served, full=full, compiled=compiled)
+                spec=spec, ref32=ref32, prompts=prompts, texts=texts, served=served, compiled=compiled)
 
 
-def measure_run(cfg, plan: Plan, loaded: dict, rec: dict, progress: bool = True):
-    """Everything a run measures, written into ``rec`` as it goes (a run that fails late keeps what it measured,
-    and ``rec["failed_stage"]`` names the stage it was in) -> the run's tables. Raises on any failure."""
-    from models.tokenizer import Tokenizer
+def resolved_record(plan: Plan, loaded: dict) -> dict:
+    """What the config resolved to on this machine and model (``harness.record.Resolved``), with the effective
+    max_len and context lengths."""
+    mcfg, model = loaded["mcfg"], loaded["model"]
+    dtype = {t: str(t).removeprefix("torch.") for t in (plan.storage, plan.compute)}
+    return dict(record.typed(record.Resolved, dict(
+        device=plan.device.type, storage_dtype=dtype[plan.storage], compute_dtype=dtype[plan.compute],
+        n_layer=mcfg.n_layer, n_head=mcfg.n_head, n_embd=mcfg.n_embd, n_params=model.num_params())),
+        max_len=loaded["max_len"], context_lengths=",".join(map(str, loaded["contexts"])))
 
-    def stage(name: str) -> None:
-        rec["failed_stage"] = name  # cleared when the run ends ok
 
-    w, device, storage, compute = plan.weights, plan.device, plan.storage, plan.compute
-    mcfg, max_len, contexts, model, engine, spec, ref32, prompts, texts, served, full, compiled = (
-        loaded[k] for k in ("mcfg", "max_len", "contexts", "model", "engine", "spec", "ref32", "prompts", "texts",
-                            "served", "full", "compiled"))
-    reset_ok = measure.reset_peak_memory(device)
+def context(cfg, plan: Plan, loaded: dict, rec: dict, progress: bool) -> measurements.Context:
+    """What the run's measurements share (``harness.measurements.Context``)."""
+    return measurements.Context(
+        engine=loaded["engine"], spec=loaded["spec"], prompts=loaded["prompts"], new_tokens=cfg.new_tokens,
+        max_len=loaded["max_len"], device=plan.device, cfg=cfg, ref32=loaded["ref32"], texts=loaded["texts"],
+        served=loaded["served"], contexts=loaded["contexts"], repeats=cfg.repeats, warmup=cfg.warmup, seed=cfg.seed,
+        compiled=loaded["compiled"], progress=progress, peak_reset=measure.reset_peak_memory(plan.device),
+        record=rec)
 
-    rec.update(device=device.type, storage_dtype=str(storage).removeprefix("torch."),
-               compute_dtype=str(compute).removeprefix("torch."), max_len=max_len, n_layer=mcfg.n_layer,
-               n_head=mcfg.n_head, n_embd=mcfg.n_embd, n_params=model.num_params(), full_prompts=full,
-               context_lengths=",".join(map(str, contexts)),
-               drift_reference=None if ref32 is None else "fp32 full attention (uncached)")
-    rec.update(measure.fingerprint(device), **weights_record(w, cfg.model))
-    stage("equivalence and drift")
-    checks, drift = measure.generation_checks(engine, prompts, cfg.new_tokens, spec, full, ref32, progress, texts)
-    layers = checks.pop("layers")
-    layers = pd.DataFrame(columns=["layer", "k_rel_err", "v_rel_err"]) if layers is None else layers
-    tok, sample = Tokenizer(), checks.pop("sample_tokens")
-    rec.update(checks, sample_prompt=tok.decode(prompts[0][0].tolist()), sample_text=tok.decode(sample))
-    stage("cache memory")
-    mem, memory = measure.cache_memory(engine, spec, prompts[0], cfg.new_tokens, max_len)
-    rec.update(mem)
+
+def measure_run(cfg, plan: Plan, loaded: dict, rec: dict, progress: bool = True) -> dict:
+    """The measurements the config asks for (``measurements``; default: all), each one's Result written into ``rec``
+    as it ends (a run that fails late keeps what it measured; ``rec["failed_stage"]`` names the measurement it was
+    in) -> the run's tables. Raises on any failure."""
+    rec.update(resolved_record(plan, loaded), **record.typed(record.Fingerprint, measure.fingerprint(plan.device)),
+               **weights_record(plan.weights, cfg.model))
     others = concurrent_runs()
-    stage("step times")
-    steps = measure.step_times(engine, spec, contexts, max_len, cfg.repeats, cfg.warmup, device, cfg.seed,
-                               progress)
-    rec.update(measure.time_to_first_token(engine, spec, prompts[0], max_len, cfg.repeats, cfg.warmup, device))
-    rec.update(measure.peak_memory(device, reset_ok))  # the run's own peak: before the probes' buffers and batches
-    stage("bandwidth")
-    steps = measure.with_bandwidth(steps, engine, spec, max_len)
-    rec.update(measure.bandwidth_probe(device, measure.weight_bytes(model)))
-    rec.update(measure.cost_model(steps))
-    # the context from which a step reads more K/V than weights (batch 1); never, for a kind that caps its reads
-    capped = measure.keys_read(engine, spec, max_len, max_len - 1) < max_len
-    rec["kv_overtakes_weights_at_context"] = None if capped else measure.weight_bytes(model) / rec["bytes_per_token"]
-    batches = None
-    if cfg.get("batch_sizes"):
-        stage("batch throughput")
-        batches = measure.batch_throughput(engine, spec, list(cfg.batch_sizes), min(cfg.batch_context, max_len - 1),
-                                           max_len, cfg.repeats, cfg.warmup, device, cfg.seed, progress)
-    rec.update(measure.batch_summary(batches))
-    if compiled:  # its own time, and whether the compiled step equals the eager one
-        stage("compiled step")
-        rec.update(engine.compile_stats, compile_mode="reduce-overhead" if device.type == "cuda" else "default",
-                   **measure.compiled_equivalence(engine, KvlabEngine(model), spec, prompts[0], cfg.new_tokens,
-                                                  max_len))
-    stage("served batch")
-    rec.update(measure.serve_batch(engine, spec, served, cfg.new_tokens, max_len, min(cfg.repeats, 3), 1, device,
-                                   check=spec.cls.exact))  # always one warm-up: a compiled step compiles in it
+    tables = measurements.measure(context(cfg, plan, loaded, rec, progress),
+                                  measurements.chosen(cfg.get("measurements")))
     rec["concurrent_runs_while_timing"] = max(others, concurrent_runs())
     if rec["concurrent_runs_while_timing"]:
         print(f"kvlab: {rec['concurrent_runs_while_timing']} other kvlab run(s) measured on this machine while this "
-              "one timed its steps: its step times share their cores (README: Scaling out)", file=sys.stderr)
-    top = steps[steps.context_len == steps.context_len.max()].set_index("mode")
-    rec.update(max_context_len=int(steps.context_len.max()),
-               step_ms_cached_at_max_context=float(top.loc["cached", "ms_median"]),
-               step_ms_uncached_at_max_context=float(top.loc["uncached", "ms_median"]),
-               speedup_at_max_context=float(top.loc["cached", "speedup"]),
-               weight_bytes=int(top.loc["cached", "weight_bytes"]),
-               kv_bytes_at_max_context=int(top.loc["cached", "kv_bytes"]),
-               gb_per_s_at_max_context=float(top.loc["cached", "gb_per_s"]),
-               bw_fraction_at_max_context=float(top.loc["cached", "gb_per_s"]) / rec["probe_gbps"],
-               flop_per_byte_at_max_context=float(top.loc["cached", "flop_per_byte"]))
-    rec["failed_stage"] = None
-    return dict(steps=steps, drift=drift, memory=memory, layers=layers, batches=batches)
+              "one timed its steps: its step times share their cores (docs/sweeps.md: Scaling out)", file=sys.stderr)
+    return tables
 
 
 def verdict(cfg, rec: dict) -> tuple[str, str | None]:
@@ -719,17 +595,11 @@ def _run(cfg, run_dir: Path, folder: str, name: str, progress: bool) -> dict:
 
 def _locked_run(cfg, plan: Plan | None, refused: str | None, run_dir: Path, name: str, group: str, ident: str,
                 inv: str, progress: bool) -> dict:
-    w = plan.weights if plan else None
-    if plan is not None and cfg.get("resume", True):
-        prior = completed(run_dir, ident)
-        if prior is not None:
-            why = changed_inputs(prior, plan.inputs)
-            if prior.get("weights_source") not in (None, w.source):
-                why.insert(0, f"it was measured on {prior['weights_source']} but model.weights={cfg.model.weights} "
-                              f"now gives {w.source}")
-            if not why:
-                return _confirm(run_dir, prior, inv, name)
-            print(f"kvlab: run {name} is measured again: {'; '.join(why)}", file=sys.stderr)
+    """A run in its locked folder: a finished run of the same config and inputs is confirmed; otherwise what it
+    reads is loaded, the folder cleared of kvlab's earlier attempt, and it is measured and written."""
+    prior = _resumable(cfg, plan, run_dir, name, ident)
+    if prior is not None:
+        return _confirm(run_dir, prior, inv, name)
     other = _finished_other(run_dir, ident)
     if other:
         return _refuse(run_dir, name, other)
@@ -743,49 +613,77 @@ def _locked_run(cfg, plan: Plan | None, refused: str | None, run_dir: Path, name
             refused = one_line(e)
             if not _fresh_or_failed_attempt(run_dir, ident):
                 return _refuse(run_dir, name, f"{refused} (the earlier run in {run_dir} is left as it was)")
-    ownership.remove(run_dir, PARTIAL)  # what an earlier attempt of kvlab's left here, and nothing else
+    ownership.remove(run_dir, partial_files())  # what an earlier attempt of kvlab's left here, and nothing else
     _write_hydra(run_dir, cfg)
     record = dict(status="failed", error=refused, failed_stage=None if refused is None else "check the config",
                   run_name=name, group=group, run_dir=str(run_dir), config_id=ident, invocation=inv,
-                  device=cfg.device.name, **weights_record(w, cfg.model),
+                  device=cfg.device.name, **weights_record(plan.weights if plan else None, cfg.model),
                   started_at=dt.datetime.now().isoformat(timespec="seconds"), **config_record(cfg),
-                  **(plan.inputs if plan else {}))
-    tables: dict = {}
-    wb = None
+                  measurements=asked_measurements(cfg), **(plan.inputs if plan else {}))
     t0 = time.perf_counter()
+    wb, tables = None, {}
     if refused is not None:
         print(f"kvlab: run {name} failed: {refused}", file=sys.stderr)
     else:
-        active = _mark_active()
-        try:
-            wb = _open_wandb(cfg, record, group, name, run_dir, ident)
-            tables = measure_run(cfg, plan, loaded, record, progress)
-            record["status"], record["error"] = verdict(cfg, record)
-        except KeyboardInterrupt as e:
-            what, code = interruption(e)
-            _ignore_signals()
-            record.update(status="interrupted", signal=what, duration_s=round(time.perf_counter() - t0, 2),
-                          error=f"interrupted ({what}); run the same command again to resume")
-            _write(run_dir, record)
-            _close_wandb(wb, record, {}, run_dir, exit_code=code)
-            print(f"kvlab: run {name} interrupted ({what}); its record says so ({run_dir}). The same command "
-                  "resumes.", file=sys.stderr)
-            raise SystemExit(code) from None
-        except Exception as e:  # recorded, never raised: the sweep goes on
-            record["error"] = one_line(e)
-            stage = record.get("failed_stage")
-            print(f"kvlab: run {name} failed{f' in {stage}' if stage else ''}: {record['error']}", file=sys.stderr)
-        finally:
-            active.unlink(missing_ok=True)
+        wb, tables = _measured(cfg, plan, loaded, record, run_dir, name, group, ident, progress, t0)
+    return _finish(run_dir, record, tables, wb, name, t0)
+
+
+def _resumable(cfg, plan: Plan | None, run_dir: Path, name: str, ident: str) -> dict | None:
+    """The finished record in ``run_dir`` to keep (resume): same config, same inputs, same weights; None (and,
+    where one exists, a line saying why it is measured again) otherwise."""
+    if plan is None or not cfg.get("resume", True):
+        return None
+    prior = completed(run_dir, ident)
+    if prior is None:
+        return None
+    why = changed_inputs(prior, plan.inputs)
+    if prior.get("weights_source") not in (None, plan.weights.source):
+        why.insert(0, f"it was measured on {prior['weights_source']} but model.weights={cfg.model.weights} "
+                      f"now gives {plan.weights.source}")
+    if not why:
+        return prior
+    print(f"kvlab: run {name} is measured again: {'; '.join(why)}", file=sys.stderr)
+    return None
+
+
+def _measured(cfg, plan: Plan, loaded: dict, record: dict, run_dir: Path, name: str, group: str, ident: str,
+              progress: bool, t0: float):
+    """Open the W&B run and measure; the verdict into ``record``. A failure is recorded, never raised (the sweep
+    goes on); a signal writes an interrupted record and stops the process. -> (W&B run, tables)."""
+    active = mark_active()
+    wb, tables = None, {}
+    try:
+        wb = _open_wandb(cfg, record, group, name, run_dir, ident)
+        tables = measure_run(cfg, plan, loaded, record, progress)
+        record["status"], record["error"] = verdict(cfg, record)
+    except KeyboardInterrupt as e:
+        what, code = interruption(e)
+        _ignore_signals()
+        record.update(status="interrupted", signal=what, duration_s=round(time.perf_counter() - t0, 2),
+                      error=f"interrupted ({what}); run the same command again to resume")
+        _write(run_dir, record)
+        _close_wandb(wb, record, {}, run_dir, exit_code=code)
+        print(f"kvlab: run {name} interrupted ({what}); its record says so ({run_dir}). The same command "
+              "resumes.", file=sys.stderr)
+        raise SystemExit(code) from None
+    except Exception as e:  # recorded, never raised: the sweep goes on
+        record["error"] = one_line(e)
+        stage = record.get("failed_stage")
+        print(f"kvlab: run {name} failed{f' in {stage}' if stage else ''}: {record['error']}", file=sys.stderr)
+    finally:
+        active.unlink(missing_ok=True)
+    return wb, tables
+
+
+def _finish(run_dir: Path, record: dict, tables: dict, wb, name: str, t0: float) -> dict:
+    """The record's end, the run's files and its W&B run, written whole (signals held meanwhile); the summary."""
     if record["status"] == "not_equivalent":
         print(f"kvlab: run {name} NOT EQUIVALENT: {record['error']}", file=sys.stderr)
     record["duration_s"] = round(time.perf_counter() - t0, 2)
     record["finished_at"] = dt.datetime.now().isoformat(timespec="seconds")
-    for df in tables.values():
-        if df is not None:
-            for i, k in enumerate(("model", "engine", "cache", "cache_label", "dtype", "device")):
-                df.insert(i, k, record.get(k))
-    text = summary_text(record, tables.get("steps"))
+    tables = tracking.with_identity(tables, record)
+    text = summary_text(record, tables)
     with held_signals() as pending:  # the measurement is done: its files and W&B run are finished whole
         written = _write(run_dir, record, tables, text)
         _close_wandb(wb, record, tables, run_dir, exit_code=0 if written and record["status"] == "ok" else 1)
@@ -867,7 +765,7 @@ def _open_wandb(cfg, record: dict, group: str, name: str, run_dir: Path, ident: 
 def _close_wandb(wb, record: dict, tables: dict, run_dir: Path, exit_code: int) -> None:
     if wb is None:
         return
-    files = [run_dir / n for n in (tracking.RESULTS, *tracking.TABLES.values(), ".hydra", tracking.LOG)]
+    files = [run_dir / n for n in (*tracking.run_files(), ".hydra")]
     try:
         wb.finish(record, tables, files, exit_code)
     except Exception as e:  # the measurements are on disk already
@@ -897,63 +795,25 @@ def _write(run_dir: Path, record: dict, tables: dict | None = None, log: str | N
         tracking.write_run_files(run_dir, record, tables, log)
         return True
     except OSError as e:
-        WHERE.setdefault("failures", []).append(f"{run_dir} (cannot write: {e.strerror or e})")
+        note_failure(f"{run_dir} (cannot write: {e.strerror or e})")
         print(f"kvlab: cannot write the results of run {record['run_name']} to {run_dir}: {e.strerror or e}",
               file=sys.stderr)
         return False
 
 
-def summary_text(r: dict, steps) -> str:
-    """The short table printed at the end of a run."""
+def summary_text(r: dict, tables: dict) -> str:
+    """The short table printed at the end of a run: a head, then each measurement's lines (``summary``)."""
     head = (f"kvlab run {r['run_name']}: model {r['model']} · engine {r.get('engine', 'kvlab')} · cache "
             f"{r.get('cache_label') or r['cache']} · dtype {r['dtype']}")
     if r["status"] != "ok":
         return f"{head}\n  FAILED: {r['error']}\n  record: {r['run_dir']}/results.json"
-
-    def f(x, fmt):
-        return "—" if x is None else format(x, fmt)
-
-    lines = [
+    files = [tracking.RESULTS, *(measurements.table(n)["file"] for n in tables if tables[n] is not None),
+             tracking.LOG]
+    skipped = [k.removesuffix("_skipped") for k in r if k.endswith("_skipped")]
+    return "\n".join([
         head + f" · device {r['device']} ({r['device_name']})",
         f"  weights           {r['weights_detail']}",
-        f"  tokens identical  {r['tokens_identical']}  ({r['equivalence_method']}, {r['n_prompts']} prompts x "
-        f"{r['new_tokens']} tokens)" + ("  lossy kind: this is its error" if r.get("cache_exact") is False else ""),
-        f"  max |dlogit|      {r['max_abs_logit_diff']:.3g}  (cached vs the kind's uncached reference, same compute "
-        "dtype)",
-        f"  sample            {r['sample_prompt'][-40:]!r} -> {r['sample_text'][:40]!r}",
-        f"  cache bytes       {r['cache_nbytes']:,} measured = {r['predicted_nbytes']:,} formula: "
-        f"{r['nbytes_match']}  ({r['bytes_per_token']:,.0f} B/token, {r['cache_tokens']} tokens held)",
-        f"  drift vs fp32     text: KL mean {f(r.get('drift_kl'), '.3g')} "
-        f"(decode {f(r.get('drift_kl_decode'), '.3g')}) · p99 {f(r.get('drift_kl_p99'), '.3g')} · "
-        f"max {f(r.get('drift_kl_max'), '.3g')} · dNLL {f(r.get('drift_delta_nll'), '+.3g')} nats/token · RMS dp "
-        f"{f(r.get('drift_rms_dp'), '.3g')} · same top-1 {f(r.get('drift_same_top1'), '.1%')}",
-        f"                    generation: max |d| {f(r['drift_max_abs'], '.3g')} · top-1 "
-        f"{f(r['drift_top1_agreement'], '.1%')} · token match {f(r['drift_token_match_rate'], '.1%')}"
-        + (f" · {r['drift_divergence_diagnosis']}" if r.get("drift_divergence_diagnosis") else ""),
-        *([f"  K/V vs fp32       K max {f(r.get('drift_k_rel_err_max'), '.3g')} · V max "
-           f"{f(r.get('drift_v_rel_err_max'), '.3g')} (relative, vs fp32) · first layer over "
-           f"{r['drift_layer_tol']:g}: {f(r.get('drift_first_layer_over_tol'), 'd')}"]
-          if r.get("drift_layer_tol") is not None else []),
-        *([f"  text NLL          {r['text_nll_fp32']:.3f} nats/token in fp32 (the model on the prompts' text)"]
-          if r.get("text_nll_fp32") is not None else []),
-        f"  TTFT              {r['ttft_ms']:.1f} ms ({r['prompt_len']}-token prompt)",
-        *([f"  compiled step     compile {r['compile_s']:.1f} s + warm-up {r['compile_warmup_s']:.2g} s (not in step "
-           f"times; mode {r['compile_mode']}), {r['compile_graphs']} graph, {r['compile_recompiles']} recompiles over "
-           f"{r['compiled_steps']} steps, {r['compile_cudagraph_skips']} CUDA-graph skips; = eager: "
-           f"{r['compile_tokens_identical']} (max |dlogit| {r['compile_max_abs_logit']:.2g})"]
-          if r.get("compile_s") is not None else []),
-        *([f"  served batch      {r['serve_batch']} x {r.get('prompt_lengths', 'uniform')} prompts "
-           f"({r['serve_shortest_prompt']}..{r['serve_longest_prompt']} tokens) + {r['new_tokens']} new: "
-           f"{r['tokens_per_s']:,.0f} tokens/s · KV waste {r['kv_waste']:.1%} ({r['kv_token_slots']:,} of "
-           f"{r['kv_held_slots']:,} held slots hold a token)"
-           + ("" if r.get("serve_tokens_identical") is None else
-              f" · each sequence = its own reference: {r['serve_tokens_identical']} "
-              f"(max |dlogit| {r['serve_max_abs_logit']:.2g})")]
-          if r.get("tokens_per_s") is not None and r.get("kv_waste") is not None else []),
-        *(f"  decode step       ctx {c:>4}: {g.loc['cached', 'ms_median']:8.2f} ms cached   "
-          f"{g.loc['uncached', 'ms_median']:8.2f} ms uncached   {g.loc['cached', 'speedup']:5.1f}x"
-          for c, g in ((c, g.set_index("mode")) for c, g in steps.groupby("context_len"))),
-        f"  files             {r['run_dir']}  (results.json, steps.csv, drift.csv, memory.csv, layers.csv, run.log"
-        f"{', batches.csv' if r.get('batch_max') else ''})",
-    ]
-    return "\n".join(lines)
+        *measurements.summary_lines(r, tables),
+        *([f"  not measured      {', '.join(skipped)} (why: <name>_skipped in results.json)"] if skipped else []),
+        f"  files             {r['run_dir']}  ({', '.join(files)})",
+    ])

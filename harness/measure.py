@@ -2,8 +2,9 @@
 No W&B, no files, no printing (a tqdm bar on stderr when ``progress`` is true is the one exception).
 
 - ``CacheSpec``: the cache under test (kind, options, storage dtype); its class answers every kind-specific question.
-- ``generation_checks``: cached generation vs the kind's uncached reference (``equivalence_check``,
-  ``full_loop_check``) and vs FP32 full attention (``drift_check``), per step.
+- ``equivalence_check``, ``full_loop_check``: a cached generation vs the kind's uncached reference; ``drift_check``,
+  ``text_drift``, ``diagnose_divergence``: vs FP32 full attention. (``harness.measurements`` makes the generations
+  and runs these per prompt.)
 - ``step_times``: one decode step at each context length, cached and uncached, median and spread of repeats.
 - ``time_to_first_token``: prefill of the prompt.
 - ``cache_memory``: the cache's bytes against the kind's formula, bytes vs tokens, and the process's peak memory.
@@ -225,54 +226,6 @@ def drift_check(ref32, prompt: torch.Tensor, out, ref_logits: torch.Tensor | Non
                 first_divergence=_first_true(want != out.tokens[0]))
 
 
-DRIFT_KEYS = ("drift_max_abs", "drift_mean_abs", "drift_gen_kl", "drift_top1_agreement", "drift_token_match_rate",
-              "drift_first_divergence_step")
-
-
-def generation_checks(engine, prompts: list[torch.Tensor], new_tokens: int, spec: CacheSpec, full_prompts: int,
-                      ref32=None, progress: bool = False, texts: list[torch.Tensor] | None = None
-                      ) -> tuple[dict, pd.DataFrame]:
-    """Generate greedily with the cache ``spec`` from every prompt and check each generation.
-
-    Equivalence, against the kind's uncached reference in the same compute dtype: ``equivalence_check`` for every
-    prompt, ``full_loop_check`` for the first ``full_prompts``. Drift, when ``ref32`` (an FP32 engine) is given:
-    ``drift_check`` against FP32 full attention, and with ``texts`` (real text, one (1, L) tensor per prompt) the
-    llama.cpp-style statistics of ``text_drift`` (its per-layer K/V errors under the key ``layers``). Where the
-    cached greedy tokens first leave FP32's, ``diagnose_divergence`` says why. Returns a flat summary dict and a
-    per-step DataFrame (aggregated over prompts)."""
-    reference = spec.reference
-    same = ref32 is engine and not reference  # the equivalence reference already is FP32 full attention
-    checks = []  # one record per prompt: its equivalence, full-loop and drift checks
-    for i, prompt in enumerate(tqdm(prompts, desc=f"generate+check ({spec.label})", disable=not progress)):
-        out = spec.greedy(engine, prompt, new_tokens)
-        check_finite(out.logits[0], f"the cached generation of prompt {i}",
-                     lambda: locate_in_generation(engine, prompt, out.tokens, spec))
-        eq = equivalence_check(engine, prompt, out, reference)
-        checks.append(dict(
-            tokens=out.tokens[0].tolist(), eq=eq["stats"], first_wrong=eq["first_wrong"],
-            loop=full_loop_check(engine, prompt, out, reference) if i < full_prompts else None,
-            drift=None if ref32 is None else drift_check(ref32, prompt, out, eq["ref_logits"] if same else None)))
-    summary, table = equivalence_summary(checks, new_tokens)
-    drift_summary, drift_table = drift_summary_of(checks, new_tokens)
-    summary.update(drift_summary, sample_tokens=checks[0]["tokens"])  # what the first prompt generated
-    summary.update(dict.fromkeys(TEXT_KEYS + DIVERGENCE_KEYS), drift_kl=None, layers=None)
-    if ref32 is not None:
-        if texts:
-            text, summary["layers"] = text_drift(engine, ref32, spec, texts, prompts[0].shape[1], progress)
-            summary.update(text)
-        diverged = [(c["drift"]["first_divergence"], i) for i, c in enumerate(checks)
-                    if c["drift"]["first_divergence"] is not None]
-        if diverged:
-            step, i = min(diverged)
-            stats = checks[i]["drift"]["stats"]
-            # the run's usual drift: before the divergence (the step itself must flip the tokens, so its own
-            # drift is at least half the margin by construction)
-            usual = float(stats["max_abs"][:step].median()) if step > 0 else float(stats["max_abs"][0])
-            summary.update(diagnose_divergence(engine, ref32, spec, prompts[i], checks[i]["tokens"], step,
-                                               float(stats["ref_margin"][step]), usual))
-    return summary, table.join(drift_table)
-
-
 def equivalence_summary(checks: list[dict], new_tokens: int) -> tuple[dict, pd.DataFrame]:
     """Per-prompt equivalence and full-loop checks -> the run's equivalence numbers and per-step table. A prompt's
     first wrong step is the earlier of the teacher-forced mismatch and the full loop's first split."""
@@ -300,9 +253,6 @@ def equivalence_summary(checks: list[dict], new_tokens: int) -> tuple[dict, pd.D
 
 def drift_summary_of(checks: list[dict], new_tokens: int) -> tuple[dict, pd.DataFrame]:
     """Per-prompt drift checks -> the run's drift numbers and per-step columns (None / NaN without drift)."""
-    cols = ("drift_max_abs", "drift_mean_abs", "drift_kl", "drift_top1_agreement")
-    if checks[0]["drift"] is None:
-        return dict.fromkeys(DRIFT_KEYS), pd.DataFrame({c: np.full(new_tokens, np.nan) for c in cols})
     d = _stack([c["drift"]["stats"] for c in checks])
     diverged = [c["drift"]["first_divergence"] for c in checks if c["drift"]["first_divergence"] is not None]
     summary = dict(
@@ -324,11 +274,6 @@ def drift_summary_of(checks: list[dict], new_tokens: int) -> tuple[dict, pd.Data
 LAYER_TOL = 1e-2  # relative K/V error (vs fp32) from which a layer counts as disagreeing
 STAT_ROWS = 128  # positions whose float64 log-softmax over the vocabulary is held at once (text_drift)
 NEAR_TIE = 2.0  # a divergence is a near tie when the reference's top-1/top-2 margin < NEAR_TIE x max |dlogit| there
-
-TEXT_KEYS = ("drift_kl_p99", "drift_kl_max", "drift_kl_decode", "drift_delta_nll", "drift_delta_ppl", "drift_rms_dp",
-             "drift_same_top1", "text_nll_fp32", "text_nll", "drift_text_positions", "drift_layer_tol",
-             "drift_first_layer_over_tol", "drift_k_rel_err_max", "drift_v_rel_err_max")
-
 
 def recorded(cache, seen: dict):
     """Wrap ``cache.update`` so that ``seen[layer]`` holds the (K, V, key positions) its last call returned."""
@@ -460,10 +405,6 @@ def diagnose_divergence(engine, ref32, spec: CacheSpec, prompt: torch.Tensor, to
                 drift_divergence_diagnosis=why)
 
 
-DIVERGENCE_KEYS = ("drift_margin_at_divergence", "drift_near_tie", "drift_divergence_layer",
-                   "drift_divergence_diagnosis")
-
-
 def _stack(per_prompt: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Per-prompt stats (each (n,)) -> one (n_prompts, n) tensor per stat, on the CPU."""
     return {k: torch.stack([s[k].cpu() for s in per_prompt]) for k in per_prompt[0]}
@@ -552,15 +493,13 @@ def storage(engine, spec: CacheSpec, prefilled: int = 0):
     """What knows the bytes ``engine``'s cache for ``spec`` holds (``held_tokens``, ``nbytes_formula``,
     ``bytes_per_token``): the kind's class, unless the engine stores it its own way (HF's QuantizedCache, whose
     bytes also depend on the ``prefilled`` prompt's length)."""
-    own = getattr(engine, "storage", None)
-    return own(spec, prefilled) if own is not None else spec.cls
+    return engine.storage(spec, prefilled)
 
 
 def keys_read(engine, spec: CacheSpec, max_len: int, ctx: int) -> int:
     """Keys one decode step at context ``ctx`` attends over: ctx + 1, or the slots a window keeps; an engine whose
     cache hands attention more (HF's StaticCache: all ``max_len`` slots, masked) says so (``keys_read``)."""
-    own = getattr(engine, "keys_read", None)
-    got = own(spec.kind, ctx, max_len) if own is not None else None
+    got = engine.keys_read(spec.kind, ctx, max_len)
     return got if got is not None else min(ctx + 1, spec.cls.held_tokens(max_len, ctx + 1, spec.opts))
 
 
@@ -701,15 +640,22 @@ def serve_batch(engine, spec: CacheSpec, prompts: list[torch.Tensor], new_tokens
                serve_pool_nbytes=getattr(cache, "pool_nbytes", None))
     rec.update(serve_tokens_identical=None, serve_max_abs_logit=None)
     if check:
-        tokens, logits = torch.cat(chosen, dim=1).cpu(), torch.stack(seen, dim=1)  # (B, n), (B, n, vocab)
-        same, worst = True, 0.0
-        for i, p in enumerate(prompts):
-            ctx = torch.cat([p.cpu(), tokens[i, :-1]]).unsqueeze(0).to(device)
-            ref = engine.forward(ctx, **spec.reference)[0, len(p) - 1:].float().cpu()  # (n, vocab)
-            same &= bool(torch.equal(ref.argmax(-1), tokens[i]))
-            worst = max(worst, float((ref - logits[i]).abs().max()))
-        rec.update(serve_tokens_identical=same, serve_max_abs_logit=worst)
+        rec.update(served_check(engine, spec, prompts, torch.cat(chosen, dim=1).cpu(), torch.stack(seen, dim=1),
+                                device))
     return rec
+
+
+def served_check(engine, spec: CacheSpec, prompts: list[torch.Tensor], tokens: torch.Tensor, logits: torch.Tensor,
+                 device: torch.device) -> dict:
+    """Each served sequence against its own uncached reference run on its own tokens: ``tokens`` (B, n) and the
+    ``logits`` (B, n, vocab) the batch chose them from."""
+    same, worst = True, 0.0
+    for i, p in enumerate(prompts):
+        ctx = torch.cat([p.cpu(), tokens[i, :-1]]).unsqueeze(0).to(device)
+        ref = engine.forward(ctx, **spec.reference)[0, len(p) - 1:].float().cpu()  # (n, vocab)
+        same &= bool(torch.equal(ref.argmax(-1), tokens[i]))
+        worst = max(worst, float((ref - logits[i]).abs().max()))
+    return dict(serve_tokens_identical=same, serve_max_abs_logit=worst)
 
 
 def cost_model(steps: pd.DataFrame) -> dict:

@@ -119,7 +119,8 @@ def run_bytes(model: GPT2Config, *, storage="fp32", compute="fp32", kind: str = 
               batch_sizes: list[int] | None = None, batch_context: int = 512,
               context_lengths: list[int] | None = None, n_prompts: int = 4, new_tokens: int = 32,
               prompt_len: int = 32, drift_text_len: int = 128, engine: str = "kvlab", device: str = "cpu",
-              compile: bool = False, keep_fp32: bool | None = None) -> RunBytes:
+              compile: bool = False, keep_fp32: bool | None = None, retrieval_n: int | None = None,
+              measurements: list[str] | None = None) -> RunBytes:
     """The bytes a run of ``model`` needs at its peak on ``device`` ("cpu" or "cuda"), from plain values only.
 
     ``storage`` / ``compute``: the K/V and model dtypes (names or torch dtypes; compute "auto" resolves as the run
@@ -128,6 +129,7 @@ def run_bytes(model: GPT2Config, *, storage="fp32", compute="fp32", kind: str = 
     the throughput batches (batch_throughput, None: not measured) at context min(batch_context, max_len - 1);
     ``context_lengths``: the timed contexts (None: assume up to max_len). ``keep_fp32``: whether the fp32 model is
     kept beside a reduced-precision copy (default: yes, as every run does: it is the drift reference).
+    ``measurements``: the measurements the run makes (None: all; ``PHASE_OF`` says which phase is whose).
 
     Terms (V vocab, d n_embd, nh heads, hs head_dim; "cache(B, n)" is the kind's ``nbytes_formula`` for B
     sequences, n tokens written, capacity max_len, in the storage dtype; a pooled kind counts its whole pool):
@@ -153,6 +155,9 @@ def run_bytes(model: GPT2Config, *, storage="fp32", compute="fp32", kind: str = 
       repeat's is held, the prefill, the decode (with the B x n x V fp32 logits it keeps), and the check (those
       logits stacked: twice, plus a (prompt_len + n, V) reference forward).
     - compiled_equivalence (compile=true): two caches of batch 1.
+    - retrieval (``retrieval_n``: tokens per sequence, None: not measured), L = 2 min(retrieval_n, max_len // 2):
+      a cache of L tokens, its pass's logits (L - 1, V) as a list and concatenated, and the fp32 reference's
+      forward over L tokens keeping every position's logits.
     - a forward of (B, T) tokens keeping r positions' logits: activations B x T x 12d in the compute dtype,
       attention scores B x nh x T x T in fp32 (what SDPA's math fallback holds; the fused kernels torch picks for
       kvlab's shapes, CPU and CUDA, hold none: this is the conservative part), masks 3 x B x T x T bools, logits
@@ -165,124 +170,172 @@ def run_bytes(model: GPT2Config, *, storage="fp32", compute="fp32", kind: str = 
                 batch=batch, batch_sizes=None if batch_sizes is None else list(batch_sizes),
                 batch_context=batch_context, context_lengths=None if context_lengths is None
                 else list(context_lengths), n_prompts=n_prompts, new_tokens=new_tokens, prompt_len=prompt_len,
-                drift_text_len=drift_text_len, engine=engine, device=device, compile=compile, keep_fp32=keep_fp32)
+                drift_text_len=drift_text_len, engine=engine, device=device, compile=compile, keep_fp32=keep_fp32,
+                retrieval_n=retrieval_n, measurements=None if measurements is None else list(measurements))
     if engine not in ENGINES:
         raise ConfigError(f"engine={engine!r}: use one of {', '.join(ENGINES)}")
     device = str(device).split(":")[0]
     if compute == "auto":
         compute = "fp32" if device == "cpu" else storage
-    storage, compute = as_dtype(storage), as_dtype(compute)
-    cls = cache_kind(kind)
-    opts = cls.parse_options(**(options or {}))
-    L, nh, d, V = model.n_layer, model.n_head, model.n_embd, model.vocab_size
-    hs = model.head_dim
-    max_len = model.n_positions if max_len is None else _positive("max_len", max_len)
+    s = _Sizes(model, kind, dict(options or {}), as_dtype(storage), as_dtype(compute), engine,
+               model.n_positions if max_len is None else _positive("max_len", max_len), prompt_len)
     for name, value in (("batch", batch), ("batch_context", batch_context), ("n_prompts", n_prompts),
                         ("new_tokens", new_tokens), ("prompt_len", prompt_len), ("drift_text_len", drift_text_len)):
         _positive(name, value)
     for b in batch_sizes or []:
         _positive("batch_sizes entry", b)
-    isz_c = itemsize(compute)
-    reduced = compute != as_dtype("fp32")
-
-    # -- weights
-    P = param_count(model)
-    copies = []
-    if keep_fp32 is not False or not reduced:
-        copies.append(("fp32 model", P * F32))
-    if reduced:
-        copies.append((f"{_name(compute)} copy", P * isz_c))
-    if engine == "hf":
-        copies.append((f"hf {_name(compute)} copy", P * isz_c))
-    weights = sum(b for _, b in copies)
-    # setup: deepcopy(model32) is fp32 until converted; on a CPU the HF model is built in fp32 beside the others
-    deep = 2 * P * F32 if reduced else 0
-    hf_build = 2 * P * F32 + P * isz_c if engine == "hf" and device == "cpu" and reduced else 0
-    setup = max(0, deep - weights, hf_build - weights)
-
-    # -- pieces
-    snapshots = cls.checkpoint is not KVCache.checkpoint  # its checkpoint copies the state instead of a crop
-    ctx_b = min(batch_context, max_len - 1) if max_len > 1 else 1
-
-    def cache_at(B: int, n: int, cap: int = max_len, prefilled: int = prompt_len) -> int:
-        """Bytes of a cache of the run's kind: B sequences, capacity cap, n tokens written."""
-        return cache_bytes(model, kind, options, storage, cap, B, max(0, min(n, cap)), engine, min(prefilled, cap))
-
-    def snap(B: int, n: int) -> int:
-        return cache_at(B, n) if snapshots else 0
-
-    def forward(B: int, T: int, rows: int, isz: int = isz_c) -> int:
-        """Transients of one forward of (B, T) tokens keeping ``rows`` positions' logits."""
-        return (B * T * d * ACT_WIDTH * isz + B * nh * T * T * F32 + 3 * B * T * T + B * rows * V * isz
-                + 2 * B * T * I64)
-
-    def layer_kv(B: int, n: int) -> int:
-        return 2 * kv_bytes(1, nh, hs, max(n, 1), B, "fp32")
-
-    phases: list[tuple[str, int, int]] = [("setup", 0, setup)]
-    plain_fp32 = not reduced and storage == as_dtype("fp32") and cls.exact and not cls.reference(opts)
-
-    # generation checks: batch 1
-    Tg, n = prompt_len + new_tokens, new_tokens
-    ref = _full_attention_kind()  # the fp32 reference's kind
-
-    def ref_cache(n: int) -> int:
-        return ref.nbytes_formula(L, nh, hs, n, 1, "fp32", n, ref.Options())
-
-    gen_cache = cache_at(1, Tg, cap=Tg) + ref_cache(Tg)
-    gen_meas = forward(1, Tg, Tg, F32) + n * V * (6 * F32 + 5 * F64)
-    phases.append(("generation", gen_cache, gen_meas))
-
-    # drift on text
-    if not plain_fp32:
-        Lt = min(max_len, max(drift_text_len, prompt_len + 1))
-        R = min(STAT_ROWS, Lt - 1)
-        seen = 2 * kv_bytes(L, nh, hs, Lt, 1, "fp32")
-        text_cache = cache_at(1, Lt, cap=Lt) + ref_cache(Lt)
-        text_meas = (forward(1, min(prompt_len, Lt - 1), min(prompt_len, Lt - 1), F32) + 4 * (Lt - 1) * V * F32
-                     + 7 * R * V * F64 + seen + n_prompts * Lt * I64)
-        phases.append(("text_drift", text_cache, text_meas))
-
-    # cache_memory and step_times: batch 1 at max_len
-    phases.append(("cache_memory", cache_at(1, Tg), forward(1, prompt_len, 1) + layer_kv(1, max_len)))
-    Tc = min(max_len, (max(context_lengths) + 1) if context_lengths else max_len)
-    phases.append(("step_times", cache_at(1, Tc) + snap(1, Tc), forward(1, Tc, 1) + layer_kv(1, Tc)))
-
-    # bandwidth probe
-    w = min(decode_weight_bytes(model, compute), 1 << 30)
-    phases.append(("bandwidth_probe", 0, 2 * max(w, 256 << 20) + max(1, w // 4 // 1024) * 1024 * F32
-                   + 3 * 1024 * 1024 * F32))
-
-    # throughput vs batch
-    if batch_sizes:
-        prev = 0
-        for B in batch_sizes:
-            c = cache_at(B, ctx_b + 1, prefilled=ctx_b)
-            moments = [(prev + c, forward(B, ctx_b, 1) + 2 * B * (ctx_b + 1) * I64),
-                       (c + snap(B, ctx_b + 1), layer_kv(B, ctx_b + 1) + B * V * isz_c)]
-            cache_b, meas_b = max(moments, key=sum)
-            phases.append((f"batch_throughput(batch={B})", cache_b, meas_b))
-            prev = c + snap(B, ctx_b + 1)
-
-    # the served batch
-    B, Ts = batch, prompt_len + new_tokens
-    full, empty = cache_at(B, Ts), cache_at(B, 0)
-    kept = B * n * V * F32
-    moments = [(full + empty, 0),
-               (cache_at(B, prompt_len), forward(B, prompt_len, 1) + 2 * B * prompt_len * I64),
-               (full, layer_kv(B, Ts) + kept + B * V * isz_c),
-               (full, 2 * kept + forward(1, Ts, Ts, F32))]
-    cache_s, meas_s = max(moments, key=sum)
-    phases.append((f"serve_batch(batch={B})", cache_s, meas_s))
-
+    weights, copies, setup = _weights(s, engine, device, keep_fp32)
+    phases = [("setup", 0, setup), *_generation_phases(s, n_prompts, new_tokens, drift_text_len),
+              *_timing_phases(s, new_tokens, context_lengths), *_batch_phases(s, batch_sizes, batch_context),
+              _serve_phase(s, batch, new_tokens)]
     if compile:
-        phases.append(("compiled_equivalence", 2 * cache_at(1, Tg), forward(1, prompt_len, 1) + layer_kv(1, Tg)))
-
+        Tg = prompt_len + new_tokens
+        phases.append(("compiled_equivalence", 2 * s.cache_at(1, Tg),
+                       s.forward(1, prompt_len, 1) + s.layer_kv(1, Tg)))
+    if retrieval_n:
+        Lr = 2 * min(_positive("retrieval_n", retrieval_n), s.max_len // 2)
+        phases.append(("retrieval", s.cache_at(1, Lr, cap=Lr),
+                       s.forward(1, Lr, Lr, F32) + 3 * Lr * model.vocab_size * F32))
+    if measurements is not None:  # only the phases of the measurements the run makes
+        phases = [p for p in phases if p[0] == "setup" or PHASE_OF[p[0].split("(")[0]] & set(measurements)]
     phases = [(name, c, m + math.ceil(SLACK * (c + m))) for name, c, m in phases]
     peak, cache, measurement = max(phases, key=lambda p: p[1] + p[2])
-    return RunBytes(params=P, weights=weights, weights_copies=tuple(copies), cache=cache, measurement=measurement,
-                    total=weights + cache + measurement, peak=peak, phases=tuple(phases), inputs=dict(model=model,
-                                                                                                      **args))
+    return RunBytes(params=s.P, weights=weights, weights_copies=tuple(copies), cache=cache, measurement=measurement,
+                    total=weights + cache + measurement, peak=peak, phases=tuple(phases),
+                    inputs=dict(model=model, **args))
+
+
+# each phase of run_bytes -> the measurements (harness.measurements) that make it
+PHASE_OF = {"generation": {"equivalence", "generation_drift"}, "text_drift": {"text_drift"},
+            "cache_memory": {"memory"}, "step_times": {"step_time"}, "bandwidth_probe": {"bandwidth"},
+            "batch_throughput": {"batches"}, "serve_batch": {"serving"}, "compiled_equivalence": {"compile"},
+            "retrieval": {"retrieval"}}
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """The pieces every phase of ``run_bytes`` is made of, for one model, kind, dtype pair and capacity."""
+
+    model: GPT2Config
+    kind: str
+    options: dict
+    storage: object
+    compute: object
+    engine: str
+    max_len: int
+    prompt_len: int
+
+    @property
+    def P(self) -> int:
+        return param_count(self.model)
+
+    @property
+    def cls(self):
+        return cache_kind(self.kind)
+
+    @property
+    def reduced(self) -> bool:
+        return self.compute != as_dtype("fp32")
+
+    def cache_at(self, B: int, n: int, cap: int | None = None, prefilled: int | None = None) -> int:
+        """Bytes of a cache of the run's kind: B sequences, capacity cap, n tokens written."""
+        cap = self.max_len if cap is None else cap
+        prefilled = self.prompt_len if prefilled is None else prefilled
+        return cache_bytes(self.model, self.kind, self.options, self.storage, cap, B, max(0, min(n, cap)),
+                           self.engine, min(prefilled, cap))
+
+    def snap(self, B: int, n: int) -> int:
+        """A snapshot the kind's checkpoint copies (0 for a kind that crops back)."""
+        return self.cache_at(B, n) if self.cls.checkpoint is not KVCache.checkpoint else 0
+
+    def forward(self, B: int, T: int, rows: int, isz: int | None = None) -> int:
+        """Transients of one forward of (B, T) tokens keeping ``rows`` positions' logits."""
+        m, isz = self.model, itemsize(self.compute) if isz is None else isz
+        return (B * T * m.n_embd * ACT_WIDTH * isz + B * m.n_head * T * T * F32 + 3 * B * T * T
+                + B * rows * m.vocab_size * isz + 2 * B * T * I64)
+
+    def layer_kv(self, B: int, n: int) -> int:
+        return 2 * kv_bytes(1, self.model.n_head, self.model.head_dim, max(n, 1), B, "fp32")
+
+    def ref_cache(self, n: int) -> int:
+        """The fp32 full-attention reference's cache holding n tokens."""
+        ref = _full_attention_kind()
+        m = self.model
+        return ref.nbytes_formula(m.n_layer, m.n_head, m.head_dim, n, 1, "fp32", n, ref.Options())
+
+
+def _weights(s: _Sizes, engine: str, device: str, keep_fp32: bool | None) -> tuple[int, list, int]:
+    """(bytes of every weight copy a run holds, the copies, what building them needs beyond that)."""
+    P, isz_c = s.P, itemsize(s.compute)
+    copies = []
+    if keep_fp32 is not False or not s.reduced:
+        copies.append(("fp32 model", P * F32))
+    if s.reduced:
+        copies.append((f"{_name(s.compute)} copy", P * isz_c))
+    if ENGINES[engine].holds_weight_copy:
+        copies.append((f"{engine} {_name(s.compute)} copy", P * isz_c))
+    weights = sum(b for _, b in copies)
+    # setup: deepcopy(model32) is fp32 until converted; on a CPU an engine with its own copy builds it in fp32
+    # beside the others
+    deep = 2 * P * F32 if s.reduced else 0
+    own = ENGINES[engine].holds_weight_copy and device == "cpu" and s.reduced
+    build = 2 * P * F32 + P * isz_c if own else 0
+    return weights, copies, max(0, deep - weights, build - weights)
+
+
+def _generation_phases(s: _Sizes, n_prompts: int, new_tokens: int, drift_text_len: int) -> list:
+    """The generation checks (batch 1) and, for a run that is not its own fp32 reference, drift on text."""
+    V, n, Tg = s.model.vocab_size, new_tokens, s.prompt_len + new_tokens
+    phases = [("generation", s.cache_at(1, Tg, cap=Tg) + s.ref_cache(Tg),
+               s.forward(1, Tg, Tg, F32) + n * V * (6 * F32 + 5 * F64))]
+    plain_fp32 = (not s.reduced and s.storage == as_dtype("fp32") and s.cls.exact
+                  and not s.cls.reference(s.cls.parse_options(**s.options)))
+    if not plain_fp32:
+        Lt = min(s.max_len, max(drift_text_len, s.prompt_len + 1))
+        R = min(STAT_ROWS, Lt - 1)
+        m = s.model
+        seen = 2 * kv_bytes(m.n_layer, m.n_head, m.head_dim, Lt, 1, "fp32")
+        T = min(s.prompt_len, Lt - 1)
+        meas = s.forward(1, T, T, F32) + 4 * (Lt - 1) * V * F32 + 7 * R * V * F64 + seen + n_prompts * Lt * I64
+        phases.append(("text_drift", s.cache_at(1, Lt, cap=Lt) + s.ref_cache(Lt), meas))
+    return phases
+
+
+def _timing_phases(s: _Sizes, new_tokens: int, context_lengths: list[int] | None) -> list:
+    """cache_memory and step_times (batch 1 at max_len), and the bandwidth probe."""
+    Tg = s.prompt_len + new_tokens
+    Tc = min(s.max_len, (max(context_lengths) + 1) if context_lengths else s.max_len)
+    w = min(decode_weight_bytes(s.model, s.compute), 1 << 30)
+    return [("cache_memory", s.cache_at(1, Tg), s.forward(1, s.prompt_len, 1) + s.layer_kv(1, s.max_len)),
+            ("step_times", s.cache_at(1, Tc) + s.snap(1, Tc), s.forward(1, Tc, 1) + s.layer_kv(1, Tc)),
+            ("bandwidth_probe", 0, 2 * max(w, 256 << 20) + max(1, w // 4 // 1024) * 1024 * F32
+             + 3 * 1024 * 1024 * F32)]
+
+
+def _batch_phases(s: _Sizes, batch_sizes: list[int] | None, batch_context: int) -> list:
+    """Throughput vs batch: the previous batch's cache (and snapshot) is still held while the next is built."""
+    phases, prev = [], 0
+    ctx_b = min(batch_context, s.max_len - 1) if s.max_len > 1 else 1
+    for B in batch_sizes or []:
+        c = s.cache_at(B, ctx_b + 1, prefilled=ctx_b)
+        moments = [(prev + c, s.forward(B, ctx_b, 1) + 2 * B * (ctx_b + 1) * I64),
+                   (c + s.snap(B, ctx_b + 1), s.layer_kv(B, ctx_b + 1) + B * s.model.vocab_size * itemsize(s.compute))]
+        cache_b, meas_b = max(moments, key=sum)
+        phases.append((f"batch_throughput(batch={B})", cache_b, meas_b))
+        prev = c + s.snap(B, ctx_b + 1)
+    return phases
+
+
+def _serve_phase(s: _Sizes, B: int, n: int) -> tuple[str, int, int]:
+    """The served batch: the worst of a new cache beside the last, the prefill, the decode, the check."""
+    V, Ts, pl = s.model.vocab_size, s.prompt_len + n, s.prompt_len
+    full, empty = s.cache_at(B, Ts), s.cache_at(B, 0)
+    kept = B * n * V * F32
+    moments = [(full + empty, 0), (s.cache_at(B, pl), s.forward(B, pl, 1) + 2 * B * pl * I64),
+               (full, s.layer_kv(B, Ts) + kept + B * V * itemsize(s.compute)),
+               (full, 2 * kept + s.forward(1, Ts, Ts, F32))]
+    cache_s, meas_s = max(moments, key=sum)
+    return (f"serve_batch(batch={B})", cache_s, meas_s)
 
 
 def cache_bytes(model: GPT2Config, kind: str, options: dict | None = None, storage="fp32",
@@ -483,8 +536,8 @@ def what_fits(need: RunBytes, budget: int) -> str:
         if m is not None and m < max_len:
             return f"max_len <= {m}{extra} would fit, or use a smaller model"
     others = []
-    if inputs["engine"] == "hf" and total(**small, engine="kvlab") <= budget:
-        others.append("engine=kvlab (the hf engine holds its own copy of the weights)")
+    if ENGINES[inputs["engine"]].holds_weight_copy and total(**small, engine="kvlab") <= budget:
+        others.append(f"engine=kvlab (the {inputs['engine']} engine holds its own copy of the weights)")
     if total(**small, compute="fp32", storage="fp32") < total(**small) and total(**small, compute="fp32",
                                                                               storage="fp32") <= budget:
         others.append("dtype=fp32 (a reduced-precision run also keeps the fp32 model)")

@@ -525,17 +525,48 @@ def all_figures(runs: pd.DataFrame, steps: pd.DataFrame, drift: pd.DataFrame,
 def figure_makers(runs: pd.DataFrame, steps: pd.DataFrame, drift: pd.DataFrame,
                   memory: pd.DataFrame | None = None, layers: pd.DataFrame | None = None,
                   batches: pd.DataFrame | None = None) -> dict:
-    """stem -> (figure function, its table), for every figure whose table has ok rows."""
-    makers = {
-        "step_time": (step_time_plot, steps),
-        "speedup": (speedup_plot, steps),
-        "cost_model": (cost_plot, steps),
-        "cache_bytes": (cache_bytes_plot, runs),
-        "memory": (memory_plot, memory),
-        "drift": (drift_plot, drift),
-        "layers": (layers_plot, layers),
-        "batches": (batch_plot, batches),
-        "serving": (serving_plot, runs if "tokens_per_s" in runs and runs["tokens_per_s"].notna().any() else None),
-        "equivalence": (equivalence_grid, runs),
-    }
-    return {stem: (fn, df) for stem, (fn, df) in makers.items() if df is not None and not _ok(df).empty}
+    """stem -> (figure function, its table), for every figure whose table has ok rows (``figures_for`` with the
+    seed's five tables)."""
+    return figures_for(runs, dict(steps=steps, drift=drift, memory=memory, layers=layers, batches=batches))
+
+
+def figures_for(runs: pd.DataFrame, frames: dict[str, pd.DataFrame | None]) -> dict:
+    """stem -> (figure function, its table) for every figure a registered measurement declares
+    (``harness.measurements.figures``) whose table (``runs`` or one of ``frames``) has ok rows."""
+    from harness import measurements
+
+    out = {}
+    for _, fig in measurements.figures():
+        df = runs if fig.table == "runs" else frames.get(fig.table)
+        if df is None or _ok(df).empty or (fig.when is not None and not fig.when(df)):
+            continue
+        out[fig.stem] = (fig.draw, df)
+    return out
+
+
+def retrieval_plot(runs: pd.DataFrame) -> Figure:
+    """Copy accuracy on random sequences shown twice, per run: through its cache (bars) against fp32 full
+    attention (a black tick): what windows and eviction lose; one panel per model."""
+    df = _ok(runs)
+    df = df[df["retrieval_acc"].notna()] if "retrieval_acc" in df else df.iloc[0:0]
+    if df.empty:
+        return _message_figure("no runs measured retrieval")
+    df, precs, models, caches = _levels_of(df)
+    fig, axes = plt.subplots(1, len(models), figsize=(max(5, 1.1 * df["run_name"].nunique()) * len(models) + 1, 4),
+                             squeeze=False, layout="constrained")
+    for j, model in enumerate(models):
+        ax = axes[0, j]
+        sub = df[df["model"] == model].sort_values(["cache", "prec"])
+        labels = [f"{c} · {p}" if len(precs) > 1 else c for c, p in zip(sub["cache"], sub["prec"])]
+        x = np.arange(len(sub))
+        ax.bar(x, sub["retrieval_acc"], color=[_cache_color(caches, c) for c in sub["cache"]])
+        if "retrieval_acc_ref" in sub:
+            ax.scatter(x, sub["retrieval_acc_ref"], marker="_", s=400, color="black", zorder=3,
+                       label="fp32 full attention")
+        ax.set_xticks(x, labels, rotation=30, ha="right")
+        ax.set_ylim(0, 1.02)
+        ax.set_title(model)
+        ax.set_ylabel("top-1 accuracy on the second copy")
+        ax.legend(frameon=False, fontsize="small")
+    fig.suptitle("Retrieval: random sequences shown twice (bars: through the cache; tick: fp32 full attention)")
+    return fig

@@ -33,41 +33,43 @@ from pathlib import Path
 import pandas as pd
 from hydra.experimental.callback import Callback
 
-from harness import experiment, ownership, plots, results, tracking
+from harness import experiment, measurements, ownership, plots, results, tracking
 from harness.results import shown
 
-SUMMARY_COLS = ["run_name", "status", "model", "engine", "weights", "cache_label", "dtype", "device", "cache_exact",
-                "tokens_identical", "max_abs_logit_diff", "nbytes_match", "cache_nbytes", "bytes_per_token",
-                "drift_kl", "drift_kl_decode", "drift_kl_p99", "drift_kl_max",
-                "drift_delta_nll", "drift_rms_dp", "drift_same_top1", "drift_first_layer_over_tol",
-                "drift_token_match_rate", "ttft_ms", "step_ms_cached_at_max_context",
-                "step_ms_uncached_at_max_context", "speedup_at_max_context", "batch", "prompt_lengths",
-                "tokens_per_s", "kv_waste", "serve_tokens_identical"]  # errors: in the failed-runs table
-SERVING_COLS = ["model", "engine", "cache_label", "dtype", "batch", "prompt_lengths", "serve_prompt_tokens",
-                "tokens_per_s", "decode_tokens_per_s", "serve_ttft_ms", "kv_token_slots", "kv_held_slots", "kv_waste",
-                "serve_cache_nbytes", "serve_tokens_identical"]
+RUN_COLS = ["run_name", "status", "model", "engine", "weights", "cache_label", "dtype", "device", "cache_exact",
+            "batch", "prompt_lengths"]  # which run; errors are in the failed-runs table
+
+
+def summary_cols() -> list[str]:
+    """The runs table: which run, then every measurement's headline keys (``harness.measurements.shown_keys``)."""
+    return RUN_COLS + measurements.shown_keys()
+
+
+def serving_cols() -> list[str]:
+    """The served-batches table: the setting, then every key the serving measurement records."""
+    return ["model", "engine", "cache_label", "dtype", "batch", "prompt_lengths",
+            *measurements.MEASUREMENTS["serving"].keys()]
+
+
 FINGERPRINT_COLS = ["torch_version", "device_name", "threads", "attn_backend", "tf32", "git_commit", "weights",
                     "weights_source", "python_version"]
-CAPTIONS = {
-    "step_time": "Decode-step time vs context length: cached (by cache) vs uncached (full recompute).",
-    "cost_model": "Cost model: cached step time vs context, measured (dots) and fitted per run (lines).",
-    "speedup": "Speedup of a cached decode step over the uncached one (uncached / cached).",
-    "cache_bytes": "Cache bytes: measured vs the formula, and bytes per cached token.",
-    "memory": "Cache bytes held vs tokens in the sequence: the kind's formula (line), measured (dots).",
-    "drift": "Drift vs fp32 full attention per decode step: KL, max |Δlogit|, top-1 agreement.",
-    "batches": "Decode throughput vs batch size, and the K/V bytes a step reads against the weights.",
-    "layers": "Relative error of the K and V attention read, per layer, against fp32.",
-    "serving": "A served batch per run: generated tokens/s vs batch size, and KV waste (held slots holding no "
-               "token).",
-    "equivalence": "Cached vs the kind's uncached reference: max |Δlogit| per model × cache/dtype; ✓ = identical "
-                   "greedy tokens.",
-}
+
+
+def captions() -> dict[str, str]:
+    """Figure stem -> its caption, from the measurements that draw them."""
+    from harness import measurements
+
+    return {fig.stem: fig.caption for _, fig in measurements.figures()}
 
 
 NOT_EQUIVALENT = "not_equivalent"  # an exact kind in fp32 whose tokens differ or whose max |dlogit| > tolerance
 NOT_EQUIVALENT_COLS = ["run_name", "model", "engine", "cache_label", "dtype", "device", "status", "tokens_identical",
                        "max_abs_logit_diff", "equivalence_tol", "first_diff_step", "margin_at_first_diff", "error"]
-REPORT_TABLES = ("results", "steps", "drift", "memory", "layers", "batches", "engine_ratios")
+def report_tables() -> tuple[str, ...]:
+    """The tables a report writes: the runs, every run table the measurements declare, and the engine ratios."""
+    from harness import measurements
+
+    return ("results", *measurements.tables(), "engine_ratios")
 PAGE, SPEC, WANDB = results.REPORT_PAGE, "wandb_report.json", "wandb"  # the page, the W&B Report spec, W&B's folder
 CLI_HINT = "give --out a new or empty folder (or one a kvlab report wrote), or move those files away"
 
@@ -99,10 +101,6 @@ def weights_notice(runs: pd.DataFrame) -> list[str]:
     return parts
 
 
-DRIFT_COLS = {"drift_kl": "KL mean", "drift_kl_decode": "KL mean (decode)", "drift_kl_p99": "KL p99",
-              "drift_kl_max": "KL max", "drift_delta_nll": "ΔNLL (nats/token)", "drift_delta_ppl": "ΔPPL",
-              "drift_rms_dp": "RMS Δp", "drift_same_top1": "same top-1", "drift_k_rel_err_max": "K rel err (max layer)",
-              "drift_v_rel_err_max": "V rel err (max layer)"}
 
 
 def _setting(df: pd.DataFrame) -> pd.DataFrame:
@@ -140,7 +138,7 @@ def serving_table(ok: pd.DataFrame) -> pd.DataFrame:
     if "tokens_per_s" not in ok or ok["tokens_per_s"].isna().all():
         return pd.DataFrame()
     df = ok[ok["tokens_per_s"].notna()]
-    return df[[c for c in SERVING_COLS if c in df]].sort_values(
+    return df[[c for c in serving_cols() if c in df]].sort_values(
         [c for c in ("model", "prompt_lengths", "batch", "cache_label") if c in df]).reset_index(drop=True)
 
 
@@ -150,9 +148,10 @@ def drift_tables(ok: pd.DataFrame) -> list[str]:
     if "drift_kl" not in ok or ok["drift_kl"].dropna().empty:
         return []
     d = ok[ok["drift_kl"].notna()]
-    cols = [c for c in DRIFT_COLS if c in d]
+    names = {**measurements.labels("text_drift"), **measurements.labels("retrieval")}  # key -> its header
+    cols = [c for c in names if c in d]
     rank = (d.groupby(["model", "weights", "cache_label", "dtype"], dropna=False)[cols].mean().reset_index()
-            .sort_values(["model", "drift_kl"]).rename(columns=DRIFT_COLS))
+            .sort_values(["model", "drift_kl"]).rename(columns=names))
     parts = ["<h2>Drift on text vs fp32 (teacher-forced, every position; llama.cpp's --kl-divergence statistics)</h2>",
              _table(rank)]
     if {"cache_k_bits", "cache_v_bits"} <= set(d) and d["cache_k_bits"].nunique() * d["cache_v_bits"].nunique() > 1:
@@ -163,7 +162,7 @@ def drift_tables(ok: pd.DataFrame) -> list[str]:
                 t.index = [f"K {int(b)}-bit" for b in t.index]
                 t.columns = [f"V {int(b)}-bit" for b in t.columns]
                 parts += [f"<h3>K vs V sensitivity, {html.escape(str(model))} {html.escape(str(dtype))}: "
-                          f"{DRIFT_COLS[col]}</h3>", _table(t.reset_index(names="K bits \\ V bits"))]
+                          f"{names[col]}</h3>", _table(t.reset_index(names="K bits \\ V bits"))]
     return parts
 
 
@@ -192,7 +191,7 @@ def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dic
     if skipped:
         rows = pd.DataFrame([{"folder": shown(f), "why": shown(why)} for f, why in skipped])
         parts += ["<h2>Skipped: could not be read, or never finished</h2>", _table(rows)]
-    parts += ["<h2>Runs</h2>", _table(runs[[c for c in SUMMARY_COLS if c in runs]])]
+    parts += ["<h2>Runs</h2>", _table(runs[[c for c in summary_cols() if c in runs]])]
     parts += drift_tables(ok)
     serving = serving_table(ok)
     if len(serving):
@@ -209,7 +208,7 @@ def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dic
         parts += ["<h2>Decode-step time (median ms)</h2>", _table(pivot)]
     for stem, path in images.items():
         data = base64.b64encode(path.read_bytes()).decode()
-        parts += [f"<h2>{html.escape(CAPTIONS.get(stem, stem))}</h2>",
+        parts += [f"<h2>{html.escape(captions().get(stem, stem))}</h2>",
                   f'<figure><img alt="{stem}" src="data:image/png;base64,{data}">'
                   f"<figcaption>{path.name}</figcaption></figure>"]
     fp = runs[[c for c in FINGERPRINT_COLS if c in runs]].drop_duplicates()
@@ -230,21 +229,18 @@ def _load(path: Path, invocation: str | None) -> dict:
                 for f in _unfinished(path, found, invocation)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", results.IncompleteRunWarning)
-        runs, steps = results.load_runs(path, invocation), results.load_steps(path, invocation)
-        drift, memory = results.load_drift(path, invocation), results.load_memory(path, invocation)
-        layers, batches = results.load_layers(path, invocation), results.load_batches(path, invocation)
+        runs, frames = results.load_runs(path, invocation), results.load_tables(path, invocation)
     skipped += sorted({(None, str(w.message)) for w in caught if "its rows are missing" in str(w.message)},
                       key=lambda x: x[1])  # tables that could not be read
     if runs.empty:
         raise FileNotFoundError(f"{shown(path)}: no readable kvlab runs (results.json) found under it"
                                 + (f"; skipped {len(skipped)}: {shown(skipped[0][1])}" if skipped else ""))
-    return dict(runs=runs, skipped=skipped,
-                frames=dict(steps=steps, drift=drift, memory=memory, layers=layers, batches=batches))
+    return dict(runs=runs, skipped=skipped, frames=frames)
 
 
 def _report_names(names) -> list[str]:
     """Of ``names``, those a kvlab report writes."""
-    tables = {f"{s}.{e}" for s in REPORT_TABLES for e in ("csv", "parquet")}
+    tables = {f"{s}.{e}" for s in report_tables() for e in ("csv", "parquet")}
     return [n for n in names if n in tables or n in (PAGE, SPEC, WANDB) or re.fullmatch(r"[\w.-]+\.png", n)]
 
 
@@ -331,8 +327,7 @@ def _write(path: Path, out: Path, loaded: dict) -> dict:
     images = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # matplotlib's glyph warnings for ✓/✗ on minimal fonts
-        for stem, (fn, df) in plots.figure_makers(runs, steps, frames["drift"], frames["memory"], frames["layers"],
-                                                  batches).items():
+        for stem, (fn, df) in plots.figures_for(runs, frames).items():
             try:
                 fig = fn(df)
                 buf = io.BytesIO()
@@ -504,12 +499,12 @@ class SweepReport(Callback):
                                       f"{shown(sweep)} --out DIR`")
         except ownership.NotOurs as e:  # nothing of the folder's was touched; the runs' own files are complete
             print(f"kvlab: sweep report not written: {e}", file=sys.stderr)
-            experiment.WHERE.setdefault("failures", []).append(f"{sweep} (the sweep report: {e})")
+            experiment.note_failure(f"{sweep} (the sweep report: {e})")
             return
         except Exception as e:  # the runs' own files are already complete: say so and keep the exit code honest
             print(f"kvlab: sweep report failed ({experiment.one_line(e)}); each run's results are in {shown(sweep)}",
                   file=sys.stderr)
-            experiment.WHERE.setdefault("failures", []).append(f"{sweep} (the sweep report)")
+            experiment.note_failure(f"{sweep} (the sweep report)")
             return
         print_summary(rep)
 

@@ -24,18 +24,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness import ownership, tracking
-from harness.tracking import BATCHES, DRIFT, LAYERS, MEMORY, RESULTS, STEPS
+from harness import measurements, ownership, tracking
+from harness.measurements import IDENTITY_COLUMNS
+from harness.tracking import RESULTS
 
 # the columns that say which run a row belongs to, first in every table
-KEYS = ["run_name", "group", "status", "model", "cache", "cache_label", "dtype", "device", "engine", "serve_batch",
-        "prompt_lengths"]
+KEYS = list(IDENTITY_COLUMNS)
 # the readable order of the runs table; everything else follows, alphabetically
-FIRST = KEYS + ["error", "experiment", "weights", "cache_exact", "tokens_identical", "max_abs_logit_diff",
-                "first_diff_step", "nbytes_match", "cache_nbytes", "predicted_nbytes", "bytes_per_token", "drift_kl",
-                "drift_max_abs", "drift_top1_agreement", "drift_token_match_rate", "ttft_ms",
-                "step_ms_cached_at_max_context", "step_ms_uncached_at_max_context", "speedup_at_max_context",
-                "tokens_per_s", "kv_waste", "serve_tokens_identical"]
+FIRST = KEYS + ["error", "experiment", "weights", "cache_exact", *measurements.shown_keys()]
 SKIP_DIRS = {"wandb", "report", ".hydra"}
 
 
@@ -74,8 +70,15 @@ def _skipped(path: Path) -> bool:
 
 
 REQUIRED = ("status", "run_name", "model", "cache", "dtype")  # what makes a results.json kvlab's
-COLUMNS = {STEPS: ("context_len", "mode", "ms_median"), DRIFT: ("step",), MEMORY: ("tokens", "nbytes_formula"),
-           LAYERS: ("layer", "k_rel_err", "v_rel_err"), BATCHES: ("batch", "ms_median", "tokens_per_s")}
+
+
+def required_columns(file: str) -> tuple[str, ...]:
+    """The columns that make a run table kvlab's: those its first measurement declares."""
+    for name, t in measurements.tables().items():
+        if t["file"] == file:
+            first = measurements.MEASUREMENTS[t["by"][0]]
+            return next(x.columns for x in first.tables if x.name == name)
+    return ()
 
 
 def read_record(path: Path) -> tuple[dict | None, str | None]:
@@ -152,20 +155,37 @@ def read_table(f: Path) -> tuple[pd.DataFrame | None, str | None]:
         return None, f"unreadable {f.name} ({type(e).__name__})"
     if df.empty:
         return None, f"{f.name} has no rows"
-    missing = [c for c in COLUMNS.get(f.name, ()) if c not in df.columns]
+    missing = [c for c in required_columns(f.name) if c not in df.columns]
     if missing:
         return None, f"{f.name} is not kvlab's (no {', '.join(missing)} column)"
     return df, None
 
 
+def _writer(file: str) -> str | None:
+    """The measurement whose run writes ``file`` (the first that declares it)."""
+    return next((t["by"][0] for t in measurements.tables().values() if t["file"] == file), None)
+
+
+def _made(record: dict, writer: str) -> bool:
+    """Whether a run should have made the table measurement ``writer`` writes: it was asked for (``measurements``;
+    records from before that key: every measurement was) and did not record why it was skipped."""
+    asked = record.get("measurements")
+    return (asked is None or writer in str(asked).split(",")) and f"{writer}_skipped" not in record
+
+
 def _long(path: str | Path, name: str, invocation: str | None = None, required: bool = True) -> pd.DataFrame:
+    """One run table (file ``name``) of every ok run under ``path``, stacked. A ``required`` table is missed (a
+    warning) in a run whose record shows its measurement ran; a run that did not make it (``measurements=[...]``)
+    has none to miss."""
     frames = []
+    writer = _writer(name)
     for folder, record in run_folders(path, invocation):
         f = folder / name
         if record.get("status") != "ok":
             continue
         if not f.is_file():
-            if not required:  # a table that runs of earlier kvlab versions did not write
+            made = writer is None or _made(record, writer)
+            if not (required and made):  # a table this run did not make, or that earlier kvlab versions did not
                 continue
             warnings.warn(f"{shown(folder)}: finished but has no {name}; its rows are missing", IncompleteRunWarning,
                           stacklevel=3)
@@ -184,37 +204,51 @@ def _long(path: str | Path, name: str, invocation: str | None = None, required: 
     return _order(pd.concat(frames, ignore_index=True), KEYS)
 
 
+def load_table(path: str | Path, name: str, invocation: str | None = None) -> pd.DataFrame:
+    """Any run table by its name (``harness.measurements.tables()``): one row per (run, row of its table), the
+    identity columns first; runs that have no such file are left out."""
+    return _long(path, measurements.table(name)["file"], invocation, required=False)
+
+
+def load_tables(path: str | Path, invocation: str | None = None) -> dict[str, pd.DataFrame]:
+    """Every run table the registry knows, by name."""
+    return {name: _long(path, t["file"], invocation, required=name in REQUIRED_TABLES)
+            for name, t in measurements.tables().items()}
+
+
+REQUIRED_TABLES = ("steps", "drift", "memory")  # every ok run of a default sweep writes these
+
+
 def load_steps(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
     """Decode-step times: one row per (run, context_len, mode) with ms_median, ms_p10, ms_p90, speedup."""
-    return _long(path, STEPS, invocation)
+    return _long(path, "steps.csv", invocation)
 
 
 def load_drift(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
     """Per decode step: eq_max_abs_diff (cached vs the kind's reference) and drift_* vs fp32 full attention (NaN
     where the run has no drift)."""
-    return _long(path, DRIFT, invocation)
+    return _long(path, "drift.csv", invocation)
 
 
 def load_memory(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
     """Cache bytes vs tokens: one row per (run, tokens) with nbytes_formula and nbytes_measured (NaN where the
     generation did not reach that length)."""
-    return _long(path, MEMORY, invocation)
+    return _long(path, "memory.csv", invocation)
 
 
 def load_layers(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
     """Per layer: k_rel_err and v_rel_err, the relative error of the K and V attention read against fp32 (no rows
     for runs without drift)."""
-    return _long(path, LAYERS, invocation, required=False)
+    return _long(path, "layers.csv", invocation, required=False)
 
 
 def load_batches(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
     """Decode throughput vs batch size: one row per (run, batch) with ms_median, tokens_per_s, weight_bytes,
     kv_bytes (runs without ``batch_sizes`` have none)."""
-    return _long(path, BATCHES, invocation, required=False)
+    return _long(path, "batches.csv", invocation, required=False)
 
 
 REPORT_PAGE = "report.html"  # a report folder's page: listed in its manifest before any of its tables is written
-RUN_FILES = (RESULTS, getattr(tracking, "LOG", "run.log"), *tracking.TABLES.values())  # what a run writes
 
 
 def run_folder(folder: str | Path) -> str | None:
@@ -228,7 +262,7 @@ def run_folder(folder: str | Path) -> str | None:
     if ".hydra" in names:
         return "it is a Hydra job folder (.hydra)"
     mine = ownership.owned(folder)
-    tables = sorted(n for n in names & set(RUN_FILES) if n in mine)
+    tables = sorted(n for n in names & set(tracking.run_files()) if n in mine)
     if tables and REPORT_PAGE not in mine:
         return f"it holds a run's {tables[0]}"
     return None

@@ -23,8 +23,33 @@ from harness.ownership import atomic_write
 
 RESULTS, STEPS, DRIFT, MEMORY, LAYERS = "results.json", "steps.csv", "drift.csv", "memory.csv", "layers.csv"
 BATCHES, LOG = "batches.csv", "run.log"  # run.log: the run's summary, as printed
-TABLES = {"steps": STEPS, "drift": DRIFT, "memory": MEMORY, "layers": LAYERS,
-          "batches": BATCHES}  # a run's tables and their files
+
+
+def table_files() -> dict[str, str]:
+    """A run's tables -> their files, from the measurements that write them (``harness.measurements``)."""
+    from harness import measurements
+
+    return {name: t["file"] for name, t in measurements.tables().items()}
+
+
+def run_files() -> tuple[str, ...]:
+    """Every file a run writes in its folder (besides .hydra/ and wandb/)."""
+    return (RESULTS, LOG, *table_files().values())
+
+
+def with_identity(tables: dict, record: dict) -> dict:
+    """The run's tables, each starting with the columns that say which run a row is of
+    (``harness.measurements.IDENTITY_COLUMNS``)."""
+    from harness.measurements import IDENTITY_COLUMNS
+
+    out = {}
+    for name, df in tables.items():
+        if df is not None:
+            df = df.drop(columns=[c for c in IDENTITY_COLUMNS if c in df])
+            for i, k in enumerate(IDENTITY_COLUMNS):
+                df.insert(i, k, record.get(k))
+        out[name] = df
+    return out
 
 
 def _jsonable(v):
@@ -37,13 +62,14 @@ def _jsonable(v):
 
 def write_run_files(run_dir: Path, record: dict, tables: dict[str, pd.DataFrame] | None = None,
                     log: str | None = None) -> None:
-    """The run's tables (``TABLES``: steps, drift, memory, layers), its summary (``run.log``), then results.json,
-    last; each name listed in the folder's manifest before it is written (kvlab's own, to clear or replace)."""
+    """The run's tables (``table_files``), its summary (``run.log``), then results.json, last; each name listed in
+    the folder's manifest before it is written (kvlab's own, to clear or replace)."""
     run_dir = Path(run_dir)
     tables = {k: df for k, df in (tables or {}).items() if df is not None}
-    ownership.claim(run_dir, RESULTS, *(TABLES[k] for k in tables), *([LOG] if log is not None else []))
+    files = table_files()
+    ownership.claim(run_dir, RESULTS, *(files[k] for k in tables), *([LOG] if log is not None else []))
     for key, df in tables.items():
-        atomic_write(run_dir / TABLES[key], lambda f, df=df: df.to_csv(f, index=False))
+        atomic_write(run_dir / files[key], lambda f, df=df: df.to_csv(f, index=False))
     if log is not None:
         atomic_write(run_dir / LOG, (log + "\n").encode())
     clean = {k: _jsonable(v) for k, v in record.items()}
@@ -117,7 +143,22 @@ def sources() -> list[Path]:
     return sorted(p for p in found if p.is_file())
 
 
-STEP_MS = {"ms_median": "", "ms_p10": "_p10", "ms_p90": "_p90"}  # steps.csv column -> step_ms/<mode><suffix>
+def log_history(run, tables: dict) -> None:
+    """Each measurement's per-step series (``history_rows``), one W&B row per step value, against its step metric
+    (``decode_step``, ``context_len``); the keys are the registry's ``history_keys``."""
+    from harness import measurements
+
+    by: dict[str, dict[int, dict]] = {}
+    for cls in measurements.MEASUREMENTS.values():
+        for metric, x, values in cls.history_rows(tables):
+            by.setdefault(metric, {}).setdefault(x, {}).update(values)
+    keys = measurements.history_keys()
+    for metric, rows in by.items():
+        run.define_metric(metric)
+        for glob in sorted({k.split("/")[0] + "/*" for k, m in keys.items() if m == metric}):
+            run.define_metric(glob, step_metric=metric, summary="none")
+        for x in sorted(rows):
+            run.log({metric: x, **{k: _jsonable(v) for k, v in rows[x].items() if _jsonable(v) is not None}})
 
 
 class WandbRun:
@@ -142,33 +183,15 @@ class WandbRun:
             print(f"kvlab: W&B could not save the code ({type(e).__name__}); the run goes on", file=sys.stderr)
 
     def finish(self, record: dict, tables: dict, files: list[Path], exit_code: int) -> None:
-        """Log what the run measured and close it: per-decode-step history against ``decode_step``, step times
-        against ``context_len`` (``step_ms/<mode>``, p10/p90, ``step_ms/speedup``), the tables, the record as the
-        summary (keys whose value is null are left out, listed in ``null_keys``), the effective config, and the
-        run's files as an artifact."""
+        """Log what the run measured and close it: each measurement's history (``log_history``: per decode step,
+        step times against ``context_len``), the tables, the record as the summary (keys whose value is null are
+        left out, listed in ``null_keys``), the effective config, and the run's files as an artifact."""
         if self.run is None:
             return
         run, wandb = self.run, self.wandb
         try:
             run.config.update({"effective": effective(record)}, allow_val_change=True)
-            drift, steps = tables.get("drift"), tables.get("steps")
-            if drift is not None:
-                run.define_metric("decode_step")
-                run.define_metric("step/*", step_metric="decode_step", summary="none")
-                for row in drift.to_dict("records"):
-                    run.log({"decode_step": row["step"], **{f"step/{k}": _jsonable(v) for k, v in row.items()
-                                                            if isinstance(v, (int, float)) and k != "step"
-                                                            and _jsonable(v) is not None}})
-            if steps is not None:
-                run.define_metric("context_len")
-                run.define_metric("step_ms/*", step_metric="context_len", summary="none")
-                for ctx, g in steps.groupby("context_len"):
-                    row = {"context_len": int(ctx)}
-                    for _, r in g.iterrows():
-                        row.update({f"step_ms/{r['mode']}{sfx}": float(r[col]) for col, sfx in STEP_MS.items()})
-                        if r["mode"] == "cached":
-                            row["step_ms/speedup"] = float(r["speedup"])
-                    run.log(row)
+            log_history(run, tables)
             for key, df in tables.items():
                 if df is not None and len(df):
                     run.log({f"{key}_table": wandb.Table(dataframe=df)})

@@ -40,6 +40,7 @@ import sys
 import threading
 from pathlib import Path
 
+from harness import measurements
 from harness.tracking import atomic_write
 
 PROJECT = "kvlab"  # tracking's default project
@@ -50,18 +51,12 @@ BAD_GROUP_CHARS = "/\\#?%:'\"=<>\n\r\t"  # not in a W&B group name, or not carri
 API_TIMEOUT_S = 10.0  # each W&B call the CLI makes gets this long before it says so and stops
 SAVE_TIMEOUT_S = 180.0  # saving looks up each run set's project and the report: several calls
 
-# History keys every run logs (harness.tracking.WandbRun.finish) -> the step metric they are logged against.
-HISTORY_KEYS = {
-    **{f"step_ms/{mode}{sfx}": "context_len" for mode in ("cached", "uncached") for sfx in ("", "_p10", "_p90")},
-    "step_ms/speedup": "context_len",
-    **{f"step/{col}": "decode_step" for col in ("eq_max_abs_diff", "eq_top1_agreement", "drift_kl", "drift_max_abs",
-                                                "drift_mean_abs", "drift_top1_agreement")},
-}
+# History keys every run logs (harness.tracking.log_history) -> the step metric they are logged against: what the
+# measurements declare (harness.measurements.history_keys).
+HISTORY_KEYS = measurements.history_keys()
 STEP_METRICS = ("context_len", "decode_step")
-# Summary keys (results.json's keys) the report shows.
-SUMMARY_KEYS = ("bytes_per_token", "cache_nbytes", "drift_kl", "drift_kl_decode", "drift_kl_p99", "drift_kl_max",
-                "drift_delta_nll", "drift_rms_dp", "drift_same_top1", "speedup_at_max_context",
-                "step_ms_cached_at_max_context", "tokens_per_s", "kv_waste", "cache_label", "dtype", "model", "status")
+# Summary keys (results.json's keys) the report shows: every measurement's headline keys, and which run.
+SUMMARY_KEYS = (*measurements.shown_keys("wandb"), "cache_label", "dtype", "model", "status")
 # Config keys (the resolved Hydra config, plus tracking's ``effective``) the report groups by or shows.
 CONFIG_KEYS = ("cache.kind", "dtype.name", "model.name", "effective.cache_label", "effective.device", "experiment",
                "batch", "prompt_lengths")
@@ -71,10 +66,7 @@ GROUP_BY = {"cache": "config.cache.kind", "dtype": "config.dtype.name", "cache_l
 # The runs table's columns, as wandb-workspaces addresses them: "config:<top>.value.<rest>", "summary:<key>".
 TABLE_COLUMNS = ["config:model.value.name", "config:effective.value.cache_label", "config:dtype.value.name",
                  "config:effective.value.device"] + [
-    f"summary:{k}" for k in ("status", "bytes_per_token", "cache_nbytes", "speedup_at_max_context",
-                             "step_ms_cached_at_max_context", "drift_kl", "drift_kl_decode", "drift_kl_p99",
-                             "drift_delta_nll",
-                             "drift_rms_dp", "drift_same_top1")]
+    f"summary:{k}" for k in ("status", *measurements.shown_keys("wandb"))]
 
 # The not-ok runs table: which run, its status and why.
 FAILED_COLUMNS = TABLE_COLUMNS[:4] + ["summary:status", "summary:error"]
@@ -103,39 +95,27 @@ def runs_filter(group: str, ok: bool | None = None) -> str:
     return f if ok is None else f"{f} and SummaryMetric(\"status\") {'==' if ok else '!='} 'ok'"
 
 
+def measurement_panels() -> list:
+    """The charts every registered measurement declares (``Measurement.panels``), in registry order, the step-time
+    charts first (what a sweep is usually read for)."""
+    found = [p for _, p in measurements.panels()]
+    return sorted(found, key=lambda p: not p.title.startswith(("Decode-step", "Speedup")))
+
+
 def _panel(title: str, kind: str, y: list[str], groupby: list[str], filters: str, x: str | None = None,
            caption: str = "", **extra) -> dict:
     return dict(title=title, kind=kind, x=x, y=list(y), groupby=list(groupby), filters=filters,
-                step_metric=HISTORY_KEYS[y[0]] if kind == "line" else None, caption=caption, **extra)
+                step_metric=measurements.history_keys()[y[0]] if kind == "line" else None, caption=caption, **extra)
 
 
 def build_spec(group: str, project: str = PROJECT, entity: str | None = None) -> dict:
     """The report as plain JSON-able data: title, description, where the runs are and its panels (title, kind
     line/bar/table, x, y, groupby, filters, step_metric, caption, and for charts log_x/log_y). No network, no W&B."""
     f, everyone, not_ok = runs_filter(group, ok=True), runs_filter(group), runs_filter(group, ok=False)
-    cache, dtype, label = GROUP_BY["cache"], GROUP_BY["dtype"], GROUP_BY["cache_label"]
-    step_ms = ["step_ms/cached", "step_ms/uncached"]
-    drift = ["step/drift_kl", "step/drift_max_abs"]
-    text = ["drift_kl", "drift_kl_decode", "drift_kl_p99", "drift_delta_nll", "drift_rms_dp"]
-    panels = [
-        _panel("Decode-step time vs context length, by cache kind", "line", step_ms, [cache], f, "context_len",
-               "Median time (ms) of one decode step: cached (the cache kind) vs uncached (full recompute).",
-               log_x=True, log_y=True),
-        _panel("Decode-step time vs context length, by dtype", "line", step_ms, [dtype], f, "context_len",
-               "The same step times, grouped by dtype.", log_x=True, log_y=True),
-        _panel("Speedup vs context length", "line", ["step_ms/speedup"], [cache], f, "context_len",
-               "Speedup of a cached decode step over the uncached one (uncached / cached).", log_x=True, log_y=False),
-        _panel("Bytes per token", "bar", ["bytes_per_token", "cache_nbytes"], [cache, dtype], f, None,
-               "Cache bytes per cached token (the kind's formula) and the cache's bytes at the end of the run."),
-        _panel("Drift vs decode step, by dtype", "line", drift, [dtype], f, "decode_step",
-               "Drift from fp32 full attention per decode step: KL and max |Δlogit|.", log_x=False, log_y=True),
-        _panel("Drift vs decode step, by cache kind", "line", drift, [cache], f, "decode_step",
-               "The same drift, grouped by cache kind.", log_x=False, log_y=True),
-        _panel("Drift on text", "bar", text, [label, dtype], f, None,
-               "Teacher-forced drift on text vs fp32: mean and p99 KL, ΔNLL (nats/token), RMS Δp."),
-        _panel("Served batch: throughput and KV waste", "bar", ["tokens_per_s", "kv_waste"],
-               [label, GROUP_BY["batch"], GROUP_BY["prompt_lengths"]], f, None,
-               "Each run's served batch: generated tokens/s, and the share of held cache slots that hold no token."),
+    panels = [_panel(p.title, p.kind, list(p.y), [GROUP_BY[g] for g in p.groupby], f, p.x, p.caption,
+                     **({} if p.kind != "line" else dict(log_x=p.log_x, log_y=p.log_y)))
+              for p in measurement_panels()]
+    panels += [
         _panel("Runs that are not ok: failed, interrupted, not equivalent", "table", ["status"], [], not_ok, None,
                "Runs whose status is not ok, with the reason; not_equivalent: an exact cache in fp32 whose output "
                "differs from its reference (a failure). The charts above draw ok runs only.",

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import measure
+from harness import measure, measurements
 from harness.engines import KvlabEngine
 
 TEXT = [torch.tensor([[464, 3290, 318, 257, 1332, 286, 262, 6801, 13, 198, 464, 2068, 7586, 21831, 18045, 625,
@@ -95,11 +95,12 @@ def test_a_divergence_is_diagnosed_with_its_margin_and_first_layer(tiny_model):
 def test_generation_checks_report_text_drift_and_layers(tiny_model):
     e = KvlabEngine(tiny_model)
     prompts = [TEXT[0][:, :8]]
-    s, _ = measure.generation_checks(e, prompts, 6, spec("prealloc", torch.float16), 1, ref32=e, texts=TEXT)
+    s, tables = measurements.run_on(e, spec("prealloc", torch.float16), prompts, 6, max_len=64, full_prompts=1,
+                                    ref32=e, texts=TEXT)
     assert s["drift_kl"] > 0 and s["drift_text_positions"] == TEXT[0].shape[1] - 1
-    assert list(s["layers"].columns) == ["layer", "k_rel_err", "v_rel_err"]
-    plain, _ = measure.generation_checks(e, prompts, 6, spec("prealloc"), 1)
-    assert plain["drift_kl"] is None and plain["layers"] is None
+    assert list(tables["layers"].columns) == ["layer", "k_rel_err", "v_rel_err"]
+    plain, tables = measurements.run_on(e, spec("prealloc"), prompts, 6, full_prompts=1)
+    assert "drift_kl" not in plain and "layers" not in tables and "fp32 reference" in plain["text_drift_skipped"]
 
 
 # ---- what the report says about them -------------------------------------------------------------------------

@@ -231,3 +231,72 @@ def test_engine_ratios_pair_runs_of_the_same_options_only():
     assert set(got.index) == {"quant k4/v4 g32", "quant k2/v2 g32"}
     assert got.loc["quant k4/v4 g32", "ours_over_hf"] == pytest.approx(10 / 30)
     assert got.loc["quant k2/v2 g32", "ours_over_hf"] == pytest.approx(30 / 90)
+
+
+# ---- the engine protocol: a conformance suite over ENGINES -------------------------------------------------------
+
+from harness.engines import ENGINES, Engine  # noqa: E402
+from models.kv_cache import CACHE_KINDS  # noqa: E402
+
+
+def _kinds_run_by(cls):
+    return [k for k, c in CACHE_KINDS.items() if cls.refuses(k, c.parse_options(**c.examples[0])) is None]
+
+
+@pytest.fixture(scope="module")
+def every_engine(tiny_model):
+    return {name: cls(tiny_model) for name, cls in ENGINES.items()}
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_every_engine_follows_the_protocol(every_engine, name):
+    e, cls = every_engine[name], ENGINES[name]
+    assert isinstance(e, Engine) and e.name == name and isinstance(cls.holds_weight_copy, bool)
+    assert _kinds_run_by(cls), f"{name} runs no cache kind"
+    for kind, c in CACHE_KINDS.items():  # what it refuses, it refuses in one line, before building anything
+        why = cls.refuses(kind, c.parse_options(**c.examples[0]))
+        assert why is None or (isinstance(why, str) and why and "\n" not in why)
+        if why is not None:
+            with pytest.raises(ValueError):
+                e.new_cache(kind, 16, 1, None, **c.examples[0])
+    for why in (cls.refuses_ragged(), cls.refuses_compile("prealloc"), cls.refuses_compile("concat")):
+        assert why is None or (isinstance(why, str) and "\n" not in why)
+    assert cls.refuses_compile("concat") is not None  # a compiled step needs static shapes
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_every_engine_prefill_decode_checkpoint_and_bytes_agree_with_its_forward(every_engine, name):
+    e = every_engine[name]
+    seq = torch.randint(0, 50257, (1, 10), generator=torch.Generator().manual_seed(3))
+    full = e.forward(seq)  # (1, 10, vocab): the oracle
+    assert torch.allclose(e.forward_last(seq)[:, -1], full[:, -1], atol=1e-4)
+    for kind in _kinds_run_by(ENGINES[name]):
+        c = CACHE_KINDS[kind]
+        if not c.exact:
+            continue
+        opts = c.examples[0]
+        ref = c.reference(c.parse_options(**opts))
+        want = e.forward(seq, **ref) if name == "kvlab" or not ref else None
+        if want is None:
+            continue
+        cache = e.new_cache(kind, 16, 1, None, **opts)
+        got = [e.prefill(seq[:, :6], cache)]
+        back = e.checkpoint(cache)
+        for i in range(6, 10):
+            got.append(e.decode(seq[:, i:i + 1], cache))
+        assert (torch.cat(got, dim=1) - want).abs().max().item() <= 1e-4, kind
+        held = e.nbytes(cache)
+        store = e.storage(measure_spec(kind, opts), 6)
+        assert held > 0 and store.bytes_per_token(2, 2, 32, torch.float32, c.parse_options(**opts)) > 0
+        back()  # undone: the next step at position 6 gives the same logits again
+        assert (e.decode(seq[:, 6:7], cache) - want[:, 6:7]).abs().max().item() <= 1e-4, kind
+        n = e.keys_read(kind, 8, 16)
+        assert n is None or 8 < n <= 16
+        a, b = e.greedy(seq[:, :4], 6, layout=kind, **opts), e.greedy(seq[:, :4], 6, layout=None, **ref)
+        assert torch.equal(a.tokens, b.tokens), kind
+
+
+def measure_spec(kind, opts):
+    from harness.measure import CacheSpec
+
+    return CacheSpec(kind, opts)

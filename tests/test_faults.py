@@ -1,5 +1,5 @@
 """Every bad input answered: one clear line that says what was wrong and what would be right, a non-zero exit where
-it ends the run, no traceback, nothing half-written. Each case has an id; the README's "Bad inputs and faults" table
+it ends the run, no traceback, nothing half-written. Each case has an id; docs/faults.md's "Bad inputs and faults" table
 lists the same ids (``test_the_readme_table_lists_every_case``)."""
 
 import json
@@ -61,6 +61,9 @@ CONFIG = [
      "prompt_lengths=ragged: engine=hf runs batches of one prompt length here; use engine=kvlab"),
     ("hf-no-counterpart", ["engine=hf", "cache=window"],
      "engine=hf cache=window: HF transformers has no counterpart of cache kind 'window' here: it runs concat"),
+    ("hf-storage-dtype", ["engine=hf", "dtype=fp16"],
+     "engine=hf: HF caches store K/V in the model's dtype: dtype.storage=fp16 with compute fp32; set "
+     "dtype.compute=fp16"),
     ("hf-quant-bits", ["engine=hf", "cache=quant", "cache.k_bits=8"],
      "engine=hf cache=quant: HF's QuantizedCache (quanto) takes one bit width for K and V, 2 or 4: got k_bits=8"),
     ("paged-block-size-zero", ["cache=paged", "cache.block_size=0"], "block_size must be an integer >= 1"),
@@ -204,7 +207,7 @@ def test_nan_weights_fail_the_run_never_called_equivalent(tmp_path):
 def test_non_finite_values_made_while_running_fail_with_where(tiny_model):
     import copy
 
-    from harness import measure
+    from harness import measure, measurements
     from harness.engines import KvlabEngine
 
     bad = copy.deepcopy(tiny_model)
@@ -214,13 +217,13 @@ def test_non_finite_values_made_while_running_fail_with_where(tiny_model):
     with pytest.raises(measure.NonFiniteError, match="in the cached generation of prompt 0 at step 0; first "
                                                      "non-finite values in the K/V the quant cache returned at "
                                                      "layer 1"):
-        measure.generation_checks(KvlabEngine(bad), [torch.tensor([[1, 2, 3]])], 5, spec, 1)
+        measurements.run_on(KvlabEngine(bad), spec, [torch.tensor([[1, 2, 3]])], 5, full_prompts=1)
     with torch.no_grad():
         bad = copy.deepcopy(tiny_model)
         bad.transformer.h[0].mlp.c_proj.bias[0] = float("inf")
     with pytest.raises(measure.NonFiniteError, match="first non-finite values in the weight"):
-        measure.generation_checks(KvlabEngine(bad), [torch.tensor([[1, 2, 3]])], 5, measure.CacheSpec("prealloc"),
-                                  1)
+        measurements.run_on(KvlabEngine(bad), measure.CacheSpec("prealloc"), [torch.tensor([[1, 2, 3]])], 5,
+                            full_prompts=1)
 
 
 @pytest.mark.slow
@@ -405,12 +408,14 @@ def test_the_report_builds_from_whatever_is_readable(tmp_path):
 def test_a_write_error_is_one_line_and_counts_as_not_ok(capsys):
     from harness import experiment
 
-    experiment.WHERE.clear()
-    ok = experiment._write(Path("/proc/kvlab-nowhere"), {"run_name": "r", "status": "ok"})
-    err = capsys.readouterr().err
-    assert not ok and err.count("\n") == 1 and "cannot write the results of run r to /proc/kvlab-nowhere" in err
-    assert any("cannot write" in f for f in experiment.invocation_failures())
-    experiment.WHERE.clear()
+    experiment.new_invocation()
+    try:
+        ok = experiment._write(Path("/proc/kvlab-nowhere"), {"run_name": "r", "status": "ok"})
+        err = capsys.readouterr().err
+        assert not ok and err.count("\n") == 1 and "cannot write the results of run r to /proc/kvlab-nowhere" in err
+        assert any("cannot write" in f for f in experiment.invocation_failures())
+    finally:
+        experiment.forget_invocation()
 
 
 def test_runs_on_two_checkpoint_folders_get_two_labels():
@@ -443,9 +448,10 @@ def test_a_missing_checkpoint_says_how_to_build_it(tmp_path):
 
 
 def test_the_readme_table_lists_every_case():
-    readme = (REPO / "README.md").read_text()
-    start = readme.index("### Bad inputs and faults")
-    table = readme[start:readme.index("\n## ", start)]
+    doc = (REPO / "docs" / "faults.md").read_text()
+    start = doc.index("## Bad inputs and faults")
+    end = doc.find("\n## ", start + 1)
+    table = doc[start:end if end >= 0 else len(doc)]
     listed = set(re.findall(r"^\| `([a-z0-9-]+)` \|", table, flags=re.M))
     from tests import test_safe_engine, test_safe_report, test_safe_runs, test_safe_tools
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from harness import measure
+from harness import measurements, measure
 from harness.config import ConfigError, cache_options, dtype_label, register, validate
 from harness.engines import HF_COUNTERPARTS, KvlabEngine
 from harness.experiment import batch_lengths, text_prompts
@@ -161,10 +161,11 @@ class OffByOneReference(KvlabEngine):
 def test_generation_checks_catch_a_disagreeing_reference(tiny_model):
     prompts = [torch.tensor([[464, 3290, 318]])]
     spec = measure.CacheSpec("prealloc", {}, torch.float32)
-    good, table = measure.generation_checks(KvlabEngine(tiny_model), prompts, 10, spec, 1)
+    good, tables = measurements.run_on(KvlabEngine(tiny_model), spec, prompts, 10, full_prompts=1)
+    table = tables["drift"]
     assert good["tokens_identical"] and good["max_abs_logit_diff"] < 1e-4 and good["first_diff_step"] is None
     assert list(table.step) == list(range(10)) and table.drift_kl.isna().all()
-    bad, _ = measure.generation_checks(OffByOneReference(tiny_model), prompts, 10, spec, 0)
+    bad, _ = measurements.run_on(OffByOneReference(tiny_model), spec, prompts, 10, full_prompts=0)
     assert not bad["tokens_identical"]
     assert bad["first_diff_step"] == 5 - 2  # prompt of 3: position 5 chose generated token 3
     assert bad["max_abs_logit_diff"] > 999
@@ -173,8 +174,9 @@ def test_generation_checks_catch_a_disagreeing_reference(tiny_model):
 def test_drift_is_measured_against_fp32(tiny_model):
     engine = KvlabEngine(tiny_model)
     prompts = [torch.tensor([[464, 3290, 318]]), torch.tensor([[15496, 995]])]
-    s, table = measure.generation_checks(engine, prompts, 12, measure.CacheSpec("concat", {}, torch.bfloat16), 1,
-                                         ref32=engine)
+    s, tables = measurements.run_on(engine, measure.CacheSpec("concat", {}, torch.bfloat16), prompts, 12,
+                                    full_prompts=1, ref32=engine)
+    table = tables["drift"]
     assert 0 < s["drift_max_abs"] and 0 < s["drift_gen_kl"] and 0 <= s["drift_top1_agreement"] <= 1
     assert table.drift_kl.notna().all() and len(table) == 12
     assert s["drift_max_abs"] == pytest.approx(table.drift_max_abs.max())
@@ -222,7 +224,8 @@ def test_sweep_writes_complete_runs_offline_without_network(tiny_sweep):
             assert r["peak_memory_kind"] == "process_peak_rss" and r["peak_memory_bytes"] > 0
         if r["dtype"] == "fp32":
             assert r["tokens_identical"] and r["max_abs_logit_diff"] <= 1e-4
-            assert r["drift_kl"] is None and r["drift_top1_agreement"] is None
+            assert "drift_kl" not in r and "drift_top1_agreement" not in r  # no drift: its own fp32 reference
+            assert "fp32 reference" in r["generation_drift_skipped"] and "fp32" in r["text_drift_skipped"]
         else:
             assert r["storage_dtype"] == "float16" and r["compute_dtype"] == "float32"
             assert r["drift_kl"] > 0 and 0 <= r["drift_top1_agreement"] <= 1
@@ -302,7 +305,7 @@ def test_every_kind_sweeps_beside_the_others(tmp_path):
         if cls.exact:
             assert r["tokens_identical"] and r["max_abs_logit_diff"] <= 1e-4
         plain = cls.exact and not cls.reference(cls.Options())
-        assert (r["drift_kl"] is None) == plain
+        assert ("drift_kl" not in r) == plain
         memory = pd.read_csv(Path(r["run_dir"]) / "memory.csv")
         assert memory.nbytes_measured.notna().sum() == r["new_tokens"]
     assert runs["window"]["drift_max_abs"] > 1e-3 and runs["window"]["cache_tokens"] == 36

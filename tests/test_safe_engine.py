@@ -1,7 +1,7 @@
 """The engine's side of safe runs: byte accounting that no container can hide a buffer from, bad arguments refused in
 one line (never a float ``pos``, a silently ignored option or a traceback from inside torch), tampered snapshots
 refused before anything is restored, and a checkpoint's shapes checked against its safetensors header before the
-model is built. ``CASES`` lists each case with what kvlab now does (the README's fault table lists the same ids)."""
+model is built. ``CASES`` lists each case with what kvlab now does (docs/faults.md's fault table lists the same ids)."""
 
 import collections
 import functools

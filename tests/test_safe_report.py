@@ -124,7 +124,8 @@ def one_plot(monkeypatch):
     def makers(runs, steps, drift, memory=None, layers=None, batches=None):
         return {"cache_bytes": (plots.cache_bytes_plot, runs)}
 
-    monkeypatch.setattr(report.plots, "figure_makers", makers)
+    monkeypatch.setattr(report.plots, "figures_for", lambda runs, frames: makers(
+        runs, *[frames.get(k) for k in ("steps", "drift", "memory", "layers", "batches")]))
 
 
 def _cli(*args, timeout=300) -> subprocess.CompletedProcess:
@@ -192,15 +193,18 @@ def test_a_wandb_folder_kvlab_did_not_write_survives(sweep, one_plot, capsys):
     # the sweep's own report at the end of a multirun: one line, and the sweep is not ok
     cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}, "experiment": "quick",
                             "tracking": {"mode": "offline", "project": "kvlab", "entity": None, "group": "quick-s"}})
-    experiment.WHERE.clear()
+    from harness import invocation
+
+    notes = invocation._notes(experiment.invocation())
     try:
         report.SweepReport().on_multirun_end(cfg)
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "sweep report not written" in err and "wandb" in err
         assert "python -m harness.report" in err and "--out DIR" in err
-        assert any("the sweep report" in f for f in experiment.WHERE.get("failures", []))
+        assert any("the sweep report" in f for f in experiment.invocation_failures())
     finally:
-        experiment.WHERE.clear()
+        for f in notes.glob("failure-*.json"):  # the failure noted here, not this process's other notes
+            f.unlink()
     assert _snapshot(sweep / "report") == before
 
 

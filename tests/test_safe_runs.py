@@ -1,6 +1,6 @@
 """Safe runs: kvlab never touches files it did not write, a refused config changes nothing on disk, an exact kind
 that is not equivalent is a failure, signals leave a record, one kvlab process at a time per run folder, and a
-changed input is measured again. Each case has an id; the README's fault table lists them (``CASES``)."""
+changed input is measured again. Each case has an id; docs/faults.md's fault table lists them (``CASES``)."""
 
 import json
 import os
@@ -486,7 +486,6 @@ def test_the_exit_code_counts_only_this_invocations_runs(tmp_path, monkeypatch):
     (tmp_path / "killed").mkdir()
     experiment.note_started(tmp_path / "killed")
     experiment.note_started(tmp_path / "refused", refused="n_prompts=0 must be at least 1")
-    experiment.WHERE.clear()
     try:
         bad = experiment.invocation_failures()
         assert len(bad) == 2 and any("killed (no complete results.json)" in b for b in bad)

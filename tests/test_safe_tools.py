@@ -2,7 +2,7 @@
 computes (one line, exit 2, never a traceback, never a list as long as an unchecked number), and ``python -m
 harness.train`` stops on SIGINT, SIGTERM, SIGUSR2 and SIGHUP alike, saying exactly what it saved (exit 128 + the
 signal's number; the same command resumes), and refuses an unwritable ``--out`` before any training starts.
-``CASES`` lists each case with what kvlab now does (the README's fault table lists the same ids)."""
+``CASES`` lists each case with what kvlab now does (docs/faults.md's fault table lists the same ids)."""
 
 import json
 import os

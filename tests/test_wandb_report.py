@@ -15,6 +15,7 @@ import torch
 
 from harness import measure, report, tracking
 from harness import wandb_report as wrep
+from harness.measurements import step_time
 from harness.config import KvlabConfig, cache_schema
 from models.kv_cache import CACHE_KINDS
 from tests.conftest import REPO, Tripwire
@@ -86,15 +87,15 @@ def test_history_keys_are_exactly_what_a_run_logs():
     assert logged == wrep.HISTORY_KEYS
     assert run.metrics == {"decode_step": None, "step/*": "decode_step", "context_len": None,
                            "step_ms/*": "context_len"}
-    # the same names, from their sources: tracking's STEP_MS mapping and measure's drift.csv columns
+    # the same names, from their sources: the step_time measurement's STEP_MS mapping and measure's drift.csv columns
     assert {k for k in wrep.HISTORY_KEYS if k.startswith("step_ms/")} == {
-        f"step_ms/{m}{sfx}" for m in ("cached", "uncached") for sfx in tracking.STEP_MS.values()} | {"step_ms/speedup"}
+        f"step_ms/{m}{sfx}" for m in ("cached", "uncached") for sfx in step_time.STEP_MS.values()} | {"step_ms/speedup"}
     assert {k for k in wrep.HISTORY_KEYS if k.startswith("step/")} == {
         f"step/{c}" for c in _drift_table().columns if c != "step"}
 
 
 def test_summary_and_config_keys_are_what_runs_record():
-    assert set(wrep.SUMMARY_KEYS) <= set(report.SUMMARY_COLS)  # results.json keys the static report shows
+    assert set(wrep.SUMMARY_KEYS) <= set(report.summary_cols())  # results.json keys the static report shows
     cfg = dataclasses.asdict(KvlabConfig(cache=cache_schema(CACHE_KINDS["prealloc"])()))
     cfg["effective"] = tracking.effective({})
     for key in wrep.CONFIG_KEYS:

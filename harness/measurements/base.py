@@ -1,0 +1,195 @@
+"""What a measurement is: one class that declares everything kvlab needs to know about it, as a cache kind does.
+
+    class Memory(Measurement):
+        name = "memory"
+        about = "cache bytes against the kind's formula"
+
+        @dataclass(frozen=True)
+        class Result:
+            cache_nbytes: int = key("bytes of K/V storage the cache holds after one generation", "B")
+            ...
+
+        tables = (Table("memory", "memory.csv", on=("tokens",), columns=("tokens", "nbytes_formula", ...)),)
+        figures = (Figure("memory", "memory", plots.memory_plot, "Cache bytes held vs tokens ..."),)
+
+        def run(self):
+            ...
+            return self.Result(cache_nbytes=..., ...), {"memory": curve}
+
+        @classmethod
+        def summary(cls, r, tables):
+            return [f"  cache bytes       {r['cache_nbytes']:,} ..."]
+
+``Result``'s fields are exactly the results.json keys the measurement adds (each with a meaning and a unit);
+``tables`` the run files it writes (several measurements may fill one table: its rows are joined on ``on``);
+``figures`` what the sweep report draws from the runs table or a table; ``panels`` its charts in the W&B Report;
+``history`` the per-step series it logs to W&B; ``skip`` says why it does not apply to a run (recorded as
+``<name>_skipped``, never a failure); ``check`` refuses bad options before anything runs. A measurement that reads
+the run's cached generations (one per prompt, made once for all of them) says so with ``reads_generations`` and
+gets each in ``on_generation``. Registering a class (``register``) is all it takes: the run, the summary, the
+tables, the report, the W&B logging and ``python -m harness.measurements --keys`` find it in ``MEASUREMENTS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import pandas as pd
+
+
+def key(meaning: str, unit: str = "", shown: bool | str = False, label: str | None = None) -> Any:
+    """A ``Result`` field: one results.json key, what it means and its unit ("" for none). ``shown``: a column of
+    the report's runs table and the W&B Report's (the headline figures; ``"report"``: the report's only, for a key
+    that is often null, which W&B leaves out of a run's summary); ``label``: its header where a table names it for
+    people."""
+    return field(metadata=dict(meaning=meaning, unit=unit, shown=shown, label=label))
+
+
+def option(default: Any, meaning: str) -> Any:
+    """An ``Options`` field: a top-level config key (``python run.py <name>=...``) with its default and meaning."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=dict(meaning=meaning))
+    return field(default=default, metadata=dict(meaning=meaning))
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    pass
+
+
+@dataclass(frozen=True)
+class Table:
+    """A run file: ``name`` (the key in a run's tables and the report's), ``file`` (in the run's folder), the columns
+    one row is identified by (``on``: how the parts several measurements write are joined) and the columns this
+    measurement writes (``on`` first)."""
+
+    name: str
+    file: str
+    on: tuple[str, ...]
+    columns: tuple[str, ...]
+    meaning: str = ""
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A figure of the sweep report: ``stem`` (its PNG's name), the table it is drawn from (``"runs"``: one row per
+    run), ``draw`` (DataFrame -> matplotlib Figure), its caption; drawn when its table has ok rows and ``when``
+    (if given) says so."""
+
+    stem: str
+    table: str
+    draw: Callable[[pd.DataFrame], Any]
+    caption: str
+    when: Callable[[pd.DataFrame], bool] | None = None
+
+
+@dataclass(frozen=True)
+class Panel:
+    """A chart of the W&B Report: ``kind`` line (``y`` are history keys, drawn against their step metric) or bar
+    (``y`` are results.json keys); ``groupby``: names of ``harness.wandb_report.GROUP_BY``."""
+
+    title: str
+    kind: str
+    y: tuple[str, ...]
+    groupby: tuple[str, ...]
+    caption: str
+    x: str | None = None
+    log_x: bool | None = None
+    log_y: bool | None = None
+
+
+class Measurement:
+    """One measurement: subclass, declare, ``register``. An instance lives for one run (``self.ctx``, its options
+    in ``self.opts``)."""
+
+    name: ClassVar[str]
+    about: ClassVar[str]  # one line: what it measures
+    Options: ClassVar[type] = NoOptions
+    Result: ClassVar[type]
+    tables: ClassVar[tuple[Table, ...]] = ()
+    figures: ClassVar[tuple[Figure, ...]] = ()
+    panels: ClassVar[tuple[Panel, ...]] = ()
+    history: ClassVar[dict[str, str]] = {}  # W&B history key -> the step metric it is logged against
+    needs: ClassVar[tuple[str, ...]] = ()  # measurements whose results or tables it reads (they run first)
+    reads_generations: ClassVar[bool] = False
+    stage: ClassVar[str | None] = None  # how failed_stage names it (default: its name)
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.opts = ctx.options(type(self))
+
+    @classmethod
+    def check(cls, opts, cfg, max_len: int) -> None:
+        """Refuse bad options (raise ``harness.config.ConfigError``, one line), from the config alone."""
+
+    def skip(self) -> str | None:
+        """Why this measurement does not apply to the run (None: it does)."""
+        return None
+
+    def on_generation(self, i: int, prompt, out) -> None:
+        """The run's cached greedy generation of prompt ``i`` (``reads_generations``)."""
+
+    def run(self):
+        """-> ``Result`` or (``Result``, {table name: DataFrame})."""
+        raise NotImplementedError
+
+    @classmethod
+    def summary(cls, r: dict, tables: dict) -> list[str]:
+        """Lines of the run's printed summary, from its record ``r`` and tables."""
+        return []
+
+    @classmethod
+    def history_rows(cls, tables: dict) -> list[tuple[str, int, dict]]:
+        """(step metric, its value, {history key: value}) for W&B, from the run's tables."""
+        return []
+
+    @classmethod
+    def fields(cls) -> list[dataclasses.Field]:
+        return list(dataclasses.fields(cls.Result))
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in cls.fields()]
+
+
+MEASUREMENTS: dict[str, type[Measurement]] = {}
+
+
+def register(cls: type[Measurement]) -> type[Measurement]:
+    """Add a measurement to ``MEASUREMENTS`` (the order of registration is the order they run in)."""
+    if not getattr(cls, "name", None) or not dataclasses.is_dataclass(getattr(cls, "Result", None)):
+        raise TypeError(f"{cls.__name__}: a measurement needs a name and a Result dataclass")
+    clash = {f.name for f in cls.fields()} & {k for m in MEASUREMENTS.values() if m is not cls for k in m.keys()}
+    if clash:
+        raise TypeError(f"measurement {cls.name}: results.json keys {sorted(clash)} belong to another measurement")
+    MEASUREMENTS[cls.name] = cls
+    return cls
+
+
+def type_name(tp) -> str:
+    """A field's type as --keys prints it: int, float, bool, str, each with "| None" where it may be null."""
+    args = typing.get_args(tp)
+    if args:
+        return " | ".join(type_name(a) for a in args)
+    return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def conforms(value, tp) -> bool:
+    """Whether a JSON value (as read back from results.json) has the declared type."""
+    args = typing.get_args(tp)
+    if args:
+        return any(conforms(value, a) for a in args)
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)

@@ -1,0 +1,56 @@
+"""Batches: decode throughput against batch size, and where the K/V read overtakes the weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness import measure, plots
+from harness.measurements.base import Figure, Measurement, Table, key, option, register
+
+
+@register
+class Batches(Measurement):
+    name = "batches"
+    about = "decode tokens/s against batch size at batch_context, and the bytes each step reads"
+    stage = "batch throughput"
+
+    @dataclass(frozen=True)
+    class Options:
+        batch_sizes: list[int] | None = option(None, "decode throughput vs batch (batches.csv); None: not measured")
+        batch_context: int = option(512, "context each sequence holds while batches are timed (capped below "
+                                         "max_len)")
+
+    @dataclass(frozen=True)
+    class Result:
+        batch_kv_overtakes_weights_at: float | None = key("batch from which a step reads more K/V than weights",
+                                                          "sequences")
+        tokens_per_s_batch_min: float = key("decode throughput at the smallest batch", "tokens/s")
+        tokens_per_s_batch_max: float = key("decode throughput at the largest batch", "tokens/s")
+        batch_max: int = key("the largest batch timed", "sequences")
+
+    tables = (Table("batches", "batches.csv", on=("batch",),
+                    columns=("batch", "context_len", "ms_median", "ms_p10", "ms_p90", "ms_min", "repeats",
+                             "tokens_per_s", "weight_bytes", "kv_bytes", "gb_per_s"),
+                    meaning="decode throughput per batch size"),)
+    figures = (Figure("batches", "batches", plots.batch_plot,
+                      "Decode throughput vs batch size, and the K/V bytes a step reads against the weights."),)
+
+    @classmethod
+    def check(cls, opts, cfg, max_len):
+        from harness.config import ConfigError
+
+        for b in opts.batch_sizes or []:
+            if not (isinstance(b, int) and b >= 1):
+                raise ConfigError(f"batch_sizes has {b!r}: give batch sizes >= 1, e.g. [1,8,32]")
+        if opts.batch_context < 1:
+            raise ConfigError(f"batch_context={opts.batch_context} must be at least 1")
+
+    def skip(self):
+        return None if self.opts.batch_sizes else "batch_sizes is not set (e.g. batch_sizes=[1,8,32])"
+
+    def run(self):
+        ctx = self.ctx
+        df = measure.batch_throughput(ctx.engine, ctx.spec, list(self.opts.batch_sizes),
+                                      min(self.opts.batch_context, ctx.max_len - 1), ctx.max_len, ctx.repeats,
+                                      ctx.warmup, ctx.device, ctx.seed, ctx.progress)
+        return self.Result(**measure.batch_summary(df)), {"batches": df}

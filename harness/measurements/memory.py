@@ -1,0 +1,53 @@
+"""Memory: the bytes the cache holds after one generation against the kind's formula, and bytes vs tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness import measure, plots
+from harness.measurements.base import Figure, Measurement, Panel, Table, key, register
+
+
+@register
+class Memory(Measurement):
+    name = "memory"
+    about = "cache bytes after one generation against the kind's formula, bytes per token, bytes vs tokens"
+    stage = "cache memory"
+
+    @dataclass(frozen=True)
+    class Result:
+        cache_nbytes: int = key("bytes of K/V storage the cache holds after prompt + new_tokens - 1 steps", "B",
+                                shown=True)
+        predicted_nbytes: int = key("the kind's formula for the same tokens, from the asked storage dtype", "B")
+        nbytes_match: bool = key("cache_nbytes == predicted_nbytes, exactly", shown=True)
+        cache_tokens: int = key("token slots the cache holds then", "tokens")
+        cache_filled_tokens: int = key("tokens the generation stored (prompt + new_tokens - 1)", "tokens")
+        bytes_per_token: float = key("the kind's bytes per cached token (scales included)", "B/token", shown=True)
+        measured_bytes_per_token: float = key("cache_nbytes / cache_tokens", "B/token")
+        nbytes_curve_match: bool = key("measured bytes equal the formula after the prefill and every step")
+        kv_overtakes_weights_at_context: float | None = key("context from which a batch-1 step reads more K/V than "
+                                                            "weights (null: a kind that caps its reads)", "tokens")
+
+    tables = (Table("memory", "memory.csv", on=("tokens",), columns=("tokens", "nbytes_formula", "nbytes_measured"),
+                    meaning="cache bytes vs tokens: the formula out to max_len, measured where the generation "
+                            "reached"),)
+    figures = (Figure("cache_bytes", "runs", plots.cache_bytes_plot,
+                      "Cache bytes: measured vs the formula, and bytes per cached token."),
+               Figure("memory", "memory", plots.memory_plot,
+                      "Cache bytes held vs tokens in the sequence: the kind's formula (line), measured (dots)."))
+    panels = (Panel("Bytes per token", "bar", ("bytes_per_token", "cache_nbytes"), ("cache", "dtype"),
+                    "Cache bytes per cached token (the kind's formula) and the cache's bytes at the end of the run."),)
+
+    def run(self):
+        ctx = self.ctx
+        rec, curve = measure.cache_memory(ctx.engine, ctx.spec, ctx.prompts[0], ctx.new_tokens, ctx.max_len)
+        # the context from which a step reads more K/V than weights (batch 1); never, for a kind that caps its reads
+        capped = measure.keys_read(ctx.engine, ctx.spec, ctx.max_len, ctx.max_len - 1) < ctx.max_len
+        weights = measure.weight_bytes(ctx.engine.model)
+        overtakes = None if capped else weights / rec["bytes_per_token"]
+        return self.Result(**rec, kv_overtakes_weights_at_context=overtakes), {"memory": curve}
+
+    @classmethod
+    def summary(cls, r, tables):
+        return [f"  cache bytes       {r['cache_nbytes']:,} measured = {r['predicted_nbytes']:,} formula: "
+                f"{r['nbytes_match']}  ({r['bytes_per_token']:,.0f} B/token, {r['cache_tokens']} tokens held)"]

@@ -1,0 +1,112 @@
+"""Retrieval: can the model copy what it has seen, through the run's cache? Random sequences shown twice.
+
+What windows and eviction break and KL on prose hides: k random sequences of n tokens, each followed by itself,
+go through the cache as inference runs them (the first copy prefilled, the second teacher-forced one decode step at
+a time); ``retrieval_acc`` is the top-1 accuracy on the second copy. ``retrieval_acc_ref`` is the same through fp32
+full attention (uncached), and ``retrieval_first_copy_acc`` the accuracy on the first copy (chance: nothing to copy
+yet). The tokens are drawn from those the model can tell apart: ids whose embedding row no other id shares (a
+trained checkpoint that ties every unused id to one row, as kvlab's mini does, copies none of those).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from harness import measure, plots
+from harness.measurements.base import Figure, Measurement, Panel, key, option, register
+
+
+def distinct_ids(model) -> torch.Tensor:
+    """Token ids whose embedding row is unique (1-D, sorted)."""
+    wte = (model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.transformer.wte).weight
+    rows = wte.detach()[:, :16].float().cpu()  # 16 channels tell distinct rows apart; shared rows share them
+    _, inverse, counts = torch.unique(rows, dim=0, return_inverse=True, return_counts=True)
+    return torch.nonzero(counts[inverse] == 1)[:, 0]
+
+
+def copy_sequences(ids: torch.Tensor, n: int, k: int, seed: int) -> list[torch.Tensor]:
+    """k sequences (1, 2n): n random ids from ``ids`` (seeded), then the same n again."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(k):
+        first = ids[torch.randint(0, len(ids), (n,), generator=g)]
+        out.append(torch.cat([first, first]).unsqueeze(0))
+    return out
+
+
+def copy_accuracy(logits: torch.Tensor, seq: torch.Tensor, n: int) -> tuple[float, float]:
+    """(second-copy, first-copy) top-1 accuracy from the logits (2n - 1, vocab) that predicted tokens 1 .. 2n - 1."""
+    pred = logits.argmax(-1).cpu()
+    target = seq[0, 1:].cpu()
+    second = (pred[n - 1:] == target[n - 1:]).float().mean().item()
+    first = (pred[:n - 1] == target[:n - 1]).float().mean().item() if n > 1 else float("nan")
+    return second, first
+
+
+@register
+class Retrieval(Measurement):
+    name = "retrieval"
+    about = "copy accuracy on random sequences shown twice, through the run's cache vs fp32 full attention"
+    stage = "retrieval"
+
+    @dataclass(frozen=True)
+    class Options:
+        retrieval_n: int = option(200, "tokens per random sequence (each shown twice; clamped to max_len / 2)")
+        retrieval_k: int = option(2, "random sequences")
+
+    @dataclass(frozen=True)
+    class Result:
+        retrieval_acc: float = key("top-1 accuracy on the second copy, through the run's cache, dtype and engine",
+                                   "fraction", shown=True, label="retrieval")
+        retrieval_acc_ref: float = key("the same through fp32 full attention (uncached)", "fraction", shown=True,
+                                       label="retrieval (fp32 full)")
+        retrieval_first_copy_acc: float | None = key("top-1 accuracy on the first copy (nothing to copy yet)",
+                                                     "fraction")
+        retrieval_n: int = key("tokens per sequence, as run (after the clamp)", "tokens")
+        retrieval_k: int = key("sequences", "sequences")
+        retrieval_vocab: int = key("token ids the sequences were drawn from (distinct embedding rows)", "ids")
+
+    figures = (Figure("retrieval", "runs", plots.retrieval_plot,
+                      "Retrieval: copy accuracy on random sequences shown twice, through each cache vs fp32 full "
+                      "attention.", when=lambda runs: "retrieval_acc" in runs and runs["retrieval_acc"].notna().any()),)
+    panels = (Panel("Retrieval: copy accuracy", "bar", ("retrieval_acc", "retrieval_acc_ref"), ("cache_label", "dtype"),
+                    "Top-1 accuracy on the second copy of random sequences shown twice: through the cache, and "
+                    "through fp32 full attention."),)
+
+    @classmethod
+    def check(cls, opts, cfg, max_len):
+        from harness.config import ConfigError
+
+        if opts.retrieval_n < 2:
+            raise ConfigError(f"retrieval_n={opts.retrieval_n} must be at least 2 (tokens per sequence)")
+        if opts.retrieval_k < 1:
+            raise ConfigError(f"retrieval_k={opts.retrieval_k} must be at least 1 (sequences)")
+        if max_len < 4:
+            raise ConfigError(f"retrieval needs max_len >= 4 (two copies of 2 tokens), got {max_len}: raise max_len "
+                              "or leave retrieval out of measurements")
+
+    def run(self):
+        ctx = self.ctx
+        n = min(self.opts.retrieval_n, ctx.max_len // 2)
+        ids = distinct_ids(ctx.engine.model)
+        ref_engine = ctx.ref32 if ctx.ref32 is not None else ctx.engine
+        accs, refs, firsts = [], [], []
+        for seq in copy_sequences(ids, n, self.opts.retrieval_k, ctx.seed):
+            seq = seq.to(ctx.device)
+            ours, _ = measure.text_pass(ctx.engine, ctx.spec, seq, n)  # (2n - 1, vocab)
+            measure.check_finite(ours, "the retrieval pass")
+            ref = ref_engine.forward(seq)[0, :-1].float()  # fp32 full attention, uncached
+            (a, f), (r, _) = copy_accuracy(ours, seq, n), copy_accuracy(ref, seq, n)
+            accs.append(a), refs.append(r), firsts.append(f)
+        mean = lambda xs: float(sum(xs) / len(xs))  # noqa: E731
+        return self.Result(retrieval_acc=mean(accs), retrieval_acc_ref=mean(refs),
+                           retrieval_first_copy_acc=mean(firsts), retrieval_n=n, retrieval_k=self.opts.retrieval_k,
+                           retrieval_vocab=len(ids))
+
+    @classmethod
+    def summary(cls, r, tables):
+        return [f"  retrieval         {r['retrieval_acc']:.1%} of the second copy right through the cache "
+                f"(fp32 full attention: {r['retrieval_acc_ref']:.1%}; first copy {r['retrieval_first_copy_acc']:.1%}"
+                f"; {r['retrieval_k']} x {r['retrieval_n']} random tokens shown twice)"]

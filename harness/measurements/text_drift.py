@@ -1,0 +1,89 @@
+"""Text drift: real text teacher-forced through the cache against FP32 full attention, llama.cpp's statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness import measure, plots
+from harness.measurements.base import Figure, Measurement, Panel, Table, key, option, register
+
+
+@register
+class TextDrift(Measurement):
+    name = "text_drift"
+    about = "KL, ΔNLL, RMS Δp and same-top-1 on real text against fp32 full attention, and K/V error per layer"
+    stage = "equivalence and drift"
+
+    @dataclass(frozen=True)
+    class Options:
+        drift_text_len: int = option(128, "tokens of real text per prompt scored for drift (prompt + its "
+                                          "continuation)")
+
+    @dataclass(frozen=True)
+    class Result:
+        drift_kl: float = key("mean KL(fp32 || run) over every scored position of the text", "nats", shown=True,
+                              label="KL mean")
+        drift_kl_p99: float = key("99th percentile of that KL", "nats", shown=True, label="KL p99")
+        drift_kl_max: float = key("max of that KL", "nats", shown=True, label="KL max")
+        drift_kl_decode: float | None = key("mean KL over the positions decode steps scored (not the prefill's)",
+                                            "nats", shown=True, label="KL mean (decode)")
+        drift_delta_nll: float = key("change in next-token NLL of the text against fp32's", "nats/token", shown=True,
+                                     label="ΔNLL (nats/token)")
+        drift_delta_ppl: float = key("change in perplexity of the text against fp32's", label="ΔPPL")
+        drift_rms_dp: float = key("RMS change of the probability fp32 puts on its own top token", "probability",
+                                  shown=True, label="RMS Δp")
+        drift_same_top1: float = key("share of positions whose top token is fp32's", "fraction", shown=True,
+                                     label="same top-1")
+        text_nll_fp32: float = key("next-token NLL of the text in fp32 full attention", "nats/token")
+        text_nll: float = key("next-token NLL of the text through the run's cache and dtype", "nats/token")
+        drift_text_positions: int = key("positions scored", "positions")
+        drift_layer_tol: float = key("relative K/V error from which a layer counts as disagreeing")
+        drift_first_layer_over_tol: int | None = key("first layer whose K or V is off fp32's by more than that "
+                                                     "(null: none)", "layer", shown="report")
+        drift_k_rel_err_max: float | None = key("largest relative error of K against fp32's, over layers",
+                                                label="K rel err (max layer)")
+        drift_v_rel_err_max: float | None = key("largest relative error of V against fp32's, over layers",
+                                                label="V rel err (max layer)")
+
+    tables = (Table("layers", "layers.csv", on=("layer",), columns=("layer", "k_rel_err", "v_rel_err"),
+                    meaning="per layer: relative error of the K and V attention read, against fp32"),)
+    figures = (Figure("layers", "layers", plots.layers_plot,
+                      "Relative error of the K and V attention read, per layer, against fp32."),)
+    panels = (Panel("Drift on text", "bar", ("drift_kl", "drift_kl_decode", "drift_kl_p99", "drift_delta_nll",
+                                             "drift_rms_dp"), ("cache_label", "dtype"),
+                    "Teacher-forced drift on text vs fp32: mean and p99 KL, ΔNLL (nats/token), RMS Δp."),)
+
+    @classmethod
+    def check(cls, opts, cfg, max_len):
+        from harness.config import ConfigError
+
+        if opts.drift_text_len < 2:
+            raise ConfigError(f"drift_text_len={opts.drift_text_len} must be at least 2 (a token and the one it "
+                              "predicts)")
+
+    def skip(self):
+        if self.ctx.ref32 is None:
+            return "an exact kind in fp32 storage and compute is its own fp32 reference: nothing to drift from"
+        if not self.ctx.texts:
+            return "no texts to score"
+        return None
+
+    def run(self):
+        ctx = self.ctx
+        summary, layers = measure.text_drift(ctx.engine, ctx.ref32, ctx.spec, ctx.texts, ctx.prompts[0].shape[1],
+                                             ctx.progress)
+        return self.Result(**summary), {"layers": layers}
+
+    @classmethod
+    def summary(cls, r, tables):
+        def f(x, fmt):
+            return "—" if x is None else format(x, fmt)
+
+        return [f"  drift vs fp32     text: KL mean {f(r.get('drift_kl'), '.3g')} "
+                f"(decode {f(r.get('drift_kl_decode'), '.3g')}) · p99 {f(r.get('drift_kl_p99'), '.3g')} · "
+                f"max {f(r.get('drift_kl_max'), '.3g')} · dNLL {f(r.get('drift_delta_nll'), '+.3g')} nats/token · "
+                f"RMS dp {f(r.get('drift_rms_dp'), '.3g')} · same top-1 {f(r.get('drift_same_top1'), '.1%')}",
+                f"  K/V vs fp32       K max {f(r.get('drift_k_rel_err_max'), '.3g')} · V max "
+                f"{f(r.get('drift_v_rel_err_max'), '.3g')} (relative, vs fp32) · first layer over "
+                f"{r['drift_layer_tol']:g}: {f(r.get('drift_first_layer_over_tol'), 'd')}",
+                f"  text NLL          {r['text_nll_fp32']:.3f} nats/token in fp32 (the model on the prompts' text)"]
