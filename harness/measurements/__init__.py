@@ -274,7 +274,7 @@ def all_keys() -> list[KeyInfo]:
 
 def undeclared(rec: dict) -> list[str]:
     """Keys of ``rec`` that no part of the record, cache option or measurement declares."""
-    known = {k.key for k in all_keys()} | set()
+    known = {k.key for k in all_keys()}
     return sorted(k for k in rec if k not in known)
 
 

@@ -169,6 +169,11 @@ def register(cls: type[Measurement]) -> type[Measurement]:
     return cls
 
 
+def shown(x, spec: str) -> str:
+    """A value of a summary line: formatted, or "—" where the record holds null."""
+    return "—" if x is None else format(x, spec)
+
+
 def type_name(tp) -> str:
     """A field's type as --keys prints it: int, float, bool, str, each with "| None" where it may be null."""
     args = typing.get_args(tp)

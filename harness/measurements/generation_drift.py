@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from harness import measure, plots
-from harness.measurements.base import Figure, Measurement, Panel, Table, key, register
+from harness.measurements.base import shown, Figure, Measurement, Panel, Table, key, register
 from harness.measurements.equivalence import _per_step
 
 DRIFT_COLUMNS = ("drift_max_abs", "drift_mean_abs", "drift_kl", "drift_top1_agreement")
@@ -83,12 +83,10 @@ class GenerationDrift(Measurement):
 
     @classmethod
     def summary(cls, r, tables):
-        def f(x, fmt):
-            return "—" if x is None else format(x, fmt)
-
         why = f" · {r['drift_divergence_diagnosis']}" if r.get("drift_divergence_diagnosis") else ""
-        return [f"  drift vs fp32     generation: max |d| {f(r['drift_max_abs'], '.3g')} · top-1 "
-                f"{f(r['drift_top1_agreement'], '.1%')} · token match {f(r['drift_token_match_rate'], '.1%')}{why}"]
+        return [f"  drift vs fp32     generation: max |d| {shown(r['drift_max_abs'], '.3g')} · top-1 "
+                f"{shown(r['drift_top1_agreement'], '.1%')} · token match "
+                f"{shown(r['drift_token_match_rate'], '.1%')}{why}"]
 
     @classmethod
     def history_rows(cls, tables):

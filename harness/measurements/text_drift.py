@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness import measure, plots
-from harness.measurements.base import Figure, Measurement, Panel, Table, key, option, register
+from harness.measurements.base import shown, Figure, Measurement, Panel, Table, key, option, register
 
 
 @register
@@ -76,14 +76,13 @@ class TextDrift(Measurement):
 
     @classmethod
     def summary(cls, r, tables):
-        def f(x, fmt):
-            return "—" if x is None else format(x, fmt)
-
-        return [f"  drift vs fp32     text: KL mean {f(r.get('drift_kl'), '.3g')} "
-                f"(decode {f(r.get('drift_kl_decode'), '.3g')}) · p99 {f(r.get('drift_kl_p99'), '.3g')} · "
-                f"max {f(r.get('drift_kl_max'), '.3g')} · dNLL {f(r.get('drift_delta_nll'), '+.3g')} nats/token · "
-                f"RMS dp {f(r.get('drift_rms_dp'), '.3g')} · same top-1 {f(r.get('drift_same_top1'), '.1%')}",
-                f"  K/V vs fp32       K max {f(r.get('drift_k_rel_err_max'), '.3g')} · V max "
-                f"{f(r.get('drift_v_rel_err_max'), '.3g')} (relative, vs fp32) · first layer over "
-                f"{r['drift_layer_tol']:g}: {f(r.get('drift_first_layer_over_tol'), 'd')}",
+        kl = " · ".join(f"{name} {shown(r.get(k), '.3g')}" for name, k in (("p99", "drift_kl_p99"),
+                                                                             ("max", "drift_kl_max")))
+        return [f"  drift vs fp32     text: KL mean {shown(r.get('drift_kl'), '.3g')} "
+                f"(decode {shown(r.get('drift_kl_decode'), '.3g')}) · {kl} · "
+                f"dNLL {shown(r.get('drift_delta_nll'), '+.3g')} nats/token · "
+                f"RMS dp {shown(r.get('drift_rms_dp'), '.3g')} · same top-1 {shown(r.get('drift_same_top1'), '.1%')}",
+                f"  K/V vs fp32       K max {shown(r.get('drift_k_rel_err_max'), '.3g')} · V max "
+                f"{shown(r.get('drift_v_rel_err_max'), '.3g')} (relative, vs fp32) · first layer over "
+                f"{r['drift_layer_tol']:g}: {shown(r.get('drift_first_layer_over_tol'), 'd')}",
                 f"  text NLL          {r['text_nll_fp32']:.3f} nats/token in fp32 (the model on the prompts' text)"]
