@@ -23,11 +23,15 @@ run: $(STAMP)
 sweep: $(STAMP)
 	$(PY) run.py -m cache=concat,prealloc dtype=fp32,fp16 $(ARGS)
 
+# two workers (pytest-xdist), each test file whole on one, so a file's fixtures are built once; WORKERS=0 runs serially
+WORKERS ?= 2
+XDIST   := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
+
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest $(ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(XDIST) $(ARGS)
 
 test-fast: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not slow" $(ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(XDIST) -m "not slow" $(ARGS)
 
 # docs/results.md from the measurements' declarations (a test fails when it is stale)
 docs: $(STAMP)

@@ -10,6 +10,42 @@ A run holds its weights throughout and goes through its measurements one after a
 building its own caches and freeing them before the next: its peak is the weights plus the largest phase. Each
 phase counts the caches alive in it (exactly, from the kind's ``nbytes_formula``) and its largest transient
 tensors (logits, attention scores, activations, copies), a little conservatively: see ``run_bytes``.
+
+The terms ``run_bytes`` counts (V vocab, d n_embd, nh heads, hs head_dim; "cache(B, n)" is the kind's
+``nbytes_formula`` for B sequences, n tokens written, capacity max_len, in the storage dtype; a pooled kind counts
+its whole pool):
+
+- weights: ``param_count`` x element size, per copy: the fp32 model (model32); a copy in the compute dtype
+  when compute is not fp32; and for engine=hf transformers' own model in the compute dtype (it holds its own
+  weights). The phase ``setup`` counts the fp32 copy a reduced-precision copy is made from (a deepcopy of
+  model32, then converted), and on a CPU the fp32 HF model before its conversion.
+- generation (batch 1, T = prompt_len + new_tokens, n = new_tokens): the generation's cache and the fp32
+  reference's; the teacher-forced forward's full logits (T, V) in fp32 and the logit statistics over n steps
+  (6 (n, V) fp32 tensors, 5 float64 ones for the KL).
+- text_drift (every run but plain fp32 on an exact full-attention kind), L = min(max_len, max(drift_text_len,
+  prompt_len + 1)): both text passes' caches, the K/V recorded per layer (fp32), both passes' logits (L - 1,
+  V) in fp32 as a list and concatenated (4 of them), and 7 float64 tensors of min(STAT_ROWS, L - 1) rows over
+  the vocabulary.
+- cache_memory / step_times (batch 1): cache(1, ctx + 1) (twice if the kind's ``checkpoint`` snapshots), the
+  uncached forward over the longest timed context.
+- bandwidth_probe: its copy buffers 2 x max(min(w, 1 GiB), 256 MiB) and its matrix min(w, 1 GiB), w the decode
+  weight bytes.
+- batch_throughput: the previous batch's cache (and snapshot) is still held while the next is built and
+  prefilled: the worst of cache(B_prev) + cache(B) + prefill and cache(B) + its snapshot + a decode step.
+- serve_batch (batch B, prompts of prompt_len, n = new_tokens): the worst of a new cache built while the last
+  repeat's is held, the prefill, the decode (with the B x n x V fp32 logits it keeps), and the check (those
+  logits stacked: twice, plus a (prompt_len + n, V) reference forward).
+- compiled_equivalence (compile=true): two caches of batch 1.
+- retrieval (``retrieval_n``: tokens per sequence, None: not measured), L = 2 min(retrieval_n, max_len // 2):
+  a cache of L tokens, its pass's logits (L - 1, V) as a list and concatenated, and the fp32 reference's
+  forward over L tokens keeping every position's logits.
+- a forward of (B, T) tokens keeping r positions' logits: activations B x T x 12d in the compute dtype,
+  attention scores B x nh x T x T in fp32 (what SDPA's math fallback holds; the fused kernels torch picks for
+  kvlab's shapes, CPU and CUDA, hold none: this is the conservative part), masks 3 x B x T x T bools, logits
+  B x r x V. A decode step adds one layer's K and V in fp32, twice
+  (a dtype cast, a dequantised copy, a concatenation). On CUDA the logits the served batch keeps live on the
+  host and are counted here too (conservative).
+- every phase's measurement adds ``SLACK`` (5%) of its cache + measurement: allocators round and fragment.
 """
 
 from __future__ import annotations
@@ -131,40 +167,7 @@ def run_bytes(model: GPT2Config, *, storage="fp32", compute="fp32", kind: str = 
     kept beside a reduced-precision copy (default: yes, as every run does: it is the drift reference).
     ``measurements``: the measurements the run makes (None: all; ``PHASE_OF`` says which phase is whose).
 
-    Terms (V vocab, d n_embd, nh heads, hs head_dim; "cache(B, n)" is the kind's ``nbytes_formula`` for B
-    sequences, n tokens written, capacity max_len, in the storage dtype; a pooled kind counts its whole pool):
-
-    - weights: ``param_count`` x element size, per copy: the fp32 model (model32); a copy in the compute dtype
-      when compute is not fp32; and for engine=hf transformers' own model in the compute dtype (it holds its own
-      weights). The phase ``setup`` counts the fp32 copy a reduced-precision copy is made from (a deepcopy of
-      model32, then converted), and on a CPU the fp32 HF model before its conversion.
-    - generation (batch 1, T = prompt_len + new_tokens, n = new_tokens): the generation's cache and the fp32
-      reference's; the teacher-forced forward's full logits (T, V) in fp32 and the logit statistics over n steps
-      (6 (n, V) fp32 tensors, 5 float64 ones for the KL).
-    - text_drift (every run but plain fp32 on an exact full-attention kind), L = min(max_len, max(drift_text_len,
-      prompt_len + 1)): both text passes' caches, the K/V recorded per layer (fp32), both passes' logits (L - 1,
-      V) in fp32 as a list and concatenated (4 of them), and 7 float64 tensors of min(STAT_ROWS, L - 1) rows over
-      the vocabulary.
-    - cache_memory / step_times (batch 1): cache(1, ctx + 1) (twice if the kind's ``checkpoint`` snapshots), the
-      uncached forward over the longest timed context.
-    - bandwidth_probe: its copy buffers 2 x max(min(w, 1 GiB), 256 MiB) and its matrix min(w, 1 GiB), w the decode
-      weight bytes.
-    - batch_throughput: the previous batch's cache (and snapshot) is still held while the next is built and
-      prefilled: the worst of cache(B_prev) + cache(B) + prefill and cache(B) + its snapshot + a decode step.
-    - serve_batch (batch B, prompts of prompt_len, n = new_tokens): the worst of a new cache built while the last
-      repeat's is held, the prefill, the decode (with the B x n x V fp32 logits it keeps), and the check (those
-      logits stacked: twice, plus a (prompt_len + n, V) reference forward).
-    - compiled_equivalence (compile=true): two caches of batch 1.
-    - retrieval (``retrieval_n``: tokens per sequence, None: not measured), L = 2 min(retrieval_n, max_len // 2):
-      a cache of L tokens, its pass's logits (L - 1, V) as a list and concatenated, and the fp32 reference's
-      forward over L tokens keeping every position's logits.
-    - a forward of (B, T) tokens keeping r positions' logits: activations B x T x 12d in the compute dtype,
-      attention scores B x nh x T x T in fp32 (what SDPA's math fallback holds; the fused kernels torch picks for
-      kvlab's shapes, CPU and CUDA, hold none: this is the conservative part), masks 3 x B x T x T bools, logits
-      B x r x V. A decode step adds one layer's K and V in fp32, twice
-      (a dtype cast, a dequantised copy, a concatenation). On CUDA the logits the served batch keeps live on the
-      host and are counted here too (conservative).
-    - every phase's measurement adds ``SLACK`` (5%) of its cache + measurement: allocators round and fragment.
+    The terms each phase counts are in the module docstring ("The terms").
     """
     args = dict(storage=storage, compute=compute, kind=kind, options=dict(options or {}), max_len=max_len,
                 batch=batch, batch_sizes=None if batch_sizes is None else list(batch_sizes),

@@ -58,6 +58,7 @@ from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import NullLocator, ScalarFormatter  # noqa: E402
 
+from harness.keys import KEYS  # noqa: E402
 from harness.measure import LAYER_TOL  # noqa: E402
 from models.kv_cache import CACHE_KINDS  # noqa: E402
 
@@ -71,11 +72,10 @@ UNCACHED_STYLE = ((0.4, 0.4, 0.4), "--")
 DASHES = ["-", "--", ":", "-."]
 MARKERS = ["o", "s", "^", "D"]
 
-METRICS = [  # drift_plot panels: (column, axis label)
-    ("drift_kl", "KL(fp32 ‖ run) (nats)"),
-    ("drift_max_abs", "max |Δlogit| (logit units)"),
-    ("drift_top1_agreement", "top-1 agreement (fraction)"),
-]
+def drift_metrics() -> list[tuple[str, str]]:
+    """drift_plot's panels: (column, axis label)."""
+    return [(KEYS.drift_kl, "KL(fp32 ‖ run) (nats)"), (KEYS.drift_max_abs, "max |Δlogit| (logit units)"),
+            (KEYS.drift_top1_agreement, "top-1 agreement (fraction)")]
 
 
 # -----------------------------------------------------------------------------
@@ -293,14 +293,16 @@ def cache_bytes_plot(runs: pd.DataFrame) -> Figure:
     fig, (a, b) = plt.subplots(1, 2, figsize=(0.7 * len(order) + 7, 4.5), layout="constrained",
                                gridspec_kw={"width_ratios": [max(len(order), 3), 3]})
     # (a) one pair of bars per run; bar containers come out in hue order: measured, then predicted
-    long = df.melt(id_vars="run", value_vars=["cache_nbytes", "predicted_nbytes"], var_name="kind", value_name="bytes")
-    long["kind"] = long["kind"].map({"cache_nbytes": "measured", "predicted_nbytes": "predicted"})
+    long = df.melt(id_vars="run", value_vars=[KEYS.cache_nbytes, KEYS.predicted_nbytes], var_name="kind",
+                   value_name="bytes")
+    long["kind"] = long["kind"].map({KEYS.cache_nbytes: "measured", KEYS.predicted_nbytes: "predicted"})
     sns.barplot(data=long, x="run", y="bytes", hue="kind", order=order, hue_order=["measured", "predicted"],
                 errorbar=None, ax=a)
     _log_y_if_decades(a, long["bytes"])
     for i, (_, r) in enumerate(df.iterrows()):
-        if not r["nbytes_match"]:  # mark runs where the formula is off
-            a.annotate("✗", (i, max(r["cache_nbytes"], r["predicted_nbytes"])), ha="center", va="bottom", color="red")
+        if not r[KEYS.nbytes_match]:  # mark runs where the formula is off
+            a.annotate("✗", (i, max(r[KEYS.cache_nbytes], r[KEYS.predicted_nbytes])), ha="center", va="bottom",
+                       color="red")
     a.tick_params(axis="x", labelrotation=60)
     plt.setp(a.get_xticklabels(), ha="right", rotation_mode="anchor")
     a.set_xlabel("run (model/cache/dtype)")
@@ -309,12 +311,12 @@ def cache_bytes_plot(runs: pd.DataFrame) -> Figure:
     a.legend(title=None, frameon=False)
 
     # (b) bytes per token is a property of (model, dtype, kind): caches that cost the same share a bar
-    bpt = (df.groupby(["model", "dtype", "bytes_per_token"])["cache"]
+    bpt = (df.groupby(["model", "dtype", KEYS.bytes_per_token])["cache"]
            .agg(lambda c: ", ".join(_cache_levels(c))).reset_index())
     bpt["series"] = bpt["cache"] + " · " + bpt["dtype"]
-    sns.barplot(data=bpt, x="model", y="bytes_per_token", hue="series", order=models,
+    sns.barplot(data=bpt, x="model", y=KEYS.bytes_per_token, hue="series", order=models,
                 hue_order=sorted(bpt["series"].unique()), errorbar=None, ax=b)
-    _log_y_if_decades(b, bpt["bytes_per_token"])
+    _log_y_if_decades(b, bpt[KEYS.bytes_per_token])
     b.set_xlabel("model")
     b.set_ylabel("KV bytes per cached token (bytes)")
     b.set_title("(b) bytes per cached token")
@@ -326,22 +328,23 @@ def drift_plot(drift: pd.DataFrame) -> Figure:
     """Drift from fp32 full attention per decode step (reduced precision, lossy or windowed caches): KL, max
     |Δlogit|, top-1 agreement; a row per model, colour = cache, line style = dtype."""
     df = _ok(drift)
-    df = df[df["drift_kl"].notna()] if "drift_kl" in df else df.iloc[0:0]
+    df = df[df[KEYS.drift_kl].notna()] if KEYS.drift_kl in df else df.iloc[0:0]
     if df.empty:
         return _message_figure("no reduced-precision runs (fp16/bf16) and no lossy or windowed caches:\n"
                                "nothing drifts from fp32 full attention")
     df, precs, models, caches = _levels_of(df)
-    fig, axes = plt.subplots(len(models), len(METRICS), figsize=(4.2 * len(METRICS) + 2, 3.2 * len(models)),
+    metrics = drift_metrics()
+    fig, axes = plt.subplots(len(models), len(metrics), figsize=(4.2 * len(metrics) + 2, 3.2 * len(models)),
                              squeeze=False, sharex=True, layout="constrained")
     for i, model in enumerate(models):
         sub = df[df["model"] == model]
-        for j, (col, ylabel) in enumerate(METRICS):
+        for j, (col, ylabel) in enumerate(metrics):
             ax = axes[i, j]
             for _, g in sub.groupby("run_name"):  # one line per run, never averaged across runs
                 prec, cache = g["prec"].iloc[0], g["cache"].iloc[0]
                 _line(ax, g.sort_values("step"), "step", col, f"{prec} · {cache}", color=_cache_color(caches, cache),
                       linestyle=DASHES[precs.index(prec) % len(DASHES)])
-            if col == "drift_top1_agreement":
+            if col == KEYS.drift_top1_agreement:
                 ax.set_ylim(-0.02, 1.02)
             else:
                 _log_y_if_decades(ax, sub[col])
@@ -403,7 +406,7 @@ def batch_plot(batches: pd.DataFrame) -> Figure:
     for j, model in enumerate(models):
         sub = df[df["model"] == model]
         top, bottom = axes[0, j], axes[1, j]
-        _by_batch(top, bottom, sub, ["cache", "prec"], "tokens_per_s", "kv_bytes",
+        _by_batch(top, bottom, sub, ["cache", "prec"], KEYS.tokens_per_s, "kv_bytes",
                   lambda k: f"{k[0]} · {k[1]}" if len(precs) > 1 else k[0],
                   lambda k: (_cache_color(caches, k[0]), DASHES[precs.index(k[1]) % len(DASHES)]))
         w = float(sub["weight_bytes"].max())
@@ -426,7 +429,7 @@ def serving_plot(runs: pd.DataFrame) -> Figure:
     throughput (tokens/s) against batch size, and the share of the cache's held slots that hold no token (KV
     waste); colour = cache, line style = prompt lengths, one column of panels per model."""
     df = _ok(runs)
-    df = df[df["tokens_per_s"].notna()] if "tokens_per_s" in df else df.iloc[0:0]
+    df = df[df[KEYS.tokens_per_s].notna()] if KEYS.tokens_per_s in df else df.iloc[0:0]
     if df.empty:
         return _message_figure("no runs with a served batch")
     df = df.assign(prompt_lengths=df["prompt_lengths"].fillna("uniform") if "prompt_lengths" in df else "uniform",
@@ -437,7 +440,7 @@ def serving_plot(runs: pd.DataFrame) -> Figure:
     for j, model in enumerate(models):
         sub = df[df["model"] == model]
         top, bottom = axes[0, j], axes[1, j]
-        _by_batch(top, bottom, sub, ["cache", "prec", "prompt_lengths"], "tokens_per_s", "waste",
+        _by_batch(top, bottom, sub, ["cache", "prec", "prompt_lengths"], KEYS.tokens_per_s, "waste",
                   lambda k: " · ".join([k[0]] + ([k[1]] if len(precs) > 1 else []) + [f"{k[2]} prompts"]),
                   lambda k: (_cache_color(caches, k[0]), DASHES[shapes.index(k[2]) % len(DASHES)]))
         for ax in (top, bottom):
@@ -548,7 +551,7 @@ def retrieval_plot(runs: pd.DataFrame) -> Figure:
     """Copy accuracy on random sequences shown twice, per run: through its cache (bars) against fp32 full
     attention (a black tick): what windows and eviction lose; one panel per model."""
     df = _ok(runs)
-    df = df[df["retrieval_acc"].notna()] if "retrieval_acc" in df else df.iloc[0:0]
+    df = df[df[KEYS.retrieval_acc].notna()] if KEYS.retrieval_acc in df else df.iloc[0:0]
     if df.empty:
         return _message_figure("no runs measured retrieval")
     df, precs, models, caches = _levels_of(df)
@@ -559,9 +562,9 @@ def retrieval_plot(runs: pd.DataFrame) -> Figure:
         sub = df[df["model"] == model].sort_values(["cache", "prec"])
         labels = [f"{c} · {p}" if len(precs) > 1 else c for c, p in zip(sub["cache"], sub["prec"])]
         x = np.arange(len(sub))
-        ax.bar(x, sub["retrieval_acc"], color=[_cache_color(caches, c) for c in sub["cache"]])
-        if "retrieval_acc_ref" in sub:
-            ax.scatter(x, sub["retrieval_acc_ref"], marker="_", s=400, color="black", zorder=3,
+        ax.bar(x, sub[KEYS.retrieval_acc], color=[_cache_color(caches, c) for c in sub["cache"]])
+        if KEYS.retrieval_acc_ref in sub:
+            ax.scatter(x, sub[KEYS.retrieval_acc_ref], marker="_", s=400, color="black", zorder=3,
                        label="fp32 full attention")
         ax.set_xticks(x, labels, rotation=30, ha="right")
         ax.set_ylim(0, 1.02)

@@ -34,6 +34,7 @@ import pandas as pd
 from hydra.experimental.callback import Callback
 
 from harness import experiment, measurements, ownership, plots, results, tracking
+from harness.keys import KEYS
 from harness.results import shown
 
 RUN_COLS = ["run_name", "status", "model", "engine", "weights", "cache_label", "dtype", "device", "cache_exact",
@@ -135,9 +136,9 @@ def engine_ratios(steps: pd.DataFrame, batches: pd.DataFrame | None = None) -> p
 
 def serving_table(ok: pd.DataFrame) -> pd.DataFrame:
     """One row per ok run that served a batch: throughput, waste and the per-sequence check, by cache and batch."""
-    if "tokens_per_s" not in ok or ok["tokens_per_s"].isna().all():
+    if KEYS.tokens_per_s not in ok or ok[KEYS.tokens_per_s].isna().all():
         return pd.DataFrame()
-    df = ok[ok["tokens_per_s"].notna()]
+    df = ok[ok[KEYS.tokens_per_s].notna()]
     return df[[c for c in serving_cols() if c in df]].sort_values(
         [c for c in ("model", "prompt_lengths", "batch", "cache_label") if c in df]).reset_index(drop=True)
 
@@ -145,20 +146,21 @@ def serving_table(ok: pd.DataFrame) -> pd.DataFrame:
 def drift_tables(ok: pd.DataFrame) -> list[str]:
     """Drift on text against fp32, one row per (model, cache, dtype), ranked by KL; and where runs sweep K's and V's
     bits separately, a K-vs-V table: ΔNLL and KL by k_bits (rows) x v_bits (columns)."""
-    if "drift_kl" not in ok or ok["drift_kl"].dropna().empty:
+    if KEYS.drift_kl not in ok or ok[KEYS.drift_kl].dropna().empty:
         return []
-    d = ok[ok["drift_kl"].notna()]
+    d = ok[ok[KEYS.drift_kl].notna()]
     names = {**measurements.labels("text_drift"), **measurements.labels("retrieval")}  # key -> its header
     cols = [c for c in names if c in d]
     rank = (d.groupby(["model", "weights", "cache_label", "dtype"], dropna=False)[cols].mean().reset_index()
-            .sort_values(["model", "drift_kl"]).rename(columns=names))
+            .sort_values(["model", KEYS.drift_kl]).rename(columns=names))
     parts = ["<h2>Drift on text vs fp32 (teacher-forced, every position; llama.cpp's --kl-divergence statistics)</h2>",
              _table(rank)]
-    if {"cache_k_bits", "cache_v_bits"} <= set(d) and d["cache_k_bits"].nunique() * d["cache_v_bits"].nunique() > 1:
-        q = d[d["cache_k_bits"].notna() & d["cache_v_bits"].notna()]
+    k_bits, v_bits = KEYS.cache_k_bits, KEYS.cache_v_bits
+    if {k_bits, v_bits} <= set(d) and d[k_bits].nunique() * d[v_bits].nunique() > 1:
+        q = d[d[k_bits].notna() & d[v_bits].notna()]
         for (model, dtype), g in q.groupby(["model", "dtype"]):
-            for col in ("drift_delta_nll", "drift_kl"):
-                t = g.pivot_table(index="cache_k_bits", columns="cache_v_bits", values=col, aggfunc="mean")
+            for col in (KEYS.drift_delta_nll, KEYS.drift_kl):
+                t = g.pivot_table(index=k_bits, columns=v_bits, values=col, aggfunc="mean")
                 t.index = [f"K {int(b)}-bit" for b in t.index]
                 t.columns = [f"V {int(b)}-bit" for b in t.columns]
                 parts += [f"<h3>K vs V sensitivity, {html.escape(str(model))} {html.escape(str(dtype))}: "

@@ -407,6 +407,7 @@ def prompts(tiny_model):
     return seed_prompts(tiny_model.config.n_positions)  # 20 prompts of 1 .. 28 tokens, then 100 new tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,opts", [c for c in CASES if CACHE_KINDS[c.values[0]].exact])
 def test_exact_kinds_equal_their_reference_20_prompts_x_100_tokens(tiny_model, prompts, kind, opts):
     """Teacher-forced against the reference: when every cached token is the reference's argmax on the same context
@@ -458,6 +459,7 @@ class Checked:
         cache.update = update
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind,opts", [c for c in CASES if not CACHE_KINDS[c.values[0]].exact])
 def test_lossy_kinds_stay_within_their_documented_bound_in_the_model(tiny_model, prompts, kind, opts, dtype):

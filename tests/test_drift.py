@@ -155,6 +155,7 @@ def test_on_trained_weights_fp16_drifts_less_than_bf16_and_fewer_bits_more(mini_
     assert kl["fp16"] < kl["bf16"] < kl["q8"] < kl["q4"] < kl["q2"], kl
 
 
+@pytest.mark.slow
 def test_trained_weights_drift_far_more_than_random_ones(mini_texts):
     """The reason the mini model exists: the same 2-bit cache moves a trained model's predictions much further."""
     from models.gpt2 import GPT2, GPT2Config

@@ -4,6 +4,7 @@ both engines where it applies)."""
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -96,6 +97,20 @@ def test_keys_cli_prints_every_key_a_run_can_write():
 def test_docs_results_md_is_generated_from_the_registry():
     doc = (REPO / "docs" / "results.md").read_text(encoding="utf-8")
     assert doc == measurements.results_doc(), "docs/results.md is stale: run `make docs`"
+
+
+def test_readers_look_results_up_by_declared_names():
+    from harness.keys import KEYS
+
+    declared = measurements.declared_names()
+    assert KEYS.drift_kl == "drift_kl" and KEYS.ms_median == "ms_median" and KEYS.run_name == "run_name"
+    with pytest.raises(AttributeError, match="'drift_kll' is not a results.json key.*--keys"):
+        KEYS.drift_kll
+    used = set()
+    for path in sorted((REPO / "harness").glob("*.py")):
+        used |= {(path.name, k) for k in re.findall(r"\bKEYS\.(\w+)", path.read_text(encoding="utf-8"))}
+    assert {f for f, _ in used} >= {"plots.py", "report.py"}
+    assert [(f, k) for f, k in sorted(used) if k not in declared] == []
 
 
 # ---- choosing what runs ------------------------------------------------------------------------------------------
@@ -301,3 +316,4 @@ def test_retrieval_draws_only_tokens_the_model_can_tell_apart(tiny_model):
     assert copy_accuracy(perfect, seqs[0], 7) == (1.0, 1.0)
     wrong = torch.roll(perfect, 1, dims=-1)
     assert copy_accuracy(wrong, seqs[0], 7) == (0.0, 0.0)
+

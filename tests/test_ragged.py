@@ -24,6 +24,7 @@ def ragged_prompts():
     return [torch.randint(0, 50257, (n,), generator=g).tolist() for n in LENGTHS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,opts", [pytest.param(None, {}, id="uncached")] + EXACT)
 def test_each_sequence_of_a_ragged_batch_equals_running_it_alone(tiny_model, ragged_prompts, kind, opts):
     reference = {} if kind is None else CACHE_KINDS[kind].reference(CACHE_KINDS[kind].parse_options(**opts))
@@ -35,6 +36,7 @@ def test_each_sequence_of_a_ragged_batch_equals_running_it_alone(tiny_model, rag
         assert (out.logits[i] - alone.logits[0]).abs().max().item() <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,opts", [pytest.param(None, {}, id="uncached")] + EXACT)
 def test_more_padding_and_other_padding_ids_change_nothing(tiny_model, ragged_prompts, kind, opts):
     idx, pad = left_pad(ragged_prompts)

@@ -288,6 +288,7 @@ def stopped_mid_step(out, monkeypatch, signum, at_call=3) -> T.Interrupted:
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP],
                          ids=lambda s: signal.Signals(s).name)
+@pytest.mark.slow
 def test_each_stop_signal_saves_the_step_it_lands_in(tmp_path, monkeypatch, signum):  # train-stop-signals
     out = tmp_path / "run"
     e = stopped_mid_step(out, monkeypatch, signum)

@@ -235,6 +235,7 @@ def _closed_port() -> int:
     return port
 
 
+@pytest.mark.slow
 def test_cli_spec_only_writes_the_json_with_no_network(tmp_path):
     trip = Tripwire()
     url = f"http://127.0.0.1:{trip.port}"
@@ -250,6 +251,7 @@ def test_cli_spec_only_writes_the_json_with_no_network(tmp_path):
     assert trip.hits == 0
 
 
+@pytest.mark.slow
 def test_cli_online_without_a_key_says_what_to_do_and_exits_2(tmp_path):
     proc = _cli([GROUP], tmp_path, WANDB_BASE_URL=f"http://127.0.0.1:{_closed_port()}")
     assert proc.returncode == 2 and proc.stdout == ""
@@ -257,6 +259,7 @@ def test_cli_online_without_a_key_says_what_to_do_and_exits_2(tmp_path):
     assert "wandb login" in proc.stderr and "--spec-only" in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_publishing_a_spec_when_the_server_does_not_answer_exits_2_in_bounded_time(tmp_path):
     path = wrep.write_spec(tmp_path, wrep.build_spec(GROUP))
     proc = _cli(["--from-spec", str(path), "--entity", "e", "--timeout", "2"], tmp_path,

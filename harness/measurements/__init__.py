@@ -26,7 +26,8 @@ from harness.measurements import (equivalence, generation_drift, text_drift, ret
 
 __all__ = ["MEASUREMENTS", "Context", "Figure", "Measurement", "NoOptions", "Panel", "Table", "key", "option",
            "register", "measure", "chosen", "run_on", "tables", "table", "figures", "history_keys", "panels",
-           "shown_keys", "labels", "summary_lines", "options", "all_keys", "keys_text", "results_doc"]
+           "shown_keys", "labels", "summary_lines", "options", "all_keys", "keys_text", "results_doc", "KEYS",
+           "declared_names"]
 
 
 @dataclass
@@ -310,3 +311,13 @@ def results_doc() -> str:
 # the columns that say which run a row belongs to, first in every table a run writes and a loader reads
 IDENTITY_COLUMNS = ("run_name", "group", "status", "model", "cache", "cache_label", "dtype", "device", "engine",
                     "serve_batch", "prompt_lengths")
+
+
+def declared_names() -> set[str]:
+    """Every name a reader may look up: the results.json keys, the tables' columns and the identity columns."""
+    return ({k.key for k in all_keys()} | {c for t in tables().values() for c in t["columns"]}
+            | set(IDENTITY_COLUMNS))
+
+
+
+from harness.keys import KEYS  # noqa: E402  (re-exported: the names readers look results up by)
