@@ -248,6 +248,7 @@ def test_targets_table_names_every_target_and_what_it_missed():
     assert "copy50_acc" in table[-1] and "heldout_nll" not in table[-1]
 
 
+@pytest.mark.slow
 def test_shipped_mini_checkpoint_is_good_with_the_full_vocabulary():
     assert (MINI / "model.safetensors").is_file(), "build it: python -m harness.train --out models/weights/mini"
     assert (MINI / "model.safetensors").stat().st_size < 60 * 2**20
