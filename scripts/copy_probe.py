@@ -37,7 +37,8 @@ def sinusoids(n: int, d: int, std: float) -> torch.Tensor:
 
 
 def lr_at(step: int, steps: int, peak: float) -> float:
-    """Linear warmup over 3% of the steps, then cosine down to 10% of ``peak``."""
+    """Linear warmup over 3% of the steps, then cosine down to 10% of ``peak``: harness.train.lr_at's shape, by step;
+    the warmup's first steps differ slightly. Kept as the probes in docs/attempts were run, so they reproduce."""
     w = max(1, int(0.03 * steps))
     if step < w:
         return peak * (step + 1) / w

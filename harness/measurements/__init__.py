@@ -13,6 +13,7 @@ the figures, the W&B history keys and panels.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,10 +314,16 @@ IDENTITY_COLUMNS = ("run_name", "group", "status", "model", "cache", "cache_labe
                     "serve_batch", "prompt_lengths")
 
 
-def declared_names() -> set[str]:
-    """Every name a reader may look up: the results.json keys, the tables' columns and the identity columns."""
-    return ({k.key for k in all_keys()} | {c for t in tables().values() for c in t["columns"]}
-            | set(IDENTITY_COLUMNS))
+def declared_names() -> frozenset[str]:
+    """Every name a reader may look up: the results.json keys, the tables' columns and the identity columns
+    (worked out once per state of the registry: every ``KEYS.<name>`` asks)."""
+    return _declared(tuple(MEASUREMENTS.items()))
+
+
+@functools.lru_cache(maxsize=4)
+def _declared(registry: tuple) -> frozenset[str]:
+    return frozenset({k.key for k in all_keys()} | {c for t in tables().values() for c in t["columns"]}
+                     | set(IDENTITY_COLUMNS))
 
 
 
