@@ -55,7 +55,10 @@ from models.kv_cache import CACHE_KINDS, cache_kind
 from models.kv_cache.base import storage_nbytes
 
 DEFAULT_KINDS = ["concat", "prealloc", "quant:k_bits=8,v_bits=8", "quant:k_bits=4,v_bits=4",
-                 "quant:k_bits=2,v_bits=2", "window:window=256,sinks=4", "paged:block_size=16"]
+                 "quant:k_bits=2,v_bits=2", "window:window=256,sinks=4", "paged:block_size=16",
+                 # the evicting kinds at 256 slots, beside a window of the same 256 (S4 + W252)
+                 "window:window=252,sinks=4", "h2o:budget=256,recent=32", "tova:budget=256",
+                 "snapkv:budget=256,window=32", "knorm:budget=256", "random:budget=256"]
 
 
 def _prompt_and_token(vocab: int, ctx: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

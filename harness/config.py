@@ -177,6 +177,7 @@ def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
     _check_choices(cfg)
     _check_sizes(cfg)
     max_len, contexts = _lengths(cfg, n_positions)
+    _check_kind_fits(cfg, max_len)
     check_measurements(cfg, max_len)
     return max_len, contexts
 
@@ -252,6 +253,22 @@ def _lengths(cfg, n_positions: int) -> tuple[int, list[int]]:
         need(1 <= ctx < max_len, f"context_lengths has {ctx}: a timed step at context c needs 1 <= c < max_len="
              f"{max_len}")
     return max_len, contexts
+
+
+def _check_kind_fits(cfg, max_len: int) -> None:
+    """What the kind's options need of the lengths: a budget within max_len, prompts as long as a SnapKV window."""
+    cls = cache_kind(cfg.cache.kind)
+    opts = cls.parse_options(**cache_options(cfg.cache))
+    try:
+        cls.check_max_len(opts, max_len)
+    except ValueError as e:
+        raise ConfigError(f"cache={cfg.cache.kind}: {e}") from None
+    shortest = cls.min_prompt(opts)
+    need(cfg.prompt_len >= shortest, f"cache={cfg.cache.kind}: prompt_len={cfg.prompt_len} is shorter than the "
+         f"{shortest} prompt tokens this kind needs (its window); raise prompt_len or lower cache.window")
+    need(shortest == 1 or cfg.get("prompt_lengths", "uniform") != "ragged",
+         f"cache={cfg.cache.kind}: prompt_lengths=ragged draws prompts of 1 .. prompt_len tokens, shorter than the "
+         f"{shortest} this kind needs (its window); use prompt_lengths=uniform or cache.window=1")
 
 
 def check_measurements(cfg, max_len: int) -> None:

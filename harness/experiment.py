@@ -417,7 +417,7 @@ def load(cfg, plan: Plan) -> dict:
     engine = KvlabEngine(model, compile=True) if compiled else ENGINES[engine_name(cfg)](model)
     spec = measure.CacheSpec(cfg.cache.kind, cache_options(cfg.cache), storage)
     # drift (against FP32 full attention) is measured for every run that is not that reference itself
-    plain_fp32 = storage == compute == torch.float32 and spec.cls.exact and not spec.reference
+    plain_fp32 = storage == compute == torch.float32 and spec.cls.full_attention(spec.opts)
     ref32 = None if plain_fp32 else (engine if compute == torch.float32 and engine.name == "kvlab"
                                      else KvlabEngine(model32))  # the reference is always kvlab's fp32
     text_len = min(max_len, max(cfg.drift_text_len, cfg.prompt_len + 1))  # drift on text: prompt + continuation

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from models.kv_cache import CACHE_KINDS, cache_kind
+from models.kv_cache import CACHE_KINDS, KeepRecord, cache_kind
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -80,7 +80,7 @@ class CacheSpec:
 
 def full_attention_kind() -> str:
     """An exact kind whose reference is plain full attention: how FP32's own greedy tokens are made quickly."""
-    return next(k for k, c in CACHE_KINDS.items() if c.exact and not c.reference(c.Options()))
+    return next(k for k, c in CACHE_KINDS.items() if c.full_attention(c.Options()))
 
 
 # ---- equivalence and drift -----------------------------------------------------------------------------------
@@ -99,6 +99,12 @@ def logit_stats(test: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor
         top1_agree=(test.argmax(-1) == ref.argmax(-1)).float(),
         ref_margin=top2[:, 0] - top2[:, 1],  # how close the reference's top-1 and top-2 were
     )
+
+
+def keep_reference(out) -> dict:
+    """An evicting kind's generation: its reference is the keep-mask it noted (``keep=``); {} for every other run."""
+    keeps = getattr(out, "keeps", None)
+    return {} if keeps is None else {"keep": keeps}
 
 
 def teacher_forced(engine, prompt: torch.Tensor, tokens: torch.Tensor, reference: dict | None = None) -> torch.Tensor:
@@ -280,8 +286,9 @@ def recorded(cache, seen: dict):
     update = cache.update
 
     def recording(layer, k, v):
+        per_head = cache.layer_key_positions(layer, k.shape[2])  # an evicting kind's keys: (B, nh, n), before update
         out = update(layer, k, v)
-        seen[layer] = (out[0], out[1], cache.key_positions(k.shape[2]))
+        seen[layer] = (out[0], out[1], per_head if per_head is not None else cache.key_positions(k.shape[2]))
         return out
 
     cache.update = recording
@@ -311,7 +318,13 @@ def kv_errors(seen: dict, ref: dict) -> pd.DataFrame:
     for layer in sorted(set(seen) & set(ref)):
         k, v, pos = seen[layer]
         kr, vr, _ = ref[layer]
-        if pos is not None:
+        if pos is not None and pos.dim() == 3:  # per sequence and head, -1 empty: compare the held keys alone
+            pos = pos.to(kr.device)
+            held = (pos >= 0).unsqueeze(-1)  # (B, nh, n, 1)
+            at = pos.clamp(min=0).unsqueeze(-1).expand(-1, -1, -1, kr.shape[-1])
+            kr, vr = kr.gather(2, at).where(held, 0), vr.gather(2, at).where(held, 0)
+            k, v = k.where(held, 0), v.where(held, 0)
+        elif pos is not None:
             kr, vr = kr[:, :, pos.to(kr.device)], vr[:, :, pos.to(vr.device)]
         ek, ev = (k.double() - kr.double()).pow(2).sum().item(), (v.double() - vr.double()).pow(2).sum().item()
         nk, nv = kr.double().pow(2).sum().item(), vr.double().pow(2).sum().item()
@@ -607,8 +620,13 @@ def serve_batch(engine, spec: CacheSpec, prompts: list[torch.Tensor], new_tokens
     runs = []
     for r in range(warmup + repeats):
         cache = spec.new(engine, max_len, B)
+        last = r == warmup + repeats - 1
+        # what an evicting kind held before each forward of the checked (last) repeat: each sequence's reference
+        noted = KeepRecord(pad) if last and getattr(cache, "evicts", False) else None
         sync(device)
         t0 = time.perf_counter()
+        if noted is not None:
+            noted.note(cache, idx.shape[1])
         logits = engine.prefill(idx, cache, last_only=True, pad=pad)[:, -1]
         sync(device)
         t1 = time.perf_counter()
@@ -616,9 +634,11 @@ def serve_batch(engine, spec: CacheSpec, prompts: list[torch.Tensor], new_tokens
         for i in range(new_tokens):
             nxt = logits.argmax(-1, keepdim=True)  # (B, 1)
             chosen.append(nxt)
-            if r == warmup + repeats - 1:
+            if last:
                 seen.append(logits.float().cpu())
             if i + 1 < new_tokens:
+                if noted is not None:
+                    noted.note(cache, 1)
                 logits = engine.decode(nxt, cache)[:, -1]
         sync(device)
         t2 = time.perf_counter()
@@ -641,18 +661,19 @@ def serve_batch(engine, spec: CacheSpec, prompts: list[torch.Tensor], new_tokens
     rec.update(serve_tokens_identical=None, serve_max_abs_logit=None)
     if check:
         rec.update(served_check(engine, spec, prompts, torch.cat(chosen, dim=1).cpu(), torch.stack(seen, dim=1),
-                                device))
+                                device, noted))
     return rec
 
 
 def served_check(engine, spec: CacheSpec, prompts: list[torch.Tensor], tokens: torch.Tensor, logits: torch.Tensor,
-                 device: torch.device) -> dict:
+                 device: torch.device, noted: KeepRecord | None = None) -> dict:
     """Each served sequence against its own uncached reference run on its own tokens: ``tokens`` (B, n) and the
-    ``logits`` (B, n, vocab) the batch chose them from."""
+    ``logits`` (B, n, vocab) the batch chose them from; ``noted``: an evicting kind's keep-mask of the batch."""
     same, worst = True, 0.0
     for i, p in enumerate(prompts):
         ctx = torch.cat([p.cpu(), tokens[i, :-1]]).unsqueeze(0).to(device)
-        ref = engine.forward(ctx, **spec.reference)[0, len(p) - 1:].float().cpu()  # (n, vocab)
+        keep = {} if noted is None else {"keep": noted.sequence(i)}
+        ref = engine.forward(ctx, **spec.reference, **keep)[0, len(p) - 1:].float().cpu()  # (n, vocab)
         same &= bool(torch.equal(ref.argmax(-1), tokens[i]))
         worst = max(worst, float((ref - logits[i]).abs().max()))
     return dict(serve_tokens_identical=same, serve_max_abs_logit=worst)

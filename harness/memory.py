@@ -141,7 +141,7 @@ def _storage(engine: str, kind: str, cls: type[KVCache], opts, prefilled: int):
 
 def _full_attention_kind() -> type[KVCache]:
     """The kind the fp32 drift reference runs with (``harness.measure.full_attention_kind``)."""
-    return next(c for c in CACHE_KINDS.values() if c.exact and not c.reference(c.Options()))
+    return next(c for c in CACHE_KINDS.values() if c.full_attention(c.Options()))
 
 
 def _positive(name: str, value) -> int:
@@ -291,8 +291,8 @@ def _generation_phases(s: _Sizes, n_prompts: int, new_tokens: int, drift_text_le
     V, n, Tg = s.model.vocab_size, new_tokens, s.prompt_len + new_tokens
     phases = [("generation", s.cache_at(1, Tg, cap=Tg) + s.ref_cache(Tg),
                s.forward(1, Tg, Tg, F32) + n * V * (6 * F32 + 5 * F64))]
-    plain_fp32 = (not s.reduced and s.storage == as_dtype("fp32") and s.cls.exact
-                  and not s.cls.reference(s.cls.parse_options(**s.options)))
+    plain_fp32 = (not s.reduced and s.storage == as_dtype("fp32")
+                  and s.cls.full_attention(s.cls.parse_options(**s.options)))
     if not plain_fp32:
         Lt = min(s.max_len, max(drift_text_len, s.prompt_len + 1))
         R = min(STAT_ROWS, Lt - 1)

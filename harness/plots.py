@@ -44,33 +44,56 @@ are grouped by dtype (a CPU and a GPU step time must not be averaged together).
 
 from __future__ import annotations
 
+import importlib
 import itertools
+from functools import lru_cache
+from typing import TYPE_CHECKING
 
-import matplotlib
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")
+from harness.keys import KEYS
+from harness.measure import LAYER_TOL
+from models.kv_cache import CACHE_KINDS
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-from matplotlib.colors import LogNorm  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.ticker import NullLocator, ScalarFormatter  # noqa: E402
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
-from harness.keys import KEYS  # noqa: E402
-from harness.measure import LAYER_TOL  # noqa: E402
-from models.kv_cache import CACHE_KINDS  # noqa: E402
+
+class _OnFirstUse:
+    """A module imported when it is first used, with matplotlib on its file-only backend: a run that draws nothing
+    (every run but a sweep's report) does not pay the second matplotlib and seaborn take to import."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        if "_module" not in self.__dict__:
+            importlib.import_module("matplotlib").use("Agg")  # figures are saved, never shown
+            self.__dict__["_module"] = importlib.import_module(self._name)
+        return getattr(self.__dict__["_module"], attr)
+
+
+plt = _OnFirstUse("matplotlib.pyplot")
+sns = _OnFirstUse("seaborn")
+_colors = _OnFirstUse("matplotlib.colors")
+_ticker = _OnFirstUse("matplotlib.ticker")
 
 # known levels in a sensible order; anything unknown goes after them, sorted
 MODEL_ORDER = ["tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
 CACHE_ORDER = list(CACHE_KINDS)  # the registry's order; a kind's runs are labelled "<kind> <options>"
 DTYPE_ORDER = ["fp32", "fp16", "bf16"]
 
-_C = sns.color_palette("tab10")
+
+@lru_cache(maxsize=1)
+def _palette() -> list:
+    return sns.color_palette("tab10")
+
+
 UNCACHED_STYLE = ((0.4, 0.4, 0.4), "--")
 DASHES = ["-", "--", ":", "-."]
 MARKERS = ["o", "s", "^", "D"]
+
 
 def drift_metrics() -> list[tuple[str, str]]:
     """drift_plot's panels: (column, axis label)."""
@@ -106,7 +129,7 @@ def _cache_levels(values) -> list[str]:
 
 
 def _cache_color(levels: list[str], cache: str):
-    return _C[levels.index(cache) % len(_C)] if cache in levels else "k"
+    return _palette()[levels.index(cache) % len(_palette())] if cache in levels else "k"
 
 
 def _with_prec(df: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
@@ -136,8 +159,8 @@ def _log2_x(ax, ticks) -> None:
     """Log2 x axis with the measured context lengths as plain-number ticks."""
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(set(ticks)))
-    ax.xaxis.set_major_formatter(ScalarFormatter())
-    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(_ticker.ScalarFormatter())
+    ax.xaxis.set_minor_locator(_ticker.NullLocator())
 
 
 def _log_y_if_decades(ax, values) -> None:
@@ -477,7 +500,7 @@ def equivalence_grid(runs: pd.DataFrame) -> Figure:
         if not np.isnan(v):
             annot[i, j] = f"{v:.1e}\n" + ("✓" if same.iat[i, j] else "✗") + ("\nlossy" if cells[j] in lossy else "")
     pos = diff.to_numpy()[diff.to_numpy() > 0]  # log colour needs positive values; exact zeros are left uncoloured
-    norm = LogNorm(pos.min(), pos.max()) if pos.size and pos.max() > pos.min() else None
+    norm = _colors.LogNorm(pos.min(), pos.max()) if pos.size and pos.max() > pos.min() else None
 
     fig, ax = plt.subplots(figsize=(1.5 * len(cells) + 3, 0.9 * len(models) + 2), layout="constrained")
     sns.heatmap(diff, annot=annot, fmt="", norm=norm, cmap="rocket_r", linewidths=0.5, ax=ax,

@@ -16,13 +16,16 @@ import torch
 import torch.nn as nn
 
 from models.gpt2 import GPT2, check_padding
-from models.kv_cache import KVCache, PreallocKVCache, make_cache
+from models.kv_cache import KeepRecord, KVCache, PreallocKVCache, make_cache
 
 
 @dataclass
 class GreedyOutput:
     tokens: torch.Tensor  # (B, n_new) the chosen tokens
     logits: torch.Tensor  # (B, n_new, vocab) the logits each step chose from
+    # an evicting kind's run: what its cache held before each forward, the input of its reference
+    # (``greedy(model, prompt, n, keep=out.keeps)``, ``model(idx, keep=out.keeps)``); None for every other run
+    keeps: KeepRecord | None = None
 
 
 def _is_array(x) -> bool:
@@ -202,8 +205,9 @@ def greedy(model: GPT2, prompt_ids, max_new_tokens: int, layout: str | None = No
 
     ``layout`` None re-runs the whole context every step (the uncached oracle); a cache kind ("concat", "prealloc",
     "quant", "window", ...) prefills a cache of that kind once and then decodes one token per step. ``options``
-    are the kind's options, or, uncached, the reference's (``window``, ``sinks``): the options a kind was built
-    with and ``**cache.reference(cache.opts)`` give a cached run and the uncached run it must equal.
+    are the kind's options, or, uncached, the reference's (``window``, ``sinks``; ``keep``, an evicting kind's
+    ``out.keeps``): the options a kind was built with and ``**cache.reference(cache.opts)`` give a cached run and
+    the uncached run it must equal.
     ``cache_dtype`` is the cache's storage dtype (default: the model's); ``max_len`` its capacity (default: prompt +
     new tokens).
     """
@@ -222,8 +226,23 @@ def greedy(model: GPT2, prompt_ids, max_new_tokens: int, layout: str | None = No
     if layout is None:
         return greedy_uncached(lambda ctx: model(ctx, last_only=True, pad=pad, **options), idx, max_new_tokens)
     cache = new_cache(model, layout, T + max_new_tokens if max_len is None else max_len, B, cache_dtype, **options)
-    return greedy_loop(lambda: prefill(model, idx, cache, last_only=True, pad=pad)[0][:, -1],
-                       lambda nxt: decode_step(model, nxt, cache)[0][:, -1], max_new_tokens)
+    keeps = KeepRecord(check_padding(pad, B, T, idx.device)) if cache.evicts else None
+
+    def first():
+        if keeps is not None:
+            keeps.note(cache, T)
+        return prefill(model, idx, cache, last_only=True, pad=pad)[0][:, -1]
+
+    def step(nxt):
+        if keeps is not None:
+            keeps.note(cache, 1)
+        return decode_step(model, nxt, cache)[0][:, -1]
+
+    out = greedy_loop(first, step, max_new_tokens)
+    if keeps is not None:  # the forward the last chosen token would get: what the cache holds now, plus itself
+        keeps.note(cache, 1)
+    out.keeps = keeps
+    return out
 
 
 # ---- a static decode step, for torch.compile -------------------------------------------------------------------
@@ -233,6 +252,7 @@ class _StaticWrites:
     tensor, each layer's whole buffer handed back (static shapes; the mask hides the slots past the position)."""
 
     pos = 0  # attention reads it only on its no-mask paths, which a static step never takes
+    evicts = wants_scores = False  # a pre-allocated cache keeps every position
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], input_pos: torch.Tensor):
         self.k, self.v, self.input_pos = k, v, input_pos

@@ -44,6 +44,11 @@ class CausalSelfAttention(nn.Module):
             past = cache.pos
             k, v = cache.update(layer, k, v)  # (B, nh, n_keys, hs) in the storage dtype
             k, v = k.to(q.dtype), v.to(q.dtype)  # no-op when storage and compute dtypes agree
+            if cache.evicts:  # the kind chooses what it keeps after attending (with the probabilities, if it asks)
+                y, probs = scored_attention(q, k, v, mask) if cache.wants_scores else (
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask), None)
+                cache.after_attention(layer, probs)
+                return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
         if mask is not None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         elif T == 1:  # one decode step: the new token sees the whole history, no mask
@@ -55,6 +60,17 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
         return self.c_proj(y)
+
+
+def scored_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with its probabilities as a tensor: (output (B, nh, T, hs), probabilities (B, nh, T, n_keys)),
+    what a cache kind that scores keys is handed; ``mask`` True = may attend (None: every key)."""
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, nh, T, n_keys)
+    if mask is not None:
+        att = att.masked_fill(~mask, float("-inf"))
+    probs = att.softmax(dim=-1)
+    return probs @ v, probs
 
 
 class MLP(nn.Module):
@@ -204,10 +220,11 @@ def attention_mask(past: int, T: int, key_pos: torch.Tensor | None, device, wind
 
     ``pad`` (B,): sequence b's first pad[b] slots are padding, and its token in slot s has position s - pad[b].
     ``key_pos`` says where each key the cache returns sits: (n_keys,) the slot of each key, shared by the batch;
-    (B, n_keys) the position of each key per sequence (negative: the slot holds nothing); None: slots 0 .. past +
-    T - 1. A query at position t sees a key at position j when 0 <= j <= t and, with a ``window``, when also j <
-    ``sinks`` or t - window < j. A padding query sees every key: its output is never read, and a query that sees
-    nothing would make attention NaN."""
+    (B, n_keys) the position of each key per sequence (negative: the slot holds nothing); (B, nh, n_keys) the
+    position of each key per sequence and head (an evicting kind's layer; the mask is then (B, nh, T, n_keys));
+    None: slots 0 .. past + T - 1. A query at position t sees a key at position j when 0 <= j <= t and, with a
+    ``window``, when also j < ``sinks`` or t - window < j. A padding query sees every key: its output is never
+    read, and a query that sees nothing would make attention NaN."""
     if key_pos is None and window is None and pad is None:
         return None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1
@@ -215,6 +232,12 @@ def attention_mask(past: int, T: int, key_pos: torch.Tensor | None, device, wind
         raise ValueError(f"window={window!r}, sinks={sinks!r}: window must be an integer >= 1 and sinks >= 0")
     q = torch.arange(past, past + T, device=device).unsqueeze(1)  # (T, 1) slots
     j = torch.arange(past + T, device=device) if key_pos is None else key_pos
+    if j.dim() == 3:  # (B, nh, n_keys): positions per sequence and head (an evicting kind), -1 empty
+        off = 0 if pad is None else pad.view(-1, 1, 1, 1)
+        q = q.view(1, 1, T, 1) - off  # (B or 1, 1, T, 1) positions
+        mask = (j.unsqueeze(2) >= 0) & (j.unsqueeze(2) <= q)  # (B, nh, T, n_keys)
+        mask = mask | (q < 0)  # a padding query sees every key
+        return None if T == 1 and bool(mask.all()) else mask
     if pad is None and j.dim() == 1:
         j = j.unsqueeze(0)  # (1, n_keys)
         mask = j <= q
@@ -288,7 +311,7 @@ class GPT2(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, last_only: bool = False,
-                window: int | None = None, sinks: int = 0, pad=None) -> torch.Tensor:
+                window: int | None = None, sinks: int = 0, pad=None, keep=None) -> torch.Tensor:
         """idx (B, T) -> logits (B, T, vocab). With a cache, positions start at ``cache.pos`` and ``pos`` advances
         by T once every layer has stored its K and V. ``last_only`` asks for the last position's logits alone,
         (B, 1, vocab), sparing the vocabulary projection of positions nobody reads (generation's choice).
@@ -299,7 +322,11 @@ class GPT2(nn.Module):
 
         ``pad`` (B,) makes idx a left-padded ragged batch: sequence b's first pad[b] columns are padding, its tokens
         start at position 0, and no query attends to padding. With a cache, the padding is the cache's
-        (``cache.set_padding``, which ``prefill`` calls), so it is not given here."""
+        (``cache.set_padding``, which ``prefill`` calls), so it is not given here.
+
+        ``keep`` (a ``models.kv_cache.KeepRecord``) makes the uncached forward the reference of an evicting kind:
+        in layer l, head h, the query at slot t sees what the cache held before t's forward plus that forward's
+        slots up to t (the record's padding is the batch's)."""
         if idx.dim() != 2 or idx.is_floating_point() or idx.dtype == torch.bool:
             raise ValueError(f"idx must be (B, T) integer token ids, got {idx.dtype} of shape {tuple(idx.shape)}")
         B, T = idx.shape
@@ -308,9 +335,17 @@ class GPT2(nn.Module):
         if cache is not None and (window is not None or sinks or pad is not None):
             raise ValueError("window/sinks and pad describe the uncached reference; a cache applies its own kind's "
                              "rule and holds its own padding (cache.set_padding)")
+        if keep is not None and (cache is not None or window is not None):
+            raise ValueError("keep is the uncached reference of an evicting kind: give it without a cache or window")
         if window is None and sinks:
             raise ValueError(f"sinks={sinks} needs a window: give window=W too (sinks are kept beside the last W "
                              "tokens)")
+        if keep is not None:
+            given = check_padding(pad, B, T, idx.device)
+            if given is not None and (keep.pad is None or not torch.equal(given.cpu(), keep.pad.cpu())):
+                raise ValueError("pad differs from the keep record's: the reference runs on the batch the record "
+                                 "was noted on")
+            pad = keep.pad
         if cache is None:
             past, pad = 0, check_padding(pad, B, T, idx.device)
             pad_min = 0 if pad is None else int(pad.min())
@@ -321,14 +356,21 @@ class GPT2(nn.Module):
                              f"{self.config.n_positions}")
         rule = cache.reference(cache.opts) if cache is not None else (
             {} if window is None else {"window": window, "sinks": sinks})
-        mask = attention_mask(past, T, None if cache is None else cache.key_positions(T), idx.device, pad=pad,
-                              **rule)
+        mask = None if keep is not None or (cache is not None and cache.evicts) else attention_mask(
+            past, T, None if cache is None else cache.key_positions(T), idx.device, pad=pad, **rule)
         pos = torch.arange(past, past + T, device=idx.device)  # (T,)
         if pad is not None:
             pos = (pos - pad.unsqueeze(1)).clamp(min=0)  # (B, T): each sequence's own positions; padding gets 0
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        per_layer = None  # key sets that differ by layer and head: a mask per layer
+        if cache is not None and cache.evicts:
+            def per_layer(layer):
+                return attention_mask(past, T, cache.layer_key_positions(layer, T), idx.device, pad=pad)
+        elif keep is not None:
+            def per_layer(layer):
+                return keep.mask(layer, T, idx.device)
         for layer, block in enumerate(self.transformer.h):
-            x = block(x, cache, layer, mask)
+            x = block(x, cache, layer, mask if per_layer is None else per_layer(layer))
         if cache is not None:
             cache.advance(T)
         if last_only:

@@ -17,6 +17,12 @@ for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"
 os.environ.pop("WANDB_API_KEY", None)
 os.environ["WANDB_SILENT"] = "true"
 
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    # N pytest-xdist workers on C cores: C // N threads each, inherited by the runs they start (C threads in every
+    # worker oversubscribes the cores, and torch's threads then wait on each other)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

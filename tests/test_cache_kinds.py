@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from models.generate import decode_step, greedy, new_cache, prefill
-from models.kv_cache import CACHE_KINDS, KVCache, kv_bytes, make_cache
+from models.kv_cache import CACHE_KINDS, KeepRecord, KVCache, kv_bytes, make_cache
 from tests.test_generate import seed_prompts
 
 CASES = [pytest.param(kind, opts, id=f"{kind}-{'-'.join(f'{k}{v}' for k, v in opts.items()) or 'default'}")
          for kind, cls in CACHE_KINDS.items() for opts in cls.examples]
 KINDS = list(CACHE_KINDS)
+FIXED = [c for c in CASES if not CACHE_KINDS[c.values[0]].evicts]  # kinds whose keys follow a rule
+EVICTING = [c for c in CASES if CACHE_KINDS[c.values[0]].evicts]  # kinds that choose what they keep
 GEOM = dict(n_layer=2, n_head=3, head_dim=8)  # small, and head_dim 8 is not a multiple of every group size
 CHUNKS = [5, 1, 1, 7, 1, 1, 3, 1, 9, 1, 1, 1, 2, 1]  # prefill, decode steps, chunks: 35 tokens
 
@@ -75,6 +77,25 @@ def visible(q: int, n: int, reference: dict) -> set[int]:
     return {j for j in range(min(n, q + 1)) if W is None or j < S or j > q - W}
 
 
+def random_probs(cache: KVCache, key_pos: torch.Tensor, t: int, g: torch.Generator, dtype=torch.float32):
+    """Attention probabilities (B, nh, t, keys) to hand an evicting kind that scores: random, over the keys each of
+    the t new queries may see (held, or its own forward's up to itself; a padding query sees every key)."""
+    q = torch.arange(cache.pos, cache.pos + t).view(1, t) - (0 if cache.pad is None else cache.pad.view(-1, 1))
+    q = q.view(-1, 1, t, 1)  # (B or 1, 1, t, 1) positions
+    see = ((key_pos.unsqueeze(2) >= 0) & (key_pos.unsqueeze(2) <= q)) | (q < 0)
+    logits = torch.randn(see.shape, generator=g) * 3
+    return logits.masked_fill(~see, float("-inf")).softmax(-1).to(dtype)
+
+
+def attend(cache: KVCache, layer: int, t: int, k, v, g: torch.Generator):
+    """One layer's part of a forward as the model does it: update, then (an evicting kind) what it keeps."""
+    key_pos = cache.layer_key_positions(layer, t)
+    out = cache.update(layer, k, v)
+    if cache.evicts:
+        cache.after_attention(layer, random_probs(cache, key_pos, t, g, k.dtype) if cache.wants_scores else None)
+    return out
+
+
 class Writer:
     """Writes random K/V chunks into a cache, one layer at a time, as the model does, and remembers what it wrote."""
 
@@ -82,6 +103,7 @@ class Writer:
         self.cache, self.g, self.dtype = cache, torch.Generator().manual_seed(seed), dtype  # dtype: the compute one
         self.k = [torch.empty(cache.batch, cache.n_head, 0, cache.head_dim) for _ in range(cache.n_layer)]
         self.v = [x.clone() for x in self.k]
+        self.handed: dict[int, torch.Tensor | None] = {}  # per layer: the probabilities the last write handed over
 
     def chunk(self, t: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.cache
@@ -93,22 +115,43 @@ class Writer:
             out.append((k.to(self.dtype), torch.randn(shape, generator=self.g).to(self.dtype)))
         return out
 
+    def probs(self, key_pos: torch.Tensor, t: int) -> torch.Tensor:
+        return random_probs(self.cache, key_pos, t, self.g, self.dtype)
+
     def write(self, t: int, data=None):
-        """One forward's worth: every layer's update, then advance. Returns what each layer's update returned (with
-        any key a kind declares empty, position -1, zeroed: what it holds there is never read) and the key positions
-        the cache declared for it."""
+        """One forward's worth: every layer's update (and, for an evicting kind, what it keeps after attention),
+        then advance. Returns what each layer's update returned (with any key a kind declares empty, position -1,
+        zeroed: what it holds there is never read) and the key positions the cache declared for it: one tensor, or
+        for a kind whose keys differ by layer and head a list of (B, nh, keys), one per layer."""
         data = data or self.chunk(t)
         pos = self.cache.key_positions(t)
-        returned = []
+        per_layer, returned = [], []
         for layer, (k, v) in enumerate(data):
+            per_layer.append(self.cache.layer_key_positions(layer, t))
             returned.append(self.cache.update(layer, k, v))
+            if self.cache.evicts:
+                self.handed[layer] = self.probs(per_layer[-1], t) if self.cache.wants_scores else None
+                self.cache.after_attention(layer, self.handed[layer])
             self.k[layer] = torch.cat([self.k[layer], k], dim=2)
             self.v[layer] = torch.cat([self.v[layer], v], dim=2)
         self.cache.advance(t)
-        if pos is not None and pos.dim() == 2:
+        if per_layer[0] is not None:
+            pos = per_layer
+            returned = [(k.masked_fill((p < 0)[..., None], 0), v.masked_fill((p < 0)[..., None], 0))
+                        for (k, v), p in zip(returned, per_layer)]
+        elif pos is not None and pos.dim() == 2:
             empty = (pos < 0)[:, None, :, None]  # (B, 1, keys, 1)
             returned = [(k.masked_fill(empty, 0), v.masked_fill(empty, 0)) for k, v in returned]
         return returned, pos, data
+
+
+def same_positions(a, b) -> bool:
+    """Two writes declared the same key positions (None, one tensor, or one per layer)."""
+    if a is None or b is None:
+        return a is None and b is None
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    return not isinstance(b, list) and torch.equal(a, b)
 
 
 def same_state(a: dict, b: dict) -> bool:
@@ -144,7 +187,8 @@ def test_registry_holds_the_kinds_and_make_cache_builds_them():
         assert cls.kind == kind and issubclass(cls, KVCache) and isinstance(cls.exact, bool)
         assert isinstance(make(kind, {}), cls)
         cls.parse_options(**cls.option_defaults())  # the defaults are valid options
-    with pytest.raises(ValueError, match="unknown cache kind 'lru': use one of concat, prealloc, quant, window, paged"):
+    with pytest.raises(ValueError, match="unknown cache kind 'lru': use one of concat, prealloc, quant, window, paged, "
+                                         "h2o, tova, snapkv, knorm, random"):
         make_cache("lru", 2, 2, 4, 8)
 
 
@@ -176,7 +220,7 @@ def test_geometry_and_dtype_are_checked(kind):
 # ---- the update / pos contract -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind,opts", CASES)
+@pytest.mark.parametrize("kind,opts", FIXED)
 def test_update_returns_what_the_reference_sees_and_never_moves_pos(kind, opts, dtype):
     """K/V written in ``dtype`` into a cache storing ``dtype`` (as on a GPU computing in fp16/bf16)."""
     cache = make(kind, opts, dtype=dtype)
@@ -209,6 +253,37 @@ def test_update_returns_what_the_reference_sees_and_never_moves_pos(kind, opts, 
                     kb, vb = bound[0][b][:, valid], bound[1][b][:, valid]
                     assert ((k.float() - want_k.float()).abs() <= kb * (1 + 1e-5) + 1e-6).all()
                     assert ((v.float() - want_v.float()).abs() <= vb * (1 + 1e-5) + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind,opts", EVICTING)
+def test_an_evicting_kind_attends_over_what_it_held_plus_the_new_and_keeps_its_budget(kind, opts, dtype):
+    """Each layer's update returns, per sequence and head, exactly the positions held before plus the new ones,
+    with the K/V written there; afterwards the kind holds min(budget, tokens) of those, each once."""
+    cache = make(kind, opts, dtype=dtype)
+    w = Writer(cache, dtype=dtype)
+    B, nh, budget = cache.batch, cache.n_head, cache.opts.budget
+    held = [torch.full((B, nh, 0), -1) for _ in range(cache.n_layer)]
+    for t in CHUNKS:
+        before = cache.pos
+        returned, per_layer, _ = w.write(t)
+        assert cache.pos == before + t
+        for layer, ((k, v), kp) in enumerate(zip(returned, per_layer)):
+            assert kp.shape == (B, nh, k.shape[2]) and k.dtype == v.dtype == dtype
+            after = cache.kept_positions(layer)
+            assert after.shape == (B, nh, budget) and after.dtype == torch.long
+            for b in range(B):
+                for h in range(nh):
+                    valid = kp[b, h] >= 0
+                    got = kp[b, h][valid]
+                    was = held[layer][b, h][held[layer][b, h] >= 0].tolist()
+                    assert sorted(got.tolist()) == sorted(was + list(range(before, before + t)))
+                    assert torch.equal(k[b, h][valid], w.k[layer][b, h][got].to(dtype))
+                    assert torch.equal(v[b, h][valid], w.v[layer][b, h][got].to(dtype))
+                    kept = after[b, h][after[b, h] >= 0].tolist()
+                    assert len(set(kept)) == len(kept) == min(budget, before + t) and set(kept) <= set(got.tolist())
+            held[layer] = after
+        assert cache.nbytes == own_bytes(cache) == cache.formula_nbytes() == cache.formula_nbytes(0)
 
 
 @pytest.mark.parametrize("kind,opts", CASES)
@@ -304,15 +379,20 @@ def test_crop_gives_the_shorter_cache_or_says_why_not(kind, opts):
         cache.crop(m)
         assert cache.pos == m
         assert cache.nbytes == own_bytes(cache) == cache.formula_nbytes()  # nothing longer kept alive
-        # the cache that only ever wrote the first m tokens
-        short = make(kind, opts)
-        flat = [torch.cat([d[layer][i] for d in data], dim=2)[:, :, :m] for layer in range(2) for i in range(2)]
-        if m:
-            Writer(short).write(m, [(flat[0], flat[1]), (flat[2], flat[3])])
+        # the cache that only ever wrote the first m tokens (an evicting kind, whose state is its history: the same
+        # forwards, which is all it crops to)
+        if cache.evicts:
+            assert m == total
+            short, _ = replay(kind, opts, chunks)
+        else:
+            short = make(kind, opts)
+            flat = [torch.cat([d[layer][i] for d in data], dim=2)[:, :, :m] for layer in range(2) for i in range(2)]
+            if m:
+                Writer(short).write(m, [(flat[0], flat[1]), (flat[2], flat[3])])
         nxt = Writer(short, seed=9).chunk(2)
         a, pa, _ = Writer(cache).write(2, nxt)
         b, pb, _ = Writer(short).write(2, nxt)
-        assert (pa is None and pb is None) or torch.equal(pa, pb)
+        assert same_positions(pa, pb)
         for (ka, va), (kb, vb) in zip(a, b):
             assert torch.equal(ka, kb) and torch.equal(va, vb)
     assert cropped_somewhere >= 1  # cropping to pos (nothing) always works
@@ -344,7 +424,7 @@ def test_real_crops_give_the_shorter_cache(kind, opts, chunks, m):
         nxt = Writer(short, seed=10 + t).chunk(t)
         a, pa, _ = Writer(cache).write(t, nxt)
         b, pb, _ = Writer(short).write(t, nxt)
-        assert (pa is None and pb is None) or torch.equal(pa, pb)
+        assert same_positions(pa, pb)
         for (ka, va), (kb, vb) in zip(a, b):
             assert torch.equal(ka, kb) and torch.equal(va, vb)
 
@@ -408,16 +488,23 @@ def prompts(tiny_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,opts", [c for c in CASES if CACHE_KINDS[c.values[0]].exact])
+@pytest.mark.parametrize("kind,opts", [c for c in CASES if CACHE_KINDS[c.values[0]].exact and (
+    not CACHE_KINDS[c.values[0]].evicts or c.values[1] == CACHE_KINDS[c.values[0]].examples[0])])
 def test_exact_kinds_equal_their_reference_20_prompts_x_100_tokens(tiny_model, prompts, kind, opts):
     """Teacher-forced against the reference: when every cached token is the reference's argmax on the same context
-    and the logits agree, the uncached greedy loop would have produced exactly these tokens."""
-    reference = CACHE_KINDS[kind].reference(CACHE_KINDS[kind].parse_options(**opts))
+    and the logits agree, the uncached greedy loop would have produced exactly these tokens. (An evicting kind runs
+    it with its first example; its other examples, whose mechanics are the same code, with the shorter tests.)"""
+    cls = CACHE_KINDS[kind]
+    reference = cls.reference(cls.parse_options(**opts))
     worst = 0.0
     for p in prompts:
+        if p.shape[1] < cls.min_prompt(cls.parse_options(**opts)):
+            with pytest.raises(ValueError, match="longer than the prompt"):
+                greedy(tiny_model, p, 100, layout=kind, **opts)
+            continue
         out = greedy(tiny_model, p, 100, layout=kind, **opts)
-        with torch.no_grad():
-            ref = tiny_model(torch.cat([p, out.tokens], dim=1), **reference)[0, p.shape[1] - 1:-1]
+        with torch.no_grad():  # an evicting kind's reference: the keep-mask its run noted
+            ref = tiny_model(torch.cat([p, out.tokens], dim=1), **reference, **keeps(out))[0, p.shape[1] - 1:-1]
         assert torch.equal(ref.argmax(-1), out.tokens[0]), f"prompt of {p.shape[1]} tokens diverged"
         worst = max(worst, (out.logits[0] - ref).abs().max().item())
     assert worst <= 1e-4
@@ -427,14 +514,23 @@ def test_exact_kinds_equal_their_reference_20_prompts_x_100_tokens(tiny_model, p
 def test_exact_kinds_chunked_prefill_and_batches_equal_the_reference(tiny_model, kind, opts):
     reference = CACHE_KINDS[kind].reference(CACHE_KINDS[kind].parse_options(**opts))
     ids = torch.randint(0, 50257, (2, 23), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        full = tiny_model(ids, **reference)
     cache = new_cache(tiny_model, kind, max_len=30, batch=2, **opts)
-    pieces = [prefill(tiny_model, ids[:, a:b], cache)[0] for a, b in [(0, 5), (5, 6), (6, 17), (17, 23)]]
+    noted = KeepRecord()
+    pieces = []
+    for a, b in [(0, 5), (5, 6), (6, 17), (17, 23)]:
+        noted.note(cache, b - a)
+        pieces.append(prefill(tiny_model, ids[:, a:b], cache)[0])
+    with torch.no_grad():
+        full = tiny_model(ids, **reference, **({"keep": noted} if cache.evicts else {}))
     assert (torch.cat(pieces, dim=1) - full).abs().max().item() <= 1e-5
     out = greedy(tiny_model, ids, 30, layout=kind, **opts)
-    ref = greedy(tiny_model, ids, 30, **reference)
+    ref = greedy(tiny_model, ids, 30, **reference, **keeps(out))
     assert torch.equal(out.tokens, ref.tokens) and (out.logits - ref.logits).abs().max().item() <= 1e-4
+
+
+def keeps(out) -> dict:
+    """The keep-mask an evicting kind's generation noted, as the reference's keyword; {} for every other kind."""
+    return {} if out.keeps is None else {"keep": out.keeps}
 
 
 class Checked:

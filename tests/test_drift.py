@@ -152,7 +152,9 @@ def test_on_trained_weights_fp16_drifts_less_than_bf16_and_fewer_bits_more(mini_
     kl = {name: measure.text_drift(e, e, s, texts, T=32)[0]["drift_kl"] for name, s in (
         ("fp16", spec("prealloc", torch.float16)), ("bf16", spec("prealloc", torch.bfloat16)),
         *((f"q{b}", spec("quant", k_bits=b, v_bits=b)) for b in (8, 4, 2)))}
-    assert kl["fp16"] < kl["bf16"] < kl["q8"] < kl["q4"] < kl["q2"], kl
+    # (bf16 storage and an 8-bit cache are not ordered: on the shipped mini, 8-bit groups with fp16 scales drift
+    # less than bf16's 8-bit mantissa; docs/drift.md)
+    assert kl["fp16"] < kl["bf16"] and kl["fp16"] < kl["q8"] < kl["q4"] < kl["q2"], kl
 
 
 @pytest.mark.slow

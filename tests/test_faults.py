@@ -69,6 +69,18 @@ CONFIG = [
     ("paged-block-size-zero", ["cache=paged", "cache.block_size=0"], "block_size must be an integer >= 1"),
     ("compile-not-prealloc", ["cache=concat", "compile=true"],
      "compile=true compiles the pre-allocated kind's decode step (static shapes): use cache=prealloc"),
+    ("eviction-budget-zero", ["cache=h2o", "cache.budget=0"], "cache option budget must be an integer >= 1"),
+    ("eviction-budget-over-max-len", ["cache=tova", "cache.budget=300", "max_len=256"],
+     "cache=tova: cache option budget 300 is more than max_len 256"),
+    ("h2o-recent-not-below-budget", ["cache=h2o", "cache.budget=8", "cache.recent=8"],
+     "cache option recent 8 must be below budget 8"),
+    ("snapkv-kernel-even", ["cache=snapkv", "cache.kernel=4"], "cache option kernel must be an odd integer >= 1"),
+    ("snapkv-window-over-prompt", ["cache=snapkv", "prompt_len=6", "cache.window=8"],
+     "cache=snapkv: prompt_len=6 is shorter than the 8 prompt tokens this kind needs"),
+    ("snapkv-ragged", ["cache=snapkv", "prompt_lengths=ragged"],
+     "cache=snapkv: prompt_lengths=ragged draws prompts of 1 .. prompt_len tokens"),
+    ("hf-eviction", ["engine=hf", "cache=h2o"],
+     "engine=hf cache=h2o: HF transformers has no counterpart of cache kind 'h2o' here"),
 ]
 HYDRA = [  # refused by Hydra while composing, against kvlab's typed schema
     ("group-option-unknown", ["cache=lru"], "Could not find 'cache/lru'"),

@@ -304,7 +304,7 @@ def test_every_kind_sweeps_beside_the_others(tmp_path):
         assert r["nbytes_match"] and r["nbytes_curve_match"]
         if cls.exact:
             assert r["tokens_identical"] and r["max_abs_logit_diff"] <= 1e-4
-        plain = cls.exact and not cls.reference(cls.Options())
+        plain = cls.full_attention(cls.Options())
         assert ("drift_kl" not in r) == plain
         memory = pd.read_csv(Path(r["run_dir"]) / "memory.csv")
         assert memory.nbytes_measured.notna().sum() == r["new_tokens"]
@@ -385,7 +385,7 @@ def test_the_benchmark_is_a_sweep_of_both_engines_on_two_models():
     assert cfg.dtype.storage == "fp32"
 
 
-@pytest.mark.parametrize("kind", [k for k, c in CACHE_KINDS.items() if c.exact and not c.reference(c.Options())])
+@pytest.mark.parametrize("kind", [k for k, c in CACHE_KINDS.items() if c.full_attention(c.Options())])
 def test_prefix_reuse_gives_the_cold_prefills_first_token(tiny_model, kind):
     """The prefix benchmark's two ways to the first token (prefill everything, or restore the prefix's snapshot and
     prefill the rest) agree, and each was timed `repeats` times."""

@@ -322,14 +322,28 @@ def test_a_second_report_writer_waits_for_the_first(sweep, one_plot, monkeypatch
             held.set()
             release.wait(10)
 
+    class Watch:  # the first writer lets go 0.5 s after the second says it waits (however long loading took)
+        def __init__(self, inner):
+            self.inner, self.waited_at = inner, None
+
+        def write(self, text):
+            if "is in use by kvlab process" in text and self.waited_at is None:
+                self.waited_at = time.monotonic()
+                threading.Timer(0.5, release.set).start()
+            return self.inner.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
     t = threading.Thread(target=first)
     t.start()
     assert held.wait(10)
-    threading.Timer(0.5, release.set).start()
-    t0 = time.monotonic()
+    watch = Watch(sys.stderr)
+    monkeypatch.setattr(sys, "stderr", watch)
     rep = report.build_report(sweep)
     t.join()
-    assert time.monotonic() - t0 >= 0.4 and rep["html"].is_file()
+    assert watch.waited_at is not None and time.monotonic() - watch.waited_at >= 0.4 and rep["html"].is_file()
+    monkeypatch.setattr(sys, "stderr", watch.inner)
     err = capsys.readouterr().err
     assert err.count("is in use by kvlab process") == 1 and "waiting for it to finish" in err
 

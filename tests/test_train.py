@@ -236,6 +236,16 @@ def test_the_recipe_teaches_a_tiny_model_to_copy_in_seconds():
     assert second > 10 * chance, (first, second)  # chance: 1/64
 
 
+def test_late_positions_nll_is_the_full_runs_tail(tiny_model):
+    """position_nll(start=s) skips the vocabulary projection of positions before s, not their attention."""
+    wins = torch.randint(0, tiny_model.config.vocab_size, (3, 41), generator=torch.Generator().manual_seed(0))
+    for attention in ({}, {"window": 8}, {"window": 8, "sinks": 2}):
+        full = T.position_nll(tiny_model, wins, **attention)
+        late = T.position_nll(tiny_model, wins, start=25, **attention)
+        assert late.shape == (15,) and torch.allclose(late, full[25:], atol=1e-6), attention
+    assert not tiny_model.lm_head._forward_pre_hooks  # the model is left as it was
+
+
 def test_targets_table_names_every_target_and_what_it_missed():
     r = {key: 0.5 for key, _, _ in T.TARGETS}
     r.update(attention_on_position_0=[0.25, 0.75], heldout_windows=3)

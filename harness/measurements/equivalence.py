@@ -68,7 +68,7 @@ class Equivalence(Measurement):
 
     def on_generation(self, i, prompt, out):
         ctx = self.ctx
-        reference = ctx.spec.reference
+        reference = {**ctx.spec.reference, **measure.keep_reference(out)}
         eq = measure.equivalence_check(ctx.engine, prompt, out, reference)
         loop = measure.full_loop_check(ctx.engine, prompt, out, reference) if i < self.full else None
         self.checks.append(dict(tokens=out.tokens[0].tolist(), eq=eq["stats"], first_wrong=eq["first_wrong"],

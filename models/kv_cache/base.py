@@ -198,6 +198,12 @@ class KVCache:
     why_no_padding: ClassVar[str] = ""
     # True: K/V live in a pool the cache draws blocks from (and may share); nbytes counts the blocks it uses
     pooled: ClassVar[bool] = False
+    # True: the kind chooses which positions it keeps, per layer and head, after attention (``after_attention``);
+    # exact against its own keep-mask (models.kv_cache.evict.KeepRecord), not against a fixed rule
+    evicts: ClassVar[bool] = False
+    # True: attention computes its probabilities explicitly and hands them to ``after_attention`` (only such kinds
+    # pay for them; every other kind keeps the fused SDPA path)
+    wants_scores: ClassVar[bool] = False
 
     def __init__(self, n_layer: int, n_head: int, head_dim: int, max_len: int, batch: int = 1,
                  dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu", **options):
@@ -249,6 +255,22 @@ class KVCache:
         return {}
 
     @classmethod
+    def full_attention(cls, opts) -> bool:
+        """Whether this kind with these options is exactly full attention (an exact kind with no visibility rule,
+        that evicts nothing): a run of it in fp32 is its own fp32 reference."""
+        return cls.exact and not cls.evicts and not cls.reference(opts)
+
+    @classmethod
+    def check_max_len(cls, opts, max_len: int) -> None:
+        """Refuse, in one line (ValueError), options that do not fit a cache of ``max_len`` slots (a budget above
+        it); the constructor calls it, and so can a config's validation before anything is built."""
+
+    @classmethod
+    def min_prompt(cls, opts) -> int:
+        """The fewest prompt tokens the kind takes (a SnapKV window needs as many); a shorter prompt is refused."""
+        return 1
+
+    @classmethod
     def held_tokens(cls, max_len: int, n_tokens: int, opts) -> int:
         """Token slots the cache holds after ``n_tokens`` tokens were written."""
         raise NotImplementedError
@@ -281,6 +303,16 @@ class KVCache:
         """Absolute position of each key ``update`` returns while ``t`` new tokens are written at ``pos`` (call
         before the forward advances ``pos``). None: the whole history 0 .. pos + t - 1, in order."""
         return None
+
+    def layer_key_positions(self, layer: int, t: int) -> torch.Tensor | None:
+        """An evicting kind's keys differ by layer and head: (B, nh, n_keys), the position of each key
+        ``update(layer, ...)`` returns while t new tokens are written, -1 for a key that holds nothing. None: the
+        kind's keys are ``key_positions(t)``, the same in every layer."""
+        return None
+
+    def after_attention(self, layer: int, probs: torch.Tensor | None) -> None:
+        """Called by attention after it attended in ``layer``, for a kind that ``evicts``: ``probs`` (B, nh, t,
+        n_keys), this forward's attention probabilities, for a kind that ``wants_scores`` (None otherwise)."""
 
     def error_bound(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For a lossy kind: per element, how far the K and V the last ``update`` of ``layer`` returned may be from

@@ -1,0 +1,46 @@
+"""H2O (Zhang et al. 2023, arXiv 2306.14048): heavy hitters, the keys that have drawn the most attention so far,
+plus the ``recent`` newest tokens. Each slot carries the attention it has accumulated over every query since it was
+written (prefill's queries included); after each forward the ``recent`` newest positions are kept, and the rest of
+the budget goes to the highest accumulated scores, per sequence, layer and head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.kv_cache.base import register
+from models.kv_cache.evict import BudgetOptions, EvictingKVCache, recent_mask
+
+
+@dataclass(frozen=True)
+class H2OOptions(BudgetOptions):
+    recent: int = 8  # the newest positions always kept ("local"); the rest of the budget: heavy hitters
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.recent, bool) or not isinstance(self.recent, int) or self.recent < 0:
+            raise ValueError(f"cache option recent must be an integer >= 0 (the newest positions always kept), "
+                             f"got {self.recent!r}")
+
+
+@register
+class H2OKVCache(EvictingKVCache):
+    kind = "h2o"
+    Options = H2OOptions
+    description = "H2O: heavy hitters by accumulated attention + the newest tokens, budget slots per head"
+    examples = ({"budget": 8, "recent": 3}, {"budget": 5, "recent": 0}, {"budget": 1, "recent": 0})
+    wants_scores = True
+    carries_score = True
+
+    @classmethod
+    def check_options(cls, opts) -> None:
+        if opts.recent >= opts.budget:
+            raise ValueError(f"cache option recent {opts.recent} must be below budget {opts.budget}: the heavy "
+                             "hitters need at least one slot (recent=0 keeps heavy hitters alone)")
+
+    def _priority(self, layer, probs, k_all, pos_all, t):
+        B, nh = self.batch, self.n_head
+        acc = torch.cat([self.score[layer], self.score.new_zeros(B, nh, t)], dim=2) + probs.float().sum(2)
+        newest = self.new_positions(t)[:, -1]  # (B,) every sequence's last slot is a token
+        return acc.masked_fill(recent_mask(pos_all, newest, self.opts.recent), float("inf")), acc
