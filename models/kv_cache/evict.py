@@ -48,8 +48,7 @@ class EvictingKVCache(KVCache):
     carries_score: ClassVar[bool] = False  # a per-slot fp32 score kept from one forward to the next
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.check_options(self.opts)
+        super().__init__(*args, **kwargs)  # parse_options has checked the options against each other
         # a cache shorter than the budget holds every token it can take (a run's config refuses a budget above its
         # max_len: check_max_len; a measurement's short cache, for a few tokens, simply never evicts)
         self.n_slots = S = self.held_tokens(self.max_len, 0, self.opts)
