@@ -269,11 +269,11 @@ def bench_kinds(args, model: GPT2) -> None:
     top = max(args.contexts)
     print(f"max_len {max_len}; bytes held at context {top} + 1; step ms (ratio to prealloc)")
     head = "".join(f"{'ctx ' + str(c) + ' ms':>20}" for c in args.contexts)
-    print(f"{'cache':<26}{'bytes held':>14}{'vs prealloc':>12}{head}")
+    print(f"{'cache':<34}{'bytes held':>14}{'vs prealloc':>12}{head}")
     for s in specs:
         cells = "".join(f"{ms[s.label][c]:>11.2f} ({ms[s.label][c] / ms[base.label][c]:.2f}x)"
                         for c in args.contexts)
-        print(f"{s.label:<26}{held[s.label]:>14,}{held[s.label] / held[base.label]:>11.3f}x{cells}")
+        print(f"{s.label:<34}{held[s.label]:>14,}{held[s.label] / held[base.label]:>11.3f}x{cells}")
 
 
 def main(argv=None) -> None:

@@ -22,6 +22,8 @@ What it can do, asked from the class before anything is built (validation, the m
     refuses(kind, opts) / refuses_ragged() / refuses_compile(kind) / refuses_storage(storage, compute)
                                              why not (one line), or None
     holds_weight_copy                        it keeps its own copy of the weights beside kvlab's model
+    runs_references                          its forward takes a kind's reference (``window``/``sinks``, ``keep``),
+                                             so it can be a run's fp32 reference; else kvlab's fp32 model is
     Options                                  its typed options (the ``engine`` config node's fields besides name)
 """
 
@@ -136,6 +138,7 @@ class Engine(Protocol):
 
     name: str
     holds_weight_copy: bool
+    runs_references: bool
     Options: type
     model: Any
 
@@ -198,6 +201,7 @@ class KvlabEngine:
 
     name = "kvlab"
     holds_weight_copy = False
+    runs_references = True
     Options = KvlabOptions
 
     @classmethod
@@ -318,6 +322,7 @@ class HFEngine:
 
     name = "hf"
     holds_weight_copy = True  # GPT2LMHeadModel holds its own copy of the weights
+    runs_references = False  # its forward is full attention alone
     Options = HFOptions
 
     @classmethod

@@ -329,13 +329,14 @@ def engine_name(cfg) -> str:
 def cache_record(node, engine: str = "kvlab") -> dict:
     """The cache's label, whether it is exact, and its options as ``cache_<option>`` columns. On another engine
     than kvlab's the label says which (``prealloc · hf``), so its runs are their own series in every table and
-    plot."""
+    plot. The options are the resolved ones (a window's ``budget`` sets its ``window``)."""
     options = cache_options(node)
     try:
         cls = cache_kind(node.kind)
         opts = cls.parse_options(**options)
         head = dict(cache_label=cls.label(opts) + ("" if engine == "kvlab" else f" · {engine}"),
                     cache_exact=cls.exact)
+        options = {k: getattr(opts, k, v) for k, v in options.items()}
     except ValueError:  # recorded as given; the run fails on it with its own message
         head = dict(cache_label=str(node.kind), cache_exact=None)
     return {**head, **{f"cache_{k}": v for k, v in options.items()}}
@@ -413,12 +414,12 @@ def load(cfg, plan: Plan) -> dict:
         check_memory(cfg, mcfg, max_len, contexts, storage, compute, device)
     model32 = model32.to(device)
     model = model32 if compute == torch.float32 else copy.deepcopy(model32).to(compute)
-    compiled = bool(cfg.get("compile", False))
-    engine = KvlabEngine(model, compile=True) if compiled else ENGINES[engine_name(cfg)](model)
+    compiled = bool(cfg.get("compile", False))  # validation has refused it on an engine that cannot compile
+    engine = ENGINES[engine_name(cfg)](model, **({"compile": True} if compiled else {}))
     spec = measure.CacheSpec(cfg.cache.kind, cache_options(cfg.cache), storage)
     # drift (against FP32 full attention) is measured for every run that is not that reference itself
     plain_fp32 = storage == compute == torch.float32 and spec.cls.full_attention(spec.opts)
-    ref32 = None if plain_fp32 else (engine if compute == torch.float32 and engine.name == "kvlab"
+    ref32 = None if plain_fp32 else (engine if compute == torch.float32 and engine.runs_references
                                      else KvlabEngine(model32))  # the reference is always kvlab's fp32
     text_len = min(max_len, max(cfg.drift_text_len, cfg.prompt_len + 1))  # drift on text: prompt + continuation
     if plan.prompts_path is not None:
@@ -481,20 +482,13 @@ def measure_run(cfg, plan: Plan, loaded: dict, rec: dict, progress: bool = True)
 def verdict(cfg, rec: dict) -> tuple[str, str | None]:
     """``("ok", None)``, or ``("not_equivalent", why)`` for an exact kind whose storage and compute are fp32 and
     whose cached tokens differ from its reference's, or whose max |dlogit| exceeds ``equivalence_tol``: a failure,
-    never "ok". Reduced precision and lossy kinds are findings, not verdicts."""
+    never "ok". Each measurement says what of its own results fails it (``not_equivalent``). Reduced precision and
+    lossy kinds are findings, not verdicts."""
     exact32 = rec.get("cache_exact") and rec.get("storage_dtype") == rec.get("compute_dtype") == "float32"
     if not exact32:
         return "ok", None
     tol = float(cfg.get("equivalence_tol", 1e-4))
-    why = []
-    if rec.get("tokens_identical") is False:
-        why.append(f"cached tokens differ from the reference's from step {rec.get('first_diff_step')}")
-    if rec.get("max_abs_logit_diff") is not None and rec["max_abs_logit_diff"] > tol:
-        why.append(f"max |dlogit| {rec['max_abs_logit_diff']:.3g} > equivalence_tol {tol:g}")
-    for key, what in (("serve_tokens_identical", "the served batch"), ("compile_tokens_identical", "the compiled "
-                                                                                                  "step")):
-        if rec.get(key) is False:
-            why.append(f"{what} differs from its reference")
+    why = [w for m in measurements.MEASUREMENTS.values() for w in m.not_equivalent(rec, tol)]
     if not why:
         return "ok", None
     return "not_equivalent", (f"cache {rec.get('cache_label') or rec.get('cache')} is an exact kind in fp32 but not "

@@ -600,6 +600,31 @@ def compiled_equivalence(compiled, eager, spec: CacheSpec, prompt: torch.Tensor,
     return dict(compile_max_abs_logit=worst, compile_tokens_identical=same)
 
 
+def _serve_once(engine, cache, idx: torch.Tensor, pad, new_tokens: int, device: torch.device,
+                noted: KeepRecord | None, keep_logits: bool) -> tuple[float, float, list, list]:
+    """One timed serving of the batch into ``cache``: (prefill s, decode s, the tokens chosen per step, and with
+    ``keep_logits`` the logits they were chosen from, on the CPU); ``noted`` is told of every forward."""
+    sync(device)
+    t0 = time.perf_counter()
+    if noted is not None:
+        noted.note(cache, idx.shape[1])
+    logits = engine.prefill(idx, cache, last_only=True, pad=pad)[:, -1]
+    sync(device)
+    t1 = time.perf_counter()
+    chosen, seen = [], []
+    for i in range(new_tokens):
+        nxt = logits.argmax(-1, keepdim=True)  # (B, 1)
+        chosen.append(nxt)
+        if keep_logits:
+            seen.append(logits.float().cpu())
+        if i + 1 < new_tokens:
+            if noted is not None:
+                noted.note(cache, 1)
+            logits = engine.decode(nxt, cache)[:, -1]
+    sync(device)
+    return t1 - t0, time.perf_counter() - t1, chosen, seen
+
+
 def serve_batch(engine, spec: CacheSpec, prompts: list[torch.Tensor], new_tokens: int, max_len: int,
                 repeats: int, warmup: int, device: torch.device, check: bool = True) -> dict:
     """One batch served as a server would: prompts of their own lengths (1-D each; different lengths are
@@ -623,27 +648,9 @@ def serve_batch(engine, spec: CacheSpec, prompts: list[torch.Tensor], new_tokens
         last = r == warmup + repeats - 1
         # what an evicting kind held before each forward of the checked (last) repeat: each sequence's reference
         noted = KeepRecord(pad) if last and getattr(cache, "evicts", False) else None
-        sync(device)
-        t0 = time.perf_counter()
-        if noted is not None:
-            noted.note(cache, idx.shape[1])
-        logits = engine.prefill(idx, cache, last_only=True, pad=pad)[:, -1]
-        sync(device)
-        t1 = time.perf_counter()
-        chosen, seen = [], []
-        for i in range(new_tokens):
-            nxt = logits.argmax(-1, keepdim=True)  # (B, 1)
-            chosen.append(nxt)
-            if last:
-                seen.append(logits.float().cpu())
-            if i + 1 < new_tokens:
-                if noted is not None:
-                    noted.note(cache, 1)
-                logits = engine.decode(nxt, cache)[:, -1]
-        sync(device)
-        t2 = time.perf_counter()
+        prefill_s, decode_s, chosen, seen = _serve_once(engine, cache, idx, pad, new_tokens, device, noted, last)
         if r >= warmup:
-            runs.append((t1 - t0, t2 - t1))
+            runs.append((prefill_s, decode_s))
     prefill_s = float(np.median([a for a, _ in runs]))
     decode_s = float(np.median([b for _, b in runs]))
     total = float(np.median([a + b for a, b in runs]))

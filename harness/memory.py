@@ -165,7 +165,7 @@ def run_bytes(model: GPT2Config, *, storage="fp32", compute="fp32", kind: str = 
     the throughput batches (batch_throughput, None: not measured) at context min(batch_context, max_len - 1);
     ``context_lengths``: the timed contexts (None: assume up to max_len). ``keep_fp32``: whether the fp32 model is
     kept beside a reduced-precision copy (default: yes, as every run does: it is the drift reference).
-    ``measurements``: the measurements the run makes (None: all; ``PHASE_OF`` says which phase is whose).
+    ``measurements``: the measurements the run makes (None: all; each measurement's ``memory_phases`` say which phase is whose).
 
     The terms each phase counts are in the module docstring ("The terms").
     """
@@ -200,7 +200,8 @@ def run_bytes(model: GPT2Config, *, storage="fp32", compute="fp32", kind: str = 
         phases.append(("retrieval", s.cache_at(1, Lr, cap=Lr),
                        s.forward(1, Lr, Lr, F32) + 3 * Lr * model.vocab_size * F32))
     if measurements is not None:  # only the phases of the measurements the run makes
-        phases = [p for p in phases if p[0] == "setup" or PHASE_OF[p[0].split("(")[0]] & set(measurements)]
+        whose = phase_of()
+        phases = [p for p in phases if p[0] == "setup" or whose.get(p[0].split("(")[0], set()) & set(measurements)]
     phases = [(name, c, m + math.ceil(SLACK * (c + m))) for name, c, m in phases]
     peak, cache, measurement = max(phases, key=lambda p: p[1] + p[2])
     return RunBytes(params=s.P, weights=weights, weights_copies=tuple(copies), cache=cache, measurement=measurement,
@@ -208,11 +209,15 @@ def run_bytes(model: GPT2Config, *, storage="fp32", compute="fp32", kind: str = 
                     inputs=dict(model=model, **args))
 
 
-# each phase of run_bytes -> the measurements (harness.measurements) that make it
-PHASE_OF = {"generation": {"equivalence", "generation_drift"}, "text_drift": {"text_drift"},
-            "cache_memory": {"memory"}, "step_times": {"step_time"}, "bandwidth_probe": {"bandwidth"},
-            "batch_throughput": {"batches"}, "serve_batch": {"serving"}, "compiled_equivalence": {"compile"},
-            "retrieval": {"retrieval"}}
+def phase_of() -> dict[str, set[str]]:
+    """Each phase of ``run_bytes`` -> the measurements that make it (their ``memory_phases``)."""
+    from harness.measurements import MEASUREMENTS
+
+    out: dict[str, set[str]] = {}
+    for name, cls in MEASUREMENTS.items():
+        for phase in cls.memory_phases:
+            out.setdefault(phase, set()).add(name)
+    return out
 
 
 @dataclass(frozen=True)

@@ -108,10 +108,16 @@ def drift_metrics() -> list[tuple[str, str]]:
 def _ok(df: pd.DataFrame) -> pd.DataFrame:
     """Only the rows of successful runs, with ``cache`` holding the run's cache label (kind + options) where the
     table has one, so two settings of one kind are two series."""
-    df = df[df["status"] == "ok"] if "status" in df else df
-    if "cache_label" in df and "cache" in df:
-        df = df.assign(cache=df["cache_label"].fillna(df["cache"]))
+    df = df[df[KEYS.status] == "ok"] if KEYS.status in df else df
+    if KEYS.cache_label in df and KEYS.cache in df:
+        df = df.assign(cache=df[KEYS.cache_label].fillna(df[KEYS.cache]))
     return df
+
+
+def _measured(df: pd.DataFrame, keys: list[str]) -> bool:
+    """Some row has a value for one of ``keys`` (a measurement's results)."""
+    present = [k for k in keys if k in df]
+    return bool(present) and bool(df[present].notna().any().any())
 
 
 def _levels(values, known: list[str]) -> list[str]:
@@ -135,10 +141,10 @@ def _cache_color(levels: list[str], cache: str):
 def _with_prec(df: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     """Adds 'prec': the dtype, or "dtype · device" when several devices are mixed. Returns the frame and its levels."""
     df = df.copy()
-    df["prec"] = df["dtype"]
-    if "device" in df and df["device"].nunique() > 1:
-        df["prec"] = df["dtype"] + " · " + df["device"]
-    order = df.assign(r=df["dtype"].map({d: i for i, d in enumerate(DTYPE_ORDER)}).fillna(len(DTYPE_ORDER)))
+    df["prec"] = df[KEYS.dtype]
+    if KEYS.device in df and df[KEYS.device].nunique() > 1:
+        df["prec"] = df[KEYS.dtype] + " · " + df[KEYS.device]
+    order = df.assign(r=df[KEYS.dtype].map({d: i for i, d in enumerate(DTYPE_ORDER)}).fillna(len(DTYPE_ORDER)))
     levels = order.sort_values(["r", "prec"])["prec"].drop_duplicates().tolist()
     return df, levels
 
@@ -146,7 +152,7 @@ def _with_prec(df: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
 def _levels_of(df: pd.DataFrame) -> tuple[pd.DataFrame, list[str], list[str], list[str]]:
     """What every per-model figure starts from: the frame with 'prec', and the precision, model and cache levels."""
     df, precs = _with_prec(df)
-    return df, precs, _levels(df["model"], MODEL_ORDER), _cache_levels(df["cache"])
+    return df, precs, _levels(df[KEYS.model], MODEL_ORDER), _cache_levels(df[KEYS.cache])
 
 
 def _line(ax, data: pd.DataFrame, x: str, y: str, label: str, **kw) -> None:
@@ -200,26 +206,28 @@ def step_time_plot(steps: pd.DataFrame) -> Figure:
     df, precs, models, caches = _levels_of(df)
     fig, axes = plt.subplots(len(precs), len(models), figsize=(4 * len(models) + 2, 3.2 * len(precs)),
                              squeeze=False, sharex=True, sharey=True, layout="constrained")
-    cols = ["ms_median", "ms_p10", "ms_p90"]
+    cols = [KEYS.ms_median, KEYS.ms_p10, KEYS.ms_p90]
     for i, prec in enumerate(precs):
         for j, model in enumerate(models):
             ax = axes[i, j]
-            sub = df[(df["model"] == model) & (df["prec"] == prec)]
-            cached = sub[sub["mode"] == "cached"]
-            series = {f"cached ({c})": (g.groupby("context_len", as_index=False)[cols].mean(),
-                                        (_cache_color(caches, c), "-")) for c, g in cached.groupby("cache")}
+            sub = df[(df[KEYS.model] == model) & (df["prec"] == prec)]
+            cached = sub[sub[KEYS.mode] == "cached"]
+            series = {f"cached ({c})": (g.groupby(KEYS.context_len, as_index=False)[cols].mean(),
+                                        (_cache_color(caches, c), "-")) for c, g in cached.groupby(KEYS.cache)}
             # every run also timed the uncached forward: average those duplicates per context
-            series["uncached"] = (sub[sub["mode"] == "uncached"].groupby("context_len", as_index=False)[cols].mean(),
+            uncached = sub[sub[KEYS.mode] == "uncached"]
+            series["uncached"] = (uncached.groupby(KEYS.context_len, as_index=False)[cols].mean(),
                                   UNCACHED_STYLE)
             for name, (d, (color, ls)) in series.items():
                 if d.empty:
                     continue
-                _line(ax, d, "context_len", "ms_median", name, color=color, linestyle=ls, marker="o")
-                ax.fill_between(d["context_len"], d["ms_p10"], d["ms_p90"], color=color, alpha=0.15, linewidth=0)
+                _line(ax, d, KEYS.context_len, KEYS.ms_median, name, color=color, linestyle=ls, marker="o")
+                ax.fill_between(d[KEYS.context_len], d[KEYS.ms_p10], d[KEYS.ms_p90], color=color, alpha=0.15,
+                                linewidth=0)
             ax.set_title(f"{model} · {prec}")
             ax.set_xlabel("context length (tokens)")
             ax.set_ylabel("decode-step time (ms)")
-    _log2_x(axes[0, 0], df["context_len"])  # shared by all panels
+    _log2_x(axes[0, 0], df[KEYS.context_len])  # shared by all panels
     axes[0, 0].set_yscale("log")
     fig.suptitle("Time of one decode step vs context length (median, band = p10–p90)")
     _fig_legend(fig, axes)
@@ -232,27 +240,27 @@ def speedup_plot(steps: pd.DataFrame) -> Figure:
     if df.empty:
         return _message_figure("no ok runs with step timings")
     df, precs = _with_prec(df)
-    df = df[df["mode"] == "cached"]  # speedup is repeated on both rows of a context; one is enough
-    models = _levels(df["model"], MODEL_ORDER)
-    caches = _cache_levels(df["cache"])
+    df = df[df[KEYS.mode] == "cached"]  # speedup is repeated on both rows of a context; one is enough
+    models = _levels(df[KEYS.model], MODEL_ORDER)
+    caches = _cache_levels(df[KEYS.cache])
     fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models) + 2, 3.5), squeeze=False, sharex=True,
                              sharey=True, layout="constrained")
     for j, model in enumerate(models):
         ax = axes[0, j]
-        sub = df[df["model"] == model]
-        for cache, (k, prec) in itertools.product(_cache_levels(sub["cache"]), enumerate(precs)):
-            g = sub[(sub["cache"] == cache) & (sub["prec"] == prec)]
+        sub = df[df[KEYS.model] == model]
+        for cache, (k, prec) in itertools.product(_cache_levels(sub[KEYS.cache]), enumerate(precs)):
+            g = sub[(sub[KEYS.cache] == cache) & (sub["prec"] == prec)]
             if g.empty:
                 continue
-            d = g.groupby("context_len", as_index=False)["speedup"].mean()
-            _line(ax, d, "context_len", "speedup", f"{cache} · {prec}", color=_cache_color(caches, cache),
+            d = g.groupby(KEYS.context_len, as_index=False)[KEYS.speedup].mean()
+            _line(ax, d, KEYS.context_len, KEYS.speedup, f"{cache} · {prec}", color=_cache_color(caches, cache),
                   linestyle=DASHES[k % len(DASHES)], marker=MARKERS[k % len(MARKERS)])
         ax.axhline(1.0, color="0.5", linestyle=":", linewidth=1, label="_break-even")
         ax.set_title(model)
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("speedup, uncached / cached (×)")
-    _log2_x(axes[0, 0], df["context_len"])
-    _log_y_if_decades(axes[0, 0], df["speedup"])
+    _log2_x(axes[0, 0], df[KEYS.context_len])
+    _log_y_if_decades(axes[0, 0], df[KEYS.speedup])
     fig.suptitle("KV-cache speedup of one decode step")
     _fig_legend(fig, axes)
     return fig
@@ -265,24 +273,24 @@ def cost_plot(steps: pd.DataFrame) -> Figure:
     from harness.measure import cost_model
 
     df = _ok(steps)
-    df = df[df["mode"] == "cached"] if "mode" in df else df.iloc[0:0]
+    df = df[df[KEYS.mode] == "cached"] if KEYS.mode in df else df.iloc[0:0]
     if df.empty:
         return _message_figure("no ok runs with step timings")
     df, precs, models, caches = _levels_of(df)
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models) + 2, 4), squeeze=False, layout="constrained")
     for j, model in enumerate(models):
         ax = axes[0, j]
-        sub = df[df["model"] == model]
-        top = float(sub["context_len"].max())
-        for run, g in sub.groupby("run_name"):
-            cache, prec = g["cache"].iloc[0], g["prec"].iloc[0]
+        sub = df[df[KEYS.model] == model]
+        top = float(sub[KEYS.context_len].max())
+        for run, g in sub.groupby(KEYS.run_name):
+            cache, prec = g[KEYS.cache].iloc[0], g["prec"].iloc[0]
             fit = cost_model(g)
             color, ls = _cache_color(caches, cache), DASHES[precs.index(prec) % len(DASHES)]
-            ax.scatter(g["context_len"], g["ms_median"], color=color, s=14, zorder=3, label="_points")
-            if fit["cost_a_ms"] is None:
+            ax.scatter(g[KEYS.context_len], g[KEYS.ms_median], color=color, s=14, zorder=3, label="_points")
+            if fit[KEYS.cost_a_ms] is None:
                 continue
             T = np.linspace(0, top, 64)
-            ax.plot(T, fit["cost_a_ms"] + fit["cost_b_ms_per_token"] * T, color=color, linestyle=ls,
+            ax.plot(T, fit[KEYS.cost_a_ms] + fit[KEYS.cost_b_ms_per_token] * T, color=color, linestyle=ls,
                     label=f"{cache} · {prec}: {fit['cost_a_ms']:.3g} ms + {fit['cost_b_ms_per_token']:.2g} ms × T")
         ax.set_title(model)
         ax.set_xlabel("context length T (tokens)")
@@ -294,11 +302,11 @@ def cost_plot(steps: pd.DataFrame) -> Figure:
 
 def _run_labels(df: pd.DataFrame) -> pd.Series:
     """'model/cache/dtype' per run; adds the device, then falls back to run_name, if that is not unique."""
-    label = df["model"] + "/" + df["cache"] + "/" + df["dtype"]
-    if label.duplicated().any() and "device" in df:
-        label = label + "/" + df["device"]
+    label = df[KEYS.model] + "/" + df[KEYS.cache] + "/" + df[KEYS.dtype]
+    if label.duplicated().any() and KEYS.device in df:
+        label = label + "/" + df[KEYS.device]
     if label.duplicated().any():
-        label = df["run_name"].astype(str)
+        label = df[KEYS.run_name].astype(str)
     return label
 
 
@@ -308,9 +316,9 @@ def cache_bytes_plot(runs: pd.DataFrame) -> Figure:
     if df.empty:
         return _message_figure("no ok runs")
     df["run"] = _run_labels(df)
-    models = _levels(df["model"], MODEL_ORDER)
+    models = _levels(df[KEYS.model], MODEL_ORDER)
     rank = {m: i for i, m in enumerate(models)}
-    df = df.sort_values(["model", "cache", "dtype"], key=lambda s: s.map(rank) if s.name == "model" else s)
+    df = df.sort_values([KEYS.model, KEYS.cache, KEYS.dtype], key=lambda s: s.map(rank) if s.name == KEYS.model else s)
     order = df["run"].tolist()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(0.7 * len(order) + 7, 4.5), layout="constrained",
@@ -334,10 +342,10 @@ def cache_bytes_plot(runs: pd.DataFrame) -> Figure:
     a.legend(title=None, frameon=False)
 
     # (b) bytes per token is a property of (model, dtype, kind): caches that cost the same share a bar
-    bpt = (df.groupby(["model", "dtype", KEYS.bytes_per_token])["cache"]
+    bpt = (df.groupby([KEYS.model, KEYS.dtype, KEYS.bytes_per_token])[KEYS.cache]
            .agg(lambda c: ", ".join(_cache_levels(c))).reset_index())
-    bpt["series"] = bpt["cache"] + " · " + bpt["dtype"]
-    sns.barplot(data=bpt, x="model", y=KEYS.bytes_per_token, hue="series", order=models,
+    bpt["series"] = bpt[KEYS.cache] + " · " + bpt[KEYS.dtype]
+    sns.barplot(data=bpt, x=KEYS.model, y=KEYS.bytes_per_token, hue="series", order=models,
                 hue_order=sorted(bpt["series"].unique()), errorbar=None, ax=b)
     _log_y_if_decades(b, bpt[KEYS.bytes_per_token])
     b.set_xlabel("model")
@@ -360,12 +368,13 @@ def drift_plot(drift: pd.DataFrame) -> Figure:
     fig, axes = plt.subplots(len(models), len(metrics), figsize=(4.2 * len(metrics) + 2, 3.2 * len(models)),
                              squeeze=False, sharex=True, layout="constrained")
     for i, model in enumerate(models):
-        sub = df[df["model"] == model]
+        sub = df[df[KEYS.model] == model]
         for j, (col, ylabel) in enumerate(metrics):
             ax = axes[i, j]
-            for _, g in sub.groupby("run_name"):  # one line per run, never averaged across runs
-                prec, cache = g["prec"].iloc[0], g["cache"].iloc[0]
-                _line(ax, g.sort_values("step"), "step", col, f"{prec} · {cache}", color=_cache_color(caches, cache),
+            for _, g in sub.groupby(KEYS.run_name):  # one line per run, never averaged across runs
+                prec, cache = g["prec"].iloc[0], g[KEYS.cache].iloc[0]
+                _line(ax, g.sort_values(KEYS.step), KEYS.step, col, f"{prec} · {cache}",
+                      color=_cache_color(caches, cache),
                       linestyle=DASHES[precs.index(prec) % len(DASHES)])
             if col == KEYS.drift_top1_agreement:
                 ax.set_ylim(-0.02, 1.02)
@@ -384,18 +393,18 @@ def layers_plot(layers: pd.DataFrame) -> Figure:
     layers before it already changed): a panel for K and one for V per model, a line per run (colour = cache, line
     style = dtype); the dotted line is the tolerance from which a layer counts as disagreeing."""
     df = _ok(layers)
-    df = df[df["k_rel_err"].notna() | df["v_rel_err"].notna()] if "k_rel_err" in df else df.iloc[0:0]
+    df = df[df[KEYS.k_rel_err].notna() | df[KEYS.v_rel_err].notna()] if KEYS.k_rel_err in df else df.iloc[0:0]
     if df.empty:
         return _message_figure("no runs with per-layer K/V errors (exact fp32 runs have none)")
     df, precs, models, caches = _levels_of(df)
     fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.2 * len(models)), squeeze=False, layout="constrained")
     for i, model in enumerate(models):
-        sub = df[df["model"] == model]
-        for j, (col, what) in enumerate((("k_rel_err", "K"), ("v_rel_err", "V"))):
+        sub = df[df[KEYS.model] == model]
+        for j, (col, what) in enumerate(((KEYS.k_rel_err, "K"), (KEYS.v_rel_err, "V"))):
             ax = axes[i, j]
-            for _, g in sub.groupby("run_name"):
-                prec, cache = g["prec"].iloc[0], g["cache"].iloc[0]
-                _line(ax, g.sort_values("layer"), "layer", col, f"{prec} · {cache}", marker="o", markersize=3,
+            for _, g in sub.groupby(KEYS.run_name):
+                prec, cache = g["prec"].iloc[0], g[KEYS.cache].iloc[0]
+                _line(ax, g.sort_values(KEYS.layer), KEYS.layer, col, f"{prec} · {cache}", marker="o", markersize=3,
                       color=_cache_color(caches, cache), linestyle=DASHES[precs.index(prec) % len(DASHES)])
             ax.axhline(LAYER_TOL, color="0.5", linestyle=":", linewidth=1)
             if (sub[col] > 0).all():
@@ -412,10 +421,10 @@ def _by_batch(top, bottom, sub: pd.DataFrame, keys: list[str], top_y: str, botto
     """A line per group of ``keys`` in two panels over batch size: ``top_y`` above, ``bottom_y`` below (medians per
     batch); ``label(key)`` names the line, ``style(key)`` gives its (colour, line style)."""
     for key, g in sub.groupby(keys):
-        g = g.groupby("batch", as_index=False)[[top_y, bottom_y]].median()
+        g = g.groupby(KEYS.batch, as_index=False)[[top_y, bottom_y]].median()
         color, ls = style(key)
         for ax, y in ((top, top_y), (bottom, bottom_y)):
-            _line(ax, g, "batch", y, label(key), color=color, linestyle=ls, marker="o")
+            _line(ax, g, KEYS.batch, y, label(key), color=color, linestyle=ls, marker="o")
 
 
 def batch_plot(batches: pd.DataFrame) -> Figure:
@@ -427,15 +436,15 @@ def batch_plot(batches: pd.DataFrame) -> Figure:
     df, precs, models, caches = _levels_of(df)
     fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models) + 2, 7), squeeze=False, layout="constrained")
     for j, model in enumerate(models):
-        sub = df[df["model"] == model]
+        sub = df[df[KEYS.model] == model]
         top, bottom = axes[0, j], axes[1, j]
-        _by_batch(top, bottom, sub, ["cache", "prec"], KEYS.tokens_per_s, "kv_bytes",
+        _by_batch(top, bottom, sub, [KEYS.cache, "prec"], KEYS.tokens_per_s, KEYS.kv_bytes,
                   lambda k: f"{k[0]} · {k[1]}" if len(precs) > 1 else k[0],
                   lambda k: (_cache_color(caches, k[0]), DASHES[precs.index(k[1]) % len(DASHES)]))
-        w = float(sub["weight_bytes"].max())
+        w = float(sub[KEYS.weight_bytes].max())
         bottom.axhline(w, color="0.3", linestyle=":", label="weights (read once per step)")
         for ax in (top, bottom):
-            _log2_x(ax, sub["batch"])
+            _log2_x(ax, sub[KEYS.batch])
             ax.set_yscale("log")
             ax.set_xlabel("batch size (sequences decoded together)")
         top.set_title(f"{model}: decode throughput")
@@ -455,19 +464,19 @@ def serving_plot(runs: pd.DataFrame) -> Figure:
     df = df[df[KEYS.tokens_per_s].notna()] if KEYS.tokens_per_s in df else df.iloc[0:0]
     if df.empty:
         return _message_figure("no runs with a served batch")
-    df = df.assign(prompt_lengths=df["prompt_lengths"].fillna("uniform") if "prompt_lengths" in df else "uniform",
-                   batch=df["serve_batch"].astype(int), waste=100 * df["kv_waste"].astype(float))
+    df = df.assign(prompt_lengths=df[KEYS.prompt_lengths].fillna("uniform") if KEYS.prompt_lengths in df else "uniform",
+                   batch=df[KEYS.serve_batch].astype(int), waste=100 * df[KEYS.kv_waste].astype(float))
     df, precs, models, caches = _levels_of(df)
-    shapes = _levels(df["prompt_lengths"], ["uniform", "ragged"])
+    shapes = _levels(df[KEYS.prompt_lengths], ["uniform", "ragged"])
     fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models) + 2, 7), squeeze=False, layout="constrained")
     for j, model in enumerate(models):
-        sub = df[df["model"] == model]
+        sub = df[df[KEYS.model] == model]
         top, bottom = axes[0, j], axes[1, j]
-        _by_batch(top, bottom, sub, ["cache", "prec", "prompt_lengths"], KEYS.tokens_per_s, "waste",
+        _by_batch(top, bottom, sub, [KEYS.cache, "prec", KEYS.prompt_lengths], KEYS.tokens_per_s, "waste",
                   lambda k: " · ".join([k[0]] + ([k[1]] if len(precs) > 1 else []) + [f"{k[2]} prompts"]),
                   lambda k: (_cache_color(caches, k[0]), DASHES[shapes.index(k[2]) % len(DASHES)]))
         for ax in (top, bottom):
-            _log2_x(ax, sub["batch"])
+            _log2_x(ax, sub[KEYS.batch])
             ax.set_xlabel("batch (sequences served together)")
         top.set_yscale("log")
         top.set_title(f"{model}: generation throughput")
@@ -485,15 +494,15 @@ def equivalence_grid(runs: pd.DataFrame) -> Figure:
     df = _ok(runs).copy()
     if df.empty:
         return _message_figure("no ok runs")
-    df["cell"] = df["cache"] + "/" + df["dtype"]
-    models = _levels(df["model"], MODEL_ORDER)
-    cells = [f"{c}/{d}" for c in _cache_levels(df["cache"]) for d in _levels(df["dtype"], DTYPE_ORDER)]
+    df["cell"] = df[KEYS.cache] + "/" + df[KEYS.dtype]
+    models = _levels(df[KEYS.model], MODEL_ORDER)
+    cells = [f"{c}/{d}" for c in _cache_levels(df[KEYS.cache]) for d in _levels(df[KEYS.dtype], DTYPE_ORDER)]
     cells = [c for c in cells if c in set(df["cell"])]
     # several runs in one cell (e.g. two devices): show the worst
-    diff = df.pivot_table(index="model", columns="cell", values="max_abs_logit_diff", aggfunc="max")
-    same = df.groupby(["model", "cell"])["tokens_identical"].all().unstack()
+    diff = df.pivot_table(index=KEYS.model, columns="cell", values=KEYS.max_abs_logit_diff, aggfunc="max")
+    same = df.groupby([KEYS.model, "cell"])[KEYS.tokens_identical].all().unstack()
     diff, same = diff.reindex(index=models, columns=cells), same.reindex(index=models, columns=cells)
-    lossy = set(df.loc[df["cache_exact"] == False, "cell"]) if "cache_exact" in df else set()  # noqa: E712
+    lossy = set(df.loc[df[KEYS.cache_exact] == False, "cell"]) if KEYS.cache_exact in df else set()  # noqa: E712
 
     annot = np.full(diff.shape, "", dtype=object)
     for (i, j), v in np.ndenumerate(diff.to_numpy()):
@@ -521,15 +530,15 @@ def memory_plot(memory: pd.DataFrame) -> Figure:
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models) + 2, 4), squeeze=False, layout="constrained")
     for j, model in enumerate(models):
         ax = axes[0, j]
-        sub = df[df["model"] == model]
-        for (cache, prec), g in sub.groupby(["cache", "prec"]):
-            curve = g.groupby("tokens", as_index=False)[["nbytes_formula", "nbytes_measured"]].max()
+        sub = df[df[KEYS.model] == model]
+        for (cache, prec), g in sub.groupby([KEYS.cache, "prec"]):
+            curve = g.groupby(KEYS.tokens, as_index=False)[[KEYS.nbytes_formula, KEYS.nbytes_measured]].max()
             name = f"{cache} · {prec}" if len(precs) > 1 else cache
             color, ls = _cache_color(caches, cache), DASHES[precs.index(prec) % len(DASHES)]
-            _line(ax, curve, "tokens", "nbytes_formula", name, color=color, linestyle=ls)
-            pts = curve[curve["nbytes_measured"].notna()]
-            ax.scatter(pts["tokens"], pts["nbytes_measured"], color=color, s=12, zorder=3, label="_measured")
-        _log_y_if_decades(ax, sub["nbytes_formula"])
+            _line(ax, curve, KEYS.tokens, KEYS.nbytes_formula, name, color=color, linestyle=ls)
+            pts = curve[curve[KEYS.nbytes_measured].notna()]
+            ax.scatter(pts[KEYS.tokens], pts[KEYS.nbytes_measured], color=color, s=12, zorder=3, label="_measured")
+        _log_y_if_decades(ax, sub[KEYS.nbytes_formula])
         ax.set_title(model)
         ax.set_xlabel("tokens in the sequence (prompt + generated)")
         ax.set_ylabel("cache bytes held (bytes)")
@@ -558,14 +567,17 @@ def figure_makers(runs: pd.DataFrame, steps: pd.DataFrame, drift: pd.DataFrame,
 
 def figures_for(runs: pd.DataFrame, frames: dict[str, pd.DataFrame | None]) -> dict:
     """stem -> (figure function, its table) for every figure a registered measurement declares
-    (``harness.measurements.figures``) whose table (``runs`` or one of ``frames``) has ok rows."""
+    (``harness.measurements.figures``) whose table (``runs`` or one of ``frames``) has ok rows; a figure of the runs
+    table without a ``when`` also needs its measurement to have run in one of them."""
     from harness import measurements
 
     out = {}
-    for _, fig in measurements.figures():
+    for name, fig in measurements.figures():
         df = runs if fig.table == "runs" else frames.get(fig.table)
         if df is None or _ok(df).empty or (fig.when is not None and not fig.when(df)):
             continue
+        if fig.table == "runs" and fig.when is None and not _measured(_ok(df), measurements.MEASUREMENTS[name].keys()):
+            continue  # a sweep that left this figure's measurement out (a figure with a ``when`` decides itself)
         out[fig.stem] = (fig.draw, df)
     return out
 
@@ -578,14 +590,14 @@ def retrieval_plot(runs: pd.DataFrame) -> Figure:
     if df.empty:
         return _message_figure("no runs measured retrieval")
     df, precs, models, caches = _levels_of(df)
-    fig, axes = plt.subplots(1, len(models), figsize=(max(5, 1.1 * df["run_name"].nunique()) * len(models) + 1, 4),
+    fig, axes = plt.subplots(1, len(models), figsize=(max(5, 1.1 * df[KEYS.run_name].nunique()) * len(models) + 1, 4),
                              squeeze=False, layout="constrained")
     for j, model in enumerate(models):
         ax = axes[0, j]
-        sub = df[df["model"] == model].sort_values(["cache", "prec"])
-        labels = [f"{c} · {p}" if len(precs) > 1 else c for c, p in zip(sub["cache"], sub["prec"])]
+        sub = df[df[KEYS.model] == model].sort_values([KEYS.cache, "prec"])
+        labels = [f"{c} · {p}" if len(precs) > 1 else c for c, p in zip(sub[KEYS.cache], sub["prec"])]
         x = np.arange(len(sub))
-        ax.bar(x, sub[KEYS.retrieval_acc], color=[_cache_color(caches, c) for c in sub["cache"]])
+        ax.bar(x, sub[KEYS.retrieval_acc], color=[_cache_color(caches, c) for c in sub[KEYS.cache]])
         if KEYS.retrieval_acc_ref in sub:
             ax.scatter(x, sub[KEYS.retrieval_acc_ref], marker="_", s=400, color="black", zorder=3,
                        label="fp32 full attention")
@@ -595,4 +607,67 @@ def retrieval_plot(runs: pd.DataFrame) -> Figure:
         ax.set_ylabel("top-1 accuracy on the second copy")
         ax.legend(frameon=False, fontsize="small")
     fig.suptitle("Retrieval: random sequences shown twice (bars: through the cache; tick: fp32 full attention)")
+    return fig
+
+
+def _plain(v):
+    """A table value as written in a config: 8 rather than 8.0 (a column with gaps is float)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def budget_quality(runs: pd.DataFrame) -> pd.DataFrame:
+    """The ok runs of kinds with a budget (``cache.budget`` > 0: the evicting kinds, a window given one) measured at
+    two or more budgets, with a quality figure (text ΔNLL or retrieval): what ``budget_plot`` draws, a row per run,
+    ``slots`` its budget and ``series`` the line it is on: its kind, dtype, prompt length and every option that is
+    not set by the budget (an H2O ``recent`` ablation is two lines; a window's ``window``, budget - sinks, is not)."""
+    quality = [k for k in (KEYS.drift_delta_nll, KEYS.retrieval_acc) if k in runs]
+    if not {KEYS.status, KEYS.cache, KEYS.cache_budget} <= set(runs) or not quality:
+        return runs.iloc[0:0]
+    df = runs[(runs[KEYS.status] == "ok") & (runs[KEYS.cache_budget] > 0) & runs[quality].notna().any(axis=1)]
+    df = df.assign(slots=df[KEYS.cache_budget], kind=df[KEYS.cache])
+    several_prompts = KEYS.prompt_len in df and df[KEYS.prompt_len].nunique() > 1
+    series = []
+    for _, row in df.iterrows():
+        same = df[df["kind"] == row["kind"]]
+        own = [c for c in same if c.startswith("cache_") and c not in (KEYS.cache_budget, KEYS.cache_label)
+               and same[c].notna().any() and (same.groupby("slots")[c].nunique() > 1).any()]
+        parts = [row["kind"], row[KEYS.dtype]] + ([f"prompt {row[KEYS.prompt_len]}"] if several_prompts else [])
+        series.append(" · ".join([*map(str, parts), *(f"{c[len('cache_'):]}={_plain(row[c])}" for c in own)]))
+    df = df.assign(series=series)
+    sizes = df.groupby(["model", "series"])["slots"].transform("nunique")
+    return df[sizes >= 2]
+
+
+def budget_plot(runs: pd.DataFrame) -> Figure:
+    """Quality against the slots a cache holds, one line per kind and setting: text ΔNLL against fp32 full
+    attention (lower is better) and retrieval (copy accuracy, higher is better; the dotted line is fp32 full
+    attention's), a row per model. Eviction and windows at each budget side by side."""
+    df = budget_quality(runs)
+    if df.empty:
+        return _message_figure("no cache kind was measured at two or more budgets")
+    models, kinds = _levels(df[KEYS.model], MODEL_ORDER), _cache_levels(df["kind"])
+    panels = [(k, label) for k, label in ((KEYS.drift_delta_nll, "text ΔNLL vs fp32 full (nats/token)"),
+                                          (KEYS.retrieval_acc, "retrieval: copy accuracy")) if k in df]
+    fig, axes = plt.subplots(len(models), len(panels), figsize=(5 * len(panels) + 2, 3.6 * len(models)),
+                             squeeze=False, layout="constrained")
+    for i, model in enumerate(models):
+        sub = df[df[KEYS.model] == model]
+        for j, (col, ylabel) in enumerate(panels):
+            ax = axes[i, j]
+            for (kind, name), g in sub.groupby(["kind", "series"]):
+                g = g[g[col].notna()].sort_values("slots")
+                nth = sorted(sub[sub["kind"] == kind]["series"].unique()).index(name)  # line style within a kind
+                if not g.empty:
+                    ax.plot(g["slots"], g[col], marker="o", color=_cache_color(kinds, kind),
+                            linestyle=DASHES[nth % len(DASHES)], label=name)
+            ref = sub[KEYS.retrieval_acc_ref] if KEYS.retrieval_acc_ref in sub else None
+            if col == KEYS.retrieval_acc and ref is not None and ref.notna().any():
+                ax.axhline(ref.mean(), color="black", linestyle=":", label="fp32 full attention")
+                ax.set_ylim(-0.02, 1.02)
+            _log2_x(ax, sub["slots"].astype(int))
+            ax.set_title(f"{model}: {ylabel.split(':')[0].split(' (')[0]}")
+            ax.set_xlabel("slots held per sequence, layer and head (budget)")
+            ax.set_ylabel(ylabel)
+    fig.suptitle("Quality against budget: what each kind keeps buys (colour = kind, line style = setting)")
+    _fig_legend(fig, axes)
     return fig

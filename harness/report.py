@@ -37,8 +37,8 @@ from harness import experiment, measurements, ownership, plots, results, trackin
 from harness.keys import KEYS
 from harness.results import shown
 
-RUN_COLS = ["run_name", "status", "model", "engine", "weights", "cache_label", "dtype", "device", "cache_exact",
-            "batch", "prompt_lengths"]  # which run; errors are in the failed-runs table
+RUN_COLS = [KEYS.run_name, KEYS.status, KEYS.model, KEYS.engine, KEYS.weights, KEYS.cache_label, KEYS.dtype,
+            KEYS.device, KEYS.cache_exact, KEYS.batch, KEYS.prompt_lengths]  # which run; errors: the failed-runs table
 
 
 def summary_cols() -> list[str]:
@@ -48,12 +48,12 @@ def summary_cols() -> list[str]:
 
 def serving_cols() -> list[str]:
     """The served-batches table: the setting, then every key the serving measurement records."""
-    return ["model", "engine", "cache_label", "dtype", "batch", "prompt_lengths",
+    return [KEYS.model, KEYS.engine, KEYS.cache_label, KEYS.dtype, KEYS.batch, KEYS.prompt_lengths,
             *measurements.MEASUREMENTS["serving"].keys()]
 
 
-FINGERPRINT_COLS = ["torch_version", "device_name", "threads", "attn_backend", "tf32", "git_commit", "weights",
-                    "weights_source", "python_version"]
+FINGERPRINT_COLS = [KEYS.torch_version, KEYS.device_name, KEYS.threads, KEYS.attn_backend, KEYS.tf32,
+                    KEYS.git_commit, KEYS.weights, KEYS.weights_source, KEYS.python_version]
 
 
 def captions() -> dict[str, str]:
@@ -64,8 +64,9 @@ def captions() -> dict[str, str]:
 
 
 NOT_EQUIVALENT = "not_equivalent"  # an exact kind in fp32 whose tokens differ or whose max |dlogit| > tolerance
-NOT_EQUIVALENT_COLS = ["run_name", "model", "engine", "cache_label", "dtype", "device", "status", "tokens_identical",
-                       "max_abs_logit_diff", "equivalence_tol", "first_diff_step", "margin_at_first_diff", "error"]
+NOT_EQUIVALENT_COLS = [KEYS.run_name, KEYS.model, KEYS.engine, KEYS.cache_label, KEYS.dtype, KEYS.device,
+                       KEYS.status, KEYS.tokens_identical, KEYS.max_abs_logit_diff, KEYS.equivalence_tol,
+                       KEYS.first_diff_step, KEYS.margin_at_first_diff, KEYS.error]
 def report_tables() -> tuple[str, ...]:
     """The tables a report writes: the runs, every run table the measurements declare, and the engine ratios."""
     from harness import measurements
@@ -83,13 +84,13 @@ def _table(df: pd.DataFrame) -> str:
 def weights_notice(runs: pd.DataFrame) -> list[str]:
     """What the page says about the weights: which were used, and loudly when one sweep mixes pretrained and
     random weights (their drift figures are not comparable)."""
-    if "weights_detail" not in runs:
+    if KEYS.weights_detail not in runs:
         return []
-    details = sorted(runs["weights_detail"].dropna().unique())
-    kinds = set(runs["weights"].dropna()) if "weights" in runs else set()
+    details = sorted(runs[KEYS.weights_detail].dropna().unique())
+    kinds = set(runs[KEYS.weights].dropna()) if KEYS.weights in runs else set()
     parts = []
     if {"random", "pretrained"} <= kinds:
-        by = runs.groupby("weights")["run_name"].count()
+        by = runs.groupby(KEYS.weights)[KEYS.run_name].count()
         parts.append('<p style="background:#fee;border:2px solid #c00;padding:8px"><b>Warning: this sweep mixes '
                      f"pretrained weights ({by.get('pretrained', 0)} runs) and random-init weights "
                      f"({by.get('random', 0)} runs).</b> Bytes and step times compare; drift and generated text do "
@@ -107,9 +108,9 @@ def weights_notice(runs: pd.DataFrame) -> list[str]:
 def _setting(df: pd.DataFrame) -> pd.DataFrame:
     """``cache`` as the cache's label without its engine (``quant k4/v4 g32 · hf`` -> ``quant k4/v4 g32``), so
     that runs of one kind with other options are never pooled together."""
-    if "cache_label" not in df:
+    if KEYS.cache_label not in df:
         return df
-    return df.assign(cache=df["cache_label"].astype(str).str.split(" · ").str[0])
+    return df.assign(cache=df[KEYS.cache_label].astype(str).str.split(" · ").str[0])
 
 
 def engine_ratios(steps: pd.DataFrame, batches: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -117,21 +118,23 @@ def engine_ratios(steps: pd.DataFrame, batches: pd.DataFrame | None = None) -> p
     device, context length, and batch where batches were timed); below 1 ours is faster. Empty without both
     engines."""
     rows = []
-    if "engine" in steps and {"kvlab", "hf"} <= set(steps["engine"].dropna()):
-        s = _setting(steps[(steps["mode"] == "cached") & (steps.get("status", "ok") == "ok")])
-        p = s.pivot_table(index=["model", "cache", "dtype", "device", "context_len"], columns="engine",
-                          values="ms_median", aggfunc="median").dropna()
+    if KEYS.engine in steps and {"kvlab", "hf"} <= set(steps[KEYS.engine].dropna()):
+        s = _setting(steps[(steps[KEYS.mode] == "cached") & (steps.get(KEYS.status, "ok") == "ok")])
+        p = s.pivot_table(index=[KEYS.model, KEYS.cache, KEYS.dtype, KEYS.device, KEYS.context_len],
+                          columns=KEYS.engine, values=KEYS.ms_median, aggfunc="median").dropna()
         for idx, r in p.iterrows():
             rows.append(dict(zip(p.index.names, idx), batch=1, kvlab_ms=r["kvlab"], hf_ms=r["hf"]))
-    if batches is not None and len(batches) and "engine" in batches and {"kvlab", "hf"} <= set(batches["engine"]):
-        b = _setting(batches[batches["batch"] > 1])
-        p = b.pivot_table(index=["model", "cache", "dtype", "device", "context_len", "batch"], columns="engine",
-                          values="ms_median", aggfunc="median").dropna()
+    if (batches is not None and len(batches) and KEYS.engine in batches
+            and {"kvlab", "hf"} <= set(batches[KEYS.engine])):
+        b = _setting(batches[batches[KEYS.batch] > 1])
+        p = b.pivot_table(index=[KEYS.model, KEYS.cache, KEYS.dtype, KEYS.device, KEYS.context_len, KEYS.batch],
+                          columns=KEYS.engine, values=KEYS.ms_median, aggfunc="median").dropna()
         for idx, r in p.iterrows():
             rows.append(dict(zip(p.index.names, idx), kvlab_ms=r["kvlab"], hf_ms=r["hf"]))
-    df = pd.DataFrame(rows, columns=["model", "cache", "dtype", "device", "context_len", "batch", "kvlab_ms", "hf_ms"])
+    df = pd.DataFrame(rows, columns=[KEYS.model, KEYS.cache, KEYS.dtype, KEYS.device, KEYS.context_len, KEYS.batch,
+                                     "kvlab_ms", "hf_ms"])
     df["ours_over_hf"] = df["kvlab_ms"] / df["hf_ms"]
-    return df.sort_values(["model", "cache", "batch", "context_len"]).reset_index(drop=True)
+    return df.sort_values([KEYS.model, KEYS.cache, KEYS.batch, KEYS.context_len]).reset_index(drop=True)
 
 
 def serving_table(ok: pd.DataFrame) -> pd.DataFrame:
@@ -140,7 +143,7 @@ def serving_table(ok: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     df = ok[ok[KEYS.tokens_per_s].notna()]
     return df[[c for c in serving_cols() if c in df]].sort_values(
-        [c for c in ("model", "prompt_lengths", "batch", "cache_label") if c in df]).reset_index(drop=True)
+        [c for c in (KEYS.model, KEYS.prompt_lengths, KEYS.batch, KEYS.cache_label) if c in df]).reset_index(drop=True)
 
 
 def drift_tables(ok: pd.DataFrame) -> list[str]:
@@ -151,14 +154,14 @@ def drift_tables(ok: pd.DataFrame) -> list[str]:
     d = ok[ok[KEYS.drift_kl].notna()]
     names = {**measurements.labels("text_drift"), **measurements.labels("retrieval")}  # key -> its header
     cols = [c for c in names if c in d]
-    rank = (d.groupby(["model", "weights", "cache_label", "dtype"], dropna=False)[cols].mean().reset_index()
-            .sort_values(["model", KEYS.drift_kl]).rename(columns=names))
+    rank = (d.groupby([KEYS.model, KEYS.weights, KEYS.cache_label, KEYS.dtype], dropna=False)[cols].mean().reset_index()
+            .sort_values([KEYS.model, KEYS.drift_kl]).rename(columns=names))
     parts = ["<h2>Drift on text vs fp32 (teacher-forced, every position; llama.cpp's --kl-divergence statistics)</h2>",
              _table(rank)]
     k_bits, v_bits = KEYS.cache_k_bits, KEYS.cache_v_bits
     if {k_bits, v_bits} <= set(d) and d[k_bits].nunique() * d[v_bits].nunique() > 1:
         q = d[d[k_bits].notna() & d[v_bits].notna()]
-        for (model, dtype), g in q.groupby(["model", "dtype"]):
+        for (model, dtype), g in q.groupby([KEYS.model, KEYS.dtype]):
             for col in (KEYS.drift_delta_nll, KEYS.drift_kl):
                 t = g.pivot_table(index=k_bits, columns=v_bits, values=col, aggfunc="mean")
                 t.index = [f"K {int(b)}-bit" for b in t.index]
@@ -188,8 +191,8 @@ def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dic
                   "tables.</p>",
                   _table(not_eq[[c for c in NOT_EQUIVALENT_COLS if c in not_eq]])]
     if len(failed):
-        parts += ["<h2>Failed runs</h2>", _table(failed[[c for c in ("run_name", "model", "cache_label", "dtype",
-                                                                   "device", "status", "error") if c in failed]])]
+        cols = (KEYS.run_name, KEYS.model, KEYS.cache_label, KEYS.dtype, KEYS.device, KEYS.status, KEYS.error)
+        parts += ["<h2>Failed runs</h2>", _table(failed[[c for c in cols if c in failed]])]
     if skipped:
         rows = pd.DataFrame([{"folder": shown(f), "why": shown(why)} for f, why in skipped])
         parts += ["<h2>Skipped: could not be read, or never finished</h2>", _table(rows)]
@@ -203,9 +206,10 @@ def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dic
         parts += ["<h2>Ours vs HF transformers: cached decode-step time, ours / HF (below 1: ours is faster)</h2>",
                   _table(ratios)]
     if len(steps):
-        index = ["model", "device", "dtype", "cache_label" if "cache_label" in steps else "cache", "mode"]
-        pivot = steps.pivot_table(index=index, columns="context_len",
-                                  values="ms_median", aggfunc="median").reset_index()
+        label = KEYS.cache_label if KEYS.cache_label in steps else KEYS.cache
+        index = [KEYS.model, KEYS.device, KEYS.dtype, label, KEYS.mode]
+        pivot = steps.pivot_table(index=index, columns=KEYS.context_len,
+                                  values=KEYS.ms_median, aggfunc="median").reset_index()
         pivot.columns = [f"ctx {c} (ms)" if isinstance(c, (int, float)) else c for c in pivot.columns]
         parts += ["<h2>Decode-step time (median ms)</h2>", _table(pivot)]
     for stem, path in images.items():
@@ -392,7 +396,7 @@ def report_and_log(path: Path, mode: str, project: str, entity: str | None, grou
     with _report_folder(path, out, invocation, hint) as (path, out, loaded):
         rep = _write(path, out, loaded)
         runs = rep["runs"]
-        group = group or (runs["group"].dropna().iloc[0] if "group" in runs and runs["group"].notna().any()
+        group = group or (runs[KEYS.group].dropna().iloc[0] if KEYS.group in runs and runs[KEYS.group].notna().any()
                           else path.name)
         if mode != "disabled":  # one aggregate run per sweep: a report made again replaces it (if it is kvlab's)
             ownership.remove(out, [WANDB])

@@ -221,31 +221,31 @@ REQUIRED_TABLES = ("steps", "drift", "memory")  # every ok run of a default swee
 
 def load_steps(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
     """Decode-step times: one row per (run, context_len, mode) with ms_median, ms_p10, ms_p90, speedup."""
-    return _long(path, "steps.csv", invocation)
+    return _long(path, measurements.table("steps")["file"], invocation)
 
 
 def load_drift(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
     """Per decode step: eq_max_abs_diff (cached vs the kind's reference) and drift_* vs fp32 full attention (NaN
     where the run has no drift)."""
-    return _long(path, "drift.csv", invocation)
+    return _long(path, measurements.table("drift")["file"], invocation)
 
 
 def load_memory(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
     """Cache bytes vs tokens: one row per (run, tokens) with nbytes_formula and nbytes_measured (NaN where the
     generation did not reach that length)."""
-    return _long(path, "memory.csv", invocation)
+    return _long(path, measurements.table("memory")["file"], invocation)
 
 
 def load_layers(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
     """Per layer: k_rel_err and v_rel_err, the relative error of the K and V attention read against fp32 (no rows
     for runs without drift)."""
-    return _long(path, "layers.csv", invocation, required=False)
+    return _long(path, measurements.table("layers")["file"], invocation, required=False)
 
 
 def load_batches(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
     """Decode throughput vs batch size: one row per (run, batch) with ms_median, tokens_per_s, weight_bytes,
     kv_bytes (runs without ``batch_sizes`` have none)."""
-    return _long(path, "batches.csv", invocation, required=False)
+    return _long(path, measurements.table("batches")["file"], invocation, required=False)
 
 
 REPORT_PAGE = "report.html"  # a report folder's page: listed in its manifest before any of its tables is written

@@ -19,10 +19,11 @@ from pathlib import Path
 import pandas as pd
 
 from harness import ownership
+from harness.keys import KEYS
 from harness.ownership import atomic_write
 
-RESULTS, STEPS, DRIFT, MEMORY, LAYERS = "results.json", "steps.csv", "drift.csv", "memory.csv", "layers.csv"
-BATCHES, LOG = "batches.csv", "run.log"  # run.log: the run's summary, as printed
+RESULTS, LOG = "results.json", "run.log"  # run.log: the run's summary, as printed; the tables' files are declared
+# by the measurements that write them (harness.measurements.tables())
 
 
 def table_files() -> dict[str, str]:
@@ -246,12 +247,12 @@ def log_wandb_aggregate(mode: str, project: str, entity: str | None, group: str,
         steps = (tables or {}).get("steps")
         if steps is not None and len(steps) and "cache_label" in steps:
             ok = steps[steps["status"] == "ok"] if "status" in steps else steps
-            series = ok.groupby(["model", "cache_label", "dtype", "mode", "context_len"], as_index=False)[
-                "ms_median"].median()
-            xs = sorted(series.context_len.unique().tolist())
+            ctx, ms = KEYS.context_len, KEYS.ms_median
+            series = ok.groupby(["model", "cache_label", "dtype", "mode", ctx], as_index=False)[ms].median()
+            xs = sorted(series[ctx].unique().tolist())
             keys, ys = [], []
             for key, g in series.groupby(["model", "cache_label", "dtype", "mode"]):
-                by = dict(zip(g.context_len, g.ms_median))
+                by = dict(zip(g[ctx], g[ms]))
                 keys.append(" · ".join(map(str, key)))
                 ys.append([float(by.get(x, float("nan"))) for x in xs])
             run.log({"lines/step_time": wandb.plot.line_series(xs=xs, ys=ys, keys=keys, xname="context_len",

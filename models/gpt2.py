@@ -310,23 +310,10 @@ class GPT2(nn.Module):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, last_only: bool = False,
-                window: int | None = None, sinks: int = 0, pad=None, keep=None) -> torch.Tensor:
-        """idx (B, T) -> logits (B, T, vocab). With a cache, positions start at ``cache.pos`` and ``pos`` advances
-        by T once every layer has stored its K and V. ``last_only`` asks for the last position's logits alone,
-        (B, 1, vocab), sparing the vocabulary projection of positions nobody reads (generation's choice).
-
-        ``window``/``sinks`` make the uncached forward the reference of the window cache kind: the query at position
-        t sees the keys at positions j with j < sinks or t - window < j <= t. A cache applies its own kind's rule
-        (``cache.reference``), so they are not given with one.
-
-        ``pad`` (B,) makes idx a left-padded ragged batch: sequence b's first pad[b] columns are padding, its tokens
-        start at position 0, and no query attends to padding. With a cache, the padding is the cache's
-        (``cache.set_padding``, which ``prefill`` calls), so it is not given here.
-
-        ``keep`` (a ``models.kv_cache.KeepRecord``) makes the uncached forward the reference of an evicting kind:
-        in layer l, head h, the query at slot t sees what the cache held before t's forward plus that forward's
-        slots up to t (the record's padding is the batch's)."""
+    @staticmethod
+    def _check_args(idx, cache, window, sinks, pad, keep):
+        """``forward``'s arguments checked against each other, one line each; returns the padding an uncached
+        ``keep`` reference runs with (the record's), else ``pad`` as given."""
         if idx.dim() != 2 or idx.is_floating_point() or idx.dtype == torch.bool:
             raise ValueError(f"idx must be (B, T) integer token ids, got {idx.dtype} of shape {tuple(idx.shape)}")
         B, T = idx.shape
@@ -346,6 +333,27 @@ class GPT2(nn.Module):
                 raise ValueError("pad differs from the keep record's: the reference runs on the batch the record "
                                  "was noted on")
             pad = keep.pad
+        return pad
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, last_only: bool = False,
+                window: int | None = None, sinks: int = 0, pad=None, keep=None) -> torch.Tensor:
+        """idx (B, T) -> logits (B, T, vocab). With a cache, positions start at ``cache.pos`` and ``pos`` advances
+        by T once every layer has stored its K and V. ``last_only`` asks for the last position's logits alone,
+        (B, 1, vocab), sparing the vocabulary projection of positions nobody reads (generation's choice).
+
+        ``window``/``sinks`` make the uncached forward the reference of the window cache kind: the query at position
+        t sees the keys at positions j with j < sinks or t - window < j <= t. A cache applies its own kind's rule
+        (``cache.reference``), so they are not given with one.
+
+        ``pad`` (B,) makes idx a left-padded ragged batch: sequence b's first pad[b] columns are padding, its tokens
+        start at position 0, and no query attends to padding. With a cache, the padding is the cache's
+        (``cache.set_padding``, which ``prefill`` calls), so it is not given here.
+
+        ``keep`` (a ``models.kv_cache.KeepRecord``) makes the uncached forward the reference of an evicting kind:
+        in layer l, head h, the query at slot t sees what the cache held before t's forward plus that forward's
+        slots up to t (the record's padding is the batch's)."""
+        pad = self._check_args(idx, cache, window, sinks, pad, keep)
+        B, T = idx.shape
         if cache is None:
             past, pad = 0, check_padding(pad, B, T, idx.device)
             pad_min = 0 if pad is None else int(pad.min())

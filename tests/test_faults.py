@@ -53,6 +53,10 @@ CONFIG = [
     ("cache-kind-unknown", ["cache.kind=lru"], "cache.kind='lru': use one of concat, prealloc"),
     ("cache-option-range", ["cache=quant", "cache.k_bits=3"], "cache option k_bits=3: use 8, 4 or 2"),
     ("cache-window-zero", ["cache=window", "cache.window=0"], "window must be an integer >= 1"),
+    ("window-budget-not-above-sinks", ["cache=window", "cache.budget=4"], "cache option budget 4 must be more than "
+     "sinks 4"),
+    ("window-budget-over-max-len", ["cache=window", "cache.budget=300", "max_len=256"],
+     "cache=window: cache option budget 300 is more than max_len 256"),
     ("batch-zero", ["batch=0"], "batch=0 must be an integer >= 1 (sequences served together)"),
     ("prompt-lengths-unknown", ["prompt_lengths=zigzag"], "prompt_lengths='zigzag': use one of uniform, ragged"),
     ("ragged-on-quant", ["cache=quant", "prompt_lengths=ragged"],

@@ -287,36 +287,6 @@ def test_a_run_on_a_checkpoint_folder(tmp_path):
     assert bad.returncode == 1 and "no such checkpoint folder" in bad.stderr
 
 
-@pytest.mark.slow
-def test_every_kind_sweeps_beside_the_others(tmp_path):
-    """`-m cache=<every kind>`: each run is measured the same way, exact kinds equal their references, lossy and
-    windowed ones report drift, bytes match each kind's formula, and the report draws them side by side."""
-    sweep = tmp_path / "sweep"
-    tiny = [a for a in TINY if not a.startswith("prompt_len")] + ["prompt_len=40"]  # 48 tokens: the window evicts
-    proc = run_py(["-m", "cache=" + ",".join(CACHE_KINDS), "tracking=disabled", *tiny, f"hydra.sweep.dir={sweep}"],
-                  tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    runs = {r["cache"]: r for r in results(sweep).values()}
-    assert set(runs) == set(CACHE_KINDS) and all(r["status"] == "ok" for r in runs.values())
-    for kind, r in runs.items():
-        cls = CACHE_KINDS[kind]
-        assert r["cache_exact"] == cls.exact and r["cache_label"] == cls.label(cls.Options())
-        assert r["nbytes_match"] and r["nbytes_curve_match"]
-        if cls.exact:
-            assert r["tokens_identical"] and r["max_abs_logit_diff"] <= 1e-4
-        plain = cls.full_attention(cls.Options())
-        assert ("drift_kl" not in r) == plain
-        memory = pd.read_csv(Path(r["run_dir"]) / "memory.csv")
-        assert memory.nbytes_measured.notna().sum() == r["new_tokens"]
-    assert runs["window"]["drift_max_abs"] > 1e-3 and runs["window"]["cache_tokens"] == 36
-    assert runs["quant"]["cache_nbytes"] < 0.3 * runs["prealloc"]["cache_nbytes"]  # 4-bit, 128 slots, fp32 tail
-    report = sweep / "report"
-    assert (report / "memory.png").is_file() and (report / "drift.png").is_file()
-    table = pd.read_csv(report / "results.csv")
-    assert table.cache_label.nunique() == len(CACHE_KINDS)
-    assert "window S4+W32" in (report / "report.html").read_text()
-
-
 @pytest.mark.slow  # a run or a trained model's drift: tens of seconds
 def test_a_ragged_batch_is_served_on_every_layout_with_its_waste(tmp_path):
     """`-m cache=concat,prealloc,paged batch=5 prompt_lengths=ragged`: each run serves the same ragged batch, every

@@ -99,6 +99,17 @@ def test_docs_results_md_is_generated_from_the_registry():
     assert doc == measurements.results_doc(), "docs/results.md is stale: run `make docs`"
 
 
+def test_no_function_in_harness_or_models_is_longer_than_60_lines():
+    import ast
+
+    long = []
+    for path in sorted([*(REPO / "harness").rglob("*.py"), *(REPO / "models").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})")
+    assert long == []
+
+
 def test_readers_look_results_up_by_declared_names():
     from harness.keys import KEYS
 
@@ -109,7 +120,7 @@ def test_readers_look_results_up_by_declared_names():
     used = set()
     for path in sorted((REPO / "harness").glob("*.py")):
         used |= {(path.name, k) for k in re.findall(r"\bKEYS\.(\w+)", path.read_text(encoding="utf-8"))}
-    assert {f for f, _ in used} >= {"plots.py", "report.py"}
+    assert {f for f, _ in used} >= {"plots.py", "report.py", "tracking.py"}
     assert [(f, k) for f, k in sorted(used) if k not in declared] == []
 
 
@@ -220,13 +231,20 @@ KVLAB_KINDS = ",".join(CACHE_KINDS)
 HF_KINDS = ["concat", "prealloc"]
 
 
+# the every-kind sweep evicts: 40 + 8 tokens against window S4+W32 (36 slots) and budgets of 32
+EVERY_KIND = ["prompt_len=40", "new_tokens=8", "max_len=128", "drift_text_len=48"]
+FULL_ATTENTION = [k for k, cls in CACHE_KINDS.items() if cls.full_attention(cls.Options())]
+
+
 @pytest.fixture(scope="module")
 def conformance(tmp_path_factory):
-    """Sweeps of every kind on both engines (fp32 and fp16 on ours), plus one compiled run: the runs and their
-    sweep reports."""
+    """Sweeps of every kind on both engines (every kind in fp32 on ours, the full-attention kinds in fp16 too, so
+    that each drifts somewhere), two budgets of an evicting kind and a window, and one compiled run: the runs and
+    their sweep reports."""
     tmp = tmp_path_factory.mktemp("conformance")
-    sweeps = {"kvlab": ["-m", f"cache={KVLAB_KINDS}", "dtype=fp32,fp16", "engine=kvlab",
-                        "prompt_len=8"],  # as long as SnapKV's default window
+    sweeps = {"kvlab": ["-m", f"cache={KVLAB_KINDS}", "dtype=fp32", "engine=kvlab", *EVERY_KIND],
+              "kvlab16": ["-m", f"cache={','.join(FULL_ATTENTION)}", "dtype=fp16", "engine=kvlab"],
+              "budgets": ["-m", "cache=h2o,window", "cache.budget=16,24", "engine=kvlab", *EVERY_KIND],
               "hf": ["-m", f"cache={','.join(HF_KINDS)}", "dtype=fp32", "engine=hf"],
               "hf16": ["-m", "cache=concat", "dtype=fp16", "dtype.compute=fp16", "engine=hf"],
               "hf_quant": ["-m", "cache=quant", "cache.k_bits=4", "cache.v_bits=4", "engine=hf"]}
@@ -255,7 +273,7 @@ def _runs(folders) -> list[tuple[Path, dict]]:
 @pytest.mark.slow
 def test_every_measurement_runs_on_every_kind_and_engine_where_it_applies(conformance):
     runs = _runs(conformance.values())
-    assert len(runs) == len(CACHE_KINDS) * 2 + len(HF_KINDS) + 1 + 1 + 1
+    assert len(runs) == len(CACHE_KINDS) + len(FULL_ATTENTION) + 4 + len(HF_KINDS) + 1 + 1 + 1
     ran = {name: set() for name in MEASUREMENTS}
     for folder, r in runs:
         assert r["status"] == "ok", (folder, r.get("error"))
@@ -273,20 +291,69 @@ def test_every_measurement_runs_on_every_kind_and_engine_where_it_applies(confor
                 assert set(t["columns"]) <= set(cols) and set(measurements.IDENTITY_COLUMNS) <= set(cols)
     for name in ("equivalence", "memory", "step_time", "peak_memory", "bandwidth", "batches", "serving"):
         assert ran[name] == {(k, "kvlab") for k in CACHE_KINDS} | {(k, "hf") for k in HF_KINDS + ["quant"]}, name
-    for name in ("generation_drift", "text_drift"):  # every kind in fp16; lossy kinds and references in fp32 too
+    for name in ("generation_drift", "text_drift"):  # every kind: in fp32, or in fp16 where fp32 is its reference
         assert {k for k, e in ran[name] if e == "kvlab"} == set(CACHE_KINDS), name
         assert {("concat", "hf"), ("quant", "hf")} <= ran[name], name  # HF in fp16, and its lossy QuantizedCache
     assert ran["compile"] == {("prealloc", "kvlab")}
+    assert {k for k, e in ran["retrieval"] if e == "kvlab"} == set(CACHE_KINDS)
+    assert [name for name in MEASUREMENTS if not ran[name]] == []  # a measurement registered later runs here too
 
 
 @pytest.mark.slow
 def test_every_figure_draws_from_a_sweep(conformance):
     drawn = set()
-    for name in ("kvlab", "hf", "hf16", "hf_quant"):
+    for name in ("kvlab", "kvlab16", "budgets", "hf", "hf16", "hf_quant"):
         rep = conformance[name] / "report"
         drawn |= {p.stem for p in rep.glob("*.png") if p.stat().st_size > 0}
         assert (rep / "report.html").is_file()
     assert {f.stem for _, f in measurements.figures()} <= drawn
+
+
+@pytest.mark.slow
+def test_every_kind_sweeps_beside_the_others(conformance):
+    """`-m cache=<every kind>`: each run is measured the same way, exact kinds equal their references, lossy,
+    windowed and evicting ones report drift, bytes match each kind's formula, and the report draws them side by
+    side."""
+    sweep = conformance["kvlab"]
+    runs = {r["cache"]: r for _, r in _runs([sweep])}
+    assert set(runs) == set(CACHE_KINDS) and all(r["status"] == "ok" for r in runs.values())
+    for kind, r in runs.items():
+        cls = CACHE_KINDS[kind]
+        assert r["cache_exact"] == cls.exact and r["cache_label"] == cls.label(cls.Options())
+        assert r["nbytes_match"] and r["nbytes_curve_match"]
+        if cls.exact:
+            assert r["tokens_identical"] and r["max_abs_logit_diff"] <= 1e-4
+        plain = cls.full_attention(cls.Options())
+        assert ("drift_kl" not in r) == plain
+        memory = pd.read_csv(Path(r["run_dir"]) / "memory.csv")
+        assert memory.nbytes_measured.notna().sum() == r["new_tokens"]
+        if cls.evicts:  # 47 tokens stored, 32 held: the policy dropped some, and the outputs moved
+            assert r["cache_tokens"] == 32 and r["drift_max_abs"] > 1e-3, kind
+    assert runs["window"]["drift_max_abs"] > 1e-3 and runs["window"]["cache_tokens"] == 36
+    assert runs["quant"]["cache_nbytes"] < 0.3 * runs["prealloc"]["cache_nbytes"]  # 4-bit, 128 slots, no fp32 tail
+    report = sweep / "report"
+    assert (report / "memory.png").is_file() and (report / "drift.png").is_file()
+    table = pd.read_csv(report / "results.csv")
+    assert table.cache_label.nunique() == len(CACHE_KINDS)
+    assert "window S4+W32" in (report / "report.html").read_text()
+
+
+@pytest.mark.slow
+def test_a_budget_sweep_draws_quality_against_budget(conformance):
+    """`-m cache=h2o,window cache.budget=16,24`: the window's budget is its sinks + window, each run holds its
+    budget, and the report's budget figure draws both kinds at both sizes."""
+    runs = [r for _, r in _runs([conformance["budgets"]])]
+    assert sorted((r["cache"], r["cache_tokens"]) for r in runs) == [("h2o", 16), ("h2o", 24), ("window", 16),
+                                                                     ("window", 24)]
+    for r in runs:
+        assert r["status"] == "ok" and r["nbytes_match"] and r["drift_delta_nll"] is not None
+        if r["cache"] == "window":
+            assert r["cache_window"] == r["cache_budget"] - r["cache_sinks"]
+    from harness import plots
+
+    drawn = plots.budget_quality(pd.DataFrame(runs))
+    assert len(drawn) == 4 and (conformance["budgets"] / "report" / "budget.png").stat().st_size > 0
+    assert plots.budget_quality(pd.DataFrame([r for _, r in _runs([conformance["kvlab"]])])).empty  # one size each
 
 
 def test_a_programmatic_run_on_an_engine(tiny_model):

@@ -177,3 +177,16 @@ def test_cgroup_limits_are_read_v2_and_v1(tmp_path):
     (tmp_path / "v1" / "memory" / "memory.usage_in_bytes").write_text("1000000000\n")
     proc.write_text("4:memory:/task\n0::/\n")
     assert cgroup_free(tmp_path / "v1", proc) == [3_000_000_000]
+
+
+def test_every_phase_of_the_estimate_belongs_to_a_measurement():
+    """Each phase run_bytes adds is some measurement's (``memory_phases``), so choosing measurements keeps exactly
+    theirs: memory alone keeps the cache's phase and drops the step times'."""
+    from harness.memory import phase_of
+
+    cfg = CUSTOM[0]
+    every = run_bytes(cfg, batch_sizes=[1, 2], compile=True, retrieval_n=8, context_lengths=[8])
+    names = {p[0].split("(")[0] for p in every.phases} - {"setup"}
+    assert names <= set(phase_of()) and len(names) >= 8
+    only = {p[0].split("(")[0] for p in run_bytes(cfg, context_lengths=[8], measurements=["memory"]).phases}
+    assert only == {"setup", "cache_memory"}

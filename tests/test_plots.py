@@ -295,3 +295,37 @@ def test_serving_lines_are_the_runs_throughput_and_waste_per_cache_and_prompt_sh
         assert np.allclose(waste.get_ydata(), 100 * want.kv_waste)
     assert "serving" in figure_makers(runs, runs.iloc[0:0], runs.iloc[0:0])
     assert "serving" not in figure_makers(runs.drop(columns=["tokens_per_s"]), runs.iloc[0:0], runs.iloc[0:0])
+
+
+def test_a_figure_of_a_measurement_the_sweep_left_out_is_not_drawn():
+    """A sweep with measurements=[equivalence,text_drift] has no cache bytes: no cache_bytes figure (and no error)."""
+    from harness.plots import figures_for
+
+    base = dict(status="ok", run_name="r", model="tiny", cache="prealloc", cache_label="prealloc", dtype="fp32",
+                engine="kvlab", tokens_identical=True, max_abs_logit_diff=1e-6, cache_exact=True)
+    runs = pd.DataFrame([base])
+    assert "cache_bytes" not in figures_for(runs, {})
+    measured = pd.DataFrame([dict(base, cache_nbytes=1024, predicted_nbytes=1024, bytes_per_token=64.0)])
+    assert "cache_bytes" in figures_for(measured, {})
+
+
+def test_quality_against_budget_draws_budgeted_kinds_one_line_per_setting():
+    """Only kinds given a budget are drawn (a prealloc swept over max_len is not); an option swept at one budget
+    (H2O's recent) splits its kind into lines, an option the budget sets (a window's window) does not."""
+    from harness.plots import budget_plot, budget_quality
+
+    def run(cache, budget, **kw):
+        return dict(status="ok", model="mini", cache=cache, dtype="fp32", cache_budget=budget,
+                    drift_delta_nll=1 / (1 + budget), retrieval_acc=0.1, retrieval_acc_ref=0.2, **kw)
+
+    runs = pd.DataFrame([run("h2o", 64, cache_recent=0), run("h2o", 64, cache_recent=8),
+                         run("h2o", 128, cache_recent=0), run("h2o", 128, cache_recent=8),
+                         run("window", 64, cache_window=60, cache_sinks=4),
+                         run("window", 128, cache_window=124, cache_sinks=4), run("tova", 64),
+                         dict(run("prealloc", 0), cache_tokens=1024), dict(run("prealloc", 0), cache_tokens=512)])
+    got = budget_quality(runs)
+    assert sorted(got["series"].unique()) == ["h2o · fp32 · recent=0", "h2o · fp32 · recent=8", "window · fp32"]
+    assert set(got["slots"]) == {64, 128}  # tova at one budget alone is no line
+    fig = budget_plot(runs)
+    assert {line.get_label() for ax in fig.axes for line in ax.get_lines()} >= set(got["series"])
+    plt.close(fig)

@@ -14,6 +14,7 @@ class Bandwidth(Measurement):
     about = "bytes a cached step reads (weights + K/V), GB/s and flop/byte per context; the machine's probe"
     needs = ("step_time",)
     stage = "bandwidth"
+    memory_phases = ("bandwidth_probe",)
 
     @dataclass(frozen=True)
     class Result:

@@ -116,6 +116,7 @@ class Measurement:
     needs: ClassVar[tuple[str, ...]] = ()  # measurements whose results or tables it reads (they run first)
     reads_generations: ClassVar[bool] = False
     stage: ClassVar[str | None] = None  # how failed_stage names it (default: its name)
+    memory_phases: ClassVar[tuple[str, ...]] = ()  # the phases of harness.memory.run_bytes it makes (its peak bytes)
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -128,6 +129,13 @@ class Measurement:
     def skip(self) -> str | None:
         """Why this measurement does not apply to the run (None: it does)."""
         return None
+
+    @classmethod
+    def not_equivalent(cls, r: dict, tol: float) -> list[str]:
+        """Why a run of an exact kind in fp32 whose record is ``r`` is not equivalent to its reference, by this
+        measurement's results (one phrase each; [] when it is, or when this measurement did not check); ``tol``:
+        the largest max |dlogit| allowed."""
+        return []
 
     def on_generation(self, i: int, prompt, out) -> None:
         """The run's cached greedy generation of prompt ``i`` (``reads_generations``)."""

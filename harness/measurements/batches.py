@@ -13,6 +13,7 @@ class Batches(Measurement):
     name = "batches"
     about = "decode tokens/s against batch size at batch_context, and the bytes each step reads"
     stage = "batch throughput"
+    memory_phases = ("batch_throughput",)
 
     @dataclass(frozen=True)
     class Options:

@@ -13,6 +13,7 @@ class Compile(Measurement):
     name = "compile"
     about = "compile=true: compile time, graphs, recompiles, and the compiled step against the eager one"
     stage = "compiled step"
+    memory_phases = ("compiled_equivalence",)
 
     @dataclass(frozen=True)
     class Result:
@@ -37,6 +38,10 @@ class Compile(Measurement):
                                             ctx.new_tokens, ctx.max_len)
         mode = "reduce-overhead" if ctx.device.type == "cuda" else "default"
         return self.Result(**ctx.engine.compile_stats, compile_mode=mode, **same)
+
+    @classmethod
+    def not_equivalent(cls, r, tol):
+        return ["the compiled step differs from its reference"] if r.get("compile_tokens_identical") is False else []
 
     @classmethod
     def summary(cls, r, tables):

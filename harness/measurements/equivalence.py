@@ -14,6 +14,7 @@ class Equivalence(Measurement):
     about = "cached greedy tokens and logits against the kind's uncached reference (teacher-forced + full loop)"
     reads_generations = True
     stage = "equivalence and drift"
+    memory_phases = ("generation",)
 
     @dataclass(frozen=True)
     class Options:
@@ -83,6 +84,15 @@ class Equivalence(Measurement):
                     sample_text=tok.decode(self.checks[0]["tokens"]))
         return self.Result(**summary, full_prompts=self.full, equivalence_tol=float(self.opts.equivalence_tol),
                            **text), {"drift": table}
+
+    @classmethod
+    def not_equivalent(cls, r, tol):
+        why = []
+        if r.get("tokens_identical") is False:
+            why.append(f"cached tokens differ from the reference's from step {r.get('first_diff_step')}")
+        if r.get("max_abs_logit_diff") is not None and r["max_abs_logit_diff"] > tol:
+            why.append(f"max |dlogit| {r['max_abs_logit_diff']:.3g} > equivalence_tol {tol:g}")
+        return why
 
     @classmethod
     def summary(cls, r, tables):

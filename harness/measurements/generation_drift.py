@@ -19,6 +19,7 @@ class GenerationDrift(Measurement):
     about = "the cached generations' logits and tokens against fp32 full attention (reduced precision, lossy kinds)"
     reads_generations = True
     stage = "equivalence and drift"
+    memory_phases = ("generation",)
 
     @dataclass(frozen=True)
     class Result:

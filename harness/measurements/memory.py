@@ -13,6 +13,7 @@ class Memory(Measurement):
     name = "memory"
     about = "cache bytes after one generation against the kind's formula, bytes per token, bytes vs tokens"
     stage = "cache memory"
+    memory_phases = ("cache_memory",)
 
     @dataclass(frozen=True)
     class Result:

@@ -50,6 +50,7 @@ class Retrieval(Measurement):
     name = "retrieval"
     about = "copy accuracy on random sequences shown twice, through the run's cache vs fp32 full attention"
     stage = "retrieval"
+    memory_phases = ("retrieval",)
 
     @dataclass(frozen=True)
     class Options:

@@ -17,6 +17,7 @@ class Serving(Measurement):
     name = "serving"
     about = "a served batch of `batch` prompts (uniform or ragged): tokens/s, TTFT, KV waste, each sequence checked"
     stage = "served batch"
+    memory_phases = ("serve_batch",)
 
     @dataclass(frozen=True)
     class Result:
@@ -49,6 +50,10 @@ class Serving(Measurement):
         # always one warm-up: a compiled step compiles in it
         return self.Result(**measure.serve_batch(ctx.engine, ctx.spec, ctx.served, ctx.new_tokens, ctx.max_len,
                                                  min(ctx.repeats, 3), 1, ctx.device, check=ctx.spec.cls.exact))
+
+    @classmethod
+    def not_equivalent(cls, r, tol):
+        return ["the served batch differs from its reference"] if r.get("serve_tokens_identical") is False else []
 
     @classmethod
     def summary(cls, r, tables):

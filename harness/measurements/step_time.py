@@ -15,6 +15,7 @@ class StepTime(Measurement):
     name = "step_time"
     about = "median and spread of one decode step per context length, cached vs uncached; TTFT; a cost model"
     stage = "step times"
+    memory_phases = ("step_times",)
 
     @dataclass(frozen=True)
     class Options:

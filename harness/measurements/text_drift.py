@@ -13,6 +13,7 @@ class TextDrift(Measurement):
     name = "text_drift"
     about = "KL, ΔNLL, RMS Δp and same-top-1 on real text against fp32 full attention, and K/V error per layer"
     stage = "equivalence and drift"
+    memory_phases = ("text_drift",)
 
     @dataclass(frozen=True)
     class Options:
@@ -48,7 +49,11 @@ class TextDrift(Measurement):
     tables = (Table("layers", "layers.csv", on=("layer",), columns=("layer", "k_rel_err", "v_rel_err"),
                     meaning="per layer: relative error of the K and V attention read, against fp32"),)
     figures = (Figure("layers", "layers", plots.layers_plot,
-                      "Relative error of the K and V attention read, per layer, against fp32."),)
+                      "Relative error of the K and V attention read, per layer, against fp32."),
+               Figure("budget", "runs", plots.budget_plot,
+                      "Quality against budget: text ΔNLL against fp32 full attention and retrieval, per kind, at "
+                      "each budget (kinds swept over cache.budget).",
+                      when=lambda runs: not plots.budget_quality(runs).empty))
     panels = (Panel("Drift on text", "bar", ("drift_kl", "drift_kl_decode", "drift_kl_p99", "drift_delta_nll",
                                              "drift_rms_dp"), ("cache_label", "dtype"),
                     "Teacher-forced drift on text vs fp32: mean and p99 KL, ΔNLL (nats/token), RMS Δp."),)

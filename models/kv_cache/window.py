@@ -24,13 +24,22 @@ from models.kv_cache.base import KVCache, register
 class WindowOptions:
     window: int = 32  # W: the most recent positions kept, the current one included
     sinks: int = 4  # S: the first positions, always kept
+    budget: int = 0  # when > 0: the slots held, sinks + window (window becomes budget - sinks), as the evicting kinds'
 
     def __post_init__(self):
+        if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 0:
+            raise ValueError(f"cache option budget must be an integer >= 0 (0: window and sinks as given; else the "
+                             f"slots held, sinks + window), got {self.budget!r}")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"cache option window must be an integer >= 1 (the most recent positions kept, the "
                              f"current one included), got {self.window!r}")
         if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
             raise ValueError(f"cache option sinks must be an integer >= 0, got {self.sinks!r}")
+        if self.budget:
+            if self.budget <= self.sinks:
+                raise ValueError(f"cache option budget {self.budget} must be more than sinks {self.sinks} (it holds "
+                                 f"the sinks and a window of budget - sinks): raise budget or lower sinks")
+            object.__setattr__(self, "window", self.budget - self.sinks)
 
 
 @register
@@ -38,7 +47,7 @@ class WindowKVCache(KVCache):
     kind = "window"
     Options = WindowOptions
     description = "attention sinks + sliding window: sinks + window slots, a ring for the window"
-    examples = ({"window": 8, "sinks": 2}, {"window": 5, "sinks": 0}, {"window": 1, "sinks": 3})
+    examples = ({"window": 8, "sinks": 2}, {"window": 5, "sinks": 0}, {"window": 1, "sinks": 3}, {"budget": 6, "sinks": 2})
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -50,6 +59,12 @@ class WindowKVCache(KVCache):
     @classmethod
     def held_tokens(cls, max_len: int, n_tokens: int, opts) -> int:
         return min(opts.sinks + opts.window, max_len)
+
+    @classmethod
+    def check_max_len(cls, opts, max_len: int) -> None:
+        if opts.budget > max_len:  # as the evicting kinds' budget: a window given as window= is clipped instead
+            raise ValueError(f"cache option budget {opts.budget} is more than max_len {max_len}: a budget is at most "
+                             "the tokens a sequence can hold (lower it, or raise max_len)")
 
     @classmethod
     def reference(cls, opts) -> dict:
