@@ -671,3 +671,93 @@ def budget_plot(runs: pd.DataFrame) -> Figure:
     fig.suptitle("Quality against budget: what each kind keeps buys (colour = kind, line style = setting)")
     _fig_legend(fig, axes)
     return fig
+
+
+def _pareto_axes() -> tuple[tuple, tuple]:
+    """(quality: (key, label, "low" | "high" is better), cost: (key, label)) of the quality-vs-cost figure."""
+    return (((KEYS.drift_delta_nll, "text ΔNLL vs fp32 full (nats/token)", "low"),
+             (KEYS.drift_kl_p99, "KL p99 vs fp32 full (nats)", "low"),
+             (KEYS.retrieval_acc, "retrieval: copy accuracy", "high")),
+            ((KEYS.cache_nbytes, "KV bytes held at the run's end (scales and positions included)"),
+             (KEYS.step_ms_cached_at_max_context, "cached decode step at the longest context (ms)")))
+
+
+def _is_fp32_reference(row: pd.Series) -> bool:
+    """The run is fp32 full attention itself: a kind that is exactly full attention with these options (asked of
+    the kind's class), in fp32 storage and compute, on an engine that ran its equivalence check."""
+    from models.kv_cache import CACHE_KINDS
+
+    cls = CACHE_KINDS.get(row.get(KEYS.cache))
+    if cls is None or row.get(KEYS.storage_dtype) != "float32" or row.get(KEYS.compute_dtype) != "float32":
+        return False
+    options = {name: _plain(row[f"cache_{name}"]) for name in cls.option_types()
+               if f"cache_{name}" in row and pd.notna(row[f"cache_{name}"])}
+    try:
+        return cls.full_attention(cls.parse_options(**options))
+    except (TypeError, ValueError):
+        return False
+
+
+def pareto_points(runs: pd.DataFrame) -> pd.DataFrame:
+    """The ok runs as points of the quality-vs-cost figure: a row per run with ``point`` (its cache label · dtype)
+    and the quality and cost columns it has. A kind that is exactly full attention, in fp32 storage and compute, is
+    the fp32 reference itself (its drift measurements skip it): its drift is drawn at 0, which its equivalence
+    check holds it to. Empty when fewer than two settings have a quality and a cost."""
+    if KEYS.status not in runs:
+        return runs.iloc[0:0]
+    df = runs[runs[KEYS.status] == "ok"].copy()  # the kind's name in cache (for _is_fp32_reference), not its label
+    quality_axes, cost_axes = _pareto_axes()
+    quality = [q for q, _, _ in quality_axes if q in df]
+    cost = [c for c, _ in cost_axes if c in df]
+    if not quality or not cost:
+        return df.iloc[0:0]
+    reference = df.apply(_is_fp32_reference, axis=1).astype(bool) if len(df) else pd.Series(dtype=bool)
+    for q in (c for c in quality if c != KEYS.retrieval_acc):
+        df.loc[reference & df[q].isna(), q] = 0.0
+    df = _ok(df)  # cache: the label (kind + options), so two settings of one kind are two points
+    df["point"] = df[KEYS.cache] + " · " + df[KEYS.dtype]
+    df = df[df[quality].notna().any(axis=1) & df[cost].notna().any(axis=1)]
+    return df if df["point"].nunique() >= 2 else df.iloc[0:0]
+
+
+def pareto_front(x: pd.Series, y: pd.Series, better: str) -> pd.Index:
+    """The points no other point beats on both (cost ``x``, lower is better; quality ``y``), in order of x."""
+    order = pd.DataFrame({"x": x, "y": y}).dropna().sort_values(["x", "y"], ascending=[True, better == "low"])
+    front, best = [], None
+    for i, row in order.iterrows():
+        if best is None or (row.y < best if better == "low" else row.y > best):
+            front.append(i)
+            best = row.y
+    return pd.Index(front)
+
+
+def pareto_plot(runs: pd.DataFrame) -> Figure:
+    """Quality against what it costs, a point per setting (cache label · dtype; a model's runs together): rows are
+    text ΔNLL, KL p99 and retrieval, columns bytes per cached token and the step at the longest context; the line
+    joins the frontier (the settings no other beats on both). kvpress's headline plot, with measured bytes."""
+    df = pareto_points(runs)
+    if df.empty:
+        return _message_figure("fewer than two settings with a quality and a cost measured")
+    quality_axes, cost_axes = _pareto_axes()
+    rows = [q for q in quality_axes if q[0] in df and df[q[0]].notna().any()]
+    cols = [c for c in cost_axes if c[0] in df and df[c[0]].notna().any()]
+    caches = _cache_levels(df[KEYS.cache])
+    fig, axes = plt.subplots(len(rows), len(cols), figsize=(5.5 * len(cols) + 1, 3.6 * len(rows)), squeeze=False,
+                             layout="constrained")
+    for i, (q, qlabel, better) in enumerate(rows):
+        for j, (c, clabel) in enumerate(cols):
+            ax = axes[i, j]
+            for model, sub in df.groupby(KEYS.model):
+                sub = sub[sub[q].notna() & sub[c].notna()]
+                ax.scatter(sub[c], sub[q], color=[_cache_color(caches, k) for k in sub[KEYS.cache]], zorder=3)
+                for _, r in sub.iterrows():
+                    ax.annotate(r["point"], (r[c], r[q]), fontsize="x-small", xytext=(3, 3),
+                                textcoords="offset points")
+                front = sub.loc[pareto_front(sub[c], sub[q], better)]
+                ax.plot(front[c], front[q], color="black", linewidth=1, label=f"frontier ({model})")
+            ax.set_xlabel(clabel)
+            ax.set_ylabel(qlabel)
+            _log_y_if_decades(ax, df[q])
+    fig.suptitle("Quality against cost, a point per setting (line: the frontier)")
+    _fig_legend(fig, axes)
+    return fig

@@ -329,3 +329,32 @@ def test_quality_against_budget_draws_budgeted_kinds_one_line_per_setting():
     fig = budget_plot(runs)
     assert {line.get_label() for ax in fig.axes for line in ax.get_lines()} >= set(got["series"])
     plt.close(fig)
+
+
+def test_the_pareto_frontier_is_the_settings_nothing_beats_on_both():
+    from harness.plots import pareto_front, pareto_plot, pareto_points
+
+    x = pd.Series([1.0, 2.0, 3.0, 4.0, 2.5])
+    low = pd.Series([5.0, 3.0, 3.5, 1.0, 2.0])  # the third is beaten by the second (cheaper and better)
+    assert list(pareto_front(x, low, "low")) == [0, 1, 4, 3]
+    high = pd.Series([0.1, 0.5, 0.4, 0.9, 0.5])  # the fifth ties the second's quality at a higher cost
+    assert list(pareto_front(x, high, "high")) == [0, 1, 3]
+
+    def run(cache, dtype, nbytes, **kw):
+        return dict(status="ok", run_name=f"{cache}-{dtype}", model="mini", cache=cache, cache_label=cache,
+                    dtype=dtype, cache_exact=True, storage_dtype={"fp32": "float32"}.get(dtype, "float16"),
+                    compute_dtype="float32", cache_nbytes=nbytes, **kw)
+
+    runs = pd.DataFrame([run("prealloc", "fp32", 100), run("prealloc", "fp16", 50, drift_delta_nll=0.01),
+                         run("window", "fp32", 10, drift_delta_nll=0.5), run("h2o", "fp32", 20, cache_budget=8.0),
+                         dict(run("paged", "fp32", 90, cache_block_size=16.0), cache_label="paged(block_size=16)")])
+    pts = pareto_points(runs).set_index("point")
+    assert pts.loc["prealloc · fp32", "drift_delta_nll"] == 0.0  # the fp32 reference itself
+    assert pts.loc["window · fp32", "drift_delta_nll"] == 0.5  # a window drifts, measured
+    assert "h2o · fp32" not in pts.index  # it evicts: no drift measured is no point, never a zero
+    assert pts.loc["paged(block_size=16) · fp32", "drift_delta_nll"] == 0.0  # asked of its kind, not its label
+    assert pareto_points(runs.iloc[:1]).empty  # one setting: nothing to compare
+    fig = pareto_plot(runs)
+    frontier = [line for ax in fig.axes for line in ax.get_lines() if line.get_label().startswith("frontier")]
+    assert frontier and list(frontier[0].get_xdata()) == [10, 50, 90]  # paged beats prealloc: fewer bytes, same 0
+    plt.close(fig)

@@ -88,7 +88,7 @@ def test_report_tables_plots_and_html(tree, tmp_path):
     assert set(pd.read_parquet(out / "steps.parquet").context_len) == {8, 32}
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert pngs == ["cache_bytes.png", "cost_model.png", "drift.png", "equivalence.png", "layers.png", "memory.png",
-                    "retrieval.png", "serving.png", "speedup.png", "step_time.png"]
+                    "pareto.png", "retrieval.png", "serving.png", "speedup.png", "step_time.png"]  # several settings
     page = (out / "report.html").read_text()
     for name in pngs:
         assert name in page

@@ -53,7 +53,11 @@ class TextDrift(Measurement):
                Figure("budget", "runs", plots.budget_plot,
                       "Quality against budget: text ΔNLL against fp32 full attention and retrieval, per kind, at "
                       "each budget (kinds swept over cache.budget).",
-                      when=lambda runs: not plots.budget_quality(runs).empty))
+                      when=lambda runs: not plots.budget_quality(runs).empty),
+               Figure("pareto", "runs", plots.pareto_plot,
+                      "Quality against cost, a point per setting: text ΔNLL, KL p99 and retrieval against the KV "
+                      "bytes held and the step at the longest context; the line joins the frontier.",
+                      when=lambda runs: not plots.pareto_points(runs).empty))
     panels = (Panel("Drift on text", "bar", ("drift_kl", "drift_kl_decode", "drift_kl_p99", "drift_delta_nll",
                                              "drift_rms_dp"), ("cache_label", "dtype"),
                     "Teacher-forced drift on text vs fp32: mean and p99 KL, ΔNLL (nats/token), RMS Δp."),)
