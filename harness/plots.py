@@ -626,11 +626,12 @@ def budget_quality(runs: pd.DataFrame) -> pd.DataFrame:
     df = runs[(runs[KEYS.status] == "ok") & (runs[KEYS.cache_budget] > 0) & runs[quality].notna().any(axis=1)]
     df = df.assign(slots=df[KEYS.cache_budget], kind=df[KEYS.cache])
     several_prompts = KEYS.prompt_len in df and df[KEYS.prompt_len].nunique() > 1
+    swept = {kind: [c for c in same if c.startswith("cache_") and c not in (KEYS.cache_budget, KEYS.cache_label)
+                    and same[c].notna().any() and (same.groupby("slots")[c].nunique() > 1).any()]
+             for kind, same in df.groupby("kind")}  # per kind: options that take two values at one budget
     series = []
     for _, row in df.iterrows():
-        same = df[df["kind"] == row["kind"]]
-        own = [c for c in same if c.startswith("cache_") and c not in (KEYS.cache_budget, KEYS.cache_label)
-               and same[c].notna().any() and (same.groupby("slots")[c].nunique() > 1).any()]
+        own = swept[row["kind"]]
         parts = [row["kind"], row[KEYS.dtype]] + ([f"prompt {row[KEYS.prompt_len]}"] if several_prompts else [])
         series.append(" · ".join([*map(str, parts), *(f"{c[len('cache_'):]}={_plain(row[c])}" for c in own)]))
     df = df.assign(series=series)
