@@ -86,6 +86,9 @@ def hf_refuses(kind: str, opts) -> str | None:
     if kind == "quant" and (opts.k_bits != opts.v_bits or opts.k_bits not in QUANTO_BITS):
         return (f"HF's QuantizedCache (quanto) takes one bit width for K and V, 2 or 4: got k_bits={opts.k_bits}, "
                 f"v_bits={opts.v_bits}; use cache.k_bits=4 cache.v_bits=4 (or 2 and 2)")
+    if kind == "quant" and (opts.v_axis != "token" or opts.rotate != "none"):
+        return (f"HF's QuantizedCache (quanto) groups V per token and rotates nothing: got v_axis={opts.v_axis}, "
+                f"rotate={opts.rotate}; use cache.v_axis=token cache.rotate=none, or engine=kvlab")
     return None
 
 

@@ -56,6 +56,16 @@ def test_h2o_keeps_the_recent_and_the_heaviest_by_accumulated_attention():
                         del a[j]  # evicted: its score goes with it
 
 
+def test_h2o_with_every_slot_recent_is_a_window_of_the_newest_tokens():
+    """recent = budget is H2O's "local" ablation: each head holds exactly the newest ``budget`` positions."""
+    for cache, _, _, _ in run("h2o", budget=5, recent=5):
+        newest = cache.pos - 1
+        for layer in range(cache.n_layer):
+            for b in range(cache.batch):
+                for h in range(cache.n_head):
+                    assert kept(cache, layer, b, h) == set(range(max(0, newest - 4), newest + 1))
+
+
 def test_tova_keeps_what_the_current_query_attends_to_most():
     budget = 4
     for cache, w, per_layer, t in run("tova", budget=budget):
@@ -151,7 +161,7 @@ def test_the_keep_mask_reference_is_not_full_attention(tiny_model):
 
 @pytest.mark.parametrize("kind,opts,why", [
     ("h2o", {"budget": 0}, "budget must be an integer >= 1"),
-    ("h2o", {"budget": 4, "recent": 4}, "recent 4 must be below budget 4"),
+    ("h2o", {"budget": 4, "recent": 5}, "recent 5 must be at most budget 4"),
     ("snapkv", {"budget": 8, "kernel": 4}, "kernel must be an odd integer >= 1"),
     ("snapkv", {"budget": 8, "kernel": 0}, "kernel must be an odd integer >= 1"),
     ("snapkv", {"budget": 4, "window": 4}, "window 4 must be below budget 4"),

@@ -1,6 +1,7 @@
 """The quant kind: half-step error per bit width against a step worked out here, KIVI's grouping (K per channel, V
-per token), packed storage, the full-precision tails, the byte formula at GPT-2 size, and drift that grows as bits
-shrink."""
+per token) and either axis for either tensor, the Hadamard rotation (orthonormal, a no-op in fp32 alone, and what it
+buys a per-token K with an outlier channel), packed storage, the full-precision tails, the byte formula at GPT-2 size,
+and drift that grows as bits shrink."""
 
 import math
 
@@ -9,7 +10,7 @@ import torch
 
 from models.generate import greedy
 from models.kv_cache import kv_bytes, make_cache
-from models.kv_cache.quant import pack, unpack
+from models.kv_cache.quant import hadamard, pack, unpack
 
 BITS = [8, 4, 2]
 
@@ -71,6 +72,59 @@ def test_k_is_grouped_per_channel_and_v_per_token():
     assert v_err[:, :, 5].max() > 1.0  # the loud token pays for itself
 
 
+@pytest.mark.parametrize("k_axis,v_axis", [("token", "channel"), ("token", "token"), ("channel", "channel")])
+def test_either_tensor_is_grouped_along_the_axis_it_is_given(k_axis, v_axis):
+    """Per channel: a loud channel pays for itself and the others keep their own steps. Per token: a loud token
+    pays for itself. Checked on K and V alike, whichever axis each is given."""
+    T, hs, G = 33, 16, 16
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 2, T, hs, generator=g)
+    cache = make_cache("quant", 1, 2, hs, 40, k_bits=4, v_bits=4, group_size=G, k_axis=k_axis, v_axis=v_axis)
+    for which, axis in (("k", k_axis), ("v", v_axis)):
+        loud = x.clone()
+        if axis == "channel":
+            loud[..., 3] *= 100.0
+        else:
+            loud[:, :, 5] *= 100.0
+        cache.reset()
+        kr, vr = cache.update(0, loud, loud) if which == "k" else cache.update(0, x, loud)
+        err = ((kr if which == "k" else vr) - loud)[:, :, :32].abs()  # 32 tokens quantised on either axis
+        if axis == "channel":
+            assert err[..., 3].max() > 1.0 and err[..., [c for c in range(hs) if c != 3]].max() < 0.5
+        else:
+            assert err[:, :, 5].max() > 1.0 and err[:, :, 6:].max() < 0.5
+
+
+@pytest.mark.parametrize("n", [64, 32, 12, 7])
+def test_the_hadamard_rotation_alone_changes_nothing_in_fp32(n):
+    """Orthonormal, symmetric and its own inverse (on blocks of the largest power of two dividing n), so rotating
+    and rotating back returns what was written within float32 rounding."""
+    h = hadamard(n)
+    assert torch.equal(h, h.T)
+    assert torch.allclose(h @ h, torch.eye(n), atol=1e-6)
+    block = n & -n
+    assert (h.abs().max() - block ** -0.5).abs() < 1e-7 and ((h != 0).sum(1) == block).all()
+    x = torch.randn(3, 2, 40, n, generator=torch.Generator().manual_seed(n)) * 30
+    assert ((x @ h @ h - x).abs() <= 1e-6 * x.abs().amax(-1, keepdim=True)).all()
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_rotation_shrinks_the_error_of_per_token_k_with_outlier_channels(bits):
+    """QuaRot's and llama.cpp's case: K grouped per token, one block of channels for the whole head, two outlier
+    channels widening every token's step. The rotation spreads them over all channels: K's error falls, V (no
+    outliers) is unchanged, and the tails are still exact."""
+    k, v = outlier_kv(T=64, hs=16)
+    err = {}
+    for rotate in ("none", "hadamard"):
+        cache = make_cache("quant", 1, 2, 16, 80, k_bits=bits, v_bits=bits, group_size=16, k_axis="token",
+                           rotate=rotate, residual=4)
+        kr, vr = cache.update(0, k, v)
+        assert torch.equal(kr[:, :, -4:], k[:, :, -4:]) and torch.equal(vr[:, :, -4:], v[:, :, -4:])
+        err[rotate] = ((kr - k) ** 2).mean().item(), ((vr - v) ** 2).mean().item()
+    assert err["hadamard"][0] < 0.5 * err["none"][0]
+    assert 0.8 < err["hadamard"][1] / err["none"][1] < 1.25
+
+
 def test_residual_tokens_stay_in_full_precision():
     k, v = outlier_kv(T=50, hs=16)
     cache = make_cache("quant", 1, 2, 16, 64, k_bits=2, v_bits=2, group_size=8, residual=12)
@@ -112,6 +166,36 @@ def test_bytes_at_gpt2_size():
     assert type(c4).bytes_per_token(12, 12, 64, torch.float32, c4.opts) == 144 * (32 + 8 + 32 + 8)
 
 
+def test_bytes_of_each_axis_at_gpt2_size():
+    """K per token and V per channel (the axes swapped), 4/4 bits, groups of 16, fp16 tails, worked out by hand:
+    K quantises all 1024 tokens with 4 scale groups each, V 1008 (floor(1023 / 16) * 16) with a scale per channel per
+    16 tokens and a 16-token tail. Per layer and head: K 1024*32 + 1024*4*4, V 1008*32 + 63*64*4 + 16*64*2."""
+    c = make_cache("quant", 12, 12, 64, 1024, dtype=torch.float16, k_bits=4, v_bits=4, group_size=16,
+                   k_axis="token", v_axis="channel")
+    assert c.nbytes == c.formula_nbytes() == 144 * ((1024 * 32 + 1024 * 4 * 4) + (1008 * 32 + 63 * 64 * 4
+                                                                                   + 16 * 64 * 2))
+    assert type(c).bytes_per_token(12, 12, 64, torch.float16, c.opts) == 144 * ((32 + 16) + (32 + 16))
+    rotated = make_cache("quant", 12, 12, 64, 1024, dtype=torch.float16, k_bits=4, v_bits=4, group_size=16,
+                         k_axis="token", v_axis="channel", rotate="hadamard")
+    assert rotated.nbytes == c.nbytes  # the rotation is a constant of the head size, not cache storage
+
+
+def test_quantize_leaves_the_other_tensor_in_the_storage_dtype():
+    """K alone (llama.cpp's -ctk with an f16 V): V comes back exactly as written and costs its dtype's bytes in every
+    slot; K is quantised as before. Per layer and head, GPT-2 small at 8 bits, K per token: K 1024 * (64 + 8),
+    V 1024 * 64 * 4 (fp32)."""
+    k, v = outlier_kv(T=40, hs=16)
+    for which in ("k", "v"):
+        cache = make_cache("quant", 1, 2, 16, 48, k_bits=4, v_bits=4, group_size=8, quantize=which)
+        kr, vr = cache.update(0, k, v)
+        kept, lossy = ((v, vr), (k, kr)) if which == "k" else ((k, kr), (v, vr))
+        assert torch.equal(kept[1], kept[0]) and not torch.equal(lossy[1], lossy[0])
+    c = make_cache("quant", 12, 12, 64, 1024, k_bits=8, group_size=32, k_axis="token", quantize="k")
+    assert c.nbytes == c.formula_nbytes() == 144 * (1024 * (64 + 8) + 1024 * 64 * 4)
+    assert type(c).bytes_per_token(12, 12, 64, torch.float32, c.opts) == 144 * ((64 + 8) + 64 * 4)
+    assert type(c).label(c.opts) == "quant k8 g32 K/token (V full)"
+
+
 def test_lower_bits_drift_further(tiny_model):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 50257, (1, 24), generator=g) for _ in range(3)]
@@ -134,3 +218,9 @@ def test_bad_options_say_what_would_be_right():
         make_cache("quant", 2, 2, 8, 16, group_size=0)
     with pytest.raises(ValueError, match="residual must be an integer >= 0"):
         make_cache("quant", 2, 2, 8, 16, residual=-1)
+    with pytest.raises(ValueError, match="k_axis='row': use channel or token"):
+        make_cache("quant", 2, 2, 8, 16, k_axis="row")
+    with pytest.raises(ValueError, match="quantize='q': use kv or k or v"):
+        make_cache("quant", 2, 2, 8, 16, quantize="q")
+    with pytest.raises(ValueError, match="rotate='random': use none or hadamard"):
+        make_cache("quant", 2, 2, 8, 16, rotate="random")

@@ -1,7 +1,8 @@
 """H2O (Zhang et al. 2023, arXiv 2306.14048): heavy hitters, the keys that have drawn the most attention so far,
 plus the ``recent`` newest tokens. Each slot carries the attention it has accumulated over every query since it was
 written (prefill's queries included); after each forward the ``recent`` newest positions are kept, and the rest of
-the budget goes to the highest accumulated scores, per sequence, layer and head."""
+the budget goes to the highest accumulated scores, per sequence, layer and head. H2O's ablation (its Table 6) is
+``recent=0`` (heavy hitters alone), ``recent=budget`` (the newest tokens alone: "local") and both in between."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from models.kv_cache.evict import BudgetOptions, EvictingKVCache, recent_mask
 
 @dataclass(frozen=True)
 class H2OOptions(BudgetOptions):
-    recent: int = 8  # the newest positions always kept ("local"); the rest of the budget: heavy hitters
+    recent: int = 8  # the newest positions always kept ("local"); the rest of the budget (if any): heavy hitters
 
     def __post_init__(self):
         super().__post_init__()
@@ -35,9 +36,9 @@ class H2OKVCache(EvictingKVCache):
 
     @classmethod
     def check_options(cls, opts) -> None:
-        if opts.recent >= opts.budget:
-            raise ValueError(f"cache option recent {opts.recent} must be below budget {opts.budget}: the heavy "
-                             "hitters need at least one slot (recent=0 keeps heavy hitters alone)")
+        if opts.recent > opts.budget:
+            raise ValueError(f"cache option recent {opts.recent} must be at most budget {opts.budget}: recent=0 "
+                             "keeps heavy hitters alone, recent=budget the newest tokens alone (H2O's 'local')")
 
     def _priority(self, layer, probs, k_all, pos_all, t):
         B, nh = self.batch, self.n_head

@@ -1,30 +1,46 @@
-"""K and V stored as low-bit integers: KIVI's recipe, asymmetric round-to-nearest, real packed storage.
+"""K and V stored as low-bit integers: KIVI's recipe by default, asymmetric round-to-nearest, real packed storage;
+each of K and V grouped along either axis, optionally rotated first.
 
-- K is quantised per channel, in groups of ``group_size`` tokens (K has outlier channels: a scale per channel keeps
-  one channel's range from swamping the others). A group is quantised once a token after it arrives, so the newest
-  1 .. ``group_size`` tokens of K (plus ``residual``) are held in full precision (the storage dtype).
-- V is quantised per token, in groups of ``group_size`` channels, as soon as it is older than the newest
-  ``residual`` tokens.
+- ``k_axis`` / ``v_axis`` say how each of K and V is grouped. ``channel`` (K's default): a scale per channel over
+  groups of ``group_size`` tokens (K has outlier channels: a scale per channel keeps one channel's range from
+  swamping the others). A group is quantised once a token after it arrives, so the newest 1 .. ``group_size``
+  tokens (plus ``residual``) are held in full precision (the storage dtype). ``token`` (V's default): a scale per
+  token over groups of ``group_size`` channels, quantised as soon as the token is older than the newest
+  ``residual``. KIVI's finding is that K wants ``channel`` and V ``token``; llama.cpp's q8_0/q4_0 caches group both
+  per token (blocks of 32 channels).
+- ``rotate=hadamard``: before quantising, each token's head vector is multiplied by an orthonormal Hadamard matrix
+  (Sylvester's, on blocks of the largest power of two that divides head_dim: all of it for GPT-2's 64), which
+  spreads an outlier channel over all channels of its block; dequantised values are rotated back (the matrix is
+  symmetric and its own inverse), so attention sees K and V in their own basis. In fp32 the rotation alone changes
+  nothing beyond rounding; its cost is one (tokens x hs) @ (hs x hs) product per layer and step, in the step time.
+  The matrix is a constant of the head size, shared by every cache (like a weight), not cache storage.
+- ``quantize=k`` or ``v`` quantises that tensor alone and keeps the other in the storage dtype, every slot (the
+  llama.cpp comparison of a quantised K cache against a quantised V cache); ``kv`` (the default) quantises both.
 - Each group stores a scale and a minimum (the zero point) in fp16; values are ``k_bits`` / ``v_bits`` (8, 4 or 2)
   wide, packed two (4-bit) or four (2-bit) to a byte along the channels. The minimum is rounded down and the scale
   up to fp16, so every value of the group lies in [min, min + (2^bits - 1) * scale] and round-to-nearest puts every
-  dequantised value within half a step (scale / 2) of what was written.
+  dequantised value within half a step (scale / 2) of what was written (rotated: of the rotated value; rotating
+  back sums the half-steps of a block, weighted by 1 / sqrt(block)).
 - Attention reads K and V dequantised into the compute dtype: quantised storage, full-precision math, no kernels.
   (In an fp16/bf16 compute dtype that last rounding adds half an ulp; ``error_bound`` includes it.)
   The whole allocation is made up front, like ``prealloc``: the cache holds ``max_len`` token slots.
 - Scales and minimums are fp16, so values beyond fp16's range (|x| > 65504) cannot be quantised: their group turns
   non-finite, which a run reports as such.
 
-Bytes, per layer, batch row and head (hs = head_dim, G = group_size, R = residual, isz = storage bytes/element):
-    K: Qk * ceil(hs * k_bits / 8) + (Qk / G) * hs * 4 + Tk * hs * isz,   Qk = floor((max_len - R - 1) / G) * G,
-                                                                         Tk = min(max_len, R + G)
-    V: Qv * ceil(hs * v_bits / 8) + Qv * ceil(hs / G) * 4 + Tv * hs * isz,   Qv = max_len - R,  Tv = min(R, max_len)
-A cached token costs ceil(hs*k_bits/8) + 4*hs/G + ceil(hs*v_bits/8) + 4*ceil(hs/G) bytes per layer and head: GPT-2
-small (hs 64, G 32) at 8/8 bits: 64 + 8 + 64 + 8 = 144 B against fp32's 512, at 4/4 bits 80, at 2/2 bits 48.
+Bytes, per layer, batch row and head, for each of K and V (hs = head_dim, G = group_size, R = residual, isz =
+storage bytes/element, b = its bits):
+    channel: Q * ceil(hs * b / 8) + (Q / G) * hs * 4 + T * hs * isz,   Q = floor((max_len - R - 1) / G) * G,
+                                                                      T = min(max_len, R + G)
+    token:   Q * ceil(hs * b / 8) + Q * ceil(hs / G) * 4 + T * hs * isz,   Q = max_len - R,  T = min(R, max_len)
+    not quantised (``quantize`` leaves it out): max_len * hs * isz
+A cached token costs ceil(hs*b/8) + 4*hs/G (channel) or ceil(hs*b/8) + 4*ceil(hs/G) (token) bytes per layer and
+head for each of K and V: GPT-2 small (hs 64, G 32) at 8/8 bits: 64 + 8 + 64 + 8 = 144 B against fp32's 512, at 4/4
+bits 80, at 2/2 bits 48 (either axis: with hs = 2G both give 8 B of scales).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -33,6 +49,9 @@ import torch
 from models.kv_cache.base import KVCache, itemsize, register
 
 BITS = (8, 4, 2)
+AXES = ("channel", "token")
+ROTATIONS = ("none", "hadamard")
+QUANTIZED = ("kv", "k", "v")
 SCALE_DTYPE = torch.float16  # scales and minimums: 2 bytes each
 
 
@@ -42,6 +61,10 @@ class QuantOptions:
     v_bits: int = 4
     group_size: int = 32
     residual: int = 0  # newest tokens kept in full precision (KIVI uses 32 or 128); 0 measures the quantiser alone
+    k_axis: str = "channel"  # K grouped per channel over tokens (KIVI) or per token over channels (llama.cpp)
+    v_axis: str = "token"
+    rotate: str = "none"  # "hadamard": rotate each head vector before quantising, back after dequantising
+    quantize: str = "kv"  # which of K and V are quantised; the other (for "k" or "v") stays in the storage dtype
 
     def __post_init__(self):
         for name in ("k_bits", "v_bits"):
@@ -51,6 +74,18 @@ class QuantOptions:
             raise ValueError(f"cache option group_size must be an integer >= 1, got {self.group_size!r}")
         if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
             raise ValueError(f"cache option residual must be an integer >= 0, got {self.residual!r}")
+        for name, allowed in (("k_axis", AXES), ("v_axis", AXES), ("rotate", ROTATIONS), ("quantize", QUANTIZED)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"cache option {name}={getattr(self, name)!r}: use {' or '.join(allowed)}")
+
+    def axis(self, which: str) -> str:
+        """How K or V is grouped: "channel", "token", or "none" where it is not quantised."""
+        if which not in self.quantize:
+            return "none"
+        return self.k_axis if which == "k" else self.v_axis
+
+    def bits(self, which: str) -> int:
+        return self.k_bits if which == "k" else self.v_bits
 
 
 def _round_fp16(x: torch.Tensor, up: bool) -> torch.Tensor:
@@ -96,6 +131,43 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return q.flatten(-2)[..., :n]
 
 
+def hadamard_block(n: int) -> int:
+    """The block the rotation of ``n`` channels works in: the largest power of two that divides n."""
+    return n & -n
+
+
+@functools.lru_cache(maxsize=None)
+def hadamard(n: int, device: str = "cpu") -> torch.Tensor:
+    """An orthonormal, symmetric (n, n) float32 rotation, its own inverse: Sylvester's Hadamard matrix / sqrt(b) on
+    each diagonal block of b = ``hadamard_block(n)`` channels."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < hadamard_block(n):
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return torch.block_diag(*[h / math.sqrt(h.shape[0])] * (n // h.shape[0])).to(device)
+
+
+def _capacity(max_len: int, axis: str, G: int, R: int) -> tuple[int, int]:
+    """Slots (quantised, full-precision) one of K and V needs in a cache of ``max_len``, grouped along ``axis``
+    ("none": not quantised, every slot in full precision)."""
+    if axis == "none":
+        return 0, max_len
+    if axis == "channel":
+        return (max(0, max_len - R - 1) // G) * G, max_len if max_len <= R + G else R + G
+    return max(0, max_len - R), min(R, max_len)
+
+
+def _split(n: int, axis: str, G: int, R: int) -> int:
+    """After n tokens: how many of one of K and V are quantised (the rest is in its full-precision tail)."""
+    if axis == "none":
+        return 0
+    return (max(0, n - R - 1) // G) * G if axis == "channel" else max(0, n - R)
+
+
+def _scale_slots(q: int, axis: str, hs: int, G: int) -> tuple[int, int]:
+    """The (slots, per slot) shape of the scales (and minimums) of ``q`` quantised tokens."""
+    return (q // G, hs) if axis == "channel" else (q, math.ceil(hs / G))
+
+
 @register
 class QuantKVCache(KVCache):
     kind = "quant"
@@ -103,43 +175,45 @@ class QuantKVCache(KVCache):
                       "ragged batches on an exact kind")
     Options = QuantOptions
     exact = False
-    description = "K per channel, V per token, as 8/4/2-bit integers with fp16 scales (KIVI)"
+    description = ("K and V as 8/4/2-bit integers with fp16 scales, each grouped per channel or per token (KIVI: K "
+                   "per channel, V per token), optionally Hadamard-rotated first")
     examples = ({"k_bits": 8, "v_bits": 8, "group_size": 8},
                 {"k_bits": 4, "v_bits": 2, "group_size": 8, "residual": 4},
-                {"k_bits": 2, "v_bits": 4, "group_size": 16})
+                {"k_bits": 2, "v_bits": 4, "group_size": 16, "k_axis": "token", "v_axis": "channel"},
+                {"k_bits": 4, "v_bits": 8, "group_size": 8, "residual": 3, "v_axis": "channel",
+                 "rotate": "hadamard"},
+                {"k_bits": 2, "group_size": 8, "k_axis": "token", "quantize": "k"})
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         o, hs = self.opts, self.head_dim
-        qk, tk, qv, tv = self._capacity(self.max_len, o)
         lead = (self.n_layer, self.batch, self.n_head)
 
         def zeros(*shape, dtype=torch.uint8):
             return torch.zeros(*lead, *shape, dtype=dtype, device=self.device)
 
-        self.k_q = zeros(qk, math.ceil(hs * o.k_bits / 8))  # (L, B, nh, Qk, packed hs)
-        self.k_scale = zeros(qk // o.group_size, hs, dtype=SCALE_DTYPE)  # (L, B, nh, Qk / G, hs)
-        self.k_min = zeros(qk // o.group_size, hs, dtype=SCALE_DTYPE)
-        self.k_tail = zeros(tk, hs, dtype=self.dtype)  # (L, B, nh, Tk, hs): not yet in a whole group
-        self.v_q = zeros(qv, math.ceil(hs * o.v_bits / 8))  # (L, B, nh, Qv, packed hs)
-        self.v_scale = zeros(qv, math.ceil(hs / o.group_size), dtype=SCALE_DTYPE)  # (L, B, nh, Qv, groups)
-        self.v_min = zeros(qv, math.ceil(hs / o.group_size), dtype=SCALE_DTYPE)
-        self.v_tail = zeros(tv, hs, dtype=self.dtype)  # (L, B, nh, Tv, hs): the newest `residual` tokens
+        for which in ("k", "v"):  # each (L, B, nh, slots, ...)
+            q, tail = _capacity(self.max_len, o.axis(which), o.group_size, o.residual)
+            setattr(self, f"{which}_q", zeros(q, math.ceil(hs * o.bits(which) / 8)))  # packed along channels
+            setattr(self, f"{which}_scale", zeros(*_scale_slots(q, o.axis(which), hs, o.group_size),
+                                                   dtype=SCALE_DTYPE))
+            setattr(self, f"{which}_min", zeros(*_scale_slots(q, o.axis(which), hs, o.group_size),
+                                                 dtype=SCALE_DTYPE))
+            setattr(self, f"{which}_tail", zeros(tail, hs, dtype=self.dtype))  # not yet quantised
         self._returned = (0, torch.float32)  # tokens in the history the last update returned, and its dtype
 
     # ---- what the kind declares -----------------------------------------------------------------------------
 
-    @staticmethod
-    def _capacity(max_len: int, o: QuantOptions) -> tuple[int, int, int, int]:
+    @classmethod
+    def _capacity(cls, max_len: int, opts: QuantOptions) -> tuple[int, int, int, int]:
         """Slots (quantised K, full-precision K, quantised V, full-precision V) a cache of ``max_len`` needs."""
-        G, R = o.group_size, o.residual
-        return ((max(0, max_len - R - 1) // G) * G, max_len if max_len <= R + G else R + G,
-                max(0, max_len - R), min(R, max_len))
+        k = _capacity(max_len, opts.axis("k"), opts.group_size, opts.residual)
+        return (*k, *_capacity(max_len, opts.axis("v"), opts.group_size, opts.residual))
 
     def _split(self, n: int) -> tuple[int, int]:
         """After n tokens: how many of K and of V are quantised (the rest is in the full-precision tails)."""
-        G, R = self.opts.group_size, self.opts.residual
-        return (max(0, n - R - 1) // G) * G, max(0, n - R)
+        o = self.opts
+        return tuple(_split(n, o.axis(w), o.group_size, o.residual) for w in ("k", "v"))
 
     @classmethod
     def held_tokens(cls, max_len: int, n_tokens: int, opts) -> int:
@@ -147,106 +221,149 @@ class QuantKVCache(KVCache):
 
     @classmethod
     def nbytes_formula(cls, n_layer, n_head, head_dim, max_len, batch, dtype, n_tokens, opts) -> int:
-        qk, tk, qv, tv = cls._capacity(max_len, opts)
         hs, G, isz, ssz = head_dim, opts.group_size, itemsize(dtype), 2
-        k = qk * math.ceil(hs * opts.k_bits / 8) + (qk // G) * hs * 2 * ssz + tk * hs * isz
-        v = qv * math.ceil(hs * opts.v_bits / 8) + qv * math.ceil(hs / G) * 2 * ssz + tv * hs * isz
-        return n_layer * batch * n_head * (k + v)
+        total = 0
+        for which in ("k", "v"):
+            q, tail = _capacity(max_len, opts.axis(which), G, opts.residual)
+            slots, per = _scale_slots(q, opts.axis(which), hs, G)
+            total += q * math.ceil(hs * opts.bits(which) / 8) + slots * per * 2 * ssz + tail * hs * isz
+        return n_layer * batch * n_head * total
 
     @classmethod
     def bytes_per_token(cls, n_layer, n_head, head_dim, dtype, opts) -> float:
         hs, G = head_dim, opts.group_size
-        k = math.ceil(hs * opts.k_bits / 8) + 4 * hs / G
-        v = math.ceil(hs * opts.v_bits / 8) + 4 * math.ceil(hs / G)
-        return n_layer * n_head * (k + v)
+        cost = {"channel": lambda bits: math.ceil(hs * bits / 8) + 4 * hs / G,
+                "token": lambda bits: math.ceil(hs * bits / 8) + 4 * math.ceil(hs / G),
+                "none": lambda bits: hs * itemsize(dtype)}
+        return n_layer * n_head * sum(cost[opts.axis(w)](opts.bits(w)) for w in ("k", "v"))
 
     @classmethod
     def label(cls, opts) -> str:
-        return f"quant k{opts.k_bits}/v{opts.v_bits} g{opts.group_size}" + (f" r{opts.residual}"
-                                                                            if opts.residual else "")
+        axes = ("" if opts.axis("k") in ("channel", "none") else " K/token") + ("" if opts.axis("v") in ("token", "none")
+                                                                               else " V/channel")
+        bits = {"kv": f"k{opts.k_bits}/v{opts.v_bits}", "k": f"k{opts.k_bits}", "v": f"v{opts.v_bits}"}[opts.quantize]
+        alone = {"kv": "", "k": " (V full)", "v": " (K full)"}[opts.quantize]
+        return (f"quant {bits} g{opts.group_size}" + (f" r{opts.residual}" if opts.residual else "") + axes
+                + (" hadamard" if opts.rotate == "hadamard" else "") + alone)
 
     # ---- the contract ---------------------------------------------------------------------------------------
 
     def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = self._check_room(layer, k_new, v_new)
-        o, hs, G = self.opts, self.head_dim, self.opts.group_size
-        B, nh = self.batch, self.n_head
         n0, n1 = self.pos, self.pos + t
-        (qk0, qv0), (qk1, qv1) = self._split(n0), self._split(n1)
+        q1 = {w: self._store(layer, w, new, n0, n1) for w, new in (("k", k_new), ("v", v_new))}
+        self._returned = (n1, k_new.dtype)
+        return self._history(layer, q1["k"], n1, "k", k_new.dtype), self._history(layer, q1["v"], n1, "v",
+                                                                                   v_new.dtype)
 
-        # K: the tail + the new tokens; whole groups that now have a token after them are quantised per channel
-        pending = torch.cat([self.k_tail[layer, :, :, :n0 - qk0], k_new.to(self.dtype)], dim=2)  # from qk0
-        m = qk1 - qk0
-        if m:
-            q, scale, lo = quantize(pending[:, :, :m].float().view(B, nh, m // G, G, hs), o.k_bits, dim=3)
-            self.k_q[layer, :, :, qk0:qk1] = pack(q.view(B, nh, m, hs), o.k_bits)
-            self.k_scale[layer, :, :, qk0 // G:qk1 // G] = scale.squeeze(3)
-            self.k_min[layer, :, :, qk0 // G:qk1 // G] = lo.squeeze(3)
-        self.k_tail[layer, :, :, :n1 - qk1] = pending[:, :, m:]
+    def _rotation(self) -> torch.Tensor | None:
+        return hadamard(self.head_dim, str(self.device)) if self.opts.rotate == "hadamard" else None
 
-        # V: the tail + the new tokens; tokens older than the newest `residual` are quantised per token
-        pending = torch.cat([self.v_tail[layer, :, :, :n0 - qv0], v_new.to(self.dtype)], dim=2)  # from qv0
-        m = qv1 - qv0
+    def _store(self, layer: int, which: str, new: torch.Tensor, n0: int, n1: int) -> int:
+        """Write ``new`` (B, nh, t, hs) of K or V after n0 tokens: the tail + the new tokens, of which those the
+        axis's rule now quantises are rotated (if asked), quantised and packed; the rest stays the tail. Returns
+        how many tokens are quantised after n1."""
+        o, hs, G = self.opts, self.head_dim, self.opts.group_size
+        axis, bits = o.axis(which), o.bits(which)
+        B, nh = self.batch, self.n_head
+        q0, q1 = _split(n0, axis, G, o.residual), _split(n1, axis, G, o.residual)
+        tail = getattr(self, f"{which}_tail")
+        pending = torch.cat([tail[layer, :, :, :n0 - q0], new.to(self.dtype)], dim=2)  # tokens from q0 on
+        m = q1 - q0
         if m:
             x = pending[:, :, :m].float()  # (B, nh, m, hs)
-            ng = math.ceil(hs / G)
-            if ng * G > hs:  # a last, partial group of channels: pad with its own last channel (min/max unchanged)
-                x = torch.cat([x, x[..., -1:].expand(B, nh, m, ng * G - hs)], dim=-1)
-            q, scale, lo = quantize(x.view(B, nh, m, ng, G), o.v_bits, dim=4)
-            self.v_q[layer, :, :, qv0:qv1] = pack(q.view(B, nh, m, ng * G)[..., :hs], o.v_bits)
-            self.v_scale[layer, :, :, qv0:qv1] = scale.squeeze(4)
-            self.v_min[layer, :, :, qv0:qv1] = lo.squeeze(4)
-        self.v_tail[layer, :, :, :n1 - qv1] = pending[:, :, m:]
+            rot = self._rotation()
+            if rot is not None:
+                x = x @ rot
+            if axis == "channel":  # a scale per channel per group of G tokens
+                q, scale, lo = quantize(x.view(B, nh, m // G, G, hs), bits, dim=3)
+                q, s0, s1 = q.view(B, nh, m, hs), q0 // G, q1 // G
+            else:  # a scale per token per group of G channels
+                ng = math.ceil(hs / G)
+                if ng * G > hs:  # a last, partial group of channels: pad with its own last channel (range unchanged)
+                    x = torch.cat([x, x[..., -1:].expand(B, nh, m, ng * G - hs)], dim=-1)
+                q, scale, lo = quantize(x.view(B, nh, m, ng, G), bits, dim=4)
+                q, s0, s1 = q.view(B, nh, m, ng * G)[..., :hs], q0, q1
+            dim = 3 if axis == "channel" else 4
+            getattr(self, f"{which}_q")[layer, :, :, q0:q1] = pack(q, bits)
+            getattr(self, f"{which}_scale")[layer, :, :, s0:s1] = scale.squeeze(dim)
+            getattr(self, f"{which}_min")[layer, :, :, s0:s1] = lo.squeeze(dim)
+        tail[layer, :, :, :n1 - q1] = pending[:, :, m:]
+        return q1
 
-        self._returned = (n1, k_new.dtype)
-        return self._history(layer, qk1, n1, "k", k_new.dtype), self._history(layer, qv1, n1, "v", v_new.dtype)
+    def _dequantized(self, layer: int, which: str, n_quant: int) -> torch.Tensor:
+        """The first ``n_quant`` tokens of K or V as stored, dequantised to float32 and still rotated:
+        (B, nh, n_quant, hs)."""
+        B, nh, hs, G = self.batch, self.n_head, self.head_dim, self.opts.group_size
+        packed, scale, lo = (getattr(self, f"{which}_{part}")[layer] for part in ("q", "scale", "min"))
+        q = unpack(packed[:, :, :n_quant], self.opts.bits(which), hs).float()  # (B, nh, n_quant, hs)
+        if self.opts.axis(which) == "channel":  # a scale per channel per group of G tokens
+            shape = (B, nh, n_quant // G, G, hs)
+            scale, lo = scale[:, :, :n_quant // G].unsqueeze(3), lo[:, :, :n_quant // G].unsqueeze(3)
+        elif hs % G == 0:  # a scale per token per group of G channels
+            shape = (B, nh, n_quant, hs // G, G)
+            scale, lo = scale[:, :, :n_quant].unsqueeze(4), lo[:, :, :n_quant].unsqueeze(4)
+        else:  # a last, partial group of channels: spell the scales out per channel
+            shape = (B, nh, n_quant, hs)
+            scale = scale[:, :, :n_quant].repeat_interleave(G, dim=-1)[..., :hs]
+            lo = lo[:, :, :n_quant].repeat_interleave(G, dim=-1)[..., :hs]
+        return torch.addcmul(lo.float(), q.view(shape), scale.float()).view(B, nh, n_quant, hs)
 
     def _history(self, layer: int, n_quant: int, n: int, which: str, dtype: torch.dtype) -> torch.Tensor:
-        """K or V of all n tokens, (B, nh, n, hs): the first ``n_quant`` dequantised, the rest from the tail,
-        written straight into one float32 tensor, then cast to the compute ``dtype``."""
-        B, nh, hs, G = self.batch, self.n_head, self.head_dim, self.opts.group_size
-        out = torch.empty(B, nh, n, hs, dtype=torch.float32, device=self.device)
+        """K or V of all n tokens, (B, nh, n, hs): the first ``n_quant`` dequantised (and rotated back), the rest
+        from the tail, in one float32 tensor, then cast to the compute ``dtype``."""
+        out = torch.empty(self.batch, self.n_head, n, self.head_dim, dtype=torch.float32, device=self.device)
         if n_quant:
-            bits = self.opts.k_bits if which == "k" else self.opts.v_bits
-            packed, scale, lo = (getattr(self, f"{which}_{part}")[layer] for part in ("q", "scale", "min"))
-            q = unpack(packed[:, :, :n_quant], bits, hs).float()  # (B, nh, n_quant, hs)
-            if which == "k":  # a scale per channel per group of G tokens
-                shape = (B, nh, n_quant // G, G, hs)
-                scale, lo = scale[:, :, :n_quant // G].unsqueeze(3), lo[:, :, :n_quant // G].unsqueeze(3)
-            elif hs % G == 0:  # V: a scale per token per group of G channels
-                shape = (B, nh, n_quant, hs // G, G)
-                scale, lo = scale[:, :, :n_quant].unsqueeze(4), lo[:, :, :n_quant].unsqueeze(4)
-            else:  # a last, partial group of channels: spell the scales out per channel
-                shape = (B, nh, n_quant, hs)
-                scale = scale[:, :, :n_quant].repeat_interleave(G, dim=-1)[..., :hs]
-                lo = lo[:, :, :n_quant].repeat_interleave(G, dim=-1)[..., :hs]
-            torch.addcmul(lo.float(), q.view(shape), scale.float(), out=out[:, :, :n_quant].view(shape))
+            deq, rot = self._dequantized(layer, which, n_quant), self._rotation()
+            out[:, :, :n_quant] = deq if rot is None else deq @ rot
         out[:, :, n_quant:] = getattr(self, f"{which}_tail")[layer, :, :, :n - n_quant]
         return out.to(dtype)
 
+    def _half_steps(self, layer: int, which: str, n_quant: int) -> torch.Tensor:
+        """How far each of the first ``n_quant`` tokens of K or V may be from what was written, in float32:
+        (B, nh, n_quant, hs). Half a step per stored value; rotated, the back-rotation sums a block's half-steps
+        (weighted by |H| = 1 / sqrt(block)), plus the float32 rounding of both rotations."""
+        hs, G = self.head_dim, self.opts.group_size
+        scale = getattr(self, f"{which}_scale")[layer].float()
+        if self.opts.axis(which) == "channel":
+            half = scale[:, :, :n_quant // G].repeat_interleave(G, dim=2) / 2
+        else:
+            half = scale[:, :, :n_quant].repeat_interleave(G, dim=-1)[..., :hs] / 2
+        rot = self._rotation()
+        if rot is None:
+            return half
+        mag = rot.abs()  # |H|: 1 / sqrt(b) within each block, 0 elsewhere
+        b = hadamard_block(hs)
+        gamma = (b + 2) * 2.0 ** -24 / (1 - (b + 2) * 2.0 ** -24)  # a length-b float32 dot product's rounding
+        y = self._dequantized(layer, which, n_quant).abs()
+        x_bound = (y + half) @ mag  # |what was written|, to first order
+        rotated_in = gamma * 1.01 * (x_bound @ mag)  # rounding of the rotation before quantising
+        return (half + rotated_in) @ mag + gamma * (y @ mag)
+
     def error_bound(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per element of the history the last update returned: half a quantisation step where quantised (0 in the
+        """Per element of the history the last update returned: what quantisation may have moved it (0 in the
         full-precision tails), plus half a unit in the last place of the compute dtype it was returned in (the
         float32 dequantised values, and the tails, are rounded into it)."""
-        B, nh, hs, G = self.batch, self.n_head, self.head_dim, self.opts.group_size
+        B, nh, hs = self.batch, self.n_head, self.head_dim
         n, dtype = self._returned
-        qk, qv = self._split(n)
-        k_half = self.k_scale[layer, :, :, :qk // G].float().repeat_interleave(G, dim=2) / 2  # (B, nh, qk, hs)
-        v_half = self.v_scale[layer, :, :, :qv].float().repeat_interleave(G, dim=-1)[..., :hs] / 2
-        zeros = torch.zeros(B, nh, n, hs, device=self.device)
         half_ulp = torch.finfo(dtype).eps / 2
-        k = self._history(layer, qk, n, "k", torch.float32).abs() * half_ulp
-        v = self._history(layer, qv, n, "v", torch.float32).abs() * half_ulp
-        return torch.cat([k_half, zeros[:, :, qk:]], dim=2) + k, torch.cat([v_half, zeros[:, :, qv:]], dim=2) + v
+        bounds = []
+        for which, q in zip(("k", "v"), self._split(n)):
+            rounding = self._history(layer, q, n, which, torch.float32).abs() * half_ulp
+            zeros = torch.zeros(B, nh, n - q, hs, device=self.device)
+            bounds.append(torch.cat([self._half_steps(layer, which, q), zeros], dim=2) + rounding)
+        return bounds[0], bounds[1]
 
     # ---- rewinding and reuse --------------------------------------------------------------------------------
 
     def can_crop(self, n_tokens: int) -> bool:
         if not 0 <= n_tokens <= self.pos:
             return False
-        (qk_now, qv_now), (qk, qv) = self._split(self.pos), self._split(n_tokens)
-        # no K group may need un-quantising, and V may only drop quantised tokens (residual 0), never re-widen them
-        return qk == qk_now and (qv == qv_now or self.opts.residual == 0)
+        now, then = self._split(self.pos), self._split(n_tokens)
+        # no token may need un-quantising: a channel-grouped tensor may not lose a quantised group, and a
+        # token-grouped one may only drop quantised tokens (residual 0), never re-widen them
+        return all(q == q_now or (self.opts.axis(w) == "token" and self.opts.residual == 0)
+                   for w, q, q_now in zip(("k", "v"), then, now))
 
     def _why_no_crop(self, n_tokens: int) -> str:
         return (f"cannot crop a quant cache from {self.pos} to {n_tokens} tokens: tokens it would hold in full "
@@ -264,11 +381,14 @@ class QuantKVCache(KVCache):
 
     def _parts(self, n: int) -> dict[str, tuple[torch.Tensor, int]]:
         """Each storage tensor and how many of its slots (dim 3) hold data after n tokens."""
-        qk, qv = self._split(n)
-        G = self.opts.group_size
-        return {"k_q": (self.k_q, qk), "k_scale": (self.k_scale, qk // G), "k_min": (self.k_min, qk // G),
-                "k_tail": (self.k_tail, n - qk), "v_q": (self.v_q, qv), "v_scale": (self.v_scale, qv),
-                "v_min": (self.v_min, qv), "v_tail": (self.v_tail, n - qv)}
+        parts = {}
+        for which, q in zip(("k", "v"), self._split(n)):
+            slots = _scale_slots(q, self.opts.axis(which), self.head_dim, self.opts.group_size)[0]
+            parts.update({f"{which}_q": (getattr(self, f"{which}_q"), q),
+                          f"{which}_scale": (getattr(self, f"{which}_scale"), slots),
+                          f"{which}_min": (getattr(self, f"{which}_min"), slots),
+                          f"{which}_tail": (getattr(self, f"{which}_tail"), n - q)})
+        return parts
 
     def snapshot(self) -> dict:
         return {**self._snapshot_header(),
