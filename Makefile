@@ -27,8 +27,15 @@ sweep: $(STAMP)
 WORKERS ?= 2
 XDIST   := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 
+# the Slurm tests' cluster (scripts/slurm-up: a single node under SLURM_DIR; installing it needs root); without it
+# those tests are skipped and say why, unless KVLAB_REQUIRE_SLURM=1 (CI), where they fail
+SLURM_DIR ?= /tmp/kvlab-slurm
+
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest $(XDIST) $(ARGS)
+	@conf=$$(scripts/slurm-up $(SLURM_DIR) 2> $(SLURM_DIR).log | sed -n 's/^SLURM_CONF=//p'); \
+	if [ -n "$$conf" ]; then echo "make test: Slurm is up (SLURM_CONF=$$conf; scripts/slurm-down $(SLURM_DIR) stops it)"; \
+	else echo "make test: Slurm did not come up ($$(tail -n 1 $(SLURM_DIR).log)); its tests will say so"; fi; \
+	SLURM_CONF=$${conf:-$$SLURM_CONF} HF_HUB_OFFLINE=1 $(PY) -m pytest $(XDIST) $(ARGS)
 
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(XDIST) -m "not slow" $(ARGS)

@@ -19,6 +19,7 @@ import contextlib
 import copy
 import datetime as dt
 import hashlib
+import os
 import re
 import signal
 import sys
@@ -515,14 +516,56 @@ def _raise_interrupted(signum, frame):
     raise Interrupted(signum)
 
 
+class OutOfTime(RuntimeError):
+    """The Slurm job reached its time limit and will not be requeued again: the run failed, and says why."""
+
+
+def _submitits(handler) -> bool:
+    """The handler is one submitit installed in a Slurm job (its SignalHandler's methods)."""
+    return type(getattr(handler, "__self__", None)).__module__.startswith("submitit")
+
+
+def _after_submitit(inner):
+    """submitit's handler of SIGUSR2 (Slurm's warning before the time limit), kept: it requeues the job (then
+    raises SystemExit) or says why it will not (raises an error). Requeued: the run is interrupted, and the requeued
+    job measures it again. Not requeued: the run failed, out of time, and its record says so."""
+    def handler(signum, frame):
+        try:
+            inner(signum, frame)
+        except SystemExit:
+            raise Interrupted(signum) from None
+        except Exception as e:
+            job = slurm_record()["slurm_job_id"]
+            raise OutOfTime(f"Slurm job {job} reached its time limit (hydra.launcher.timeout_min) after being "
+                            f"requeued {os.environ.get('SLURM_RESTART_COUNT', '0')} time(s) "
+                            f"(hydra.launcher.max_num_timeout): {' '.join(str(e).split())}") from None
+
+    return handler
+
+
 def catch_signals() -> None:
     """SIGTERM, SIGHUP and SIGUSR2 raise ``Interrupted`` in this process (main thread), as SIGINT raises
-    KeyboardInterrupt; a signal another handler already takes (a launcher's) is left to it."""
+    KeyboardInterrupt; a signal another handler already takes (a launcher's) is left to it, but for submitit's in a
+    Slurm job: its SIGTERM handler ignores the signal (so scancel and scontrol requeue would kill the run unrecorded
+    a few seconds later), and kvlab takes SIGTERM over; its SIGUSR2 handler (the time limit) is kept, and what it
+    does is recorded (``_after_submitit``)."""
     if threading.current_thread() is not threading.main_thread():
         return
     for s in CAUGHT:
-        if signal.getsignal(s) in (signal.SIG_DFL, None):
+        current = signal.getsignal(s)
+        if current in (signal.SIG_DFL, None) or (s != signal.SIGUSR2 and _submitits(current)):
             signal.signal(s, _raise_interrupted)
+        elif s == signal.SIGUSR2 and _submitits(current):
+            signal.signal(s, _after_submitit(current))
+
+
+def slurm_record() -> dict:
+    """The Slurm job this process runs in (None outside Slurm): an array task as ``<array job>_<task>``, as sacct
+    and scancel name it."""
+    env = os.environ
+    array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    job = f"{array}_{task}" if array and task else env.get("SLURM_JOB_ID")
+    return dict(slurm_job_id=job, slurm_array_task_id=int(task) if task and task.isdigit() else None)
 
 
 def interruption(e: KeyboardInterrupt) -> tuple[str, int]:
@@ -613,7 +656,9 @@ def _locked_run(cfg, plan: Plan | None, refused: str | None, run_dir: Path, name
                   run_name=name, group=group, run_dir=str(run_dir), config_id=ident, invocation=inv,
                   device=cfg.device.name, **weights_record(plan.weights if plan else None, cfg.model),
                   started_at=dt.datetime.now().isoformat(timespec="seconds"), **config_record(cfg),
-                  measurements=asked_measurements(cfg), **(plan.inputs if plan else {}))
+                  measurements=asked_measurements(cfg), **(plan.inputs if plan else {}), **slurm_record())
+    if record["slurm_job_id"]:  # the job's log says which run it measures (a user's scancel needs the id)
+        print(f"kvlab: run {name} in Slurm job {record['slurm_job_id']} ({run_dir})", flush=True)
     t0 = time.perf_counter()
     wb, tables = None, {}
     if refused is not None:

@@ -686,10 +686,17 @@ def _pareto_axes() -> tuple[tuple, tuple]:
 def _is_fp32_reference(row: pd.Series) -> bool:
     """The run is fp32 full attention itself: a kind that is exactly full attention with these options (asked of
     the kind's class), in fp32 storage and compute, on an engine that ran its equivalence check."""
+    return (row.get(KEYS.storage_dtype) == "float32" and row.get(KEYS.compute_dtype) == "float32"
+            and is_full_attention(row))
+
+
+def is_full_attention(row: pd.Series) -> bool:
+    """The run's kind, with the options its ``cache_<name>`` columns record, is exactly full attention (asked of the
+    kind's class), whatever its dtype."""
     from models.kv_cache import CACHE_KINDS
 
     cls = CACHE_KINDS.get(row.get(KEYS.cache))
-    if cls is None or row.get(KEYS.storage_dtype) != "float32" or row.get(KEYS.compute_dtype) != "float32":
+    if cls is None:
         return False
     options = {name: _plain(row[f"cache_{name}"]) for name in cls.option_types()
                if f"cache_{name}" in row and pd.notna(row[f"cache_{name}"])}

@@ -33,6 +33,9 @@ class Identity:
     wandb_id: str | None = key("its W&B run id (the same when resumed in the same folder)")
     measurements: str = key("the measurements the run was asked for, comma-separated")
     concurrent_runs_while_timing: int | None = key("other kvlab runs measuring on this machine meanwhile", "runs")
+    slurm_job_id: str | None = key("the Slurm job that ran it (<array job>_<task> for an array task; null: not in "
+                                   "Slurm)")
+    slurm_array_task_id: int | None = key("its index in the sweep's job array (null: not an array task)")
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ hand on any outputs/ folder:
     python -m harness.report outputs/multirun/2026-11-29_10-00-00      # writes <folder>/report/
     python -m harness.report outputs/ --out /tmp/all-runs --wandb disabled
 
-``report/`` holds results.parquet/.csv (one row per run), steps.parquet/.csv (step times), drift.parquet/.csv
+``report/`` opens with findings.md (what the sweep found, in sentences made from its numbers, and for a paper preset
+each claim beside kvlab's number: harness.findings), and holds results.parquet/.csv (one row per run), steps.parquet/.csv (step times), drift.parquet/.csv
 (per decode step), memory.parquet/.csv (cache bytes vs tokens), a PNG per plot and report.html (tables, images
 embedded, fingerprints, weights: opens with no network). Unless tracking is disabled, one W&B run with job_type
 "aggregate" in the sweep's group gets the plots and the table, and the files this report wrote as an artifact.
@@ -33,12 +34,12 @@ from pathlib import Path
 import pandas as pd
 from hydra.experimental.callback import Callback
 
-from harness import experiment, measurements, ownership, plots, results, tracking
+from harness import experiment, findings, measurements, ownership, plots, results, tracking
 from harness.keys import KEYS
 from harness.results import shown
 
 RUN_COLS = [KEYS.run_name, KEYS.status, KEYS.model, KEYS.engine, KEYS.weights, KEYS.cache_label, KEYS.dtype,
-            KEYS.device, KEYS.cache_exact, KEYS.batch, KEYS.prompt_lengths]  # which run; errors: the failed-runs table
+            KEYS.device, KEYS.cache_exact, KEYS.batch, KEYS.prompt_lengths, KEYS.slurm_job_id]  # which run
 
 
 def summary_cols() -> list[str]:
@@ -190,13 +191,18 @@ def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dic
                   "failure, not drift. Listed with the failed runs; never plotted, and not in the step, drift or memory "
                   "tables.</p>",
                   _table(not_eq[[c for c in NOT_EQUIVALENT_COLS if c in not_eq]])]
+    try:
+        parts.append(findings.html_section(runs))
+    except Exception:  # said in the skipped list (the markdown's attempt), never fatal
+        pass
     if len(failed):
         cols = (KEYS.run_name, KEYS.model, KEYS.cache_label, KEYS.dtype, KEYS.device, KEYS.status, KEYS.error)
         parts += ["<h2>Failed runs</h2>", _table(failed[[c for c in cols if c in failed]])]
     if skipped:
         rows = pd.DataFrame([{"folder": shown(f), "why": shown(why)} for f, why in skipped])
         parts += ["<h2>Skipped: could not be read, or never finished</h2>", _table(rows)]
-    parts += ["<h2>Runs</h2>", _table(runs[[c for c in summary_cols() if c in runs]])]
+    shown_cols = [c for c in summary_cols() if c in runs and (c != KEYS.slurm_job_id or runs[c].notna().any())]
+    parts += ["<h2>Runs</h2>", _table(runs[shown_cols])]  # the Slurm job ids where runs had them
     parts += drift_tables(ok)
     serving = serving_table(ok)
     if len(serving):
@@ -300,13 +306,33 @@ def _refusal(out: Path, hint: str) -> tuple[Exception | None, bool]:
     return None, False
 
 
+def _load_all(paths: list[Path], invocation: str | None) -> dict:
+    """``_load`` of each folder, joined: several sweeps (from several machines or clusters) in one report. A run
+    found under two of the folders counts once."""
+    parts = [_load(p, invocation) for p in paths]
+    runs = pd.concat([p["runs"] for p in parts], ignore_index=True)
+    same = [c for c in (KEYS.run_name, KEYS.config_id, KEYS.finished_at) if c in runs]
+    keep = ~runs[same].astype(str).duplicated()  # one run under two folders (or copied to both) counts once
+    frames = {}
+    for name in parts[0]["frames"]:
+        tables = [p["frames"][name] for p in parts if p["frames"].get(name) is not None]
+        frames[name] = pd.concat(tables, ignore_index=True).drop_duplicates() if tables else parts[0]["frames"][name]
+    return dict(runs=runs[keep].reset_index(drop=True), frames=frames,
+                skipped=[s for p in parts for s in p["skipped"]])
+
+
 @contextlib.contextmanager
-def _report_folder(path: str | Path, out: str | Path | None, invocation: str | None, hint: str):
-    """Load the runs, check the report folder may be written (refused in one line: ``ownership.NotOurs``, nothing
-    touched), hold its lock, check again under it; yields (path, out, loaded)."""
-    path = Path(path)
+def _report_folder(path: str | Path | list, out: str | Path | None, invocation: str | None, hint: str):
+    """Load the runs (of one folder, or of several: then ``out`` is needed), check the report folder may be written
+    (refused in one line: ``ownership.NotOurs``, nothing touched), hold its lock, check again under it; yields
+    (path, out, loaded), path the first folder."""
+    paths = [Path(p) for p in path] if isinstance(path, (list, tuple)) else [Path(path)]
+    if len(paths) > 1 and not out:
+        raise FileNotFoundError("a report over several folders needs --out: a new or empty folder for it")
+    path = paths[0]
     out = Path(out) if out else path / "report"
-    loaded = _load(path, invocation)
+    loaded = _load(path, invocation) if len(paths) == 1 else _load_all(paths, invocation)
+    loaded["title"] = " + ".join(shown(p.name) for p in paths)
     bad, _ = _refusal(out, hint)
     if bad:
         raise bad
@@ -345,14 +371,22 @@ def _write(path: Path, out: Path, loaded: dict) -> dict:
                 skipped.append((None, f"figure {stem} could not be drawn ({experiment.one_line(e)})"))
             finally:
                 plots.plt.close("all")
+    ownership.claim(out, findings.FILE)
+    try:
+        found = findings.markdown(runs)
+    except Exception as e:  # the findings' bad input must not cost the report
+        found = f"# Findings\n\nNone could be made: {experiment.one_line(e)}\n"
+        skipped.append((None, f"the findings could not be made ({experiment.one_line(e)})"))
+    tracking.atomic_write(out / findings.FILE, found.encode("utf-8", "backslashreplace"))
     page = out / PAGE
     ratios = engine_ratios(steps, batches)
     if len(ratios):
         tables += results.save_table(ratios, out, "engine_ratios")
-    text = render_html(f"kvlab report: {shown(path.name)}", runs, steps, images, skipped, ratios)
+    text = render_html(f"kvlab report: {loaded.get('title', shown(path.name))}", runs, steps, images, skipped,
+                       ratios)
     tracking.atomic_write(page, text.encode("utf-8", "backslashreplace"))
     return dict(runs=runs, tables=tables, images=images, html=page, folder=out, skipped=skipped, ratios=ratios,
-                frames=frames, files=[*tables, *images.values(), page])
+                frames=frames, findings=found, files=[*tables, out / findings.FILE, *images.values(), page])
 
 
 def build_report(path: str | Path, out: str | Path | None = None, invocation: str | None = None,
@@ -421,7 +455,7 @@ def wandb_report_of(rep: dict, group: str, project: str, entity: str | None, onl
     from harness import wandb_report
 
     try:
-        spec = wandb_report.build_spec(group, project, entity)
+        spec = wandb_report.build_spec(group, project, entity, findings=rep.get("findings"))
         ownership.claim(rep["folder"], SPEC)
         rep["wandb_report_spec"] = wandb_report.write_spec(rep["folder"], spec)
     except (ValueError, OSError) as e:
@@ -448,6 +482,11 @@ def print_summary(rep: dict) -> None:
     n_eq = int((failed.status == NOT_EQUIVALENT).sum())
     print(f"kvlab report: {len(runs)} runs ({len(failed)} not ok{f', {n_eq} not equivalent' if n_eq else ''}) -> "
           f"{shown(rep['html'])}")
+    if rep.get("findings"):
+        print(f"kvlab findings: {shown(rep['folder'] / findings.FILE)}")
+        for row in findings.claim_rows(runs):  # a paper preset: each claim's verdict, the paper's number beside ours
+            print(f"  {findings.holds_text(row.holds):>13}: {row.claim} (paper {row.paper_number}; kvlab "
+                  f"{row.our_number})")
     ratios = rep.get("ratios")
     if ratios is not None and len(ratios):
         print("kvlab report: ours / HF cached decode-step time (below 1: ours is faster), measured in this sweep:")
@@ -517,14 +556,15 @@ class SweepReport(Callback):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Report on kvlab runs: tables, plots and report.html.")
-    ap.add_argument("path", help="a run or sweep folder (or any folder above several)")
+    ap.add_argument("path", nargs="+", help="a run or sweep folder (or any folder above several); several folders "
+                                            "(sweeps from several machines) make one report, in --out")
     ap.add_argument("--out", help="where to write the report (default: PATH/report)")
     ap.add_argument("--wandb", default="disabled", choices=["offline", "online", "disabled"],
                     help="also log an aggregate W&B run (default: disabled)")
     ap.add_argument("--project", default="kvlab")
     args = ap.parse_args(argv)
     try:
-        rep = report_and_log(Path(args.path), args.wandb, args.project, None, None,
+        rep = report_and_log([Path(p) for p in args.path], args.wandb, args.project, None, None,
                              Path(args.out) if args.out else None)
     except ownership.NotOurs as e:  # one line; the folder is as it was
         print(f"kvlab report: {e}", file=sys.stderr)

@@ -532,10 +532,8 @@ def position_nll(model: GPT2, wins: torch.Tensor, batch: int = 2, start: int = 0
 
 
 @torch.no_grad()
-def attention_on_first(model: GPT2, idx: torch.Tensor, from_pos: int = 64) -> list[float]:
-    """Per layer: the share of attention that queries at positions >= from_pos put on position 0 (mean over heads,
-    queries and sequences). The probabilities are recomputed from each layer's own input and c_attn, and checked
-    against the layer's output, so they are the ones the model used."""
+def attention_io(model: GPT2, idx: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer: (the attention's input, its output) in a full forward of ``idx`` (B, T)."""
     seen: dict[int, tuple] = {}
     hooks = [block.attn.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(i, (args[0], out)))
              for i, block in enumerate(model.transformer.h)]
@@ -544,6 +542,14 @@ def attention_on_first(model: GPT2, idx: torch.Tensor, from_pos: int = 64) -> li
     finally:
         for h in hooks:
             h.remove()
+    return seen
+
+
+def attention_on_first(model: GPT2, idx: torch.Tensor, from_pos: int = 64) -> list[float]:
+    """Per layer: the share of attention that queries at positions >= from_pos put on position 0 (mean over heads,
+    queries and sequences). The probabilities are recomputed from each layer's own input and c_attn, and checked
+    against the layer's output, so they are the ones the model used."""
+    seen = attention_io(model, idx)
     shares = []
     for i, block in enumerate(model.transformer.h):
         x, out = seen[i]

@@ -108,9 +108,10 @@ def _panel(title: str, kind: str, y: list[str], groupby: list[str], filters: str
                 step_metric=measurements.history_keys()[y[0]] if kind == "line" else None, caption=caption, **extra)
 
 
-def build_spec(group: str, project: str = PROJECT, entity: str | None = None) -> dict:
-    """The report as plain JSON-able data: title, description, where the runs are and its panels (title, kind
-    line/bar/table, x, y, groupby, filters, step_metric, caption, and for charts log_x/log_y). No network, no W&B."""
+def build_spec(group: str, project: str = PROJECT, entity: str | None = None, findings: str | None = None) -> dict:
+    """The report as plain JSON-able data: title, description, where the runs are, the sweep's findings (the
+    markdown of report/findings.md, when the sweep's report made one) and its panels (title, kind line/bar/table, x,
+    y, groupby, filters, step_metric, caption, and for charts log_x/log_y). No network, no W&B."""
     f, everyone, not_ok = runs_filter(group, ok=True), runs_filter(group), runs_filter(group, ok=False)
     panels = [_panel(p.title, p.kind, list(p.y), [GROUP_BY[g] for g in p.groupby], f, p.x, p.caption,
                      **({} if p.kind != "line" else dict(log_x=p.log_x, log_y=p.log_y)))
@@ -127,7 +128,8 @@ def build_spec(group: str, project: str = PROJECT, entity: str | None = None) ->
         version=SPEC_VERSION, title=f"kvlab sweep {group}"[:128],
         description=(f"Decode-step time, speedup, cache bytes and drift of the kvlab runs in W&B group {group} "
                      f"(job type {JOB_TYPE}), grouped like the sweep's report.html."),
-        entity=entity, project=project, group=group, job_type=JOB_TYPE, filters=everyone, panels=panels)
+        entity=entity, project=project, group=group, job_type=JOB_TYPE, filters=everyone, panels=panels,
+        findings=findings)
 
 
 def _spec_path(path: str | Path) -> Path:
@@ -209,6 +211,8 @@ def to_report(spec: dict):
     blocks = [wr.MarkdownBlock(text=f"Runs of W&B group `{spec['group']}` with job type `{JOB_TYPE}` in "
                                     f"`{spec['entity']}/{spec['project']}`. Made by `python -m harness.wandb_report`."),
               wr.TableOfContents()]
+    if spec.get("findings"):  # what the sweep found, as its report.html opens
+        blocks += [wr.MarkdownBlock(text=spec["findings"])]
     for panel in spec["panels"]:
         blocks += [wr.H2(text=panel["title"])]
         if panel.get("caption"):

@@ -16,6 +16,7 @@ from harness import measurements, measure
 from harness.config import ConfigError, cache_options, dtype_label, register, validate
 from harness.engines import HF_COUNTERPARTS, KvlabEngine
 from harness.experiment import batch_lengths, text_prompts
+from harness.findings import PAPERS
 from tests.conftest import TINY, run_py
 from models.gpt2 import GPT2Config
 from models.kv_cache import CACHE_KINDS, kv_bytes
@@ -33,7 +34,7 @@ def test_groups_hold_what_users_sweep():
     assert set(GROUPS["dtype"]) == {"fp32", "fp16", "bf16"}
     assert set(GROUPS["device"]) == {"cpu", "cuda", "auto"}
     assert set(GROUPS["tracking"]) == {"offline", "online", "disabled"}
-    assert set(GROUPS["experiment"]) == {"quick", "seed_protocol", "long", "bench"}
+    assert set(GROUPS["experiment"]) == {"quick", "seed_protocol", "long", "bench", *PAPERS}
 
 
 @pytest.mark.slow  # 120 compositions, about ten seconds
@@ -44,7 +45,8 @@ def test_every_group_combination_composes_and_validates():
     checked, seen = 0, {"dtype": set(), "device": set(), "tracking": set()}
     crossed = ("model", "cache", "experiment")
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        for i, combo in enumerate(itertools.product(*(GROUPS[g] for g in crossed))):
+        general = {**GROUPS, "experiment": [e for e in GROUPS["experiment"] if e not in PAPERS]}
+        for i, combo in enumerate(itertools.product(*(general[g] for g in crossed))):
             overrides = [f"{g}={o}" for g, o in zip(crossed, combo)]
             for g in seen:
                 seen[g].add(GROUPS[g][i % len(GROUPS[g])])
@@ -60,7 +62,8 @@ def test_every_group_combination_composes_and_validates():
             checked += 1
         with pytest.raises(Exception, match="n_prompts"):  # the schema types every node
             compose(config_name="config", overrides=["n_prompts=many"])
-    assert checked == len(GROUPS["model"]) * len(CACHE_KINDS) * len(GROUPS["experiment"])
+    # (each paper preset pins its model and kind: tests/test_findings.py composes and validates its whole grid)
+    assert checked == len(GROUPS["model"]) * len(CACHE_KINDS) * (len(GROUPS["experiment"]) - len(PAPERS))
     assert all(seen[g] == set(GROUPS[g]) for g in seen)
 
 

@@ -96,6 +96,12 @@ def test_report_tables_plots_and_html(tree, tmp_path):
     # self-contained: nothing fetched from anywhere
     assert not re.search(r'(src|href)\s*=\s*["\']?(https?:)?//', page) and "<script" not in page
     assert "Failed runs" in page and "max_len=1000" in page and "random init" in page
+    # the findings open the page, and name only ok runs of this sweep
+    found = (out / "findings.md").read_text()
+    assert found.startswith("# Findings") and "- dtype:" in found and "- cache:" in found
+    assert page.index("<h2>Findings</h2>") < page.index("<h2>Runs</h2>")
+    named = set(re.findall(r"\(runs: ([^)]*)\)", found)[0].split(", "))
+    assert named and named <= set(table.run_name[table.status == "ok"])
     # ...and left out of the plots: one measured and one predicted bar per ok run
     fig = plots.cache_bytes_plot(rep["runs"])
     heights = [p.get_height() for p in fig.axes[0].patches if p.get_height() > 0]
@@ -154,3 +160,26 @@ def test_report_command_line(tree, tmp_path):
                              capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no such folder" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_several_sweep_folders_make_one_report(tiny_sweep, tmp_path):
+    """Sweeps from several machines (here: the session's sweep split in two folders, one run in both) make one
+    report, each run once; without --out the command says what it needs."""
+    sweep, proc, _ = tiny_sweep
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = sorted(p.parent for p in sweep.glob("*/results.json"))
+    a, b = tmp_path / "node-a", tmp_path / "node-b"
+    for dest, part in ((a, runs[:3]), (b, runs[2:])):
+        for folder in part:
+            shutil.copytree(folder, dest / folder.name, ignore=shutil.ignore_patterns("wandb"))
+    out = tmp_path / "all"
+    done = subprocess.run([sys.executable, "-m", "harness.report", str(a), str(b), "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = pd.read_csv(out / "results.csv")
+    assert sorted(table.run_name) == sorted(f.name for f in runs)  # four runs, the shared one once
+    assert "node-a + node-b" in (out / "report.html").read_text()
+    refused = subprocess.run([sys.executable, "-m", "harness.report", str(a), str(b)], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "needs --out" in refused.stderr and len(refused.stderr.splitlines()) == 1
+    assert not (a / "report").exists() and not (b / "report").exists()

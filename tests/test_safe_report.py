@@ -228,8 +228,8 @@ def test_the_artifact_holds_only_the_files_this_report_wrote(sweep, one_plot, mo
     out = sweep / "report"
     old = out / "wandb" / "offline-run-old"
     old.mkdir(parents=True)
-    ownership.claim(out, "wandb", "findings.md", "stale.png")  # kvlab's, from earlier
-    (out / "findings.md").write_text("# findings\n")
+    ownership.claim(out, "wandb", "notes.md", "stale.png")  # kvlab's, from earlier
+    (out / "notes.md").write_text("# notes\n")
     (out / "stale.png").write_bytes(b"png")
     fakes = []
 
@@ -245,7 +245,7 @@ def test_the_artifact_holds_only_the_files_this_report_wrote(sweep, one_plot, mo
     written = sorted(p.name for p in rep["files"])
     assert names == written and "report.html" in names and "cache_bytes.png" in names
     assert {"results.csv", "results.parquet", "steps.csv", "drift.csv", "memory.csv"} <= set(names)
-    assert not {"findings.md", "stale.png", ownership.MANIFEST, ownership.LOCK, "wandb_report.json"} & set(names)
+    assert not {"notes.md", "stale.png", ownership.MANIFEST, ownership.LOCK, "wandb_report.json"} & set(names)
     assert all(Path(p).parent == out for p, _ in fake.added)
     # report-claims-before-writing: all it wrote is listed, and the sweep folder lists report/
     mine = ownership.owned(out)
@@ -253,7 +253,7 @@ def test_the_artifact_holds_only_the_files_this_report_wrote(sweep, one_plot, mo
     assert (out / "wandb_report.json").is_file() and wrep.spec_from_file(out)["group"] == "quick-s"
     assert "report" in ownership.owned(sweep) and not ownership.foreign(out)
     assert not (out / ownership.LOCK).exists()  # released
-    assert (out / "findings.md").read_text() == "# findings\n"  # another kvlab file, left as it was
+    assert (out / "notes.md").read_text() == "# notes\n"  # another kvlab file, left as it was
 
 
 # ---- report-out-run-folder -------------------------------------------------------------------------------------

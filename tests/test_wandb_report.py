@@ -192,6 +192,18 @@ def test_to_report_builds_the_panels_offline(monkeypatch):
     assert "config:effective.value.cache_label" in table["columnOrder"]
 
 
+def test_the_sweeps_findings_open_the_report():
+    import wandb_workspaces.reports.v2 as wr
+
+    md = "# Findings\n\n- cache.k_bits: KL p99 2 0.500 (25× 8's), 8 0.020 (median of each value's runs). (runs: a, b)\n"
+    spec = wrep.build_spec(GROUP, entity="me", findings=md)
+    blocks = wrep.to_report(spec).blocks
+    first_grid = next(i for i, b in enumerate(blocks) if isinstance(b, wr.PanelGrid))
+    assert [b.text for b in blocks[:first_grid] if isinstance(b, wr.MarkdownBlock)][-1] == md
+    assert not any(isinstance(b, wr.MarkdownBlock) and "Findings" in b.text
+                   for b in wrep.to_report(wrep.build_spec(GROUP, entity="me")).blocks)
+
+
 def test_to_report_needs_an_entity():
     with pytest.raises(ValueError, match="entity"):
         wrep.to_report(wrep.build_spec(GROUP))

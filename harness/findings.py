@@ -1,0 +1,599 @@
+"""What a sweep found, in sentences made from its own numbers, and, for the paper presets, each paper's claim beside
+kvlab's number from the same sweep.
+
+Every sweep's report opens with its findings (``sweep_findings``): the quality-per-byte frontier; what each swept
+axis did (a sentence per axis: the median of each value's runs, as a multiple of the best value's); and anything
+that contradicts what a kind promises (an exact kind that is not equivalent, a lossy kind that moved nothing, a kind
+that holds fewer bytes than full attention and steps slower). Each sentence names the runs it reads.
+
+A sweep made by a paper preset (``experiment=paper_streamingllm`` and the others in ``PAPERS``) also gets a claims
+table: one row per claim with the paper's setting and number (cited: paper, table or PR), kvlab's setting and number
+from this sweep, and whether the direction holds. Both go into ``report/findings.md``, the top of report.html and the
+W&B Report.
+
+    from harness import findings, results
+    runs = results.load_runs("outputs/multirun/2026-12-02_01-00-00")
+    for f in findings.sweep_findings(runs): print(f.text, f.runs)
+    findings.claim_rows(runs)        # [] for a sweep that is not a paper preset
+
+Pure: DataFrames in, dataclasses and text out; no files, no printing.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import pandas as pd
+
+from harness.keys import KEYS
+
+FILE = "findings.md"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One sentence about the sweep, and the runs (``run_name``) it reads."""
+
+    text: str
+    runs: tuple[str, ...]
+    kind: str  # "frontier" | "axis" | "surprise"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A paper's claim and how to read kvlab's answer from a preset's runs: ``ours(ok runs)`` returns (our setting,
+    our number, whether the direction holds (None: the sweep cannot tell), the runs read)."""
+
+    claim: str
+    source: str  # paper, table or PR
+    paper_setting: str
+    paper_number: str
+    ours: Callable[[pd.DataFrame], tuple[str, str, bool | None, tuple[str, ...]]]
+
+
+@dataclass(frozen=True)
+class ClaimRow:
+    claim: str
+    source: str
+    paper_setting: str
+    paper_number: str
+    our_setting: str
+    our_number: str
+    holds: bool | None
+    runs: tuple[str, ...]
+
+
+# ---- reading runs ------------------------------------------------------------------------------------------------
+
+
+def _plain(v):
+    return v.item() if hasattr(v, "item") else v
+
+
+def _ok(runs: pd.DataFrame) -> pd.DataFrame:
+    return runs[runs[KEYS.status] == "ok"] if KEYS.status in runs else runs.iloc[0:0]
+
+
+def _pick(ok: pd.DataFrame, kind: str, **options) -> pd.Series | None:
+    """The first ok run of cache ``kind`` whose options (``cache_<name>`` columns) equal ``options``; None if none."""
+    if KEYS.cache not in ok:
+        return None
+    sel = ok[ok[KEYS.cache] == kind]
+    for name, value in options.items():
+        col = f"cache_{name}"
+        if col not in sel:
+            return None
+        sel = sel[sel[col].map(_plain) == value]
+    return sel.iloc[0] if len(sel) else None
+
+
+def _value(row: pd.Series | None, key: str) -> float | None:
+    if row is None or key not in row or pd.isna(row[key]):
+        return None
+    return float(row[key])
+
+
+def _names(*rows) -> tuple[str, ...]:
+    return tuple(str(r[KEYS.run_name]) for r in rows if r is not None and KEYS.run_name in r)
+
+
+def _num(x: float | None, signed: bool = False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    if x != 0 and (abs(x) < 1e-3 or abs(x) >= 1e5):
+        return f"{x:+.2e}" if signed else f"{x:.2e}"
+    return f"{x:+.3f}" if signed else f"{x:.3f}"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def _missing(*rows) -> tuple[str, str, None, tuple]:
+    return "—", "not in this sweep (a run failed or was not asked for)", None, _names(*rows)
+
+
+def _ppl_change(row: pd.Series | None) -> float | None:
+    """Perplexity change of the text against fp32 full attention, in percent."""
+    nll, ref = _value(row, KEYS.text_nll), _value(row, KEYS.text_nll_fp32)
+    return None if nll is None or ref is None else 100.0 * (math.exp(nll - ref) - 1.0)
+
+
+# ---- what every sweep found --------------------------------------------------------------------------------------
+
+QUALITY = ((KEYS.drift_kl_p99, "KL p99", "low"), (KEYS.drift_delta_nll, "text ΔNLL", "low"),
+           (KEYS.retrieval_acc, "retrieval", "high"))
+STEP = (KEYS.step_ms_cached_at_max_context, "step at the longest context (ms)", "low")
+# the config columns a sweep varies that a sentence is written about, beside every cache option (cache_<name>)
+AXIS_COLUMNS = (KEYS.model, KEYS.engine, KEYS.cache, KEYS.dtype, KEYS.batch, KEYS.compile, KEYS.prompt_len,
+                KEYS.prompt_lengths)
+
+
+def _with_reference_at_zero(ok: pd.DataFrame) -> pd.DataFrame:
+    """The runs with the fp32 full-attention reference's drift set to 0 (its drift measurements skip it; its
+    equivalence check holds it to 0), as the Pareto figure draws it."""
+    from harness.plots import _is_fp32_reference
+
+    df = ok.copy()
+    if not len(df):
+        return df
+    ref = df.apply(_is_fp32_reference, axis=1).astype(bool)
+    for key, _, _ in QUALITY[:2]:
+        if key in df:
+            df.loc[ref & df[key].isna(), key] = 0.0
+    return df
+
+
+def _label(row: pd.Series) -> str:
+    return f"{row.get(KEYS.cache_label, row.get(KEYS.cache))} · {row.get(KEYS.dtype)}"
+
+
+def frontier_findings(ok: pd.DataFrame) -> list[Finding]:
+    """Per model: the settings on the quality-vs-bytes frontier (text ΔNLL, else KL p99, against cache_nbytes)."""
+    from harness.plots import pareto_front
+
+    out = []
+    quality = next(((k, name) for k, name, _ in QUALITY[1::-1] if k in ok and ok[k].notna().any()), None)
+    if quality is None or KEYS.cache_nbytes not in ok:
+        return out
+    key, name = quality
+    for model, sub in ok.groupby(KEYS.model):
+        sub = sub[sub[key].notna() & sub[KEYS.cache_nbytes].notna()]
+        if sub.apply(_label, axis=1).nunique() < 2:
+            continue
+        front = sub.loc[pareto_front(sub[KEYS.cache_nbytes], sub[key], "low")]
+        points = [f"{_label(r)} ({name} {_num(r[key], signed=True)} at {_bytes(r[KEYS.cache_nbytes])})"
+                  for _, r in front.iterrows()]
+        beaten = len(sub) - len(front)
+        out.append(Finding(
+            f"Quality per byte ({model}): the frontier, from fewest bytes held to best {name}, is "
+            + "; ".join(points) + (f". The other {beaten} setting{'s' * (beaten != 1)} hold as many bytes or more "
+                                   f"for a worse {name}." if beaten else "."),
+            _names(*[r for _, r in front.iterrows()]), "frontier"))
+    return out
+
+
+def _axes(ok: pd.DataFrame) -> list[str]:
+    cols = [c for c in AXIS_COLUMNS if c in ok] + sorted(c for c in ok if c.startswith("cache_") and c not in (
+        KEYS.cache_label, KEYS.cache_exact, KEYS.cache_nbytes, KEYS.cache_tokens, KEYS.cache_filled_tokens))
+    return [c for c in cols if ok[c].dropna().map(_plain).nunique() >= 2]
+
+
+def _axis_name(col: str) -> str:
+    return f"cache.{col[len('cache_'):]}" if col.startswith("cache_") else col
+
+
+def axis_findings(ok: pd.DataFrame) -> list[Finding]:
+    """A sentence per swept axis: each value's median over its runs, for the quality keys that vary and the step
+    time, as a multiple of the best value's. An axis that splits the runs exactly as an earlier one does (a window
+    that is the budget less the sinks) is named in that one's sentence instead of getting its own."""
+    out, said = [], {}  # the runs' split by an axis -> [its sentence's index in out, the axes that follow it]
+    metrics = [(k, n, b) for k, n, b in (*QUALITY, STEP) if k in ok and ok[k].dropna().nunique() >= 2]
+    for col in _axes(ok):
+        sub = ok[ok[col].notna()]
+        split = frozenset(frozenset(idx) for idx in sub.groupby(sub[col].map(_plain), sort=False).groups.values())
+        if split in said:
+            said[split][1].append(_axis_name(col))
+            continue
+        parts = [_axis_part(sub, col, *m) for m in metrics]
+        parts = [p for p in parts if p]
+        if parts:
+            said[split] = [len(out), []]
+            out.append(Finding(f"{_axis_name(col)}: " + "; ".join(parts) + " (median of each value's runs)",
+                               tuple(sub[KEYS.run_name].astype(str)), "axis"))
+    for i, follow in said.values():
+        f = out[i]
+        out[i] = Finding(f.text + (f"; {', '.join(follow)} varied with it." if follow else "."), f.runs, f.kind)
+    return out
+
+
+def _axis_part(sub: pd.DataFrame, col: str, key: str, name: str, better: str) -> str:
+    """"<metric> <value> <median> (<ratio>× <best value>'s), ..." for one axis, or "" where fewer than two values
+    have the metric."""
+    med = sub.groupby(sub[col].map(_plain), sort=False)[key].median().dropna()
+    med = med.iloc[sorted(range(len(med)), key=lambda i: _order(med.index[i]))]
+    if len(med) < 2:
+        return ""
+    top = med.idxmin() if better == "low" else med.idxmax()
+    shown = [f"{_short(value)} {_num(m)}" + (f" ({m / med[top]:.3g}× {_short(top)}'s)" if m != med[top] and med[top]
+                                            else "") for value, m in med.items()]
+    return f"{name} " + ", ".join(shown)
+
+
+def _order(value) -> tuple:
+    """Numbers in their order, then text in its own (an axis may mix them)."""
+    return (0, value, "") if isinstance(value, (int, float)) and not isinstance(value, bool) else (1, 0, str(value))
+
+
+def _short(value) -> str:
+    return str(_plain(value))
+
+
+def surprise_findings(runs: pd.DataFrame, ok: pd.DataFrame) -> list[Finding]:
+    """What contradicts what a kind promises."""
+    out = []
+    if KEYS.status in runs:
+        for _, r in runs[runs[KEYS.status] == "not_equivalent"].iterrows():
+            out.append(Finding(
+                f"{_label(r)} is an exact kind whose output differs from its reference (max |Δlogit| "
+                f"{_num(_value(r, KEYS.max_abs_logit_diff))}): a failure, not a finding; its numbers are left out.",
+                _names(r), "surprise"))
+    drift_keys = [k for k in (KEYS.drift_kl, KEYS.drift_max_abs, KEYS.drift_delta_nll) if k in ok]
+    if KEYS.cache_exact in ok and drift_keys:
+        lossy = ok[(ok[KEYS.cache_exact].map(_plain) == False) & ok[drift_keys].notna().any(axis=1)]  # noqa: E712
+        for _, r in lossy.iterrows():
+            if all(pd.isna(r[k]) or r[k] == 0 for k in drift_keys):
+                out.append(Finding(f"{_label(r)} is a lossy kind but moved nothing ({', '.join(drift_keys)} all 0): "
+                                   "check that it quantised or evicted at all in this setting.", _names(r),
+                                   "surprise"))
+    out += _slower_than_bytes(ok)
+    return out
+
+
+def _slower_than_bytes(ok: pd.DataFrame) -> list[Finding]:
+    """A run that holds fewer bytes than a full-attention run of the same model, engine, device, batch and dtype,
+    and whose step at the longest context is slower than that run's."""
+    key, nb = KEYS.step_ms_cached_at_max_context, KEYS.cache_nbytes
+    if key not in ok or nb not in ok or not len(ok):
+        return []
+    out = []
+    same = [c for c in (KEYS.model, KEYS.engine, KEYS.device, KEYS.batch, KEYS.dtype, KEYS.max_context_len) if c in ok]
+    from harness.plots import is_full_attention
+
+    full = ok.apply(is_full_attention, axis=1).astype(bool)
+    timed = ok[ok[key].notna() & ok[nb].notna()]
+    for _, group in timed.groupby(timed[same].astype(str).agg("|".join, axis=1)):  # mixed types group as text
+        base = group[full.loc[group.index]]
+        if base.empty:
+            continue
+        b = base.sort_values(nb).iloc[0]
+        for _, r in group[~full.loc[group.index]].iterrows():
+            if r[nb] < b[nb] and r[key] > b[key]:
+                out.append(Finding(
+                    f"{_label(r)} holds {r[nb] / b[nb]:.2f}× {_label(b)}'s bytes but its step at context "
+                    f"{int(_value(r, KEYS.max_context_len) or 0)} takes {r[key] / b[key]:.2f}× its time: it costs "
+                    "more than its bytes say (a step that reads K/V where they lie would cost less).",
+                    _names(r, b), "surprise"))
+    return out
+
+
+def sweep_findings(runs: pd.DataFrame) -> list[Finding]:
+    """Every finding of a sweep: the frontier, the swept axes, and what contradicts expectations."""
+    if runs is None or not len(runs) or KEYS.status not in runs:
+        return []
+    ok = _with_reference_at_zero(_ok(runs))
+    return frontier_findings(ok) + axis_findings(ok) + surprise_findings(runs, ok)
+
+
+# ---- the papers' claims ------------------------------------------------------------------------------------------
+
+
+def _series(rows: list, key: str, fmt=lambda x: _num(x, signed=True)) -> str:
+    return " / ".join(fmt(_value(r, key)) for r in rows)
+
+
+def _streaming_rows(ok: pd.DataFrame) -> dict[int, pd.Series | None]:
+    return {s: _pick(ok, "window", sinks=s) for s in (0, 1, 2, 4, 8)}
+
+
+def _streaming_table1(ok):
+    r = _streaming_rows(ok)
+    d0, d4 = _value(r[0], KEYS.drift_delta_nll), _value(r[4], KEYS.drift_delta_nll)
+    if d0 is None or d4 is None:
+        return _missing(r[0], r[4])
+    w0, w4 = int(r[0]["cache_window"]), int(r[4]["cache_window"])
+    return (f"window, 0 sinks + {w0} recent vs 4 sinks + {w4}; ΔNLL over {_text_len(r[0])} positions of held-out "
+            "text",
+            f"ΔNLL {_num(d0, True)} vs {_num(d4, True)} (perplexity ×{math.exp(d0):.2f} vs ×{math.exp(d4):.2f})",
+            d4 < d0, _names(r[0], r[4]))
+
+
+def _text_len(row) -> str:
+    n = _value(row, KEYS.drift_text_positions)
+    return "the scored" if n is None else f"{int(n):,}"
+
+
+def _streaming_table2(ok):
+    r = _streaming_rows(ok)
+    d = {s: _value(row, KEYS.drift_delta_nll) for s, row in r.items()}
+    if None in d.values():
+        return _missing(*r.values())
+    recovered = (d[0] - d[1]) / (d[0] - d[4]) if d[0] > d[4] else float("nan")
+    return ("window of 64 slots with 0 / 1 / 2 / 4 / 8 sinks; ΔNLL",
+            _series(list(r.values()), KEYS.drift_delta_nll)
+            + (f"; 1 sink recovers {100 * recovered:.0f}% of what 4 do" if d[0] > d[4] else ""),
+            bool(d[0] > d[4] and recovered >= 0.5), _names(*r.values()))
+
+
+def _streaming_eight(ok):
+    r = _streaming_rows(ok)
+    d0, d4, d8 = (_value(r[s], KEYS.drift_delta_nll) for s in (0, 4, 8))
+    if None in (d0, d4, d8):
+        return _missing(r[0], r[4], r[8])
+    holds = abs(d8 - d4) <= 0.25 * (d0 - d4) if d0 > d4 else None
+    return ("4 vs 8 sinks, same window; ΔNLL", f"{_num(d4, True)} vs {_num(d8, True)} (the 0-sink gap: "
+            f"{_num(d0 - d4)})", holds, _names(r[0], r[4], r[8]))
+
+
+def _streaming_copy(ok):
+    r = _streaming_rows(ok)
+    if any(_value(row, KEYS.retrieval_acc) is None for row in r.values()):
+        return _missing(*r.values())
+    acc = [_value(row, KEYS.retrieval_acc) for row in r.values()]
+    ref = _value(r[0], KEYS.retrieval_acc_ref)
+    return (f"copy of {int(_value(r[0], KEYS.retrieval_n) or 0)} tokens through the window, 0 / 1 / 2 / 4 / 8 sinks",
+            " / ".join(_num(a) for a in acc) + f" (full attention {_num(ref)})",
+            bool(ref is not None and max(acc) < 0.5 * ref), _names(*r.values()))
+
+
+def _kivi(ok, k_axis, v_axis, bits=2):
+    return _pick(ok, "quant", k_bits=bits, v_bits=bits, k_axis=k_axis, v_axis=v_axis, quantize="kv")
+
+
+def _kivi_k_channel(ok):
+    best, tok = _kivi(ok, "channel", "token"), _kivi(ok, "token", "token")
+    a, b = _value(best, KEYS.drift_delta_nll), _value(tok, KEYS.drift_delta_nll)
+    if a is None or b is None:
+        return _missing(best, tok)
+    return ("2-bit, groups of 32: K per channel + V per token vs both per token; ΔNLL (KL p99)",
+            f"{_num(a, True)} ({_num(_value(best, KEYS.drift_kl_p99))}) vs {_num(b, True)} "
+            f"({_num(_value(tok, KEYS.drift_kl_p99))})", a < b, _names(best, tok))
+
+
+def _kivi_v_channel(ok):
+    vt = [_kivi(ok, k, "token") for k in ("channel", "token")]
+    vc = [_kivi(ok, k, "channel") for k in ("channel", "token")]
+    d_t, d_c = ([_value(r, KEYS.drift_delta_nll) for r in rows] for rows in (vt, vc))
+    if None in d_t + d_c:
+        return _missing(*vt, *vc)
+    return ("2-bit: V per channel (K per channel / per token) vs V per token (the same); ΔNLL",
+            f"{_num(d_c[0], True)} / {_num(d_c[1], True)} vs {_num(d_t[0], True)} / {_num(d_t[1], True)}",
+            min(d_c) > max(d_t), _names(*vc, *vt))
+
+
+def _kivi_four_bits(ok):
+    rows = [_kivi(ok, k, v, bits=4) for k, v in (("channel", "token"), ("token", "token"), ("channel", "channel"),
+                                                   ("token", "channel"))]
+    d = [_value(r, KEYS.drift_delta_nll) for r in rows]
+    if None in d:
+        return _missing(*rows)
+    return ("4-bit: Kc+Vt / Kt+Vt / Kc+Vc / Kt+Vc; ΔNLL", " / ".join(_num(x, True) for x in d),
+            d[0] < d[1] and min(d[2:]) > max(d[:2]), _names(*rows))
+
+
+def _h2o(ok, recent):
+    return _pick(ok, "h2o", budget=205, recent=recent)
+
+
+def _h2o_both(ok):
+    heavy, both, local = _h2o(ok, 0), _h2o(ok, 102), _h2o(ok, 205)
+    d = [_value(r, KEYS.drift_delta_nll) for r in (both, local, heavy)]
+    if None in d:
+        return _missing(both, local, heavy)
+    return ("budget 205 of 1,024 (20%): both (recent 102) / local (recent 205) / heavy only (recent 0); ΔNLL",
+            " / ".join(_num(x, True) for x in d), d[0] < min(d[1:]), _names(both, local, heavy))
+
+
+def _h2o_heavy_text(ok):
+    heavy, local = _h2o(ok, 0), _h2o(ok, 205)
+    a, b = _value(heavy, KEYS.drift_delta_nll), _value(local, KEYS.drift_delta_nll)
+    if a is None or b is None:
+        return _missing(heavy, local)
+    return "heavy hitters alone vs the newest tokens alone; ΔNLL", f"{_num(a, True)} vs {_num(b, True)}", a < b, \
+        _names(heavy, local)
+
+
+def _h2o_heavy_copy(ok):
+    heavy, both, local = _h2o(ok, 0), _h2o(ok, 102), _h2o(ok, 205)
+    acc = [_value(r, KEYS.retrieval_acc) for r in (heavy, both, local)]
+    if None in acc:
+        return _missing(heavy, both, local)
+    return (f"copy of {int(_value(heavy, KEYS.retrieval_n) or 0)} tokens: heavy only / both / local; accuracy "
+            f"(full attention {_num(_value(heavy, KEYS.retrieval_acc_ref))})",
+            " / ".join(_num(a) for a in acc), acc[0] > acc[2], _names(heavy, both, local))
+
+
+def _kv_type(ok, quantize, bits=8):
+    return _pick(ok, "quant", k_bits=bits, v_bits=bits, k_axis="token", v_axis="token", group_size=32,
+                 quantize=quantize)
+
+
+def _kv_types_k_more(ok, bits=8):
+    k, v = _kv_type(ok, "k", bits), _kv_type(ok, "v", bits)
+    a, b = _value(k, KEYS.drift_kl), _value(v, KEYS.drift_kl)
+    if a is None or b is None:
+        return _missing(k, v)
+    return (f"{bits}-bit, a scale per token per 32 channels: K alone vs V alone; mean KL on text",
+            f"{_num(a)} vs {_num(b)} ({a / b:.2f}×)" if b else f"{_num(a)} vs {_num(b)}", a > b, _names(k, v))
+
+
+def _kv_types_both(ok):
+    k, v, both = _kv_type(ok, "k"), _kv_type(ok, "v"), _kv_type(ok, "kv")
+    a, b, c = (_value(r, KEYS.drift_kl) for r in (k, v, both))
+    if None in (a, b, c):
+        return _missing(k, v, both)
+    return ("8-bit: both vs K alone (V alone beside); mean KL", f"{_num(c)} vs {_num(a)} ({c / a:.2f}×; V alone "
+            f"{_num(b)})" if a else f"{_num(c)} vs {_num(a)}", bool(a and c <= 1.25 * a), _names(both, k, v))
+
+
+def _rotation(ok, bits, rotate):
+    return _pick(ok, "quant", k_bits=bits, k_axis="token", quantize="k", rotate=rotate)
+
+
+def _rotation_ppl(ok, bits=4):
+    plain, rot = _rotation(ok, bits, "none"), _rotation(ok, bits, "hadamard")
+    a, b = _ppl_change(plain), _ppl_change(rot)
+    if a is None or b is None:
+        return _missing(plain, rot)
+    return (f"K alone, {bits}-bit, a scale per token per 32 channels, without / with rotate=hadamard; perplexity of "
+            "held-out text against fp32", f"{a:+.2f}% vs {b:+.2f}%", b < a, _names(plain, rot))
+
+
+def _rotation_cost(ok):
+    plain, rot = _rotation(ok, 4, "none"), _rotation(ok, 4, "hadamard")
+    a, b = (_value(r, KEYS.step_ms_cached_at_max_context) for r in (plain, rot))
+    if a is None or b is None:
+        return _missing(plain, rot)
+    ctx = int(_value(plain, KEYS.max_context_len) or 0)
+    return (f"the 4-bit runs' decode step at context {ctx}", f"{a:.2f} vs {b:.2f} ms ({b / a:.2f}×)", None,
+            _names(plain, rot))
+
+
+STREAMINGLLM = "StreamingLLM (Xiao et al., arXiv 2309.17453)"
+KIVI = "KIVI (Liu et al., arXiv 2402.02750)"
+H2O = "H2O (Zhang et al., arXiv 2306.14048)"
+LLAMACPP = "llama.cpp PR 7412"
+ROTATION = "ik_llama.cpp discussion 1034"
+PAPERS: dict[str, tuple[Claim, ...]] = {
+    "paper_streamingllm": (
+        Claim("a few attention sinks keep window attention from collapsing", f"{STREAMINGLLM}, Table 1",
+              "Llama-2-13B, PG19: 0 sinks + 1,024 recent vs 4 sinks + 1,020; perplexity", "5158.07 vs 5.40",
+              _streaming_table1),
+        Claim("one sink recovers most of it", f"{STREAMINGLLM}, Table 2",
+              "Llama-2-7B: 0 / 1 / 2 / 4 / 8 sinks; perplexity", "3359.95 / 11.88 / 10.51 / 9.59 / 9.54",
+              _streaming_table2),
+        Claim("beyond 4 sinks little changes", f"{STREAMINGLLM}, Table 2", "Llama-2-7B: 4 vs 8 sinks",
+              "9.59 vs 9.54", _streaming_eight),
+        Claim("a window cannot copy what it no longer holds, sinks or not", f"{STREAMINGLLM}, §3 and Appendix",
+              "the paper: sinks do not extend the context the model sees", "—", _streaming_copy),
+    ),
+    "paper_kivi": (
+        Claim("K wants a scale per channel, V per token", f"{KIVI}, Table 1",
+              "Llama-2-13B, 2-bit, group 32, CoQA (higher is better): K per channel + V per token vs both per token",
+              "63.53 vs 52.93", _kivi_k_channel),
+        Claim("V per channel collapses", f"{KIVI}, Table 1", "Llama-2-13B, 2-bit, V per channel, CoQA", "2.88",
+              _kivi_v_channel),
+        Claim("the same ordering at 4 bits, with smaller gaps", f"{KIVI}, Table 1 (2-bit figures only quoted here)",
+              "—", "—", _kivi_four_bits),
+    ),
+    "paper_h2o": (
+        Claim("heavy hitters plus recent tokens come close to full attention, far better than either alone",
+              f"{H2O}, Table 6", "OPT-30B, PiQA, 20% budget: full / local / heavy / both; accuracy",
+              "78.51 / 55.82 / 67.25 / 78.45", _h2o_both),
+        Claim("heavy hitters alone beat recent tokens alone", f"{H2O}, Table 6",
+              "OPT-30B, PiQA, 20% budget: heavy vs local", "67.25 vs 55.82", _h2o_heavy_text),
+        Claim("... and on copying old text", f"{H2O}, Table 6 (the claim, on retrieval)", "heavy vs local",
+              "67.25 vs 55.82", _h2o_heavy_copy),
+    ),
+    "paper_kv_types": (
+        Claim("at 8 bits the K cache is the more sensitive", LLAMACPP,
+              "KL divergence vs f16, q8_0 blocks of 32 (f16-weights baseline 0.000189): V alone vs K alone",
+              "0.000743 vs 0.000944", _kv_types_k_more),
+        Claim("K dominates: both cost about what K alone costs (within 1.25×)", LLAMACPP, "both vs K alone",
+              "0.000980 vs 0.000944 (1.04×)", _kv_types_both),
+        Claim("K the more sensitive at 4 bits too", f"{LLAMACPP} (8-bit figures only quoted here)", "—", "—",
+              lambda ok: _kv_types_k_more(ok, bits=4)),
+    ),
+    "paper_rotation": (
+        Claim("a Hadamard rotation rescues a 4-bit K cache", ROTATION,
+              "Qwen3-30B-A3B, K cache Q4_0, without / with a Hadamard rotation; perplexity change",
+              "+11.30% vs +0.92%", _rotation_ppl),
+        Claim("... and a 2-bit one", f"{ROTATION} (4-bit figures only quoted here)", "—", "—",
+              lambda ok: _rotation_ppl(ok, bits=2)),
+        Claim("what the rotation costs a step", "kvlab (no paper figure)", "—", "—", _rotation_cost),
+    ),
+}
+
+
+def preset_of(runs: pd.DataFrame) -> str | None:
+    """The paper preset the sweep's runs were made by (their ``experiment``), if it is one and they agree."""
+    if KEYS.experiment not in runs:
+        return None
+    names = set(runs[KEYS.experiment].dropna())
+    return names.pop() if len(names) == 1 and next(iter(names)) in PAPERS else None
+
+
+def claim_rows(runs: pd.DataFrame) -> list[ClaimRow]:
+    """The claims of the paper preset that made ``runs``, each with kvlab's answer from them; [] for any other
+    sweep."""
+    preset = preset_of(runs)
+    if preset is None:
+        return []
+    ok = _ok(runs)
+    rows = []
+    for c in PAPERS[preset]:
+        try:
+            setting, number, holds, names = c.ours(ok)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+            setting, number, holds, names = "—", f"could not be read ({type(e).__name__}: {e})", None, ()
+        rows.append(ClaimRow(c.claim, c.source, c.paper_setting, c.paper_number, setting, number, holds, names))
+    return rows
+
+
+# ---- as text -----------------------------------------------------------------------------------------------------
+
+
+def holds_text(h: bool | None) -> str:
+    return {True: "holds", False: "does not hold", None: "—"}[h]
+
+
+def _md(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(runs: pd.DataFrame) -> str:
+    """findings.md: the claims table (paper presets) and the sweep's findings, each naming its runs."""
+    rows, found = claim_rows(runs), sweep_findings(runs)
+    out = ["# Findings", ""]
+    if rows:
+        out += [f"Claims checked by `experiment={preset_of(runs)}` (harness/findings.py says how each number is "
+                "read from the runs).", "",
+                "| claim | source | paper's setting | paper | kvlab's setting | kvlab | direction | runs |",
+                "|---|---|---|---|---|---|---|---|"]
+        out += ["| " + " | ".join(_md(x) for x in (r.claim, r.source, r.paper_setting, r.paper_number,
+                                                      r.our_setting, r.our_number, holds_text(r.holds),
+                                                      ", ".join(r.runs))) + " |" for r in rows]
+        out.append("")
+    if found:
+        out += ["## What this sweep found", ""]
+        out += [f"- {f.text} (runs: {', '.join(f.runs)})" for f in found]
+    else:
+        out.append("Nothing to say: fewer than two ok settings, or no quality or cost measured.")
+    return "\n".join(out) + "\n"
+
+
+def html_section(runs: pd.DataFrame) -> str:
+    """The Findings section at the top of report.html."""
+    rows, found = claim_rows(runs), sweep_findings(runs)
+    if not rows and not found:
+        return ""
+    parts = ["<h2>Findings</h2>"]
+    if rows:
+        head = "".join(f"<th>{h}</th>" for h in ("claim", "source", "paper's setting", "paper", "kvlab's setting",
+                                                  "kvlab", "direction"))
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in (r.claim, r.source, r.paper_setting,
+                                                                         r.paper_number, r.our_setting, r.our_number))
+            + f"<td style='color:{'#070' if r.holds else '#c00' if r.holds is False else '#666'}'>"
+            f"<b>{holds_text(r.holds)}</b></td></tr>" for r in rows)
+        parts.append(f"<table class='t findings'><tr>{head}</tr>{body}</table>")
+    if found:
+        parts.append("<ul>" + "".join(f"<li>{html.escape(f.text)} <small>(runs: {html.escape(', '.join(f.runs))})"
+                                      "</small></li>" for f in found) + "</ul>")
+    return "".join(parts)

@@ -1,0 +1,104 @@
+"""What the papers' findings depend on, measured on a checkpoint: outlier channels in K and V (KIVI's and the
+rotation's premise) and attention sinks (StreamingLLM's). docs/papers.md reads it.
+
+    .venv/bin/python scripts/kv_stats.py                          # the shipped mini, 2 held-out texts of 1,024 tokens
+    .venv/bin/python scripts/kv_stats.py --weights DIR --texts 4
+
+Printed per layer, K and V as attention reads them (each head's head_dim channels, over every token of the texts):
+- channel ratio: the largest channel's max |x| over the median channel's (mean over heads). Large: a few channels
+  carry outliers, which a scale per channel (KIVI's K) contains and a scale per token over channels does not.
+- token peak: a token's max |x| over its RMS, over the head's channels (median over tokens and heads), before and
+  after the Hadamard rotation ``rotate=hadamard`` applies. What a scale per token pays for is this peak; a rotation
+  brings it near that of Gaussian noise (the last row: Gaussian K/V of the same shape).
+- token/channel range: a scale per token's group range over a scale per channel's (32 tokens): above 1, K or V
+  quantised per channel takes finer steps than per token at the same bits (see ``axis_ranges``).
+- sink share: the attention queries at positions >= 64 put on position 0 (mean over heads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness.train import attention_io, attention_on_first  # noqa: E402
+from models.gpt2 import GPT2  # noqa: E402
+from models.kv_cache.quant import hadamard  # noqa: E402
+from models.tokenizer import Tokenizer  # noqa: E402
+
+MINI = Path(__file__).resolve().parent.parent / "models" / "weights" / "mini"
+
+
+def keys_values(model: GPT2, idx: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer: K and V as attention reads them, (B, nh, T, hs) each."""
+    with torch.no_grad():
+        seen = attention_io(model, idx)
+    out = []
+    for i, block in enumerate(model.transformer.h):
+        x = seen[i][0]
+        B, T, C = x.shape
+        nh = block.attn.n_head
+        _, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in block.attn.c_attn(x).split(C, dim=2))
+        out.append((k.detach(), v.detach()))
+    return out
+
+
+def channel_ratio(x: torch.Tensor) -> float:
+    """Largest channel's max |x| over the median channel's, per head, averaged over heads. x: (B, nh, T, hs)."""
+    amax = x.abs().amax(dim=(0, 2))  # (nh, hs)
+    return float((amax.amax(-1) / amax.median(-1).values).mean())
+
+
+def axis_ranges(x: torch.Tensor, group: int = 32) -> float:
+    """How much wider a per-token group's range is than a per-channel group's: the median over tokens of max - min
+    across the head's channels, over the median over (channel, run of ``group`` tokens) of max - min across those
+    tokens. A quantiser's step is its group's range / levels, so above 1 a scale per channel takes the finer steps
+    (KIVI's case for K), below 1 a scale per token does. x: (B, nh, T, hs), T a multiple of ``group``."""
+    per_token = x.amax(-1) - x.amin(-1)  # (B, nh, T)
+    B, nh, T, hs = x.shape
+    runs = x.view(B, nh, T // group, group, hs)
+    per_channel = runs.amax(3) - runs.amin(3)  # (B, nh, T / group, hs)
+    return float(per_token.median() / per_channel.median())
+
+
+def token_peak(x: torch.Tensor) -> float:
+    """Median over tokens and heads of a token's max |x| over its RMS across the head's channels."""
+    return float((x.abs().amax(-1) / x.pow(2).mean(-1).sqrt().clamp_min(1e-12)).median())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--weights", default=str(MINI), help="an HF GPT-2 checkpoint folder (default: the shipped mini)")
+    p.add_argument("--texts", type=int, default=2, help="held-out texts of 1,024 tokens (default 2)")
+    a = p.parse_args(argv)
+    model = GPT2.from_pretrained(a.weights).eval()
+    text = (Path(a.weights) / "heldout.txt").read_text()
+    ids = Tokenizer().encode(text)
+    n = model.config.n_positions
+    if len(ids) < n * a.texts:
+        print(f"kv_stats: {a.weights}/heldout.txt has {len(ids)} tokens, fewer than {a.texts} x {n}", file=sys.stderr)
+        return 2
+    idx = torch.tensor(ids[:n * a.texts]).view(a.texts, n)
+    pairs = keys_values(model, idx)
+    with torch.no_grad():
+        sinks = attention_on_first(model, idx)
+    rot = hadamard(pairs[0][0].shape[-1])
+    print(f"{a.weights}: {a.texts} texts x {n} tokens, head_dim {pairs[0][0].shape[-1]}")
+    print(f"{'layer':>5} {'K channel ratio':>16} {'V channel ratio':>16} {'K token peak':>13} {'rotated':>8} "
+          f"{'V token peak':>13} {'rotated':>8} {'K tok/ch range':>15} {'V tok/ch range':>15} {'sink share':>11}")
+    for layer, ((k, v), sink) in enumerate(zip(pairs, sinks)):
+        print(f"{layer:>5} {channel_ratio(k):>16.2f} {channel_ratio(v):>16.2f} {token_peak(k):>13.2f} "
+              f"{token_peak(k @ rot):>8.2f} {token_peak(v):>13.2f} {token_peak(v @ rot):>8.2f} "
+              f"{axis_ranges(k):>15.2f} {axis_ranges(v):>15.2f} {sink:>11.4f}")
+    noise = torch.randn(pairs[0][0].shape, generator=torch.Generator().manual_seed(0))
+    print(f"{'noise':>5} {channel_ratio(noise):>16.2f} {channel_ratio(noise):>16.2f} {token_peak(noise):>13.2f} "
+          f"{token_peak(noise @ rot):>8.2f} {'':>13} {'':>8} {axis_ranges(noise):>15.2f} {'':>15} {'':>11}"
+          "   (Gaussian K/V of the same shape: no outliers)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
