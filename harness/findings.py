@@ -29,6 +29,7 @@ from typing import Callable
 import pandas as pd
 
 from harness.keys import KEYS
+from harness.plots import _plain, is_full_attention, pareto_front, with_reference_at_zero
 
 FILE = "findings.md"
 
@@ -67,10 +68,6 @@ class ClaimRow:
 
 
 # ---- reading runs ------------------------------------------------------------------------------------------------
-
-
-def _plain(v):
-    return v.item() if hasattr(v, "item") else v
 
 
 def _ok(runs: pd.DataFrame) -> pd.DataFrame:
@@ -135,29 +132,12 @@ AXIS_COLUMNS = (KEYS.model, KEYS.engine, KEYS.cache, KEYS.dtype, KEYS.batch, KEY
                 KEYS.prompt_lengths)
 
 
-def _with_reference_at_zero(ok: pd.DataFrame) -> pd.DataFrame:
-    """The runs with the fp32 full-attention reference's drift set to 0 (its drift measurements skip it; its
-    equivalence check holds it to 0), as the Pareto figure draws it."""
-    from harness.plots import _is_fp32_reference
-
-    df = ok.copy()
-    if not len(df):
-        return df
-    ref = df.apply(_is_fp32_reference, axis=1).astype(bool)
-    for key, _, _ in QUALITY[:2]:
-        if key in df:
-            df.loc[ref & df[key].isna(), key] = 0.0
-    return df
-
-
 def _label(row: pd.Series) -> str:
     return f"{row.get(KEYS.cache_label, row.get(KEYS.cache))} · {row.get(KEYS.dtype)}"
 
 
 def frontier_findings(ok: pd.DataFrame) -> list[Finding]:
     """Per model: the settings on the quality-vs-bytes frontier (text ΔNLL, else KL p99, against cache_nbytes)."""
-    from harness.plots import pareto_front
-
     out = []
     quality = next(((k, name) for k, name, _ in QUALITY[1::-1] if k in ok and ok[k].notna().any()), None)
     if quality is None or KEYS.cache_nbytes not in ok:
@@ -264,8 +244,6 @@ def _slower_than_bytes(ok: pd.DataFrame) -> list[Finding]:
         return []
     out = []
     same = [c for c in (KEYS.model, KEYS.engine, KEYS.device, KEYS.batch, KEYS.dtype, KEYS.max_context_len) if c in ok]
-    from harness.plots import is_full_attention
-
     full = ok.apply(is_full_attention, axis=1).astype(bool)
     timed = ok[ok[key].notna() & ok[nb].notna()]
     for _, group in timed.groupby(timed[same].astype(str).agg("|".join, axis=1)):  # mixed types group as text
@@ -287,7 +265,7 @@ def sweep_findings(runs: pd.DataFrame) -> list[Finding]:
     """Every finding of a sweep: the frontier, the swept axes, and what contradicts expectations."""
     if runs is None or not len(runs) or KEYS.status not in runs:
         return []
-    ok = _with_reference_at_zero(_ok(runs))
+    ok = with_reference_at_zero(_ok(runs), [k for k, _, _ in QUALITY[:2]])  # as the Pareto figure draws it
     return frontier_findings(ok) + axis_findings(ok) + surprise_findings(runs, ok)
 
 
@@ -557,43 +535,54 @@ def _md(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(runs: pd.DataFrame) -> str:
+@dataclass(frozen=True)
+class Made:
+    """A sweep's findings, made once: the paper preset (if any), its claims and the sweep's sentences."""
+
+    preset: str | None
+    claims: list[ClaimRow]
+    sentences: list[Finding]
+
+
+def make(runs: pd.DataFrame) -> Made:
+    return Made(preset_of(runs), claim_rows(runs), sweep_findings(runs))
+
+
+def markdown(made: Made) -> str:
     """findings.md: the claims table (paper presets) and the sweep's findings, each naming its runs."""
-    rows, found = claim_rows(runs), sweep_findings(runs)
     out = ["# Findings", ""]
-    if rows:
-        out += [f"Claims checked by `experiment={preset_of(runs)}` (harness/findings.py says how each number is "
-                "read from the runs).", "",
+    if made.claims:
+        out += [f"Claims checked by `experiment={made.preset}` (harness/findings.py says how each number is read "
+                "from the runs).", "",
                 "| claim | source | paper's setting | paper | kvlab's setting | kvlab | direction | runs |",
                 "|---|---|---|---|---|---|---|---|"]
         out += ["| " + " | ".join(_md(x) for x in (r.claim, r.source, r.paper_setting, r.paper_number,
                                                       r.our_setting, r.our_number, holds_text(r.holds),
-                                                      ", ".join(r.runs))) + " |" for r in rows]
+                                                      ", ".join(r.runs))) + " |" for r in made.claims]
         out.append("")
-    if found:
+    if made.sentences:
         out += ["## What this sweep found", ""]
-        out += [f"- {f.text} (runs: {', '.join(f.runs)})" for f in found]
+        out += [f"- {f.text} (runs: {', '.join(f.runs)})" for f in made.sentences]
     else:
         out.append("Nothing to say: fewer than two ok settings, or no quality or cost measured.")
     return "\n".join(out) + "\n"
 
 
-def html_section(runs: pd.DataFrame) -> str:
-    """The Findings section at the top of report.html."""
-    rows, found = claim_rows(runs), sweep_findings(runs)
-    if not rows and not found:
+def html_section(made: Made) -> str:
+    """The Findings section at the top of report.html ("" when there is nothing to say)."""
+    if not made.claims and not made.sentences:
         return ""
     parts = ["<h2>Findings</h2>"]
-    if rows:
+    if made.claims:
         head = "".join(f"<th>{h}</th>" for h in ("claim", "source", "paper's setting", "paper", "kvlab's setting",
                                                   "kvlab", "direction"))
         body = "".join(
             "<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in (r.claim, r.source, r.paper_setting,
                                                                          r.paper_number, r.our_setting, r.our_number))
             + f"<td style='color:{'#070' if r.holds else '#c00' if r.holds is False else '#666'}'>"
-            f"<b>{holds_text(r.holds)}</b></td></tr>" for r in rows)
+            f"<b>{holds_text(r.holds)}</b></td></tr>" for r in made.claims)
         parts.append(f"<table class='t findings'><tr>{head}</tr>{body}</table>")
-    if found:
+    if made.sentences:
         parts.append("<ul>" + "".join(f"<li>{html.escape(f.text)} <small>(runs: {html.escape(', '.join(f.runs))})"
-                                      "</small></li>" for f in found) + "</ul>")
+                                      "</small></li>" for f in made.sentences) + "</ul>")
     return "".join(parts)

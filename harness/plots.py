@@ -706,6 +706,18 @@ def is_full_attention(row: pd.Series) -> bool:
         return False
 
 
+def with_reference_at_zero(df: pd.DataFrame, keys) -> pd.DataFrame:
+    """``df`` with the fp32 full-attention reference's missing ``keys`` (drift) set to 0: its drift measurements skip
+    it, and its equivalence check holds it to 0."""
+    df = df.copy()
+    if not len(df):
+        return df
+    reference = df.apply(_is_fp32_reference, axis=1).astype(bool)
+    for key in (k for k in keys if k in df):
+        df.loc[reference & df[key].isna(), key] = 0.0
+    return df
+
+
 def pareto_points(runs: pd.DataFrame) -> pd.DataFrame:
     """The ok runs as points of the quality-vs-cost figure: a row per run with ``point`` (its cache label · dtype)
     and the quality and cost columns it has. A kind that is exactly full attention, in fp32 storage and compute, is
@@ -713,16 +725,13 @@ def pareto_points(runs: pd.DataFrame) -> pd.DataFrame:
     check holds it to. Empty when fewer than two settings have a quality and a cost."""
     if KEYS.status not in runs:
         return runs.iloc[0:0]
-    df = runs[runs[KEYS.status] == "ok"].copy()  # the kind's name in cache (for _is_fp32_reference), not its label
+    df = runs[runs[KEYS.status] == "ok"]  # the kind's name in cache (for _is_fp32_reference), not its label
     quality_axes, cost_axes = _pareto_axes()
     quality = [q for q, _, _ in quality_axes if q in df]
     cost = [c for c, _ in cost_axes if c in df]
     if not quality or not cost:
         return df.iloc[0:0]
-    reference = df.apply(_is_fp32_reference, axis=1).astype(bool) if len(df) else pd.Series(dtype=bool)
-    for q in (c for c in quality if c != KEYS.retrieval_acc):
-        df.loc[reference & df[q].isna(), q] = 0.0
-    df = _ok(df)  # cache: the label (kind + options), so two settings of one kind are two points
+    df = _ok(with_reference_at_zero(df, [q for q in quality if q != KEYS.retrieval_acc]))  # cache: the label (kind + options), so two settings of one kind are two points
     df["point"] = df[KEYS.cache] + " · " + df[KEYS.dtype]
     df = df[df[quality].notna().any(axis=1) & df[cost].notna().any(axis=1)]
     return df if df["point"].nunique() >= 2 else df.iloc[0:0]

@@ -6,9 +6,9 @@ hand on any outputs/ folder:
     python -m harness.report outputs/multirun/2026-11-29_10-00-00      # writes <folder>/report/
     python -m harness.report outputs/ --out /tmp/all-runs --wandb disabled
 
-``report/`` opens with findings.md (what the sweep found, in sentences made from its numbers, and for a paper preset
-each claim beside kvlab's number: harness.findings), and holds results.parquet/.csv (one row per run), steps.parquet/.csv (step times), drift.parquet/.csv
-(per decode step), memory.parquet/.csv (cache bytes vs tokens), a PNG per plot and report.html (tables, images
+``report/`` opens with findings.md (what the sweep found, in sentences made from its numbers, and for a paper
+preset each claim beside kvlab's number: harness.findings), and holds results.parquet/.csv (one row per run),
+steps.parquet/.csv (step times), drift.parquet/.csv (per decode step), memory.parquet/.csv (cache bytes vs tokens), a PNG per plot and report.html (tables, images
 embedded, fingerprints, weights: opens with no network). Unless tracking is disabled, one W&B run with job_type
 "aggregate" in the sweep's group gets the plots and the table, and the files this report wrote as an artifact.
 
@@ -173,7 +173,7 @@ def drift_tables(ok: pd.DataFrame) -> list[str]:
 
 
 def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dict[str, Path],
-                skipped: list | None = None, ratios: pd.DataFrame | None = None) -> str:
+                skipped: list | None = None, ratios: pd.DataFrame | None = None, found: str = "") -> str:
     """One HTML page with everything inline (images as data: URIs): no network, no other files needed."""
     ok, failed = runs[runs.status == "ok"], runs[runs.status != "ok"]
     not_eq = runs[runs.status == NOT_EQUIVALENT]
@@ -191,10 +191,7 @@ def render_html(title: str, runs: pd.DataFrame, steps: pd.DataFrame, images: dic
                   "failure, not drift. Listed with the failed runs; never plotted, and not in the step, drift or memory "
                   "tables.</p>",
                   _table(not_eq[[c for c in NOT_EQUIVALENT_COLS if c in not_eq]])]
-    try:
-        parts.append(findings.html_section(runs))
-    except Exception:  # said in the skipped list (the markdown's attempt), never fatal
-        pass
+    parts.append(found)  # the Findings section (findings.html_section)
     if len(failed):
         cols = (KEYS.run_name, KEYS.model, KEYS.cache_label, KEYS.dtype, KEYS.device, KEYS.status, KEYS.error)
         parts += ["<h2>Failed runs</h2>", _table(failed[[c for c in cols if c in failed]])]
@@ -373,9 +370,10 @@ def _write(path: Path, out: Path, loaded: dict) -> dict:
                 plots.plt.close("all")
     ownership.claim(out, findings.FILE)
     try:
-        found = findings.markdown(runs)
+        made = findings.make(runs)
+        found, section = findings.markdown(made), findings.html_section(made)
     except Exception as e:  # the findings' bad input must not cost the report
-        found = f"# Findings\n\nNone could be made: {experiment.one_line(e)}\n"
+        made, found, section = None, f"# Findings\n\nNone could be made: {experiment.one_line(e)}\n", ""
         skipped.append((None, f"the findings could not be made ({experiment.one_line(e)})"))
     tracking.atomic_write(out / findings.FILE, found.encode("utf-8", "backslashreplace"))
     page = out / PAGE
@@ -383,10 +381,10 @@ def _write(path: Path, out: Path, loaded: dict) -> dict:
     if len(ratios):
         tables += results.save_table(ratios, out, "engine_ratios")
     text = render_html(f"kvlab report: {loaded.get('title', shown(path.name))}", runs, steps, images, skipped,
-                       ratios)
+                       ratios, section)
     tracking.atomic_write(page, text.encode("utf-8", "backslashreplace"))
     return dict(runs=runs, tables=tables, images=images, html=page, folder=out, skipped=skipped, ratios=ratios,
-                frames=frames, findings=found, files=[*tables, out / findings.FILE, *images.values(), page])
+                frames=frames, findings=found, claims=made.claims if made else [], files=[*tables, out / findings.FILE, *images.values(), page])
 
 
 def build_report(path: str | Path, out: str | Path | None = None, invocation: str | None = None,
@@ -484,7 +482,7 @@ def print_summary(rep: dict) -> None:
           f"{shown(rep['html'])}")
     if rep.get("findings"):
         print(f"kvlab findings: {shown(rep['folder'] / findings.FILE)}")
-        for row in findings.claim_rows(runs):  # a paper preset: each claim's verdict, the paper's number beside ours
+        for row in rep.get("claims", []):  # a paper preset: each claim's verdict, the paper's number beside ours
             print(f"  {findings.holds_text(row.holds):>13}: {row.claim} (paper {row.paper_number}; kvlab "
                   f"{row.our_number})")
     ratios = rep.get("ratios")

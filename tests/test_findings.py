@@ -153,10 +153,11 @@ def test_every_preset_has_its_claims_and_its_config():
 
 def test_markdown_and_html_carry_the_claims_and_the_sentences():
     runs = h2o_sweep(0.2, 0.6, 1.0)
-    md = findings.markdown(runs)
+    made = findings.make(runs)
+    md = findings.markdown(made)
     assert md.startswith("# Findings") and "| claim | source |" in md and md.count("| holds |") == 2
     assert "does not hold" in md and "- cache.recent:" in md
-    page = findings.html_section(runs)
+    page = findings.html_section(made)
     assert page.startswith("<h2>Findings</h2>") and page.count("<tr>") == 4 and "<li>cache.recent:" in page
 
 
