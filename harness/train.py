@@ -24,7 +24,10 @@ The data mix: every batch holds ``batch`` rows of ``seq_len`` (1,024) tokens; CO
 span repeated until the row is full (span ids uniform over the ids the training split uses, <|endoftext|> excepted;
 length log-uniform in [SPAN_MIN, seq_len / 2]; the targets inside the span's first showing are not trained on: they
 cannot be known), the rest are KJV text windows at random places. Copying a span it has seen is what the copy rows
-reward, and only a circuit that looks back (an induction head) earns it, at any distance up to 512.
+reward, and only a circuit that looks back (an induction head) earns it, at any distance up to 512. Their spans all
+start at position 0, and the shipped mini learned to copy only from the first ~50 positions (the ``copy100_after``
+rows of the targets); ``--placed-share`` makes that share of the copy rows show their span twice at a random place
+of a text window instead (``placed_rows``), so the source can lie anywhere (docs/reference-model.md).
 A row-length curriculum (CURRICULUM) comes first: rows of 32 tokens for the first 35% of the budget, then 64, 128,
 256 and 512, always the same tokens per step (256 rows of 32, ..., 8 of 1,024); the remaining 48% train every one of
 the 1,024 positions. In a row of 32 tokens a query has few keys to find its match among, so the induction circuit
@@ -128,6 +131,8 @@ BATCH = 8
 CURRICULUM = ((32, 0.35), (64, 0.04), (128, 0.04), (256, 0.04), (512, 0.05))
 COPY_SHARE = 0.5  # share of each batch's rows that are a random span repeated (the rest: KJV text)
 SPAN_MIN = 8  # span lengths are log-uniform in [SPAN_MIN, seq_len // 2]
+PLACED_SHARE = 0.0  # share of the copy rows that show their span twice at a random place of a text row (the shipped
+#                     mini: none; docs/reference-model.md, "Copying from anywhere", says why the next one wants them)
 INIT_STD = 0.1  # std of the initial weights (GPT-2's own: 0.02); the residual projections get it / sqrt(2 n_layer)
 PEAK_LR = 3e-3
 MIN_LR_FRAC = 0.1
@@ -329,17 +334,22 @@ def span_ids(n_ids: int, skip: int, shape: tuple, gen: torch.Generator) -> torch
     return r + (r >= skip).long()
 
 
+def span_length(seq_len: int, span_min: int, gen: torch.Generator) -> int:
+    """A span length, log-uniform in [span_min, seq_len // 2]."""
+    hi = max(seq_len // 2, 1)
+    lo = min(span_min, hi)
+    u = float(torch.rand((), generator=gen))
+    return min(hi, max(lo, int(math.exp(math.log(lo) + u * (math.log(hi + 1) - math.log(lo))))))
+
+
 def copy_rows(rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
               span_min: int = SPAN_MIN) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` sequences that each repeat one random span until seq_len + 1 tokens are filled: (inputs, targets),
     both (rows, seq_len); the targets inside the span's first showing are IGNORE (nothing there can be known). Span
     lengths are log-uniform in [span_min, seq_len // 2], so every row holds at least one whole repeat."""
-    hi = max(seq_len // 2, 1)
-    lo = min(span_min, hi)
     xs, ys = [], []
     for _ in range(rows):
-        u = float(torch.rand((), generator=gen))
-        n = min(hi, max(lo, int(math.exp(math.log(lo) + u * (math.log(hi + 1) - math.log(lo))))))
+        n = span_length(seq_len, span_min, gen)
         span = span_ids(n_ids, skip, (n,), gen)
         x = span.repeat(seq_len // n + 2)[: seq_len + 1]
         y = x[1:].clone()
@@ -356,14 +366,40 @@ def text_rows(stream: torch.Tensor, rows: int, seq_len: int, gen: torch.Generato
     return xy[:, :-1], xy[:, 1:]
 
 
+def placed_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
+                span_min: int = SPAN_MIN) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` KJV text windows, each with one random span written twice in a row at a random place: (inputs,
+    targets), both (rows, seq_len). The span's first showing is not a target (nothing can announce it); its second
+    showing and the text around it are. Lengths as copy_rows'; the place is uniform over where both showings fit.
+    Unlike copy_rows' spans, which start at position 0 and repeat, the copied source can lie anywhere, so only a
+    circuit that finds its match wherever it is earns these targets."""
+    starts = torch.randint(0, len(stream) - seq_len - 1, (rows,), generator=gen)
+    xy = stream[starts.unsqueeze(1) + torch.arange(seq_len + 1)]  # (rows, seq_len + 1), a copy
+    hidden = torch.zeros(rows, seq_len, dtype=torch.bool)
+    for r in range(rows):
+        n = span_length(seq_len, span_min, gen)
+        at = int(torch.randint(0, seq_len + 2 - 2 * n, (), generator=gen))
+        span = span_ids(n_ids, skip, (n,), gen)
+        xy[r, at:at + n], xy[r, at + n:at + 2 * n] = span, span
+        hidden[r, max(at - 1, 0):at + n - 1] = True  # the targets that are the first showing's tokens
+    y = xy[:, 1:].clone()
+    y[hidden] = IGNORE
+    return xy[:, :-1].clone(), y
+
+
 def make_batch(stream: torch.Tensor, batch: int, seq_len: int, copy_share: float, n_ids: int, skip: int,
-               gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One training batch: round(batch * copy_share) repeated random spans, the rest KJV text. (inputs, targets)."""
+               gen: torch.Generator, placed_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One training batch: round(batch * copy_share) copy rows (of them, round(that * placed_share) placed in text,
+    the rest repeated random spans), the rest KJV text. (inputs, targets)."""
     n_copy = round(batch * copy_share)
+    n_placed = round(n_copy * placed_share)
     x, y = text_rows(stream, batch - n_copy, seq_len, gen)
-    if n_copy:
-        cx, cy = copy_rows(n_copy, seq_len, n_ids, skip, gen)
+    if n_copy - n_placed:
+        cx, cy = copy_rows(n_copy - n_placed, seq_len, n_ids, skip, gen)
         x, y = torch.cat([cx, x]), torch.cat([cy, y])
+    if n_placed:
+        px, py = placed_rows(stream, n_placed, seq_len, n_ids, skip, gen)
+        x, y = torch.cat([px, x]), torch.cat([py, y])
     return x, y
 
 
@@ -478,6 +514,7 @@ EVAL_LEN = 1024  # the targets are measured on whole sequences of this many toke
 LATE = 512  # "late" positions, where the context gain and a window's cost are measured
 COPY_LENGTHS = (50, 500)
 COPY_K = 8  # random sequences per copy length
+COPY_FROM = (100, (0, 400, 800))  # reported: n, and where the sequence starts (behind that many random tokens)
 SINK_WINDOWS = 8  # held-out sequences the attention-on-position-0 shares are averaged over
 # key, what it is, the bound it must meet ("<=" / ">=", number) or None (reported only)
 TARGETS = (
@@ -492,21 +529,27 @@ TARGETS = (
     ("copy50_first", "copy n=50: top-1 accuracy on the first copy (chance)", ("<=", 0.01)),
     ("copy500_acc", "copy n=500: top-1 accuracy on the second copy", (">=", 0.7)),
     ("copy500_first", "copy n=500: top-1 accuracy on the first copy (chance)", ("<=", 0.01)),
+    *((f"copy{COPY_FROM[0]}_after{o}", f"copy n={COPY_FROM[0]} behind {o} random tokens: second copy", None)
+      for o in COPY_FROM[1]),
 )
 
 
 @torch.no_grad()
-def copy_accuracy(model: GPT2, ids: torch.Tensor, n: int, k: int = COPY_K, seed: int = 0) -> tuple[float, float]:
+def copy_accuracy(model: GPT2, ids: torch.Tensor, n: int, k: int = COPY_K, seed: int = 0,
+                  after: int = 0) -> tuple[float, float]:
     """(first, second): top-1 accuracy of next-token prediction on k random sequences of n tokens drawn uniformly
-    from ``ids``, each followed by itself (2n tokens from position 0). Scored are the n - 1 tokens after each copy's
-    first (the first token of the second copy cannot be known to repeat)."""
+    from ``ids``, each followed by itself (2n tokens from position ``after``, behind ``after`` other random tokens).
+    Scored are the n - 1 tokens after each copy's first (the first token of the second copy cannot be known to
+    repeat)."""
     gen = torch.Generator().manual_seed(seed)
     span = ids[torch.randint(0, len(ids), (k, n), generator=gen)]  # (k, n)
-    x = torch.cat([span, span], 1)  # (k, 2n)
+    before = ids[torch.randint(0, len(ids), (k, after), generator=gen)]  # (k, after)
+    x = torch.cat([before, span, span], 1)  # (k, after + 2n)
     was_training = model.training
     model.eval()
-    pred = torch.cat([model(x[i:i + 2]).argmax(-1) for i in range(0, k, 2)])  # (k, 2n)
+    pred = torch.cat([model(x[i:i + 2]).argmax(-1) for i in range(0, k, 2)])[:, after:]  # (k, 2n)
     model.train(was_training)
+    x = x[:, after:]
     first = (pred[:, : n - 1] == x[:, 1:n]).float().mean()
     second = (pred[:, n:2 * n - 1] == x[:, n + 1:]).float().mean()
     return float(first), float(second)
@@ -516,19 +559,37 @@ def copy_accuracy(model: GPT2, ids: torch.Tensor, n: int, k: int = COPY_K, seed:
 def position_nll(model: GPT2, wins: torch.Tensor, batch: int = 2, start: int = 0, **attention) -> torch.Tensor:
     """(T - start,) mean NLL at each position from ``start`` on over (N, T + 1) windows, full softmax;
     ``attention``: window=, sinks=. Positions before ``start`` still run through every layer (they are the later
-    ones' context); only their vocabulary projection, the costly part, is skipped."""
+    ones' context); only their vocabulary projection, the costly part, is skipped. The projection is made once per
+    distinct row of the output embedding (see ``distinct_rows``): the same softmax, at a fifth of the cost for a
+    checkpoint whose unused ids share one row."""
     total = torch.zeros(wins.size(1) - 1 - start, dtype=torch.float64)
-    skip = model.lm_head.register_forward_pre_hook(lambda mod, args: (args[0][:, start:],))
+    rows, log_count, index = distinct_rows(model.lm_head.weight)
+    hidden = {}
+
+    def keep(mod, args):  # the final hidden states; the full projection itself is not needed
+        hidden["h"] = args[0][:, start:]
+        return (args[0][:, :0],)
+
+    skip = model.lm_head.register_forward_pre_hook(keep)
     try:
         for i in range(0, len(wins), batch):
             w = wins[i:i + batch]
-            logits = model(w[:, :-1], **attention)  # (b, T - start, vocab)
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), w[:, 1 + start:].reshape(-1),
-                                   reduction="none")
-            total += loss.view(len(w), -1).sum(0).double()
+            model(w[:, :-1], **attention)
+            h = hidden.pop("h").float()  # (b, T - start, C)
+            tgt = w[:, 1 + start:]
+            lse = torch.logsumexp(h @ rows.t() + log_count, dim=-1)  # the full softmax's normaliser
+            own = (h * rows[index[tgt]]).sum(-1)  # each target's logit
+            total += (lse - own).sum(0).double()
     finally:
         skip.remove()
     return total / len(wins)
+
+
+def distinct_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(distinct rows, log of how often each occurs, each id's row) of a (vocab, C) output embedding, in fp32:
+    logsumexp over every id is logsumexp over the distinct rows' logits plus the log of their counts."""
+    rows, index, counts = torch.unique(weight.detach().float(), dim=0, return_inverse=True, return_counts=True)
+    return rows, counts.float().log(), index
 
 
 @torch.no_grad()
@@ -545,6 +606,7 @@ def attention_io(model: GPT2, idx: torch.Tensor) -> dict[int, tuple[torch.Tensor
     return seen
 
 
+@torch.no_grad()
 def attention_on_first(model: GPT2, idx: torch.Tensor, from_pos: int = 64) -> list[float]:
     """Per layer: the share of attention that queries at positions >= from_pos put on position 0 (mean over heads,
     queries and sequences). The probabilities are recomputed from each layer's own input and c_attn, and checked
@@ -581,6 +643,9 @@ def evaluate(model: GPT2, held: torch.Tensor, ids: torch.Tensor, seed: int = 0) 
         r[key] = float(late.mean()) - r["nll_512_1023"]
     for n in COPY_LENGTHS:
         r[f"copy{n}_first"], r[f"copy{n}_acc"] = copy_accuracy(model, ids, n, seed=seed + n)
+    n, afters = COPY_FROM  # can it copy from anywhere, or only from near the start?
+    for o in afters:
+        r[f"copy{n}_after{o}"] = copy_accuracy(model, ids, n, seed=seed + n + o, after=o)[1]
     r["attention_on_position_0"] = attention_on_first(model, wins[:SINK_WINDOWS, :-1])
     r = {k: (round(v, 4) if isinstance(v, float) else [round(s, 4) for s in v]) for k, v in r.items()}
     r["heldout_windows"] = len(wins)
@@ -718,7 +783,7 @@ OURS = {"config.json", "model.safetensors", "train_log.csv", HELDOUT_TEXT, STATE
 
 
 def _check_settings(minutes, steps, stop_after, save_dtype, batch, seq_len, copy_share, init_std, peak_lr,
-                    cfg: GPT2Config) -> None:
+                    cfg: GPT2Config, placed_share: float = 0.0) -> None:
     """Refuse (TrainError, one line) budgets and recipe values that cannot train."""
     if minutes is not None and steps is not None:
         raise TrainError("give one budget: --minutes or --steps, not both")
@@ -735,6 +800,8 @@ def _check_settings(minutes, steps, stop_after, save_dtype, batch, seq_len, copy
     if not 0 <= copy_share <= 1 or not 0 < init_std < 1 or not peak_lr > 0:
         raise TrainError(f"copy_share {copy_share} must lie in [0, 1], init_std {init_std} and peak_lr {peak_lr} "
                          "must be positive")
+    if not (isinstance(placed_share, (int, float)) and 0 <= placed_share <= 1):
+        raise TrainError(f"--placed-share must lie in [0, 1] (a share of the copy rows), got {placed_share!r}")
     if cfg.vocab_size != Tokenizer.VOCAB_SIZE:
         raise TrainError(f"vocab_size must be GPT-2's {Tokenizer.VOCAB_SIZE}, got {cfg.vocab_size}")
     if seq_len > cfg.n_positions:
@@ -854,7 +921,8 @@ class _Run:
         for g in self.opt.param_groups:
             g["lr"] = lr
         rows, seq_len = self.shape()
-        x, y = make_batch(d.ctrain, rows, seq_len, s["copy_share"], len(d.vocab), d.eot, self.gen)
+        x, y = make_batch(d.ctrain, rows, seq_len, s["copy_share"], len(d.vocab), d.eot, self.gen,
+                          s.get("placed_share", 0.0))
         logits = self.model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE)
         self.opt.zero_grad(set_to_none=True)
@@ -940,7 +1008,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
           save_dtype: str = "fp16", batch: int = BATCH, seq_len: int = SEQ_LEN, eval_every: int | None = None,
           eval_tokens: int | None = None, progress: bool = True, command: str | None = None,
           copy_share: float = COPY_SHARE, init_std: float = INIT_STD, peak_lr: float = PEAK_LR,
-          curriculum: bool = True, threads: int | None = None) -> dict:
+          curriculum: bool = True, threads: int | None = None, placed_share: float = PLACED_SHARE) -> dict:
     """Train (or resume, or report) the run in ``out``; returns its ``kvlab_train`` record (``done`` False when
     ``stop_after`` interrupted it). The budget is ``minutes`` of wall clock or ``steps`` (deterministic), not both;
     neither: DEFAULT_STEPS. ``config``, ``batch``, ``seq_len``, ``eval_every``, ``eval_tokens`` (the final held-out
@@ -952,6 +1020,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
     status = _Progress(Path(out), restart)
     _Stop.stopping = False
     recipe = dict(batch=batch, seq_len=seq_len, copy_share=copy_share, init_std=init_std, peak_lr=peak_lr,
+                  **({"placed_share": placed_share} if placed_share else {}),  # absent: the shipped recipe's state
                   curriculum=[list(c) for c in CURRICULUM] if curriculum else None)  # in the resume check
     try:
         return _train(Path(out), minutes, steps, seed, restart, config, stop_after, save_dtype, recipe, eval_every,
@@ -975,7 +1044,7 @@ def _train(folder: Path, minutes, steps, seed, restart, config, stop_after, save
     if steps is None and minutes is None:
         steps = DEFAULT_STEPS
     _check_settings(minutes, steps, stop_after, save_dtype, recipe["batch"], recipe["seq_len"], recipe["copy_share"],
-                    recipe["init_std"], recipe["peak_lr"], cfg)
+                    recipe["init_std"], recipe["peak_lr"], cfg, recipe.get("placed_share", 0.0))
     _check_out(folder)
     settings = dict(minutes=minutes, steps=steps, seed=seed, save_dtype=save_dtype, **recipe, config=asdict(cfg))
     say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
@@ -1054,12 +1123,16 @@ def _record(run: _Run, full: GPT2, unused_info: dict, command: str | None) -> di
     mix = (f"{s['copy_share']:.0%} of each batch's rows: a random span of the training split's ids (uniform, without "
            f"<|endoftext|>; log-uniform length {SPAN_MIN}..{s['seq_len'] // 2}) repeated to fill the row, the first "
            f"showing not a target; the rest: KJV text windows")
+    if s.get("placed_share"):
+        mix += (f"; {s['placed_share']:.0%} of the copy rows instead show their span twice in a row at a random place "
+                "of a KJV text window (the first showing not a target)")
     return dict(done=True, corpus=CORPUS, mix=mix, heldout=f"chapters i % {HELDOUT_EVERY} == {HELDOUT_AT} "
                 f"({len(d.held_stream):,} tokens)", train_tokens_in_split=len(d.train_stream),
                 training_vocab=len(d.vocab), steps=run.step, tokens=run.step * s["batch"] * s["seq_len"],
                 minutes=round(run.elapsed / 60, 3),
                 budget=(f"{s['minutes']} minutes" if s["steps"] is None else f"{s['steps']} steps"),
                 batch=s["batch"], seq_len=s["seq_len"], copy_share=s["copy_share"], span_min=SPAN_MIN,
+                **({"placed_share": s["placed_share"]} if s.get("placed_share") else {}),
                 curriculum=[[n, share] for n, share in s["curriculum"] or () if n < s["seq_len"]] or None,
                 init_std=s["init_std"], peak_lr=s["peak_lr"], warmup_frac=WARMUP_FRAC, min_lr_frac=MIN_LR_FRAC,
                 weight_decay=WEIGHT_DECAY, seed=s["seed"], save_dtype=s["save_dtype"],
@@ -1099,6 +1172,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--restart", action="store_true", help="discard a partial or finished run in --out, start over")
     p.add_argument("--save-dtype", default="fp16", choices=["fp16", "fp32"],
                    help="dtype of model.safetensors (fp16 keeps mini under 20 MB)")
+    p.add_argument("--placed-share", type=float, default=PLACED_SHARE,
+                   help="share of the copy rows whose span is shown twice at a random place of a text row instead of "
+                        f"repeated from position 0 (default {PLACED_SHARE}, the shipped mini's; see "
+                        "docs/reference-model.md)")
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: interrupt after N steps
 
     def error(message):  # one line, exit 2 (argparse would print the usage first)
@@ -1126,7 +1203,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(evaluate_folder(args.evaluate)[1], flush=True)
                 return 0
             train(args.out, minutes=args.minutes, steps=args.steps, seed=args.seed, restart=args.restart,
-                  stop_after=args.stop_after, save_dtype=args.save_dtype, command=command, threads=args.threads)
+                  stop_after=args.stop_after, save_dtype=args.save_dtype, command=command, threads=args.threads,
+                  placed_share=args.placed_share)
         except TrainError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

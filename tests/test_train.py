@@ -207,6 +207,70 @@ def test_copy_rows_repeat_one_span_and_hide_its_first_showing():
     assert torch.equal(yb[4:, :-1], xb[4:, 1:])  # text rows: next-token targets
 
 
+def test_placed_rows_show_one_span_twice_anywhere_in_text():
+    """A placed row is a text window with one random span written twice in a row at a random place; only the
+    span's first showing is hidden from the loss, and the source lies anywhere (not only at position 0)."""
+    gen = torch.Generator().manual_seed(0)
+    stream = torch.arange(100, 5100)  # text ids (>= 100) told apart from span ids (< 10)
+    x, y = T.placed_rows(stream, 64, 64, n_ids=10, skip=3, gen=gen)
+    assert x.shape == y.shape == (64, 64) and not (x == 3).any()
+    starts = set()
+    for row_x, row_y in zip(x, y):
+        full = torch.cat([row_x, row_y[-1:]])  # the row's seq_len + 1 tokens
+        where = (full < 10).nonzero().flatten()
+        at, n = int(where[0]), len(where) // 2
+        assert len(where) == 2 * n and torch.equal(where, torch.arange(at, at + 2 * n))  # one place, both showings
+        assert 8 <= n <= 32 and torch.equal(full[at:at + n], full[at + n:at + 2 * n])
+        outside = torch.cat([torch.arange(at), torch.arange(at + 2 * n, len(full))])
+        assert (full[outside] - outside).unique().numel() == 1  # one text window around the span, in order
+        hidden = (row_y == T.IGNORE).nonzero().flatten()
+        assert torch.equal(hidden, torch.arange(max(at - 1, 0), at + n - 1))  # the first showing's tokens only
+        assert torch.equal(row_y[at + n - 1:at + 2 * n - 1], full[at + n:at + 2 * n])  # the second: targets
+        starts.add(at)
+    assert max(starts) > 16 and min(starts) < 8  # anywhere in the row
+    xb, yb = T.make_batch(stream, 8, 64, 0.5, n_ids=10, skip=3, gen=gen, placed_share=0.5)
+    assert ((xb < 10).sum(1) > 0).sum() == 4  # four copy rows: two placed (text around them), two repeated
+    assert ((xb >= 100).any(1) & (xb < 10).any(1)).sum() == 2
+
+
+class _Copier(torch.nn.Module):
+    """Predicts the token n - 1 positions back (a perfect copier of a sequence of n shown twice)."""
+
+    def __init__(self, n, vocab):
+        super().__init__()
+        self.n, self.vocab = n, vocab
+
+    def forward(self, x):
+        back = torch.cat([torch.zeros_like(x[:, : self.n - 1]), x[:, : x.shape[1] - self.n + 1]], 1)
+        return torch.nn.functional.one_hot(back, self.vocab).float()
+
+
+@pytest.mark.parametrize("after", [0, 7, 40])
+def test_copy_accuracy_scores_the_second_copy_wherever_it_starts(after):
+    ids = torch.arange(5, 200)
+    first, second = T.copy_accuracy(_Copier(20, 200), ids, 20, k=4, after=after)
+    assert second == 1.0 and first < 0.2
+    assert T.copy_accuracy(_Copier(21, 200), ids, 20, k=4, after=after)[1] < 0.2  # a copier of the wrong span
+
+
+def test_heldout_nll_over_distinct_rows_is_the_full_softmax(tiny_model):
+    """position_nll projects once per distinct output row (unused ids share one): the same NLL as cross-entropy
+    over every id."""
+    import copy
+
+    m = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        m.transformer.wte.weight[300:] = m.transformer.wte.weight[299]  # 49,958 ids share one row
+    rows, log_count, index = T.distinct_rows(m.lm_head.weight)
+    assert len(rows) == 300 and round(float(log_count.exp().sum())) == m.config.vocab_size
+    wins = torch.randint(0, 400, (3, 33), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = m(wins[:, :-1])
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), wins[:, 1:].flatten(), reduction="none")
+    got = T.position_nll(m, wins)
+    assert torch.allclose(got, want.view(3, -1).double().mean(0), atol=1e-5)
+
+
 @pytest.mark.slow
 def test_the_recipe_teaches_a_tiny_model_to_copy_in_seconds():
     """Repeated random spans (the recipe's copy rows, initialisation, optimiser and schedule) make a 2-layer model
