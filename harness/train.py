@@ -403,6 +403,24 @@ def make_batch(stream: torch.Tensor, batch: int, seq_len: int, copy_share: float
     return x, y
 
 
+@contextmanager
+def position_offsets(model: GPT2, starts: torch.Tensor | None):
+    """Inside: the model's (uncached) forward reads position embeddings from ``starts`` (rows, 1) on instead of 0,
+    each row its own, so rows shorter than n_positions train every position's embedding. None: no change."""
+    if starts is None:
+        yield
+        return
+
+    def shift(mod, args):
+        return (args[0] + starts.to(args[0].device),)  # (T,) + (rows, 1) -> (rows, T)
+
+    hook = model.transformer.wpe.register_forward_pre_hook(shift)
+    try:
+        yield
+    finally:
+        hook.remove()
+
+
 # ---- model pieces ---------------------------------------------------------------------------------------------------
 
 def compact_model(cfg: GPT2Config, n_vocab: int, init_std: float = INIT_STD) -> GPT2:

@@ -1,4 +1,4 @@
-"""Where can a copy circuit copy from? A 2-layer toy (64 random ids, harness.train's initialisation, optimiser and
+"""Where can a copy circuit copy from? A 2-layer toy (2,000 random ids, harness.train's initialisation, optimiser and
 schedule) learns to copy in rows of 32 tokens (the recipe's first curriculum stage), then trains on rows of 128
 tokens of one kind; every --every steps, top-1 accuracy on the second showing of 16 random sequences of 16 tokens
 that start at position 0, or behind 32 or 96 other random tokens (``harness.train.copy_accuracy(after=)``).
@@ -9,7 +9,8 @@ that start at position 0, or behind 32 or 96 other random tokens (``harness.trai
     .venv/bin/python scripts/copy_from_probe.py --fifths models/weights/mini   # a checkpoint: where its copying stops
 
 docs/reference-model.md ("Copying from anywhere") reads its output (one JSON line per evaluation; ~2 min each on one
-core). The toy's "text" is random ids, so a placed row is a random span shown twice among random tokens.
+core, with 3 at once on 2 cores). The toy's "text" is random ids, so a placed row is a random span shown twice among
+random tokens; with few ids (--ids 64) a prefix of random tokens holds the copied ids too and confounds the test.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness import train as T  # noqa: E402
 from models.gpt2 import GPT2Config  # noqa: E402
 
-N_IDS, SHORT, LONG, FORM_STEPS = 64, 32, 128, 400
+SHORT, LONG, FORM_STEPS = 32, 128, 400
+N_IDS = 2000  # --ids
 
 
 def batch(kind: str, step: int, stream: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +68,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1400)
     p.add_argument("--every", type=int, default=100)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--ids", type=int, default=2000,
+                   help="how many ids the toy's sequences are drawn from (few: a prefix holds the copied ids too)")
+    p.add_argument("--offsets", action="store_true",
+                   help="short rows start at a random position (0 .. 128 - 32) instead of 0 (harness.train's "
+                        "position_offsets)")
     a = p.parse_args()
+    global N_IDS
+    N_IDS = a.ids
     torch.set_num_threads(1)
     if a.fifths:
         return fifths(a.fifths)
@@ -88,7 +97,9 @@ def main() -> None:
         for g in opt.param_groups:
             g["lr"] = T.lr_at(step / a.steps, a.lr)
         x, y = batch(a.rows, step, stream, gen)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=T.IGNORE)
+        starts = (torch.randint(0, LONG - x.shape[1] + 1, (len(x), 1), generator=gen) if a.offsets else None)
+        with T.position_offsets(model, starts):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=T.IGNORE)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -233,6 +233,26 @@ def test_placed_rows_show_one_span_twice_anywhere_in_text():
     assert ((xb >= 100).any(1) & (xb < 10).any(1)).sum() == 2
 
 
+def test_position_offsets_read_each_rows_positions_from_its_start(tiny_model):
+    """Inside position_offsets, row r's forward equals the plain forward of a model whose position embeddings are
+    shifted by that row's start; outside, nothing changed."""
+    import copy
+
+    x = torch.randint(0, 1000, (2, 10), generator=torch.Generator().manual_seed(0))
+    starts = torch.tensor([[0], [7]])
+    with torch.no_grad(), T.position_offsets(tiny_model, starts):
+        got = tiny_model(x)
+    for r, s in enumerate(starts.flatten().tolist()):
+        shifted = copy.deepcopy(tiny_model)
+        with torch.no_grad():
+            shifted.transformer.wpe.weight[: -s or None] = tiny_model.transformer.wpe.weight[s:]
+            want = shifted(x[r:r + 1])
+        assert torch.allclose(got[r:r + 1], want, atol=1e-5), s
+    assert not tiny_model.transformer.wpe._forward_pre_hooks
+    with torch.no_grad():
+        assert not torch.allclose(tiny_model(x)[1], got[1], atol=1e-3)  # the shift did move row 1
+
+
 class _Copier(torch.nn.Module):
     """Predicts the token n - 1 positions back (a perfect copier of a sequence of n shown twice)."""
 
