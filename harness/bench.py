@@ -49,6 +49,7 @@ import time
 import torch
 
 from harness.engines import HF_COUNTERPARTS, HFEngine, KvlabEngine
+from harness import measure
 from harness.measure import CacheSpec
 from models.gpt2 import GPT2, GPT2Config, PRESETS
 from models.kv_cache import CACHE_KINDS, cache_kind
@@ -274,6 +275,25 @@ def bench_kinds(args, model: GPT2) -> None:
         cells = "".join(f"{ms[s.label][c]:>11.2f} ({ms[s.label][c] / ms[base.label][c]:.2f}x)"
                         for c in args.contexts)
         print(f"{s.label:<34}{held[s.label]:>14,}{held[s.label] / held[base.label]:>11.3f}x{cells}")
+    print(roofline_table(engine, specs, ms, args.contexts, max_len))
+
+
+def roofline_table(engine, specs: list[CacheSpec], ms: dict[str, dict[int, float]], contexts: list[int],
+                   max_len: int) -> str:
+    """Each kind's roofline beside its step times, from this run's own bandwidth probe: the ms reading what the
+    step must read (weights + K/V at the context, as steps.csv's bytes_read) takes at the probe's GB/s, and that
+    over the measured step (1: at the machine's limit)."""
+    probe = measure.bandwidth_probe(torch.device("cpu"), measure.weight_bytes(engine.model))["probe_gbps"]
+    w = measure.weight_bytes(engine.model)
+    lines = [f"roofline: bytes a step reads / this run's probe ({probe:.1f} GB/s); ms (roofline ms / step ms)",
+             f"{'cache':<34}" + "".join(f"{'ctx ' + str(c):>20}" for c in contexts)]
+    for s in specs:
+        cells = []
+        for c in contexts:
+            roof = (w + measure.kv_read_bytes(engine, s, max_len, c)) / (probe * 1e9) * 1e3
+            cells.append(f"{roof:>11.2f} ({roof / ms[s.label][c]:.2f})")
+        lines.append(f"{s.label:<34}" + "".join(f"{cell:>20}" for cell in cells))
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:

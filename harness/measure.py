@@ -525,10 +525,13 @@ def step_flops(engine, spec: CacheSpec, max_len: int, ctx: int, batch: int = 1) 
     return batch * (2 * matrices + 4 * n_layer * n_head * head_dim * read)
 
 
-def with_bandwidth(steps: pd.DataFrame, engine, spec: CacheSpec, max_len: int) -> pd.DataFrame:
+def with_bandwidth(steps: pd.DataFrame, engine, spec: CacheSpec, max_len: int,
+                   probe_gbps: float | None = None) -> pd.DataFrame:
     """steps.csv's cached rows gain ``weight_bytes``, ``kv_bytes``, ``bytes_read`` (their sum), ``gb_per_s``
-    (bytes_read / median step time), ``flops`` and ``flop_per_byte`` (arithmetic intensity); uncached rows (a full
-    forward: compute, not a read of the cache) get NaN."""
+    (bytes_read / median step time), ``flops`` and ``flop_per_byte`` (arithmetic intensity) and, given the same
+    run's ``probe_gbps``, the roofline: ``roofline_ms`` (the time reading bytes_read at the probe's bandwidth takes,
+    the least a memory-bound step can cost) and ``roofline_fraction`` (roofline_ms / median step time: 1 at the
+    machine's limit). Uncached rows (a full forward: compute, not a read of the cache) get NaN."""
     steps = steps.copy()
     w = weight_bytes(engine.model)
     cached = steps["mode"] == "cached"
@@ -540,6 +543,9 @@ def with_bandwidth(steps: pd.DataFrame, engine, spec: CacheSpec, max_len: int) -
     steps["bytes_read"] = steps["weight_bytes"] + steps["kv_bytes"]
     steps["gb_per_s"] = steps["bytes_read"] / (steps["ms_median"] * 1e-3) / 1e9
     steps["flop_per_byte"] = steps["flops"] / steps["bytes_read"]
+    roofline = steps["bytes_read"] / (probe_gbps * 1e9) * 1e3 if probe_gbps else np.nan
+    steps["roofline_ms"] = roofline
+    steps["roofline_fraction"] = steps["roofline_ms"] / steps["ms_median"]
     return steps
 
 

@@ -199,7 +199,9 @@ def _message_figure(msg: str) -> Figure:
 
 
 def step_time_plot(steps: pd.DataFrame) -> Figure:
-    """Decode-step time vs context length; lines cached (concat), cached (prealloc), uncached; facets model × dtype."""
+    """Decode-step time vs context length; lines cached (concat), cached (prealloc), uncached; facets model × dtype.
+    Where the runs measured it, each cached kind's roofline (``roofline_ms``: its bytes at the probe's bandwidth,
+    the least a memory-bound step can take) is a dotted line of the kind's colour beneath its step times."""
     df = _ok(steps)
     if df.empty:
         return _message_figure("no ok runs with step timings")
@@ -218,6 +220,11 @@ def step_time_plot(steps: pd.DataFrame) -> Figure:
             uncached = sub[sub[KEYS.mode] == "uncached"]
             series["uncached"] = (uncached.groupby(KEYS.context_len, as_index=False)[cols].mean(),
                                   UNCACHED_STYLE)
+            if KEYS.roofline_ms in cached and cached[KEYS.roofline_ms].notna().any():
+                for c, g in cached.groupby(KEYS.cache):
+                    roof = g.groupby(KEYS.context_len, as_index=False)[KEYS.roofline_ms].mean().dropna()
+                    _line(ax, roof, KEYS.context_len, KEYS.roofline_ms, f"roofline ({c})",
+                          color=_cache_color(caches, c), linestyle=":", linewidth=1)
             for name, (d, (color, ls)) in series.items():
                 if d.empty:
                     continue

@@ -343,8 +343,28 @@ def test_bandwidth_columns_count_weights_once_and_the_kv_history(tiny_model):
     matrices = sum(p.numel() for n, p in tiny_model.named_parameters() if p.dim() == 2 and "wpe" not in n)
     assert got.loc[0, "flops"] == 2 * matrices + 4 * c.n_layer * c.n_embd * 9  # q.k and the sum of V over 9 keys
     assert got.loc[0, "flop_per_byte"] == pytest.approx(got.loc[0, "flops"] / got.loc[0, "bytes_read"])
+    assert np.isnan(got.loc[0, "roofline_ms"])  # no probe given: no roofline
+    roof = measure.with_bandwidth(steps, e, measure.CacheSpec("prealloc", {}, torch.float16), 64, probe_gbps=20.0)
+    assert roof.loc[0, "roofline_ms"] == pytest.approx(roof.loc[0, "bytes_read"] / 20e9 * 1e3)  # bytes at 20 GB/s
+    assert roof.loc[0, "roofline_fraction"] == pytest.approx(roof.loc[0, "roofline_ms"] / 1.0)  # of the 1 ms step
+    assert np.isnan(roof.loc[1, "roofline_ms"]) and np.isnan(roof.loc[1, "roofline_fraction"])
     win = measure.with_bandwidth(steps, e, measure.CacheSpec("window", {"window": 4, "sinks": 1}, torch.float32), 64)
     assert win.loc[0, "kv_bytes"] == 2 * c.n_layer * c.n_embd * 4 * 5  # the 1 + 4 slots a window keeps
+
+
+def test_bench_kinds_prints_each_kinds_roofline_from_its_own_probe(tiny_model, monkeypatch):
+    from harness import bench
+    from harness.engines import KvlabEngine
+
+    monkeypatch.setattr(measure, "bandwidth_probe", lambda device, nbytes: {"probe_gbps": 10.0})
+    e = KvlabEngine(tiny_model)
+    specs = [measure.CacheSpec("prealloc"), measure.CacheSpec("window", {"window": 4, "sinks": 1})]
+    ms = {specs[0].label: {16: 2.0}, specs[1].label: {16: 4.0}}
+    lines = bench.roofline_table(e, specs, ms, [16], 64).splitlines()
+    assert "10.0 GB/s" in lines[0] and len(lines) == 4
+    for spec, line in zip(specs, lines[2:]):
+        roof = (measure.weight_bytes(tiny_model) + measure.kv_read_bytes(e, spec, 64, 16)) / 10e9 * 1e3
+        assert line.startswith(spec.label) and f"{roof:.2f} ({roof / ms[spec.label][16]:.2f})" in line
 
 
 def test_the_benchmark_is_a_sweep_of_both_engines_on_two_models():

@@ -94,6 +94,21 @@ def all_line_values(fig):
     return np.concatenate([np.asarray(line.get_ydata(), float) for ax in fig.axes for line in ax.get_lines()])
 
 
+def test_step_time_plot_draws_each_kinds_roofline_where_measured(tables):
+    _, steps, _ = tables
+    steps = steps.copy()
+    steps["roofline_ms"] = np.where(steps["mode"] == "cached", 0.25 * steps["context_len"] / 256 + 0.1, np.nan)
+    ok = steps[steps["status"] == "ok"]
+    for title, ax in axes_by_title(step_time_plot(steps)).items():
+        model, dtype = title.split(" · ")
+        lines = lines_by_label(ax)
+        for cache in CACHES:
+            want = ok[(ok["model"] == model) & (ok["dtype"] == dtype) & (ok["cache"] == cache)
+                      & (ok["mode"] == "cached")].groupby("context_len")["roofline_ms"].mean()
+            np.testing.assert_allclose(lines[f"roofline ({cache})"].get_ydata(), want.to_numpy())
+            assert lines[f"roofline ({cache})"].get_linestyle() == ":"
+
+
 def test_step_time_lines_equal_medians(tables):
     _, steps, _ = tables
     ok = steps[steps["status"] == "ok"]

@@ -34,13 +34,14 @@ class Bandwidth(Measurement):
 
     tables = (Table("steps", "steps.csv", on=("context_len", "mode"),
                     columns=("context_len", "mode", "flops", "weight_bytes", "kv_bytes", "bytes_read", "gb_per_s",
-                             "flop_per_byte"),
-                    meaning="cached rows: what a step reads and the bandwidth it reaches (NaN for uncached)"),)
+                             "flop_per_byte", "roofline_ms", "roofline_fraction"),
+                    meaning="cached rows: what a step reads, the bandwidth it reaches, and how near it is to the "
+                            "time reading those bytes at the probe's bandwidth takes (NaN for uncached)"),)
 
     def run(self):
         ctx = self.ctx
-        steps = measure.with_bandwidth(ctx.tables["steps"], ctx.engine, ctx.spec, ctx.max_len)
         probe = measure.bandwidth_probe(ctx.device, measure.weight_bytes(ctx.engine.model))
+        steps = measure.with_bandwidth(ctx.tables["steps"], ctx.engine, ctx.spec, ctx.max_len, probe["probe_gbps"])
         top = steps[(steps.context_len == steps.context_len.max()) & (steps["mode"] == "cached")].iloc[0]
         res = self.Result(**probe, weight_bytes=int(top["weight_bytes"]), kv_bytes_at_max_context=int(top["kv_bytes"]),
                           gb_per_s_at_max_context=float(top["gb_per_s"]),
