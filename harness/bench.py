@@ -46,6 +46,7 @@ import argparse
 import statistics
 import time
 
+import pandas as pd
 import torch
 
 from harness.engines import HF_COUNTERPARTS, HFEngine, KvlabEngine
@@ -284,15 +285,14 @@ def roofline_table(engine, specs: list[CacheSpec], ms: dict[str, dict[int, float
     step must read (weights + K/V at the context, as steps.csv's bytes_read) takes at the probe's GB/s, and that
     over the measured step (1: at the machine's limit)."""
     probe = measure.bandwidth_probe(torch.device("cpu"), measure.weight_bytes(engine.model))["probe_gbps"]
-    w = measure.weight_bytes(engine.model)
     lines = [f"roofline: bytes a step reads / this run's probe ({probe:.1f} GB/s); ms (roofline ms / step ms)",
              f"{'cache':<34}" + "".join(f"{'ctx ' + str(c):>20}" for c in contexts)]
     for s in specs:
-        cells = []
-        for c in contexts:
-            roof = (w + measure.kv_read_bytes(engine, s, max_len, c)) / (probe * 1e9) * 1e3
-            cells.append(f"{roof:>11.2f} ({roof / ms[s.label][c]:.2f})")
-        lines.append(f"{s.label:<34}" + "".join(f"{cell:>20}" for cell in cells))
+        steps = pd.DataFrame({"context_len": contexts, "mode": "cached",
+                              "ms_median": [ms[s.label][c] for c in contexts]})
+        roof = measure.with_bandwidth(steps, engine, s, max_len, probe)  # steps.csv's own columns
+        cells = "".join(f"{r.roofline_ms:>11.2f} ({r.roofline_fraction:.2f})".rjust(20) for r in roof.itertuples())
+        lines.append(f"{s.label:<34}{cells}")
     return "\n".join(lines)
 
 

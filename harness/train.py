@@ -359,10 +359,15 @@ def copy_rows(rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generat
     return torch.stack(xs), torch.stack(ys)
 
 
+def text_windows(stream: torch.Tensor, rows: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+    """(rows, seq_len + 1): windows at random places of the training stream (a copy, not a view of it)."""
+    starts = torch.randint(0, len(stream) - seq_len - 1, (rows,), generator=gen)
+    return stream[starts.unsqueeze(1) + torch.arange(seq_len + 1)]
+
+
 def text_rows(stream: torch.Tensor, rows: int, seq_len: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     """``rows`` windows of seq_len + 1 tokens at random places of the training stream: (inputs, targets)."""
-    starts = torch.randint(0, len(stream) - seq_len - 1, (rows,), generator=gen)
-    xy = stream[starts.unsqueeze(1) + torch.arange(seq_len + 1)]  # (rows, seq_len + 1)
+    xy = text_windows(stream, rows, seq_len, gen)
     return xy[:, :-1], xy[:, 1:]
 
 
@@ -373,8 +378,7 @@ def placed_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip:
     showing and the text around it are. Lengths as copy_rows'; the place is uniform over where both showings fit.
     Unlike copy_rows' spans, which start at position 0 and repeat, the copied source can lie anywhere, so only a
     circuit that finds its match wherever it is earns these targets."""
-    starts = torch.randint(0, len(stream) - seq_len - 1, (rows,), generator=gen)
-    xy = stream[starts.unsqueeze(1) + torch.arange(seq_len + 1)]  # (rows, seq_len + 1), a copy
+    xy = text_windows(stream, rows, seq_len, gen)
     hidden = torch.zeros(rows, seq_len, dtype=torch.bool)
     for r in range(rows):
         n = span_length(seq_len, span_min, gen)
