@@ -54,7 +54,7 @@ from harness import measure
 from harness.measure import CacheSpec
 from models.gpt2 import GPT2, GPT2Config, PRESETS
 from models.kv_cache import CACHE_KINDS, cache_kind
-from models.kv_cache.base import storage_nbytes
+from models.kv_cache.base import DTYPES, storage_nbytes
 
 DEFAULT_KINDS = ["concat", "prealloc", "quant:k_bits=8,v_bits=8", "quant:k_bits=4,v_bits=4",
                  "quant:k_bits=2,v_bits=2", "window:window=256,sinks=4", "paged:block_size=16",
@@ -63,9 +63,16 @@ DEFAULT_KINDS = ["concat", "prealloc", "quant:k_bits=8,v_bits=8", "quant:k_bits=
                  "snapkv:budget=256,window=32", "knorm:budget=256", "random:budget=256"]
 
 
-def _prompt_and_token(vocab: int, ctx: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _prompt_and_token(vocab: int, ctx: int, seed: int, batch: int = 1,
+                      device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (1, ctx), generator=g), torch.randint(0, vocab, (1, 1), generator=g)
+    prompt, token = torch.randint(0, vocab, (batch, ctx), generator=g), torch.randint(0, vocab, (batch, 1), generator=g)
+    return prompt.to(device), token.to(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def time_in_turns(runners: list[tuple], token: torch.Tensor, repeats: int, warmup: int) -> dict[str, list[float]]:
@@ -78,8 +85,10 @@ def time_in_turns(runners: list[tuple], token: torch.Tensor, repeats: int, warmu
         for i in range(len(runners)):
             j = (r + i) % len(runners)
             label, engine, cache = runners[j]
+            _sync(token.device)
             t0 = time.perf_counter()
             engine.decode(token, cache)
+            _sync(token.device)
             dt = time.perf_counter() - t0
             backs[j]()
             if r >= warmup:
@@ -114,13 +123,14 @@ def parse_kind(text: str) -> CacheSpec:
 
 
 def time_kinds(engine, specs: list[CacheSpec], ctx: int, max_len: int, repeats: int, warmup: int,
-               seed: int = 0) -> tuple[dict[str, list[float]], dict[str, int]]:
-    """Decode-step times (seconds) of each cache at context ``ctx``, kinds taking turns within each repeat, and the
-    bytes each holds there."""
-    prompt, token = _prompt_and_token(engine.model.config.vocab_size, ctx, seed)
+               seed: int = 0, batch: int = 1) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Decode-step times (seconds) of each cache at context ``ctx`` for ``batch`` sequences, kinds taking turns
+    within each repeat, and the bytes each holds there."""
+    device = next(engine.model.parameters()).device
+    prompt, token = _prompt_and_token(engine.model.config.vocab_size, ctx, seed, batch, device)
     runners = []
     for spec in specs:
-        cache = spec.new(engine, max_len)
+        cache = spec.new(engine, max_len, batch)
         engine.prefill(prompt, cache)
         runners.append((spec.label, engine, cache))
     return time_in_turns(runners, token, repeats, warmup), {label: engine.nbytes(c) for label, _, c in runners}
@@ -256,66 +266,101 @@ def bench_hf(args, model: GPT2) -> None:
             print(f"{ctx:>7}  {kind:<9} {ours:>9.2f} {hf:>9.2f} {hf_name:<15} {ours / hf:>7.2f}x")
 
 
+# what a kind's step should cost beside prealloc's, where its bytes are a small share (issue 24): (kind as --cache
+# spells it, batch, context, most step / prealloc's step); checked by --kinds whenever a run has that kind, batch and
+# context
+KIND_TARGETS = (
+    ("quant:k_bits=4,v_bits=4", 8, 960, 1.0),
+    ("quant:k_bits=4,v_bits=4", 1, 960, 1.15),
+    ("paged:block_size=16", 1, 960, 1.1),
+)
+
+
 def bench_kinds(args, model: GPT2) -> None:
     specs = [parse_kind(k) for k in (args.cache or DEFAULT_KINDS)]
     base = CacheSpec("prealloc")
     if base.label not in {s.label for s in specs}:
         specs.insert(0, base)
-    engine, max_len = KvlabEngine(model), model.config.n_positions
+    engine, max_len = KvlabEngine(model, compile=args.compile), model.config.n_positions
     ms: dict[str, dict[int, float]] = {s.label: {} for s in specs}
     held = {}
     for ctx in args.contexts:
-        t, held = time_kinds(engine, specs, ctx, max_len, args.repeats, args.warmup, args.seed)
+        t, held = time_kinds(engine, specs, ctx, max_len, args.repeats, args.warmup, args.seed, args.batch)
         for label, ts in t.items():
             ms[label][ctx] = statistics.median(ts) * 1e3
     top = max(args.contexts)
     print(f"max_len {max_len}; bytes held at context {top} + 1; step ms (ratio to prealloc)")
+    if args.compile:
+        st = engine.compile_stats
+        print(f"compiled: {', '.join(s.label for s in specs if engine.compiles(s.kind))}; "
+              f"compile {st['compile_s']:.1f} s (apart from the steps), {st['compile_recompiles']} recompiles over "
+              f"{st['compiled_steps']} steps; the rest run eager")
     head = "".join(f"{'ctx ' + str(c) + ' ms':>20}" for c in args.contexts)
     print(f"{'cache':<34}{'bytes held':>14}{'vs prealloc':>12}{head}")
     for s in specs:
         cells = "".join(f"{ms[s.label][c]:>11.2f} ({ms[s.label][c] / ms[base.label][c]:.2f}x)"
                         for c in args.contexts)
         print(f"{s.label:<34}{held[s.label]:>14,}{held[s.label] / held[base.label]:>11.3f}x{cells}")
-    print(roofline_table(engine, specs, ms, args.contexts, max_len))
+    print(roofline_table(engine, specs, ms, args.contexts, max_len, args.batch))
+    targets = kind_targets(specs, ms, base.label, args.batch, args.contexts)
+    if targets:
+        print("\n".join(targets))
+
+
+def kind_targets(specs: list[CacheSpec], ms: dict[str, dict[int, float]], base: str, batch: int,
+                 contexts: list[int]) -> list[str]:
+    """One line per KIND_TARGETS entry this run measured (its kind, batch and context): the step's ratio to
+    prealloc's, the bound, and whether it is met."""
+    labels = {s.label for s in specs}
+    lines = []
+    for text, b, ctx, bound in KIND_TARGETS:
+        label = parse_kind(text).label
+        if label in labels and b == batch and ctx in contexts:
+            r = ms[label][ctx] / ms[base][ctx]
+            lines.append(f"target: {label} at batch {b}, context {ctx}: {r:.2f}x prealloc's step (bound <= "
+                         f"{bound:.2f}x) {'met' if r <= bound else 'NOT met'}")
+    return lines
 
 
 def roofline_table(engine, specs: list[CacheSpec], ms: dict[str, dict[int, float]], contexts: list[int],
-                   max_len: int) -> str:
+                   max_len: int, batch: int = 1) -> str:
     """Each kind's roofline beside its step times, from this run's own bandwidth probe: the ms reading what the
-    step must read (weights + K/V at the context, as steps.csv's bytes_read) takes at the probe's GB/s, and that
-    over the measured step (1: at the machine's limit)."""
-    probe = measure.bandwidth_probe(torch.device("cpu"), measure.weight_bytes(engine.model))["probe_gbps"]
+    step must read (weights + every sequence's K/V at the context, as steps.csv's bytes_read) takes at the probe's
+    GB/s, and that over the measured step (1: at the machine's limit)."""
+    device = next(engine.model.parameters()).device
+    probe = measure.bandwidth_probe(device, measure.weight_bytes(engine.model))["probe_gbps"]
     lines = [f"roofline: bytes a step reads / this run's probe ({probe:.1f} GB/s); ms (roofline ms / step ms)",
              f"{'cache':<34}" + "".join(f"{'ctx ' + str(c):>20}" for c in contexts)]
     for s in specs:
         steps = pd.DataFrame({"context_len": contexts, "mode": "cached",
                               "ms_median": [ms[s.label][c] for c in contexts]})
-        roof = measure.with_bandwidth(steps, engine, s, max_len, probe)  # steps.csv's own columns
+        roof = measure.with_bandwidth(steps, engine, s, max_len, probe, batch)  # steps.csv's own columns
         cells = "".join(f"{r.roofline_ms:>11.2f} ({r.roofline_fraction:.2f})".rjust(20) for r in roof.itertuples())
         lines.append(f"{s.label:<34}{cells}")
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt2", choices=sorted(PRESETS))
-    ap.add_argument("--contexts", type=int, nargs="+", default=None,
-                    help="default: 32 512 (vs HF); 32 128 512 960 (--kinds)")
-    ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kinds", action="store_true", help="compare our cache kinds instead of ours vs HF")
-    ap.add_argument("--cache", action="append", metavar="KIND[:OPT=V,...]",
-                    help=f"with --kinds or --prefix: a cache to time (repeatable); kinds: {', '.join(CACHE_KINDS)}")
-    ap.add_argument("--prefix", action="store_true", help="time to first token with and without prefix reuse")
-    ap.add_argument("--prefixes", type=int, nargs="+", default=[16, 64, 256, 512], help="with --prefix")
-    ap.add_argument("--suffix", type=int, default=16, help="with --prefix: each request's own tokens")
-    ap.add_argument("--paged", action="store_true", help="a ragged batch served on each layout: KV waste, step time")
-    ap.add_argument("--batch", type=int, default=16, help="with --paged: requests served together")
-    ap.add_argument("--prompt-max", type=int, default=512, help="with --paged: longest prompt drawn")
-    ap.add_argument("--output-max", type=int, default=256, help="with --paged: longest output drawn")
-    args = ap.parse_args(argv)
-    cfg = GPT2Config.preset(args.model)
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg: GPT2Config) -> torch.device:
+    """Refuse, in one line each (exit 2), what the benchmark cannot honour; fill in --batch's default. Returns
+    the device to run on."""
+    if args.batch is None:
+        args.batch = 16 if args.paged else 1
+    if args.batch < 1:
+        ap.error(f"--batch must be >= 1 (got {args.batch})")
+    if args.batch != 1 and not (args.kinds or args.paged):
+        ap.error("--batch is for --kinds or --paged; the HF comparison and --prefix run one sequence")
+    if args.compile and not args.kinds:
+        ap.error("--compile is for --kinds (the compiled decode step beside the eager kinds)")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device {args.device!r} is not a device: give cpu or cuda (or cuda:N)")
+    if device.type not in ("cpu", "cuda"):
+        ap.error(f"--device {args.device!r}: give cpu or cuda (or cuda:N)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device} but torch {torch.__version__} sees no CUDA device here: use --device cpu")
+    if (args.dtype != "fp32" or device.type != "cpu") and not args.kinds:
+        ap.error("--dtype and --device are for --kinds; the HF comparison, --prefix and --paged run fp32 on the CPU")
     args.contexts = args.contexts or ([32, 128, 512, 960] if args.kinds else [32, 512])
     if args.repeats < 1 or args.warmup < 0:
         ap.error(f"--repeats must be >= 1 and --warmup >= 0 (got {args.repeats}, {args.warmup})")
@@ -340,14 +385,46 @@ def main(argv=None) -> None:
         [parse_kind(k) for k in args.cache or []]
     except ValueError as e:
         ap.error(str(e))
+    return device
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt2", choices=sorted(PRESETS))
+    ap.add_argument("--contexts", type=int, nargs="+", default=None,
+                    help="default: 32 512 (vs HF); 32 128 512 960 (--kinds)")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", action="store_true", help="compare our cache kinds instead of ours vs HF")
+    ap.add_argument("--cache", action="append", metavar="KIND[:OPT=V,...]",
+                    help=f"with --kinds or --prefix: a cache to time (repeatable); kinds: {', '.join(CACHE_KINDS)}")
+    ap.add_argument("--prefix", action="store_true", help="time to first token with and without prefix reuse")
+    ap.add_argument("--prefixes", type=int, nargs="+", default=[16, 64, 256, 512], help="with --prefix")
+    ap.add_argument("--suffix", type=int, default=16, help="with --prefix: each request's own tokens")
+    ap.add_argument("--paged", action="store_true", help="a ragged batch served on each layout: KV waste, step time")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="with --kinds: sequences decoded together (default 1); with --paged: requests served "
+                         "together (default 16)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="the model's and its caches' dtype")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (or cuda:N)")
+    ap.add_argument("--compile", action="store_true",
+                    help="with --kinds: the kinds our engine compiles decode compiled (compile=true); the rest eager")
+    ap.add_argument("--prompt-max", type=int, default=512, help="with --paged: longest prompt drawn")
+    ap.add_argument("--output-max", type=int, default=256, help="with --paged: longest output drawn")
+    args = ap.parse_args(argv)
+    cfg = GPT2Config.preset(args.model)
+    device = check_args(ap, args, cfg)
     torch.manual_seed(args.seed)
-    model = GPT2(cfg).eval()
+    model = GPT2(cfg).eval().to(device, DTYPES[args.dtype])
     if args.paged:
         print(f"model {args.model} (seeded random init, seed {args.seed}), fp32, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads")
         return bench_paged(args, model)
-    print(f"model {args.model} (seeded random init, seed {args.seed}), fp32, batch 1, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; median of {args.repeats} steps after {args.warmup} warm-up")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"model {args.model} (seeded random init, seed {args.seed}), {args.dtype}, batch {args.batch}, "
+          f"{args.device}, torch {torch.__version__}, {where}; median of {args.repeats} steps after {args.warmup} "
+          "warm-up")
     (bench_prefix if args.prefix else bench_kinds if args.kinds else bench_hf)(args, model)
 
 

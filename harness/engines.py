@@ -39,7 +39,7 @@ import torch
 from models.generate import (GreedyOutput, StaticDecoder, decode_step, greedy, greedy_loop, greedy_uncached,
                              model_device, model_dtype, new_cache, prefill)
 from models.gpt2 import _CONV1D, GPT2, HF_MASK_BUFFERS
-from models.kv_cache import PreallocKVCache, cache_kind
+from models.kv_cache import CACHE_KINDS, PreallocKVCache, cache_kind
 from models.kv_cache.base import itemsize
 
 
@@ -217,9 +217,11 @@ class KvlabEngine:
 
     @classmethod
     def refuses_compile(cls, kind: str) -> str | None:
-        if kind != "prealloc":
-            return (f"compile=true compiles the pre-allocated kind's decode step (static shapes): use cache=prealloc, "
-                    f"not cache={kind}")
+        if kind != "prealloc" and not cache_kind(kind).fuses_decode:
+            fused = [k for k, c in CACHE_KINDS.items() if c.fuses_decode]
+            return (f"compile=true compiles the pre-allocated kind's decode step (static shapes) and the decode "
+                    f"attention of the kinds that read K/V where they lie ({', '.join(fused)}): use cache=prealloc"
+                    f"{''.join(f' or cache={k}' for k in fused)}, not cache={kind}")
         return None
 
     @classmethod
@@ -231,6 +233,10 @@ class KvlabEngine:
 
     def keys_read(self, kind: str, ctx: int, max_len: int) -> int | None:
         return None  # what the kind's class says
+
+    def compiles(self, kind: str) -> bool:
+        """Whether this engine's decode steps on ``kind`` run compiled (compile=true and a kind it compiles)."""
+        return self.compile and self.refuses_compile(kind) is None
 
     def __init__(self, model: GPT2, compile: bool = False):
         self.model = model.eval()
@@ -256,7 +262,36 @@ class KvlabEngine:
     def decode(self, token: torch.Tensor, cache) -> torch.Tensor:
         if self.compile and isinstance(cache, PreallocKVCache) and cache.pad is None:
             return self._decode_compiled(token, cache)
+        if self.compile and cache.fuses_decode:
+            return self._decode_fused(token, cache)
         return decode_step(self.model, token, cache)[0]
+
+    def _decode_fused(self, token: torch.Tensor, cache) -> torch.Tensor:
+        """A decode step whose attention reads K/V where the kind stores them (``attend_decode``, compiled; the
+        rest of the step eager). Its first call per cache geometry compiles: timed into compile_s, apart."""
+        from torch._dynamo.utils import counters
+
+        geometry = (type(cache).__name__, str(cache.opts), cache.batch, cache.max_len, str(cache.device),
+                    next(self.model.parameters()).dtype)
+        graphs = counters["stats"]["unique_graphs"]
+        t0 = time.perf_counter()
+        cache.fused = True
+        try:
+            logits = decode_step(self.model, token, cache)[0]
+        finally:
+            cache.fused = False
+        if cache.device.type == "cuda":
+            torch.cuda.synchronize(cache.device)
+        dt, new = time.perf_counter() - t0, counters["stats"]["unique_graphs"] - graphs
+        st, calls = self.compile_stats, self._seen.get(geometry, 0)
+        self._seen[geometry] = calls + 1
+        if calls == 0:
+            st["compile_s"] += dt
+            st["compile_graphs"] += new
+        else:
+            st["compile_recompiles"] += new
+            st["compiled_steps"] += 1
+        return logits
 
     @torch.inference_mode()
     def _decode_compiled(self, token: torch.Tensor, cache: PreallocKVCache) -> torch.Tensor:

@@ -282,7 +282,8 @@ STAT_ROWS = 128  # positions whose float64 log-softmax over the vocabulary is he
 NEAR_TIE = 2.0  # a divergence is a near tie when the reference's top-1/top-2 margin < NEAR_TIE x max |dlogit| there
 
 def recorded(cache, seen: dict):
-    """Wrap ``cache.update`` so that ``seen[layer]`` holds the (K, V, key positions) its last call returned."""
+    """Wrap ``cache.update`` so that ``seen[layer]`` holds the (K, V, key positions) its last call returned (for a
+    kind that fuses decode attention, also ``attend_decode``: the K/V its last step read, as update returns them)."""
     update = cache.update
 
     def recording(layer, k, v):
@@ -292,6 +293,15 @@ def recorded(cache, seen: dict):
         return out
 
     cache.update = recording
+    if cache.fuses_decode:  # a fused decode step writes and attends without update: record what it read
+        attend = cache.attend_decode
+
+        def attending(layer, q, k, v):
+            y = attend(layer, q, k, v)
+            seen[layer] = (*cache.stored_history(layer), cache.key_positions(0))
+            return y
+
+        cache.attend_decode = attending
     return cache
 
 
@@ -526,18 +536,19 @@ def step_flops(engine, spec: CacheSpec, max_len: int, ctx: int, batch: int = 1) 
 
 
 def with_bandwidth(steps: pd.DataFrame, engine, spec: CacheSpec, max_len: int,
-                   probe_gbps: float | None = None) -> pd.DataFrame:
+                   probe_gbps: float | None = None, batch: int = 1) -> pd.DataFrame:
     """steps.csv's cached rows gain ``weight_bytes``, ``kv_bytes``, ``bytes_read`` (their sum), ``gb_per_s``
     (bytes_read / median step time), ``flops`` and ``flop_per_byte`` (arithmetic intensity) and, given the same
     run's ``probe_gbps``, the roofline: ``roofline_ms`` (the time reading bytes_read at the probe's bandwidth takes,
     the least a memory-bound step can cost) and ``roofline_fraction`` (roofline_ms / median step time: 1 at the
-    machine's limit). Uncached rows (a full forward: compute, not a read of the cache) get NaN."""
+    machine's limit). ``batch``: the sequences each step decodes (their K/V and FLOPs add up; the weights are read
+    once). Uncached rows (a full forward: compute, not a read of the cache) get NaN."""
     steps = steps.copy()
     w = weight_bytes(engine.model)
     cached = steps["mode"] == "cached"
-    kv = steps["context_len"].map(lambda c: kv_read_bytes(engine, spec, max_len, int(c)))
-    steps["flops"] = np.where(cached, steps["context_len"].map(lambda c: step_flops(engine, spec, max_len, int(c))),
-                              np.nan)
+    kv = steps["context_len"].map(lambda c: kv_read_bytes(engine, spec, max_len, int(c), batch))
+    steps["flops"] = np.where(cached, steps["context_len"].map(
+        lambda c: step_flops(engine, spec, max_len, int(c), batch)), np.nan)
     steps["weight_bytes"] = np.where(cached, w, np.nan)
     steps["kv_bytes"] = np.where(cached, kv, np.nan)
     steps["bytes_read"] = steps["weight_bytes"] + steps["kv_bytes"]

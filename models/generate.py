@@ -252,7 +252,7 @@ class _StaticWrites:
     tensor, each layer's whole buffer handed back (static shapes; the mask hides the slots past the position)."""
 
     pos = 0  # attention reads it only on its no-mask paths, which a static step never takes
-    evicts = wants_scores = False  # a pre-allocated cache keeps every position
+    evicts = wants_scores = fused = False  # a pre-allocated cache keeps every position; its step is already compiled
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], input_pos: torch.Tensor):
         self.k, self.v, self.input_pos = k, v, input_pos

@@ -51,6 +51,7 @@ def test_compiled_cpu_step_equals_eager_and_never_recompiles(tiny_model):
     assert stats["compile_cudagraph_skips"] == 0
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU path runs CUDA graphs")
 def test_compiled_gpu_step_with_cuda_graphs_equals_eager_and_never_recompiles(tiny_model):
     counters.clear()
@@ -73,3 +74,59 @@ def test_a_static_step_refuses_what_it_cannot_run(tiny_model):
     engine.prefill(torch.zeros(1, n, dtype=torch.long), long)
     with pytest.raises(ValueError, match=f"sequence too long: {n} cached \\+ 1 new tokens > n_positions {n}"):
         engine.decode(torch.tensor([[4]]), long)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor compiles CPU kernels with a C++ compiler; none on this machine")
+@pytest.mark.parametrize("path, dtype", [("kernel", torch.float32), ("kernel", torch.bfloat16),
+                                         ("inductor", torch.float32)])
+def test_quant_attention_over_its_packed_storage_equals_the_dequantised_path(tiny_model, path, dtype, monkeypatch):
+    """compile=true on the quant kind: decode attention reads the packed bytes, scales and tails where they lie
+    instead of a dequantised copy: on the CPU through the C++ kernel (``kernel_attention``), on a GPU through
+    torch.compile (``stored_attention``, run here on the CPU too). For every conformance option set (both axes,
+    2/4/8 bits, residual, a partial channel group, the rotation, K or V alone) and across group boundaries, the
+    logits equal the eager path's within float32 rounding (bf16: within its own rounding of the same values), one
+    graph per layout (the kernel: none), no recompile across steps, and the caches hold the same bytes (later
+    layers' K/V differ by the rounding of earlier layers' attention)."""
+    from models.kv_cache import QuantKVCache, quant
+
+    monkeypatch.setattr(quant, "FORCE_INDUCTOR", path == "inductor")
+
+    counters.clear()
+    model = copy.deepcopy(tiny_model).to(dtype)
+    eager, compiled = KvlabEngine(model), KvlabEngine(model, compile=True)
+    options = QuantKVCache.examples + ({"k_bits": 8, "v_bits": 4, "group_size": 24},)  # 64 channels: 24 + 24 + 16
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    for opts in options:
+        a, b = new_cache(model, "quant", 48, 2, **opts), new_cache(model, "quant", 48, 2, **opts)
+        la, lb = eager.prefill(ids, a, last_only=True), compiled.prefill(ids, b, last_only=True)
+        for _ in range(30):  # past several groups of 8 and 16 tokens
+            nxt = la[:, -1:].argmax(-1)
+            la, lb = eager.decode(nxt, a), compiled.decode(nxt, b)
+            scale = float(la.float().abs().max())
+            tol = 1e-5 * scale if dtype == torch.float32 else 2e-2 * scale
+            assert float((la.float() - lb.float()).abs().max()) <= tol, opts
+        assert a.pos == b.pos == 37 and a.nbytes == b.nbytes  # the same storage, written by the same _store
+        torch.testing.assert_close(b.v_tail.float(), a.v_tail.float(), atol=tol, rtol=0)
+    st = compiled.compile_stats
+    assert st["compile_recompiles"] == 0 and st["compiled_steps"] == len(options) * 29
+    # inductor: one graph per layout (bits, axes, group) for every layer and step; the kernel is no graph
+    assert st["compile_graphs"] == (len(options) if path == "inductor" else 0)
+    assert not counters["graph_break"]
+
+
+def test_text_drift_records_what_a_fused_quant_step_read(tiny_model):
+    """The text-drift pass records the K/V attention read at its last step; a fused quant step never calls update,
+    so it records them through stored_history: the same history, the same logits as the eager pass."""
+    from harness import measure
+
+    spec = measure.CacheSpec("quant", {"k_bits": 4, "v_bits": 2, "group_size": 8, "residual": 4})
+    seq = torch.randint(0, tiny_model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
+    eager, seen_e = measure.text_pass(KvlabEngine(tiny_model), spec, seq, 12)
+    fused, seen_f = measure.text_pass(KvlabEngine(tiny_model, compile=True), spec, seq, 12)
+    torch.testing.assert_close(fused, eager, atol=1e-5, rtol=0)
+    assert sorted(seen_f) == sorted(seen_e) == list(range(tiny_model.config.n_layer))
+    for layer in seen_e:
+        for a, b in zip(seen_e[layer][:2], seen_f[layer][:2]):
+            assert a.shape == b.shape == (1, tiny_model.config.n_head, 39, tiny_model.config.head_dim)
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=0)

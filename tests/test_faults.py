@@ -76,7 +76,8 @@ CONFIG = [
     ("quant-axis-unknown", ["cache=quant", "cache.k_axis=row"], "cache option k_axis='row': use channel or token"),
     ("paged-block-size-zero", ["cache=paged", "cache.block_size=0"], "block_size must be an integer >= 1"),
     ("compile-not-prealloc", ["cache=concat", "compile=true"],
-     "compile=true compiles the pre-allocated kind's decode step (static shapes): use cache=prealloc"),
+     "compile=true compiles the pre-allocated kind's decode step (static shapes) and the decode attention of the "
+     "kinds that read K/V where they lie (quant): use cache=prealloc or cache=quant, not cache=concat"),
     ("eviction-budget-zero", ["cache=h2o", "cache.budget=0"], "cache option budget must be an integer >= 1"),
     ("eviction-budget-over-max-len", ["cache=tova", "cache.budget=300", "max_len=256"],
      "cache=tova: cache option budget 300 is more than max_len 256"),

@@ -367,6 +367,53 @@ def test_bench_kinds_prints_each_kinds_roofline_from_its_own_probe(tiny_model, m
         assert line.startswith(spec.label) and f"{roof:.2f} ({roof / ms[spec.label][16]:.2f})" in line
 
 
+def test_a_batched_steps_roofline_reads_every_sequences_kv_and_the_weights_once(tiny_model):
+    from harness.engines import KvlabEngine
+
+    e, spec = KvlabEngine(tiny_model), measure.CacheSpec("prealloc")
+    steps = pd.DataFrame({"context_len": [16], "mode": ["cached"], "ms_median": [2.0]})
+    one, eight = (measure.with_bandwidth(steps, e, spec, 64, 10.0, batch=b).iloc[0] for b in (1, 8))
+    assert eight.kv_bytes == 8 * one.kv_bytes and eight.weight_bytes == one.weight_bytes
+    assert eight.flops == 8 * one.flops
+    assert eight.roofline_ms == pytest.approx((one.weight_bytes + 8 * one.kv_bytes) / 10e9 * 1e3)
+
+
+def test_bench_kinds_times_a_batch_and_checks_the_kind_targets_it_measured(tiny_model):
+    """time_kinds decodes `batch` sequences on each cache (each holds batch x one sequence's bytes); kind_targets
+    reports exactly the targets whose kind, batch and context the run measured, each against its own bound."""
+    from harness import bench
+    from harness.engines import KvlabEngine
+
+    specs = [measure.CacheSpec("prealloc"), bench.parse_kind("quant:k_bits=4,v_bits=4"), bench.parse_kind("paged")]
+    t1, held1 = bench.time_kinds(KvlabEngine(tiny_model), specs, 12, 64, repeats=2, warmup=0)
+    t3, held3 = bench.time_kinds(KvlabEngine(tiny_model), specs, 12, 64, repeats=2, warmup=0, batch=3)
+    assert held3 == {k: 3 * v for k, v in held1.items()} and all(len(v) == 2 for v in t3.values())
+    quant, paged, base = specs[1].label, specs[2].label, specs[0].label
+    ms = {base: {960: 10.0, 32: 1.0}, quant: {960: 11.0, 32: 5.0}, paged: {960: 12.0, 32: 1.0}}
+    at1 = bench.kind_targets(specs, ms, base, 1, [32, 960])
+    assert len(at1) == 2  # quant and paged at batch 1, context 960; nothing at 32
+    assert "1.10x" in at1[0] and "1.15x" in at1[0] and at1[0].endswith(" met")  # quant 1.10 within 1.15
+    assert "1.20x" in at1[1] and at1[1].endswith("NOT met")  # paged 1.20 over 1.10
+    at8 = bench.kind_targets(specs, ms, base, 8, [960])
+    assert len(at8) == 1 and quant in at8[0] and at8[0].endswith("NOT met")  # 1.10 over batch 8's 1.00
+    assert bench.kind_targets(specs[:1], ms, base, 1, [960]) == []
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--batch", "2"], "--batch is for --kinds or --paged"),
+    (["--kinds", "--batch", "0"], "--batch must be >= 1"),
+    (["--compile"], "--compile is for --kinds"),
+    (["--kinds", "--device", "tpu"], "is not a device"),
+    (["--dtype", "fp16"], "--dtype and --device are for --kinds"),
+])
+def test_bench_refuses_options_it_cannot_honour_in_one_line(capsys, argv, says):
+    from harness.bench import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "tiny", *argv])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_the_benchmark_is_a_sweep_of_both_engines_on_two_models():
     register()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):

@@ -204,6 +204,9 @@ class KVCache:
     # True: attention computes its probabilities explicitly and hands them to ``after_attention`` (only such kinds
     # pay for them; every other kind keeps the fused SDPA path)
     wants_scores: ClassVar[bool] = False
+    # True: the kind has a decode attention that reads K/V where they lie (``attend_decode``); a compiling engine
+    # turns it on (``fused``), and it must equal the update path within float32 rounding
+    fuses_decode: ClassVar[bool] = False
 
     def __init__(self, n_layer: int, n_head: int, head_dim: int, max_len: int, batch: int = 1,
                  dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu", **options):
@@ -218,6 +221,7 @@ class KVCache:
         self.pos = 0  # slots written so far; advanced by the model's forward, after its last layer
         self.pad: torch.Tensor | None = None  # (B,) left padding of a ragged batch (set_padding); None: none
         self.pad_min = 0  # the least of pad, as a Python int (the forward checks positions without a device sync)
+        self.fused = False  # decode steps attend through attend_decode (a kind that fuses_decode; the engine sets it)
 
     # ---- what a kind declares -------------------------------------------------------------------------------
 
@@ -298,6 +302,17 @@ class KVCache:
 
     def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def attend_decode(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        """For a kind that ``fuses_decode``, while ``fused``: one decode step of ``layer``, q, k_new, v_new (B, nh, 1,
+        hs), written and attended where the kind stores K and V (no full-precision copy of the history): the
+        attention's output (B, nh, 1, hs) in q's dtype. The model calls it instead of ``update`` + attention."""
+        raise NotImplementedError(f"cache kind {self.kind!r} has no fused decode attention")
+
+    def stored_history(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a kind that ``fuses_decode``: the K and V its last ``attend_decode`` of ``layer`` read, as ``update``
+        would have returned them (for measurements that compare what attention saw; a copy, made only when asked)."""
+        raise NotImplementedError(f"cache kind {self.kind!r} has no fused decode attention")
 
     def key_positions(self, t: int) -> torch.Tensor | None:
         """Absolute position of each key ``update`` returns while ``t`` new tokens are written at ``pos`` (call

@@ -21,8 +21,12 @@ each of K and V grouped along either axis, optionally rotated first.
   up to fp16, so every value of the group lies in [min, min + (2^bits - 1) * scale] and round-to-nearest puts every
   dequantised value within half a step (scale / 2) of what was written (rotated: of the rotated value; rotating
   back sums the half-steps of a block, weighted by 1 / sqrt(block)).
-- Attention reads K and V dequantised into the compute dtype: quantised storage, full-precision math, no kernels.
-  (In an fp16/bf16 compute dtype that last rounding adds half an ulp; ``error_bound`` includes it.)
+- Attention reads K and V dequantised into the compute dtype: quantised storage, full-precision math. (In an
+  fp16/bf16 compute dtype that last rounding adds half an ulp; ``error_bound`` includes it.) That eager path
+  dequantises the whole history every step; it is the reference. With ``compile=true`` a decode step instead
+  attends over the packed bytes and scales where they lie (``attend_decode``): on the CPU through a C++ kernel
+  (``csrc/quant_attention.cpp``, ``kernel_attention``), elsewhere through torch.compile (``stored_attention``),
+  float32 math, equal to the eager path within float32 rounding (tests/test_compile.py).
   The whole allocation is made up front, like ``prealloc``: the cache holds ``max_len`` token slots.
 - Scales and minimums are fp16, so values beyond fp16's range (|x| > 65504) cannot be quantised: their group turns
   non-finite, which a run reports as such.
@@ -46,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from models.kv_cache import quant_kernel
 from models.kv_cache.base import KVCache, itemsize, register
 
 BITS = (8, 4, 2)
@@ -53,6 +58,7 @@ AXES = ("channel", "token")
 ROTATIONS = ("none", "hadamard")
 QUANTIZED = ("kv", "k", "v")
 SCALE_DTYPE = torch.float16  # scales and minimums: 2 bytes each
+FORCE_INDUCTOR = False  # True: the fused decode attention goes through torch.compile on the CPU too (tests)
 
 
 @dataclass(frozen=True)
@@ -168,6 +174,100 @@ def _scale_slots(q: int, axis: str, hs: int, G: int) -> tuple[int, int]:
     return (q // G, hs) if axis == "channel" else (q, math.ceil(hs / G))
 
 
+def dequantize_slots(packed: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int, axis: str, G: int,
+                     hs: int) -> torch.Tensor:
+    """(B, nh, S, hs) float32: every one of the S stored slots dequantised (still rotated), written as one pointwise
+    expression of the packed bytes and their scales, so that a compiled reduction over it reads the bytes where
+    they lie instead of a dequantised copy."""
+    B, nh, S = packed.shape[:3]
+    x, per = packed.to(torch.int32), 8 // bits  # int32 shifts: inductor vectorises them (uint8 ones it does not)
+    q = torch.stack([(x >> (bits * i)) & (2 ** bits - 1) for i in range(per)], -1).flatten(-2)
+    q = (q if q.shape[-1] == hs else q[..., :hs]).float()
+    if axis == "channel":  # a scale per channel per group of G tokens
+        return (q.view(B, nh, S // G, G, hs) * scale.float().unsqueeze(3) + lo.float().unsqueeze(3)).view(B, nh, S, hs)
+    if hs % G == 0:  # a scale per token per group of G channels
+        ng = hs // G
+        return (q.view(B, nh, S, ng, G) * scale.float().unsqueeze(4) + lo.float().unsqueeze(4)).view(B, nh, S, hs)
+    idx = torch.arange(hs, device=packed.device) // G  # a last, partial group of channels
+    return q * scale.float()[..., idx] + lo.float()[..., idx]
+
+
+def stored_attention(q: torch.Tensor, k: tuple, v: tuple, n_k: torch.Tensor, n_v: torch.Tensor, n: torch.Tensor,
+                     rot: torch.Tensor | None, layout: tuple) -> torch.Tensor:
+    """One decode step's attention over a quant cache's own storage, static shapes (every slot is read, those not
+    holding a token are masked), for ``torch.compile``: q (B, nh, 1, hs); ``k`` and ``v``: (packed, scale, min,
+    tail) of one layer (packed None: not quantised); n_k, n_v: how many of K's and V's tokens are quantised, n: the
+    tokens held (0-d tensors: no recompile as they grow); ``layout``: ((bits, axis) of K, of V, G, hs). Token j is
+    in the quantised slots if j < n_k (n_v), else in tail slot j - n_k; the scores are made in token order, so K and
+    V may split the history differently. Returns (B, nh, 1, hs) float32."""
+    (kb, ka), (vb, va), G, hs = layout
+    kq, ks, kl, kt = k
+    vq, vs, vl, vt = v
+    qf = q.float() * (1.0 / math.sqrt(hs))
+    L = kt.shape[2] + (kq.shape[2] if kq is not None else 0)  # the cache's token slots
+    j = torch.arange(L, device=q.device)
+    if kt.shape[2]:  # every token's score as if it were in the tail (token j in tail slot j - n_k)
+        scores = (qf * kt.float()).sum(-1)[..., (j - n_k).clamp(0, kt.shape[2] - 1)]  # (B, nh, L)
+    else:  # no tail (token axis, no residual): every token is quantised as it arrives
+        scores = qf.new_zeros(*qf.shape[:2], L)
+    if kq is not None:
+        qr = qf if rot is None else qf @ rot  # K was rotated before quantising: rotate the query instead
+        sq = (qr * dequantize_slots(kq, ks, kl, kb, ka, G, hs)).sum(-1)  # (B, nh, Q_k)
+        sq = torch.cat([sq, sq.new_zeros(*sq.shape[:2], L - sq.shape[2])], -1)
+        scores = torch.where(j < n_k, sq, scores)
+    p = scores.masked_fill(j >= n, float("-inf")).softmax(-1)  # (B, nh, L)
+    out = qf.new_zeros(*qf.shape[:2], hs)  # (B, nh, hs)
+    if vt.shape[2]:
+        t_v = j[: vt.shape[2]] + n_v  # tail slot i holds token n_v + i
+        pt = p[..., t_v.clamp(max=L - 1)].masked_fill(t_v >= n, 0.0)
+        out = (pt.unsqueeze(-1) * vt.float()).sum(-2)
+    if vq is not None:
+        pq = p[..., : vq.shape[2]].masked_fill(j[: vq.shape[2]] >= n_v, 0.0)
+        oq = (pq.unsqueeze(-1) * dequantize_slots(vq, vs, vl, vb, va, G, hs)).sum(-2)
+        out = out + (oq if rot is None else oq @ rot)  # V rotated back once, after the sum
+    return out.unsqueeze(2)
+
+
+def kernel_attention(kernel, q: torch.Tensor, k: tuple, v: tuple, n_k: int, n_v: int, n: int,
+                     rot: torch.Tensor | None, layout: tuple) -> torch.Tensor:
+    """stored_attention on the CPU through ``kernel`` (models/kv_cache/csrc/quant_attention.cpp): the q . K^T and
+    p . V reductions over the quantised tokens read the packed bytes and scales row by row; only the tokens held
+    are read (n_k, n_v, n: Python ints). Same arguments and result as stored_attention."""
+    (kb, ka), (vb, va), G, hs = layout
+    kq, ks, kl, kt = k
+    vq, vs, vl, vt = v
+    B, nh = q.shape[:2]
+    qf = (q.float() * (1.0 / math.sqrt(hs))).reshape(B * nh, hs)
+
+    def flat(t):  # (B, nh, ...) -> (B * nh, ...), scales in float32
+        return t.reshape(B * nh, *t.shape[2:])
+
+    parts = []
+    if kq is not None and n_k:
+        qr = qf if rot is None else qf @ rot  # K was rotated before quantising: rotate the query instead
+        parts.append(kernel.scores(qr.contiguous(), flat(kq), flat(ks).float(), flat(kl).float(), n_k, kb,
+                                   ka == "channel", G))
+    if n > n_k:
+        parts.append(torch.bmm(flat(kt[:, :, : n - n_k]).float(), qf.unsqueeze(-1)).squeeze(-1))
+    p = torch.cat(parts, -1).softmax(-1) if len(parts) > 1 else parts[0].softmax(-1)  # (B * nh, n), token order
+    out = torch.bmm(p[:, n_v:].unsqueeze(1), flat(vt[:, :, : n - n_v]).float()).squeeze(1) if n > n_v else None
+    if vq is not None and n_v:
+        oq = kernel.weighted(p, flat(vq), flat(vs).float(), flat(vl).float(), n_v, hs, vb, va == "channel", G)
+        oq = oq if rot is None else oq @ rot  # V rotated back once, after the sum
+        out = oq if out is None else out + oq
+    return out.view(B, nh, 1, hs)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_stored_attention():
+    """stored_attention through torch.compile (inductor fuses each unpack-dequantise-multiply into its reduction);
+    one compiled function for every layer and cache, static shapes. Each layout, dtype and geometry is a graph of
+    its own, all of one function: a process that runs many (a test of every option set, a sweep in one process)
+    needs more than dynamo's default of 8 per function, so the limit is raised to 64."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(stored_attention, fullgraph=True, dynamic=False)
+
+
 @register
 class QuantKVCache(KVCache):
     kind = "quant"
@@ -175,6 +275,7 @@ class QuantKVCache(KVCache):
                       "ragged batches on an exact kind")
     Options = QuantOptions
     exact = False
+    fuses_decode = True
     description = ("K and V as 8/4/2-bit integers with fp16 scales, each grouped per channel or per token (KIVI: K "
                    "per channel, V per token), optionally Hadamard-rotated first")
     examples = ({"k_bits": 8, "v_bits": 8, "group_size": 8},
@@ -255,6 +356,36 @@ class QuantKVCache(KVCache):
         self._returned = (n1, k_new.dtype)
         return self._history(layer, q1["k"], n1, "k", k_new.dtype), self._history(layer, q1["v"], n1, "v",
                                                                                    v_new.dtype)
+
+    def attend_decode(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        """Write the step's K and V as ``update`` does, then attend over the packed bytes, scales and tails
+        themselves (``stored_attention``, compiled): no dequantised copy of the history."""
+        t = self._check_room(layer, k_new, v_new)
+        n0, n1 = self.pos, self.pos + t
+        n_k, n_v = (self._store(layer, w, new, n0, n1) for w, new in (("k", k_new), ("v", v_new)))
+        self._returned = (n1, k_new.dtype)
+        o = self.opts
+
+        def parts(which):
+            packed = getattr(self, f"{which}_q")[layer]
+            quantised = o.axis(which) != "none" and packed.shape[2] > 0
+            return (*(getattr(self, f"{which}_{part}")[layer] if quantised else None
+                      for part in ("q", "scale", "min")), getattr(self, f"{which}_tail")[layer])
+
+        layout = ((o.bits("k"), o.axis("k")), (o.bits("v"), o.axis("v")), o.group_size, self.head_dim)
+        kernel = quant_kernel.load() if self.device.type == "cpu" and not FORCE_INDUCTOR else None
+        if kernel is not None:
+            return kernel_attention(kernel, q, parts("k"), parts("v"), n_k, n_v, n1, self._rotation(),
+                                    layout).to(q.dtype)
+        counts = torch.tensor([n_k, n_v, n1], device=self.device)
+        y = compiled_stored_attention()(q, parts("k"), parts("v"), counts[0], counts[1], counts[2],
+                                        self._rotation(), layout)
+        return y.to(q.dtype)
+
+    def stored_history(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n, dtype = self._returned
+        n_k, n_v = self._split(n)
+        return self._history(layer, n_k, n, "k", dtype), self._history(layer, n_v, n, "v", dtype)
 
     def _rotation(self) -> torch.Tensor | None:
         return hadamard(self.head_dim, str(self.device)) if self.opts.rotate == "hadamard" else None

@@ -1,0 +1,169 @@
+// Decode attention over a quant cache's packed storage, on the CPU: the two reductions that read the quantised
+// history (q . K^T and p . V), each reading the packed bytes and their scales where they lie, one token row at a
+// time, with no dequantised copy. Float32 math throughout. Built on first use by models/kv_cache/quant_kernel.py
+// (torch.utils.cpp_extension), parallel over batch rows x heads.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+namespace {
+
+// One token row of `bits`-bit values packed along the channels, as floats; `out` has room for nb * (8 / bits).
+template <int BITS>
+inline void unpack_row(const uint8_t* p, int64_t nb, float* out) {
+  constexpr int PER = 8 / BITS;
+  constexpr int MASK = (1 << BITS) - 1;
+#pragma omp simd
+  for (int64_t b = 0; b < nb; ++b) {
+    const int x = p[b];
+    for (int i = 0; i < PER; ++i) out[b * PER + i] = static_cast<float>((x >> (BITS * i)) & MASK);
+  }
+}
+
+// scores[bh, j] = sum_c q[bh, c] * (lo + value * scale) for the first n tokens; the rest left 0.
+template <int BITS>
+void scores_impl(const float* q, const uint8_t* packed, const float* scale, const float* lo, float* out, int64_t BH,
+                 int64_t S, int64_t nb, int64_t hs, int64_t n, bool channel, int64_t G, int64_t ns, int64_t sw,
+                 int64_t os) {
+  at::parallel_for(0, BH, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> vals(nb * (8 / BITS)), qs(hs), qg((hs + G - 1) / G);
+    for (int64_t bh = b0; bh < b1; ++bh) {
+      const float* qq = q + bh * hs;
+      const uint8_t* pk = packed + bh * S * nb;
+      const float* sc = scale + bh * ns * sw;
+      const float* mn = lo + bh * ns * sw;
+      float* o = out + bh * os;
+      if (channel) {  // a scale and minimum per channel for each group of G tokens
+        float ql = 0.f;
+        for (int64_t j = 0; j < n; ++j) {
+          if (j % G == 0) {  // a new group: fold its scales into the query
+            const float* s = sc + (j / G) * hs;
+            const float* m = mn + (j / G) * hs;
+            ql = 0.f;
+            for (int64_t c = 0; c < hs; ++c) { qs[c] = qq[c] * s[c]; ql += qq[c] * m[c]; }
+          }
+          unpack_row<BITS>(pk + j * nb, nb, vals.data());
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t c = 0; c < hs; ++c) acc += qs[c] * vals[c];
+          o[j] = acc + ql;
+        }
+      } else {  // a scale and minimum per token for each group of G channels
+        const int64_t ng = (hs + G - 1) / G;
+        for (int64_t g = 0; g < ng; ++g) {
+          qg[g] = 0.f;
+          for (int64_t c = g * G; c < std::min(hs, (g + 1) * G); ++c) qg[g] += qq[c];
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          unpack_row<BITS>(pk + j * nb, nb, vals.data());
+          float acc = 0.f;
+          for (int64_t g = 0; g < ng; ++g) {
+            float part = 0.f;
+            const int64_t c1 = std::min(hs, (g + 1) * G);
+#pragma omp simd reduction(+ : part)
+            for (int64_t c = g * G; c < c1; ++c) part += qq[c] * vals[c];
+            acc += part * sc[j * sw + g] + qg[g] * mn[j * sw + g];
+          }
+          o[j] = acc;
+        }
+      }
+    }
+  });
+}
+
+// out[bh, c] = sum_j p[bh, j] * (lo + value * scale) over the first n tokens.
+template <int BITS>
+void weighted_impl(const float* p, int64_t P, const uint8_t* packed, const float* scale, const float* lo, float* out,
+                   int64_t BH, int64_t S, int64_t nb, int64_t hs, int64_t n, bool channel, int64_t G, int64_t ns,
+                   int64_t sw) {
+  at::parallel_for(0, BH, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> vals(nb * (8 / BITS)), acc(hs), w((hs + G - 1) / G), u((hs + G - 1) / G);
+    for (int64_t bh = b0; bh < b1; ++bh) {
+      const float* pp = p + bh * P;
+      const uint8_t* pk = packed + bh * S * nb;
+      const float* sc = scale + bh * ns * sw;
+      const float* mn = lo + bh * ns * sw;
+      float* o = out + bh * hs;
+      for (int64_t c = 0; c < hs; ++c) o[c] = 0.f;
+      if (channel) {  // per group of G tokens: sum p * value, then one scale and minimum per channel
+        for (int64_t g0 = 0; g0 < n; g0 += G) {
+          float psum = 0.f;
+          for (int64_t c = 0; c < hs; ++c) acc[c] = 0.f;
+          for (int64_t j = g0; j < std::min(n, g0 + G); ++j) {
+            unpack_row<BITS>(pk + j * nb, nb, vals.data());
+            const float pj = pp[j];
+            psum += pj;
+#pragma omp simd
+            for (int64_t c = 0; c < hs; ++c) acc[c] += pj * vals[c];
+          }
+          const float* s = sc + (g0 / G) * hs;
+          const float* m = mn + (g0 / G) * hs;
+          for (int64_t c = 0; c < hs; ++c) o[c] += acc[c] * s[c] + psum * m[c];
+        }
+      } else {  // per token: its own scale and minimum per group of G channels
+        const int64_t ng = (hs + G - 1) / G;
+        for (int64_t j = 0; j < n; ++j) {
+          unpack_row<BITS>(pk + j * nb, nb, vals.data());
+          const float pj = pp[j];
+          for (int64_t g = 0; g < ng; ++g) {
+            const float wg = pj * sc[j * sw + g], ug = pj * mn[j * sw + g];
+            const int64_t c1 = std::min(hs, (g + 1) * G);
+#pragma omp simd
+            for (int64_t c = g * G; c < c1; ++c) o[c] += wg * vals[c] + ug;
+          }
+        }
+      }
+    }
+  });
+}
+
+void check(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& lo) {
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 3,
+              "packed: contiguous uint8 (BH, S, bytes)");
+  TORCH_CHECK(scale.dtype() == torch::kFloat && lo.dtype() == torch::kFloat && scale.is_contiguous() &&
+              lo.is_contiguous() && scale.dim() == 3 && lo.sizes() == scale.sizes(),
+              "scale, lo: contiguous float32 (BH, slots, per slot) of one shape");
+}
+
+}  // namespace
+
+torch::Tensor scores(torch::Tensor q, torch::Tensor packed, torch::Tensor scale, torch::Tensor lo, int64_t n,
+                     int64_t bits, bool channel, int64_t G) {
+  check(packed, scale, lo);
+  TORCH_CHECK(q.dtype() == torch::kFloat && q.is_contiguous() && q.dim() == 2, "q: contiguous float32 (BH, hs)");
+  const int64_t BH = packed.size(0), S = packed.size(1), nb = packed.size(2), hs = q.size(1);
+  TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, "bits must be 8, 4 or 2");
+  TORCH_CHECK(nb * (8 / bits) >= hs && n <= S && q.size(0) == BH, "packed rows too short for hs, or n > slots");
+  auto out = torch::empty({BH, n}, q.options());
+  const float *qq = q.data_ptr<float>(), *sc = scale.data_ptr<float>(), *mn = lo.data_ptr<float>();
+  const uint8_t* pk = packed.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t ns = scale.size(1), sw = scale.size(2);
+  if (bits == 8) scores_impl<8>(qq, pk, sc, mn, o, BH, S, nb, hs, n, channel, G, ns, sw, n);
+  if (bits == 4) scores_impl<4>(qq, pk, sc, mn, o, BH, S, nb, hs, n, channel, G, ns, sw, n);
+  if (bits == 2) scores_impl<2>(qq, pk, sc, mn, o, BH, S, nb, hs, n, channel, G, ns, sw, n);
+  return out;
+}
+
+torch::Tensor weighted(torch::Tensor p, torch::Tensor packed, torch::Tensor scale, torch::Tensor lo, int64_t n,
+                       int64_t hs, int64_t bits, bool channel, int64_t G) {
+  check(packed, scale, lo);
+  TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, "bits must be 8, 4 or 2");
+  const int64_t BH = packed.size(0), S = packed.size(1), nb = packed.size(2);
+  TORCH_CHECK(p.dtype() == torch::kFloat && p.dim() == 2 && p.stride(1) == 1 && p.size(0) == BH && p.size(1) >= n,
+              "p: float32 (BH, >= n), rows contiguous");
+  TORCH_CHECK(nb * (8 / bits) >= hs && n <= S, "packed rows too short for hs, or n > slots");
+  auto out = torch::empty({BH, hs}, p.options());
+  const float *pp = p.data_ptr<float>(), *sc = scale.data_ptr<float>(), *mn = lo.data_ptr<float>();
+  const uint8_t* pk = packed.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t ns = scale.size(1), sw = scale.size(2), P = p.stride(0);
+  if (bits == 8) weighted_impl<8>(pp, P, pk, sc, mn, o, BH, S, nb, hs, n, channel, G, ns, sw);
+  if (bits == 4) weighted_impl<4>(pp, P, pk, sc, mn, o, BH, S, nb, hs, n, channel, G, ns, sw);
+  if (bits == 2) weighted_impl<2>(pp, P, pk, sc, mn, o, BH, S, nb, hs, n, channel, G, ns, sw);
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("scores", &scores, "q . K^T over packed K (first n tokens)");
+  m.def("weighted", &weighted, "p . V over packed V (first n tokens)");
+}

@@ -1,0 +1,84 @@
+"""scripts/gpu-check without a GPU: its argument handling, its plan, and its table and targets computed from rows
+measured here on the CPU (the same code measures the GPU where one is lent)."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load():
+    loader = importlib.machinery.SourceFileLoader("gpu_check", str(REPO / "scripts" / "gpu-check"))
+    spec = importlib.util.spec_from_loader("gpu_check", loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+gc = load()
+
+
+def test_the_dry_run_plans_every_kind_eager_and_the_compiled_ones_compiled(capsys):
+    assert gc.main(["--dry-run", "--models", "gpt2", "gpt2-xl", "--contexts", "512", "960"]) == 0
+    rows = gc.plan(gc.parse_args(["--dry-run", "--contexts", "512", "960"]))
+    from harness.engines import KvlabEngine
+
+    compiled = [k for k in gc.KINDS if KvlabEngine.refuses_compile(k) is None]
+    assert len(rows) == 2 * 2 * (len(gc.KINDS) + len(compiled))  # models x contexts x (eager + compiled kinds)
+    assert {r["mode"] for r in rows if r["cache"] == "prealloc"} == {"eager", "compiled"}
+    out = capsys.readouterr().out
+    assert out.startswith("plan: the CUDA tests") and out.count("\n") == len(rows) + 1
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--models", "gpt5"], "not a model preset"),
+    (["--kinds", "concat"], "must include prealloc"),
+    (["--kinds", "prealloc", "quant:bits=9"], "--kinds 'quant:bits=9'"),
+    (["--contexts", "1024"], "exceeds n_positions 1024 of gpt2"),
+    (["--warmup", "1"], "at least 3"),
+    (["--budget-s", "0"], "must be > 0"),
+])
+def test_bad_arguments_get_one_line_and_exit_2(capsys, argv, says):
+    with pytest.raises(SystemExit) as e:
+        gc.parse_args(["--dry-run", *argv])
+    assert e.value.code == 2 and says in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run")
+def test_without_cuda_it_says_so_unless_asked_for_the_plan(capsys):
+    with pytest.raises(SystemExit) as e:
+        gc.parse_args([])
+    assert e.value.code == 2 and "sees no CUDA device here" in capsys.readouterr().err
+
+
+def test_measured_rows_make_the_table_and_the_targets(monkeypatch):
+    """measure_model on the CPU (tiny, as gpt2-xl's stand-in): every planned row measured, ratios against eager
+    prealloc, and the targets computed from the rows' own figures."""
+    a = gc.parse_args(["--dry-run", "--models", "tiny", "--contexts", "16", "--kinds", "prealloc", "concat",
+                       "--repeats", "2", "--warmup", "3"])
+    a.device, a.dtype = "cpu", "fp32"
+    from harness import measure
+
+    monkeypatch.setattr(measure, "bandwidth_probe", lambda device, nbytes: {"probe_gbps": 10.0})
+    rows = gc.measure_model(a, "tiny", deadline=float("inf"))
+    assert [(r["cache"], r["mode"]) for r in rows] == [(r["cache"], r["mode"]) for r in gc.plan(a)]
+    assert all(r["probe_gbps"] == 10.0 and r["gb_per_s"] == pytest.approx(r["bytes_read"] / r["ms"] / 1e6)
+               for r in rows)
+    lines = gc.table(rows).splitlines()
+    assert len(lines) == 1 + len(rows) and "1.00x" in lines[1]  # eager prealloc against itself
+    xl = [{**r, "model": "gpt2-xl"} for r in rows]
+    c = next(r for r in xl if r["mode"] == "compiled")
+    e = next(r for r in xl if r["mode"] == "eager" and r["cache"] == "prealloc")
+    got = gc.targets(xl, card_gbps=None)
+    share, speedup = c["gb_per_s"] / 10.0, e["ms"] / c["ms"]
+    assert f"= {share:.0%} of the probe's 10 GB/s" in got[0]
+    assert got[0].endswith("NOT met" if share < 0.7 else "met") and f"{speedup:.2f}x faster" in got[1]
+    assert "of the card's 2 GB/s" in gc.targets(xl, card_gbps=2.0)[0]
+    assert gc.targets(rows, None) == ["targets: not measured (they need gpt2-xl prealloc at batch 1)"]
+    assert gc.measure_model(a, "tiny", deadline=0.0) == []  # the budget spent: nothing more is started
