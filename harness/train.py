@@ -631,10 +631,17 @@ def attention_io(model: GPT2, idx: torch.Tensor) -> dict[int, tuple[torch.Tensor
 @torch.no_grad()
 def attention_on_first(model: GPT2, idx: torch.Tensor, from_pos: int = 64) -> list[float]:
     """Per layer: the share of attention that queries at positions >= from_pos put on position 0 (mean over heads,
-    queries and sequences). The probabilities are recomputed from each layer's own input and c_attn, and checked
-    against the layer's output, so they are the ones the model used."""
+    queries and sequences), from ``attention_probs``."""
+    return [float(att[:, :, from_pos:, 0].mean()) for att in attention_probs(model, idx)]
+
+
+@torch.no_grad()
+def attention_probs(model: GPT2, idx: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer: the causal attention probabilities (B, nh, T, T) of a full forward of ``idx``, recomputed from
+    each layer's own input and c_attn, and checked against the layer's output, so they are the ones the model
+    used."""
     seen = attention_io(model, idx)
-    shares = []
+    probs = []
     for i, block in enumerate(model.transformer.h):
         x, out = seen[i]
         B, T, C = x.shape
@@ -644,8 +651,8 @@ def attention_on_first(model: GPT2, idx: torch.Tensor, from_pos: int = 64) -> li
         att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
         y = block.attn.c_proj((att @ v).transpose(1, 2).reshape(B, T, C))
         torch.testing.assert_close(y, out, atol=1e-3, rtol=1e-3)  # the same attention the model computed
-        shares.append(float(att[:, :, from_pos:, 0].mean()))
-    return shares
+        probs.append(att)
+    return probs
 
 
 def evaluate(model: GPT2, held: torch.Tensor, ids: torch.Tensor, seed: int = 0) -> dict:

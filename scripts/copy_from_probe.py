@@ -7,6 +7,9 @@ that start at position 0, or behind 32 or 96 other random tokens (``harness.trai
     .venv/bin/python scripts/copy_from_probe.py --rows placed     # harness.train's placed rows (twice, anywhere)
     .venv/bin/python scripts/copy_from_probe.py --rows mixed      # half each
     .venv/bin/python scripts/copy_from_probe.py --fifths models/weights/mini   # a checkpoint: where its copying stops
+    .venv/bin/python scripts/copy_from_probe.py --prev-heads models/weights/mini   # does any head look one back?
+    .venv/bin/python scripts/copy_from_probe.py --rows repeated --prev-steps 200 [--hold-prev]   # a previous-token
+        # stage first: rows whose every target is the token before it (a previous-token head at every position)
 
 docs/reference-model.md ("Copying from anywhere") reads its output (one JSON line per evaluation; ~2 min each on one
 core, with 3 at once on 2 cores). The toy's "text" is random ids, so a placed row is a random span shown twice among
@@ -30,9 +33,14 @@ from models.gpt2 import GPT2Config  # noqa: E402
 
 SHORT, LONG, FORM_STEPS = 32, 128, 400
 N_IDS = 2000  # --ids
+PREV_STEPS = 0  # --prev-steps
 
 
 def batch(kind: str, step: int, stream: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    if step < PREV_STEPS:  # rows of random ids whose every target is the token before it
+        xx = torch.randint(0, N_IDS, (16, LONG + 1), generator=gen)
+        return xx[:, 1:], xx[:, :-1].clone()
+    step -= PREV_STEPS
     if step < FORM_STEPS:  # the circuit forms in short rows
         return T.copy_rows(64, SHORT, N_IDS + 1, N_IDS, gen, span_min=4)
     repeated = {"repeated": 16, "placed": 0, "mixed": 8}[kind]
@@ -61,10 +69,60 @@ def fifths(folder: str) -> None:
                               fifths=[round(float(c.mean()), 2) for c in right.split(max(n // 5, 1))])), flush=True)
 
 
+@torch.no_grad()
+def previous_token_share(model, x: torch.Tensor, buckets=((0, 15), (15, 63), (63, 255), (255, 1023))) -> list:
+    """Per layer, per head: the mean attention a query at position i puts on key i - 1, averaged over each bucket
+    of query positions (a previous-token head: near 1 at every position)."""
+    out = []
+    for att in T.attention_probs(model, x):
+        n = att.shape[-1]
+        prev = torch.diagonal(att, offset=-1, dim1=-2, dim2=-1).mean(0)  # (nh, n - 1): query i + 1 on key i
+        out.append([[round(float(prev[hd, a:min(b, n - 1)].mean()), 2) for a, b in buckets if a < n - 1]
+                    for hd in range(att.shape[1])])
+    return out
+
+
+def prev_heads(folder: str) -> None:
+    """A checkpoint's previous-token attention per layer and head, on 2 sequences of 1,024 random training ids."""
+    from models.gpt2 import GPT2
+
+    model = GPT2.from_pretrained(folder).float().eval()
+    ids = T._Data(T.EVAL_LEN, T.EVAL_TOKENS).copy_ids(full=True)
+    x = ids[torch.randint(0, len(ids), (2, 1024), generator=torch.Generator().manual_seed(0))]
+    for layer, heads in enumerate(previous_token_share(model, x)):
+        print(json.dumps(dict(layer=layer, positions="0-15, 15-63, 63-255, 255-1023", heads=heads)), flush=True)
+
+
+def hold_previous(model, held: dict | None) -> dict:
+    """--hold-prev: the first call (after the previous-token stage) keeps layer 0's query/key weights and the
+    position embeddings and re-draws layer 0's value and output weights (whose output the stage trained to be the
+    token itself, in the embedding's own directions); every later call puts the kept weights back after a step."""
+    at, C = model.transformer.h[0].attn, model.config.n_embd
+    with torch.no_grad():
+        if held is None:
+            held = dict(w=at.c_attn.weight[:2 * C].clone(), b=at.c_attn.bias[:2 * C].clone(),
+                        pe=model.transformer.wpe.weight.clone())
+            at.c_attn.weight[2 * C:].normal_(0, T.INIT_STD)
+            at.c_attn.bias[2 * C:].zero_()
+            at.c_proj.weight.normal_(0, T.INIT_STD / 2)
+            at.c_proj.bias.zero_()
+        at.c_attn.weight[:2 * C] = held["w"]
+        at.c_attn.bias[:2 * C] = held["b"]
+        model.transformer.wpe.weight.copy_(held["pe"])
+    return held
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", choices=["repeated", "placed", "mixed"], help="the long rows' kind")
     p.add_argument("--fifths", metavar="DIR", help="instead: where a checkpoint's copying stops")
+    p.add_argument("--prev-heads", metavar="DIR", help="instead: a checkpoint's attention on the previous token")
+    p.add_argument("--prev-steps", type=int, default=0,
+                   help="steps of previous-token rows (rows of 128 random ids, each target the token before it) "
+                        "before the copy stages")
+    p.add_argument("--hold-prev", action="store_true",
+                   help="after --prev-steps: keep layer 0's query/key weights and the position embeddings, re-draw "
+                        "its value/output weights")
     p.add_argument("--steps", type=int, default=1400)
     p.add_argument("--every", type=int, default=100)
     p.add_argument("--lr", type=float, default=1e-2)
@@ -74,11 +132,15 @@ def main() -> None:
                    help="short rows start at a random position (0 .. 128 - 32) instead of 0 (harness.train's "
                         "position_offsets)")
     a = p.parse_args()
-    global N_IDS
-    N_IDS = a.ids
+    global N_IDS, PREV_STEPS
+    N_IDS, PREV_STEPS = a.ids, a.prev_steps
     torch.set_num_threads(1)
     if a.fifths:
         return fifths(a.fifths)
+    if a.prev_heads:
+        return prev_heads(a.prev_heads)
+    if a.hold_prev and not a.prev_steps:
+        p.error("--hold-prev holds what --prev-steps N taught: give both")
     if not a.rows:
         p.error("give --rows repeated|placed|mixed (or --fifths DIR)")
     torch.manual_seed(0)
@@ -87,11 +149,14 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     ids = torch.arange(N_IDS)
     stream = torch.randint(0, N_IDS, (200_000,), generator=torch.Generator().manual_seed(9))
-    t0 = time.time()
+    t0, held = time.time(), None
     for step in range(a.steps + 1):
         if step % a.every == 0:
             acc = {f"after{o}": round(T.copy_accuracy(model, ids, 16, k=16, after=o)[1], 3) for o in (0, 32, 96)}
-            print(json.dumps(dict(rows=a.rows, step=step, s=round(time.time() - t0), **acc)), flush=True)
+            x = ids[torch.randint(0, N_IDS, (8, LONG), generator=torch.Generator().manual_seed(5))]
+            prev = [max(c) for c in zip(*previous_token_share(model, x, ((0, 31), (31, 63), (63, 127)))[0])]
+            print(json.dumps(dict(rows=a.rows, step=step, s=round(time.time() - t0), **acc, layer0_prev=prev)),
+                  flush=True)
         if step == a.steps:
             break
         for g in opt.param_groups:
@@ -103,6 +168,8 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if a.hold_prev and step + 1 >= a.prev_steps:
+            held = hold_previous(model, held if step + 1 > a.prev_steps else None)
 
 
 if __name__ == "__main__":

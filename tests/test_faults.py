@@ -77,7 +77,8 @@ CONFIG = [
     ("paged-block-size-zero", ["cache=paged", "cache.block_size=0"], "block_size must be an integer >= 1"),
     ("compile-not-prealloc", ["cache=concat", "compile=true"],
      "compile=true compiles the pre-allocated kind's decode step (static shapes) and the decode attention of the "
-     "kinds that read K/V where they lie (quant): use cache=prealloc or cache=quant, not cache=concat"),
+     "kinds that read K/V where they lie (quant, paged): use cache=prealloc or cache=quant or cache=paged, not "
+     "cache=concat"),
     ("eviction-budget-zero", ["cache=h2o", "cache.budget=0"], "cache option budget must be an integer >= 1"),
     ("eviction-budget-over-max-len", ["cache=tova", "cache.budget=300", "max_len=256"],
      "cache=tova: cache option budget 300 is more than max_len 256"),

@@ -46,6 +46,6 @@ class Compile(Measurement):
     @classmethod
     def summary(cls, r, tables):
         return [f"  compiled step     compile {r['compile_s']:.1f} s + warm-up {r['compile_warmup_s']:.2g} s (not in "
-                f"step times; mode {r['compile_mode']}), {r['compile_graphs']} graph, {r['compile_recompiles']} "
+                f"step times; mode {r['compile_mode']}), {r['compile_graphs']} graph(s), {r['compile_recompiles']} "
                 f"recompiles over {r['compiled_steps']} steps, {r['compile_cudagraph_skips']} CUDA-graph skips; = "
                 f"eager: {r['compile_tokens_identical']} (max |dlogit| {r['compile_max_abs_logit']:.2g})"]

@@ -24,7 +24,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from models.kv_cache import kernels
 from models.kv_cache.base import KVCache, itemsize, register
 
 
@@ -110,6 +112,7 @@ class PagedKVCache(KVCache):
     description = "paged: fixed-size blocks from a shared pool, a block table per sequence, copy-on-write sharing"
     examples = ({"block_size": 4}, {"block_size": 16}, {"block_size": 1})
     pooled = True
+    fuses_decode = True
 
     def __init__(self, *args, pool: BlockPool | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -229,6 +232,15 @@ class PagedKVCache(KVCache):
         return None if self._uniform else self._positions
 
     def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self._write(layer, k_new, v_new)
+        k, v = self._blocks(layer, self._tab)
+        if self._uniform:
+            n = self.pos + t
+            return k[:, :, :n], v[:, :, :n]  # (B, nh, pos + t, hs)
+        return k, v
+
+    def _write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> int:
+        """Write t new tokens' K and V into their pool rows (blocks taken as needed); returns t."""
         t = self._check_room(layer, k_new, v_new)
         if self._ready != (self.pos, t):
             self._prepare(t)
@@ -240,11 +252,25 @@ class PagedKVCache(KVCache):
         else:
             self.pool.k[layer][:, rows[keep]] = kn[:, keep].to(self.dtype)  # (nh, kept, hs)
             self.pool.v[layer][:, rows[keep]] = vn[:, keep].to(self.dtype)
+        return t
+
+    def attend_decode(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        """Write the step's K and V as ``update`` does, then attend through the block tables, every key and value
+        row read where it lies in the pool (the CPU kernel ``paged``; no gathered copy). Where the kernel is not
+        built (no C++ compiler, or a GPU): ``update`` and attention over its gathered copy."""
+        kernel = kernels.load() if self.device.type == "cpu" else None
+        if kernel is None or not self._uniform:
+            k, v = self.update(layer, k_new, v_new)
+            return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype))
+        t = self._write(layer, k_new, v_new)
+        qf = (q.float() * (1.0 / math.sqrt(self.head_dim)))[:, :, 0].contiguous()  # (B, nh, hs)
+        y = kernel.paged(qf, self.pool.k[layer], self.pool.v[layer], self._tab, self.opts.block_size, self.pos + t)
+        return y.unsqueeze(2).to(q.dtype)
+
+    def stored_history(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self._blocks(layer, self._tab)
-        if self._uniform:
-            n = self.pos + t
-            return k[:, :, :n], v[:, :, :n]  # (B, nh, pos + t, hs)
-        return k, v
+        n = self.pos + 1  # inside the step's forward: pos is advanced after the last layer
+        return k[:, :, :n], v[:, :, :n]
 
     def _blocks(self, layer: int, tab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every block of every sequence, whole blocks in table order: (B, nh, width * bs, hs)."""

@@ -25,7 +25,7 @@ each of K and V grouped along either axis, optionally rotated first.
   fp16/bf16 compute dtype that last rounding adds half an ulp; ``error_bound`` includes it.) That eager path
   dequantises the whole history every step; it is the reference. With ``compile=true`` a decode step instead
   attends over the packed bytes and scales where they lie (``attend_decode``): on the CPU through a C++ kernel
-  (``csrc/quant_attention.cpp``, ``kernel_attention``), elsewhere through torch.compile (``stored_attention``),
+  (``csrc/decode_attention.cpp``, ``kernel_attention``), elsewhere through torch.compile (``stored_attention``),
   float32 math, equal to the eager path within float32 rounding (tests/test_compile.py).
   The whole allocation is made up front, like ``prealloc``: the cache holds ``max_len`` token slots.
 - Scales and minimums are fp16, so values beyond fp16's range (|x| > 65504) cannot be quantised: their group turns
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.kv_cache import quant_kernel
+from models.kv_cache import kernels
 from models.kv_cache.base import KVCache, itemsize, register
 
 BITS = (8, 4, 2)
@@ -230,7 +230,7 @@ def stored_attention(q: torch.Tensor, k: tuple, v: tuple, n_k: torch.Tensor, n_v
 
 def kernel_attention(kernel, q: torch.Tensor, k: tuple, v: tuple, n_k: int, n_v: int, n: int,
                      rot: torch.Tensor | None, layout: tuple) -> torch.Tensor:
-    """stored_attention on the CPU through ``kernel`` (models/kv_cache/csrc/quant_attention.cpp): the q . K^T and
+    """stored_attention on the CPU through ``kernel`` (models/kv_cache/csrc/decode_attention.cpp): the q . K^T and
     p . V reductions over the quantised tokens read the packed bytes and scales row by row; only the tokens held
     are read (n_k, n_v, n: Python ints). Same arguments and result as stored_attention."""
     (kb, ka), (vb, va), G, hs = layout
@@ -373,7 +373,7 @@ class QuantKVCache(KVCache):
                       for part in ("q", "scale", "min")), getattr(self, f"{which}_tail")[layer])
 
         layout = ((o.bits("k"), o.axis("k")), (o.bits("v"), o.axis("v")), o.group_size, self.head_dim)
-        kernel = quant_kernel.load() if self.device.type == "cpu" and not FORCE_INDUCTOR else None
+        kernel = kernels.load() if self.device.type == "cpu" and not FORCE_INDUCTOR else None
         if kernel is not None:
             return kernel_attention(kernel, q, parts("k"), parts("v"), n_k, n_v, n1, self._rotation(),
                                     layout).to(q.dtype)

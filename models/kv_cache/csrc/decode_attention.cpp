@@ -1,9 +1,15 @@
-// Decode attention over a quant cache's packed storage, on the CPU: the two reductions that read the quantised
-// history (q . K^T and p . V), each reading the packed bytes and their scales where they lie, one token row at a
-// time, with no dequantised copy. Float32 math throughout. Built on first use by models/kv_cache/quant_kernel.py
-// (torch.utils.cpp_extension), parallel over batch rows x heads.
+// Decode attention where a cache kind stores K and V, on the CPU, parallel over batch rows x heads, float32 math:
+// - quant: the two reductions that read the quantised history (q . K^T and p . V), each reading the packed bytes and
+//   their scales where they lie, one token row at a time, with no dequantised copy (scores, weighted);
+// - paged: the whole attention of one query, reading each key and value row through the block table (paged).
+// Built on first use by models/kv_cache/kernels.py (torch.utils.cpp_extension).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
 
 namespace {
 
@@ -163,7 +169,59 @@ torch::Tensor weighted(torch::Tensor p, torch::Tensor packed, torch::Tensor scal
   return out;
 }
 
+// One query per sequence and head over its first n tokens, each key and value row read through the block table:
+// out[b, h] = softmax_t(q . k_t) . v, k_t = pool[h, tab[b, t / bs] * bs + t % bs]; q is pre-scaled.
+template <typename T>
+void paged_impl(const float* q, const T* pk, const T* pv, const int64_t* tab, float* out, int64_t B, int64_t nh,
+                int64_t width, int64_t bs, int64_t hs, int64_t slots, int64_t n) {
+  at::parallel_for(0, B * nh, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> sc(n), acc(hs);
+    for (int64_t bh = b0; bh < b1; ++bh) {
+      const int64_t b = bh / nh, h = bh % nh;
+      const float* qq = q + bh * hs;
+      const int64_t* row = tab + b * width;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < n; ++t) {
+        const T* k = pk + (h * slots + row[t / bs] * bs + t % bs) * hs;
+        float d = 0.f;
+#pragma omp simd reduction(+ : d)
+        for (int64_t c = 0; c < hs; ++c) d += qq[c] * static_cast<float>(k[c]);
+        sc[t] = d;
+        mx = std::max(mx, d);
+      }
+      float total = 0.f;
+      for (int64_t t = 0; t < n; ++t) { sc[t] = std::exp(sc[t] - mx); total += sc[t]; }
+      for (int64_t c = 0; c < hs; ++c) acc[c] = 0.f;
+      for (int64_t t = 0; t < n; ++t) {
+        const T* v = pv + (h * slots + row[t / bs] * bs + t % bs) * hs;
+        const float w = sc[t] / total;
+#pragma omp simd
+        for (int64_t c = 0; c < hs; ++c) acc[c] += w * static_cast<float>(v[c]);
+      }
+      std::copy(acc.begin(), acc.end(), out + bh * hs);
+    }
+  });
+}
+
+torch::Tensor paged(torch::Tensor q, torch::Tensor pool_k, torch::Tensor pool_v, torch::Tensor tab, int64_t bs,
+                    int64_t n) {
+  TORCH_CHECK(q.dtype() == torch::kFloat && q.is_contiguous() && q.dim() == 3, "q: contiguous float32 (B, nh, hs)");
+  TORCH_CHECK(pool_k.is_contiguous() && pool_v.is_contiguous() && pool_k.dim() == 3 && pool_k.sizes() == pool_v.sizes()
+              && pool_k.dtype() == pool_v.dtype(), "pools: contiguous (nh, slots, hs), K and V alike");
+  TORCH_CHECK(tab.dtype() == torch::kLong && tab.is_contiguous() && tab.dim() == 2 && tab.size(0) == q.size(0),
+              "tab: contiguous int64 (B, width)");
+  const int64_t B = q.size(0), nh = q.size(1), hs = q.size(2), slots = pool_k.size(1), width = tab.size(1);
+  TORCH_CHECK(pool_k.size(0) == nh && pool_k.size(2) == hs && n >= 1 && n <= width * bs, "shapes disagree, or n out of range");
+  auto out = torch::empty({B, nh, hs}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pool_k.scalar_type(), "paged", [&] {
+    paged_impl<scalar_t>(q.data_ptr<float>(), pool_k.data_ptr<scalar_t>(), pool_v.data_ptr<scalar_t>(),
+                         tab.data_ptr<int64_t>(), out.data_ptr<float>(), B, nh, width, bs, hs, slots, n);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scores", &scores, "q . K^T over packed K (first n tokens)");
   m.def("weighted", &weighted, "p . V over packed V (first n tokens)");
+  m.def("paged", &paged, "one query's attention over the first n tokens, read through the block table");
 }
