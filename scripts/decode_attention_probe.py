@@ -1,5 +1,6 @@
 """One GPT-2-small layer's decode attention at context 960, timed alone (ms per call, median of 200): the quant
-kind's kernel path (kernel_attention) and its two reductions, the step's write (_store of K and V), and SDPA over
+kind's kernel path (kernel_attention) and its two reductions, the step's write (_store of K and V, eager and as the
+compiled step writes it), and SDPA over
 fp32 K/V of the same length for comparison. What docs/cache-kinds.md's "compile=true" section splits quant's cost by.
 
     .venv/bin/python scripts/decode_attention_probe.py [--batch 8] [--bits 4]
@@ -55,6 +56,12 @@ def main() -> None:
     BH, p = B * NH, torch.rand(B * NH, CTX)
     flat = [t.reshape(BH, *t.shape[2:]) for t in (kq, ks, kl, vq, vs, vl)]
     kk = torch.randn(B, NH, CTX + 1, HS)
+
+    def store(fused: bool):
+        c.fused = fused
+        c._store(0, "k", new, CTX + 1, CTX + 2), c._store(0, "v", new, CTX + 1, CTX + 2)
+        c.fused = False
+
     rows = {
         "kernel_attention (whole layer)": lambda: Q.kernel_attention(kern, q, parts["k"], parts["v"], n_k, n_v, CTX,
                                                                      None, layout),
@@ -63,13 +70,13 @@ def main() -> None:
         "  p.V over packed V": lambda: kern.weighted(p, flat[3], flat[4].float(), flat[5].float(), n_v, HS, a.bits,
                                                      False, c.opts.group_size),
         # a step between K's groups (31 of every 32): V's token is quantised, K's joins the full-precision tail
-        "write the step's K and V (_store)": lambda: (c._store(0, "k", new, CTX + 1, CTX + 2),
-                                                      c._store(0, "v", new, CTX + 1, CTX + 2)),
+        "write the step's K and V (eager _store)": lambda: store(False),
+        "  the same, compiled (kernel quantiser)": lambda: store(True),
         "SDPA over fp32 K/V (prealloc's)": lambda: F.scaled_dot_product_attention(q, kk, kk),
     }
     print(f"batch {B}, {a.bits}-bit K/V, context {CTX}, {NH} heads x {HS}, {torch.get_num_threads()} threads")
     for name, fn in rows.items():
-        print(f"{name:<36}{timed(fn):>8.3f} ms")
+        print(f"{name:<42}{timed(fn):>8.3f} ms")
 
 
 if __name__ == "__main__":

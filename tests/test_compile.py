@@ -106,7 +106,9 @@ def test_quant_attention_over_its_packed_storage_equals_the_dequantised_path(tin
             scale = float(la.float().abs().max())
             tol = 1e-5 * scale if dtype == torch.float32 else 2e-2 * scale
             assert float((la.float() - lb.float()).abs().max()) <= tol, opts
-        assert a.pos == b.pos == 37 and a.nbytes == b.nbytes  # the same storage, written by the same _store
+        assert a.pos == b.pos == 37 and a.nbytes == b.nbytes
+        for part in ("k_q", "k_scale", "k_min", "v_q", "v_scale", "v_min"):  # layer 0 saw the same K/V: same bytes
+            assert torch.equal(getattr(a, part)[0], getattr(b, part)[0]), (opts, part)
         torch.testing.assert_close(b.v_tail.float(), a.v_tail.float(), atol=tol, rtol=0)
     st = compiled.compile_stats
     assert st["compile_recompiles"] == 0 and st["compiled_steps"] == len(options) * 29
@@ -159,3 +161,24 @@ def test_paged_attention_through_its_block_table_equals_the_gathered_path(tiny_m
     (le, se), (lf, sf) = (measure.text_pass(e, spec, seq, 9) for e in (eager, compiled))
     assert float((le - lf).abs().max()) <= (1e-5 if dtype == torch.float32 else 2e-2) * float(le.abs().max())
     assert all(sf[i][0].shape == se[i][0].shape == (1, model.config.n_head, 29, model.config.head_dim) for i in se)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_the_kernels_token_quantiser_gives_quantize_and_packs_bytes(bits):
+    """What the compiled step stores for a per-token group is, byte for byte, what quant.quantize + pack store:
+    full, partial and whole-row channel groups, tiny to fp16-overflowing ranges, a constant row, inf and NaN."""
+    from models.kv_cache import kernels, quant
+
+    kernel = kernels.load()
+    g = torch.Generator().manual_seed(bits)
+    for hs, G in ((64, 32), (64, 24), (30, 16), (64, 64)):
+        for magnitude in (1e-3, 1.0, 7e4):
+            x = torch.randn(40, hs, generator=g) * magnitude
+            x[3], x[4, :5], x[5, 7] = 0.0, float("inf"), float("nan")
+            ng = -(-hs // G)
+            padded = torch.cat([x, x[:, -1:].expand(40, ng * G - hs)], -1)
+            q, scale, lo = quant.quantize(padded.view(40, ng, G), bits, dim=2)
+            want = (quant.pack(q.view(40, ng * G)[:, :hs], bits), scale.squeeze(2), lo.squeeze(2))
+            for w, got in zip(want, kernel.quantize_tokens(x.contiguous(), bits, G)):
+                assert torch.equal(w.view(torch.uint8 if w.dtype == torch.uint8 else torch.int16),
+                                   got.view(torch.uint8 if got.dtype == torch.uint8 else torch.int16)), (hs, G)

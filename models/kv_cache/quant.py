@@ -399,8 +399,12 @@ class QuantKVCache(KVCache):
         B, nh = self.batch, self.n_head
         q0, q1 = _split(n0, axis, G, o.residual), _split(n1, axis, G, o.residual)
         tail = getattr(self, f"{which}_tail")
-        pending = torch.cat([tail[layer, :, :, :n0 - q0], new.to(self.dtype)], dim=2)  # tokens from q0 on
         m = q1 - q0
+        if not m:  # nothing to quantise (most decode steps of a channel-grouped K): the new tokens join the tail
+            tail[layer, :, :, n0 - q0:n1 - q1] = new
+            return q1
+        held = n0 - q0  # the tail's tokens, then the new ones: tokens from q0 on
+        pending = torch.cat([tail[layer, :, :, :held], new.to(self.dtype)], dim=2) if held else new.to(self.dtype)
         if m:
             x = pending[:, :, :m].float()  # (B, nh, m, hs)
             rot = self._rotation()
@@ -409,17 +413,26 @@ class QuantKVCache(KVCache):
             if axis == "channel":  # a scale per channel per group of G tokens
                 q, scale, lo = quantize(x.view(B, nh, m // G, G, hs), bits, dim=3)
                 q, s0, s1 = q.view(B, nh, m, hs), q0 // G, q1 // G
+            elif self.fused and self.device.type == "cpu" and kernels.load() is not None:
+                # the compiled decode step on the CPU: the same values, quantised and packed by the kernel
+                # (value for value what quantize and pack give: tests/test_compile.py)
+                packed, scale, lo = kernels.load().quantize_tokens(x.reshape(B * nh * m, hs).contiguous(), bits, G)
+                q, s0, s1 = None, q0, q1
+                packed, scale, lo = (t.view(B, nh, m, -1) for t in (packed, scale, lo))
             else:  # a scale per token per group of G channels
                 ng = math.ceil(hs / G)
                 if ng * G > hs:  # a last, partial group of channels: pad with its own last channel (range unchanged)
                     x = torch.cat([x, x[..., -1:].expand(B, nh, m, ng * G - hs)], dim=-1)
                 q, scale, lo = quantize(x.view(B, nh, m, ng, G), bits, dim=4)
                 q, s0, s1 = q.view(B, nh, m, ng * G)[..., :hs], q0, q1
-            dim = 3 if axis == "channel" else 4
-            getattr(self, f"{which}_q")[layer, :, :, q0:q1] = pack(q, bits)
-            getattr(self, f"{which}_scale")[layer, :, :, s0:s1] = scale.squeeze(dim)
-            getattr(self, f"{which}_min")[layer, :, :, s0:s1] = lo.squeeze(dim)
-        tail[layer, :, :, :n1 - q1] = pending[:, :, m:]
+            if q is not None:
+                dim = 3 if axis == "channel" else 4
+                packed, scale, lo = pack(q, bits), scale.squeeze(dim), lo.squeeze(dim)
+            getattr(self, f"{which}_q")[layer, :, :, q0:q1] = packed
+            getattr(self, f"{which}_scale")[layer, :, :, s0:s1] = scale
+            getattr(self, f"{which}_min")[layer, :, :, s0:s1] = lo
+        if n1 - q1:
+            tail[layer, :, :, :n1 - q1] = pending[:, :, m:]
         return q1
 
     def _dequantized(self, layer: int, which: str, n_quant: int) -> torch.Tensor:

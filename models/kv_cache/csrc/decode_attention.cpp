@@ -220,8 +220,66 @@ torch::Tensor paged(torch::Tensor q, torch::Tensor pool_k, torch::Tensor pool_v,
   return out;
 }
 
+// ---- quantising a step's tokens (the quant kind's V per token): quant.quantize + pack, value for value --------
+
+// The fp16 value next to h towards +inf (up) or -inf, as torch.nextafter on fp16 (finite h, or +-inf towards 0).
+inline c10::Half half_next(c10::Half h, bool up) {
+  uint16_t b = h.x;
+  if ((b & 0x7fff) == 0) b = up ? 0x0001 : 0x8001;
+  else if ((b & 0x8000) != 0) b = up ? b - 1 : b + 1;
+  else b = up ? b + 1 : b - 1;
+  return c10::Half(b, c10::Half::from_bits());
+}
+
+// x as fp16, rounded towards +inf (up) or -inf instead of to nearest: quant._round_fp16.
+inline c10::Half half_directed(float x, bool up) {
+  const c10::Half h(x);
+  const float f = static_cast<float>(h);
+  return (up ? f < x : f > x) ? half_next(h, up) : h;
+}
+
+std::vector<torch::Tensor> quantize_tokens(torch::Tensor x, int64_t bits, int64_t G) {
+  TORCH_CHECK(x.dtype() == torch::kFloat && x.is_contiguous() && x.dim() == 2, "x: contiguous float32 (rows, hs)");
+  TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, "bits must be 8, 4 or 2");
+  const int64_t R = x.size(0), hs = x.size(1), per = 8 / bits, nb = (hs + per - 1) / per, ng = (hs + G - 1) / G;
+  const int levels = (1 << bits) - 1;
+  auto packed = torch::zeros({R, nb}, x.options().dtype(torch::kUInt8));
+  auto scale = torch::empty({R, ng}, x.options().dtype(torch::kHalf));
+  auto lo = torch::empty({R, ng}, x.options().dtype(torch::kHalf));
+  const float* xs = x.data_ptr<float>();
+  uint8_t* pk = packed.data_ptr<uint8_t>();
+  c10::Half* sc = scale.data_ptr<c10::Half>();
+  c10::Half* mn = lo.data_ptr<c10::Half>();
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = xs + r * hs;
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t c0 = g * G, c1 = std::min(hs, c0 + G);
+      float a = row[c0], z = row[c0];
+      bool nan = false;
+      for (int64_t c = c0; c < c1; ++c) {
+        nan |= std::isnan(row[c]);
+        a = std::min(a, row[c]);
+        z = std::max(z, row[c]);
+      }
+      const float qnan = std::numeric_limits<float>::quiet_NaN();
+      const c10::Half l = nan ? c10::Half(qnan) : half_directed(a, false);
+      const c10::Half s = nan ? c10::Half(qnan) : half_directed((z - static_cast<float>(l)) / levels, true);
+      sc[r * ng + g] = s;
+      mn[r * ng + g] = l;
+      const float sf = static_cast<float>(s), lf = static_cast<float>(l);
+      for (int64_t c = c0; c < c1; ++c) {
+        float v = sf > 0.f ? std::nearbyint((row[c] - lf) / sf) : 0.f;  // round half to even, as torch.round
+        v = std::min(std::max(v, 0.f), static_cast<float>(levels));
+        pk[r * nb + c / per] |= static_cast<uint8_t>(static_cast<int>(v) << (bits * (c % per)));
+      }
+    }
+  }
+  return {packed, scale, lo};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scores", &scores, "q . K^T over packed K (first n tokens)");
   m.def("weighted", &weighted, "p . V over packed V (first n tokens)");
+  m.def("quantize_tokens", &quantize_tokens, "rows of hs values -> (packed, fp16 scale, fp16 minimum) per group");
   m.def("paged", &paged, "one query's attention over the first n tokens, read through the block table");
 }
