@@ -359,7 +359,8 @@ class QuantKVCache(KVCache):
 
     def attend_decode(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
         """Write the step's K and V as ``update`` does, then attend over the packed bytes, scales and tails
-        themselves (``stored_attention``, compiled): no dequantised copy of the history."""
+        themselves, with no dequantised copy of the history: the C++ kernel on the CPU (``kernel_attention``),
+        ``stored_attention`` through torch.compile elsewhere."""
         t = self._check_room(layer, k_new, v_new)
         n0, n1 = self.pos, self.pos + t
         n_k, n_v = (self._store(layer, w, new, n0, n1) for w, new in (("k", k_new), ("v", v_new)))
@@ -405,32 +406,31 @@ class QuantKVCache(KVCache):
             return q1
         held = n0 - q0  # the tail's tokens, then the new ones: tokens from q0 on
         pending = torch.cat([tail[layer, :, :, :held], new.to(self.dtype)], dim=2) if held else new.to(self.dtype)
-        if m:
-            x = pending[:, :, :m].float()  # (B, nh, m, hs)
-            rot = self._rotation()
-            if rot is not None:
-                x = x @ rot
-            if axis == "channel":  # a scale per channel per group of G tokens
-                q, scale, lo = quantize(x.view(B, nh, m // G, G, hs), bits, dim=3)
-                q, s0, s1 = q.view(B, nh, m, hs), q0 // G, q1 // G
-            elif self.fused and self.device.type == "cpu" and kernels.load() is not None:
-                # the compiled decode step on the CPU: the same values, quantised and packed by the kernel
-                # (value for value what quantize and pack give: tests/test_compile.py)
-                packed, scale, lo = kernels.load().quantize_tokens(x.reshape(B * nh * m, hs).contiguous(), bits, G)
-                q, s0, s1 = None, q0, q1
-                packed, scale, lo = (t.view(B, nh, m, -1) for t in (packed, scale, lo))
-            else:  # a scale per token per group of G channels
-                ng = math.ceil(hs / G)
-                if ng * G > hs:  # a last, partial group of channels: pad with its own last channel (range unchanged)
-                    x = torch.cat([x, x[..., -1:].expand(B, nh, m, ng * G - hs)], dim=-1)
-                q, scale, lo = quantize(x.view(B, nh, m, ng, G), bits, dim=4)
-                q, s0, s1 = q.view(B, nh, m, ng * G)[..., :hs], q0, q1
-            if q is not None:
-                dim = 3 if axis == "channel" else 4
-                packed, scale, lo = pack(q, bits), scale.squeeze(dim), lo.squeeze(dim)
-            getattr(self, f"{which}_q")[layer, :, :, q0:q1] = packed
-            getattr(self, f"{which}_scale")[layer, :, :, s0:s1] = scale
-            getattr(self, f"{which}_min")[layer, :, :, s0:s1] = lo
+        x = pending[:, :, :m].float()  # (B, nh, m, hs)
+        rot = self._rotation()
+        if rot is not None:
+            x = x @ rot
+        if axis == "channel":  # a scale per channel per group of G tokens
+            q, scale, lo = quantize(x.view(B, nh, m // G, G, hs), bits, dim=3)
+            q, s0, s1 = q.view(B, nh, m, hs), q0 // G, q1 // G
+        elif self.fused and self.device.type == "cpu" and kernels.load() is not None:
+            # the compiled decode step on the CPU: the same values, quantised and packed by the kernel
+            # (value for value what quantize and pack give: tests/test_compile.py)
+            packed, scale, lo = kernels.load().quantize_tokens(x.reshape(B * nh * m, hs).contiguous(), bits, G)
+            q, s0, s1 = None, q0, q1
+            packed, scale, lo = (t.view(B, nh, m, -1) for t in (packed, scale, lo))
+        else:  # a scale per token per group of G channels
+            ng = math.ceil(hs / G)
+            if ng * G > hs:  # a last, partial group of channels: pad with its own last channel (range unchanged)
+                x = torch.cat([x, x[..., -1:].expand(B, nh, m, ng * G - hs)], dim=-1)
+            q, scale, lo = quantize(x.view(B, nh, m, ng, G), bits, dim=4)
+            q, s0, s1 = q.view(B, nh, m, ng * G)[..., :hs], q0, q1
+        if q is not None:
+            dim = 3 if axis == "channel" else 4
+            packed, scale, lo = pack(q, bits), scale.squeeze(dim), lo.squeeze(dim)
+        getattr(self, f"{which}_q")[layer, :, :, q0:q1] = packed
+        getattr(self, f"{which}_scale")[layer, :, :, s0:s1] = scale
+        getattr(self, f"{which}_min")[layer, :, :, s0:s1] = lo
         if n1 - q1:
             tail[layer, :, :, :n1 - q1] = pending[:, :, m:]
         return q1
