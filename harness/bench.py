@@ -34,7 +34,9 @@ ahead. After every decode step: the slots the cache holds against the tokens of 
 request that has its output is done: ``paged`` hands its blocks back with ``cache.end(b)``; the other layouts keep
 its slots until the batch ends). Prints the time-averaged and end-of-prefill waste (held slots holding no live
 token), the most bytes held, the median decode step (ms) and its ratio to prealloc's (the price of the block-table
-gather), and whether every request's tokens equal prealloc's.
+gather), and whether every request's tokens equal prealloc's. With ``--compile`` the kinds that read K/V where they
+lie do (paged: each sequence's own keys through its block table; compile time apart), the rest run eager (prealloc
+with padding has no static step).
 
 The weights are a seeded random init (no pretrained weights needed: the cost of a step and the bytes held do not
 depend on their values).
@@ -237,7 +239,7 @@ def bench_paged(args, model: GPT2) -> None:
     p_lens = torch.randint(1, args.prompt_max + 1, (args.batch,), generator=g).tolist()
     o_lens = torch.randint(1, args.output_max + 1, (args.batch,), generator=g).tolist()
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in p_lens]
-    engine = KvlabEngine(model)
+    engine = KvlabEngine(model, compile=args.compile)
     mean_p = sum(p_lens) / len(p_lens)
     print(f"{args.batch} requests: prompts of {min(p_lens)}..{max(p_lens)} tokens (mean {mean_p:.0f}), outputs of "
           f"{min(o_lens)}..{max(o_lens)} (mean {sum(o_lens) / len(o_lens):.0f}); max_len {n_pos} per "
@@ -254,6 +256,10 @@ def bench_paged(args, model: GPT2) -> None:
         print(f"{spec.label:<24}{statistics.mean(r['waste']):>10.1%}{r['waste'][0]:>14.1%}{r['peak_nbytes']:>16,}"
               f"{ms:>9.2f}{ms / base[1]:>11.2f}x{str(same):>18}")
     print(f"(ratios and token checks against {base[0]}, the first cache listed)")
+    if args.compile:
+        fused = ", ".join(s.label for s in specs if cache_kind(s.kind).fuses_decode) or "none of these kinds"
+        print(f"read where they lie (--compile): {fused}; compile {engine.compile_stats['compile_s']:.1f} s apart "
+              "from the steps; the rest eager")
 
 
 def bench_hf(args, model: GPT2) -> None:
@@ -349,8 +355,8 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg: GPT2C
         ap.error(f"--batch must be >= 1 (got {args.batch})")
     if args.batch != 1 and not (args.kinds or args.paged):
         ap.error("--batch is for --kinds or --paged; the HF comparison and --prefix run one sequence")
-    if args.compile and not args.kinds:
-        ap.error("--compile is for --kinds (the compiled decode step beside the eager kinds)")
+    if args.compile and not (args.kinds or args.paged):
+        ap.error("--compile is for --kinds or --paged (the compiled decode step beside the eager kinds)")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -409,7 +415,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="the model's and its caches' dtype")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (or cuda:N)")
     ap.add_argument("--compile", action="store_true",
-                    help="with --kinds: the kinds our engine compiles decode compiled (compile=true); the rest eager")
+                    help="with --kinds or --paged: the kinds our engine compiles decode compiled (compile=true); "
+                         "the rest eager")
     ap.add_argument("--prompt-max", type=int, default=512, help="with --paged: longest prompt drawn")
     ap.add_argument("--output-max", type=int, default=256, help="with --paged: longest output drawn")
     args = ap.parse_args(argv)

@@ -296,9 +296,9 @@ def recorded(cache, seen: dict):
     if cache.fuses_decode:  # a fused decode step writes and attends without update: record what it read
         attend = cache.attend_decode
 
-        def attending(layer, q, k, v):
-            y = attend(layer, q, k, v)
-            seen[layer] = (*cache.stored_history(layer), cache.key_positions(0))
+        def attending(layer, q, k, v, mask=None):
+            y = attend(layer, q, k, v, mask)
+            seen[layer] = (*cache.stored_history(layer), cache.key_positions(1))  # a decode step writes 1 token
             return y
 
         cache.attend_decode = attending

@@ -41,8 +41,8 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         past = 0
         if cache is not None:
-            if cache.fused and T == 1 and mask is None:  # a decode step read where the kind stores K/V
-                y = cache.attend_decode(layer, q, k, v)
+            if cache.fused and T == 1 and (mask is None or cache.fuses_ragged):  # a decode step read where the
+                y = cache.attend_decode(layer, q, k, v, mask)  # kind stores K/V
                 return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
             past = cache.pos
             k, v = cache.update(layer, k, v)  # (B, nh, n_keys, hs) in the storage dtype

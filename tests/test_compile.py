@@ -95,7 +95,9 @@ def test_quant_attention_over_its_packed_storage_equals_the_dequantised_path(tin
     counters.clear()
     model = copy.deepcopy(tiny_model).to(dtype)
     eager, compiled = KvlabEngine(model), KvlabEngine(model, compile=True)
-    options = QuantKVCache.examples + ({"k_bits": 8, "v_bits": 4, "group_size": 24},)  # 64 channels: 24 + 24 + 16
+    options = QuantKVCache.examples + ({"k_bits": 8, "v_bits": 4, "group_size": 24},  # 32 channels: 24 + 8
+                                       # groups of 6 channels split 2-bit bytes: the kernel's row-by-row path
+                                       {"k_bits": 2, "v_bits": 2, "group_size": 6, "k_axis": "token"})
     ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
     for opts in options:
         a, b = new_cache(model, "quant", 48, 2, **opts), new_cache(model, "quant", 48, 2, **opts)
@@ -161,6 +163,37 @@ def test_paged_attention_through_its_block_table_equals_the_gathered_path(tiny_m
     (le, se), (lf, sf) = (measure.text_pass(e, spec, seq, 9) for e in (eager, compiled))
     assert float((le - lf).abs().max()) <= (1e-5 if dtype == torch.float32 else 2e-2) * float(le.abs().max())
     assert all(sf[i][0].shape == se[i][0].shape == (1, model.config.n_head, 29, model.config.head_dim) for i in se)
+
+
+def test_paged_attention_in_a_ragged_batch_reads_each_sequences_own_keys(tiny_model):
+    """A ragged paged batch (left padding, sequences that end and hand their blocks back) decoded with compile=true:
+    each sequence's step reads its own first keys through the kernel (its length, not a mask over gathered blocks),
+    and every live sequence's logits equal the update path's within float32 rounding, step after step."""
+    from models.generate import left_pad
+    from models.kv_cache import PagedKVCache
+
+    eager, compiled = KvlabEngine(tiny_model), KvlabEngine(tiny_model, compile=True)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, tiny_model.config.vocab_size, (n,), generator=g) for n in (3, 11, 6, 1)]
+    ends = {0: 5, 2: 9}  # sequence: the step after which it ends
+    idx, pad = left_pad(prompts)
+    for opts in PagedKVCache.examples:
+        a, b = new_cache(tiny_model, "paged", 64, 4, **opts), new_cache(tiny_model, "paged", 64, 4, **opts)
+        la = eager.prefill(idx, a, last_only=True, pad=pad)[:, -1]
+        lb = compiled.prefill(idx, b, last_only=True, pad=pad)[:, -1]
+        live = set(range(4))
+        for step in range(20):
+            for seq, at in ends.items():
+                if step == at:
+                    live.discard(seq)
+                    a.end(seq), b.end(seq)
+            nxt = la.argmax(-1, keepdim=True)
+            la, lb = eager.decode(nxt, a)[:, -1], compiled.decode(nxt, b)[:, -1]
+            rows = sorted(live)
+            assert torch.isfinite(lb).all()
+            assert float((la[rows] - lb[rows]).abs().max()) <= 1e-5 * float(la[rows].abs().max())
+        assert not b._uniform and b._lens.tolist() == [1, 11 + 20, 1, 1 + 20]  # ended: one stale key each
+    assert compiled.compile_stats["compiled_steps"] == len(PagedKVCache.examples) * 19  # the first: the compile
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])

@@ -463,6 +463,11 @@ def test_serving_a_ragged_batch_counts_waste_from_each_layouts_slots(tiny_model)
     assert runs["concat"]["waste"][0] == pytest.approx(1 - sum(p_lens) / (4 * 17))
     assert all(w == 0 for w in runs["paged"]["waste"])  # no padding, no partial block, nothing kept for the done
     assert len(runs["paged"]["times"]) == max(o_lens) - 1
+    fused = KvlabEngine(tiny_model, compile=True)  # --paged --compile: paged reads each sequence's keys in place
+    for bs in (1, 16):
+        assert serve_ragged(fused, measure.CacheSpec("paged", {"block_size": bs}), prompts, o_lens,
+                            128)["tokens"] == runs["prealloc"]["tokens"]
+    assert fused.compile_stats["compiled_steps"] == 2 * (max(o_lens) - 2)  # every step after each first one
 
 
 def test_paged_bench_prints_each_layouts_waste(capsys):

@@ -207,6 +207,9 @@ class KVCache:
     # True: the kind has a decode attention that reads K/V where they lie (``attend_decode``); a compiling engine
     # turns it on (``fused``), and it must equal the update path within float32 rounding
     fuses_decode: ClassVar[bool] = False
+    # True (with fuses_decode): attend_decode also takes a ragged batch's decode step (padding, ended sequences),
+    # handed the step's mask over the keys ``update`` would return; False: such steps take update + attention
+    fuses_ragged: ClassVar[bool] = False
 
     def __init__(self, n_layer: int, n_head: int, head_dim: int, max_len: int, batch: int = 1,
                  dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu", **options):
@@ -303,10 +306,13 @@ class KVCache:
     def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def attend_decode(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+    def attend_decode(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
         """For a kind that ``fuses_decode``, while ``fused``: one decode step of ``layer``, q, k_new, v_new (B, nh, 1,
         hs), written and attended where the kind stores K and V (no full-precision copy of the history): the
-        attention's output (B, nh, 1, hs) in q's dtype. The model calls it instead of ``update`` + attention."""
+        attention's output (B, nh, 1, hs) in q's dtype. The model calls it instead of ``update`` + attention;
+        ``mask`` (True = may attend, over the keys update would return) comes only to a kind that
+        ``fuses_ragged``, for a ragged batch's step; otherwise it is None."""
         raise NotImplementedError(f"cache kind {self.kind!r} has no fused decode attention")
 
     def stored_history(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -214,8 +214,10 @@ class PagedKVCache(KVCache):
         p = torch.arange(width * bs, device=self.device).unsqueeze(0)  # (1, width * bs)
         have = torch.tensor(n, device=self.device).unsqueeze(1)
         floor = torch.tensor([int(e) for e in self.ended], device=self.device).unsqueeze(1)
-        self._positions = torch.where(p < torch.maximum(have, floor), p, -1)  # (B, width * bs); a done sequence
-        # keeps one (stale) key, so that its rows stay finite
+        seen = torch.maximum(have, floor)  # (B, 1) keys per sequence
+        self._positions = torch.where(p < seen, p, -1)  # (B, width * bs); a done sequence keeps one (stale) key,
+        # so that its rows stay finite
+        self._lens = seen.view(-1).cpu()  # (B,) each sequence's keys, its first table slots: what the kernel reads
         # every sequence alike (no padding, none done): the first pos + t keys are the history in order, and
         # attention needs no mask (its fast path)
         self._uniform = self.pad is None and not any(self.ended)
@@ -254,21 +256,28 @@ class PagedKVCache(KVCache):
             self.pool.v[layer][:, rows[keep]] = vn[:, keep].to(self.dtype)
         return t
 
-    def attend_decode(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+    fuses_ragged = True
+
+    def attend_decode(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
         """Write the step's K and V as ``update`` does, then attend through the block tables, every key and value
-        row read where it lies in the pool (the CPU kernel ``paged``; no gathered copy). Where the kernel is not
-        built (no C++ compiler, or a GPU): ``update`` and attention over its gathered copy."""
+        row read where it lies in the pool (the CPU kernel ``paged``; no gathered copy). In a ragged batch each
+        sequence reads its own first keys: in a decode step the mask (B, 1, 1, keys) lets sequence b see exactly
+        its first ``_lens[b]`` keys (tested against the update path). Where the kernel is not built (no C++
+        compiler, or a GPU): ``update`` and attention over its gathered copy, under the mask."""
         kernel = kernels.load() if self.device.type == "cpu" else None
-        if kernel is None or not self._uniform:
+        if kernel is None:
             k, v = self.update(layer, k_new, v_new)
-            return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype))
-        t = self._write(layer, k_new, v_new)
+            return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+        self._write(layer, k_new, v_new)
         qf = (q.float() * (1.0 / math.sqrt(self.head_dim)))[:, :, 0].contiguous()  # (B, nh, hs)
-        y = kernel.paged(qf, self.pool.k[layer], self.pool.v[layer], self._tab, self.opts.block_size, self.pos + t)
+        y = kernel.paged(qf, self.pool.k[layer], self.pool.v[layer], self._tab, self.opts.block_size, self._lens)
         return y.unsqueeze(2).to(q.dtype)
 
     def stored_history(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self._blocks(layer, self._tab)
+        if not self._uniform:  # every block, as update returns them (key_positions(1) says which hold a key)
+            return k, v
         n = self.pos + 1  # inside the step's forward: pos is advanced after the last layer
         return k[:, :, :n], v[:, :, :n]
 

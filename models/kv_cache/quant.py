@@ -357,7 +357,8 @@ class QuantKVCache(KVCache):
         return self._history(layer, q1["k"], n1, "k", k_new.dtype), self._history(layer, q1["v"], n1, "v",
                                                                                    v_new.dtype)
 
-    def attend_decode(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+    def attend_decode(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
         """Write the step's K and V as ``update`` does, then attend over the packed bytes, scales and tails
         themselves, with no dequantised copy of the history: the C++ kernel on the CPU (``kernel_attention``),
         ``stored_attention`` through torch.compile elsewhere."""

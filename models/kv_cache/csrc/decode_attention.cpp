@@ -169,15 +169,17 @@ torch::Tensor weighted(torch::Tensor p, torch::Tensor packed, torch::Tensor scal
   return out;
 }
 
-// One query per sequence and head over its first n tokens, each key and value row read through the block table:
-// out[b, h] = softmax_t(q . k_t) . v, k_t = pool[h, tab[b, t / bs] * bs + t % bs]; q is pre-scaled.
+// One query per sequence and head over its first lens[b] tokens, each key and value row read through the block
+// table: out[b, h] = softmax_t(q . k_t) . v, k_t = pool[h, tab[b, t / bs] * bs + t % bs]; q is pre-scaled. In a
+// ragged batch every sequence has its own length (the keys a decode step's mask lets it see).
 template <typename T>
-void paged_impl(const float* q, const T* pk, const T* pv, const int64_t* tab, float* out, int64_t B, int64_t nh,
-                int64_t width, int64_t bs, int64_t hs, int64_t slots, int64_t n) {
+void paged_impl(const float* q, const T* pk, const T* pv, const int64_t* tab, const int64_t* lens, float* out,
+                int64_t B, int64_t nh, int64_t width, int64_t bs, int64_t hs, int64_t slots) {
+  const int64_t most = *std::max_element(lens, lens + B);
   at::parallel_for(0, B * nh, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> sc(n), acc(hs);
+    std::vector<float> sc(most), acc(hs);
     for (int64_t bh = b0; bh < b1; ++bh) {
-      const int64_t b = bh / nh, h = bh % nh;
+      const int64_t b = bh / nh, h = bh % nh, n = lens[b];
       const float* qq = q + bh * hs;
       const int64_t* row = tab + b * width;
       float mx = -std::numeric_limits<float>::infinity();
@@ -204,18 +206,23 @@ void paged_impl(const float* q, const T* pk, const T* pv, const int64_t* tab, fl
 }
 
 torch::Tensor paged(torch::Tensor q, torch::Tensor pool_k, torch::Tensor pool_v, torch::Tensor tab, int64_t bs,
-                    int64_t n) {
+                    torch::Tensor lens) {
   TORCH_CHECK(q.dtype() == torch::kFloat && q.is_contiguous() && q.dim() == 3, "q: contiguous float32 (B, nh, hs)");
   TORCH_CHECK(pool_k.is_contiguous() && pool_v.is_contiguous() && pool_k.dim() == 3 && pool_k.sizes() == pool_v.sizes()
               && pool_k.dtype() == pool_v.dtype(), "pools: contiguous (nh, slots, hs), K and V alike");
   TORCH_CHECK(tab.dtype() == torch::kLong && tab.is_contiguous() && tab.dim() == 2 && tab.size(0) == q.size(0),
               "tab: contiguous int64 (B, width)");
   const int64_t B = q.size(0), nh = q.size(1), hs = q.size(2), slots = pool_k.size(1), width = tab.size(1);
-  TORCH_CHECK(pool_k.size(0) == nh && pool_k.size(2) == hs && n >= 1 && n <= width * bs, "shapes disagree, or n out of range");
+  TORCH_CHECK(lens.dtype() == torch::kLong && lens.is_contiguous() && lens.dim() == 1 && lens.size(0) == B,
+              "lens: contiguous int64 (B,)");
+  TORCH_CHECK(pool_k.size(0) == nh && pool_k.size(2) == hs, "shapes disagree");
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(ln[b] >= 1 && ln[b] <= width * bs, "lens[", b, "] = ", ln[b], ": out of 1 .. ", width * bs);
   auto out = torch::empty({B, nh, hs}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pool_k.scalar_type(), "paged", [&] {
     paged_impl<scalar_t>(q.data_ptr<float>(), pool_k.data_ptr<scalar_t>(), pool_v.data_ptr<scalar_t>(),
-                         tab.data_ptr<int64_t>(), out.data_ptr<float>(), B, nh, width, bs, hs, slots, n);
+                         tab.data_ptr<int64_t>(), ln, out.data_ptr<float>(), B, nh, width, bs, hs, slots);
   });
   return out;
 }
@@ -281,5 +288,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scores", &scores, "q . K^T over packed K (first n tokens)");
   m.def("weighted", &weighted, "p . V over packed V (first n tokens)");
   m.def("quantize_tokens", &quantize_tokens, "rows of hs values -> (packed, fp16 scale, fp16 minimum) per group");
-  m.def("paged", &paged, "one query's attention over the first n tokens, read through the block table");
+  m.def("paged", &paged, "one query's attention per sequence over its first lens[b] tokens, read through the block table");
 }
