@@ -1,6 +1,7 @@
 """Shared fixtures. Nothing here touches the network: the hub is offline and W&B writes to temporary folders."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +16,10 @@ for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"
     os.environ[var] = os.path.join(_TMP, var.lower())
     os.makedirs(os.environ[var], exist_ok=True)
 os.environ.pop("WANDB_API_KEY", None)
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # a suite started as a background job of a shell without job control inherits SIGINT ignored, and so would
+    # every run it starts: the Ctrl-C tests would then press a Ctrl-C nothing hears. Python's own handler again.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 os.environ["WANDB_SILENT"] = "true"
 
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))

@@ -419,3 +419,32 @@ def test_the_curriculum_trains_short_rows_first_with_the_same_tokens_per_step():
     run.settings = dict(run.settings, curriculum=None)
     run.at = 0.0
     assert run.shape() == (8, 128)
+
+
+def test_the_induction_probes_rows_and_attention_only_model_do_what_its_figures_assume():
+    """scripts/induction_probe.py (docs/reference-model.md): a "twice" row shows one span twice, back to back, and
+    targets exactly its second showing's next tokens; the model written apart from GPT2 is causal (a later token
+    changes no earlier logit) and its kept attention rows sum to 1."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "induction_probe.py"
+    spec = importlib.util.spec_from_file_location("induction_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    x, y = probe.twice_rows(32, 50, torch.Generator().manual_seed(1))
+    assert x.shape == y.shape == (32, probe.LONG)
+    for row, target in zip(x, y):
+        scored = (target != T.IGNORE).nonzero().flatten()
+        n = len(scored) + 1  # the second showing's last token predicts past it: not scored
+        first = int(scored[0]) - n
+        assert 4 <= n <= 32 and torch.equal(row[first:first + n], row[first + n:first + 2 * n])
+        assert torch.equal(target[scored], row[scored + 1])
+        assert torch.equal(scored, torch.arange(first + n, first + 2 * n - 1))
+    torch.manual_seed(0)
+    model = probe.Apart(51)
+    idx = torch.randint(0, 51, (2, 20))
+    keep: list = []
+    a = model(idx, keep)
+    b = model(torch.cat([idx[:, :10], torch.randint(0, 51, (2, 10))], 1))
+    torch.testing.assert_close(a[:, :10], b[:, :10])
+    assert len(keep) == 2 and torch.allclose(keep[1].sum(-1), torch.ones(2, 2, 20))

@@ -21,6 +21,7 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
 NAME = "kvlab_decode_attention"
 FLAGS = ["-O3", "-march=native", "-fopenmp"]  # built where it runs: this CPU's vector instructions
+MAX_HEAD_DIM = 256  # the quant kernel's rows unpack on the stack (MAX_HS in the source): wider heads go elsewhere
 
 
 @functools.lru_cache(maxsize=None)

@@ -230,31 +230,32 @@ def stored_attention(q: torch.Tensor, k: tuple, v: tuple, n_k: torch.Tensor, n_v
 
 def kernel_attention(kernel, q: torch.Tensor, k: tuple, v: tuple, n_k: int, n_v: int, n: int,
                      rot: torch.Tensor | None, layout: tuple) -> torch.Tensor:
-    """stored_attention on the CPU through ``kernel`` (models/kv_cache/csrc/decode_attention.cpp): the q . K^T and
-    p . V reductions over the quantised tokens read the packed bytes and scales row by row; only the tokens held
-    are read (n_k, n_v, n: Python ints). Same arguments and result as stored_attention."""
+    """stored_attention on the CPU through ``kernel`` (models/kv_cache/csrc/decode_attention.cpp, ``attention``):
+    per sequence and head, the q . K^T and p . V reductions over the quantised tokens read the packed bytes and
+    scales row by row, the tails' tokens are read as they are, and the softmax runs between them, all in one call;
+    only the tokens held are read (n_k, n_v, n: Python ints). Same arguments and result as stored_attention."""
     (kb, ka), (vb, va), G, hs = layout
-    kq, ks, kl, kt = k
-    vq, vs, vl, vt = v
     B, nh = q.shape[:2]
-    qf = (q.float() * (1.0 / math.sqrt(hs))).reshape(B * nh, hs)
+    qf = (q.float() * (1.0 / math.sqrt(hs))).reshape(B * nh, hs).contiguous()
+    qk = qf if rot is None else (qf @ rot).contiguous()  # packed K was rotated before quantising: so is its query
 
-    def flat(t):  # (B, nh, ...) -> (B * nh, ...), scales in float32
-        return t.reshape(B * nh, *t.shape[2:])
+    def flat(t):  # (B, nh, ...) -> (B * nh, ...) in float32 (the packed bytes stay uint8)
+        t = t.reshape(B * nh, *t.shape[2:])
+        return t if t.dtype == torch.uint8 else t.float()
 
-    parts = []
-    if kq is not None and n_k:
-        qr = qf if rot is None else qf @ rot  # K was rotated before quantising: rotate the query instead
-        parts.append(kernel.scores(qr.contiguous(), flat(kq), flat(ks).float(), flat(kl).float(), n_k, kb,
-                                   ka == "channel", G))
-    if n > n_k:
-        parts.append(torch.bmm(flat(kt[:, :, : n - n_k]).float(), qf.unsqueeze(-1)).squeeze(-1))
-    p = torch.cat(parts, -1).softmax(-1) if len(parts) > 1 else parts[0].softmax(-1)  # (B * nh, n), token order
-    out = torch.bmm(p[:, n_v:].unsqueeze(1), flat(vt[:, :, : n - n_v]).float()).squeeze(1) if n > n_v else None
-    if vq is not None and n_v:
-        oq = kernel.weighted(p, flat(vq), flat(vs).float(), flat(vl).float(), n_v, hs, vb, va == "channel", G)
-        oq = oq if rot is None else oq @ rot  # V rotated back once, after the sum
-        out = oq if out is None else out + oq
+    def side(parts, n_q):  # a side with nothing packed: empty stand-ins the kernel does not read
+        packed, scale, lo, tail = parts
+        if packed is None or not n_q:
+            none = torch.empty(0, dtype=torch.uint8), torch.empty(0), torch.empty(0)
+            return (*none, 0, flat(tail))
+        return flat(packed), flat(scale), flat(lo), n_q, flat(tail)
+
+    kq, ks, kl, n_kq, kt = side(k, n_k)
+    vq, vs, vl, n_vq, vt = side(v, n_v)
+    out = kernel.attention(qf, qk, rot is not None, kq, ks, kl, n_kq, kb, ka == "channel", kt, vq, vs, vl, n_vq,
+                           vb, va == "channel", vt, n, G)
+    if rot is not None:  # packed V was rotated: its share is rotated back once, after the sum; the tail's is not
+        out = out[0] @ rot + out[1]
     return out.view(B, nh, 1, hs)
 
 
@@ -375,7 +376,8 @@ class QuantKVCache(KVCache):
                       for part in ("q", "scale", "min")), getattr(self, f"{which}_tail")[layer])
 
         layout = ((o.bits("k"), o.axis("k")), (o.bits("v"), o.axis("v")), o.group_size, self.head_dim)
-        kernel = kernels.load() if self.device.type == "cpu" and not FORCE_INDUCTOR else None
+        cpu = self.device.type == "cpu" and not FORCE_INDUCTOR and self.head_dim <= kernels.MAX_HEAD_DIM
+        kernel = kernels.load() if cpu else None
         if kernel is not None:
             return kernel_attention(kernel, q, parts("k"), parts("v"), n_k, n_v, n1, self._rotation(),
                                     layout).to(q.dtype)

@@ -25,101 +25,124 @@ inline void unpack_row(const uint8_t* p, int64_t nb, float* out) {
   }
 }
 
-// scores[bh, j] = sum_c q[bh, c] * (lo + value * scale) for the first n tokens; the rest left 0.
+constexpr int64_t MAX_HS = 256;  // the most channels a head may have (GPT-2's: 64); rows unpack on the stack
+
+// Where one (sequence, head) row of the quantised history lies: packed bytes (S slots of nb), scales and minimums
+// (ns slots of sw), and its layout (bits come as the template argument).
+struct Packed {
+  const uint8_t* q;
+  const float* scale;
+  const float* lo;
+  int64_t nb, sw;
+  bool channel;  // a scale and minimum per channel for each group of G tokens; else per token for each G channels
+  int64_t G;
+};
+
+// Scratch for one row: per-group query sums (the unpacked row and the scaled query live on the stack).
+struct Scratch {
+  std::vector<float> qg;
+  Scratch(int64_t hs, int64_t G) : qg((hs + G - 1) / G) {}
+};
+
+// o[j] = sum_c q[c] * (lo + value * scale) for the first n tokens of one row.
 template <int BITS>
-void scores_impl(const float* q, const uint8_t* packed, const float* scale, const float* lo, float* out, int64_t BH,
-                 int64_t S, int64_t nb, int64_t hs, int64_t n, bool channel, int64_t G, int64_t ns, int64_t sw,
-                 int64_t os) {
-  at::parallel_for(0, BH, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> vals(nb * (8 / BITS)), qs(hs), qg((hs + G - 1) / G);
-    for (int64_t bh = b0; bh < b1; ++bh) {
-      const float* qq = q + bh * hs;
-      const uint8_t* pk = packed + bh * S * nb;
-      const float* sc = scale + bh * ns * sw;
-      const float* mn = lo + bh * ns * sw;
-      float* o = out + bh * os;
-      if (channel) {  // a scale and minimum per channel for each group of G tokens
-        float ql = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          if (j % G == 0) {  // a new group: fold its scales into the query
-            const float* s = sc + (j / G) * hs;
-            const float* m = mn + (j / G) * hs;
-            ql = 0.f;
-            for (int64_t c = 0; c < hs; ++c) { qs[c] = qq[c] * s[c]; ql += qq[c] * m[c]; }
-          }
-          unpack_row<BITS>(pk + j * nb, nb, vals.data());
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t c = 0; c < hs; ++c) acc += qs[c] * vals[c];
-          o[j] = acc + ql;
-        }
-      } else {  // a scale and minimum per token for each group of G channels
-        const int64_t ng = (hs + G - 1) / G;
-        for (int64_t g = 0; g < ng; ++g) {
-          qg[g] = 0.f;
-          for (int64_t c = g * G; c < std::min(hs, (g + 1) * G); ++c) qg[g] += qq[c];
-        }
-        for (int64_t j = 0; j < n; ++j) {
-          unpack_row<BITS>(pk + j * nb, nb, vals.data());
-          float acc = 0.f;
-          for (int64_t g = 0; g < ng; ++g) {
-            float part = 0.f;
-            const int64_t c1 = std::min(hs, (g + 1) * G);
-#pragma omp simd reduction(+ : part)
-            for (int64_t c = g * G; c < c1; ++c) part += qq[c] * vals[c];
-            acc += part * sc[j * sw + g] + qg[g] * mn[j * sw + g];
-          }
-          o[j] = acc;
-        }
+void score_row(const float* qq, const Packed& k, int64_t hs, int64_t n, float* o, Scratch& w) {
+  const int64_t G = k.G, nb = k.nb, sw = k.sw;  // locals: no store through o can change them
+  const uint8_t* pk = k.q;
+  const float *scale = k.scale, *lo = k.lo;
+  alignas(64) float vals[MAX_HS + 8], qs[MAX_HS];
+  float* qg = w.qg.data();
+  if (k.channel) {  // fold each group's scales into the query, its minimums into one constant
+    float ql = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      if (j % G == 0) {
+        const float* s = scale + (j / G) * hs;
+        const float* m = lo + (j / G) * hs;
+        ql = 0.f;
+        for (int64_t c = 0; c < hs; ++c) { qs[c] = qq[c] * s[c]; ql += qq[c] * m[c]; }
       }
+      unpack_row<BITS>(pk + j * nb, nb, vals);
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t c = 0; c < hs; ++c) acc += qs[c] * vals[c];
+      o[j] = acc + ql;
     }
-  });
+    return;
+  }
+  const int64_t ng = (hs + G - 1) / G;  // per token: a scale and minimum for each group of G channels
+  for (int64_t g = 0; g < ng; ++g) {
+    qg[g] = 0.f;
+    for (int64_t c = g * G; c < std::min(hs, (g + 1) * G); ++c) qg[g] += qq[c];
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    unpack_row<BITS>(pk + j * nb, nb, vals);
+    float acc = 0.f;
+    for (int64_t g = 0; g < ng; ++g) {
+      float part = 0.f;
+      const int64_t c1 = std::min(hs, (g + 1) * G);
+#pragma omp simd reduction(+ : part)
+      for (int64_t c = g * G; c < c1; ++c) part += qq[c] * vals[c];
+      acc += part * scale[j * sw + g] + qg[g] * lo[j * sw + g];
+    }
+    o[j] = acc;
+  }
 }
 
-// out[bh, c] = sum_j p[bh, j] * (lo + value * scale) over the first n tokens.
+// o[c] += sum_j p[j] * (lo + value * scale) over the first n tokens of one row.
 template <int BITS>
-void weighted_impl(const float* p, int64_t P, const uint8_t* packed, const float* scale, const float* lo, float* out,
-                   int64_t BH, int64_t S, int64_t nb, int64_t hs, int64_t n, bool channel, int64_t G, int64_t ns,
-                   int64_t sw) {
-  at::parallel_for(0, BH, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> vals(nb * (8 / BITS)), acc(hs), w((hs + G - 1) / G), u((hs + G - 1) / G);
-    for (int64_t bh = b0; bh < b1; ++bh) {
-      const float* pp = p + bh * P;
-      const uint8_t* pk = packed + bh * S * nb;
-      const float* sc = scale + bh * ns * sw;
-      const float* mn = lo + bh * ns * sw;
-      float* o = out + bh * hs;
-      for (int64_t c = 0; c < hs; ++c) o[c] = 0.f;
-      if (channel) {  // per group of G tokens: sum p * value, then one scale and minimum per channel
-        for (int64_t g0 = 0; g0 < n; g0 += G) {
-          float psum = 0.f;
-          for (int64_t c = 0; c < hs; ++c) acc[c] = 0.f;
-          for (int64_t j = g0; j < std::min(n, g0 + G); ++j) {
-            unpack_row<BITS>(pk + j * nb, nb, vals.data());
-            const float pj = pp[j];
-            psum += pj;
+void weighted_row(const float* pp, const Packed& v, int64_t hs, int64_t n, float* o, Scratch& w) {
+  const int64_t G = v.G, nb = v.nb, sw = v.sw;  // locals: no store through o can change them
+  const uint8_t* pk = v.q;
+  const float *scale = v.scale, *lo = v.lo;
+  alignas(64) float vals[MAX_HS + 8], acc[MAX_HS];
+  if (v.channel) {  // per group of G tokens: sum p * value, then one scale and minimum per channel
+    for (int64_t g0 = 0; g0 < n; g0 += G) {
+      float psum = 0.f;
+      for (int64_t c = 0; c < hs; ++c) acc[c] = 0.f;
+      for (int64_t j = g0; j < std::min(n, g0 + G); ++j) {
+        unpack_row<BITS>(pk + j * nb, nb, vals);
+        const float pj = pp[j];
+        psum += pj;
 #pragma omp simd
-            for (int64_t c = 0; c < hs; ++c) acc[c] += pj * vals[c];
-          }
-          const float* s = sc + (g0 / G) * hs;
-          const float* m = mn + (g0 / G) * hs;
-          for (int64_t c = 0; c < hs; ++c) o[c] += acc[c] * s[c] + psum * m[c];
-        }
-      } else {  // per token: its own scale and minimum per group of G channels
-        const int64_t ng = (hs + G - 1) / G;
-        for (int64_t j = 0; j < n; ++j) {
-          unpack_row<BITS>(pk + j * nb, nb, vals.data());
-          const float pj = pp[j];
-          for (int64_t g = 0; g < ng; ++g) {
-            const float wg = pj * sc[j * sw + g], ug = pj * mn[j * sw + g];
-            const int64_t c1 = std::min(hs, (g + 1) * G);
-#pragma omp simd
-            for (int64_t c = g * G; c < c1; ++c) o[c] += wg * vals[c] + ug;
-          }
-        }
+        for (int64_t c = 0; c < hs; ++c) acc[c] += pj * vals[c];
       }
+      const float* s = scale + (g0 / G) * hs;
+      const float* m = lo + (g0 / G) * hs;
+      for (int64_t c = 0; c < hs; ++c) o[c] += acc[c] * s[c] + psum * m[c];
     }
-  });
+    return;
+  }
+  const int64_t ng = (hs + G - 1) / G;  // per token: its own scale and minimum per group of G channels
+  for (int64_t j = 0; j < n; ++j) {
+    unpack_row<BITS>(pk + j * nb, nb, vals);
+    const float pj = pp[j];
+    for (int64_t g = 0; g < ng; ++g) {
+      const float wg = pj * scale[j * sw + g], ug = pj * lo[j * sw + g];
+      const int64_t c1 = std::min(hs, (g + 1) * G);
+#pragma omp simd
+      for (int64_t c = g * G; c < c1; ++c) o[c] += wg * vals[c] + ug;
+    }
+  }
+}
+
+inline void score_any(int bits, const float* qq, const Packed& k, int64_t hs, int64_t n, float* o, Scratch& w) {
+  if (bits == 8) score_row<8>(qq, k, hs, n, o, w);
+  if (bits == 4) score_row<4>(qq, k, hs, n, o, w);
+  if (bits == 2) score_row<2>(qq, k, hs, n, o, w);
+}
+
+inline void weighted_any(int bits, const float* pp, const Packed& v, int64_t hs, int64_t n, float* o, Scratch& w) {
+  if (bits == 8) weighted_row<8>(pp, v, hs, n, o, w);
+  if (bits == 4) weighted_row<4>(pp, v, hs, n, o, w);
+  if (bits == 2) weighted_row<2>(pp, v, hs, n, o, w);
+}
+
+// Row bh of a (BH, S, nb) packed tensor and its (BH, ns, sw) scales.
+inline Packed row_of(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& lo, int64_t bh,
+                     bool channel, int64_t G) {
+  const int64_t S = packed.size(1), nb = packed.size(2), ns = scale.size(1), sw = scale.size(2);
+  return Packed{packed.data_ptr<uint8_t>() + bh * S * nb, scale.data_ptr<float>() + bh * ns * sw,
+                lo.data_ptr<float>() + bh * ns * sw, nb, sw, channel, G};
 }
 
 void check(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& lo) {
@@ -138,15 +161,16 @@ torch::Tensor scores(torch::Tensor q, torch::Tensor packed, torch::Tensor scale,
   TORCH_CHECK(q.dtype() == torch::kFloat && q.is_contiguous() && q.dim() == 2, "q: contiguous float32 (BH, hs)");
   const int64_t BH = packed.size(0), S = packed.size(1), nb = packed.size(2), hs = q.size(1);
   TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, "bits must be 8, 4 or 2");
-  TORCH_CHECK(nb * (8 / bits) >= hs && n <= S && q.size(0) == BH, "packed rows too short for hs, or n > slots");
+  TORCH_CHECK(hs <= MAX_HS, "hs ", hs, " > ", MAX_HS, " channels a head may have here");
+  TORCH_CHECK(nb * (8 / bits) >= hs && nb * (8 / bits) <= MAX_HS + 8 && n <= S && q.size(0) == BH,
+              "packed rows too short (or long) for hs, or n > slots");
   auto out = torch::empty({BH, n}, q.options());
-  const float *qq = q.data_ptr<float>(), *sc = scale.data_ptr<float>(), *mn = lo.data_ptr<float>();
-  const uint8_t* pk = packed.data_ptr<uint8_t>();
-  float* o = out.data_ptr<float>();
-  const int64_t ns = scale.size(1), sw = scale.size(2);
-  if (bits == 8) scores_impl<8>(qq, pk, sc, mn, o, BH, S, nb, hs, n, channel, G, ns, sw, n);
-  if (bits == 4) scores_impl<4>(qq, pk, sc, mn, o, BH, S, nb, hs, n, channel, G, ns, sw, n);
-  if (bits == 2) scores_impl<2>(qq, pk, sc, mn, o, BH, S, nb, hs, n, channel, G, ns, sw, n);
+  at::parallel_for(0, BH, 1, [&](int64_t b0, int64_t b1) {
+    Scratch w(hs, G);
+    for (int64_t bh = b0; bh < b1; ++bh)
+      score_any(bits, q.data_ptr<float>() + bh * hs, row_of(packed, scale, lo, bh, channel, G), hs, n,
+                out.data_ptr<float>() + bh * n, w);
+  });
   return out;
 }
 
@@ -154,18 +178,84 @@ torch::Tensor weighted(torch::Tensor p, torch::Tensor packed, torch::Tensor scal
                        int64_t hs, int64_t bits, bool channel, int64_t G) {
   check(packed, scale, lo);
   TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, "bits must be 8, 4 or 2");
+  TORCH_CHECK(hs <= MAX_HS, "hs ", hs, " > ", MAX_HS, " channels a head may have here");
   const int64_t BH = packed.size(0), S = packed.size(1), nb = packed.size(2);
   TORCH_CHECK(p.dtype() == torch::kFloat && p.dim() == 2 && p.stride(1) == 1 && p.size(0) == BH && p.size(1) >= n,
               "p: float32 (BH, >= n), rows contiguous");
-  TORCH_CHECK(nb * (8 / bits) >= hs && n <= S, "packed rows too short for hs, or n > slots");
-  auto out = torch::empty({BH, hs}, p.options());
-  const float *pp = p.data_ptr<float>(), *sc = scale.data_ptr<float>(), *mn = lo.data_ptr<float>();
-  const uint8_t* pk = packed.data_ptr<uint8_t>();
-  float* o = out.data_ptr<float>();
-  const int64_t ns = scale.size(1), sw = scale.size(2), P = p.stride(0);
-  if (bits == 8) weighted_impl<8>(pp, P, pk, sc, mn, o, BH, S, nb, hs, n, channel, G, ns, sw);
-  if (bits == 4) weighted_impl<4>(pp, P, pk, sc, mn, o, BH, S, nb, hs, n, channel, G, ns, sw);
-  if (bits == 2) weighted_impl<2>(pp, P, pk, sc, mn, o, BH, S, nb, hs, n, channel, G, ns, sw);
+  TORCH_CHECK(nb * (8 / bits) >= hs && nb * (8 / bits) <= MAX_HS + 8 && n <= S,
+              "packed rows too short (or long) for hs, or n > slots");
+  auto out = torch::zeros({BH, hs}, p.options());
+  at::parallel_for(0, BH, 1, [&](int64_t b0, int64_t b1) {
+    Scratch w(hs, G);
+    for (int64_t bh = b0; bh < b1; ++bh)
+      weighted_any(bits, p.data_ptr<float>() + bh * p.stride(0), row_of(packed, scale, lo, bh, channel, G), hs, n,
+                   out.data_ptr<float>() + bh * hs, w);
+  });
+  return out;
+}
+
+// The whole decode attention of the quant kind, one (sequence, head) row per task: scores over the first n_k
+// tokens from packed K, then over K's full-precision tail (tokens n_k .. n - 1), a softmax, then p . V over the
+// first n_v tokens from packed V and over V's tail. q is pre-scaled; qk is q as packed K needs it (rotated where
+// K was rotated before quantising; else q itself). The tails are float32 (BH, >= n - n_k / n - n_v, hs). A side with
+// nothing packed (its axis "none", or no group full yet) has n_k (n_v) = 0 and its packed arguments are not read.
+// apart: return (2, BH, hs), the packed V's share and the tail's (rotated V is rotated back on its share alone);
+// else their sum (BH, hs). The same sums as kernel_attention's torch glue around scores and weighted, in one call.
+torch::Tensor attention(torch::Tensor q, torch::Tensor qk, bool apart, torch::Tensor kq, torch::Tensor ks, torch::Tensor kl, int64_t n_k,
+                        int64_t kbits, bool kchan, torch::Tensor kt, torch::Tensor vq, torch::Tensor vs,
+                        torch::Tensor vl, int64_t n_v, int64_t vbits, bool vchan, torch::Tensor vt, int64_t n,
+                        int64_t G) {
+  TORCH_CHECK(q.dtype() == torch::kFloat && q.is_contiguous() && q.dim() == 2 && qk.dtype() == torch::kFloat &&
+              qk.is_contiguous() && qk.sizes() == q.sizes(), "q, qk: contiguous float32 (BH, hs)");
+  const int64_t BH = q.size(0), hs = q.size(1);
+  TORCH_CHECK(hs <= MAX_HS, "hs ", hs, " > ", MAX_HS, " channels a head may have here");
+  TORCH_CHECK(n >= 1 && 0 <= n_k && n_k <= n && 0 <= n_v && n_v <= n, "token counts out of range");
+  for (const auto& t : {kt, vt})
+    TORCH_CHECK(t.dtype() == torch::kFloat && t.dim() == 3 && t.size(0) == BH && t.size(2) == hs &&
+                t.stride(2) == 1, "tails: float32 (BH, tokens, hs), rows contiguous");
+  TORCH_CHECK(kt.size(1) >= n - n_k && vt.size(1) >= n - n_v, "a tail is shorter than its tokens");
+  if (n_k) {
+    check(kq, ks, kl);
+    TORCH_CHECK(kq.size(0) == BH && n_k <= kq.size(1) && kq.size(2) * (8 / kbits) >= hs &&
+                kq.size(2) * (8 / kbits) <= MAX_HS + 8, "packed K disagrees");
+  }
+  if (n_v) {
+    check(vq, vs, vl);
+    TORCH_CHECK(vq.size(0) == BH && n_v <= vq.size(1) && vq.size(2) * (8 / vbits) >= hs &&
+                vq.size(2) * (8 / vbits) <= MAX_HS + 8, "packed V disagrees");
+  }
+  auto out = apart ? torch::zeros({2, BH, hs}, q.options()) : torch::zeros({BH, hs}, q.options());
+  at::parallel_for(0, BH, 1, [&](int64_t b0, int64_t b1) {
+    Scratch wk(hs, G), wv(hs, G);
+    std::vector<float> sc(n);
+    for (int64_t bh = b0; bh < b1; ++bh) {
+      const float* qq = q.data_ptr<float>() + bh * hs;
+      if (n_k)
+        score_any(kbits, qk.data_ptr<float>() + bh * hs, row_of(kq, ks, kl, bh, kchan, G), hs, n_k, sc.data(), wk);
+      const float* ktr = kt.data_ptr<float>() + bh * kt.stride(0);
+      for (int64_t j = n_k; j < n; ++j) {
+        const float* k = ktr + (j - n_k) * kt.stride(1);
+        float d = 0.f;
+#pragma omp simd reduction(+ : d)
+        for (int64_t c = 0; c < hs; ++c) d += qq[c] * k[c];
+        sc[j] = d;
+      }
+      const float mx = *std::max_element(sc.begin(), sc.end());
+      float total = 0.f;
+      for (int64_t j = 0; j < n; ++j) { sc[j] = std::exp(sc[j] - mx); total += sc[j]; }
+      for (int64_t j = 0; j < n; ++j) sc[j] /= total;
+      float* o = out.data_ptr<float>() + bh * hs;
+      if (n_v) weighted_any(vbits, sc.data(), row_of(vq, vs, vl, bh, vchan, G), hs, n_v, o, wv);
+      if (apart) o += BH * hs;  // the tail's share apart
+      const float* vtr = vt.data_ptr<float>() + bh * vt.stride(0);
+      for (int64_t j = n_v; j < n; ++j) {
+        const float* v = vtr + (j - n_v) * vt.stride(1);
+        const float pj = sc[j];
+#pragma omp simd
+        for (int64_t c = 0; c < hs; ++c) o[c] += pj * v[c];
+      }
+    }
+  });
   return out;
 }
 
@@ -287,6 +377,7 @@ std::vector<torch::Tensor> quantize_tokens(torch::Tensor x, int64_t bits, int64_
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scores", &scores, "q . K^T over packed K (first n tokens)");
   m.def("weighted", &weighted, "p . V over packed V (first n tokens)");
+  m.def("attention", &attention, "the quant kind's decode attention: packed K and its tail, softmax, packed V and its tail");
   m.def("quantize_tokens", &quantize_tokens, "rows of hs values -> (packed, fp16 scale, fp16 minimum) per group");
   m.def("paged", &paged, "one query's attention per sequence over its first lens[b] tokens, read through the block table");
 }
