@@ -448,3 +448,33 @@ def test_the_induction_probes_rows_and_attention_only_model_do_what_its_figures_
     b = model(torch.cat([idx[:, :10], torch.randint(0, 51, (2, 10))], 1))
     torch.testing.assert_close(a[:, :10], b[:, :10])
     assert len(keep) == 2 and torch.allclose(keep[1].sum(-1), torch.ones(2, 2, 20))
+
+
+def test_the_induction_toys_rows_score_only_the_second_showing_and_its_model_is_causal():
+    """scripts/induction_toy.py (docs/reference-model.md): each row shows one span twice at a random place, scores
+    exactly the second showing past its first token (each scored token is the one n places back), and names as the
+    induction key of a query the position right after its token's first showing; the toy is causal and --tied shares
+    the unembedding with the token embedding."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "induction_toy.py"
+    spec = importlib.util.spec_from_file_location("induction_toy", path)
+    toy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(toy)
+    x, scored, key = toy.rows(64, 2 * 12 + 32, 7, 12, torch.Generator().manual_seed(3))
+    for row, s, k in zip(x, scored, key):
+        at = s.nonzero().flatten()
+        n = len(at) + 1
+        start = int(at[0]) - 1  # the second showing's first position
+        assert 8 <= n <= 12 and torch.equal(at, torch.arange(start + 1, start + n))
+        assert torch.equal(row[start:start + n], row[start - n:start])
+        assert torch.equal(k[start:start + n], torch.arange(start - n + 1, start + 1))
+    torch.manual_seed(0)
+    model = toy.Toy(9, 16, 2, 20, tied=True, mlp=True, std=0.02)
+    assert model.u.weight is model.e.weight
+    idx = torch.randint(0, 9, (2, 20))
+    a, b = model(idx), model(torch.cat([idx[:, :10], torch.randint(0, 9, (2, 10))], 1))
+    torch.testing.assert_close(a[:, :10], b[:, :10])
+    assert torch.allclose(model.layers[1].att.sum(-1), torch.ones(2, 2, 20))
+    with pytest.raises(SystemExit):
+        toy.parse(["--width", "10", "--heads", "4"])
