@@ -153,6 +153,8 @@ def parse(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.ids < 2 or a.span_max < 8 or a.width % a.heads or (a.small_ids and not 1 < a.small_ids[0] <= a.ids):
         p.error("need --ids >= 2, --span-max >= 8, --width divisible by --heads and 1 < --small-ids IDS <= --ids")
+    if a.mlp_from and not a.mlp:
+        p.error(f"--mlp-from {a.mlp_from} leaves out MLPs the toy does not have: add --mlp")
     return a
 
 
