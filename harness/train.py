@@ -28,6 +28,10 @@ reward, and only a circuit that looks back (an induction head) earns it, at any 
 start at position 0, and the shipped mini learned to copy only from the first ~50 positions (the ``copy100_after``
 rows of the targets); ``--placed-share`` makes that share of the copy rows show their span twice at a random place
 of a text window instead (``placed_rows``), so the source can lie anywhere (docs/reference-model.md).
+``--mlp-off F`` trains the first F of the budget attention only (``mlps_left_out``: every block's MLP adds nothing
+and gets no gradient), then the MLPs join; the exported model is plain GPT-2 either way. In a 2-layer toy the MLP is
+what holds a from-anywhere copy circuit on its plateau, and an attention-only phase ends it
+(scripts/induction_toy.py). The log's ``copy_far_acc`` is the quick copy check behind QUICK_FAR random tokens.
 A row-length curriculum (CURRICULUM) comes first: rows of 32 tokens for the first 35% of the budget, then 64, 128,
 256 and 512, always the same tokens per step (256 rows of 32, ..., 8 of 1,024); the remaining 48% train every one of
 the 1,024 positions. In a row of 32 tokens a query has few keys to find its match among, so the induction circuit
@@ -133,6 +137,8 @@ COPY_SHARE = 0.5  # share of each batch's rows that are a random span repeated (
 SPAN_MIN = 8  # span lengths are log-uniform in [SPAN_MIN, seq_len // 2]
 PLACED_SHARE = 0.0  # share of the copy rows that show their span twice at a random place of a text row (the shipped
 #                     mini: none; docs/reference-model.md, "Copying from anywhere", says why the next one wants them)
+MLP_OFF = 0.0  # share of the budget trained attention only: every block's MLP left out of the forward (its weights
+#               untouched, no gradient), so the copy circuit forms first (docs/reference-model.md); the shipped mini: none
 INIT_STD = 0.1  # std of the initial weights (GPT-2's own: 0.02); the residual projections get it / sqrt(2 n_layer)
 PEAK_LR = 3e-3
 MIN_LR_FRAC = 0.1
@@ -142,9 +148,10 @@ HELDOUT_EVERY = 20  # chapter i is held out when i % HELDOUT_EVERY == HELDOUT_AT
 HELDOUT_AT = 7
 EVAL_TOKENS = 8192  # held-out tokens of the quick (compact-vocabulary) evaluation during training
 QUICK_COPY = (4, 50)  # the quick evaluation's copy check: 4 random spans of 50 tokens (fewer when seq_len is short)
+QUICK_FAR = 400  # and the same spans behind 400 other random tokens (fewer when n_positions is short): from anywhere?
 STATE = "train_state.pt"
 HELDOUT_TEXT = "heldout.txt"
-LOG_FIELDS = ["step", "elapsed_s", "train_loss", "lr", "heldout_nll", "copy_acc"]
+LOG_FIELDS = ["step", "elapsed_s", "train_loss", "lr", "heldout_nll", "copy_acc", "copy_far_acc"]
 PROMPTS = Path(__file__).with_name("prompts.txt")
 EOT = 50256
 FREE_DIM = 0  # embedding dimension the used rows keep at 0 in training (see export_full)
@@ -423,6 +430,32 @@ def position_offsets(model: GPT2, starts: torch.Tensor | None):
         yield
     finally:
         hook.remove()
+
+
+class _NoMLP(torch.nn.Module):
+    """Stands in for a block's MLP while it is left out: adds nothing to the residual stream."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(())
+
+
+@contextmanager
+def mlps_left_out(model: GPT2, out: bool = True):
+    """Inside (when ``out``): every block of ``model`` is attention only, its MLP swapped for one that adds nothing;
+    the MLPs' weights are untouched and get no gradient (AdamW then skips them: no step, no decay). Outside: the
+    model as it was, MLPs and all (state_dict and checkpoint unchanged)."""
+    if not out:
+        yield
+        return
+    blocks = list(model.transformer.h)
+    kept = [b.mlp for b in blocks]
+    for b in blocks:
+        b.mlp = _NoMLP()
+    try:
+        yield
+    finally:
+        for b, mlp in zip(blocks, kept):
+            b.mlp = mlp
 
 
 # ---- model pieces ---------------------------------------------------------------------------------------------------
@@ -812,7 +845,7 @@ OURS = {"config.json", "model.safetensors", "train_log.csv", HELDOUT_TEXT, STATE
 
 
 def _check_settings(minutes, steps, stop_after, save_dtype, batch, seq_len, copy_share, init_std, peak_lr,
-                    cfg: GPT2Config, placed_share: float = 0.0) -> None:
+                    cfg: GPT2Config, placed_share: float = 0.0, mlp_off: float = 0.0) -> None:
     """Refuse (TrainError, one line) budgets and recipe values that cannot train."""
     if minutes is not None and steps is not None:
         raise TrainError("give one budget: --minutes or --steps, not both")
@@ -831,6 +864,9 @@ def _check_settings(minutes, steps, stop_after, save_dtype, batch, seq_len, copy
                          "must be positive")
     if not (isinstance(placed_share, (int, float)) and 0 <= placed_share <= 1):
         raise TrainError(f"--placed-share must lie in [0, 1] (a share of the copy rows), got {placed_share!r}")
+    if not (isinstance(mlp_off, (int, float)) and 0 <= mlp_off < 1):
+        raise TrainError(f"--mlp-off must lie in [0, 1) (the share of the budget trained attention only; the MLPs "
+                         f"must join before the end), got {mlp_off!r}")
     if cfg.vocab_size != Tokenizer.VOCAB_SIZE:
         raise TrainError(f"vocab_size must be GPT-2's {Tokenizer.VOCAB_SIZE}, got {cfg.vocab_size}")
     if seq_len > cfg.n_positions:
@@ -932,6 +968,10 @@ class _Run:
             _atomic_write(self.folder / STATE, buf.getvalue())
             self.status.state_step = self.step
 
+    def attention_only(self) -> bool:
+        """True while the budget's first ``mlp_off`` share lasts: the MLPs are left out of the forward."""
+        return self.frac() < self.settings.get("mlp_off", 0.0)
+
     def shape(self) -> tuple[int, int]:
         """(rows, tokens per row) of the next batch: with the curriculum, rows of its lengths (those shorter than
         seq_len) for their shares of the budget, as many tokens per batch as later; then rows of seq_len tokens."""
@@ -952,7 +992,8 @@ class _Run:
         rows, seq_len = self.shape()
         x, y = make_batch(d.ctrain, rows, seq_len, s["copy_share"], len(d.vocab), d.eot, self.gen,
                           s.get("placed_share", 0.0))
-        logits = self.model(x)
+        with mlps_left_out(self.model, self.attention_only()):
+            logits = self.model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -965,22 +1006,26 @@ class _Run:
         return loss.item(), lr
 
     def quick_eval(self, loss: float | str = "", lr: float = 0.0) -> dict:
-        """A log row: the compact model's held-out NLL (training vocabulary) and its copy accuracy (QUICK_COPY)."""
+        """A log row: the compact model's held-out NLL (training vocabulary) and its copy accuracy (QUICK_COPY) from
+        position 0 and behind QUICK_FAR random tokens, of the model as it trains now (attention only in that phase)."""
         d, model = self.data, self.model
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), mlps_left_out(model, self.attention_only()):
             total = 0.0
             for i in range(0, len(d.quick_eval), 8):
                 logits = model(d.quick_eval[i:i + 8, :-1])
                 total += float(F.cross_entropy(logits.reshape(-1, logits.size(-1)),
                                                d.quick_tgt[i:i + 8, 1:].reshape(-1), ignore_index=IGNORE,
                                                reduction="sum"))
+            k, n = QUICK_COPY
+            n = min(n, self.settings["seq_len"] // 2)
+            _, copy = copy_accuracy(model, d.copy_ids(full=False), n, k=k)
+            after = min(QUICK_FAR, self.cfg.n_positions - 2 * n)
+            far = round(copy_accuracy(model, d.copy_ids(full=False), n, k=k, after=after)[1], 4) if after > 0 else ""
         model.train()
-        k, n = QUICK_COPY
-        _, copy = copy_accuracy(model, d.copy_ids(full=False), min(n, self.settings["seq_len"] // 2), k=k)
         row = dict(step=self.step, elapsed_s=round(self.elapsed, 2), train_loss=loss if loss == "" else round(loss, 4),
                    lr=lr, heldout_nll=round(total / int((d.quick_tgt[:, 1:] != IGNORE).sum()), 4),
-                   copy_acc=round(copy, 4))
+                   copy_acc=round(copy, 4), copy_far_acc=far)
         self.log_rows.append(row)
         return row
 
@@ -1018,7 +1063,8 @@ def _loop(run: _Run, status: _Progress, stop_after: int | None, eval_every: int,
             bar.set_postfix(loss=f"{run.loss_ema:.3f}", lr=f"{lr:.2e}")
             if row:
                 bar.write(f"step {run.step} ({run.elapsed:.0f} s): train loss {run.loss_ema:.3f}, held-out NLL "
-                          f"{row['heldout_nll']:.3f} (training vocabulary), copy accuracy {row['copy_acc']:.3f}")
+                          f"{row['heldout_nll']:.3f} (training vocabulary), copy accuracy {row['copy_acc']:.3f}, behind "
+                          f"{QUICK_FAR}: {row['copy_far_acc']}" + (" (attention only)" if run.attention_only() else ""))
         status.step = run.step
         if _Stop.signum is not None:  # a stop signal arrived during this step: save it whole, then stop
             run.save()
@@ -1037,7 +1083,8 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
           save_dtype: str = "fp16", batch: int = BATCH, seq_len: int = SEQ_LEN, eval_every: int | None = None,
           eval_tokens: int | None = None, progress: bool = True, command: str | None = None,
           copy_share: float = COPY_SHARE, init_std: float = INIT_STD, peak_lr: float = PEAK_LR,
-          curriculum: bool = True, threads: int | None = None, placed_share: float = PLACED_SHARE) -> dict:
+          curriculum: bool = True, threads: int | None = None, placed_share: float = PLACED_SHARE,
+          mlp_off: float = MLP_OFF) -> dict:
     """Train (or resume, or report) the run in ``out``; returns its ``kvlab_train`` record (``done`` False when
     ``stop_after`` interrupted it). The budget is ``minutes`` of wall clock or ``steps`` (deterministic), not both;
     neither: DEFAULT_STEPS. ``config``, ``batch``, ``seq_len``, ``eval_every``, ``eval_tokens`` (the final held-out
@@ -1050,6 +1097,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
     _Stop.stopping = False
     recipe = dict(batch=batch, seq_len=seq_len, copy_share=copy_share, init_std=init_std, peak_lr=peak_lr,
                   **({"placed_share": placed_share} if placed_share else {}),  # absent: the shipped recipe's state
+                  **({"mlp_off": mlp_off} if mlp_off else {}),
                   curriculum=[list(c) for c in CURRICULUM] if curriculum else None)  # in the resume check
     try:
         return _train(Path(out), minutes, steps, seed, restart, config, stop_after, save_dtype, recipe, eval_every,
@@ -1073,7 +1121,8 @@ def _train(folder: Path, minutes, steps, seed, restart, config, stop_after, save
     if steps is None and minutes is None:
         steps = DEFAULT_STEPS
     _check_settings(minutes, steps, stop_after, save_dtype, recipe["batch"], recipe["seq_len"], recipe["copy_share"],
-                    recipe["init_std"], recipe["peak_lr"], cfg, recipe.get("placed_share", 0.0))
+                    recipe["init_std"], recipe["peak_lr"], cfg, recipe.get("placed_share", 0.0),
+                    recipe.get("mlp_off", 0.0))
     _check_out(folder)
     settings = dict(minutes=minutes, steps=steps, seed=seed, save_dtype=save_dtype, **recipe, config=asdict(cfg))
     say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
@@ -1155,6 +1204,9 @@ def _record(run: _Run, full: GPT2, unused_info: dict, command: str | None) -> di
     if s.get("placed_share"):
         mix += (f"; {s['placed_share']:.0%} of the copy rows instead show their span twice in a row at a random place "
                 "of a KJV text window (the first showing not a target)")
+    if s.get("mlp_off"):
+        mix += (f"; the first {s['mlp_off']:.0%} of the budget trains attention only (every MLP left out of the "
+                "forward), then the MLPs join")
     return dict(done=True, corpus=CORPUS, mix=mix, heldout=f"chapters i % {HELDOUT_EVERY} == {HELDOUT_AT} "
                 f"({len(d.held_stream):,} tokens)", train_tokens_in_split=len(d.train_stream),
                 training_vocab=len(d.vocab), steps=run.step, tokens=run.step * s["batch"] * s["seq_len"],
@@ -1162,6 +1214,7 @@ def _record(run: _Run, full: GPT2, unused_info: dict, command: str | None) -> di
                 budget=(f"{s['minutes']} minutes" if s["steps"] is None else f"{s['steps']} steps"),
                 batch=s["batch"], seq_len=s["seq_len"], copy_share=s["copy_share"], span_min=SPAN_MIN,
                 **({"placed_share": s["placed_share"]} if s.get("placed_share") else {}),
+                **({"mlp_off": s["mlp_off"]} if s.get("mlp_off") else {}),
                 curriculum=[[n, share] for n, share in s["curriculum"] or () if n < s["seq_len"]] or None,
                 init_std=s["init_std"], peak_lr=s["peak_lr"], warmup_frac=WARMUP_FRAC, min_lr_frac=MIN_LR_FRAC,
                 weight_decay=WEIGHT_DECAY, seed=s["seed"], save_dtype=s["save_dtype"],
@@ -1205,6 +1258,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="share of the copy rows whose span is shown twice at a random place of a text row instead of "
                         f"repeated from position 0 (default {PLACED_SHARE}, the shipped mini's; see "
                         "docs/reference-model.md)")
+    p.add_argument("--mlp-off", type=float, default=MLP_OFF,
+                   help="share of the budget trained attention only, every MLP left out of the forward, so the copy "
+                        f"circuit forms before the MLPs join (default {MLP_OFF}, the shipped mini's; see "
+                        "docs/reference-model.md)")
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: interrupt after N steps
 
     def error(message):  # one line, exit 2 (argparse would print the usage first)
@@ -1233,7 +1290,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             train(args.out, minutes=args.minutes, steps=args.steps, seed=args.seed, restart=args.restart,
                   stop_after=args.stop_after, save_dtype=args.save_dtype, command=command, threads=args.threads,
-                  placed_share=args.placed_share)
+                  placed_share=args.placed_share, mlp_off=args.mlp_off)
         except TrainError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

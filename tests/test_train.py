@@ -70,7 +70,8 @@ def test_training_lowers_the_full_softmax_heldout_nll(tiny_run):
     loaded = GPT2.from_pretrained(out)
     assert T.nll(loaded, T.windows(held, 1024, T=32)) == pytest.approx(rec["heldout_nll"], abs=1e-3)
     rows = (out / "train_log.csv").read_text().splitlines()
-    assert rows[0] == "step,elapsed_s,train_loss,lr,heldout_nll,copy_acc" and len(rows) >= 6
+    assert rows[0] == "step,elapsed_s,train_loss,lr,heldout_nll,copy_acc,copy_far_acc" and len(rows) >= 6
+    assert all(0 <= float(r.split(",")[6]) <= 1 for r in rows[1:-1])  # copy behind other tokens, on every quick row
     first, last = float(rows[1].split(",")[4]), float(rows[-2].split(",")[4])
     assert last < first - 1  # quick held-out NLL along the way went down
 
@@ -147,6 +148,53 @@ def test_prompts_text_is_not_in_the_corpus():
     for line in lines:
         w = words(line)
         assert not [" ".join(w[i:i + 6]) for i in range(len(w) - 5) if " ".join(w[i:i + 6]) in shingles], line
+
+
+def test_mlps_left_out_make_each_block_attention_only_and_give_the_model_back_whole(tiny_model):
+    """Inside mlps_left_out the forward equals that of a copy whose MLPs add nothing (their output projection zeroed),
+    the MLPs get no gradient; outside, the model's outputs and state_dict are as before."""
+    import copy
+
+    x = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    before = {k: v.clone() for k, v in tiny_model.state_dict().items()}
+    with torch.no_grad():
+        whole = tiny_model(x)
+        silent = copy.deepcopy(tiny_model)
+        for b in silent.transformer.h:
+            b.mlp.c_proj.weight.zero_()
+            b.mlp.c_proj.bias.zero_()
+        want = silent(x)
+    assert not torch.allclose(whole, want, atol=1e-3)  # the MLPs matter to this model, so the check can fail
+    with T.mlps_left_out(tiny_model):
+        got = tiny_model(x)
+        got.sum().backward()
+    assert torch.allclose(got, want, atol=1e-5)
+    assert all(p.grad is None for b in tiny_model.transformer.h for p in b.mlp.parameters())
+    assert all(p.grad is not None for b in tiny_model.transformer.h for p in b.attn.parameters())
+    tiny_model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        assert torch.equal(tiny_model(x), whole)
+    after = tiny_model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_an_attention_only_phase_leaves_the_mlps_untrained_until_it_ends(tmp_path):
+    """--mlp-off 0.5 of 8 steps: after 4 steps every MLP weight is its initial value while attention has moved; the
+    finished run's MLPs have trained, and the record names the phase."""
+    first = T.train(tmp_path / "run", steps=8, eval_every=4, stop_after=1, mlp_off=0.5, **FAST)
+    init = torch.load(tmp_path / "run" / T.STATE, weights_only=True)["model"]
+    T.train(tmp_path / "run", steps=8, eval_every=4, stop_after=3, mlp_off=0.5, **FAST)
+    mid = torch.load(tmp_path / "run" / T.STATE, weights_only=True)["model"]
+    assert not first["done"] and any(".mlp." in k for k in init)
+    assert all(torch.equal(init[k], mid[k]) for k in init if ".mlp." in k)
+    assert not torch.equal(init["transformer.h.0.attn.c_attn.weight"], mid["transformer.h.0.attn.c_attn.weight"])
+    meta = T.train(tmp_path / "run", steps=8, eval_every=4, mlp_off=0.5, **FAST)
+    end = GPT2.from_pretrained(tmp_path / "run").state_dict()
+    for k in (k for k in init if ".mlp." in k):  # moved by far more than the checkpoint's fp16 rounding
+        assert (end[k] - init[k]).abs().max() > 1e-3, k
+    assert meta["mlp_off"] == 0.5 and "attention only" in meta["mix"]
+    with pytest.raises(T.TrainError, match="--mlp-off must lie in"):
+        T.train(tmp_path / "other", steps=8, mlp_off=1.0, **FAST)
 
 
 @pytest.mark.parametrize("args, why", [
