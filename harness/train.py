@@ -29,7 +29,9 @@ start at position 0, and the shipped mini learned to copy only from the first ~5
 rows of the targets); ``--placed-share`` makes that share of the copy rows show their span twice at a random place
 of a text window instead (``placed_rows``), so the source can lie anywhere (docs/reference-model.md).
 ``--mlp-off F`` trains the first F of the budget attention only (``mlps_left_out``: every block's MLP adds nothing
-and gets no gradient), then the MLPs join; the exported model is plain GPT-2 either way. In a 2-layer toy the MLP is
+and gets no gradient), then the MLPs join, their output projections initialised to zero so that joining leaves the
+model's outputs as they were (with random ones, the copying a run had formed fell from 0.90 to 0.25 at the join);
+the exported model is plain GPT-2 either way. In a 2-layer toy the MLP is
 what holds a from-anywhere copy circuit on its plateau, and an attention-only phase ends it
 (scripts/induction_toy.py). The log's ``copy_far_acc`` is the quick copy check behind QUICK_FAR random tokens.
 A row-length curriculum (CURRICULUM) comes first: rows of 32 tokens for the first 35% of the budget, then 64, 128,
@@ -844,8 +846,37 @@ def _is_kvlab_training(folder: Path) -> bool:
 OURS = {"config.json", "model.safetensors", "train_log.csv", HELDOUT_TEXT, STATE}  # the files a run writes
 
 
+def _curriculum(spec) -> list[list] | None:
+    """The curriculum as settings hold it: True -> CURRICULUM, False/None/[] -> None, else (length, share) pairs."""
+    if spec is True:
+        spec = CURRICULUM
+    return [[int(n), float(share)] for n, share in spec] if spec else None
+
+
+def parse_curriculum(text: str) -> list[list] | None:
+    """``--curriculum``: "none", or "LEN:SHARE,..." (e.g. "32:0.35,64:0.04"). Raises ValueError, one line."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return [[int(n), float(share)] for n, share in (part.split(":") for part in text.split(","))]
+    except ValueError:
+        raise ValueError(f"--curriculum {text!r}: give 'none' or LEN:SHARE pairs, e.g. 32:0.35,64:0.04") from None
+
+
+def _check_curriculum(curriculum: list | None, batch: int, seq_len: int) -> None:
+    total = 0.0
+    for n, share in curriculum or ():
+        if n < 2 or (n < seq_len and (batch * seq_len) % n) or not 0 < share <= 1:  # n >= seq_len: full rows
+            raise TrainError(f"--curriculum {n}:{share}: a length must be >= 2 and divide the {batch * seq_len} "
+                             "tokens of a step, a share lie in (0, 1]")
+        total += share
+    if total > 1 + 1e-9:
+        raise TrainError(f"--curriculum: the shares add up to {total:g}; they are shares of one budget (<= 1)")
+
+
 def _check_settings(minutes, steps, stop_after, save_dtype, batch, seq_len, copy_share, init_std, peak_lr,
-                    cfg: GPT2Config, placed_share: float = 0.0, mlp_off: float = 0.0) -> None:
+                    cfg: GPT2Config, placed_share: float = 0.0, mlp_off: float = 0.0,
+                    curriculum: list | None = None) -> None:
     """Refuse (TrainError, one line) budgets and recipe values that cannot train."""
     if minutes is not None and steps is not None:
         raise TrainError("give one budget: --minutes or --steps, not both")
@@ -867,6 +898,7 @@ def _check_settings(minutes, steps, stop_after, save_dtype, batch, seq_len, copy
     if not (isinstance(mlp_off, (int, float)) and 0 <= mlp_off < 1):
         raise TrainError(f"--mlp-off must lie in [0, 1) (the share of the budget trained attention only; the MLPs "
                          f"must join before the end), got {mlp_off!r}")
+    _check_curriculum(curriculum, batch, seq_len)
     if cfg.vocab_size != Tokenizer.VOCAB_SIZE:
         raise TrainError(f"vocab_size must be GPT-2's {Tokenizer.VOCAB_SIZE}, got {cfg.vocab_size}")
     if seq_len > cfg.n_positions:
@@ -942,6 +974,10 @@ class _Run:
         self.model = compact_model(cfg, len(data.vocab) + 1, settings["init_std"])
         with torch.no_grad():
             self.model.transformer.wte.weight[:, FREE_DIM] = 0.0
+            if settings.get("mlp_off"):  # the MLPs join adding nothing, so joining does not change the model
+                for b in self.model.transformer.h:
+                    b.mlp.c_proj.weight.zero_()
+                    b.mlp.c_proj.bias.zero_()
         self.opt = make_optimizer(self.model, settings["peak_lr"])
         self.gen = torch.Generator().manual_seed(settings["seed"])
         self.step, self.elapsed, self.log_rows, self.loss_ema = 0, 0.0, [], None
@@ -1083,7 +1119,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
           save_dtype: str = "fp16", batch: int = BATCH, seq_len: int = SEQ_LEN, eval_every: int | None = None,
           eval_tokens: int | None = None, progress: bool = True, command: str | None = None,
           copy_share: float = COPY_SHARE, init_std: float = INIT_STD, peak_lr: float = PEAK_LR,
-          curriculum: bool = True, threads: int | None = None, placed_share: float = PLACED_SHARE,
+          curriculum=True, threads: int | None = None, placed_share: float = PLACED_SHARE,
           mlp_off: float = MLP_OFF) -> dict:
     """Train (or resume, or report) the run in ``out``; returns its ``kvlab_train`` record (``done`` False when
     ``stop_after`` interrupted it). The budget is ``minutes`` of wall clock or ``steps`` (deterministic), not both;
@@ -1098,7 +1134,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
     recipe = dict(batch=batch, seq_len=seq_len, copy_share=copy_share, init_std=init_std, peak_lr=peak_lr,
                   **({"placed_share": placed_share} if placed_share else {}),  # absent: the shipped recipe's state
                   **({"mlp_off": mlp_off} if mlp_off else {}),
-                  curriculum=[list(c) for c in CURRICULUM] if curriculum else None)  # in the resume check
+                  curriculum=_curriculum(curriculum))  # in the resume check
     try:
         return _train(Path(out), minutes, steps, seed, restart, config, stop_after, save_dtype, recipe, eval_every,
                       eval_tokens, progress, command, status, threads)
@@ -1122,7 +1158,7 @@ def _train(folder: Path, minutes, steps, seed, restart, config, stop_after, save
         steps = DEFAULT_STEPS
     _check_settings(minutes, steps, stop_after, save_dtype, recipe["batch"], recipe["seq_len"], recipe["copy_share"],
                     recipe["init_std"], recipe["peak_lr"], cfg, recipe.get("placed_share", 0.0),
-                    recipe.get("mlp_off", 0.0))
+                    recipe.get("mlp_off", 0.0), recipe["curriculum"])
     _check_out(folder)
     settings = dict(minutes=minutes, steps=steps, seed=seed, save_dtype=save_dtype, **recipe, config=asdict(cfg))
     say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
@@ -1262,6 +1298,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="share of the budget trained attention only, every MLP left out of the forward, so the copy "
                         f"circuit forms before the MLPs join (default {MLP_OFF}, the shipped mini's; see "
                         "docs/reference-model.md)")
+    p.add_argument("--curriculum", default=None, metavar="SPEC",
+                   help="row lengths before the full rows: LEN:SHARE pairs of the budget, in order (default "
+                        + ",".join(f"{n}:{share:g}" for n, share in CURRICULUM) + ", the shipped mini's), or none")
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: interrupt after N steps
 
     def error(message):  # one line, exit 2 (argparse would print the usage first)
@@ -1279,6 +1318,10 @@ def main(argv: list[str] | None = None) -> int:
         args = p.parse_args(argv)
         if not args.out and not args.evaluate:
             p.error("give --out DIR to train (or --evaluate DIR to measure a checkpoint)")
+        try:
+            curriculum = True if args.curriculum is None else parse_curriculum(args.curriculum)
+        except ValueError as e:
+            p.error(str(e))
     except SystemExit as e:
         return int(e.code or 0)
     command = "python -m harness.train " + " ".join(shlex.quote(a) for a in argv)
@@ -1290,7 +1333,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             train(args.out, minutes=args.minutes, steps=args.steps, seed=args.seed, restart=args.restart,
                   stop_after=args.stop_after, save_dtype=args.save_dtype, command=command, threads=args.threads,
-                  placed_share=args.placed_share, mlp_off=args.mlp_off)
+                  placed_share=args.placed_share, mlp_off=args.mlp_off, curriculum=curriculum)
         except TrainError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

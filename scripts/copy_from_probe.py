@@ -8,6 +8,7 @@ that start at position 0, or behind 32 or 96 other random tokens (``harness.trai
     .venv/bin/python scripts/copy_from_probe.py --rows mixed      # half each
     .venv/bin/python scripts/copy_from_probe.py --fifths models/weights/mini   # a checkpoint: where its copying stops
     .venv/bin/python scripts/copy_from_probe.py --prev-heads models/weights/mini   # does any head look one back?
+    .venv/bin/python scripts/copy_from_probe.py --state DIR/train_state.pt   # a harness.train run in progress
     .venv/bin/python scripts/copy_from_probe.py --rows repeated --prev-steps 200 [--hold-prev]   # a previous-token
         # stage first: rows whose every target is the token before it (a previous-token head at every position)
 
@@ -112,11 +113,36 @@ def hold_previous(model, held: dict | None) -> dict:
     return held
 
 
+STATE_LENGTHS, STATE_AFTER = (8, 16, 50), (0, 8, 16, 25, 50, 100, 200, 400, 800)
+
+
+@torch.no_grad()
+def state(path: str) -> None:
+    """A harness.train run in progress (its train_state.pt): the compact model as it trains at that step (attention
+    only inside an --mlp-off phase), top-1 accuracy on the second showing of 8 random sequences of n training ids
+    behind 0 .. 800 other random ids. One JSON line per n."""
+    st = torch.load(path, map_location="cpu", weights_only=True)
+    s = st["settings"]
+    data = T._Data(s["seq_len"], 1024)
+    model = T.compact_model(GPT2Config(**s["config"]), len(data.vocab) + 1, s["init_std"])
+    model.load_state_dict(st["model"])
+    model.eval()
+    frac = st["step"] / s["steps"] if s["steps"] else st["elapsed"] / (s["minutes"] * 60)
+    alone = frac < s.get("mlp_off", 0.0)
+    ids = data.copy_ids(full=False)
+    with T.mlps_left_out(model, alone):
+        for n in STATE_LENGTHS:
+            acc = {f"after{o}": round(T.copy_accuracy(model, ids, n, k=8, after=o)[1], 3)
+                   for o in STATE_AFTER if o + 2 * n <= model.config.n_positions}
+            print(json.dumps(dict(step=st["step"], attention_only=alone, n=n, **acc)), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", choices=["repeated", "placed", "mixed"], help="the long rows' kind")
     p.add_argument("--fifths", metavar="DIR", help="instead: where a checkpoint's copying stops")
     p.add_argument("--prev-heads", metavar="DIR", help="instead: a checkpoint's attention on the previous token")
+    p.add_argument("--state", metavar="FILE", help="instead: a harness.train run's train_state.pt, as it trains now")
     p.add_argument("--prev-steps", type=int, default=0,
                    help="steps of previous-token rows (rows of 128 random ids, each target the token before it) "
                         "before the copy stages")
@@ -139,6 +165,8 @@ def main() -> None:
         return fifths(a.fifths)
     if a.prev_heads:
         return prev_heads(a.prev_heads)
+    if a.state:
+        return state(a.state)
     if a.hold_prev and not a.prev_steps:
         p.error("--hold-prev holds what --prev-steps N taught: give both")
     if not a.rows:

@@ -179,8 +179,9 @@ def test_mlps_left_out_make_each_block_attention_only_and_give_the_model_back_wh
 
 
 def test_an_attention_only_phase_leaves_the_mlps_untrained_until_it_ends(tmp_path):
-    """--mlp-off 0.5 of 8 steps: after 4 steps every MLP weight is its initial value while attention has moved; the
-    finished run's MLPs have trained, and the record names the phase."""
+    """--mlp-off 0.5 of 8 steps: after 4 steps every MLP weight is its initial value while attention has moved, and
+    the MLPs join without changing the model's outputs; the finished run's MLPs have trained, and the record names
+    the phase."""
     first = T.train(tmp_path / "run", steps=8, eval_every=4, stop_after=1, mlp_off=0.5, **FAST)
     init = torch.load(tmp_path / "run" / T.STATE, weights_only=True)["model"]
     T.train(tmp_path / "run", steps=8, eval_every=4, stop_after=3, mlp_off=0.5, **FAST)
@@ -188,6 +189,13 @@ def test_an_attention_only_phase_leaves_the_mlps_untrained_until_it_ends(tmp_pat
     assert not first["done"] and any(".mlp." in k for k in init)
     assert all(torch.equal(init[k], mid[k]) for k in init if ".mlp." in k)
     assert not torch.equal(init["transformer.h.0.attn.c_attn.weight"], mid["transformer.h.0.attn.c_attn.weight"])
+    model = T.compact_model(SMALL, mid["transformer.wte.weight"].shape[0])
+    model.load_state_dict(mid)
+    x = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # the MLPs join at step 4 adding nothing: the model as it trained is unchanged
+        alone = model(x)
+        with T.mlps_left_out(model):
+            assert torch.equal(model(x), alone)
     meta = T.train(tmp_path / "run", steps=8, eval_every=4, mlp_off=0.5, **FAST)
     end = GPT2.from_pretrained(tmp_path / "run").state_dict()
     for k in (k for k in init if ".mlp." in k):  # moved by far more than the checkpoint's fp16 rounding
@@ -204,6 +212,10 @@ def test_an_attention_only_phase_leaves_the_mlps_untrained_until_it_ends(tmp_pat
     (["--minutes", "abc"], "invalid float value"),
     (["--steps", "0"], "--steps must be a positive integer"),
     (["--minutes", "1", "--steps", "5"], "one budget"),
+    (["--curriculum", "32-0.3"], "--curriculum '32-0.3': give 'none' or LEN:SHARE pairs"),
+    (["--curriculum", "100:0.3"], "a length must be >= 2 and divide the 8192 tokens"),
+    (["--curriculum", "32:0.6,64:0.6"], "the shares add up to 1.2"),
+    (["--mlp-off", "1"], "--mlp-off must lie in [0, 1)"),
     ([], "--out"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, args, why):
@@ -464,6 +476,9 @@ def test_the_curriculum_trains_short_rows_first_with_the_same_tokens_per_step():
     run.settings = dict(run.settings, seq_len=128)  # lengths not shorter than the rows are passed over
     run.at = 0.5
     assert run.shape() == (8, 128)
+    run.settings = dict(run.settings, curriculum=T.parse_curriculum("64:0.25"))  # --curriculum 64:0.25
+    assert [run.shape() for run.at in (0.0, 0.249, 0.25)] == [(16, 64), (16, 64), (8, 128)]
+    assert T.parse_curriculum("none") is None
     run.settings = dict(run.settings, curriculum=None)
     run.at = 0.0
     assert run.shape() == (8, 128)
