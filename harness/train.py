@@ -3,6 +3,7 @@
     python -m harness.train --out models/weights/mini            # the shipped checkpoint (DEFAULT_STEPS steps)
     python -m harness.train --out DIR [--steps N | --minutes M] [--seed S] [--threads T] [--restart]
     python -m harness.train --evaluate DIR                       # the targets table of a checkpoint (no training)
+    python -m harness.train --out DIR [--placed-share F] [--mlp-off F] [--curriculum LEN:SHARE,...|none]  # recipes
 
 Why: drift, windows, eviction and "does the cache change what the model says" mean little on random weights or on
 a model that ignores its history, and no model hub may be used. This trains a real (small) language model that uses

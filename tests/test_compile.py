@@ -5,12 +5,14 @@ with CUDA graphs (mode reduce-overhead) and also counts CUDA-graph skips."""
 
 import copy
 import shutil
+from dataclasses import asdict
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from harness.engines import KvlabEngine
+from models.gpt2 import GPT2, GPT2Config
 from models.generate import StaticDecoder, new_cache
 
 pytestmark = pytest.mark.slow  # compiling takes seconds
@@ -78,17 +80,24 @@ def test_a_static_step_refuses_what_it_cannot_run(tiny_model):
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor compiles CPU kernels with a C++ compiler; none on this machine")
-@pytest.mark.parametrize("path, dtype", [("kernel", torch.float32), ("kernel", torch.bfloat16),
-                                         ("inductor", torch.float32)])
-def test_quant_attention_over_its_packed_storage_equals_the_dequantised_path(tiny_model, path, dtype, monkeypatch):
+@pytest.mark.parametrize("path, dtype, head", [("kernel", torch.float32, 32), ("kernel", torch.bfloat16, 32),
+                                               ("inductor", torch.float32, 32), ("kernel", torch.float32, 64)])
+def test_quant_attention_over_its_packed_storage_equals_the_dequantised_path(tiny_model, path, dtype, head,
+                                                                            monkeypatch):
     """compile=true on the quant kind: decode attention reads the packed bytes, scales and tails where they lie
     instead of a dequantised copy: on the CPU through the C++ kernel (``kernel_attention``), on a GPU through
     torch.compile (``stored_attention``, run here on the CPU too). For every conformance option set (both axes,
     2/4/8 bits, residual, a partial channel group, the rotation, K or V alone) and across group boundaries, the
     logits equal the eager path's within float32 rounding (bf16: within its own rounding of the same values), one
     graph per layout (the kernel: none), no recompile across steps, and the caches hold the same bytes (later
-    layers' K/V differ by the rounding of earlier layers' attention)."""
+    layers' K/V differ by the rounding of earlier layers' attention). Heads of 64 channels (GPT-2's) take the
+    kernel's whole-row loops for K per channel and V per token in groups of 32; the tiny model's 32, the general ones."""
     from models.kv_cache import QuantKVCache, quant
+
+    if head == 64:
+        torch.manual_seed(0)
+        tiny_model = GPT2(GPT2Config(**{**asdict(tiny_model.config), "n_embd": 128})).eval()
+        assert tiny_model.config.n_embd // tiny_model.config.n_head == 64
 
     monkeypatch.setattr(quant, "FORCE_INDUCTOR", path == "inductor")
 
@@ -96,6 +105,9 @@ def test_quant_attention_over_its_packed_storage_equals_the_dequantised_path(tin
     model = copy.deepcopy(tiny_model).to(dtype)
     eager, compiled = KvlabEngine(model), KvlabEngine(model, compile=True)
     options = QuantKVCache.examples + ({"k_bits": 8, "v_bits": 4, "group_size": 24},  # 32 channels: 24 + 8
+                                       # group_size 32 (the default): K per 32 tokens, V per 32 channels
+                                       {"k_bits": 4, "v_bits": 4}, {"k_bits": 2, "v_bits": 8},
+                                       {"k_bits": 8, "v_bits": 2, "residual": 5},
                                        # groups of 6 channels split 2-bit bytes: the kernel's row-by-row path
                                        {"k_bits": 2, "v_bits": 2, "group_size": 6, "k_axis": "token"})
     ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
