@@ -20,6 +20,10 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     # a suite started as a background job of a shell without job control inherits SIGINT ignored, and so would
     # every run it starts: the Ctrl-C tests would then press a Ctrl-C nothing hears. Python's own handler again.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    # the same for a suite started under nohup: kvlab keeps an ignored SIGHUP ignored (nohup's promise), so the
+    # SIGHUP tests would send a signal nothing hears. Its default again, for this process and what it starts.
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 os.environ["WANDB_SILENT"] = "true"
 
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))

@@ -129,8 +129,8 @@ void weighted_row(const float* pp, const Packed& v, int64_t hs, int64_t n, float
 // row left packed: byte b holds channels b * PER + i (i < PER) in its bit fields, so the query (K) and the
 // accumulator (V) are kept as PER planes of NB values, plane i holding field i's channels, and each token's row is
 // one pass over its NB bytes with every size a compile-time constant (what lets the loop vectorise whole: the same
-// loops with sizes known only at run time ran 1.2-4.7x slower than unpacking each row first; these take 0.4-0.6x its
-// time at 4 and 2 bits, scripts/decode_attention_probe.py). 8-bit K keeps the plain path (no fields to take out).
+// loops with sizes known only at run time were slower than unpacking each row first; docs/cache-kinds.md has the
+// figures). 8-bit K keeps the plain path (no fields to take out).
 constexpr int64_t HS64 = 64, G32 = 32;
 
 template <int BITS>
