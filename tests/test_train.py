@@ -178,6 +178,7 @@ def test_mlps_left_out_make_each_block_attention_only_and_give_the_model_back_wh
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
 
+@pytest.mark.slow
 def test_an_attention_only_phase_leaves_the_mlps_untrained_until_it_ends(tmp_path):
     """--mlp-off 0.5 of 8 steps: after 4 steps every MLP weight is its initial value while attention has moved, and
     the MLPs join without changing the model's outputs; the finished run's MLPs have trained, and the record names
