@@ -435,6 +435,12 @@ def position_offsets(model: GPT2, starts: torch.Tensor | None):
         hook.remove()
 
 
+def attention_only_at(settings: dict, step: int, elapsed: float) -> bool:
+    """Whether a run with these settings trains attention only at this point of its budget (``--mlp-off``)."""
+    frac = step / settings["steps"] if settings["steps"] is not None else elapsed / (settings["minutes"] * 60.0)
+    return frac < settings.get("mlp_off", 0.0)
+
+
 class _NoMLP(torch.nn.Module):
     """Stands in for a block's MLP while it is left out: adds nothing to the residual stream."""
 
@@ -1007,7 +1013,7 @@ class _Run:
 
     def attention_only(self) -> bool:
         """True while the budget's first ``mlp_off`` share lasts: the MLPs are left out of the forward."""
-        return self.frac() < self.settings.get("mlp_off", 0.0)
+        return attention_only_at(self.settings, self.step, self.elapsed)
 
     def shape(self) -> tuple[int, int]:
         """(rows, tokens per row) of the next batch: with the curriculum, rows of its lengths (those shorter than
@@ -1055,10 +1061,10 @@ class _Run:
                                                d.quick_tgt[i:i + 8, 1:].reshape(-1), ignore_index=IGNORE,
                                                reduction="sum"))
             k, n = QUICK_COPY
-            n = min(n, self.settings["seq_len"] // 2)
-            _, copy = copy_accuracy(model, d.copy_ids(full=False), n, k=k)
+            n, ids = min(n, self.settings["seq_len"] // 2), d.copy_ids(full=False)
+            _, copy = copy_accuracy(model, ids, n, k=k)
             after = min(QUICK_FAR, self.cfg.n_positions - 2 * n)
-            far = round(copy_accuracy(model, d.copy_ids(full=False), n, k=k, after=after)[1], 4) if after > 0 else ""
+            far = round(copy_accuracy(model, ids, n, k=k, after=after)[1], 4) if after > 0 else ""
         model.train()
         row = dict(step=self.step, elapsed_s=round(self.elapsed, 2), train_loss=loss if loss == "" else round(loss, 4),
                    lr=lr, heldout_nll=round(total / int((d.quick_tgt[:, 1:] != IGNORE).sum()), 4),

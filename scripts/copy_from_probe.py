@@ -127,8 +127,7 @@ def state(path: str) -> None:
     model = T.compact_model(GPT2Config(**s["config"]), len(data.vocab) + 1, s["init_std"])
     model.load_state_dict(st["model"])
     model.eval()
-    frac = st["step"] / s["steps"] if s["steps"] else st["elapsed"] / (s["minutes"] * 60)
-    alone = frac < s.get("mlp_off", 0.0)
+    alone = T.attention_only_at(s, st["step"], st["elapsed"])
     ids = data.copy_ids(full=False)
     with T.mlps_left_out(model, alone):
         for n in STATE_LENGTHS:
