@@ -50,7 +50,6 @@ def main() -> None:
     q, new = torch.randn(B, NH, 1, HS), torch.randn(B, NH, 1, HS)
     parts = {w: tuple(getattr(c, f"{w}_{p}")[0] for p in ("q", "scale", "min", "tail")) for w in ("k", "v")}
     n_k, n_v = c._split(CTX)
-    layout = ((a.bits, "channel"), (a.bits, "token"), c.opts.group_size, HS)
     kq, ks, kl, _ = parts["k"]
     vq, vs, vl, _ = parts["v"]
     BH, p = B * NH, torch.rand(B * NH, CTX)
@@ -62,12 +61,22 @@ def main() -> None:
         c._store(0, "k", new, CTX + 1, CTX + 2), c._store(0, "v", new, CTX + 1, CTX + 2)
         c.fused = False
 
+    # what the model calls per layer in a compiled decode step (write, glue and kernel), on a cache whose step
+    # quantises no group of K (31 steps of 32; the 32nd quantises a group of K per channel, eagerly)
+    c1 = make_cache("quant", 1, NH, HS, MAX_LEN, B, k_bits=a.bits, v_bits=a.bits)
+    c1.update(0, torch.randn(B, NH, CTX - 2, HS), torch.randn(B, NH, CTX - 2, HS))
+    c1.advance(CTX - 2)
+
+    def layer_call():
+        c1.fused = True
+        c1.attend_decode(0, q, new, new)
+        c1.fused = False
+
     rows = {
-        "kernel_attention (whole layer)": lambda: Q.kernel_attention(kern, q, parts["k"], parts["v"], n_k, n_v, CTX,
-                                                                     None, layout),
-        "  q.K^T over packed K": lambda: kern.scores(q.reshape(BH, HS).contiguous(), flat[0], flat[1].float(),
-                                                     flat[2].float(), n_k, a.bits, True, c.opts.group_size),
-        "  p.V over packed V": lambda: kern.weighted(p, flat[3], flat[4].float(), flat[5].float(), n_v, HS, a.bits,
+        "attend_decode (the layer's whole call)": layer_call,
+        "kernel_attention (whole layer)": lambda: Q.kernel_attention(kern, c, 0, q, n_k, n_v, CTX),
+        "  q.K^T over packed K": lambda: kern.scores(q.reshape(BH, HS).contiguous(), flat[0], flat[1], flat[2], n_k, a.bits, True, c.opts.group_size),
+        "  p.V over packed V": lambda: kern.weighted(p, flat[3], flat[4], flat[5], n_v, HS, a.bits,
                                                      False, c.opts.group_size),
         # a step between K's groups (31 of every 32): V's token is quantised, K's joins the full-precision tail
         "write the step's K and V (eager _store)": lambda: store(False),

@@ -51,7 +51,8 @@ class Layer(nn.Module):
 
 
 class Toy(nn.Module):
-    def __init__(self, ids: int, width: int, heads: int, length: int, tied: bool, mlp: bool, std: float):
+    def __init__(self, ids: int, width: int, heads: int, length: int, tied: bool, mlp: bool, std: float,
+                 pos: str = "learned"):
         super().__init__()
         self.e, self.p = nn.Embedding(ids, width), nn.Embedding(length, width)
         self.layers = nn.ModuleList([Layer(width, heads, mlp), Layer(width, heads, mlp)])
@@ -61,6 +62,9 @@ class Toy(nn.Module):
                 nn.init.normal_(w, std=std)
         if tied:
             self.u.weight = self.e.weight
+        if pos == "sin":
+            with torch.no_grad():
+                self.p.weight.copy_(sinusoids(length, width) * std * math.sqrt(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.e(x) + self.p(torch.arange(x.shape[1]))
@@ -69,19 +73,31 @@ class Toy(nn.Module):
         return self.u(self.ln(h))
 
 
-def rows(n_rows: int, length: int, ids: int, span_max: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+def sinusoids(length: int, width: int) -> torch.Tensor:
+    """(length, width): sin/cos pairs at frequencies 1 .. 1e-4 rad a position (entries of rms 1 / sqrt(2)); a
+    rotation maps each row to the next, so one query/key map can point every position at its predecessor."""
+    freq = 10000.0 ** (-torch.arange(0, width, 2).float() / width)
+    angle = torch.arange(length).float()[:, None] * freq
+    return torch.stack([angle.sin(), angle.cos()], -1).flatten(1)
+
+
+def rows(n_rows: int, length: int, ids: int, span_max: int, gen: torch.Generator,
+         fill: bool = False) -> tuple[torch.Tensor, ...]:
     """(x, scored, key): random ids with one span shown twice at a random place; scored[i, t] marks the positions
     whose token is trained on (the second showing past its first token); key[i, t], for a query t in the second
-    showing, is the position right after its token's first showing (where an induction head looks)."""
+    showing, is the position right after its token's first showing (where an induction head looks). With ``fill``
+    the span recurs from its first showing to the row's end (every showing after the first scored: many sources,
+    the nearest one span back)."""
     x = torch.randint(0, ids, (n_rows, length), generator=gen)
     scored = torch.zeros(n_rows, length, dtype=torch.bool)
     key = torch.zeros(n_rows, length, dtype=torch.long)
     for i in range(n_rows):
         n = int(torch.randint(8, span_max + 1, (1,), generator=gen))
         p = int(torch.randint(0, length - 2 * n + 1, (1,), generator=gen))
-        x[i, p + n:p + 2 * n] = x[i, p:p + n]
-        scored[i, p + n + 1:p + 2 * n] = True
-        key[i, p + n:p + 2 * n] = torch.arange(p + 1, p + n + 1)
+        end = length if fill else p + 2 * n
+        x[i, p + n:end] = x[i, p:p + n].repeat(math.ceil((end - p - n) / n))[:end - p - n]
+        scored[i, p + n + 1:end] = True
+        key[i, p + n:end] = torch.arange(p + n, end) - n + 1
     return x, scored, key
 
 
@@ -101,7 +117,7 @@ def train(a: argparse.Namespace, log=print) -> dict:
     """Train the toy as ``a`` says, logging a line every a.every steps; returns the last evaluation."""
     length = 2 * a.span_max + 32
     torch.manual_seed(a.seed)
-    model = Toy(a.ids, a.width, a.heads, length, a.tied, a.mlp, a.std)
+    model = Toy(a.ids, a.width, a.heads, length, a.tied, a.mlp, a.std, a.pos)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0, betas=(0.9, 0.95))
     gen, held = torch.Generator().manual_seed(a.seed), rows(64, length, a.ids, a.span_max,
                                                               torch.Generator().manual_seed(a.seed + 1))
@@ -115,7 +131,7 @@ def train(a: argparse.Namespace, log=print) -> dict:
             log(f"step {step} s {time.time() - t0:.0f} " + " ".join(f"{k} {v:.3f}" for k, v in last.items()))
         if step == a.steps:
             break
-        x, scored, _ = rows(a.batch, length, small if step < small_steps else a.ids, a.span_max, gen)
+        x, scored, _ = rows(a.batch, length, small if step < small_steps else a.ids, a.span_max, gen, a.fill)
         logits = model(x)
         loss = F.cross_entropy(logits[:, :-1][scored[:, 1:]], x[:, 1:][scored[:, 1:]])
         opt.zero_grad()
@@ -148,6 +164,10 @@ def parse(argv=None) -> argparse.Namespace:
                    help="with --mlp: leave the MLPs out of the forward until STEP (an attention-only phase)")
     p.add_argument("--small-ids", type=small_ids, default=None, metavar="IDS:STEPS",
                    help="draw the training rows from ids < IDS for the first STEPS steps (a vocabulary curriculum)")
+    p.add_argument("--fill", action="store_true",
+                   help="training rows repeat the span from its first showing to the row's end (held rows do not)")
+    p.add_argument("--pos", choices=("learned", "sin"), default="learned",
+                   help="initial position embeddings: random like the rest (GPT-2's) or sinusoids (still learnt)")
     p.add_argument("--every", type=int, default=250)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)

@@ -78,6 +78,18 @@ def test_a_static_step_refuses_what_it_cannot_run(tiny_model):
         engine.decode(torch.tensor([[4]]), long)
 
 
+def quant_options() -> tuple[dict, ...]:
+    """The quant kind's conformance option sets and the layouts its kernel paths split on."""
+    from models.kv_cache import QuantKVCache
+
+    return QuantKVCache.examples + ({"k_bits": 8, "v_bits": 4, "group_size": 24},  # 32 channels: 24 + 8
+                                    # group_size 32 (the default): K per 32 tokens, V per 32 channels
+                                    {"k_bits": 4, "v_bits": 4}, {"k_bits": 2, "v_bits": 8},
+                                    {"k_bits": 8, "v_bits": 2, "residual": 5},
+                                    # groups of 6 channels split 2-bit bytes: the kernel's row-by-row path
+                                    {"k_bits": 2, "v_bits": 2, "group_size": 6, "k_axis": "token"})
+
+
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor compiles CPU kernels with a C++ compiler; none on this machine")
 @pytest.mark.parametrize("path, dtype, head", [("kernel", torch.float32, 32), ("kernel", torch.bfloat16, 32),
@@ -104,12 +116,7 @@ def test_quant_attention_over_its_packed_storage_equals_the_dequantised_path(tin
     counters.clear()
     model = copy.deepcopy(tiny_model).to(dtype)
     eager, compiled = KvlabEngine(model), KvlabEngine(model, compile=True)
-    options = QuantKVCache.examples + ({"k_bits": 8, "v_bits": 4, "group_size": 24},  # 32 channels: 24 + 8
-                                       # group_size 32 (the default): K per 32 tokens, V per 32 channels
-                                       {"k_bits": 4, "v_bits": 4}, {"k_bits": 2, "v_bits": 8},
-                                       {"k_bits": 8, "v_bits": 2, "residual": 5},
-                                       # groups of 6 channels split 2-bit bytes: the kernel's row-by-row path
-                                       {"k_bits": 2, "v_bits": 2, "group_size": 6, "k_axis": "token"})
+    options = quant_options()
     ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
     for opts in options:
         a, b = new_cache(model, "quant", 48, 2, **opts), new_cache(model, "quant", 48, 2, **opts)
@@ -117,8 +124,12 @@ def test_quant_attention_over_its_packed_storage_equals_the_dequantised_path(tin
         for _ in range(30):  # past several groups of 8 and 16 tokens
             nxt = la[:, -1:].argmax(-1)
             la, lb = eager.decode(nxt, a), compiled.decode(nxt, b)
+            # fp32: within 1e-4 of the logits' scale. A layer's attention differs from the eager path's by float32
+            # rounding (~1e-7: test_quant_kernel_equals_stored_attention_on_the_same_bytes holds it to that), which
+            # can move a value of the next layer's K or V across a quantisation boundary: one 8-bit step there
+            # moves these logits by ~2e-5 of their scale, and the difference then stays in the cache
             scale = float(la.float().abs().max())
-            tol = 1e-5 * scale if dtype == torch.float32 else 2e-2 * scale
+            tol = 1e-4 * scale if dtype == torch.float32 else 2e-2 * scale
             assert float((la.float() - lb.float()).abs().max()) <= tol, opts
         assert a.pos == b.pos == 37 and a.nbytes == b.nbytes
         for part in ("k_q", "k_scale", "k_min", "v_q", "v_scale", "v_min"):  # layer 0 saw the same K/V: same bytes
@@ -208,6 +219,42 @@ def test_paged_attention_in_a_ragged_batch_reads_each_sequences_own_keys(tiny_mo
     assert compiled.compile_stats["compiled_steps"] == len(PagedKVCache.examples) * 19  # the first: the compile
 
 
+@pytest.mark.parametrize("head", [32, 64])
+def test_quant_kernel_equals_stored_attention_on_the_same_bytes(head):
+    """The C++ kernel's decode attention (``kernel_attention``: the cache's tensors as it holds them, fp16 scales
+    read in place) against ``stored_attention`` (torch ops over the same packed bytes) on one cache, for every
+    option set, at token counts on and between group boundaries, in fp32 and bf16 storage: equal within float32
+    rounding (2e-6 of the output's scale), for a later layer as for the first."""
+    from models.kv_cache import kernels, make_cache, quant
+
+    kernel = kernels.load()
+    g = torch.Generator().manual_seed(head)
+    for opts in quant_options():
+        for storage in (torch.float32, torch.bfloat16):
+            c = make_cache("quant", 2, 3, head, 48, 2, dtype=storage, **opts)
+            for n in (16, 37, 40):
+                c.reset()
+                for layer in (0, 1):
+                    c.update(layer, *(torch.randn(2, 3, n, head, generator=g).to(storage) for _ in range(2)))
+                c.advance(n)
+                q = torch.randn(2, 3, 1, head, generator=g)
+                n_k, n_v = c._split(n)
+                o = c.opts
+
+                def parts(which):
+                    packed = getattr(c, f"{which}_q")[1]
+                    held = o.axis(which) != "none" and packed.shape[2] > 0
+                    return (*(getattr(c, f"{which}_{p}")[1] if held else None for p in ("q", "scale", "min")),
+                            getattr(c, f"{which}_tail")[1])
+
+                layout = ((o.bits("k"), o.axis("k")), (o.bits("v"), o.axis("v")), o.group_size, head)
+                want = quant.stored_attention(q, parts("k"), parts("v"), torch.tensor(n_k), torch.tensor(n_v),
+                                              torch.tensor(n), c._rotation(), layout)
+                got = quant.kernel_attention(kernel, c, 1, q, n_k, n_v, n)
+                assert got.shape == want.shape and got.dtype == q.dtype
+                assert float((got - want).abs().max()) <= 2e-6 * float(want.abs().max()), (opts, storage, n)
+
+
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_the_kernels_token_quantiser_gives_quantize_and_packs_bytes(bits):
     """What the compiled step stores for a per-token group is, byte for byte, what quant.quantize + pack store:
@@ -227,3 +274,14 @@ def test_the_kernels_token_quantiser_gives_quantize_and_packs_bytes(bits):
             for w, got in zip(want, kernel.quantize_tokens(x.contiguous(), bits, G)):
                 assert torch.equal(w.view(torch.uint8 if w.dtype == torch.uint8 else torch.int16),
                                    got.view(torch.uint8 if got.dtype == torch.uint8 else torch.int16)), (hs, G)
+            # in place, as a decode step writes: 2 x 4 rows of 5 tokens into slots 3..7 of layer 1 of 2; the
+            # other slots and the other layer keep what they held
+            stores = [torch.full((2, 2, 4, 9, want[0].shape[1]), 0xAB, dtype=torch.uint8),
+                      *(torch.full((2, 2, 4, 9, ng), -7.0, dtype=torch.float16) for _ in range(2))]
+            before = [t.clone() for t in stores]
+            kernel.quantize_into(x.view(2, 4, 5, hs), 1, *stores, 3, bits, G)
+            for w, got, old in zip(want, stores, before):
+                as_bits = (lambda t: t.view(torch.uint8 if t.dtype == torch.uint8 else torch.int16))
+                assert torch.equal(as_bits(got[1, :, :, 3:8]), as_bits(w.view(2, 4, 5, -1))), (hs, G)
+                got[1, :, :, 3:8] = old[1, :, :, 3:8]
+                assert torch.equal(as_bits(got), as_bits(old)), (hs, G)

@@ -228,35 +228,29 @@ def stored_attention(q: torch.Tensor, k: tuple, v: tuple, n_k: torch.Tensor, n_v
     return out.unsqueeze(2)
 
 
-def kernel_attention(kernel, q: torch.Tensor, k: tuple, v: tuple, n_k: int, n_v: int, n: int,
-                     rot: torch.Tensor | None, layout: tuple) -> torch.Tensor:
+_NO_PACKED = (torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=SCALE_DTYPE), torch.empty(0, dtype=SCALE_DTYPE))
+_NO_ROTATION = torch.empty(0)
+
+
+def kernel_attention(kernel, cache: "QuantKVCache", layer: int, q: torch.Tensor, n_k: int, n_v: int,
+                     n: int) -> torch.Tensor:
     """stored_attention on the CPU through ``kernel`` (models/kv_cache/csrc/decode_attention.cpp, ``attention``):
-    per sequence and head, the q . K^T and p . V reductions over the quantised tokens read the packed bytes and
-    scales row by row, the tails' tokens are read as they are, and the softmax runs between them, all in one call;
-    only the tokens held are read (n_k, n_v, n: Python ints). Same arguments and result as stored_attention."""
-    (kb, ka), (vb, va), G, hs = layout
-    B, nh = q.shape[:2]
-    qf = (q.float() * (1.0 / math.sqrt(hs))).reshape(B * nh, hs).contiguous()
-    qk = qf if rot is None else (qf @ rot).contiguous()  # packed K was rotated before quantising: so is its query
+    per sequence and head, the q . K^T and p . V reductions over layer ``layer``'s quantised tokens read the packed
+    bytes and fp16 scales row by row where the cache holds them, the tails' tokens are read as they are, and the
+    softmax runs between them, all in one call with no torch op around it; only the tokens held are read (n_k, n_v,
+    n: Python ints). Returns (B, nh, 1, hs) in q's dtype."""
+    o = cache.opts
 
-    def flat(t):  # (B, nh, ...) -> (B * nh, ...) in float32 (the packed bytes stay uint8)
-        t = t.reshape(B * nh, *t.shape[2:])
-        return t if t.dtype == torch.uint8 else t.float()
+    def side(which, n_q):  # a side with nothing packed: empty stand-ins the kernel does not read
+        packed, tail = getattr(cache, f"{which}_q"), getattr(cache, f"{which}_tail")
+        if o.axis(which) == "none" or not packed.shape[3] or not n_q:
+            return (*_NO_PACKED, 0, tail)
+        return packed, getattr(cache, f"{which}_scale"), getattr(cache, f"{which}_min"), n_q, tail
 
-    def side(parts, n_q):  # a side with nothing packed: empty stand-ins the kernel does not read
-        packed, scale, lo, tail = parts
-        if packed is None or not n_q:
-            none = torch.empty(0, dtype=torch.uint8), torch.empty(0), torch.empty(0)
-            return (*none, 0, flat(tail))
-        return flat(packed), flat(scale), flat(lo), n_q, flat(tail)
-
-    kq, ks, kl, n_kq, kt = side(k, n_k)
-    vq, vs, vl, n_vq, vt = side(v, n_v)
-    out = kernel.attention(qf, qk, rot is not None, kq, ks, kl, n_kq, kb, ka == "channel", kt, vq, vs, vl, n_vq,
-                           vb, va == "channel", vt, n, G)
-    if rot is not None:  # packed V was rotated: its share is rotated back once, after the sum; the tail's is not
-        out = out[0] @ rot + out[1]
-    return out.view(B, nh, 1, hs)
+    rot = cache._rotation()
+    return kernel.attention(layer, q, _NO_ROTATION if rot is None else rot, *side("k", n_k), o.bits("k"),
+                            o.axis("k") == "channel", *side("v", n_v), o.bits("v"), o.axis("v") == "channel", n,
+                            o.group_size, 1.0 / math.sqrt(cache.head_dim))
 
 
 @functools.lru_cache(maxsize=None)
@@ -375,12 +369,11 @@ class QuantKVCache(KVCache):
             return (*(getattr(self, f"{which}_{part}")[layer] if quantised else None
                       for part in ("q", "scale", "min")), getattr(self, f"{which}_tail")[layer])
 
-        layout = ((o.bits("k"), o.axis("k")), (o.bits("v"), o.axis("v")), o.group_size, self.head_dim)
         cpu = self.device.type == "cpu" and not FORCE_INDUCTOR and self.head_dim <= kernels.MAX_HEAD_DIM
         kernel = kernels.load() if cpu else None
         if kernel is not None:
-            return kernel_attention(kernel, q, parts("k"), parts("v"), n_k, n_v, n1, self._rotation(),
-                                    layout).to(q.dtype)
+            return kernel_attention(kernel, self, layer, q, n_k, n_v, n1)
+        layout = ((o.bits("k"), o.axis("k")), (o.bits("v"), o.axis("v")), o.group_size, self.head_dim)
         counts = torch.tensor([n_k, n_v, n1], device=self.device)
         y = compiled_stored_attention()(q, parts("k"), parts("v"), counts[0], counts[1], counts[2],
                                         self._rotation(), layout)
@@ -417,11 +410,11 @@ class QuantKVCache(KVCache):
             q, scale, lo = quantize(x.view(B, nh, m // G, G, hs), bits, dim=3)
             q, s0, s1 = q.view(B, nh, m, hs), q0 // G, q1 // G
         elif self.fused and self.device.type == "cpu" and kernels.load() is not None:
-            # the compiled decode step on the CPU: the same values, quantised and packed by the kernel
-            # (value for value what quantize and pack give: tests/test_compile.py)
-            packed, scale, lo = kernels.load().quantize_tokens(x.reshape(B * nh * m, hs).contiguous(), bits, G)
-            q, s0, s1 = None, q0, q1
-            packed, scale, lo = (t.view(B, nh, m, -1) for t in (packed, scale, lo))
+            # the compiled decode step on the CPU: the same values, quantised, packed and written into the slots by
+            # the kernel (value for value what quantize and pack give: tests/test_compile.py)
+            kernels.load().quantize_into(x, layer, getattr(self, f"{which}_q"), getattr(self, f"{which}_scale"),
+                                         getattr(self, f"{which}_min"), q0, bits, G)
+            q = packed = None
         else:  # a scale per token per group of G channels
             ng = math.ceil(hs / G)
             if ng * G > hs:  # a last, partial group of channels: pad with its own last channel (range unchanged)
@@ -431,9 +424,9 @@ class QuantKVCache(KVCache):
         if q is not None:
             dim = 3 if axis == "channel" else 4
             packed, scale, lo = pack(q, bits), scale.squeeze(dim), lo.squeeze(dim)
-        getattr(self, f"{which}_q")[layer, :, :, q0:q1] = packed
-        getattr(self, f"{which}_scale")[layer, :, :, s0:s1] = scale
-        getattr(self, f"{which}_min")[layer, :, :, s0:s1] = lo
+            getattr(self, f"{which}_q")[layer, :, :, q0:q1] = packed
+            getattr(self, f"{which}_scale")[layer, :, :, s0:s1] = scale
+            getattr(self, f"{which}_min")[layer, :, :, s0:s1] = lo
         if n1 - q1:
             tail[layer, :, :, :n1 - q1] = pending[:, :, m:]
         return q1

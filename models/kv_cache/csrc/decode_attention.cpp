@@ -5,6 +5,9 @@
 // Built on first use by models/kv_cache/kernels.py (torch.utils.cpp_extension).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -12,6 +15,16 @@
 #include <vector>
 
 namespace {
+
+// The scales and minimums are stored as fp16 (2 bytes each, as the kind's nbytes formula counts them) and read as
+// such: one conversion per value read, the hardware's where the CPU has it.
+inline float h2f(c10::Half h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
 
 // One token row of `bits`-bit values packed along the channels, as floats; `out` has room for nb * (8 / bits).
 template <int BITS>
@@ -31,8 +44,8 @@ constexpr int64_t MAX_HS = 256;  // the most channels a head may have (GPT-2's: 
 // (ns slots of sw), and its layout (bits come as the template argument).
 struct Packed {
   const uint8_t* q;
-  const float* scale;
-  const float* lo;
+  const c10::Half* scale;
+  const c10::Half* lo;
   int64_t nb, sw;
   bool channel;  // a scale and minimum per channel for each group of G tokens; else per token for each G channels
   int64_t G;
@@ -49,17 +62,17 @@ template <int BITS>
 void score_row(const float* qq, const Packed& k, int64_t hs, int64_t n, float* o, Scratch& w) {
   const int64_t G = k.G, nb = k.nb, sw = k.sw;  // locals: no store through o can change them
   const uint8_t* pk = k.q;
-  const float *scale = k.scale, *lo = k.lo;
+  const c10::Half *scale = k.scale, *lo = k.lo;
   alignas(64) float vals[MAX_HS + 8], qs[MAX_HS];
   float* qg = w.qg.data();
   if (k.channel) {  // fold each group's scales into the query, its minimums into one constant
     float ql = 0.f;
     for (int64_t j = 0; j < n; ++j) {
       if (j % G == 0) {
-        const float* s = scale + (j / G) * hs;
-        const float* m = lo + (j / G) * hs;
+        const c10::Half* s = scale + (j / G) * hs;
+        const c10::Half* m = lo + (j / G) * hs;
         ql = 0.f;
-        for (int64_t c = 0; c < hs; ++c) { qs[c] = qq[c] * s[c]; ql += qq[c] * m[c]; }
+        for (int64_t c = 0; c < hs; ++c) { qs[c] = qq[c] * h2f(s[c]); ql += qq[c] * h2f(m[c]); }
       }
       unpack_row<BITS>(pk + j * nb, nb, vals);
       float acc = 0.f;
@@ -82,7 +95,7 @@ void score_row(const float* qq, const Packed& k, int64_t hs, int64_t n, float* o
       const int64_t c1 = std::min(hs, (g + 1) * G);
 #pragma omp simd reduction(+ : part)
       for (int64_t c = g * G; c < c1; ++c) part += qq[c] * vals[c];
-      acc += part * scale[j * sw + g] + qg[g] * lo[j * sw + g];
+      acc += part * h2f(scale[j * sw + g]) + qg[g] * h2f(lo[j * sw + g]);
     }
     o[j] = acc;
   }
@@ -93,7 +106,7 @@ template <int BITS>
 void weighted_row(const float* pp, const Packed& v, int64_t hs, int64_t n, float* o, Scratch& w) {
   const int64_t G = v.G, nb = v.nb, sw = v.sw;  // locals: no store through o can change them
   const uint8_t* pk = v.q;
-  const float *scale = v.scale, *lo = v.lo;
+  const c10::Half *scale = v.scale, *lo = v.lo;
   alignas(64) float vals[MAX_HS + 8], acc[MAX_HS];
   if (v.channel) {  // per group of G tokens: sum p * value, then one scale and minimum per channel
     for (int64_t g0 = 0; g0 < n; g0 += G) {
@@ -106,9 +119,9 @@ void weighted_row(const float* pp, const Packed& v, int64_t hs, int64_t n, float
 #pragma omp simd
         for (int64_t c = 0; c < hs; ++c) acc[c] += pj * vals[c];
       }
-      const float* s = scale + (g0 / G) * hs;
-      const float* m = lo + (g0 / G) * hs;
-      for (int64_t c = 0; c < hs; ++c) o[c] += acc[c] * s[c] + psum * m[c];
+      const c10::Half* s = scale + (g0 / G) * hs;
+      const c10::Half* m = lo + (g0 / G) * hs;
+      for (int64_t c = 0; c < hs; ++c) o[c] += acc[c] * h2f(s[c]) + psum * h2f(m[c]);
     }
     return;
   }
@@ -117,7 +130,7 @@ void weighted_row(const float* pp, const Packed& v, int64_t hs, int64_t n, float
     unpack_row<BITS>(pk + j * nb, nb, vals);
     const float pj = pp[j];
     for (int64_t g = 0; g < ng; ++g) {
-      const float wg = pj * scale[j * sw + g], ug = pj * lo[j * sw + g];
+      const float wg = pj * h2f(scale[j * sw + g]), ug = pj * h2f(lo[j * sw + g]);
       const int64_t c1 = std::min(hs, (g + 1) * G);
 #pragma omp simd
       for (int64_t c = g * G; c < c1; ++c) o[c] += wg * vals[c] + ug;
@@ -148,10 +161,10 @@ void score_row64(const float* qq, const Packed& k, int64_t n, float* o) {  // K 
   float ql = 0.f;
   for (int64_t j = 0; j < n; ++j) {
     if (j % k.G == 0) {  // the group's scales folded into the query planes, its minimums into one constant
-      const float* s = k.scale + (j / k.G) * HS64;
-      const float* m = k.lo + (j / k.G) * HS64;
+      const c10::Half* s = k.scale + (j / k.G) * HS64;
+      const c10::Half* m = k.lo + (j / k.G) * HS64;
       ql = 0.f;
-      for (int64_t c = 0; c < HS64; ++c) { qp[R::at(c)] = qq[c] * s[c]; ql += qq[c] * m[c]; }
+      for (int64_t c = 0; c < HS64; ++c) { qp[R::at(c)] = qq[c] * h2f(s[c]); ql += qq[c] * h2f(m[c]); }
     }
     const uint8_t* __restrict__ p = k.q + j * R::NB;
     float acc = 0.f;
@@ -171,11 +184,11 @@ void weighted_row64(const float* pp, const Packed& v, int64_t n, float* o) {  //
   float u0 = 0.f, u1 = 0.f;
   for (int64_t j = 0; j < n; ++j) {
     const uint8_t* __restrict__ p = v.q + j * R::NB;
-    const float* s = v.scale + j * v.sw;
-    const float* m = v.lo + j * v.sw;
-    const float w0 = pp[j] * s[0], w1 = pp[j] * s[1];
-    u0 += pp[j] * m[0];
-    u1 += pp[j] * m[1];
+    const c10::Half* s = v.scale + j * v.sw;
+    const c10::Half* m = v.lo + j * v.sw;
+    const float w0 = pp[j] * h2f(s[0]), w1 = pp[j] * h2f(s[1]);
+    u0 += pp[j] * h2f(m[0]);
+    u1 += pp[j] * h2f(m[1]);
 #pragma omp simd
     for (int64_t b = 0; b < R::GB; ++b) {
       const int x = p[b];
@@ -221,16 +234,16 @@ inline void weighted_any(int bits, const float* pp, const Packed& v, int64_t hs,
 inline Packed row_of(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& lo, int64_t bh,
                      bool channel, int64_t G) {
   const int64_t S = packed.size(1), nb = packed.size(2), ns = scale.size(1), sw = scale.size(2);
-  return Packed{packed.data_ptr<uint8_t>() + bh * S * nb, scale.data_ptr<float>() + bh * ns * sw,
-                lo.data_ptr<float>() + bh * ns * sw, nb, sw, channel, G};
+  return Packed{packed.data_ptr<uint8_t>() + bh * S * nb, scale.data_ptr<c10::Half>() + bh * ns * sw,
+                lo.data_ptr<c10::Half>() + bh * ns * sw, nb, sw, channel, G};
 }
 
 void check(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& lo) {
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 3,
               "packed: contiguous uint8 (BH, S, bytes)");
-  TORCH_CHECK(scale.dtype() == torch::kFloat && lo.dtype() == torch::kFloat && scale.is_contiguous() &&
+  TORCH_CHECK(scale.dtype() == torch::kHalf && lo.dtype() == torch::kHalf && scale.is_contiguous() &&
               lo.is_contiguous() && scale.dim() == 3 && lo.sizes() == scale.sizes(),
-              "scale, lo: contiguous float32 (BH, slots, per slot) of one shape");
+              "scale, lo: contiguous float16 (BH, slots, per slot) of one shape");
 }
 
 }  // namespace
@@ -274,25 +287,39 @@ torch::Tensor weighted(torch::Tensor p, torch::Tensor packed, torch::Tensor scal
   return out;
 }
 
+// (L, B, nh, ...) -> layer's (B * nh, ...); (B, nh, ...) -> (B * nh, ...); an empty stand-in as it is.
+inline torch::Tensor at_layer(const torch::Tensor& t, int64_t layer) {
+  if (t.dim() == 5) return t.select(0, layer).flatten(0, 1);
+  return t.dim() == 4 ? t.flatten(0, 1) : t;
+}
+
 // The whole decode attention of the quant kind, one (sequence, head) row per task: scores over the first n_k
 // tokens from packed K, then over K's full-precision tail (tokens n_k .. n - 1), a softmax, then p . V over the
-// first n_v tokens from packed V and over V's tail. q is pre-scaled; qk is q as packed K needs it (rotated where
-// K was rotated before quantising; else q itself). The tails are float32 (BH, >= n - n_k / n - n_v, hs). A side with
-// nothing packed (its axis "none", or no group full yet) has n_k (n_v) = 0 and its packed arguments are not read.
-// apart: return (2, BH, hs), the packed V's share and the tail's (rotated V is rotated back on its share alone);
-// else their sum (BH, hs). The same sums as kernel_attention's torch glue around scores and weighted, in one call.
-torch::Tensor attention(torch::Tensor q, torch::Tensor qk, bool apart, torch::Tensor kq, torch::Tensor ks, torch::Tensor kl, int64_t n_k,
-                        int64_t kbits, bool kchan, torch::Tensor kt, torch::Tensor vq, torch::Tensor vs,
-                        torch::Tensor vl, int64_t n_v, int64_t vbits, bool vchan, torch::Tensor vt, int64_t n,
-                        int64_t G) {
-  TORCH_CHECK(q.dtype() == torch::kFloat && q.is_contiguous() && q.dim() == 2 && qk.dtype() == torch::kFloat &&
-              qk.is_contiguous() && qk.sizes() == q.sizes(), "q, qk: contiguous float32 (BH, hs)");
-  const int64_t BH = q.size(0), hs = q.size(1);
+// first n_v tokens from packed V and over V's tail. The arguments are the cache's tensors as it holds them, (L, B,
+// nh, ...), of which layer `layer` is read (or one layer's, (B, nh, ...)): q (B, nh, 1, hs) in the compute dtype, scaled by qscale here; rot (hs, hs) or empty: K and V
+// were rotated before quantising, so packed K is scored with q . rot and packed V's share rotated back once after
+// its sum (the tails are not rotated); packed bytes uint8 (B, nh, slots, bytes), scales and minimums fp16 (B, nh,
+// slots, per slot), tails (B, nh, >= n - n_k / n - n_v, hs) in the storage dtype. A side with nothing packed (its
+// axis "none", or no group full yet) has n_k (n_v) = 0 and its packed arguments are not read. Returns q's shape and
+// dtype. The same sums as quant.stored_attention, in one call: no per-layer torch glue around it.
+torch::Tensor attention(int64_t layer, torch::Tensor q, torch::Tensor rot, torch::Tensor kq, torch::Tensor ks,
+                        torch::Tensor kl, int64_t n_k, torch::Tensor kt, int64_t kbits, bool kchan, torch::Tensor vq,
+                        torch::Tensor vs, torch::Tensor vl, int64_t n_v, torch::Tensor vt, int64_t vbits, bool vchan,
+                        int64_t n, int64_t G, double qscale) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "q: (B, nh, 1, hs)");
+  const int64_t hs = q.size(3);
+  auto rows = [&](const torch::Tensor& t) { return at_layer(t, layer); };
+  auto qf = (q.reshape({-1, hs}).to(torch::kFloat) * qscale).contiguous();
+  const bool apart = rot.numel() > 0;
+  auto qk = apart ? torch::matmul(qf, rot.to(torch::kFloat)).contiguous() : qf;
+  kq = rows(kq), ks = rows(ks), kl = rows(kl), vq = rows(vq), vs = rows(vs), vl = rows(vl);
+  kt = rows(kt).to(torch::kFloat), vt = rows(vt).to(torch::kFloat);
+  const int64_t BH = qf.size(0);
   TORCH_CHECK(hs <= MAX_HS, "hs ", hs, " > ", MAX_HS, " channels a head may have here");
   TORCH_CHECK(n >= 1 && 0 <= n_k && n_k <= n && 0 <= n_v && n_v <= n, "token counts out of range");
   for (const auto& t : {kt, vt})
-    TORCH_CHECK(t.dtype() == torch::kFloat && t.dim() == 3 && t.size(0) == BH && t.size(2) == hs &&
-                t.stride(2) == 1, "tails: float32 (BH, tokens, hs), rows contiguous");
+    TORCH_CHECK(t.dim() == 3 && t.size(0) == BH && t.size(2) == hs && t.stride(2) == 1,
+                "tails: (B, nh, tokens, hs), rows contiguous");
   TORCH_CHECK(kt.size(1) >= n - n_k && vt.size(1) >= n - n_v, "a tail is shorter than its tokens");
   if (n_k) {
     check(kq, ks, kl);
@@ -304,12 +331,12 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor qk, bool apart, torch::Te
     TORCH_CHECK(vq.size(0) == BH && n_v <= vq.size(1) && vq.size(2) * (8 / vbits) >= hs &&
                 vq.size(2) * (8 / vbits) <= MAX_HS + 8, "packed V disagrees");
   }
-  auto out = apart ? torch::zeros({2, BH, hs}, q.options()) : torch::zeros({BH, hs}, q.options());
+  auto out = apart ? torch::zeros({2, BH, hs}, qf.options()) : torch::zeros({BH, hs}, qf.options());
   at::parallel_for(0, BH, 1, [&](int64_t b0, int64_t b1) {
     Scratch wk(hs, G), wv(hs, G);
     std::vector<float> sc(n);
     for (int64_t bh = b0; bh < b1; ++bh) {
-      const float* qq = q.data_ptr<float>() + bh * hs;
+      const float* qq = qf.data_ptr<float>() + bh * hs;
       if (n_k)
         score_any(kbits, qk.data_ptr<float>() + bh * hs, row_of(kq, ks, kl, bh, kchan, G), hs, n_k, sc.data(), wk);
       const float* ktr = kt.data_ptr<float>() + bh * kt.stride(0);
@@ -336,7 +363,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor qk, bool apart, torch::Te
       }
     }
   });
-  return out;
+  if (apart) out = torch::matmul(out[0], rot.to(torch::kFloat)) + out[1];
+  return out.view(q.sizes()).to(q.scalar_type());
 }
 
 // One query per sequence and head over its first lens[b] tokens, each key and value row read through the block
@@ -415,43 +443,72 @@ inline c10::Half half_directed(float x, bool up) {
   return (up ? f < x : f > x) ? half_next(h, up) : h;
 }
 
+// One row of hs values quantised per group of G channels into nb packed bytes (overwritten) and fp16 scales and
+// minimums, value for value what quant.quantize + pack store.
+void quantize_row(const float* row, int64_t hs, int64_t bits, int64_t G, uint8_t* pk, c10::Half* sc, c10::Half* mn) {
+  const int64_t per = 8 / bits, nb = (hs + per - 1) / per, ng = (hs + G - 1) / G;
+  const int levels = (1 << bits) - 1;
+  std::fill(pk, pk + nb, uint8_t{0});
+  for (int64_t g = 0; g < ng; ++g) {
+    const int64_t c0 = g * G, c1 = std::min(hs, c0 + G);
+    float a = row[c0], z = row[c0];
+    bool nan = false;
+    for (int64_t c = c0; c < c1; ++c) {
+      nan |= std::isnan(row[c]);
+      a = std::min(a, row[c]);
+      z = std::max(z, row[c]);
+    }
+    const float qnan = std::numeric_limits<float>::quiet_NaN();
+    const c10::Half l = nan ? c10::Half(qnan) : half_directed(a, false);
+    const c10::Half s = nan ? c10::Half(qnan) : half_directed((z - static_cast<float>(l)) / levels, true);
+    sc[g] = s;
+    mn[g] = l;
+    const float sf = static_cast<float>(s), lf = static_cast<float>(l);
+    for (int64_t c = c0; c < c1; ++c) {
+      float v = sf > 0.f ? std::nearbyint((row[c] - lf) / sf) : 0.f;  // round half to even, as torch.round
+      v = std::min(std::max(v, 0.f), static_cast<float>(levels));
+      pk[c / per] |= static_cast<uint8_t>(static_cast<int>(v) << (bits * (c % per)));
+    }
+  }
+}
+
 std::vector<torch::Tensor> quantize_tokens(torch::Tensor x, int64_t bits, int64_t G) {
   TORCH_CHECK(x.dtype() == torch::kFloat && x.is_contiguous() && x.dim() == 2, "x: contiguous float32 (rows, hs)");
   TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, "bits must be 8, 4 or 2");
   const int64_t R = x.size(0), hs = x.size(1), per = 8 / bits, nb = (hs + per - 1) / per, ng = (hs + G - 1) / G;
-  const int levels = (1 << bits) - 1;
   auto packed = torch::zeros({R, nb}, x.options().dtype(torch::kUInt8));
   auto scale = torch::empty({R, ng}, x.options().dtype(torch::kHalf));
   auto lo = torch::empty({R, ng}, x.options().dtype(torch::kHalf));
-  const float* xs = x.data_ptr<float>();
-  uint8_t* pk = packed.data_ptr<uint8_t>();
-  c10::Half* sc = scale.data_ptr<c10::Half>();
-  c10::Half* mn = lo.data_ptr<c10::Half>();
-  for (int64_t r = 0; r < R; ++r) {
-    const float* row = xs + r * hs;
-    for (int64_t g = 0; g < ng; ++g) {
-      const int64_t c0 = g * G, c1 = std::min(hs, c0 + G);
-      float a = row[c0], z = row[c0];
-      bool nan = false;
-      for (int64_t c = c0; c < c1; ++c) {
-        nan |= std::isnan(row[c]);
-        a = std::min(a, row[c]);
-        z = std::max(z, row[c]);
-      }
-      const float qnan = std::numeric_limits<float>::quiet_NaN();
-      const c10::Half l = nan ? c10::Half(qnan) : half_directed(a, false);
-      const c10::Half s = nan ? c10::Half(qnan) : half_directed((z - static_cast<float>(l)) / levels, true);
-      sc[r * ng + g] = s;
-      mn[r * ng + g] = l;
-      const float sf = static_cast<float>(s), lf = static_cast<float>(l);
-      for (int64_t c = c0; c < c1; ++c) {
-        float v = sf > 0.f ? std::nearbyint((row[c] - lf) / sf) : 0.f;  // round half to even, as torch.round
-        v = std::min(std::max(v, 0.f), static_cast<float>(levels));
-        pk[r * nb + c / per] |= static_cast<uint8_t>(static_cast<int>(v) << (bits * (c % per)));
-      }
-    }
-  }
+  for (int64_t r = 0; r < R; ++r)
+    quantize_row(x.data_ptr<float>() + r * hs, hs, bits, G, packed.data_ptr<uint8_t>() + r * nb,
+                 scale.data_ptr<c10::Half>() + r * ng, lo.data_ptr<c10::Half>() + r * ng);
   return {packed, scale, lo};
+}
+
+// The step's m tokens x (B, nh, m, hs), any float dtype, quantised per token into slots slot .. slot + m - 1 of
+// layer `layer` of packed (L, B, nh, S, nb), scale and lo (L, B, nh, S, ng) fp16 (or of one layer's, 4-d), where
+// the cache holds them: the quant
+// kind's write of V per token in a compiled decode step, in one call.
+void quantize_into(torch::Tensor x, int64_t layer, torch::Tensor packed, torch::Tensor scale, torch::Tensor lo,
+                   int64_t slot, int64_t bits, int64_t G) {
+  TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, "bits must be 8, 4 or 2");
+  if (packed.dim() == 5) packed = packed.select(0, layer), scale = scale.select(0, layer), lo = lo.select(0, layer);
+  TORCH_CHECK(x.dim() == 4 && packed.dim() == 4 && scale.dim() == 4 && lo.sizes() == scale.sizes(), "4-d tensors");
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && scale.dtype() == torch::kHalf && lo.dtype() == torch::kHalf &&
+              packed.is_contiguous() && scale.is_contiguous() && lo.is_contiguous(),
+              "packed: contiguous uint8, scale and lo: contiguous float16");
+  const int64_t B = x.size(0), nh = x.size(1), m = x.size(2), hs = x.size(3), S = packed.size(2);
+  const int64_t per = 8 / bits, nb = (hs + per - 1) / per, ng = (hs + G - 1) / G;
+  TORCH_CHECK(packed.size(0) == B && packed.size(1) == nh && packed.size(3) == nb && scale.size(0) == B &&
+              scale.size(1) == nh && scale.size(2) == S && scale.size(3) == ng && 0 <= slot && slot + m <= S,
+              "x, packed and scales disagree, or the slots lie outside");
+  auto xf = x.to(torch::kFloat).contiguous();
+  for (int64_t r = 0; r < B * nh; ++r)
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t at = r * S + slot + i;
+      quantize_row(xf.data_ptr<float>() + (r * m + i) * hs, hs, bits, G, packed.data_ptr<uint8_t>() + at * nb,
+                   scale.data_ptr<c10::Half>() + at * ng, lo.data_ptr<c10::Half>() + at * ng);
+    }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -459,5 +516,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weighted", &weighted, "p . V over packed V (first n tokens)");
   m.def("attention", &attention, "the quant kind's decode attention: packed K and its tail, softmax, packed V and its tail");
   m.def("quantize_tokens", &quantize_tokens, "rows of hs values -> (packed, fp16 scale, fp16 minimum) per group");
+  m.def("quantize_into", &quantize_into, "a step's tokens quantised per token into one layer's slots, in place");
   m.def("paged", &paged, "one query's attention per sequence over its first lens[b] tokens, read through the block table");
 }
