@@ -4,6 +4,7 @@
     python -m harness.train --out DIR [--steps N | --minutes M] [--seed S] [--threads T] [--restart]
     python -m harness.train --evaluate DIR                       # the targets table of a checkpoint (no training)
     python -m harness.train --out DIR [--placed-share F] [--mlp-off F] [--curriculum LEN:SHARE,...|none]  # recipes
+    python -m harness.train --out DIR --heads 2 ...                # mini's width in 2 heads of 64 channels
 
 Why: drift, windows, eviction and "does the cache change what the model says" mean little on random weights or on
 a model that ignores its history, and no model hub may be used. This trains a real (small) language model that uses
@@ -1308,6 +1309,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--curriculum", default=None, metavar="SPEC",
                    help="row lengths before the full rows: LEN:SHARE pairs of the budget, in order (default "
                         + ",".join(f"{n}:{share:g}" for n, share in CURRICULUM) + ", the shipped mini's), or none")
+    p.add_argument("--heads", type=int, default=MINI_CONFIG["n_head"],
+                   help=f"attention heads of the {MINI_CONFIG['n_embd']}-wide model (default {MINI_CONFIG['n_head']}, "
+                        "the shipped mini's; 2 gives GPT-2's 64 channels a head, see docs/reference-model.md)")
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: interrupt after N steps
 
     def error(message):  # one line, exit 2 (argparse would print the usage first)
@@ -1329,6 +1333,8 @@ def main(argv: list[str] | None = None) -> int:
             curriculum = True if args.curriculum is None else parse_curriculum(args.curriculum)
         except ValueError as e:
             p.error(str(e))
+        if args.heads < 1 or MINI_CONFIG["n_embd"] % args.heads:
+            p.error(f"--heads {args.heads} must divide the model's width {MINI_CONFIG['n_embd']} (e.g. 1, 2, 4, 8)")
     except SystemExit as e:
         return int(e.code or 0)
     command = "python -m harness.train " + " ".join(shlex.quote(a) for a in argv)
@@ -1340,7 +1346,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             train(args.out, minutes=args.minutes, steps=args.steps, seed=args.seed, restart=args.restart,
                   stop_after=args.stop_after, save_dtype=args.save_dtype, command=command, threads=args.threads,
-                  placed_share=args.placed_share, mlp_off=args.mlp_off, curriculum=curriculum)
+                  placed_share=args.placed_share, mlp_off=args.mlp_off, curriculum=curriculum,
+                  config=None if args.heads == MINI_CONFIG["n_head"] else GPT2Config(**{**MINI_CONFIG,
+                                                                                         "n_head": args.heads}))
         except TrainError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

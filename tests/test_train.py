@@ -217,6 +217,8 @@ def test_an_attention_only_phase_leaves_the_mlps_untrained_until_it_ends(tmp_pat
     (["--curriculum", "100:0.3"], "a length must be >= 2 and divide the 8192 tokens"),
     (["--curriculum", "32:0.6,64:0.6"], "the shares add up to 1.2"),
     (["--mlp-off", "1"], "--mlp-off must lie in [0, 1)"),
+    (["--heads", "3"], "--heads 3 must divide the model's width 128"),
+    (["--heads", "0"], "--heads 0 must divide the model's width 128"),
     ([], "--out"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, args, why):
@@ -543,3 +545,16 @@ def test_the_induction_toys_rows_score_only_the_second_showing_and_its_model_is_
     assert torch.allclose(model.layers[1].att.sum(-1), torch.ones(2, 2, 20))
     with pytest.raises(SystemExit):
         toy.parse(["--width", "10", "--heads", "4"])
+
+
+def test_heads_option_trains_mini_with_that_many_heads(tmp_path, monkeypatch):
+    """--heads N: the recipe's model is mini's geometry with N heads (GPT-2's 64 channels a head at N = 2); the
+    default is the shipped mini's own config."""
+    seen = []
+    monkeypatch.setattr(T, "train", lambda out, **kw: seen.append(kw["config"]) or {})
+    assert T.main(["--out", str(tmp_path / "a"), "--steps", "1", "--heads", "2"]) == 0
+    assert T.main(["--out", str(tmp_path / "b"), "--steps", "1"]) == 0
+    two, default = seen
+    assert (two.n_head, two.n_embd, two.n_layer, two.head_dim) == (2, T.MINI_CONFIG["n_embd"],
+                                                                    T.MINI_CONFIG["n_layer"], 64)
+    assert default is None  # train() then builds GPT2Config(**MINI_CONFIG)
