@@ -1347,8 +1347,8 @@ def main(argv: list[str] | None = None) -> int:
             train(args.out, minutes=args.minutes, steps=args.steps, seed=args.seed, restart=args.restart,
                   stop_after=args.stop_after, save_dtype=args.save_dtype, command=command, threads=args.threads,
                   placed_share=args.placed_share, mlp_off=args.mlp_off, curriculum=curriculum,
-                  config=None if args.heads == MINI_CONFIG["n_head"] else GPT2Config(**{**MINI_CONFIG,
-                                                                                         "n_head": args.heads}))
+                  **({} if args.heads == MINI_CONFIG["n_head"] else  # the default: train()'s own mini config
+                     {"config": GPT2Config(**{**MINI_CONFIG, "n_head": args.heads})}))
         except TrainError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

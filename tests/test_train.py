@@ -551,10 +551,10 @@ def test_heads_option_trains_mini_with_that_many_heads(tmp_path, monkeypatch):
     """--heads N: the recipe's model is mini's geometry with N heads (GPT-2's 64 channels a head at N = 2); the
     default is the shipped mini's own config."""
     seen = []
-    monkeypatch.setattr(T, "train", lambda out, **kw: seen.append(kw["config"]) or {})
+    monkeypatch.setattr(T, "train", lambda out, **kw: seen.append(kw.get("config")) or {})
     assert T.main(["--out", str(tmp_path / "a"), "--steps", "1", "--heads", "2"]) == 0
     assert T.main(["--out", str(tmp_path / "b"), "--steps", "1"]) == 0
     two, default = seen
     assert (two.n_head, two.n_embd, two.n_layer, two.head_dim) == (2, T.MINI_CONFIG["n_embd"],
                                                                     T.MINI_CONFIG["n_layer"], 64)
-    assert default is None  # train() then builds GPT2Config(**MINI_CONFIG)
+    assert default is None  # not passed: train() builds GPT2Config(**MINI_CONFIG)

@@ -1,6 +1,8 @@
 // Decode attention where a cache kind stores K and V, on the CPU, parallel over batch rows x heads, float32 math:
 // - quant: the two reductions that read the quantised history (q . K^T and p . V), each reading the packed bytes and
-//   their scales where they lie, one token row at a time, with no dequantised copy (scores, weighted);
+//   their fp16 scales where they lie, one token row at a time, with no dequantised copy (scores, weighted), and
+//   the whole decode attention of a layer over the cache's own tensors (attention); the step's tokens quantised
+//   per token, into their slots (quantize_into) or as new tensors (quantize_tokens);
 // - paged: the whole attention of one query, reading each key and value row through the block table (paged).
 // Built on first use by models/kv_cache/kernels.py (torch.utils.cpp_extension).
 #include <torch/extension.h>
