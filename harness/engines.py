@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from models.generate import (GreedyOutput, StaticDecoder, decode_step, greedy, greedy_loop, greedy_uncached,
+from models.generate import (FusedDecoder, GreedyOutput, StaticDecoder, decode_step, greedy, greedy_loop, greedy_uncached,
                              model_device, model_dtype, new_cache, prefill)
 from models.gpt2 import _CONV1D, GPT2, HF_MASK_BUFFERS
 from models.kv_cache import CACHE_KINDS, PreallocKVCache, cache_kind
@@ -244,6 +245,7 @@ class KvlabEngine:
         self.compile_stats = dict(compile_s=0.0, compile_warmup_s=0.0, compile_graphs=0, compile_recompiles=0,
                                   compiled_steps=0, compile_cudagraph_skips=0)
         self._decoder, self._step, self._seen = None, None, {}
+        self._fused_decoder, self._fused_step = None, None
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, **ref) -> torch.Tensor:
@@ -262,6 +264,9 @@ class KvlabEngine:
     def decode(self, token: torch.Tensor, cache) -> torch.Tensor:
         if self.compile and isinstance(cache, PreallocKVCache) and cache.pad is None:
             return self._decode_compiled(token, cache)
+        if self.compile and cache.fuses_decode and cache.pad is None and cache.device.type == "cpu" and (
+                cache.attends_opaquely):
+            return self._decode_fused_compiled(token, cache)
         if self.compile and cache.fuses_decode:
             return self._decode_fused(token, cache)
         return decode_step(self.model, token, cache)[0]
@@ -269,19 +274,55 @@ class KvlabEngine:
     def _decode_fused(self, token: torch.Tensor, cache) -> torch.Tensor:
         """A decode step whose attention reads K/V where the kind stores them (``attend_decode``, compiled; the
         rest of the step eager). Its first call per cache geometry compiles: timed into compile_s, apart."""
-        from torch._dynamo.utils import counters
-
         geometry = (type(cache).__name__, str(cache.opts), cache.batch, cache.max_len, str(cache.device),
                     next(self.model.parameters()).dtype)
+        with self._timed_call(geometry, cache.device):
+            cache.fused = True
+            try:
+                logits = decode_step(self.model, token, cache)[0]
+            finally:
+                cache.fused = False
+        return logits
+
+    @torch.inference_mode()
+    def _decode_fused_compiled(self, token: torch.Tensor, cache) -> torch.Tensor:
+        """A fused kind's decode step compiled whole (``models.generate.FusedDecoder``): the kind's attention one
+        opaque op reading K/V where they lie, the rest of the step compiled as prealloc's is. On the CPU, where the
+        attention is the C++ kernel (elsewhere the eager rest around ``attend_decode``: ``_decode_fused``)."""
+        self._check_step(token, cache)
+        if self._fused_step is None:
+            self._fused_decoder = FusedDecoder(self.model)
+            self._fused_step = torch.compile(self._fused_decoder, mode="default", fullgraph=True, dynamic=False)
+        geometry = ("fused", type(cache).__name__, str(cache.opts), cache.batch, cache.max_len, str(cache.device),
+                    next(self.model.parameters()).dtype)
+        with self._timed_call(geometry, cache.device):
+            with self._fused_decoder.using(cache):
+                logits = self._fused_step(token.clone(memory_format=torch.contiguous_format),
+                                          torch.tensor([cache.pos], device=cache.device))
+        cache.advance(1)
+        return logits
+
+    def _check_step(self, token: torch.Tensor, cache) -> None:
+        if token.dim() != 2 or token.shape != (cache.batch, 1):
+            raise ValueError(f"decode takes exactly one token per sequence, shape ({cache.batch}, 1); got "
+                             f"{tuple(token.shape)}")
+        if cache.pos + 1 > cache.max_len:
+            raise ValueError(f"KV cache overflow: pos {cache.pos} + 1 new tokens > max_len {cache.max_len}")
+        if cache.pos + 1 > self.model.config.n_positions:
+            raise ValueError(f"sequence too long: {cache.pos} cached + 1 new tokens > n_positions "
+                             f"{self.model.config.n_positions}")
+
+    @contextmanager
+    def _timed_call(self, geometry: tuple, device: torch.device):
+        """Around one compiled call: its first per geometry (compilation + the first run) goes to compile_s, apart
+        from the steps; a new graph after it is a recompile."""
+        from torch._dynamo.utils import counters
+
         graphs = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
-        cache.fused = True
-        try:
-            logits = decode_step(self.model, token, cache)[0]
-        finally:
-            cache.fused = False
-        if cache.device.type == "cuda":
-            torch.cuda.synchronize(cache.device)
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         dt, new = time.perf_counter() - t0, counters["stats"]["unique_graphs"] - graphs
         st, calls = self.compile_stats, self._seen.get(geometry, 0)
         self._seen[geometry] = calls + 1
@@ -291,20 +332,12 @@ class KvlabEngine:
         else:
             st["compile_recompiles"] += new
             st["compiled_steps"] += 1
-        return logits
 
     @torch.inference_mode()
     def _decode_compiled(self, token: torch.Tensor, cache: PreallocKVCache) -> torch.Tensor:
         from torch._dynamo.utils import counters
 
-        if token.dim() != 2 or token.shape != (cache.batch, 1):
-            raise ValueError(f"decode takes exactly one token per sequence, shape ({cache.batch}, 1); got "
-                             f"{tuple(token.shape)}")
-        if cache.pos + 1 > cache.max_len:
-            raise ValueError(f"KV cache overflow: pos {cache.pos} + 1 new tokens > max_len {cache.max_len}")
-        if cache.pos + 1 > self.model.config.n_positions:
-            raise ValueError(f"sequence too long: {cache.pos} cached + 1 new tokens > n_positions "
-                             f"{self.model.config.n_positions}")
+        self._check_step(token, cache)
         if self._decoder is None:
             self._decoder = StaticDecoder(self.model, cache)
             mode = "reduce-overhead" if cache.device.type == "cuda" else "default"

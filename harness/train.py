@@ -141,6 +141,7 @@ COPY_SHARE = 0.5  # share of each batch's rows that are a random span repeated (
 SPAN_MIN = 8  # span lengths are log-uniform in [SPAN_MIN, seq_len // 2]
 PLACED_SHARE = 0.0  # share of the copy rows that show their span twice at a random place of a text row (the shipped
 #                     mini: none; docs/reference-model.md, "Copying from anywhere", says why the next one wants them)
+COPY_PHASE = 0.0  # share of the budget (from the start) whose rows are all twice_rows (the shipped mini: none)
 MLP_OFF = 0.0  # share of the budget trained attention only: every block's MLP left out of the forward (its weights
 #               untouched, no gradient), so the copy circuit forms first (docs/reference-model.md); the shipped mini: none
 INIT_STD = 0.1  # std of the initial weights (GPT-2's own: 0.02); the residual projections get it / sqrt(2 n_layer)
@@ -399,6 +400,26 @@ def placed_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip:
         hidden[r, max(at - 1, 0):at + n - 1] = True  # the targets that are the first showing's tokens
     y = xy[:, 1:].clone()
     y[hidden] = IGNORE
+    return xy[:, :-1].clone(), y
+
+
+def twice_rows(rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
+               span_min: int = SPAN_MIN) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` sequences of random ids, each with one random span shown twice in a row at a random place: (inputs,
+    targets), both (rows, seq_len). Only the second showing past its first token is a target (the rest is noise
+    nothing can predict), so every trained token is one that only a circuit that finds the span's earlier showing,
+    wherever it lies, and copies what followed it can predict. Lengths uniform in [span_min, (seq_len - 32) // 2]
+    (8..48 in rows of 128); the place uniform over where both showings fit."""
+    xy = span_ids(n_ids, skip, (rows, seq_len + 1), gen)
+    y = torch.full((rows, seq_len), IGNORE, dtype=torch.long)
+    hi = max(span_min, (seq_len - 32) // 2, 2)
+    hi = min(hi, (seq_len + 1) // 2)
+    lo = min(span_min, hi)
+    for r in range(rows):
+        n = int(torch.randint(lo, hi + 1, (), generator=gen))
+        at = int(torch.randint(0, seq_len + 2 - 2 * n, (), generator=gen))
+        xy[r, at + n:at + 2 * n] = xy[r, at:at + n]
+        y[r, at + n:at + 2 * n - 1] = xy[r, at + n + 1:at + 2 * n]  # y[t] is token t + 1
     return xy[:, :-1].clone(), y
 
 
@@ -884,7 +905,7 @@ def _check_curriculum(curriculum: list | None, batch: int, seq_len: int) -> None
 
 def _check_settings(minutes, steps, stop_after, save_dtype, batch, seq_len, copy_share, init_std, peak_lr,
                     cfg: GPT2Config, placed_share: float = 0.0, mlp_off: float = 0.0,
-                    curriculum: list | None = None) -> None:
+                    curriculum: list | None = None, copy_phase: float = 0.0) -> None:
     """Refuse (TrainError, one line) budgets and recipe values that cannot train."""
     if minutes is not None and steps is not None:
         raise TrainError("give one budget: --minutes or --steps, not both")
@@ -906,6 +927,9 @@ def _check_settings(minutes, steps, stop_after, save_dtype, batch, seq_len, copy
     if not (isinstance(mlp_off, (int, float)) and 0 <= mlp_off < 1):
         raise TrainError(f"--mlp-off must lie in [0, 1) (the share of the budget trained attention only; the MLPs "
                          f"must join before the end), got {mlp_off!r}")
+    if not (isinstance(copy_phase, (int, float)) and 0 <= copy_phase < 1):
+        raise TrainError(f"--copy-phase must lie in [0, 1) (the share of the budget trained on copy rows only; text "
+                         f"must join before the end), got {copy_phase!r}")
     _check_curriculum(curriculum, batch, seq_len)
     if cfg.vocab_size != Tokenizer.VOCAB_SIZE:
         raise TrainError(f"vocab_size must be GPT-2's {Tokenizer.VOCAB_SIZE}, got {cfg.vocab_size}")
@@ -1034,11 +1058,19 @@ class _Run:
         for g in self.opt.param_groups:
             g["lr"] = lr
         rows, seq_len = self.shape()
-        x, y = make_batch(d.ctrain, rows, seq_len, s["copy_share"], len(d.vocab), d.eot, self.gen,
-                          s.get("placed_share", 0.0))
-        with mlps_left_out(self.model, self.attention_only()):
-            logits = self.model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE)
+        if self.frac() < s.get("copy_phase", 0.0):  # --copy-phase: every row a span shown twice among random ids
+            x, y = twice_rows(rows, seq_len, len(d.vocab), d.eot, self.gen)
+            with mlps_left_out(self.model, self.attention_only()):
+                h = _hidden(self.model, x)  # (rows, seq_len, C)
+            trained = y != IGNORE  # ~a fifth of the positions: only they go through the vocabulary projection
+            logits = self.model.lm_head(self.model.transformer.ln_f(h[trained]))  # (n, vocab)
+            loss = F.cross_entropy(logits, y[trained])
+        else:
+            x, y = make_batch(d.ctrain, rows, seq_len, s["copy_share"], len(d.vocab), d.eot, self.gen,
+                              s.get("placed_share", 0.0))
+            with mlps_left_out(self.model, self.attention_only()):
+                logits = self.model(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -1128,7 +1160,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
           eval_tokens: int | None = None, progress: bool = True, command: str | None = None,
           copy_share: float = COPY_SHARE, init_std: float = INIT_STD, peak_lr: float = PEAK_LR,
           curriculum=True, threads: int | None = None, placed_share: float = PLACED_SHARE,
-          mlp_off: float = MLP_OFF) -> dict:
+          mlp_off: float = MLP_OFF, copy_phase: float = COPY_PHASE) -> dict:
     """Train (or resume, or report) the run in ``out``; returns its ``kvlab_train`` record (``done`` False when
     ``stop_after`` interrupted it). The budget is ``minutes`` of wall clock or ``steps`` (deterministic), not both;
     neither: DEFAULT_STEPS. ``config``, ``batch``, ``seq_len``, ``eval_every``, ``eval_tokens`` (the final held-out
@@ -1142,6 +1174,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
     recipe = dict(batch=batch, seq_len=seq_len, copy_share=copy_share, init_std=init_std, peak_lr=peak_lr,
                   **({"placed_share": placed_share} if placed_share else {}),  # absent: the shipped recipe's state
                   **({"mlp_off": mlp_off} if mlp_off else {}),
+                  **({"copy_phase": copy_phase} if copy_phase else {}),
                   curriculum=_curriculum(curriculum))  # in the resume check
     try:
         return _train(Path(out), minutes, steps, seed, restart, config, stop_after, save_dtype, recipe, eval_every,
@@ -1166,7 +1199,7 @@ def _train(folder: Path, minutes, steps, seed, restart, config, stop_after, save
         steps = DEFAULT_STEPS
     _check_settings(minutes, steps, stop_after, save_dtype, recipe["batch"], recipe["seq_len"], recipe["copy_share"],
                     recipe["init_std"], recipe["peak_lr"], cfg, recipe.get("placed_share", 0.0),
-                    recipe.get("mlp_off", 0.0), recipe["curriculum"])
+                    recipe.get("mlp_off", 0.0), recipe["curriculum"], recipe.get("copy_phase", 0.0))
     _check_out(folder)
     settings = dict(minutes=minutes, steps=steps, seed=seed, save_dtype=save_dtype, **recipe, config=asdict(cfg))
     say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
@@ -1248,6 +1281,9 @@ def _record(run: _Run, full: GPT2, unused_info: dict, command: str | None) -> di
     if s.get("placed_share"):
         mix += (f"; {s['placed_share']:.0%} of the copy rows instead show their span twice in a row at a random place "
                 "of a KJV text window (the first showing not a target)")
+    if s.get("copy_phase"):
+        mix = (f"the first {s['copy_phase']:.0%} of the budget: every row random ids with one span of them shown twice "
+               "in a row at a random place, only the second showing a target; then " + mix)
     if s.get("mlp_off"):
         mix += (f"; the first {s['mlp_off']:.0%} of the budget trains attention only (every MLP left out of the "
                 "forward), then the MLPs join")
@@ -1259,6 +1295,7 @@ def _record(run: _Run, full: GPT2, unused_info: dict, command: str | None) -> di
                 batch=s["batch"], seq_len=s["seq_len"], copy_share=s["copy_share"], span_min=SPAN_MIN,
                 **({"placed_share": s["placed_share"]} if s.get("placed_share") else {}),
                 **({"mlp_off": s["mlp_off"]} if s.get("mlp_off") else {}),
+                **({"copy_phase": s["copy_phase"]} if s.get("copy_phase") else {}),
                 curriculum=[[n, share] for n, share in s["curriculum"] or () if n < s["seq_len"]] or None,
                 init_std=s["init_std"], peak_lr=s["peak_lr"], warmup_frac=WARMUP_FRAC, min_lr_frac=MIN_LR_FRAC,
                 weight_decay=WEIGHT_DECAY, seed=s["seed"], save_dtype=s["save_dtype"],
@@ -1306,6 +1343,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="share of the budget trained attention only, every MLP left out of the forward, so the copy "
                         f"circuit forms before the MLPs join (default {MLP_OFF}, the shipped mini's; see "
                         "docs/reference-model.md)")
+    p.add_argument("--copy-phase", type=float, default=COPY_PHASE,
+                   help="share of the budget, from the start, whose rows are all random ids with one span shown twice "
+                        "at a random place, trained only on the second showing (no text), so a circuit that copies "
+                        f"from anywhere forms first (default {COPY_PHASE}, the shipped mini's)")
+    p.add_argument("--copy-share", type=float, default=COPY_SHARE,
+                   help=f"share of each batch's rows that are copy rows after any --copy-phase (default {COPY_SHARE})")
     p.add_argument("--curriculum", default=None, metavar="SPEC",
                    help="row lengths before the full rows: LEN:SHARE pairs of the budget, in order (default "
                         + ",".join(f"{n}:{share:g}" for n, share in CURRICULUM) + ", the shipped mini's), or none")
@@ -1347,6 +1390,7 @@ def main(argv: list[str] | None = None) -> int:
             train(args.out, minutes=args.minutes, steps=args.steps, seed=args.seed, restart=args.restart,
                   stop_after=args.stop_after, save_dtype=args.save_dtype, command=command, threads=args.threads,
                   placed_share=args.placed_share, mlp_off=args.mlp_off, curriculum=curriculum,
+                  copy_phase=args.copy_phase, copy_share=args.copy_share,
                   **({} if args.heads == MINI_CONFIG["n_head"] else  # the default: train()'s own mini config
                      {"config": GPT2Config(**{**MINI_CONFIG, "n_head": args.heads})}))
         except TrainError as e:

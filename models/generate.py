@@ -8,7 +8,9 @@ baseline: it re-runs the whole context every step and keeps only the last positi
 
 from __future__ import annotations
 
+import itertools
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -300,3 +302,69 @@ class StaticDecoder(nn.Module):
         for layer, block in enumerate(m.h):
             x = block(x, writes, layer, mask)
         return self.model.lm_head(m.ln_f(x))
+
+
+# ---- a fused kind's decode step, compiled whole ------------------------------------------------------------------
+
+_FUSED_CACHES: dict[int, KVCache] = {}  # FusedDecoder.handle -> the cache its step decodes into, while it runs
+
+
+@torch.library.custom_op("kvlab::attend_decode", mutates_args=())
+def _attend_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, handle: int,
+                   layer: int) -> torch.Tensor:
+    """One layer's decode attention of a kind that ``fuses_decode``, as one opaque op of a compiled step: the
+    cache's own ``attend_decode`` (it writes the step's K/V into the kind's storage, which no tensor of the graph
+    is: the graph sees q, k_new, v_new in and a new tensor out). (B, nh, 1, hs) -> (B, nh, 1, hs)."""
+    return _FUSED_CACHES[handle].attend_decode(layer, q, k_new, v_new, None).to(q.dtype).contiguous().clone()
+
+
+@_attend_decode.register_fake
+def _(q, k_new, v_new, handle, layer):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+class _FusedStep:
+    """What attention sees inside a compiled fused step: a cache whose every decode step goes to attend_decode."""
+
+    fused, fuses_ragged, evicts, wants_scores, pos = True, False, False, False, 0
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def attend_decode(self, layer, q, k_new, v_new, mask=None):
+        return torch.ops.kvlab.attend_decode(q, k_new, v_new, self.handle, layer)
+
+
+class FusedDecoder(nn.Module):
+    """One decode step of a kind that ``fuses_decode`` (quant, paged), for ``torch.compile``: the model's blocks with
+    static shapes (the position is a tensor), each layer's attention the kind's ``attend_decode`` as one opaque op
+    (``kvlab::attend_decode``: it writes and reads K/V where the kind stores them, in the kind's own code). So the
+    step around the kernel (projections, MLPs, norms, the vocabulary projection) is compiled as prealloc's
+    ``StaticDecoder`` is, and a fused kind's step is compared with prealloc's on equal terms. Runs without
+    CUDA graphs (the op's bookkeeping is Python that a replayed graph would skip)."""
+
+    _handles = itertools.count()
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.handle = next(FusedDecoder._handles)
+
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """idx (B, 1), input_pos (1,) long: the position written -> logits (B, 1, vocab). Call inside ``using``."""
+        m = self.model.transformer
+        x = m.wte(idx) + m.wpe(input_pos)  # (B, 1, C)
+        step = _FusedStep(self.handle)
+        for layer, block in enumerate(m.h):
+            x = block(x, step, layer)
+        return self.model.lm_head(m.ln_f(x))
+
+    @contextmanager
+    def using(self, cache: KVCache):
+        """Inside: this decoder's op decodes into ``cache``, whose ``fused`` is on."""
+        _FUSED_CACHES[self.handle], cache.fused = cache, True
+        try:
+            yield
+        finally:
+            cache.fused = False
+            _FUSED_CACHES.pop(self.handle, None)

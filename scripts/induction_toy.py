@@ -133,6 +133,8 @@ def train(a: argparse.Namespace, log=print) -> dict:
             break
         x, scored, _ = rows(a.batch, length, small if step < small_steps else a.ids, a.span_max, gen, a.fill)
         logits = model(x)
+        if a.score_all:  # every next token, as a language model trains (the random ones are noise: ln ids)
+            scored = torch.ones_like(scored)
         loss = F.cross_entropy(logits[:, :-1][scored[:, 1:]], x[:, 1:][scored[:, 1:]])
         opt.zero_grad()
         loss.backward()
@@ -166,6 +168,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="draw the training rows from ids < IDS for the first STEPS steps (a vocabulary curriculum)")
     p.add_argument("--fill", action="store_true",
                    help="training rows repeat the span from its first showing to the row's end (held rows do not)")
+    p.add_argument("--score-all", action="store_true",
+                   help="train on every next token, not only the second showing (the copy targets a small share "
+                        "of the loss, as in mini's rows; held rows are scored as before)")
     p.add_argument("--pos", choices=("learned", "sin"), default="learned",
                    help="initial position embeddings: random like the rest (GPT-2's) or sinusoids (still learnt)")
     p.add_argument("--every", type=int, default=250)

@@ -132,13 +132,21 @@ def test_quant_attention_over_its_packed_storage_equals_the_dequantised_path(tin
             tol = 1e-4 * scale if dtype == torch.float32 else 2e-2 * scale
             assert float((la.float() - lb.float()).abs().max()) <= tol, opts
         assert a.pos == b.pos == 37 and a.nbytes == b.nbytes
-        for part in ("k_q", "k_scale", "k_min", "v_q", "v_scale", "v_min"):  # layer 0 saw the same K/V: same bytes
-            assert torch.equal(getattr(a, part)[0], getattr(b, part)[0]), (opts, part)
+        # layer 0 saw the same K/V up to the rounding of the compiled step's projection (the eager step's is
+        # another): what each stored is within one quantisation step of the other's, value by value
+        for which, n_quant in zip("kv", a._split(a.pos)):
+            if n_quant:
+                da = a._dequantized(0, which, n_quant)
+                gap = (da - b._dequantized(0, which, n_quant)).abs()
+                step = 2 * torch.maximum(a._half_steps(0, which, n_quant), b._half_steps(0, which, n_quant))
+                rounding = 4 * torch.finfo(dtype).eps * float(da.abs().max())  # of the projection, in dtype
+                assert bool((gap <= step * 1.01 + rounding).all()), (opts, which, float((gap - step).max()))
         torch.testing.assert_close(b.v_tail.float(), a.v_tail.float(), atol=tol, rtol=0)
     st = compiled.compile_stats
     assert st["compile_recompiles"] == 0 and st["compiled_steps"] == len(options) * 29
-    # inductor: one graph per layout (bits, axes, group) for every layer and step; the kernel is no graph
-    assert st["compile_graphs"] == (len(options) if path == "inductor" else 0)
+    # the kernel: the step compiled whole once, the kind's attention one opaque op whatever its layout; inductor's
+    # attention: one graph per layout (bits, axes, group) for every layer and step, the rest of the step eager
+    assert st["compile_graphs"] == (len(options) if path == "inductor" else 1)
     assert not counters["graph_break"]
 
 

@@ -217,6 +217,8 @@ def test_an_attention_only_phase_leaves_the_mlps_untrained_until_it_ends(tmp_pat
     (["--curriculum", "100:0.3"], "a length must be >= 2 and divide the 8192 tokens"),
     (["--curriculum", "32:0.6,64:0.6"], "the shares add up to 1.2"),
     (["--mlp-off", "1"], "--mlp-off must lie in [0, 1)"),
+    (["--copy-phase", "-0.1"], "--copy-phase must lie in [0, 1)"),
+    (["--copy-share", "2"], "copy_share 2.0 must lie in [0, 1]"),
     (["--heads", "3"], "--heads 3 must divide the model's width 128"),
     (["--heads", "0"], "--heads 0 must divide the model's width 128"),
     ([], "--out"),
@@ -294,6 +296,44 @@ def test_placed_rows_show_one_span_twice_anywhere_in_text():
     xb, yb = T.make_batch(stream, 8, 64, 0.5, n_ids=10, skip=3, gen=gen, placed_share=0.5)
     assert ((xb < 10).sum(1) > 0).sum() == 4  # four copy rows: two placed (text around them), two repeated
     assert ((xb >= 100).any(1) & (xb < 10).any(1)).sum() == 2
+
+
+def test_twice_rows_show_one_span_twice_among_random_ids_and_train_only_its_second_showing():
+    """A twice row (--copy-phase) is random ids with one span written twice in a row at a random place; the targets
+    are the second showing's tokens after its first (each the next token), nothing else, and the source lies
+    anywhere in the row."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = T.twice_rows(200, 128, n_ids=50, skip=3, gen=gen)
+    assert x.shape == y.shape == (200, 128) and not (x == 3).any() and int(x.max()) <= 50
+    starts, lengths = set(), set()
+    for row_x, row_y in zip(x, y):
+        full = torch.cat([row_x, row_y[-1:]])
+        trained = (row_y != T.IGNORE).nonzero().flatten()
+        first, n = int(trained[0]), len(trained) + 1  # the second showing starts at `first`, n tokens long
+        assert torch.equal(trained, torch.arange(first, first + n - 1))  # one run of targets
+        assert torch.equal(row_y[trained], row_x[trained + 1] if first + n - 1 < 128 else full[trained + 1])
+        assert torch.equal(full[first - n:first], full[first:first + n])  # the span, shown twice in a row
+        assert 8 <= n <= 48
+        starts.add(first - n), lengths.add(n)
+    assert min(starts) < 8 and max(starts) > 64 and len(lengths) > 20  # anywhere, any length
+    assert torch.equal(T.twice_rows(4, 128, 50, 3, torch.Generator().manual_seed(5))[0],
+                       T.twice_rows(4, 128, 50, 3, torch.Generator().manual_seed(5))[0])  # reproducible
+
+
+def test_a_copy_phase_trains_on_twice_rows_only_then_on_the_mix(tmp_path, monkeypatch):
+    """--copy-phase 0.5 of 8 steps: the first 4 batches are twice rows, the rest the usual mix; the record names
+    the phase, and a share outside [0, 1) is refused in one line."""
+    calls = []
+    monkeypatch.setattr(T, "twice_rows", lambda *a, **k: calls.append("twice") or real_twice(*a, **k))
+    monkeypatch.setattr(T, "make_batch", lambda *a, **k: calls.append("mix") or real_mix(*a, **k))
+    meta = T.train(tmp_path / "run", steps=8, eval_every=4, copy_phase=0.5, **FAST)
+    assert calls == ["twice"] * 4 + ["mix"] * 4
+    assert meta["copy_phase"] == 0.5 and "shown twice" in meta["mix"]
+    with pytest.raises(T.TrainError, match=r"--copy-phase must lie in \[0, 1\)"):
+        T.train(tmp_path / "other", steps=8, copy_phase=1.0, **FAST)
+
+
+real_twice, real_mix = T.twice_rows, T.make_batch
 
 
 def test_position_offsets_read_each_rows_positions_from_its_start(tiny_model):

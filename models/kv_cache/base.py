@@ -211,6 +211,12 @@ class KVCache:
     # handed the step's mask over the keys ``update`` would return; False: such steps take update + attention
     fuses_ragged: ClassVar[bool] = False
 
+    @property
+    def attends_opaquely(self) -> bool:
+        """With fuses_decode: whether ``attend_decode`` may run as one opaque op inside a compiled decode step (it
+        compiles nothing of its own), so an engine can compile the rest of the step around it."""
+        return self.fuses_decode
+
     def __init__(self, n_layer: int, n_head: int, head_dim: int, max_len: int, batch: int = 1,
                  dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu", **options):
         for name, value in (("n_layer", n_layer), ("n_head", n_head), ("head_dim", head_dim),

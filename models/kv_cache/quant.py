@@ -369,8 +369,7 @@ class QuantKVCache(KVCache):
             return (*(getattr(self, f"{which}_{part}")[layer] if quantised else None
                       for part in ("q", "scale", "min")), getattr(self, f"{which}_tail")[layer])
 
-        cpu = self.device.type == "cpu" and not FORCE_INDUCTOR and self.head_dim <= kernels.MAX_HEAD_DIM
-        kernel = kernels.load() if cpu else None
+        kernel = self._kernel()
         if kernel is not None:
             return kernel_attention(kernel, self, layer, q, n_k, n_v, n1)
         layout = ((o.bits("k"), o.axis("k")), (o.bits("v"), o.axis("v")), o.group_size, self.head_dim)
@@ -378,6 +377,15 @@ class QuantKVCache(KVCache):
         y = compiled_stored_attention()(q, parts("k"), parts("v"), counts[0], counts[1], counts[2],
                                         self._rotation(), layout)
         return y.to(q.dtype)
+
+    def _kernel(self):
+        """The C++ kernel module where this cache's fused attention runs in it (the CPU), else None (inductor)."""
+        cpu = self.device.type == "cpu" and not FORCE_INDUCTOR and self.head_dim <= kernels.MAX_HEAD_DIM
+        return kernels.load() if cpu else None
+
+    @property
+    def attends_opaquely(self) -> bool:
+        return self._kernel() is not None  # inductor's path is a compiled graph of its own
 
     def stored_history(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         n, dtype = self._returned
