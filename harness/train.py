@@ -905,7 +905,8 @@ def _check_curriculum(curriculum: list | None, batch: int, seq_len: int) -> None
 
 def _check_settings(minutes, steps, stop_after, save_dtype, batch, seq_len, copy_share, init_std, peak_lr,
                     cfg: GPT2Config, placed_share: float = 0.0, mlp_off: float = 0.0,
-                    curriculum: list | None = None, copy_phase: float = 0.0) -> None:
+                    curriculum: list | None = None, copy_phase: float = 0.0,
+                    copy_offsets: float | None = None) -> None:
     """Refuse (TrainError, one line) budgets and recipe values that cannot train."""
     if minutes is not None and steps is not None:
         raise TrainError("give one budget: --minutes or --steps, not both")
@@ -930,6 +931,9 @@ def _check_settings(minutes, steps, stop_after, save_dtype, batch, seq_len, copy
     if not (isinstance(copy_phase, (int, float)) and 0 <= copy_phase < 1):
         raise TrainError(f"--copy-phase must lie in [0, 1) (the share of the budget trained on copy rows only; text "
                          f"must join before the end), got {copy_phase!r}")
+    if copy_offsets is not None and not (isinstance(copy_offsets, (int, float)) and 0 <= copy_offsets < copy_phase):
+        raise TrainError(f"--copy-offsets must lie in [0, --copy-phase {copy_phase:g}) (where in the budget the copy "
+                         f"phase's rows start reading positions from a random start), got {copy_offsets!r}")
     _check_curriculum(curriculum, batch, seq_len)
     if cfg.vocab_size != Tokenizer.VOCAB_SIZE:
         raise TrainError(f"vocab_size must be GPT-2's {Tokenizer.VOCAB_SIZE}, got {cfg.vocab_size}")
@@ -1060,7 +1064,10 @@ class _Run:
         rows, seq_len = self.shape()
         if self.frac() < s.get("copy_phase", 0.0):  # --copy-phase: every row a span shown twice among random ids
             x, y = twice_rows(rows, seq_len, len(d.vocab), d.eot, self.gen)
-            with mlps_left_out(self.model, self.attention_only()):
+            starts = None  # --copy-offsets: rows read the position embeddings from a random start
+            if self.frac() >= s.get("copy_offsets", 1.0) and seq_len < self.cfg.n_positions:
+                starts = torch.randint(0, self.cfg.n_positions - seq_len + 1, (rows, 1), generator=self.gen)
+            with mlps_left_out(self.model, self.attention_only()), position_offsets(self.model, starts):
                 h = _hidden(self.model, x)  # (rows, seq_len, C)
             trained = y != IGNORE  # ~a fifth of the positions: only they go through the vocabulary projection
             logits = self.model.lm_head(self.model.transformer.ln_f(h[trained]))  # (n, vocab)
@@ -1160,7 +1167,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
           eval_tokens: int | None = None, progress: bool = True, command: str | None = None,
           copy_share: float = COPY_SHARE, init_std: float = INIT_STD, peak_lr: float = PEAK_LR,
           curriculum=True, threads: int | None = None, placed_share: float = PLACED_SHARE,
-          mlp_off: float = MLP_OFF, copy_phase: float = COPY_PHASE) -> dict:
+          mlp_off: float = MLP_OFF, copy_phase: float = COPY_PHASE, copy_offsets: float | None = None) -> dict:
     """Train (or resume, or report) the run in ``out``; returns its ``kvlab_train`` record (``done`` False when
     ``stop_after`` interrupted it). The budget is ``minutes`` of wall clock or ``steps`` (deterministic), not both;
     neither: DEFAULT_STEPS. ``config``, ``batch``, ``seq_len``, ``eval_every``, ``eval_tokens`` (the final held-out
@@ -1175,6 +1182,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
                   **({"placed_share": placed_share} if placed_share else {}),  # absent: the shipped recipe's state
                   **({"mlp_off": mlp_off} if mlp_off else {}),
                   **({"copy_phase": copy_phase} if copy_phase else {}),
+                  **({"copy_offsets": copy_offsets} if copy_offsets is not None else {}),
                   curriculum=_curriculum(curriculum))  # in the resume check
     try:
         return _train(Path(out), minutes, steps, seed, restart, config, stop_after, save_dtype, recipe, eval_every,
@@ -1199,7 +1207,8 @@ def _train(folder: Path, minutes, steps, seed, restart, config, stop_after, save
         steps = DEFAULT_STEPS
     _check_settings(minutes, steps, stop_after, save_dtype, recipe["batch"], recipe["seq_len"], recipe["copy_share"],
                     recipe["init_std"], recipe["peak_lr"], cfg, recipe.get("placed_share", 0.0),
-                    recipe.get("mlp_off", 0.0), recipe["curriculum"], recipe.get("copy_phase", 0.0))
+                    recipe.get("mlp_off", 0.0), recipe["curriculum"], recipe.get("copy_phase", 0.0),
+                    recipe.get("copy_offsets"))
     _check_out(folder)
     settings = dict(minutes=minutes, steps=steps, seed=seed, save_dtype=save_dtype, **recipe, config=asdict(cfg))
     say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
@@ -1282,8 +1291,11 @@ def _record(run: _Run, full: GPT2, unused_info: dict, command: str | None) -> di
         mix += (f"; {s['placed_share']:.0%} of the copy rows instead show their span twice in a row at a random place "
                 "of a KJV text window (the first showing not a target)")
     if s.get("copy_phase"):
+        offsets = s.get("copy_offsets")
         mix = (f"the first {s['copy_phase']:.0%} of the budget: every row random ids with one span of them shown twice "
-               "in a row at a random place, only the second showing a target; then " + mix)
+               "in a row at a random place, only the second showing a target" + (
+                   "" if offsets is None else f" (from {offsets:.0%} of the budget on, each row's positions from a "
+                   "random start, so every position trains)") + "; then " + mix)
     if s.get("mlp_off"):
         mix += (f"; the first {s['mlp_off']:.0%} of the budget trains attention only (every MLP left out of the "
                 "forward), then the MLPs join")
@@ -1296,6 +1308,7 @@ def _record(run: _Run, full: GPT2, unused_info: dict, command: str | None) -> di
                 **({"placed_share": s["placed_share"]} if s.get("placed_share") else {}),
                 **({"mlp_off": s["mlp_off"]} if s.get("mlp_off") else {}),
                 **({"copy_phase": s["copy_phase"]} if s.get("copy_phase") else {}),
+                **({"copy_offsets": s["copy_offsets"]} if s.get("copy_offsets") is not None else {}),
                 curriculum=[[n, share] for n, share in s["curriculum"] or () if n < s["seq_len"]] or None,
                 init_std=s["init_std"], peak_lr=s["peak_lr"], warmup_frac=WARMUP_FRAC, min_lr_frac=MIN_LR_FRAC,
                 weight_decay=WEIGHT_DECAY, seed=s["seed"], save_dtype=s["save_dtype"],
@@ -1347,6 +1360,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="share of the budget, from the start, whose rows are all random ids with one span shown twice "
                         "at a random place, trained only on the second showing (no text), so a circuit that copies "
                         f"from anywhere forms first (default {COPY_PHASE}, the shipped mini's)")
+    p.add_argument("--copy-offsets", type=float, default=None, metavar="F",
+                   help="from this share of the budget until --copy-phase ends, each twice row reads the position "
+                        "embeddings from a random start, so the circuit formed in the first positions trains at "
+                        "every position (default: never)")
     p.add_argument("--copy-share", type=float, default=COPY_SHARE,
                    help=f"share of each batch's rows that are copy rows after any --copy-phase (default {COPY_SHARE})")
     p.add_argument("--curriculum", default=None, metavar="SPEC",
@@ -1390,7 +1407,7 @@ def main(argv: list[str] | None = None) -> int:
             train(args.out, minutes=args.minutes, steps=args.steps, seed=args.seed, restart=args.restart,
                   stop_after=args.stop_after, save_dtype=args.save_dtype, command=command, threads=args.threads,
                   placed_share=args.placed_share, mlp_off=args.mlp_off, curriculum=curriculum,
-                  copy_phase=args.copy_phase, copy_share=args.copy_share,
+                  copy_phase=args.copy_phase, copy_share=args.copy_share, copy_offsets=args.copy_offsets,
                   **({} if args.heads == MINI_CONFIG["n_head"] else  # the default: train()'s own mini config
                      {"config": GPT2Config(**{**MINI_CONFIG, "n_head": args.heads})}))
         except TrainError as e:

@@ -333,7 +333,27 @@ def test_a_copy_phase_trains_on_twice_rows_only_then_on_the_mix(tmp_path, monkey
         T.train(tmp_path / "other", steps=8, copy_phase=1.0, **FAST)
 
 
-real_twice, real_mix = T.twice_rows, T.make_batch
+real_twice, real_mix, real_offsets = T.twice_rows, T.make_batch, T.position_offsets
+
+
+def test_copy_offsets_move_the_copy_phases_rows_to_random_positions_from_their_share_on(tmp_path, monkeypatch):
+    """--copy-offsets 0.25 with --copy-phase 0.5 of 8 steps: steps 1-2 read positions from 0, steps 3-4 from a
+    random start per row that keeps the row inside n_positions; a share outside [0, copy phase) is refused."""
+    seen = []
+
+    def spy(model, starts):
+        seen.append(None if starts is None else starts.flatten().tolist())
+        return real_offsets(model, starts)
+
+    monkeypatch.setattr(T, "position_offsets", spy)
+    meta = T.train(tmp_path / "run", steps=8, eval_every=4, copy_phase=0.5, copy_offsets=0.25, **FAST)
+    assert seen[:2] == [None, None] and len(seen) == 4
+    starts = [v for row in seen[2:] for v in row]
+    assert len(starts) == 2 * 8 * 32 // 32 and len(set(starts)) > 1
+    assert all(0 <= v <= SMALL.n_positions - 32 for v in starts)
+    assert meta["copy_offsets"] == 0.25 and "random start" in meta["mix"]
+    with pytest.raises(T.TrainError, match=r"--copy-offsets must lie in \[0, --copy-phase 0.5\)"):
+        T.train(tmp_path / "other", steps=8, copy_phase=0.5, copy_offsets=0.5, **FAST)
 
 
 def test_position_offsets_read_each_rows_positions_from_its_start(tiny_model):
