@@ -37,8 +37,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from models.generate import (FusedDecoder, GreedyOutput, StaticDecoder, decode_step, greedy, greedy_loop, greedy_uncached,
-                             model_device, model_dtype, new_cache, prefill)
+from models.generate import (FusedDecoder, GreedyOutput, StaticDecoder, decode_step, greedy, greedy_loop,
+                             greedy_uncached, model_device, model_dtype, new_cache, prefill)
 from models.gpt2 import _CONV1D, GPT2, HF_MASK_BUFFERS
 from models.kv_cache import CACHE_KINDS, PreallocKVCache, cache_kind
 from models.kv_cache.base import itemsize
@@ -264,8 +264,7 @@ class KvlabEngine:
     def decode(self, token: torch.Tensor, cache) -> torch.Tensor:
         if self.compile and isinstance(cache, PreallocKVCache) and cache.pad is None:
             return self._decode_compiled(token, cache)
-        if self.compile and cache.fuses_decode and cache.pad is None and cache.device.type == "cpu" and (
-                cache.attends_opaquely):
+        if self.compile and cache.attends_opaquely and cache.pad is None and cache.device.type == "cpu":
             return self._decode_fused_compiled(token, cache)
         if self.compile and cache.fuses_decode:
             return self._decode_fused(token, cache)

@@ -315,7 +315,7 @@ def _attend_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, ha
     """One layer's decode attention of a kind that ``fuses_decode``, as one opaque op of a compiled step: the
     cache's own ``attend_decode`` (it writes the step's K/V into the kind's storage, which no tensor of the graph
     is: the graph sees q, k_new, v_new in and a new tensor out). (B, nh, 1, hs) -> (B, nh, 1, hs)."""
-    return _FUSED_CACHES[handle].attend_decode(layer, q, k_new, v_new, None).to(q.dtype).contiguous().clone()
+    return _FUSED_CACHES[handle].attend_decode(layer, q, k_new, v_new, None).to(q.dtype).contiguous()  # a new tensor
 
 
 @_attend_decode.register_fake
