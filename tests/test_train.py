@@ -18,7 +18,8 @@ from models.gpt2 import GPT2, GPT2Config
 REPO = Path(__file__).resolve().parent.parent
 MINI = REPO / "models" / "weights" / "mini"
 SMALL = GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64)
-FAST = dict(config=SMALL, batch=8, seq_len=32, eval_tokens=1024, progress=False)
+# text from the first step (no copy phase, no attention-only phase: their own tests set them)
+FAST = dict(config=SMALL, batch=8, seq_len=32, eval_tokens=1024, progress=False, copy_phase=0.0, mlp_off=0.0)
 COPY_STEPS = 400  # the quick copy test's training steps
 
 
@@ -183,9 +184,9 @@ def test_an_attention_only_phase_leaves_the_mlps_untrained_until_it_ends(tmp_pat
     """--mlp-off 0.5 of 8 steps: after 4 steps every MLP weight is its initial value while attention has moved, and
     the MLPs join without changing the model's outputs; the finished run's MLPs have trained, and the record names
     the phase."""
-    first = T.train(tmp_path / "run", steps=8, eval_every=4, stop_after=1, mlp_off=0.5, **FAST)
+    first = T.train(tmp_path / "run", steps=8, eval_every=4, stop_after=1, **{**FAST, "mlp_off": 0.5})
     init = torch.load(tmp_path / "run" / T.STATE, weights_only=True)["model"]
-    T.train(tmp_path / "run", steps=8, eval_every=4, stop_after=3, mlp_off=0.5, **FAST)
+    T.train(tmp_path / "run", steps=8, eval_every=4, stop_after=3, **{**FAST, "mlp_off": 0.5})
     mid = torch.load(tmp_path / "run" / T.STATE, weights_only=True)["model"]
     assert not first["done"] and any(".mlp." in k for k in init)
     assert all(torch.equal(init[k], mid[k]) for k in init if ".mlp." in k)
@@ -197,13 +198,13 @@ def test_an_attention_only_phase_leaves_the_mlps_untrained_until_it_ends(tmp_pat
         alone = model(x)
         with T.mlps_left_out(model):
             assert torch.equal(model(x), alone)
-    meta = T.train(tmp_path / "run", steps=8, eval_every=4, mlp_off=0.5, **FAST)
+    meta = T.train(tmp_path / "run", steps=8, eval_every=4, **{**FAST, "mlp_off": 0.5})
     end = GPT2.from_pretrained(tmp_path / "run").state_dict()
     for k in (k for k in init if ".mlp." in k):  # moved by far more than the checkpoint's fp16 rounding
         assert (end[k] - init[k]).abs().max() > 1e-3, k
     assert meta["mlp_off"] == 0.5 and "attention only" in meta["mix"]
     with pytest.raises(T.TrainError, match="--mlp-off must lie in"):
-        T.train(tmp_path / "other", steps=8, mlp_off=1.0, **FAST)
+        T.train(tmp_path / "other", steps=8, **{**FAST, "mlp_off": 1.0})
 
 
 @pytest.mark.parametrize("args, why", [
@@ -219,6 +220,8 @@ def test_an_attention_only_phase_leaves_the_mlps_untrained_until_it_ends(tmp_pat
     (["--mlp-off", "1"], "--mlp-off must lie in [0, 1)"),
     (["--copy-phase", "-0.1"], "--copy-phase must lie in [0, 1)"),
     (["--copy-share", "2"], "copy_share 2.0 must lie in [0, 1]"),
+    (["--copy-offsets", "soon"], "--copy-offsets 'soon': give a share of the budget"),
+    (["--copy-phase", "0.2", "--copy-offsets", "0.3"], "--copy-offsets must lie in [0, --copy-phase 0.2)"),
     (["--heads", "3"], "--heads 3 must divide the model's width 128"),
     (["--heads", "0"], "--heads 0 must divide the model's width 128"),
     ([], "--out"),
@@ -326,11 +329,11 @@ def test_a_copy_phase_trains_on_twice_rows_only_then_on_the_mix(tmp_path, monkey
     calls = []
     monkeypatch.setattr(T, "twice_rows", lambda *a, **k: calls.append("twice") or real_twice(*a, **k))
     monkeypatch.setattr(T, "make_batch", lambda *a, **k: calls.append("mix") or real_mix(*a, **k))
-    meta = T.train(tmp_path / "run", steps=8, eval_every=4, copy_phase=0.5, **FAST)
+    meta = T.train(tmp_path / "run", steps=8, eval_every=4, **{**FAST, "copy_phase": 0.5})
     assert calls == ["twice"] * 4 + ["mix"] * 4
     assert meta["copy_phase"] == 0.5 and "shown twice" in meta["mix"]
     with pytest.raises(T.TrainError, match=r"--copy-phase must lie in \[0, 1\)"):
-        T.train(tmp_path / "other", steps=8, copy_phase=1.0, **FAST)
+        T.train(tmp_path / "other", steps=8, **{**FAST, "copy_phase": 1.0})
 
 
 real_twice, real_mix, real_offsets = T.twice_rows, T.make_batch, T.position_offsets
@@ -346,14 +349,14 @@ def test_copy_offsets_move_the_copy_phases_rows_to_random_positions_from_their_s
         return real_offsets(model, starts)
 
     monkeypatch.setattr(T, "position_offsets", spy)
-    meta = T.train(tmp_path / "run", steps=8, eval_every=4, copy_phase=0.5, copy_offsets=0.25, **FAST)
+    meta = T.train(tmp_path / "run", steps=8, eval_every=4, **{**FAST, "copy_phase": 0.5, "copy_offsets": 0.25})
     assert seen[:2] == [None, None] and len(seen) == 4
     starts = [v for row in seen[2:] for v in row]
     assert len(starts) == 2 * 8 * 32 // 32 and len(set(starts)) > 1
     assert all(0 <= v <= SMALL.n_positions - 32 for v in starts)
     assert meta["copy_offsets"] == 0.25 and "random start" in meta["mix"]
     with pytest.raises(T.TrainError, match=r"--copy-offsets must lie in \[0, --copy-phase 0.5\)"):
-        T.train(tmp_path / "other", steps=8, copy_phase=0.5, copy_offsets=0.5, **FAST)
+        T.train(tmp_path / "other", steps=8, **{**FAST, "copy_phase": 0.5, "copy_offsets": 0.5})
 
 
 def test_position_offsets_read_each_rows_positions_from_its_start(tiny_model):
@@ -484,6 +487,20 @@ def test_shipped_mini_checkpoint_is_good_with_the_full_vocabulary():
                                                                T.split_documents(T.corpus_documents())[1]]
 
 
+def test_the_shipped_mini_was_made_by_the_default_recipe():
+    """python -m harness.train --out models/weights/mini (the defaults) is the recipe of the shipped checkpoint: its
+    record's settings are the module's defaults, and its geometry is the mini preset's."""
+    cfg = json.loads((MINI / "config.json").read_text())
+    rec = cfg["kvlab_train"]
+    assert rec["steps"] == T.DEFAULT_STEPS and rec["seed"] == 0
+    assert (rec["copy_phase"], rec["copy_offsets"], rec["mlp_off"]) == (T.COPY_PHASE, T.COPY_OFFSETS, T.MLP_OFF)
+    assert (rec["copy_share"], rec["placed_share"], rec["span_min"]) == (T.COPY_SHARE, T.PLACED_SHARE, T.SPAN_MIN)
+    assert rec["curriculum"] == [list(c) for c in T.CURRICULUM]
+    assert (rec["init_std"], rec["peak_lr"], rec["batch"], rec["seq_len"]) == (T.INIT_STD, T.PEAK_LR, T.BATCH,
+                                                                               T.SEQ_LEN)
+    assert {k: cfg[k] for k in T.MINI_CONFIG} == T.MINI_CONFIG
+
+
 @pytest.fixture(scope="module")
 def mini_targets():
     """Every target of the shipped checkpoint, computed now (nothing here is a recorded number), and its record."""
@@ -608,13 +625,27 @@ def test_the_induction_toys_rows_score_only_the_second_showing_and_its_model_is_
 
 
 def test_heads_option_trains_mini_with_that_many_heads(tmp_path, monkeypatch):
-    """--heads N: the recipe's model is mini's geometry with N heads (GPT-2's 64 channels a head at N = 2); the
-    default is the shipped mini's own config."""
+    """--heads N: the recipe's model is mini's geometry with N heads (32 channels a head at N = 4); the default is
+    the shipped mini's own config, GPT-2's 64 channels a head."""
     seen = []
     monkeypatch.setattr(T, "train", lambda out, **kw: seen.append(kw.get("config")) or {})
-    assert T.main(["--out", str(tmp_path / "a"), "--steps", "1", "--heads", "2"]) == 0
+    assert T.main(["--out", str(tmp_path / "a"), "--steps", "1", "--heads", "4"]) == 0
     assert T.main(["--out", str(tmp_path / "b"), "--steps", "1"]) == 0
-    two, default = seen
-    assert (two.n_head, two.n_embd, two.n_layer, two.head_dim) == (2, T.MINI_CONFIG["n_embd"],
-                                                                    T.MINI_CONFIG["n_layer"], 64)
+    four, default = seen
+    assert (four.n_head, four.n_embd, four.n_layer, four.head_dim) == (4, T.MINI_CONFIG["n_embd"],
+                                                                       T.MINI_CONFIG["n_layer"], 32)
     assert default is None  # not passed: train() builds GPT2Config(**MINI_CONFIG)
+    assert GPT2Config(**T.MINI_CONFIG).head_dim == 64
+
+
+def test_copy_offsets_default_to_the_recipes_inside_a_long_enough_copy_phase(tmp_path, monkeypatch):
+    """No --copy-offsets: COPY_OFFSETS when the copy phase outlasts it, none without one (a text-only recipe needs
+    no flag to turn them off); "none" turns them off; a number is passed as given."""
+    seen = []
+    monkeypatch.setattr(T, "_train", lambda folder, *a, **k: seen.append(a[7]) or {})  # the recipe dict
+    for extra in ([], ["--copy-phase", "0"], ["--copy-offsets", "none"], ["--copy-offsets", "0.1"]):
+        assert T.main(["--out", str(tmp_path / "a"), "--steps", "1", *extra]) == 0
+    default, no_phase, off, given = seen
+    assert default["copy_offsets"] == T.COPY_OFFSETS < default["copy_phase"] == T.COPY_PHASE
+    assert "copy_offsets" not in no_phase and "copy_phase" not in no_phase
+    assert "copy_offsets" not in off and given["copy_offsets"] == 0.1
