@@ -1183,7 +1183,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
     if copy_offsets == "default":  # COPY_OFFSETS inside a copy phase that outlasts it, else none
         copy_offsets = COPY_OFFSETS if copy_phase > COPY_OFFSETS else None
     recipe = dict(batch=batch, seq_len=seq_len, copy_share=copy_share, init_std=init_std, peak_lr=peak_lr,
-                  **({"placed_share": placed_share} if placed_share else {}),  # absent: the shipped recipe's state
+                  **({"placed_share": placed_share} if placed_share else {}),  # absent when off: a record names only the phases it had
                   **({"mlp_off": mlp_off} if mlp_off else {}),
                   **({"copy_phase": copy_phase} if copy_phase else {}),
                   **({"copy_offsets": copy_offsets} if copy_offsets is not None else {}),
