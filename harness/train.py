@@ -609,6 +609,8 @@ TARGETS = (
     ("nll_0_127", "NLL at positions 0-127", None),
     ("nll_512_1023", "NLL at positions 512-1023", None),
     ("context_gain", "NLL at 0-127 minus NLL at 512-1023", (">=", 0.1)),
+    ("context_gain_same_tokens", "tokens 512-639 fed alone (at 0-127) minus with the 512 before them", None),
+    ("context_gain_same_tokens_512", "tokens 512-1023 fed alone (at 0-511) minus with the 512 before them", None),
     ("window64_cost", "window 64, 0 sinks: NLL rise at positions >= 512", (">=", 0.05)),
     ("window64_sink1_cost", "window 64, 1 sink: NLL rise at positions >= 512", None),
     ("window64_sink4_cost", "window 64, 4 sinks: NLL rise at positions >= 512", None),
@@ -732,6 +734,11 @@ def evaluate(model: GPT2, held: torch.Tensor, ids: torch.Tensor, seed: int = 0) 
     r = dict(heldout_nll=float(full.mean()), nll_0_127=float(full[:128].mean()),
              nll_512_1023=float(full[LATE:].mean()))
     r["context_gain"] = r["nll_0_127"] - r["nll_512_1023"]
+    # the same tokens with and without the LATE tokens before them: what context buys, apart from the text's own
+    # difficulty at each position (context_gain compares different tokens)
+    alone = position_nll(model, wins[:, LATE:])
+    r["context_gain_same_tokens"] = float(alone[:128].mean() - full[LATE:LATE + 128].mean())
+    r["context_gain_same_tokens_512"] = float(alone.mean() - full[LATE:].mean())
     for sinks, key in ((0, "window64_cost"), (1, "window64_sink1_cost"), (4, "window64_sink4_cost")):
         late = position_nll(model, wins, start=LATE, window=64, sinks=sinks)
         r[key] = float(late.mean()) - r["nll_512_1023"]

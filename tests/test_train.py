@@ -649,3 +649,25 @@ def test_copy_offsets_default_to_the_recipes_inside_a_long_enough_copy_phase(tmp
     assert default["copy_offsets"] == T.COPY_OFFSETS < default["copy_phase"] == T.COPY_PHASE
     assert "copy_offsets" not in no_phase and "copy_phase" not in no_phase
     assert "copy_offsets" not in off and given["copy_offsets"] == 0.1
+
+
+def test_the_context_probe_counts_each_tokens_own_document_and_drops_only_context():
+    """scripts/context_probe.py (docs/reference-model.md): the predicted token's own document in each position's
+    context restarts after every <|endoftext|>; and a late token's NLL fed alone is the NLL at the same place of a sequence
+    that starts with it (the same tokens, only the context before them gone)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "context_probe.py"
+    spec = importlib.util.spec_from_file_location("context_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    x = torch.tensor([[5, 6, T.EOT, 7, 8, 9, T.EOT, T.EOT, 3], [T.EOT, 1, 2, 3, 4, 5, 6, 7, 8]])
+    assert probe.own_document_context(x).tolist() == [[1, 2, 0, 1, 2, 3, 0, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7, 8]]
+    torch.manual_seed(1)
+    model = GPT2(GPT2Config.preset("tiny")).eval()
+    wins = torch.randint(0, model.config.vocab_size, (2, 41), generator=torch.Generator().manual_seed(0))
+    alone = T.position_nll(model, wins[:, 20:])  # what the probe's "fed alone" column averages
+    with torch.no_grad():
+        first = torch.nn.functional.cross_entropy(model(wins[:, 20:21])[:, 0], wins[:, 21])  # no context at all
+    assert alone.shape == (20,) and float(alone[0]) == pytest.approx(float(first), abs=1e-4)
+    assert not torch.allclose(alone, T.position_nll(model, wins)[20:], atol=1e-3)  # the context did change them

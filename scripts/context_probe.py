@@ -1,0 +1,69 @@
+"""How much does a checkpoint's far context buy it on held-out text? The context-gain target
+(``python -m harness.train --evaluate DIR``) compares NLL at positions 0-127 with NLL at 512-1023, which are different
+tokens; this probe compares the same tokens with and without what came before them, per 128 positions, and NLL by
+how many tokens of the token's own chapter precede it (a held-out sequence of 1,024 tokens crosses 1.4 chapter
+boundaries on average, so its far context is often another chapter).
+
+    .venv/bin/python scripts/context_probe.py [DIR]     # DIR defaults to models/weights/mini; ~40 s on 2 cores
+
+docs/reference-model.md ("Missed: the context gain") reads its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness.train import EOT, EVAL_LEN, LATE, load_data, position_nll, position_offsets, windows  # noqa: E402
+from models.gpt2 import GPT2  # noqa: E402
+
+BUCKET = 128
+DOC_BUCKETS = ((0, 16), (16, 64), (64, 128), (128, 256), (256, 512), (512, 1024))
+
+
+def own_document_context(x: torch.Tensor) -> torch.Tensor:
+    """(N, T): for the prediction at each position of inputs ``x`` (of the token after it), how many tokens of that
+    token's own document the context holds: it restarts at 0 after every <|endoftext|> and counts from the
+    sequence's start where none precedes (a lower bound there: the document began before the sequence)."""
+    T = x.size(1)
+    pos = torch.arange(T).expand_as(x)
+    marks = torch.where(x == EOT, pos, torch.full_like(pos, -1))
+    last = torch.cummax(marks, dim=1).values  # the latest <|endoftext|> at or before each position, -1 if none
+    return pos - last
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("folder", nargs="?", default="models/weights/mini")
+    args = p.parse_args(argv)
+    model = GPT2.from_pretrained(args.folder).eval()
+    wins = windows(load_data()[2], T=EVAL_LEN)
+    full = position_nll(model, wins)  # (T,) each position with everything before it
+    alone = position_nll(model, wins[:, LATE:])  # the tokens from LATE on, fed as a sequence of their own
+    with position_offsets(model, torch.full((1, 1), LATE)):  # ... at their own positions (embeddings from LATE)
+        placed = position_nll(model, wins[:, LATE:], batch=1)
+    print(f"{len(wins)} held-out sequences of {EVAL_LEN:,} tokens, {args.folder}")
+    print(f"\nthe same tokens with all of the context before them, and without its first {LATE} tokens")
+    print("(without: fed as a sequence of their own from position 0, and the same at their own positions)")
+    print("positions  with      | without: context  from 0   at own positions")
+    for s in range(LATE, EVAL_LEN, BUCKET):
+        a, b, c = (float(t.mean()) for t in (full[s:s + BUCKET], alone[s - LATE:s - LATE + BUCKET],
+                                               placed[s - LATE:s - LATE + BUCKET]))
+        print(f"{s:4d}-{s + BUCKET - 1:<4d}  {a:.3f}     |          {s - LATE:4d}-{s - LATE + BUCKET - 1:<4d} "
+              f" {b:.3f} ({b - a:+.3f})  {c:.3f} ({c - a:+.3f})")
+    print(f"all {LATE}-{EVAL_LEN - 1}: with {float(full[LATE:].mean()):.3f}; without {float(alone.mean()):.3f} "
+          f"from 0, {float(placed.mean()):.3f} at own positions")
+    per = torch.stack([position_nll(model, w[None], batch=1) for w in wins])  # (N, T), per sequence
+    since = own_document_context(wins[:, :-1])
+    print("\nNLL by the tokens of the predicted token's own chapter in its context")
+    for lo, hi in DOC_BUCKETS:
+        sel = (since >= lo) & (since < hi)
+        print(f"{lo:4d}-{hi - 1:<4d}  {int(sel.sum()):6,d} tokens  NLL {float(per[sel].mean()):.3f}")
+
+
+if __name__ == "__main__":
+    main()
