@@ -4,7 +4,7 @@ tokens; this probe compares the same tokens with and without what came before th
 how many tokens of the token's own chapter precede it (a held-out sequence of 1,024 tokens crosses 1.4 chapter
 boundaries on average, so its far context is often another chapter).
 
-    .venv/bin/python scripts/context_probe.py [DIR]     # DIR defaults to models/weights/mini; ~40 s on 2 cores
+    .venv/bin/python scripts/context_probe.py [DIR]     # DIR defaults to models/weights/mini; ~90 s on 2 cores
 
 docs/reference-model.md ("Missed: the context gain") reads its output.
 """
