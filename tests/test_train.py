@@ -565,16 +565,21 @@ def test_the_curriculum_trains_short_rows_first_with_the_same_tokens_per_step():
     assert run.shape() == (8, 128)
 
 
+def _script(name: str):
+    """scripts/<name>.py imported as a module (the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_induction_probes_rows_and_attention_only_model_do_what_its_figures_assume():
     """scripts/induction_probe.py (docs/reference-model.md): a "twice" row shows one span twice, back to back, and
     targets exactly its second showing's next tokens; the model written apart from GPT2 is causal (a later token
     changes no earlier logit) and its kept attention rows sum to 1."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "induction_probe.py"
-    spec = importlib.util.spec_from_file_location("induction_probe", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = _script("induction_probe")
     x, y = probe.twice_rows(32, 50, torch.Generator().manual_seed(1))
     assert x.shape == y.shape == (32, probe.LONG)
     for row, target in zip(x, y):
@@ -599,12 +604,7 @@ def test_the_induction_toys_rows_score_only_the_second_showing_and_its_model_is_
     exactly the second showing past its first token (each scored token is the one n places back), and names as the
     induction key of a query the position right after its token's first showing; the toy is causal and --tied shares
     the unembedding with the token embedding."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "induction_toy.py"
-    spec = importlib.util.spec_from_file_location("induction_toy", path)
-    toy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(toy)
+    toy = _script("induction_toy")
     x, scored, key = toy.rows(64, 2 * 12 + 32, 7, 12, torch.Generator().manual_seed(3))
     for row, s, k in zip(x, scored, key):
         at = s.nonzero().flatten()
@@ -655,12 +655,7 @@ def test_the_context_probe_counts_each_tokens_own_document_and_drops_only_contex
     """scripts/context_probe.py (docs/reference-model.md): the predicted token's own document in each position's
     context restarts after every <|endoftext|>; and a late token's NLL fed alone is the NLL at the same place of a sequence
     that starts with it (the same tokens, only the context before them gone)."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "context_probe.py"
-    spec = importlib.util.spec_from_file_location("context_probe", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = _script("context_probe")
     x = torch.tensor([[5, 6, T.EOT, 7, 8, 9, T.EOT, T.EOT, 3], [T.EOT, 1, 2, 3, 4, 5, 6, 7, 8]])
     assert probe.own_document_context(x).tolist() == [[1, 2, 0, 1, 2, 3, 0, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7, 8]]
     torch.manual_seed(1)
