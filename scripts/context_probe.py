@@ -2,9 +2,9 @@
 (``python -m harness.train --evaluate DIR``) compares NLL at positions 0-127 with NLL at 512-1023, which are different
 tokens; this probe compares the same tokens with and without what came before them, per 128 positions, and NLL by
 how many tokens of the token's own chapter precede it (a held-out sequence of 1,024 tokens crosses 1.4 chapter
-boundaries on average, so its far context is often another chapter).
+boundaries on average, so its far context is often another chapter), and the context gain counted that way.
 
-    .venv/bin/python scripts/context_probe.py [DIR]     # DIR defaults to models/weights/mini; ~90 s on 2 cores
+    .venv/bin/python scripts/context_probe.py [DIR]     # DIR defaults to models/weights/mini; ~25 s on 2 cores
 
 docs/reference-model.md ("Missed: the context gain") reads its output.
 """
@@ -22,7 +22,7 @@ from harness.train import EOT, EVAL_LEN, LATE, load_data, position_nll, position
 from models.gpt2 import GPT2  # noqa: E402
 
 BUCKET = 128
-DOC_BUCKETS = ((0, 16), (16, 64), (64, 128), (128, 256), (256, 512), (512, 1024))
+DOC_BUCKETS = ((0, 16), (16, 64), (64, 128), (128, 256), (256, 512), (512, EVAL_LEN + 1))  # at most EVAL_LEN
 
 
 def own_document_context(x: torch.Tensor) -> torch.Tensor:
@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> None:
     for lo, hi in DOC_BUCKETS:
         sel = (since >= lo) & (since < hi)
         print(f"{lo:4d}-{hi - 1:<4d}  {int(sel.sum()):6,d} tokens  NLL {float(per[sel].mean()):.3f}")
+    near, far = per[since < BUCKET], per[since >= LATE]
+    print(f"the context gain counted in own-chapter tokens: NLL with 0-{BUCKET - 1} of them minus NLL with "
+          f"{LATE} or more: {float(near.mean() - far.mean()):+.3f} ({near.numel():,} and {far.numel():,} tokens)")
 
 
 if __name__ == "__main__":
