@@ -4,7 +4,7 @@ tokens; this probe compares the same tokens with and without what came before th
 how many tokens of the token's own chapter precede it (a held-out sequence of 1,024 tokens crosses 1.4 chapter
 boundaries on average, so its far context is often another chapter), and the context gain counted that way.
 
-    .venv/bin/python scripts/context_probe.py [DIR]     # DIR defaults to models/weights/mini; ~25 s on 2 cores
+    .venv/bin/python scripts/context_probe.py [DIR]     # DIR defaults to models/weights/mini; ~20 s on 2 cores
 
 docs/reference-model.md ("Missed: the context gain") reads its output.
 """
@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     model = GPT2.from_pretrained(args.folder).eval()
     wins = windows(load_data()[2], T=EVAL_LEN)
-    full = position_nll(model, wins)  # (T,) each position with everything before it
+    per = torch.stack([position_nll(model, w[None], batch=1) for w in wins])  # (N, T), per sequence
+    full = per.mean(0)  # (T,) each position with everything before it
     alone = position_nll(model, wins[:, LATE:])  # the tokens from LATE on, fed as a sequence of their own
     with position_offsets(model, torch.full((1, 1), LATE)):  # ... at their own positions (embeddings from LATE)
         placed = position_nll(model, wins[:, LATE:], batch=1)
@@ -57,7 +58,6 @@ def main(argv: list[str] | None = None) -> None:
               f" {b:.3f} ({b - a:+.3f})  {c:.3f} ({c - a:+.3f})")
     print(f"all {LATE}-{EVAL_LEN - 1}: with {float(full[LATE:].mean()):.3f}; without {float(alone.mean()):.3f} "
           f"from 0, {float(placed.mean()):.3f} at own positions")
-    per = torch.stack([position_nll(model, w[None], batch=1) for w in wins])  # (N, T), per sequence
     since = own_document_context(wins[:, :-1])
     print("\nNLL by the tokens of the predicted token's own chapter in its context")
     for lo, hi in DOC_BUCKETS:
