@@ -45,18 +45,20 @@ depend on their values).
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
+import sys
 import time
 
 import pandas as pd
 import torch
 
-from harness.engines import HF_COUNTERPARTS, HFEngine, KvlabEngine
-from harness import measure
+from harness.engines import ENGINES, HF_COUNTERPARTS, HFEngine, KvlabEngine
+from harness import measure, memory
 from harness.measure import CacheSpec
 from models.gpt2 import GPT2, GPT2Config, PRESETS
-from models.kv_cache import CACHE_KINDS, cache_kind
-from models.kv_cache.base import DTYPES, storage_nbytes
+from models.kv_cache import CACHE_KINDS, KVCache, cache_kind
+from models.kv_cache.base import DTYPES, itemsize, storage_nbytes
 
 DEFAULT_KINDS = ["concat", "prealloc", "quant:k_bits=8,v_bits=8", "quant:k_bits=4,v_bits=4",
                  "quant:k_bits=2,v_bits=2", "window:window=256,sinks=4", "paged:block_size=16",
@@ -98,12 +100,22 @@ def time_in_turns(runners: list[tuple], token: torch.Tensor, repeats: int, warmu
     return times
 
 
-def time_steps(engines, layout: str, ctx: int, repeats: int, warmup: int, seed: int = 0) -> dict[str, list[float]]:
-    """Per-engine decode-step times (seconds) at context ``ctx``; engines alternate within each repeat."""
+def _counterpart_options(kind: str) -> dict:
+    """The options of ``kind`` both engines run in the HF comparison (``harness.engines.counterpart_options``: the
+    kind's defaults HF does not honour replaced by what it does), or {} where the engines declare none."""
+    from harness import engines
+
+    return getattr(engines, "counterpart_options", lambda kind: {})(kind)
+
+
+def time_steps(engines, layout: str, ctx: int, repeats: int, warmup: int, seed: int = 0,
+               options: dict | None = None) -> dict[str, list[float]]:
+    """Per-engine decode-step times (seconds) at context ``ctx``; engines alternate within each repeat. ``options``:
+    the cache kind's, the same for every engine."""
     prompt, token = _prompt_and_token(engines[0].model.config.vocab_size, ctx, seed)
     runners = []
     for e in engines:
-        cache = e.new_cache(layout, max_len=ctx + 1)
+        cache = e.new_cache(layout, max_len=ctx + 1, **(options or {}))
         e.prefill(prompt, cache)
         runners.append((e.name, e, cache))
     return time_in_turns(runners, token, repeats, warmup)
@@ -119,7 +131,11 @@ def parse_kind(text: str) -> CacheSpec:
         if not eq or name not in types:
             raise ValueError(f"--cache {text!r}: {item!r} is not NAME=VALUE with NAME one of "
                              f"{', '.join(types) or 'no options'}")
-        options[name] = types[name](value) if types[name] is not bool else value.lower() in ("1", "true", "yes")
+        try:
+            options[name] = types[name](value) if types[name] is not bool else value.lower() in ("1", "true", "yes")
+        except ValueError:
+            raise ValueError(f"--cache {text!r}: {name}={value!r} is not a {getattr(types[name], '__name__', 'value')}"
+                             ) from None
     cls.parse_options(**options)
     return CacheSpec(kind, options)
 
@@ -231,10 +247,7 @@ def serve_ragged(engine, spec: CacheSpec, prompts: list[torch.Tensor], out_lens:
 
 def bench_paged(args, model: GPT2) -> None:
     specs = [parse_kind(k) for k in (args.cache or ["prealloc", "concat", "paged"])]
-    n_pos = model.config.n_positions
-    if args.prompt_max + args.output_max > n_pos:
-        raise SystemExit(f"--prompt-max {args.prompt_max} + --output-max {args.output_max} exceeds n_positions "
-                         f"{n_pos} of {args.model}")
+    n_pos = model.config.n_positions  # --prompt-max + --output-max <= n_pos: check_args
     g = torch.Generator().manual_seed(args.seed)
     p_lens = torch.randint(1, args.prompt_max + 1, (args.batch,), generator=g).tolist()
     o_lens = torch.randint(1, args.output_max + 1, (args.batch,), generator=g).tolist()
@@ -266,8 +279,9 @@ def bench_hf(args, model: GPT2) -> None:
     engines = [KvlabEngine(model), HFEngine(model)]
     print(f"{'context':>7}  {'kind':<9} {'kvlab ms':>9} {'HF ms':>9} {'HF cache':<15} {'kvlab/HF':>8}")
     for ctx in args.contexts:
-        for kind, (hf_name, _) in HF_COUNTERPARTS.items():
-            t = time_steps(engines, kind, ctx, args.repeats, args.warmup, args.seed)
+        for kind, counterpart in HF_COUNTERPARTS.items():
+            hf_name = counterpart.name if hasattr(counterpart, "name") else counterpart[0]
+            t = time_steps(engines, kind, ctx, args.repeats, args.warmup, args.seed, _counterpart_options(kind))
             ours, hf = statistics.median(t["kvlab"]) * 1e3, statistics.median(t["hf"]) * 1e3
             print(f"{ctx:>7}  {kind:<9} {ours:>9.2f} {hf:>9.2f} {hf_name:<15} {ours / hf:>7.2f}x")
 
@@ -346,17 +360,154 @@ def roofline_table(engine, specs: list[CacheSpec], ms: dict[str, dict[int, float
     return "\n".join(lines)
 
 
-def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg: GPT2Config) -> torch.device:
-    """Refuse, in one line each (exit 2), what the benchmark cannot honour; fill in --batch's default. Returns
-    the device to run on."""
-    if args.batch is None:
-        args.batch = 16 if args.paged else 1
-    if args.batch < 1:
-        ap.error(f"--batch must be >= 1 (got {args.batch})")
-    if args.batch != 1 and not (args.kinds or args.paged):
-        ap.error("--batch is for --kinds or --paged; the HF comparison and --prefix run one sequence")
-    if args.compile and not (args.kinds or args.paged):
-        ap.error("--compile is for --kinds or --paged (the compiled decode step beside the eager kinds)")
+class Refused(SystemExit):
+    """Exit 2 once the one-line refusal is printed; ``str()`` is the refusal itself (for callers and tests)."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _check_specs(args: argparse.Namespace, cfg: GPT2Config) -> None:
+    """Refuse (ValueError, one line) cache specs that the mode's prompts or caches cannot honour, as a run's
+    validation does: a prompt shorter than the kind takes (SnapKV's window), a ragged batch (--paged) on a kind that
+    runs none, a pool too small for the caches built (paged ``blocks``), options the model's head size cannot take."""
+    if args.paged:
+        specs, fills = [parse_kind(k) for k in (args.cache or ["prealloc", "concat", "paged"])], (args.batch,
+                                                                                                  cfg.n_positions)
+        shortest, what = 1, f"--paged draws prompts of 1 .. {args.prompt_max} tokens"
+    elif args.prefix:
+        specs, fills = [parse_kind(k) for k in (args.cache or ["concat", "prealloc"])], (1, max(args.prefixes)
+                                                                                        + args.suffix)
+        shortest, what = min(args.prefixes), f"--prefixes has {min(args.prefixes)}"
+    elif args.kinds:
+        specs, fills = [parse_kind(k) for k in (args.cache or DEFAULT_KINDS)], (args.batch, max(args.contexts) + 1)
+        shortest, what = min(args.contexts), f"--contexts has {min(args.contexts)}"
+    else:
+        return
+    for spec in specs:
+        cls, opts = spec.cls, spec.opts
+        cls.check_head_dim(opts, cfg.head_dim)
+        if cls.min_prompt(opts) > shortest:
+            need = cls.min_prompt(opts)
+            raise ValueError(f"--cache {spec.label}: this kind needs prompts of at least {need} tokens (its window), "
+                             f"but {what}: lower its window" + ("" if args.paged else f", or give {need} or more"))
+        if args.paged and cls.why_no_padding:
+            raise ValueError(f"--cache {spec.label}: --paged serves a ragged batch, and cache kind {spec.kind!r} does "
+                             f"not run ragged batches: {cls.why_no_padding}")
+        cls.check_fills(opts, [(f"the benchmark ({spec.label})", *fills)])
+
+
+# what the benchmark accepts at all (issue 44: every input that scales is bounded before it is read or allocated);
+# within these, the memory check below decides what fits this machine
+MAX_BATCH = 65_536  # sequences decoded together (--kinds) or requests served (--paged)
+MAX_REPEATS = 10_000  # timed steps per point (a run's cap too: harness/config.py)
+MAX_WARMUP = 1_000
+MAX_LIST = 64  # entries of --contexts and --prefixes, and --cache given at most this often
+MAX_SEED = 2 ** 63  # torch.manual_seed takes 0 <= seed < 2**63
+
+
+def _forward_bytes(cfg: GPT2Config, B: int, T: int, rows: int, isz: int) -> int:
+    """Transients of one forward of (B, T) tokens keeping ``rows`` positions' logits: the same terms as
+    ``harness.memory``'s run estimate (activations, fp32 attention scores, masks, logits, ids)."""
+    return (B * T * cfg.n_embd * memory.ACT_WIDTH * isz + B * cfg.n_head * T * T * memory.F32 + 3 * B * T * T
+            + B * rows * cfg.vocab_size * isz + 2 * B * T * memory.I64)
+
+
+def _snapshot_bytes(spec: CacheSpec, nbytes: int) -> int:
+    """What a kind's ``checkpoint`` copies to put a cache back (0 for a kind that crops back)."""
+    return nbytes if spec.cls.checkpoint is not KVCache.checkpoint else 0
+
+
+def bench_bytes(args: argparse.Namespace, cfg: GPT2Config, batch: int | None = None) -> dict[str, int]:
+    """The bytes the benchmark as asked holds at its peak, from the arguments alone (nothing is built): the
+    weights (the model is built in fp32, then converted; the HF comparison adds transformers' own copy), the caches
+    alive together (every kind at the longest context with --kinds, and their snapshots; one layout at a time with
+    --paged; cold, warm, reuse and the snapshot with --prefix; two engines' with the HF comparison) and the largest
+    forward's transients (``_forward_bytes``). ``batch`` replaces ``args.batch`` (to search what would fit)."""
+    B = args.batch if batch is None else batch
+    dtype = DTYPES[args.dtype]
+    isz = itemsize(dtype)
+    P = memory.param_count(cfg)
+    n_pos = cfg.n_positions
+    out = {"weights": P * memory.F32, "cache": 0, "transients": 0}
+    if args.paged:
+        specs = [parse_kind(k) for k in (args.cache or ["prealloc", "concat", "paged"])]
+        out["cache"] = max(memory.cache_bytes(cfg, s.kind, s.options, dtype, n_pos, B, n_pos) for s in specs)
+        out["transients"] = (_forward_bytes(cfg, B, args.prompt_max, 1, memory.F32)
+                             + B * args.output_max * memory.I64 + 2 * B * cfg.vocab_size * memory.F32)
+    elif args.prefix:
+        specs = [parse_kind(k) for k in (args.cache or ["concat", "prealloc"])]
+        T = max(args.prefixes) + args.suffix
+        out["cache"] = max(3 * (c := memory.cache_bytes(cfg, s.kind, s.options, dtype, T + 1, 1, T)) +
+                           _snapshot_bytes(s, c) for s in specs)
+        out["transients"] = _forward_bytes(cfg, 1, T, T, isz)
+    elif args.kinds:
+        specs = [parse_kind(k) for k in (args.cache or DEFAULT_KINDS)]
+        ctx = max(args.contexts)
+        for s in specs + ([] if "prealloc" in {s.kind for s in specs} else [CacheSpec("prealloc")]):
+            c = memory.cache_bytes(cfg, s.kind, s.options, dtype, n_pos, B, ctx + 1, prefilled=ctx)
+            out["cache"] += c + _snapshot_bytes(s, c)
+        out["transients"] = _forward_bytes(cfg, B, ctx, ctx, isz)
+    else:  # ours vs HF: batch 1, fp32, every kind transformers has a counterpart of, in both engines
+        ctx = max(args.contexts)
+        out["weights"] += P * memory.F32 if ENGINES["hf"].holds_weight_copy else 0
+        for kind in HF_COUNTERPARTS:
+            for engine in ("kvlab", "hf"):
+                c = memory.cache_bytes(cfg, kind, _counterpart_options(kind), "fp32", ctx + 1, 1, ctx + 1, engine,
+                                       ctx)
+                out["cache"] += c + c  # and its checkpoint's copy, at most
+        out["transients"] = _forward_bytes(cfg, 1, ctx, ctx, memory.F32)
+    out["transients"] += math.ceil(memory.SLACK * (out["cache"] + out["transients"]))
+    return out
+
+
+def _needs(args: argparse.Namespace, cfg: GPT2Config, device: torch.device, batch: int | None = None) -> dict:
+    """Where the benchmark holds what: {"cpu": bytes} on a CPU; on CUDA the host builds the fp32 model first and
+    the GPU holds the model in --dtype, the caches and the transients."""
+    need = bench_bytes(args, cfg, batch)
+    if device.type == "cpu":
+        return {"cpu": sum(need.values())}
+    on_gpu = memory.param_count(cfg) * itemsize(DTYPES[args.dtype]) + need["cache"] + need["transients"]
+    return {"cpu": need["weights"], "gpu": on_gpu}
+
+
+def check_memory(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) -> str | None:
+    """One line when the benchmark as asked would not fit this machine (or the GPU) less the runs' margin
+    (``harness.memory.usable``), naming the sizes and what would fit; None when it fits."""
+    need, needs = bench_bytes(args, cfg), _needs(args, cfg, device)
+    for where, needed in needs.items():
+        available = memory.available_bytes("cpu" if where == "cpu" else device)
+        budget = memory.usable(available)
+        if needed <= budget:
+            continue
+        fits = ""
+        if (args.kinds or args.paged) and args.batch > 1 and _needs(args, cfg, device, 1)[where] <= budget:
+            lo, hi = 1, args.batch  # the largest batch that fits (the bytes grow with it)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if _needs(args, cfg, device, mid)[where] <= budget else (lo, mid - 1)
+            fits = f"--batch <= {lo} would fit, or "
+        mode = "--paged" if args.paged else "--prefix" if args.prefix else "--kinds" if args.kinds else "ours vs HF"
+        name = "this machine" if where == "cpu" else torch.cuda.get_device_name(device)
+        return (f"the benchmark ({mode}, --model {args.model}, {args.dtype}, batch {args.batch}) needs about "
+                f"{memory.size(needed)} (weights {memory.size(need['weights'])}, caches {memory.size(need['cache'])}, "
+                f"transients {memory.size(need['transients'])}) but {name} has {memory.size(available)} free "
+                f"({memory.size(max(budget, 0))} after a {memory.size(available - budget)} margin): {fits}use a "
+                "smaller --model, fewer --cache kinds or shorter --contexts")
+    return None
+
+
+def _bounded(ap: argparse.ArgumentParser, name: str, value: int, lo: int, hi: int, what: str) -> None:
+    if not lo <= value <= hi:
+        ap.error(f"{name} {value:,} is beyond what the benchmark runs: give {lo:,} .. {hi:,} ({what})")
+
+
+def _device(ap: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """The --device asked for, refused in one line when it is not a device this machine has."""
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -365,14 +516,20 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg: GPT2C
         ap.error(f"--device {args.device!r}: give cpu or cuda (or cuda:N)")
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device} but torch {torch.__version__} sees no CUDA device here: use --device cpu")
-    if (args.dtype != "fp32" or device.type != "cpu") and not args.kinds:
-        ap.error("--dtype and --device are for --kinds; the HF comparison, --prefix and --paged run fp32 on the CPU")
-    args.contexts = args.contexts or ([32, 128, 512, 960] if args.kinds else [32, 512])
-    if args.repeats < 1 or args.warmup < 0:
-        ap.error(f"--repeats must be >= 1 and --warmup >= 0 (got {args.repeats}, {args.warmup})")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        ap.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                 f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
+def _check_lengths(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg: GPT2Config) -> None:
+    """The lengths each mode runs (contexts, prefixes + suffix, prompt + output) fit the model's positions."""
     if args.paged and min(args.batch, args.prompt_max, args.output_max) < 1:
         ap.error(f"--batch, --prompt-max and --output-max must be >= 1 (got {args.batch}, {args.prompt_max}, "
                  f"{args.output_max})")
+    if args.paged and args.prompt_max + args.output_max > cfg.n_positions:
+        ap.error(f"--prompt-max {args.prompt_max} + --output-max {args.output_max} exceeds n_positions "
+                 f"{cfg.n_positions} of {args.model}")
     if args.cache and not (args.kinds or args.prefix or args.paged):
         ap.error("--cache is for --kinds or --prefix; the HF comparison runs every kind transformers has a counterpart "
                  "of")
@@ -387,15 +544,69 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg: GPT2C
             ap.error(f"context {ctx}: contexts must be >= 1 token")
         if ctx + 1 > cfg.n_positions:
             ap.error(f"context {ctx} + 1 decode token exceeds n_positions {cfg.n_positions} of {args.model}")
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg: GPT2Config) -> torch.device:
+    """Refuse, in one line each (exit 2), what the benchmark cannot honour, before anything is built: every count
+    bounded (``MAX_*``), then the memory it would need against what is free (``check_memory``); fill in the
+    defaults. Returns the device to run on."""
+    modes = [m for m in ("kinds", "prefix", "paged") if getattr(args, m)]
+    if len(modes) > 1:
+        ap.error(f"{' and '.join('--' + m for m in modes)}: give one of --kinds, --prefix, --paged (or none: ours vs "
+                 "HF)")
+    for flag, value, mode in (("--prefixes", args.prefixes, "prefix"), ("--suffix", args.suffix, "prefix"),
+                              ("--prompt-max", args.prompt_max, "paged"), ("--output-max", args.output_max, "paged")):
+        if value is not None and not getattr(args, mode):
+            ap.error(f"{flag} is for --{mode}")
+    if args.contexts is not None and (args.prefix or args.paged):
+        ap.error("--contexts is for --kinds and the HF comparison; --prefix takes --prefixes, --paged draws its "
+                 "lengths from --prompt-max and --output-max")
+    args.prefixes = args.prefixes or [16, 64, 256, 512]
+    args.suffix = 16 if args.suffix is None else args.suffix
+    args.prompt_max = 512 if args.prompt_max is None else args.prompt_max
+    args.output_max = 256 if args.output_max is None else args.output_max
+    if args.batch is None:
+        args.batch = 16 if args.paged else 1
+    if args.batch < 1:
+        ap.error(f"--batch must be >= 1 (got {args.batch})")
+    _bounded(ap, "--batch", args.batch, 1, MAX_BATCH, "sequences decoded or requests served together")
+    if args.batch != 1 and not (args.kinds or args.paged):
+        ap.error("--batch is for --kinds or --paged; the HF comparison and --prefix run one sequence")
+    if args.compile and not (args.kinds or args.paged):
+        ap.error("--compile is for --kinds or --paged (the compiled decode step beside the eager kinds)")
+    if not 0 <= args.seed < MAX_SEED:
+        ap.error(f"--seed {args.seed}: use an integer 0 <= seed < 2**63")
+    device = _device(ap, args)
+    if (args.dtype != "fp32" or device.type != "cpu") and not args.kinds:
+        ap.error("--dtype and --device are for --kinds; the HF comparison, --prefix and --paged run fp32 on the CPU")
+    args.contexts = args.contexts or ([32, 128, 512, 960] if args.kinds else [32, 512])
+    if args.repeats < 1 or args.warmup < 0:
+        ap.error(f"--repeats must be >= 1 and --warmup >= 0 (got {args.repeats}, {args.warmup})")
+    _bounded(ap, "--repeats", args.repeats, 1, MAX_REPEATS, "timed steps per point")
+    _bounded(ap, "--warmup", args.warmup, 0, MAX_WARMUP, "untimed steps first")
+    for flag, values in (("--contexts", args.contexts), ("--prefixes", args.prefixes), ("--cache", args.cache or [])):
+        if len(values) > MAX_LIST:
+            ap.error(f"{flag} has {len(values):,} entries: give at most {MAX_LIST}")
+    _check_lengths(ap, args, cfg)
     try:
         [parse_kind(k) for k in args.cache or []]
-    except ValueError as e:
+        _check_specs(args, cfg)
+    except (ValueError, TypeError) as e:
         ap.error(str(e))
+    too_much = check_memory(args, cfg, device)
+    if too_much:
+        ap.error(too_much)
     return device
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m harness.bench", description=__doc__.splitlines()[0])
+
+    def error(message):  # one line, exit 2 (argparse would print the usage first)
+        print(f"bench: error: {message} (see python -m harness.bench --help)", file=sys.stderr)
+        raise Refused(message)
+
+    ap.error = error
     ap.add_argument("--model", default="gpt2", choices=sorted(PRESETS))
     ap.add_argument("--contexts", type=int, nargs="+", default=None,
                     help="default: 32 512 (vs HF); 32 128 512 960 (--kinds)")
@@ -406,8 +617,8 @@ def main(argv=None) -> None:
     ap.add_argument("--cache", action="append", metavar="KIND[:OPT=V,...]",
                     help=f"with --kinds or --prefix: a cache to time (repeatable); kinds: {', '.join(CACHE_KINDS)}")
     ap.add_argument("--prefix", action="store_true", help="time to first token with and without prefix reuse")
-    ap.add_argument("--prefixes", type=int, nargs="+", default=[16, 64, 256, 512], help="with --prefix")
-    ap.add_argument("--suffix", type=int, default=16, help="with --prefix: each request's own tokens")
+    ap.add_argument("--prefixes", type=int, nargs="+", default=None, help="with --prefix (default 16 64 256 512)")
+    ap.add_argument("--suffix", type=int, default=None, help="with --prefix: each request's own tokens (default 16)")
     ap.add_argument("--paged", action="store_true", help="a ragged batch served on each layout: KV waste, step time")
     ap.add_argument("--batch", type=int, default=None,
                     help="with --kinds: sequences decoded together (default 1); with --paged: requests served "
@@ -417,8 +628,8 @@ def main(argv=None) -> None:
     ap.add_argument("--compile", action="store_true",
                     help="with --kinds or --paged: the kinds our engine compiles decode compiled (compile=true); "
                          "the rest eager")
-    ap.add_argument("--prompt-max", type=int, default=512, help="with --paged: longest prompt drawn")
-    ap.add_argument("--output-max", type=int, default=256, help="with --paged: longest output drawn")
+    ap.add_argument("--prompt-max", type=int, default=None, help="with --paged: longest prompt drawn (default 512)")
+    ap.add_argument("--output-max", type=int, default=None, help="with --paged: longest output drawn (default 256)")
     args = ap.parse_args(argv)
     cfg = GPT2Config.preset(args.model)
     device = check_args(ap, args, cfg)

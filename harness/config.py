@@ -123,14 +123,34 @@ def dtype_label(storage: str, compute: str) -> str:
 
 
 NOT_MEASURED = ("tracking", "resume", "hydra")  # config keys that do not change what a run measures
+UNORDERED = ("measurements", "context_lengths")  # lists whose order does not change what a run measures
+
+
+def _in_order(key: str, value):
+    """A list whose order a run does not depend on, in the one order it is measured in: the measurements in the
+    registry's order (names it does not know after them, sorted), each once; the timed contexts ascending."""
+    if not isinstance(value, list):
+        return value
+    if key == "measurements":
+        from harness.measurements import MEASUREMENTS
+
+        rank = {name: i for i, name in enumerate(MEASUREMENTS)}
+        return sorted(set(map(str, value)), key=lambda n: (rank.get(n, len(rank)), n))
+    try:
+        return sorted(value)
+    except TypeError:  # values of mixed types: the run refuses them; any fixed order will do
+        return sorted(value, key=str)
 
 
 def config_id(cfg) -> str:
     """12 hex digits that name what a run measures: a hash of its resolved config without tracking and resume (and
-    without ``measurements`` when it is null, all of them, so runs made before the key existed keep their id)."""
+    without ``measurements`` when it is null, all of them, so runs made before the key existed keep their id). The
+    lists in ``UNORDERED`` are hashed in the order they are measured in, so their order on the command line does not
+    change a run's id (a list already in that order keeps the id it had)."""
     keys = [k for k in cfg.keys() if k not in NOT_MEASURED and not (k == "measurements" and cfg[k] is None)]
     plain = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
              for k in keys}
+    plain = {k: _in_order(k, v) if k in UNORDERED else v for k, v in plain.items()}
     return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -164,6 +184,12 @@ class ConfigError(ValueError):
 AUTO_CONTEXTS = (32, 128, 512)
 PROMPT_LENGTHS = ("uniform", "ragged")
 ENGINE_NAMES = tuple(ENGINES)
+# caps on the counts a run reads or allocates by, checked before any of it is (each refusal names its cap); the
+# sizes that scale memory (batch, batch_sizes' entries, a paged pool) are bounded by the memory check instead
+MAX_PROMPTS = 10_000  # n_prompts, full_prompts
+MAX_REPEATS = 10_000  # timed repeats per step
+MAX_WARMUP = 1_000  # warm-up steps before them
+MAX_LIST = 100  # entries of context_lengths and batch_sizes
 
 
 def need(ok: bool, msg: str) -> None:
@@ -172,17 +198,21 @@ def need(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def validate(cfg, n_positions: int) -> tuple[int, list[int]]:
-    """Check the knobs against each other and the model; returns the effective max_len and context lengths."""
-    _check_choices(cfg)
+def validate(cfg, n_positions: int, head_dim: int | None = None) -> tuple[int, list[int]]:
+    """Check the knobs against each other and the model (``n_positions``; ``head_dim``, the model's head size, for
+    the options that depend on it: None skips those); returns the effective max_len and the context lengths, in the
+    order they are timed (ascending)."""
+    _check_choices(cfg, head_dim)
     _check_sizes(cfg)
     max_len, contexts = _lengths(cfg, n_positions)
-    _check_kind_fits(cfg, max_len)
+    _check_kind_fits(cfg, max_len, head_dim)
+    _check_ragged(cfg)
     check_measurements(cfg, max_len)
+    _check_fills(cfg, max_len, contexts)
     return max_len, contexts
 
 
-def _check_choices(cfg) -> None:
+def _check_choices(cfg, head_dim: int | None = None) -> None:
     """The group choices and names: cache kind and options, dtypes, device, engine, tracking, prompts, seeds."""
     need(cfg.cache.kind in CACHE_KINDS, f"cache.kind={cfg.cache.kind!r}: use one of {', '.join(CACHE_KINDS)}")
     try:
@@ -196,7 +226,8 @@ def _check_choices(cfg) -> None:
     engine = cfg.get("engine", {}).get("name", "kvlab")
     need(engine in ENGINE_NAMES, f"engine={engine!r}: use one of {', '.join(ENGINE_NAMES)}")
     engine_cls = ENGINES[engine]
-    why = engine_cls.refuses(cfg.cache.kind, cache_kind(cfg.cache.kind).parse_options(**cache_options(cfg.cache)))
+    why = engine_cls.refuses(cfg.cache.kind, cache_kind(cfg.cache.kind).parse_options(**cache_options(cfg.cache)),
+                             head_dim)
     need(not why, f"engine={engine} cache={cfg.cache.kind}: {why}")
     need(cfg.tracking.mode in ("offline", "online", "disabled"),
          f"tracking.mode={cfg.tracking.mode!r}: use offline, online or disabled")
@@ -217,6 +248,11 @@ def _check_sizes(cfg) -> None:
     for name in ("n_prompts", "new_tokens", "prompt_len", "repeats"):
         need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be at least 1")
     need(cfg.warmup >= 0, f"warmup={cfg.warmup} must be 0 or more")
+    for name, cap, low, what in (("n_prompts", MAX_PROMPTS, 1, "prompts per run"),
+                                 ("repeats", MAX_REPEATS, 1, "timed repeats per step"),
+                                 ("warmup", MAX_WARMUP, 0, "warm-up steps")):
+        value = getattr(cfg, name)
+        need(value <= cap, f"{name}={value} is over kvlab's cap of {cap:,} {what}: give {low} .. {cap:,}")
     need(isinstance(cfg.get("batch", 1), int) and cfg.get("batch", 1) >= 1,
          f"batch={cfg.get('batch')!r} must be an integer >= 1 (sequences served together)")
     lengths = cfg.get("prompt_lengths", "uniform")
@@ -248,19 +284,25 @@ def _lengths(cfg, n_positions: int) -> tuple[int, list[int]]:
     contexts = (list(cfg.context_lengths) if cfg.context_lengths is not None
                 else [c for c in AUTO_CONTEXTS if c < max_len] or [max_len // 2])
     need(len(contexts) > 0, "context_lengths is empty: give at least one, e.g. [32,128]")
+    need(len(contexts) <= MAX_LIST, f"context_lengths has {len(contexts):,} lengths, over kvlab's cap of {MAX_LIST} "
+         f"per run: give at most {MAX_LIST}")
     need(len(set(contexts)) == len(contexts), f"context_lengths {contexts} repeats a length: give each once")
     for ctx in contexts:
         need(1 <= ctx < max_len, f"context_lengths has {ctx}: a timed step at context c needs 1 <= c < max_len="
              f"{max_len}")
-    return max_len, contexts
+    return max_len, sorted(contexts)  # timed in one order, whatever order they were given in (config_id too)
 
 
-def _check_kind_fits(cfg, max_len: int) -> None:
-    """What the kind's options need of the lengths: a budget within max_len, prompts as long as a SnapKV window."""
+def _check_kind_fits(cfg, max_len: int, head_dim: int | None = None) -> None:
+    """What the kind's options need of the lengths and the model: options that fit max_len and have an effect at it
+    (a budget below it, a window that slides, something quantised), that the head size can honour, and prompts as
+    long as a SnapKV window."""
     cls = cache_kind(cfg.cache.kind)
     opts = cls.parse_options(**cache_options(cfg.cache))
     try:
         cls.check_max_len(opts, max_len)
+        if head_dim is not None:
+            cls.check_head_dim(opts, head_dim)
     except ValueError as e:
         raise ConfigError(f"cache={cfg.cache.kind}: {e}") from None
     shortest = cls.min_prompt(opts)
@@ -269,6 +311,16 @@ def _check_kind_fits(cfg, max_len: int) -> None:
     need(shortest == 1 or cfg.get("prompt_lengths", "uniform") != "ragged",
          f"cache={cfg.cache.kind}: prompt_lengths=ragged draws prompts of 1 .. prompt_len tokens, shorter than the "
          f"{shortest} this kind needs (its window); use prompt_lengths=uniform or cache.window=1")
+
+
+def _check_ragged(cfg) -> None:
+    """A ragged batch that is one: the served batch's first prompt is prompt_len long, the others drawn from
+    1 .. prompt_len, so with one sequence, or prompts of one token, every prompt is prompt_len long."""
+    if cfg.get("prompt_lengths", "uniform") == "ragged":
+        need(cfg.get("batch", 1) >= 2 and cfg.prompt_len >= 2,
+             f"prompt_lengths=ragged with batch={cfg.get('batch', 1)} and prompt_len={cfg.prompt_len} serves every "
+             "prompt at prompt_len tokens: nothing is ragged; use batch >= 2 and prompt_len >= 2, or "
+             "prompt_lengths=uniform")
 
 
 def check_measurements(cfg, max_len: int) -> None:
@@ -284,3 +336,23 @@ def check_measurements(cfg, max_len: int) -> None:
     for name in names:
         cls = measurements.MEASUREMENTS[name]
         cls.check(ctx.options(cls), cfg, max_len)
+
+
+def _check_fills(cfg, max_len: int, contexts: list[int]) -> None:
+    """The caches the run's measurements build (``harness.memory.cache_fills``) against what the kind's options can
+    hold: a paged pool of ``cache.blocks`` blocks must hold the largest, before any of them is built."""
+    from harness import measurements, memory
+
+    cls = cache_kind(cfg.cache.kind)
+    opts = cls.parse_options(**cache_options(cfg.cache))
+    fills = memory.cache_fills(
+        kind=cfg.cache.kind, options=cache_options(cfg.cache), max_len=max_len, contexts=contexts,
+        prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens, batch=cfg.get("batch", 1),
+        batch_sizes=list(cfg.get("batch_sizes") or []) or None, batch_context=cfg.get("batch_context", 512),
+        drift_text_len=cfg.get("drift_text_len", 128), retrieval_n=cfg.get("retrieval_n"),
+        storage=cfg.dtype.storage, compute=cfg.dtype.compute, compile=bool(cfg.get("compile", False)),
+        measurements=measurements.chosen(cfg.get("measurements")))
+    try:
+        cls.check_fills(opts, fills)
+    except ValueError as e:
+        raise ConfigError(f"cache={cfg.cache.kind}: {e}") from None

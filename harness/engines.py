@@ -19,8 +19,8 @@ What an engine does (``Engine``):
     keys_read(kind, ctx, max_len)            keys a decode step at context ``ctx`` attends over (None: the kind's)
 
 What it can do, asked from the class before anything is built (validation, the memory estimate):
-    refuses(kind, opts) / refuses_ragged() / refuses_compile(kind) / refuses_storage(storage, compute)
-                                             why not (one line), or None
+    refuses(kind, opts, head_dim=None) / refuses_ragged() / refuses_compile(kind) / refuses_storage(storage,
+    compute)                                 why not (one line), or None (head_dim: the model's, once known)
     holds_weight_copy                        it keeps its own copy of the weights beside kvlab's model
     runs_references                          its forward takes a kind's reference (``window``/``sinks``, ``keep``),
                                              so it can be a run's fp32 reference; else kvlab's fp32 model is
@@ -29,10 +29,11 @@ What it can do, asked from the class before anything is built (validation, the m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
@@ -56,41 +57,121 @@ def _static_cache(config, max_len: int, opts):
     return StaticCache(config=config, max_cache_len=max_len)
 
 
-QUANTO_BITS = (2, 4)
-
-
 def _quantized_cache(config, max_len: int, opts):
-    """transformers' QuantizedCache, quanto backend, set as close to our ``quant`` as that backend goes: one bit
-    width for K and V (2 or 4), our ``group_size`` and ``residual``. It groups K per token, like V (axis 0): its
-    per-channel K (axis -1) needs batch x heads x tokens to divide by the group size, which a growing cache breaks."""
+    """transformers' QuantizedCache, quanto backend, with our ``quant`` options as its declaration (``HF_COUNTERPARTS``)
+    lets them through: one bit width for K and V (``nbits``), K and V grouped per token (axis 0) in groups of our
+    ``group_size``, our ``residual`` as its ``residual_length``."""
     from transformers import QuantizedCache
 
-    head_dim = config.n_embd // config.n_head
-    if head_dim % opts.group_size:
-        raise ValueError(f"HF's QuantizedCache (quanto) needs group_size to divide the head size {head_dim}: got "
-                         f"group_size={opts.group_size}")
     return QuantizedCache(backend="quanto", config=config, nbits=opts.k_bits, axis_key=0, axis_value=0,
                           q_group_size=opts.group_size, residual_length=opts.residual)
 
 
-# our cache kinds that transformers has a counterpart of: (its class name, how to build one from its config, max_len
-# and our kind's parsed options)
-HF_COUNTERPARTS = {"concat": ("DynamicCache", _dynamic_cache), "prealloc": ("StaticCache", _static_cache),
-                   "quant": ("QuantizedCache", _quantized_cache)}
+@dataclass(frozen=True)
+class Honours:
+    """How an HF counterpart takes one option of our kind: the values it runs as our kind means them (``values``),
+    or a ``rule(opts, head_dim) -> bool`` they meet (``head_dim`` None before the model is known: the rule lets
+    through what it cannot tell yet). ``runs``: what HF does, said in a refusal (``{head_dim}`` is filled in);
+    ``fix(opts, head_dim)``: the value to pass instead (default: the first of ``values``)."""
+
+    runs: str
+    values: tuple = ()
+    rule: Callable[[Any, int | None], bool] | None = None
+    fix: Callable[[Any, int | None], Any] | None = None
+
+    def honours(self, opts, name: str, head_dim: int | None) -> bool:
+        if self.rule is not None:
+            return bool(self.rule(opts, head_dim))
+        return getattr(opts, name) in self.values
+
+    def instead(self, opts, head_dim: int | None):
+        return self.fix(opts, head_dim) if self.fix is not None else self.values[0]
 
 
-def hf_refuses(kind: str, opts) -> str | None:
-    """Why the HF engine cannot run cache ``kind`` with these (parsed) options, in one line; None if it can."""
+@dataclass(frozen=True)
+class Counterpart:
+    """One of our cache kinds as transformers runs it: its class's name, how to build one (from its config, max_len
+    and our kind's parsed options), and what it does with every option of our kind (``options``: one ``Honours``
+    per option; an option it does not declare is refused, so an option added to the kind is refused on HF until it
+    is declared here)."""
+
+    name: str
+    build: Callable[[Any, int, Any], Any]
+    options: dict[str, Honours] = field(default_factory=dict)
+
+
+QUANTO_BITS = (4, 2)
+
+
+def _divisor_below(n: int, most: int) -> int:
+    """The largest divisor of ``n`` that is at most ``most`` (at least 1)."""
+    return max(d for d in range(1, min(n, max(most, 1)) + 1) if n % d == 0)
+
+
+QUANTO = {
+    "k_bits": Honours("quanto quantises K and V to one width, its nbits: 4 or 2", values=QUANTO_BITS),
+    "v_bits": Honours("quanto quantises K and V to one width, its nbits: v_bits must equal k_bits",
+                      rule=lambda o, hd: o.v_bits == o.k_bits, fix=lambda o, hd: o.k_bits),
+    "group_size": Honours("quanto's q_group_size must divide the head size {head_dim}",
+                          rule=lambda o, hd: hd is None or hd % o.group_size == 0,
+                          fix=lambda o, hd: _divisor_below(hd, o.group_size)),
+    # its residual_length: a full-precision tail flushed into the quantised history every R steps (ours slides);
+    # at 1 it flushes every step, as at 0
+    "residual": Honours("quanto flushes its full-precision tail every residual_length steps, and at 1 every step "
+                        "as at 0", rule=lambda o, hd: o.residual != 1, fix=lambda o, hd: 0),
+    "k_axis": Honours("quanto groups K per token, axis_key=0: its per-channel axis fails on a growing cache",
+                      values=("token",)),
+    "v_axis": Honours("quanto groups V per token, axis_value=0", values=("token",)),
+    "rotate": Honours("quanto rotates nothing", values=("none",)),
+    "quantize": Honours("QuantizedCache quantises K and V both", values=("kv",)),
+}
+
+# our cache kinds that transformers has a counterpart of, each declared once: what runs, and what it honours
+HF_COUNTERPARTS: dict[str, Counterpart] = {
+    "concat": Counterpart("DynamicCache", _dynamic_cache),
+    "prealloc": Counterpart("StaticCache", _static_cache),
+    "quant": Counterpart("QuantizedCache", _quantized_cache, QUANTO),
+}
+
+
+def hf_refuses(kind: str, opts, head_dim: int | None = None) -> str | None:
+    """Why the HF engine cannot run cache ``kind`` with these (parsed) options, in one line; None if it can. Every
+    option of the kind is looked up in its counterpart's declaration: one the declaration does not name is refused
+    (fail closed), one whose value HF does not honour is refused with the value to pass. ``head_dim``: the model's
+    head size, once known (the rules that need it pass until then)."""
     if kind not in HF_COUNTERPARTS:
         return (f"HF transformers has no counterpart of cache kind {kind!r} here: it runs "
-                + ", ".join(f"{k} ({name})" for k, (name, _) in HF_COUNTERPARTS.items()))
-    if kind == "quant" and (opts.k_bits != opts.v_bits or opts.k_bits not in QUANTO_BITS):
-        return (f"HF's QuantizedCache (quanto) takes one bit width for K and V, 2 or 4: got k_bits={opts.k_bits}, "
-                f"v_bits={opts.v_bits}; use cache.k_bits=4 cache.v_bits=4 (or 2 and 2)")
-    if kind == "quant" and (opts.v_axis != "token" or opts.rotate != "none"):
-        return (f"HF's QuantizedCache (quanto) groups V per token and rotates nothing: got v_axis={opts.v_axis}, "
-                f"rotate={opts.rotate}; use cache.v_axis=token cache.rotate=none, or engine=kvlab")
-    return None
+                + ", ".join(f"{k} ({c.name})" for k, c in HF_COUNTERPARTS.items()))
+    cp = HF_COUNTERPARTS[kind]
+    names = [f.name for f in dataclasses.fields(opts)]
+    undeclared = [n for n in names if n not in cp.options]
+    if undeclared:
+        return (f"HF's {cp.name} has no declared counterpart of cache option {', '.join(undeclared)} (kvlab runs on "
+                "HF only what harness/engines.py HF_COUNTERPARTS says HF honours): use engine=kvlab")
+    wrong, fixed = [], opts
+    for name in names:
+        how = cp.options[name]
+        if not how.honours(fixed, name, head_dim):
+            value = how.instead(fixed, head_dim)
+            wrong.append(f"{name}={getattr(opts, name)} ({how.runs.format(head_dim=head_dim)})")
+            fixed = dataclasses.replace(fixed, **{name: value})
+    if not wrong:
+        return None
+    instead = " ".join(f"cache.{n}={getattr(fixed, n)}" for n in names if getattr(fixed, n) != getattr(opts, n))
+    return f"HF's {cp.name} does not run {'; '.join(wrong)}: pass {instead}, or use engine=kvlab"
+
+
+def counterpart_options(kind: str) -> dict:
+    """The options of ``kind`` its HF counterpart runs closest to the kind's defaults: those defaults HF does not
+    honour, replaced by what it does ({"k_axis": "token"} for quant). Passed to both engines, they run one layout."""
+    cls = cache_kind(kind)
+    opts = cls.Options()
+    out = {}
+    for name, how in HF_COUNTERPARTS[kind].options.items():
+        if not how.honours(opts, name, None):
+            out[name] = how.instead(opts, None)
+            opts = dataclasses.replace(opts, **{name: out[name]})
+    return out
 
 
 def prepare_quanto() -> None:
@@ -147,7 +228,7 @@ class Engine(Protocol):
     model: Any
 
     @classmethod
-    def refuses(cls, kind: str, opts) -> str | None: ...
+    def refuses(cls, kind: str, opts, head_dim: int | None = None) -> str | None: ...
 
     @classmethod
     def refuses_ragged(cls) -> str | None: ...
@@ -209,8 +290,8 @@ class KvlabEngine:
     Options = KvlabOptions
 
     @classmethod
-    def refuses(cls, kind: str, opts) -> str | None:
-        return None  # every registered kind
+    def refuses(cls, kind: str, opts, head_dim: int | None = None) -> str | None:
+        return None  # every registered kind, every option (the kind's own checks refuse what it cannot do)
 
     @classmethod
     def refuses_ragged(cls) -> str | None:
@@ -396,8 +477,8 @@ class HFEngine:
     Options = HFOptions
 
     @classmethod
-    def refuses(cls, kind: str, opts) -> str | None:
-        return hf_refuses(kind, opts)
+    def refuses(cls, kind: str, opts, head_dim: int | None = None) -> str | None:
+        return hf_refuses(kind, opts, head_dim)
 
     @classmethod
     def refuses_ragged(cls) -> str | None:
@@ -456,12 +537,12 @@ class HFEngine:
 
     def new_cache(self, kind: str, max_len: int, batch: int = 1, dtype=None, **options):
         opts = cache_kind(kind).parse_options(**options)
-        why = hf_refuses(kind, opts)
+        why = hf_refuses(kind, opts, self.config.n_embd // self.config.n_head)
         if why:
             raise ValueError(why)
         if dtype is not None and dtype != model_dtype(self.model):
             raise ValueError(f"HF caches store K/V in the model dtype {model_dtype(self.model)}, not {dtype}")
-        return HF_COUNTERPARTS[kind][1](self.config, max_len, opts)
+        return HF_COUNTERPARTS[kind].build(self.config, max_len, opts)
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, cache, last_only: bool = False, pad=None) -> torch.Tensor:

@@ -52,28 +52,101 @@ def partial_files() -> tuple[str, ...]:
     return (*tracking.run_files(), "wandb", ".hydra")
 
 
-def _is_kvlab_run(folder: Path) -> bool:
-    """Whether a folder without a manifest is a run an earlier kvlab wrote: its results.json is a kvlab record, or
-    (a run killed before its record) its .hydra/config.yaml is a kvlab config."""
+def _same_folder(recorded, folder: Path) -> bool:
+    """Whether the run folder a record names (absolute, or relative to where kvlab ran) is ``folder``."""
+    if not isinstance(recorded, str) or not recorded:
+        return False
+    here, p = _resolved(folder), Path(recorded)
+    if p.is_absolute():
+        return _resolved(p) == here
+    parts = Path(os.path.normpath(p)).parts
+    return ".." not in parts and here.parts[-len(parts):] == parts
+
+
+def _resolved(folder) -> Path:
+    try:
+        return Path(folder).resolve()
+    except (OSError, RuntimeError):
+        return Path(os.path.abspath(folder))
+
+
+def _first_row(path: Path) -> dict | None:
+    """The header and first row of a CSV table kvlab wrote (read from its first 64 KiB), or None."""
+    import csv
+    import io
+
+    try:
+        with open(path, encoding="utf-8", errors="replace", newline="") as f:
+            head = f.read(2 ** 16)
+        rows = csv.DictReader(io.StringIO(head))
+        return next(rows, None)
+    except (OSError, csv.Error):
+        return None
+
+
+def _not_its_files(folder: Path, run_name: str, record: dict | None) -> str | None:
+    """Which of the run's tables and summary in ``folder`` are not this run's: a table whose rows do not say it
+    (its identity columns), a run.log that does not start with its summary's head."""
+    for name in tracking.table_files().values():
+        if (folder / name).exists():
+            row = _first_row(folder / name)
+            if row is None or row.get("run_name") != run_name or (
+                    record is not None and row.get("status") != record.get("status")):
+                return f"its {name} is not this run's table"
+    if (folder / tracking.LOG).exists():
+        try:
+            with open(folder / tracking.LOG, encoding="utf-8", errors="replace") as f:
+                first = f.read(4096)
+        except OSError:
+            first = ""
+        if not first.startswith(f"kvlab run {run_name}:"):
+            return f"its {tracking.LOG} is not this run's summary"
+    return None
+
+
+def adoption_problem(folder: Path) -> str | None:
+    """Why a folder without a manifest is not a run an earlier kvlab wrote *here* (None: it is). Proof: its
+    results.json is a kvlab record whose run folder is this folder, and every table and summary beside it is that
+    record's; or, for a run killed before its record, its .hydra/config.yaml is a kvlab config and its tables are
+    the folder's run's."""
     from harness.results import RESULTS, read_record
 
-    if (Path(folder) / RESULTS).exists():
-        record, _ = read_record(Path(folder) / RESULTS)
-        return record is not None and bool(record.get("config_id") and record.get("run_name"))
+    folder = Path(folder)
+    if (folder / RESULTS).exists():
+        record, _ = read_record(folder / RESULTS)
+        if record is None or not (record.get("config_id") and record.get("run_name")):
+            return f"its {RESULTS} is not a kvlab record"
+        if not _same_folder(record.get("run_dir"), folder):
+            return f"its {RESULTS} was written for another folder ({record.get('run_dir')})"
+        return _not_its_files(folder, record["run_name"], record)
+    from harness.results import too_big
+
     try:
-        job = OmegaConf.load(Path(folder) / ".hydra" / "config.yaml")
-        return OmegaConf.select(job, "cache.kind") is not None and OmegaConf.select(job, "model.preset") is not None
+        job = (None if too_big(folder / ".hydra" / "config.yaml", 2 ** 20)
+               else OmegaConf.load(folder / ".hydra" / "config.yaml"))
+        ours = job is not None and OmegaConf.select(job, "cache.kind") is not None and OmegaConf.select(
+            job, "model.preset") is not None
     except Exception:
-        return False
+        ours = False
+    if not ours:
+        return "it holds no kvlab record"
+    return _not_its_files(folder, folder.name, None)
+
+
+def _is_kvlab_run(folder: Path) -> bool:
+    """Whether a folder without a manifest is a run an earlier kvlab wrote here (``adoption_problem``)."""
+    return adoption_problem(folder) is None
 
 
 def take_folder(run_dir: Path) -> None:
     """Make sure ``run_dir`` is kvlab's to write in: new, empty, or holding only what kvlab's manifest lists (a run
     folder an earlier kvlab wrote before manifests is adopted when all it holds is a run's files and its record is a
     kvlab record). Anything else: ``NotOurs``, in one line, and nothing is touched."""
-    ownership.adopt(run_dir, set(partial_files()), _is_kvlab_run)
-    ownership.refuse_foreign(run_dir, "run folder", "point hydra.run.dir (or hydra.sweep.dir) at a new or empty "
-                             "folder, or at a kvlab run folder")
+    adopted = ownership.adopt(run_dir, set(partial_files()), _is_kvlab_run)
+    why = None if adopted or (Path(run_dir) / ownership.MANIFEST).exists() else adoption_problem(Path(run_dir))
+    ownership.refuse_foreign(run_dir, "run folder", (f"{why}, so it is not adopted; " if why else "")
+                             + "point hydra.run.dir (or hydra.sweep.dir) at a new or empty folder, or at a kvlab run "
+                             "folder")
     for sub, made in INSIDE.items():  # the folders kvlab made are cleared whole: only while they hold only its own
         names = [n for n in ownership.entries(Path(run_dir) / sub) if not re.fullmatch(made, n)]
         if sub in ownership.owned(run_dir) and names:
@@ -163,7 +236,7 @@ def input_ids(cfg, w: Weights | None) -> dict:
     if cfg.prompts == "file":
         path = Path(cfg.prompts_file)
         path = path if path.is_absolute() else measure.REPO / path
-        prompts = file_id(path) if path.is_file() else "missing"
+        prompts = file_id(path) if path.is_file() and path.stat().st_size <= PROMPTS_FILE_MAX else "not read"
     if w is None or w.random:
         ckpt = f"random init (seed {cfg.model.seed})"
     elif Path(w.load_from).is_dir():
@@ -221,20 +294,47 @@ def weights_record(w: Weights | None, m) -> dict:
     return dict(weights=w.kind, weights_source=w.source, weights_detail=w.detail, weights_requested=str(m.weights))
 
 
+PROMPTS_FILE_MAX = 64 * 2 ** 20  # bytes: a prompts file is read whole, so it is sized first
+PARAGRAPH_MAX = 2 ** 20  # characters of one paragraph that are tokenized (a prompt reads at most max_len tokens)
+
+
+def check_prompts_file(path: Path) -> None:
+    """A prompts file is a regular file of at most ``PROMPTS_FILE_MAX`` bytes, checked before a byte of it is read (a
+    device such as /dev/zero, a FIFO or a huge file would otherwise be read until memory runs out)."""
+    import stat
+
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ConfigError(f"prompts_file {path} does not exist: point prompts_file at a text file or use "
+                          "prompts=random") from None
+    except OSError as e:
+        raise ConfigError(f"prompts_file {path} cannot be read ({e.strerror or e}): point prompts_file at a text "
+                          "file or use prompts=random") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"prompts_file {path} is a folder: point it at a text file with one paragraph per line")
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"prompts_file {path} is not a regular file (a device, FIFO or socket): point it at a text "
+                          "file with one paragraph per line")
+    if st.st_size > PROMPTS_FILE_MAX:
+        raise ConfigError(f"prompts_file {path} holds {st.st_size:,} bytes, more than the {PROMPTS_FILE_MAX:,} kvlab "
+                          "reads for prompts: give a smaller text file (prompts read only their first paragraphs)")
+
+
 def text_prompts(path: Path, n: int, length: int, tokenizer) -> list[torch.Tensor]:
     """``n`` prompts of exactly ``length`` tokens of real text: prompt i starts at paragraph i of the file and, when
     that paragraph is shorter, runs on into the paragraphs after it (wrapping around); past the last paragraph the
     starts shift by a few tokens so every prompt differs. Only as many paragraphs are tokenized as the prompts
-    need, so a file of many lines costs what the prompts read."""
+    need, so a file of many lines costs what the prompts read; of one paragraph, at most ``PARAGRAPH_MAX``
+    characters."""
     path = Path(path)
-    if path.is_dir():
-        raise ConfigError(f"prompts_file {path} is a folder: point it at a text file with one paragraph per line")
+    check_prompts_file(path)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"prompts_file {path} is not UTF-8 text: give a text file with one paragraph per "
                           "line, or use prompts=random") from None
-    paragraphs = [p.strip() for p in text.splitlines() if p.strip()]
+    paragraphs = [p.strip()[:PARAGRAPH_MAX] for p in text.splitlines() if p.strip()]
     if not paragraphs:
         raise ConfigError(f"prompts_file {path} has no text: give a file with one paragraph per line")
     ids: list[list[int]] = []
@@ -366,16 +466,14 @@ def plan_run(cfg, w: Weights | None = None) -> Plan:
 
     w = w or weights.resolve(cfg.model)
     mcfg = model_config(w, cfg.model)
-    max_len, contexts = validate(cfg, mcfg.n_positions) if mcfg is not None else (None, None)
+    max_len, contexts = validate(cfg, mcfg.n_positions, mcfg.head_dim) if mcfg is not None else (None, None)
     device = resolve_device(cfg.device.name)
     storage, compute = resolve_dtypes(cfg.dtype.storage, cfg.dtype.compute, device)
     path = None
     if cfg.prompts == "file":
         path = Path(cfg.prompts_file)
         path = path if path.is_absolute() else measure.REPO / path
-        if not path.exists():
-            raise ConfigError(f"prompts_file {path} does not exist: point prompts_file at a text file or use "
-                              "prompts=random")
+        check_prompts_file(path)
         if mcfg is not None and mcfg.vocab_size < Tokenizer.VOCAB_SIZE:
             raise ConfigError(f"prompts=file uses GPT-2's {Tokenizer.VOCAB_SIZE:,}-token vocabulary, but model "
                               f"{cfg.model.name} has vocab_size {mcfg.vocab_size:,}: use prompts=random")
@@ -411,7 +509,7 @@ def load(cfg, plan: Plan) -> dict:
     model32 = build_model(w, cfg.model, mcfg)
     if mcfg is None:  # a hub checkpoint: validate now that its config is known
         mcfg = model32.config
-        max_len, contexts = validate(cfg, mcfg.n_positions)
+        max_len, contexts = validate(cfg, mcfg.n_positions, mcfg.head_dim)
         check_memory(cfg, mcfg, max_len, contexts, storage, compute, device)
     model32 = model32.to(device)
     model = model32 if compute == torch.float32 else copy.deepcopy(model32).to(compute)
@@ -597,6 +695,38 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
         raise SystemExit(code) from None
 
 
+def _misplaced(run_dir: Path) -> str | None:
+    """Why a run may not go into ``run_dir`` at all (None: it may): a sweep's run outside its sweep folder (its report
+    and exit code would look in the wrong place), or a folder inside another run's folder (that run could no longer
+    be resumed or cleared)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from harness.results import within_report_folder, within_run_folder
+
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        sweep = _resolved(HydraConfig.get().sweep.dir)
+        here = _resolved(run_dir)
+        subdir = HydraConfig.get().sweep.subdir
+        if here == sweep or sweep not in here.parents:
+            return (f"hydra.sweep.subdir={subdir} puts this run in {run_dir}, not inside the sweep folder "
+                    f"{HydraConfig.get().sweep.dir}: give a subdir inside it (the default names each run by its "
+                    "config)")
+        if here == sweep / "report" or sweep / "report" in here.parents:
+            return (f"hydra.sweep.subdir={subdir} puts this run in the sweep's report folder ({run_dir}), where no "
+                    "report would see it: give another subdir (the default names each run by its config)")
+    report_folder = within_report_folder(Path(run_dir).parent)
+    if report_folder:
+        return (f"run folder {run_dir} lies inside the report folder {report_folder}, where no report would see it: "
+                "point hydra.run.dir (or hydra.sweep.dir) at a folder of its own")
+    inside = within_run_folder(Path(run_dir).parent)
+    if inside:
+        return (f"run folder {run_dir} lies inside the run folder {inside[0]} ({inside[1]}), which kvlab would then "
+                "no longer resume or clear: point hydra.run.dir (or hydra.sweep.dir) at a folder outside every run's "
+                "folder")
+    return None
+
+
 def _refuse(run_dir: Path, name: str, why: str) -> dict:
     """A run that writes nothing at all: one line, counted as not ok for the exit code."""
     print(f"kvlab: run {name} refused: {why}", file=sys.stderr)
@@ -608,6 +738,9 @@ def _run(cfg, run_dir: Path, folder: str, name: str, progress: bool) -> dict:
     group = cfg.tracking.group or default_group(cfg.experiment, folder)
     ident, inv = config_id(cfg), invocation()
     note_started(run_dir)
+    misplaced = _misplaced(run_dir)
+    if misplaced:
+        return _refuse(run_dir, name, misplaced)
     try:
         plan, refused = plan_run(cfg), None
     except KeyboardInterrupt:
@@ -653,7 +786,7 @@ def _locked_run(cfg, plan: Plan | None, refused: str | None, run_dir: Path, name
     ownership.remove(run_dir, partial_files())  # what an earlier attempt of kvlab's left here, and nothing else
     _write_hydra(run_dir, cfg)
     record = dict(status="failed", error=refused, failed_stage=None if refused is None else "check the config",
-                  run_name=name, group=group, run_dir=str(run_dir), config_id=ident, invocation=inv,
+                  run_name=name, group=group, run_dir=str(run_dir), config_id=ident, invocation=inv, invocations=inv,
                   device=cfg.device.name, **weights_record(plan.weights if plan else None, cfg.model),
                   started_at=dt.datetime.now().isoformat(timespec="seconds"), **config_record(cfg),
                   measurements=asked_measurements(cfg), **(plan.inputs if plan else {}), **slurm_record())
@@ -820,8 +953,10 @@ def wandb_id(folder: Path, ident: str) -> str:
 
 
 def _confirm(run_dir: Path, record: dict, inv: str, name: str) -> dict:
-    """A complete run of the same config: keep its measurements, stamp this invocation on it."""
-    record = dict(record, invocation=inv)
+    """A complete run of the same config: keep its measurements, add this invocation to those that made or confirmed
+    it (``invocations``), so every sweep that counts it, one running beside this one included, still finds it."""
+    record = dict(record, invocation=inv, invocations=" ".join(dict.fromkeys(
+        [*str(record.get("invocations") or record.get("invocation") or "").split(), inv])))
     _write(run_dir, record)
     print(f"kvlab: run {name} is complete (config {record['config_id']}, measured {record.get('finished_at')}): "
           "skipped; resume=false measures it again")

@@ -409,7 +409,7 @@ def diagnose_divergence(engine, ref32, spec: CacheSpec, prompt: torch.Tensor, to
     """Where cached greedy tokens first leave FP32's: the step, FP32's top-1/top-2 margin there against the run's
     usual logit drift ``max_abs`` (the median max |Δlogit| of the steps before it: a margin within twice that is a
     near tie that the precision or the lossy cache flipped; a margin far beyond it means that step's drift jumped:
-    look for a bug), and the first layer whose K or V, read at that step, is off fp32's by more than
+    look for a bug, unless the kind drops keys, evicting or windowed, whose cost that is), and the first layer whose K or V, read at that step, is off fp32's by more than
     ``LAYER_TOL``."""
     seq = torch.cat([prompt, torch.tensor([tokens[:step + 1]], device=prompt.device)], dim=1)
     _, seen = text_pass(engine, spec, seq, prompt.shape[1])
@@ -418,9 +418,12 @@ def diagnose_divergence(engine, ref32, spec: CacheSpec, prompt: torch.Tensor, to
     layer = first_layer_over(layers) if len(layers) else None
     tie = margin < NEAR_TIE * max_abs
     cause = "the lower precision" if spec.cls.exact else f"the lossy {spec.kind} cache"
+    drops = spec.cls.evicts or bool(spec.reference)  # it attends over fewer keys than fp32 full attention does
+    far = ("the margin is far beyond the usual drift: expected of a cache that drops keys (the " + spec.kind
+           + " cache no longer holds keys fp32 attends to; its own reference is checked by equivalence)" if drops
+           else "the margin is far beyond the usual drift: look for a bug")
     why = (f"step {step}: fp32's top-1/top-2 margin {margin:.3g} vs the run's usual max |dlogit| {max_abs:.3g}: "
-           + (f"a near tie flipped by {cause}" if tie else "the margin is far beyond the usual drift: look for a "
-              "bug")
+           + (f"a near tie flipped by {cause}" if tie else far)
            + ("; K/V not recorded (not kvlab's cache)" if not seen else
               f"; K/V first off by > {LAYER_TOL:g} (relative) at layer {layer}" if layer is not None else
               f"; no layer's K/V is off by > {LAYER_TOL:g} (relative)"))

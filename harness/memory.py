@@ -5,6 +5,7 @@
                      max_len=1024, batch=64, batch_sizes=[1, 8, 32], ...)
     check(need, available_bytes(device))      # raises ConfigError in one line when it does not fit
     need.describe()                           # one line for people
+    cache_fills(kind="paged", ..., max_len=1024)  # every cache the run builds: (what, sequences, tokens written)
 
 A run holds its weights throughout and goes through its measurements one after another (harness/measure.py), each
 building its own caches and freeing them before the next: its peak is the weights plus the largest phase. Each
@@ -346,6 +347,50 @@ def _serve_phase(s: _Sizes, B: int, n: int) -> tuple[str, int, int]:
     return (f"serve_batch(batch={B})", cache_s, meas_s)
 
 
+def cache_fills(*, kind: str, options: dict | None = None, max_len: int, contexts: list[int] | None = None,
+                prompt_len: int = 32, new_tokens: int = 32, batch: int = 1, batch_sizes: list[int] | None = None,
+                batch_context: int = 512, drift_text_len: int = 128, retrieval_n: int | None = None,
+                storage="fp32", compute="auto", compile: bool = False,
+                measurements: list[str] | None = None) -> list[tuple[str, int, int]]:
+    """Every cache the run's measurements build, from the config alone: (what builds it, sequences, the most tokens
+    it has written), for the phases of ``run_bytes`` that the ``measurements`` (None: all) make. Each is a cache of
+    its own (a paged one draws its own pool). P = prompt_len, N = new_tokens:
+
+    - generation: each prompt's cached greedy generation, P + N - 1 tokens (the last token is not fed back);
+    - text_drift (a run that is not its own fp32 reference): L - 1 tokens, L = min(max_len, max(drift_text_len,
+      P + 1)); retrieval: 2n - 1 tokens, n = min(retrieval_n, max_len // 2);
+    - cache_memory: P + N - 1; step_times: the longest timed context + 1 (and the prefill of P, for TTFT);
+    - batch_throughput: B sequences of min(batch_context, max_len - 1) + 1 per batch size B; serve_batch: ``batch``
+      sequences of at most P + N - 1 (a ragged batch's padding takes no slot of a pooled kind);
+    - compiled_equivalence (compile=true): P + N.
+    """
+    cls = cache_kind(kind)
+    opts = cls.parse_options(**(options or {}))
+    P, N = prompt_len, new_tokens
+    plain_fp32 = (_name(storage) == "fp32" and (compute == "auto" or _name(compute) == "fp32")
+                  and cls.full_attention(opts))
+    fills = [("generation", "the cached generation", 1, P + N - 1)]
+    if not plain_fp32:
+        L = min(max_len, max(drift_text_len, P + 1))
+        fills.append(("text_drift", "text drift", 1, L - 1))
+    if retrieval_n:
+        fills.append(("retrieval", "retrieval", 1, 2 * min(retrieval_n, max_len // 2) - 1))
+    fills.append(("cache_memory", "the cache-bytes check", 1, P + N - 1))
+    top = max(contexts) if contexts else max_len - 1
+    fills += [("step_times", f"the decode step at context {top}", 1, top + 1),
+              ("step_times", "the time to first token", 1, P)]
+    ctx = min(batch_context, max_len - 1) if max_len > 1 else 1
+    fills += [("batch_throughput", f"the throughput batch of {B} at context {ctx}", B, ctx + 1)
+              for B in batch_sizes or []]
+    fills.append(("serve_batch", f"the served batch of {batch}", batch, P + N - 1))
+    if compile:
+        fills.append(("compiled_equivalence", "the compiled step's check", 1, P + N))
+    if measurements is not None:
+        whose = phase_of()
+        fills = [f for f in fills if whose.get(f[0], set()) & set(measurements)]
+    return [(what, b, n) for _, what, b, n in fills]
+
+
 def cache_bytes(model: GPT2Config, kind: str, options: dict | None = None, storage="fp32",
                 max_len: int | None = None, batch: int = 1, n_tokens: int | None = None, engine: str = "kvlab",
                 prefilled: int = 0) -> int:
@@ -512,7 +557,9 @@ def _capped(sizes: list[int], cap: int) -> list[int]:
 
 def what_fits(need: RunBytes, budget: int) -> str:
     """What would fit in ``budget`` bytes, searched over the formula: the largest served batch and throughput batch,
-    else the largest max_len, else a smaller model (or dropping the weight copies that are optional)."""
+    else the largest max_len, else the largest value of the cache option that sizes it (a paged pool's
+    ``cache.blocks``: the kind's ``sized_by``), else a smaller model (or dropping the weight copies that are
+    optional)."""
     inputs = dict(need.inputs)
     model = inputs.pop("model")
 
@@ -543,6 +590,9 @@ def what_fits(need: RunBytes, budget: int) -> str:
         m = _largest(lambda x: at(x, **change) <= budget, lo, max_len)
         if m is not None and m < max_len:
             return f"max_len <= {m}{extra} would fit, or use a smaller model"
+    lower = _kind_option_that_fits(model, inputs, budget)
+    if lower:
+        return lower
     others = []
     if ENGINES[inputs["engine"]].holds_weight_copy and total(**small, engine="kvlab") <= budget:
         others.append(f"engine=kvlab (the {inputs['engine']} engine holds its own copy of the weights)")
@@ -550,6 +600,50 @@ def what_fits(need: RunBytes, budget: int) -> str:
                                                                               storage="fp32") <= budget:
         others.append("dtype=fp32 (a reduced-precision run also keeps the fp32 model)")
     return "use a smaller model" + "".join(f", or {o}" for o in others)
+
+
+def _kind_option_that_fits(model: GPT2Config, inputs: dict, budget: int) -> str | None:
+    """``cache.<option> <= N would fit``, for the first of the kind's ``sized_by`` options (those whose larger values
+    hold more bytes: a paged pool's blocks and block_size, a budget) whose lower values fit ``budget``, among the
+    values the kind accepts at the run's max_len and for the caches it builds; None if none does."""
+    cls = cache_kind(inputs["kind"])
+    options = dict(inputs["options"])
+    max_len = inputs["max_len"] or model.n_positions
+    fills = cache_fills(kind=inputs["kind"], options=options, max_len=max_len, contexts=inputs["context_lengths"],
+                        prompt_len=inputs["prompt_len"], new_tokens=inputs["new_tokens"], batch=inputs["batch"],
+                        batch_sizes=inputs["batch_sizes"], batch_context=inputs["batch_context"],
+                        drift_text_len=inputs["drift_text_len"], retrieval_n=inputs["retrieval_n"],
+                        storage=inputs["storage"], compute=inputs["compute"], compile=inputs["compile"],
+                        measurements=inputs["measurements"])
+    current = cls.parse_options(**options)
+    for name in cls.sized_by:
+        now = getattr(current, name)
+        if not now:  # 0: not set (a pool sized from max_len, a window given as window=)
+            continue
+
+        def valid(x: int) -> bool:
+            try:
+                opts = cls.parse_options(**{**options, name: x})
+                cls.check_max_len(opts, max_len)
+                cls.check_fills(opts, fills)
+            except ValueError:
+                return False
+            return True
+
+        def fits(x: int) -> bool:
+            try:
+                return run_bytes(model, **{**inputs, "options": {**options, name: x}}).total <= budget
+            except ValueError:
+                return False
+
+        lo, hi = 1, now  # the least value the kind accepts (what it accepts only grows with the option)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if valid(mid) else (mid + 1, hi)
+        best = _largest(lambda x: valid(x) and fits(x), lo, now)
+        if best is not None and best < now:
+            return f"cache.{name} <= {best} would fit"
+    return None
 
 
 def check(need: RunBytes, available: int, margin: float = MARGIN, min_margin: int = MIN_MARGIN,

@@ -5,14 +5,22 @@ deep) that kvlab put there. A name is claimed *before* it is written, so a crash
 deletes, overwrites or uploads only names its manifest lists; a folder that holds anything else is never emptied:
 ``foreign`` names what is not kvlab's, and the caller refuses in one line.
 
-A folder kvlab measures in is locked (``.kvlab.lock``: host, pid, invocation, since) for as long as it works there. A
-second kvlab process waits for it (one line says so); a lock whose process is gone (same host, pid no longer alive)
-is taken over; a lock from another host is waited on, since its process cannot be asked.
+A manifest names the folder it was written for (its path, and its device and inode, which survive a rename): a
+manifest copied from another folder, or a file of that name kvlab did not write, proves nothing here, and the folder
+is treated as holding files kvlab did not write (never merged into, never overwritten). A manifest an earlier kvlab
+wrote before manifests named their folder is trusted as it was.
+
+A folder kvlab measures in is locked (``.kvlab.lock``: host, pid, invocation, since) for as long as it works there;
+the holder refreshes the lock's time every ``HEARTBEAT_S`` seconds. A second kvlab process waits for it (one line
+says so, and how to clear a lock left behind); a lock whose process is gone (same host, pid no longer alive) is taken
+over, and so is a lock from another host that has not been refreshed for ``STALE_S`` seconds (its holder is gone
+or cannot reach the folder).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -32,10 +40,28 @@ class NotOurs(ValueError):
     """A folder holds files kvlab did not write; the message is one line that says which and what to do."""
 
 
+READ_MAX = 4 * 2 ** 20  # bytes: a manifest or a lock is a few hundred; anything bigger is not kvlab's
+
+
+def _regular(path: Path, limit: int = READ_MAX) -> bool:
+    """Whether ``path`` is a regular file of at most ``limit`` bytes (links followed): checked before a byte of it
+    is read, so a FIFO, a device or a huge file in kvlab's name is never opened or read."""
+    import stat
+
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size <= limit
+
+
 def _read(path: Path) -> dict | None:
+    """A small JSON object kvlab wrote (a manifest, a lock), or None: absent, not a regular file, too big, not JSON."""
+    if not _regular(path):
+        return None
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
 
@@ -63,11 +89,39 @@ def _write_json(path: Path, data: dict) -> None:
     atomic_write(path, lambda f: json.dump(data, f, indent=1, sort_keys=True))
 
 
+def _identity(folder: Path) -> dict:
+    """What a manifest records of the folder it was written for: its path, and its (device, inode), which a rename
+    or a move within one filesystem keeps."""
+    folder = Path(folder)
+    st = folder.stat()
+    return {"folder": os.path.abspath(folder), "inode": [st.st_dev, st.st_ino]}
+
+
+def manifest_problem(folder: Path) -> str | None:
+    """Why ``folder``'s manifest is not kvlab's own for this folder (None: there is none, or it is): a file of that
+    name that is not a kvlab manifest, or a kvlab manifest written for another folder (copied here)."""
+    path = Path(folder) / MANIFEST
+    if not path.exists() and not path.is_symlink():
+        return None
+    data = _read(path) if path.is_file() and not path.is_symlink() else None
+    if data is None or data.get("by") != "kvlab" or not isinstance(data.get("names"), list):
+        return f"its {MANIFEST} is not a manifest kvlab wrote"
+    if "folder" not in data:  # written before manifests named their folder: trusted as it was
+        return None
+    here = _identity(folder)
+    if data.get("inode") == here["inode"] or data.get("folder") == here["folder"]:
+        return None
+    return f"its {MANIFEST} was written for another folder ({data.get('folder')})"
+
+
 def owned(folder: Path) -> set[str]:
-    """The names kvlab's manifest in ``folder`` lists (empty: none, or no manifest)."""
+    """The names kvlab's manifest in ``folder`` lists (empty: none, no manifest, or one that is not kvlab's own for
+    this folder: ``manifest_problem``)."""
     data = _read(Path(folder) / MANIFEST)
     names = data.get("names") if data else None
-    return {n for n in names if isinstance(n, str) and "/" not in n} if isinstance(names, list) else set()
+    if not isinstance(names, list) or manifest_problem(folder):
+        return set()
+    return {n for n in names if isinstance(n, str) and "/" not in n}
 
 
 def _ours_temporary(name: str, mine: set[str]) -> bool:
@@ -85,9 +139,11 @@ def entries(folder: Path) -> list[str]:
 
 
 def foreign(folder: Path) -> list[str]:
-    """Names in ``folder`` that kvlab did not write (empty: the folder is new, empty or all kvlab's)."""
+    """Names in ``folder`` that kvlab did not write (empty: the folder is new, empty or all kvlab's). A manifest that
+    is not kvlab's own for this folder (``manifest_problem``) is itself foreign, and lists nothing."""
     mine = owned(folder)
-    return [n for n in entries(folder) if n not in mine and n not in BOOKKEEPING and not _ours_temporary(n, mine)]
+    bookkeeping = BOOKKEEPING if not manifest_problem(folder) else (LOCK,)
+    return [n for n in entries(folder) if n not in mine and n not in bookkeeping and not _ours_temporary(n, mine)]
 
 
 def refuse_foreign(folder: Path, what: str, hint: str) -> None:
@@ -95,8 +151,9 @@ def refuse_foreign(folder: Path, what: str, hint: str) -> None:
     names = foreign(folder)
     if names:
         shown = ", ".join(repr(n)[1:-1] for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        raise NotOurs(f"{what} {folder} holds files kvlab did not write ({shown}); kvlab never empties or writes "
-                      f"into such a folder: {hint}")
+        why = manifest_problem(folder)
+        raise NotOurs(f"{what} {folder} holds files kvlab did not write ({shown}{'; ' + why if why else ''}); kvlab "
+                      f"never empties or writes into such a folder: {hint}")
 
 
 def adopt(folder: Path, names: tuple[str, ...] | set[str], is_ours) -> bool:
@@ -113,13 +170,19 @@ def adopt(folder: Path, names: tuple[str, ...] | set[str], is_ours) -> bool:
 
 
 def claim(folder: Path, *names: str) -> None:
-    """List ``names`` in ``folder``'s manifest (made with the folder if need be) before kvlab writes them."""
+    """List ``names`` in ``folder``'s manifest (made with the folder if need be) before kvlab writes them. A
+    manifest that is not kvlab's own for this folder is never merged into or replaced: ``NotOurs``, in one line."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    why = manifest_problem(folder)
+    if why:
+        raise NotOurs(f"{folder}: {why}; kvlab never writes into such a folder: move the file away or choose "
+                      "another folder")
+    data = _read(folder / MANIFEST)
     mine = owned(folder)
-    if set(names) <= mine and (folder / MANIFEST).exists():
+    if set(names) <= mine and data is not None and "folder" in data:
         return
-    _write_json(folder / MANIFEST, {"names": sorted(mine | set(names)), "by": "kvlab"})
+    _write_json(folder / MANIFEST, {"names": sorted(mine | set(names)), "by": "kvlab", **_identity(folder)})
 
 
 def remove(folder: Path, names) -> None:
@@ -166,23 +229,47 @@ def _started(pid: int) -> str | None:
         return None
 
 
+HEARTBEAT_S = 30.0  # a lock's holder refreshes its time this often
+STALE_S = 600.0  # a lock not refreshed for this long is taken over, whichever host holds it
+
+
+def _age(path: Path) -> float | None:
+    """Seconds since ``path`` was last written or refreshed (None: it is gone)."""
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
 def holder(folder: Path) -> dict | None:
-    """Who holds ``folder``'s lock, when a live process does (None: free, or its holder is gone: dead, or its pid
-    now another process's)."""
-    data = _read(Path(folder) / LOCK)
+    """Who holds ``folder``'s lock, when a live process does (None: free, or its holder is gone: dead, its pid now
+    another process's; on another host, where the process cannot be asked: its lock not refreshed for ``STALE_S``
+    seconds)."""
+    path = Path(folder) / LOCK
+    data = _read(path)
+    age = _age(path)
+    if data is not None and not (isinstance(data.get("pid"), int) and isinstance(data.get("host"), str)):
+        data = None  # not a lock kvlab wrote (kvlab's name a host and a pid): as an unreadable one
     if data is None:  # no lock; or one being written now (kept), or left unreadable long ago (gone)
-        try:
-            age = time.time() - (Path(folder) / LOCK).stat().st_mtime
-        except FileNotFoundError:
+        if age is None:
             return None
-        return None if age > 10 else {"pid": None, "host": "?", "since": "?"}
-    if data.get("host") == socket.gethostname() and isinstance(data.get("pid"), int):
-        if not _alive(data["pid"]):
-            return None
-        now = _started(data["pid"])
-        if now is not None and data.get("started") != now:  # the pid is another process's now
-            return None
+        return None if abs(age) > 10 else {"pid": None, "host": "?", "since": "?"}
+    if data.get("host") != socket.gethostname():  # its process cannot be asked: a lock left unrefreshed is gone
+        return None if age is not None and abs(age) > STALE_S else data  # (a time far in the future: as stale)
+    if not _alive(data["pid"]):
+        return None
+    now = _started(data["pid"])
+    if now is not None and data.get("started") != now:  # the pid is another process's now
+        return None
     return data
+
+
+def _heartbeat(path: Path, stop) -> None:
+    """Refresh the lock's time while this process holds it, so other hosts can tell a live holder from a lost one."""
+    while not stop.wait(HEARTBEAT_S):
+        with contextlib.suppress(OSError):
+            if (_read(path) or {}).get("pid") == os.getpid() and (_read(path) or {}).get("host") == socket.gethostname():
+                os.utime(path)
 
 
 def _try_lock(path: Path, me: dict) -> bool:
@@ -195,33 +282,53 @@ def _try_lock(path: Path, me: dict) -> bool:
     return True
 
 
+def _in_use(what: str, folder: Path, other: dict) -> str:
+    where = "this host" if other.get("host") == socket.gethostname() else other.get("host")
+    return (f"{what} {folder} is in use by kvlab process {other.get('pid')} on {where} (since {other.get('since')})")
+
+
 @contextlib.contextmanager
 def locked(folder: Path, what: str, invocation: str | None = None, wait_s: float | None = None):
-    """Hold ``folder``'s lock for the ``with`` block. Held by a live process: one line says so and this one waits
-    (until ``wait_s`` seconds have passed: then ``TimeoutError``, in one line); held by a dead one: taken over."""
+    """Hold ``folder``'s lock for the ``with`` block. Held by a live process: one line says so (and how to clear a
+    lock left behind) and this one waits (until ``wait_s`` seconds have passed: then ``TimeoutError``, in one line);
+    held by a dead one, or from another host and not refreshed for ``STALE_S`` seconds: taken over, in one line."""
+    import threading
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK
+    if (path.exists() or path.is_symlink()) and not (path.is_file() and not path.is_symlink()):
+        raise OSError(errno.EEXIST, f"{path} is not a lock kvlab wrote (a folder, link, FIFO or device): kvlab never "
+                                    "removes it; move it away and run again")
     me = dict(pid=os.getpid(), host=socket.gethostname(), invocation=invocation, started=_started(os.getpid()),
               since=time.strftime("%Y-%m-%dT%H:%M:%S"))
     said, t0 = False, time.monotonic()
     while not _try_lock(path, me):
         other = holder(folder)
         if other is None:  # its process is gone (or the lock was just released): take it over
+            stale = _read(path)
             with contextlib.suppress(FileNotFoundError):
                 if holder(folder) is None:
                     path.unlink()
+                    if stale and stale.get("host") != socket.gethostname():
+                        print(f"kvlab: took over the lock of {what} {folder} from kvlab process {stale.get('pid')} "
+                              f"on {stale.get('host')}: not refreshed for over {STALE_S:.0f} s", file=sys.stderr)
             continue
         if wait_s is not None and time.monotonic() - t0 >= wait_s:
-            raise TimeoutError(f"{what} {folder} is in use by kvlab process {other.get('pid')} on "
-                               f"{other.get('host')} (since {other.get('since')}); try again when it has finished")
+            raise TimeoutError(f"{_in_use(what, folder, other)}; try again when it has finished")
         if not said:
-            print(f"kvlab: {what} {folder} is in use by kvlab process {other.get('pid')} on {other.get('host')} "
-                  f"(since {other.get('since')}): waiting for it to finish", file=sys.stderr)
+            clear = (f"; if no kvlab process runs there, delete {path} (a lock not refreshed for {STALE_S:.0f} s is "
+                     "taken over)" if other.get("host") != socket.gethostname() else
+                     f"; if process {other.get('pid')} is not a kvlab run, delete {path}" if other.get("pid") else "")
+            print(f"kvlab: {_in_use(what, folder, other)}: waiting for it to finish{clear}", file=sys.stderr)
             said = True
         time.sleep(POLL_S)
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(path, stop), daemon=True, name="kvlab-lock-heartbeat")
+    beat.start()
     try:
         yield
     finally:
+        stop.set()
         if (_read(path) or {}).get("pid") == os.getpid():
             path.unlink(missing_ok=True)

@@ -21,7 +21,9 @@ class Identity:
     group: str = key("the W&B group: the sweep folder's name (or the run's)")
     run_dir: str = key("the run's folder")
     config_id: str = key("12 hex digits naming what the run measures (its config without tracking/resume)")
-    invocation: str = key("the kvlab invocation that made (or confirmed) this record")
+    invocation: str = key("the kvlab invocation that made (or last confirmed) this record")
+    invocations: str = key("every kvlab invocation that made or confirmed this record, space-separated (a sweep's "
+                           "report counts the runs whose record names its invocation here)")
     status: str = key("ok | failed | interrupted | not_equivalent")
     error: str | None = key("why it is not ok, one line")
     failed_stage: str | None = key("the measurement a failed run was in")

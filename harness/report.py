@@ -283,9 +283,19 @@ def _legacy_foreign(out: Path) -> list[str] | None:
 
 def _refusal(out: Path, hint: str) -> tuple[Exception | None, bool]:
     """(why ``out`` may not take the report, or None; whether it is an earlier report to adopt). Writes nothing."""
-    why = results.run_folder(out)
-    if why:
-        return ownership.NotOurs(f"{shown(out)} is a run folder ({why}): give --out a folder of its own"), False
+    bad = _not_a_folder(out)
+    if bad:
+        return ownership.NotOurs(bad), False
+    rep = results.within_report_folder(out.parent)
+    if rep:
+        return ownership.NotOurs(f"{shown(out)} lies inside the report folder {shown(rep)}: give --out a folder of "
+                                 "its own, outside every report's"), False
+    inside = results.within_run_folder(out)
+    if inside:
+        run, why = inside
+        where = "is a run folder" if run == _resolved(out) else f"lies inside the run folder {shown(run)}"
+        return ownership.NotOurs(f"{shown(out)} {where} ({why}): give --out a folder of its own, outside every "
+                                 "run's folder"), False
     if not ownership.foreign(out):
         return None, False
     legacy = _legacy_foreign(out)
@@ -301,6 +311,15 @@ def _refusal(out: Path, hint: str) -> tuple[Exception | None, bool]:
     except ownership.NotOurs as e:
         return ownership.NotOurs(shown(str(e))), False
     return None, False
+
+
+def _not_a_folder(out: Path) -> str | None:
+    """Why ``out`` cannot be a folder (None: it is one, or can be made): it, or a path above it, is a file."""
+    for f in (out, *out.parents):
+        if f.exists() or f.is_symlink():
+            return None if f.is_dir() else (f"{shown(out)}: {shown(f)} is a file, not a folder: give --out a new or "
+                                            "empty folder")
+    return None
 
 
 def _load_all(paths: list[Path], invocation: str | None) -> dict:
@@ -483,7 +502,7 @@ def print_summary(rep: dict) -> None:
     if rep.get("findings"):
         print(f"kvlab findings: {shown(rep['folder'] / findings.FILE)}")
         for row in rep.get("claims", []):  # a paper preset: each claim's verdict, the paper's number beside ours
-            print(f"  {findings.holds_text(row.holds):>13}: {row.claim} (paper {row.paper_number}; kvlab "
+            print(f"  {findings.verdict_text(row):>13}: {row.claim} (paper {row.paper_number}; kvlab "
                   f"{row.our_number})")
     ratios = rep.get("ratios")
     if ratios is not None and len(ratios):
@@ -514,21 +533,51 @@ def _can_create(folder: Path, what: str) -> None:
         raise SystemExit(2) from None
 
 
+def _not_in_a_run(look: Path, folder: Path, what: str, key: str) -> None:
+    """Stop before any work, in one line, when ``folder`` would be a run's folder or lie inside one (``look``: the
+    folder checked, with the folders above it): that run could no longer be resumed or cleared."""
+    inside = results.within_run_folder(look)
+    if inside:
+        run, why = inside
+        where = "is a run's folder" if run == _resolved(folder) else f"lies inside the run folder {shown(run)}"
+        print(f"kvlab: the {what} {shown(folder)} {where} ({why}); kvlab never puts anything in a run's folder: "
+              f"choose a folder outside every run's with hydra.{key}.dir=...", file=sys.stderr)
+        raise SystemExit(2)
+    rep = results.within_report_folder(look)
+    if rep:
+        where = "is a report folder" if rep == _resolved(folder) else f"lies inside the report folder {shown(rep)}"
+        print(f"kvlab: the {what} {shown(folder)} {where}, where no report would see its runs: choose a folder of "
+              f"its own with hydra.{key}.dir=...", file=sys.stderr)
+        raise SystemExit(2)
+
+
 class SweepReport(Callback):
     """Hydra callback: checks the outputs folder can be written before any run; after a multirun, reports on the
     runs of this invocation (each config once). The exit code is read from the runs' files (run.py)."""
 
     def on_run_start(self, config, **kwargs) -> None:
+        _not_in_a_run(Path(config.hydra.run.dir).parent, Path(config.hydra.run.dir), "run folder", "run")
         _can_create(Path(config.hydra.run.dir), "run folder")
 
     def on_multirun_start(self, config, **kwargs) -> None:
+        from harness import slurm_check
+
+        line = slurm_check.composed_refusal(config)  # a Slurm launcher from a preset or a config of the user's
+        if line:
+            print(line, file=sys.stderr)
+            raise SystemExit(2)
         sweep = Path(config.hydra.sweep.dir)
+        _not_in_a_run(sweep, sweep, "sweep folder", "sweep")
         _can_create(sweep, "sweep folder")
         if (sweep / "multirun.yaml").exists() and "multirun.yaml" not in ownership.owned(sweep):
             print(f"kvlab: the sweep folder {shown(sweep)} holds a multirun.yaml kvlab did not write, which Hydra "
                   "would overwrite: choose another with hydra.sweep.dir=...", file=sys.stderr)
             raise SystemExit(2)
-        ownership.claim(sweep, "multirun.yaml")  # Hydra writes it next; the runs go into folders of their own
+        try:
+            ownership.claim(sweep, "multirun.yaml")  # Hydra writes it next; the runs go into folders of their own
+        except ownership.NotOurs as e:
+            print(f"kvlab: the sweep folder {shown(e)}; choose another with hydra.sweep.dir=...", file=sys.stderr)
+            raise SystemExit(2) from None
         experiment.invocation()  # made here at the latest, so every job of the sweep inherits it
 
     def on_multirun_end(self, config, **kwargs) -> None:
@@ -561,9 +610,15 @@ def main(argv=None) -> int:
                     help="also log an aggregate W&B run (default: disabled)")
     ap.add_argument("--project", default="kvlab")
     args = ap.parse_args(argv)
+    experiment.catch_signals()  # SIGTERM, SIGHUP, SIGUSR2 stop it as Ctrl-C does: one line, the lock released
     try:
         rep = report_and_log([Path(p) for p in args.path], args.wandb, args.project, None, None,
                              Path(args.out) if args.out else None)
+    except KeyboardInterrupt as e:  # every file is written whole (atomic), and claimed first: the next one replaces it
+        what, code = experiment.interruption(e)
+        print(f"kvlab report: interrupted ({what}); the report may be incomplete (each file in it is whole): run the "
+              "same command again to make it", file=sys.stderr)
+        return code
     except ownership.NotOurs as e:  # one line; the folder is as it was
         print(f"kvlab report: {e}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ A folder whose name is not UTF-8 is read like any other; its name is shown with 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -81,11 +82,36 @@ def required_columns(file: str) -> tuple[str, ...]:
     return ()
 
 
+RECORD_MAX = 2 ** 20  # bytes: a run's results.json is a few KB; anything this big is not one
+RECORDS_TOTAL_MAX = 256 * 2 ** 20  # bytes of records one scan reads (250,000 runs of 1 KB)
+TABLE_MAX = 256 * 2 ** 20  # bytes: a run's CSV table (a 1,000-step serve of many sequences is a few MB)
+TABLES_TOTAL_MAX = 512 * 2 ** 20  # bytes of one table's files one load reads, over every run (pandas holds ~5x)
+
+
+def too_big(path: Path, limit: int) -> str | None:
+    """Why ``path`` is not read (None: it may be): not a regular file (a device, FIFO or socket, a link to one), or
+    more than ``limit`` bytes. Checked before a byte is read, so no file kvlab reads can grow without bound."""
+    import stat
+
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"unreadable {Path(path).name} ({e.strerror or type(e).__name__})"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{Path(path).name} is not a regular file"
+    if st.st_size > limit:
+        return f"{Path(path).name} holds {st.st_size:,} bytes, more than the {limit:,} kvlab reads for it"
+    return None
+
+
 def read_record(path: Path) -> tuple[dict | None, str | None]:
     """A run's record from its results.json, or (None, why not)."""
+    why = too_big(path, RECORD_MAX)
+    if why:
+        return None, why
     try:
         record = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # JSON too deep, an int too long
         return None, f"unreadable {RESULTS} ({type(e).__name__})"
     if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in REQUIRED):
         return None, f"{RESULTS} is not a kvlab record (it needs {', '.join(REQUIRED)} as text)"
@@ -98,6 +124,46 @@ def read_record(path: Path) -> tuple[dict | None, str | None]:
     return {_text(k): _text(v) if isinstance(v, str) else v for k, v in record.items()}, None
 
 
+def of_invocations(record: dict) -> list[str]:
+    """The run.py invocations that made or confirmed a run (``invocations``, space-separated; a record written before
+    that key has ``invocation`` alone)."""
+    return str(record.get("invocations") or record.get("invocation") or "").split()
+
+
+WALK_MAX = 1_000_000  # folder entries one scan looks at (a sweep of 1,000 runs holds some 20,000)
+
+
+def _walk(root: Path) -> tuple[list[Path], list[Path]]:
+    """(every results.json, every .hydra folder) under ``root``, sorted: a folder reached twice (a link back up) is
+    searched once, other filesystems (/proc, /sys, a mount below) are not entered, kvlab's own wandb/report/.hydra folders are not
+    searched, and at most ``WALK_MAX`` entries are looked at (FileNotFoundError in one line beyond: a report on ``/``
+    would otherwise walk the machine)."""
+    records, jobs, seen = [], [], 0
+    st = os.stat(root)
+    dev, visited = st.st_dev, {(st.st_dev, st.st_ino)}
+    for folder, dirs, files in os.walk(root, onerror=lambda e: None, followlinks=True):
+        seen += len(dirs) + len(files)
+        if seen > WALK_MAX:
+            raise FileNotFoundError(f"{shown(root)} holds more than {WALK_MAX:,} files and folders: kvlab does not "
+                                    "search that far for runs; pass a sweep or run folder (under outputs/)")
+        here = Path(folder)
+        if RESULTS in files or RESULTS in dirs:
+            records.append(here / RESULTS)
+        if ".hydra" in dirs:
+            jobs.append(here / ".hydra")
+        keep = []
+        for d in dirs:
+            try:
+                sub = os.stat(here / d)
+            except OSError:
+                continue
+            if d not in SKIP_DIRS and sub.st_dev == dev and (sub.st_dev, sub.st_ino) not in visited:
+                visited.add((sub.st_dev, sub.st_ino))  # each folder once: a link back up ends there
+                keep.append(d)
+        dirs[:] = sorted(keep)
+    return sorted(records), sorted(jobs)
+
+
 def scan(path: str | Path, invocation: str | None = None) -> dict:
     """Every run under ``path``: ``runs`` [(folder, record)] sorted by folder (a resumed sweep measures each config in
     one folder, so each appears once), ``skipped`` [(folder, why)] for what could not be read, and ``interrupted``
@@ -106,18 +172,22 @@ def scan(path: str | Path, invocation: str | None = None) -> dict:
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: no such folder; pass a run or sweep folder under outputs/")
-    runs, skipped, recorded = [], [], set()
-    for f in sorted(root.rglob(RESULTS)):
+    found, jobs = _walk(root)
+    runs, skipped, recorded, read = [], [], set(), 0
+    for f in found:
         if _skipped(f.relative_to(root).parent):
             continue
         recorded.add(f.parent)
-        record, why = read_record(f)
+        with contextlib.suppress(OSError):
+            read += os.stat(f).st_size if f.is_file() else 0
+        record, why = read_record(f) if read <= RECORDS_TOTAL_MAX else (
+            None, f"not read: the records under {shown(root)} hold more than the {RECORDS_TOTAL_MAX:,} bytes kvlab "
+                  "reads in one scan (report on fewer folders)")
         if record is None:
             skipped.append((f.parent, why))
-        elif invocation is None or record.get("invocation") == invocation:
+        elif invocation is None or invocation in of_invocations(record):
             runs.append((f.parent, record))
-    interrupted = [h.parent for h in sorted(root.rglob(".hydra"))
-                   if h.parent not in recorded and not _skipped(h.parent.relative_to(root))]
+    interrupted = [h.parent for h in jobs if h.parent not in recorded and not _skipped(h.parent.relative_to(root))]
     return dict(runs=runs, skipped=skipped, interrupted=interrupted)
 
 
@@ -149,6 +219,9 @@ def load_runs(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
 
 def read_table(f: Path) -> tuple[pd.DataFrame | None, str | None]:
     """A run's CSV table, or (None, why not)."""
+    why = too_big(f, TABLE_MAX)
+    if why:
+        return None, why
     try:
         df = pd.read_csv(f)
     except (OSError, UnicodeDecodeError, ValueError, pd.errors.ParserError) as e:
@@ -177,11 +250,18 @@ def _long(path: str | Path, name: str, invocation: str | None = None, required: 
     """One run table (file ``name``) of every ok run under ``path``, stacked. A ``required`` table is missed (a
     warning) in a run whose record shows its measurement ran; a run that did not make it (``measurements=[...]``)
     has none to miss."""
-    frames = []
+    frames, read = [], 0
     writer = _writer(name)
     for folder, record in run_folders(path, invocation):
         f = folder / name
         if record.get("status") != "ok":
+            continue
+        with contextlib.suppress(OSError):
+            read += os.stat(f).st_size if f.is_file() else 0
+        if read > TABLES_TOTAL_MAX:
+            warnings.warn(f"{shown(folder)}: its {name} is not read: the {name} files under {shown(path)} hold more "
+                          f"than the {TABLES_TOTAL_MAX:,} bytes kvlab reads in one load; its rows are missing",
+                          IncompleteRunWarning, stacklevel=3)
             continue
         if not f.is_file():
             made = writer is None or _made(record, writer)
@@ -268,6 +348,35 @@ def run_folder(folder: str | Path) -> str | None:
     return None
 
 
+def within_run_folder(folder: str | Path) -> tuple[Path, str] | None:
+    """The run folder ``folder`` is, or lies inside (the nearest), and why it is one (``run_folder``); None: neither.
+    Nothing of kvlab's (a report, a sweep, another run) goes into a run's folder: its manifest would not list it, and
+    the run could not be resumed or cleared."""
+    try:
+        here = Path(folder).resolve()
+    except (OSError, RuntimeError):
+        here = Path(os.path.abspath(folder))
+    for f in (here, *here.parents):
+        if f.is_dir():
+            why = run_folder(f)
+            if why:
+                return f, why
+    return None
+
+
+def within_report_folder(folder: str | Path) -> Path | None:
+    """The report folder (one whose manifest lists a report page) ``folder`` is, or lies inside (the nearest); None:
+    neither. A run or a sweep there would be hidden from every report, and the report could no longer be replaced."""
+    try:
+        here = Path(folder).resolve()
+    except (OSError, RuntimeError):
+        here = Path(os.path.abspath(folder))
+    for f in (here, *here.parents):
+        if f.is_dir() and REPORT_PAGE in ownership.owned(f):
+            return f
+    return None
+
+
 def save_table(df: pd.DataFrame, folder: str | Path, stem: str) -> list[Path]:
     """Write ``stem.parquet`` and ``stem.csv`` into ``folder``, each listed in its manifest first and written
     atomically. Refused (``ownership.NotOurs``, one line) in a run's folder, or where a file of that name is not
@@ -288,7 +397,12 @@ def save_table(df: pd.DataFrame, folder: str | Path, stem: str) -> list[Path]:
         df = df.astype({c: "string" for c in mixed})
     ownership.claim(folder, pq.name, csv.name)
     buf = io.BytesIO()
-    df.to_parquet(buf, index=False)
+    try:
+        df.to_parquet(buf, index=False)
+    except (OverflowError, ValueError, TypeError, ImportError):  # e.g. an integer beyond 64 bits in a hand-made record
+        df = df.astype({c: "string" for c in df.columns if df[c].dtype == object})
+        buf = io.BytesIO()
+        df.to_parquet(buf, index=False)
     tracking.atomic_write(pq, buf.getvalue())
     tracking.atomic_write(csv, lambda f: df.to_csv(f, index=False))
     return [pq, csv]

@@ -1345,17 +1345,27 @@ def evaluate_folder(folder: str | os.PathLike) -> tuple[dict, str]:
     return r, targets_table(r)
 
 
+MAX_STEPS = 1_000_000  # the CLI's bounds (issue 44): the shipped recipe takes DEFAULT_STEPS (3,200)
+MAX_MINUTES = 10_080  # a week of wall clock
+MAX_THREADS = 256  # or the machine's cores, if more
+SHARE_FLAGS = {"placed_share": (0.0, 1.0, True), "mlp_off": (0.0, 1.0, False), "copy_phase": (0.0, 1.0, False),
+               "copy_share": (0.0, 1.0, True)}  # flag -> (low, high, high included); low is always included
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m harness.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="checkpoint folder to write (resumed if it holds a partial run)")
     p.add_argument("--evaluate", metavar="DIR", help="print the targets table of the checkpoint in DIR (no training)")
     p.add_argument("--minutes", type=float, default=None,
-                   help="a wall-clock budget of the training loop instead of --steps (not reproducible)")
+                   help=f"a wall-clock budget of the training loop instead of --steps (not reproducible; more than 0, "
+                        f"at most {MAX_MINUTES:,})")
     p.add_argument("--steps", type=int, default=None,
-                   help=f"step budget (deterministic; default {DEFAULT_STEPS}, the shipped model's)")
-    p.add_argument("--seed", type=int, default=0)
+                   help=f"step budget (deterministic; default {DEFAULT_STEPS}, the shipped model's; 1 .. "
+                        f"{MAX_STEPS:,})")
+    p.add_argument("--seed", type=int, default=0, help="0 <= seed < 2**63")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (default: every core; fewer can be faster on a machine busy with other work)")
+                   help=f"CPU threads, 1 .. {MAX_THREADS} or the cores if more (default, flag left out: every core; "
+                        "fewer can be faster on a machine busy with other work)")
     p.add_argument("--restart", action="store_true", help="discard a partial or finished run in --out, start over")
     p.add_argument("--save-dtype", default="fp16", choices=["fp16", "fp32"],
                    help="dtype of model.safetensors (fp16 keeps mini under 20 MB)")
@@ -1394,6 +1404,38 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _cores() -> int:
+    try:
+        return max(len(os.sched_getaffinity(0)), os.cpu_count() or 1)
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _check_numbers(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every number of the command line bounded before anything is read or built (one line, exit 2): a count in its
+    range, a share a finite number in its interval; NaN and infinity refused by name."""
+    cores = _cores()
+    most = max(MAX_THREADS, cores)  # more than the cores is allowed (the same --threads reproduces a run bit for bit)
+    if args.threads is not None and not 1 <= args.threads <= most:
+        p.error(f"--threads {args.threads}: give 1 .. {most:,} (the CPU threads to train with; this machine has "
+                f"{cores}; leave the flag out to use every core)")
+    if args.steps is not None and not 1 <= args.steps <= MAX_STEPS:
+        p.error(f"--steps {args.steps:,}: give 1 .. {MAX_STEPS:,} (the step budget; the shipped model took "
+                f"{DEFAULT_STEPS:,})")
+    if args.minutes is not None and not (math.isfinite(args.minutes) and 0 < args.minutes <= MAX_MINUTES):
+        p.error(f"--minutes {args.minutes:g}: give a number of minutes more than 0 and at most {MAX_MINUTES:,}")
+    if args.minutes is not None and args.steps is not None:
+        p.error("give one budget: --minutes or --steps, not both")
+    if not 0 <= args.seed < 2 ** 63:
+        p.error(f"--seed {args.seed}: use an integer 0 <= seed < 2**63")
+    for name, (lo, hi, closed) in SHARE_FLAGS.items():
+        value = getattr(args, name)
+        if not (math.isfinite(value) and lo <= value and (value <= hi if closed else value < hi)):
+            p.error(f"--{name.replace('_', '-')} {value:g}: give a share in [{lo:g}, {hi:g}{']' if closed else ')'}")
+    if args.stop_after is not None and not 1 <= args.stop_after <= MAX_STEPS:
+        p.error(f"--stop-after {args.stop_after}: give 1 .. {MAX_STEPS:,}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     argv = sys.argv[1:] if argv is None else argv
@@ -1412,6 +1454,16 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--copy-offsets {args.copy_offsets!r}: give a share of the budget (e.g. {COPY_OFFSETS}) or none")
         if args.heads < 1 or MINI_CONFIG["n_embd"] % args.heads:
             p.error(f"--heads {args.heads} must divide the model's width {MINI_CONFIG['n_embd']} (e.g. 1, 2, 4, 8)")
+        _check_numbers(p, args)
+        if copy_offsets not in ("default", None) and not (math.isfinite(copy_offsets) and 0 <= copy_offsets
+                                                          < args.copy_phase):
+            p.error(f"--copy-offsets {args.copy_offsets}: give a share in [0, --copy-phase {args.copy_phase:g}) or "
+                    "none")
+        if curriculum not in (True, None):
+            try:
+                _check_curriculum(curriculum, BATCH, SEQ_LEN)
+            except TrainError as e:
+                p.error(str(e))
     except SystemExit as e:
         return int(e.code or 0)
     command = "python -m harness.train " + " ".join(shlex.quote(a) for a in argv)

@@ -133,8 +133,11 @@ def build_spec(group: str, project: str = PROJECT, entity: str | None = None, fi
 
 
 def _spec_path(path: str | Path) -> Path:
+    """The spec file a path names: a folder (one that exists, or any path written with a trailing slash) holds
+    ``wandb_report.json``; anything else is the file itself."""
+    folder = isinstance(path, str) and path.endswith(("/", os.sep))  # Path() drops the slash: ask the text
     path = Path(path)
-    return path / SPEC_FILE if path.is_dir() or str(path).endswith(("/", os.sep)) else path
+    return path / SPEC_FILE if folder or path.is_dir() else path
 
 
 def _write_json(path: Path, spec: dict) -> Path:
@@ -158,10 +161,19 @@ def _refuse_not_a_spec(path: Path) -> None:
                          "spec elsewhere") from None
 
 
+SPEC_MAX = 4 * 2 ** 20  # bytes: a spec is a few KB
+
+
 def spec_from_file(path: str | Path) -> dict:
     """Read a spec written by ``write_spec`` (a file, or a folder holding wandb_report.json); ValueError in one line
     when it is not one."""
     path = _spec_path(path)
+    if path.exists():  # sized before it is read: a device or a huge file is not a spec
+        from harness.results import too_big
+
+        why = too_big(path, SPEC_MAX)
+        if why:
+            raise ValueError(f"{path}: not a kvlab W&B report spec ({why})")
     try:
         spec = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -279,6 +291,16 @@ def create(spec: dict, timeout: float = API_TIMEOUT_S) -> str:
                            "sweep is synced (`wandb sync ...`)") from None
 
 
+TIMEOUT_MAX_S = 600.0  # --timeout's bound: a W&B call that has not answered in 10 minutes will not
+NAME_MAX = 128  # W&B's longest entity or project name
+
+
+def _wandb_name(name: str) -> bool:
+    """Whether ``name`` can name a W&B entity or project (what W&B itself refuses: empty, over 128 characters,
+    one of / \\ # ? % :; and no whitespace or control characters here)."""
+    return 0 < len(name) <= NAME_MAX and not any(c in "/\\#?%:" or c.isspace() or not c.isprintable() for c in name)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m harness.wandb_report",
@@ -289,9 +311,31 @@ def main(argv=None) -> int:
     ap.add_argument("--spec-only", metavar="FILE",
                     help=f"write the report's spec to FILE (a folder: FILE/{SPEC_FILE}) and stop; no network")
     ap.add_argument("--from-spec", metavar="FILE", help="publish a spec written before (e.g. by a sweep)")
-    ap.add_argument("--timeout", type=float, default=API_TIMEOUT_S, help="seconds each W&B call may take")
-    args = ap.parse_args(argv)
+    ap.add_argument("--timeout", default=str(API_TIMEOUT_S), metavar="SECONDS",
+                    help=f"seconds each W&B call may take, in (0, {TIMEOUT_MAX_S:g}] (default {API_TIMEOUT_S:g})")
+
+    def error(message):  # one line, exit 2 (argparse would print the usage first)
+        raise ValueError(f"{message} (see python -m harness.wandb_report --help)")
+
+    ap.error = error
     try:
+        args = ap.parse_args(argv)
+        # every flag is checked before anything is read, written or sent
+        try:
+            timeout = float(args.timeout)
+        except ValueError:
+            timeout = float("nan")
+        if not 0 < timeout <= TIMEOUT_MAX_S:  # NaN fails too
+            raise ValueError(f"--timeout {args.timeout}: give the seconds each W&B call may take, a number in "
+                             f"(0, {TIMEOUT_MAX_S:g}]")
+        args.timeout = timeout
+        for flag, value in (("--entity", args.entity), ("--project", args.project)):
+            if value is not None and not _wandb_name(value):
+                raise ValueError(f"{flag} {value!r}: give a W&B {flag[2:]} name: 1 to {NAME_MAX} characters, none "
+                                 "of / \\ # ? % : and no spaces")
+        for flag, value in (("--spec-only", args.spec_only), ("--from-spec", args.from_spec)):
+            if value is not None and not value.strip():
+                raise ValueError(f"{flag} {value!r}: give a file (or a folder, for {SPEC_FILE} in it)")
         if (args.group is None) == (args.from_spec is None):
             raise ValueError("pass either GROUP or --from-spec FILE")
         if args.from_spec and args.spec_only:

@@ -23,9 +23,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+if __name__ == "__main__":  # a Python without torch: run again with the repo's .venv, or one line (scripts/_venv.py)
+    import _venv
+
+    _venv.ensure(__file__)
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))

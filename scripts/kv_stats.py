@@ -21,7 +21,12 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
+if __name__ == "__main__":  # a Python without torch: run again with the repo's .venv, or one line (scripts/_venv.py)
+    import _venv
+
+    _venv.ensure(__file__)
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.train import attention_io, attention_on_first  # noqa: E402

@@ -94,3 +94,18 @@ def tiny_sweep(tmp_path_factory):
                    f"hydra.sweep.dir={sweep}"], tmp,
                   dict(WANDB_BASE_URL=url, HTTP_PROXY=url, HTTPS_PROXY=url, http_proxy=url, https_proxy=url))
     return sweep, proc, trip
+
+
+def one_line(err: str) -> str:
+    """The one line a refusal prints (asserted: one line, no traceback)."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def untested_cases(path: str, cases: list) -> list[str]:
+    """The ids of a test file's ``CASES`` that no test below the list names (``# id`` or ``, id``); asserts each id is
+    listed once."""
+    text = open(path, encoding="utf-8").read().split("\nCASES = [", 1)[1].split("\n]\n", 1)[1]
+    assert len({c for c, _ in cases}) == len(cases)
+    return [c for c, _ in cases if f"# {c}" not in text and f", {c}" not in text]

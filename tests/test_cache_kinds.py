@@ -201,6 +201,23 @@ def test_unknown_or_mistyped_options_are_refused_in_one_line(kind):
             make(kind, {name: "seven" if typ is not str else 7})
 
 
+@pytest.mark.parametrize("kind,opts", CASES)
+def test_every_example_is_a_setting_a_run_accepts_and_the_run_checks_say_one_line(kind, opts):
+    """The option sets this suite runs are ones a run would accept at its max_len (40) and head size: each has an
+    effect there (a window that slides, something quantised, a budget below max_len). At shorter max_lens a kind
+    may refuse them, in one line naming the max_len."""
+    cls = CACHE_KINDS[kind]
+    o = cls.parse_options(**opts)
+    cls.check_max_len(o, 40)
+    cls.check_head_dim(o, GEOM["head_dim"])
+    cls.check_fills(o, [("a test's prefill", 2, 35)])
+    for max_len in (1, 2, 5, 8):
+        try:
+            cls.check_max_len(o, max_len)
+        except ValueError as e:
+            assert "\n" not in str(e) and str(max_len) in str(e), str(e)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_geometry_and_dtype_are_checked(kind):
     with pytest.raises(ValueError, match="max_len must be a positive integer"):

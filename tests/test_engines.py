@@ -38,7 +38,7 @@ def test_hf_rewind_checkpoint_and_nbytes(engines, kind):
     c = hf.model.config
     prompt = torch.randint(0, 50257, (1, 12), generator=torch.Generator().manual_seed(1))
     cache = hf.new_cache(kind, max_len=32)
-    assert type(cache).__name__ == HF_COUNTERPARTS[kind][0]
+    assert type(cache).__name__ == HF_COUNTERPARTS[kind].name
     hf.prefill(prompt, cache)
     held = 12 if kind == "concat" else 32
     assert hf.nbytes(cache) == kv_bytes(c.n_layer, c.n_head, c.n_embd // c.n_head, held)
@@ -64,13 +64,17 @@ def quanto_bytes(B, H, D, n_layer, bits, G, quantised, tail, isz=4):
     return n_layer * 2 * (math.ceil(groups * bits / 8) * G + groups * 2 * isz + B * H * tail * D * isz)
 
 
+TOKEN = {"k_axis": "token"}  # the layout quanto runs: K grouped per token, as V (engine=hf refuses K per channel)
+
+
 @pytest.mark.parametrize("opts,dtype", [({}, torch.float32), ({"residual": 3}, torch.float32),
-                                        ({"k_bits": 2, "v_bits": 2, "group_size": 16, "residual": 1}, torch.float32),
+                                        ({"k_bits": 2, "v_bits": 2, "group_size": 16, "residual": 2}, torch.float32),
                                         ({"k_bits": 2, "v_bits": 2}, torch.float32),  # 6 x tokens groups: rounded up
                                         ({"residual": 2}, torch.bfloat16)])  # scales and shifts in bf16
 def test_hf_quantized_cache_holds_what_its_layout_says_and_checkpoints(tiny_model, opts, dtype):
-    """Every ``residual`` steps (every step for 0 or 1) it quantises all tokens so far; the rest wait in full
+    """Every ``residual`` steps (every step for 0) it quantises all tokens so far; the rest wait in full
     precision. The bytes read from its quanto tensors equal that layout at every step, at batch 1 and 3."""
+    opts = {**TOKEN, **opts}
     hf = HFEngine(copy.deepcopy(tiny_model).to(dtype))
     c = hf.model.config
     H, D, o = c.n_head, c.n_embd // c.n_head, cache_kind("quant").parse_options(**opts)
@@ -101,7 +105,7 @@ def test_hf_quantized_cache_holds_what_its_layout_says_and_checkpoints(tiny_mode
 
 def test_hf_quantized_cache_is_lossy_and_fewer_bits_lose_more(engines):
     """Both quantised caches move the logits off the exact cache's, 2 bits further than 4, each engine's by an
-    amount of the same order (they group K differently: ours per channel, quanto's per token)."""
+    amount of the same order (the same layout, K and V per token; quanto re-quantises its history every step)."""
     ours, hf = engines
     prompt = torch.randint(0, 50257, (2, 20), generator=torch.Generator().manual_seed(3))
     exact = ours.greedy(prompt, 16, layout="prealloc")
@@ -109,7 +113,7 @@ def test_hf_quantized_cache_is_lossy_and_fewer_bits_lose_more(engines):
     for e in (ours, hf):
         for bits in (4, 2):
             # teacher-forced on the exact cache's tokens, so both engines score the same contexts
-            cache = e.new_cache("quant", 36, 2, k_bits=bits, v_bits=bits)
+            cache = e.new_cache("quant", 36, 2, k_bits=bits, v_bits=bits, **TOKEN)
             seq = torch.cat([prompt, exact.tokens], dim=1)
             logits = [e.prefill(seq[:, :20], cache, last_only=True)]
             logits += [e.decode(seq[:, i:i + 1], cache) for i in range(20, 35)]
@@ -126,7 +130,7 @@ def test_hf_quantized_runs_bytes_and_decode_drift_measured_as_ours(engines, tiny
     from harness import measure
 
     _, hf = engines
-    spec = measure.CacheSpec("quant", {"residual": 3})
+    spec = measure.CacheSpec("quant", {"residual": 3, **TOKEN})
     prompt = torch.randint(0, 50257, (1, 9), generator=torch.Generator().manual_seed(5))
     rec, curve = measure.cache_memory(hf, spec, prompt, 8, 64)
     assert rec["nbytes_match"] and rec["nbytes_curve_match"] and curve.nbytes_measured.notna().sum() == 8
@@ -145,24 +149,28 @@ def test_hf_refuses_what_it_has_no_counterpart_of(engines):
         hf.forward(torch.tensor([[1, 2, 3]]), window=2, sinks=0)
     with pytest.raises(ValueError, match="in the model dtype"):
         hf.new_cache("prealloc", max_len=16, dtype=torch.float16)
-    with pytest.raises(ValueError, match="one bit width for K and V, 2 or 4: got k_bits=8, v_bits=4"):
-        hf.new_cache("quant", max_len=16, k_bits=8)
-    with pytest.raises(ValueError, match="group_size to divide the head size 32: got group_size=5"):
-        hf.new_cache("quant", max_len=16, group_size=5)
+    with pytest.raises(ValueError, match=r"does not run k_bits=8 \(quanto quantises K and V to one width, its "
+                                         r"nbits: 4 or 2\): pass cache.k_bits=4, or use engine=kvlab"):
+        hf.new_cache("quant", max_len=16, k_bits=8, **TOKEN)
+    with pytest.raises(ValueError, match=r"does not run group_size=5 \(quanto's q_group_size must divide the head "
+                                         r"size 32\): pass cache.group_size=4"):
+        hf.new_cache("quant", max_len=16, group_size=5, **TOKEN)
+    with pytest.raises(ValueError, match="does not run k_axis=channel .*: pass cache.k_axis=token"):
+        hf.new_cache("quant", max_len=16)  # quant's default groups K per channel: quanto cannot
     with pytest.raises(ValueError, match="has no option 'window'"):
         hf.new_cache("quant", max_len=16, window=4)
 
 
 @pytest.mark.slow
 def test_hf_is_a_peer_in_the_grid(tmp_path):
-    """`-m engine=kvlab,hf cache=concat,prealloc,quant`: six comparable runs, measured the same way, told apart by
-    their engine in every table."""
+    """`-m engine=kvlab,hf cache=concat,prealloc,quant/token`: six comparable runs, measured the same way, told
+    apart by their engine in every table (quant with K per token on both: the one layout quanto runs)."""
     import json
 
     from tests.conftest import TINY, run_py
 
     sweep, kinds = tmp_path / "sweep", ("concat", "prealloc", "quant")
-    proc = run_py(["-m", "engine=kvlab,hf", f"cache={','.join(kinds)}", *TINY, "batch_sizes=[1,2]",
+    proc = run_py(["-m", "engine=kvlab,hf", "cache=concat,prealloc,quant/token", *TINY, "batch_sizes=[1,2]",
                    "batch_context=8", "tracking=disabled", f"hydra.sweep.dir={sweep}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = [json.loads(p.read_text()) for p in sweep.glob("*/results.json")]
@@ -171,7 +179,9 @@ def test_hf_is_a_peer_in_the_grid(tmp_path):
     for (engine, cache), r in got.items():
         assert r["status"] == "ok" and r["nbytes_match"] and r["nbytes_curve_match"], r
         assert r["tokens_identical"] or cache == "quant", r
-        label = "quant k4/v4 g32" if cache == "quant" else cache
+        label = "quant k4/v4 g32 K/token" if cache == "quant" else cache
+        assert cache != "quant" or (r["cache_k_axis"], r["cache_v_axis"], r["cache_quantize"]) == ("token", "token",
+                                                                                                  "kv")
         assert r["cache_label"] == (label if engine == "kvlab" else f"{label} · hf")
     for e in ("kvlab", "hf"):  # same weights, same bytes: HF's exact caches hold what ours hold
         assert got[(e, "concat")]["cache_nbytes"] == got[("kvlab", "concat")]["cache_nbytes"]
@@ -185,7 +195,7 @@ def test_hf_is_a_peer_in_the_grid(tmp_path):
     assert set(steps.engine) == {"kvlab", "hf"} and steps.cache_label.nunique() == 6
     # ours / HF from this one sweep: every (cache, context) at batch 1 from steps.csv, and batch 2 from batches.csv
     ratios = pd.read_csv(sweep / "report" / "engine_ratios.csv")
-    settings = ("concat", "prealloc", "quant k4/v4 g32")  # each kind with its options
+    settings = ("concat", "prealloc", "quant k4/v4 g32 K/token")  # each kind with its options
     assert set(zip(ratios.cache, ratios.context_len, ratios.batch)) == {
         (c, t, 1) for c in settings for t in (8, 32)} | {(c, 8, 2) for c in settings}
     cached = steps[steps["mode"] == "cached"].set_index(["cache_label", "context_len"]).ms_median

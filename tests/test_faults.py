@@ -68,11 +68,88 @@ CONFIG = [
     ("hf-storage-dtype", ["engine=hf", "dtype=fp16"],
      "engine=hf: HF caches store K/V in the model's dtype: dtype.storage=fp16 with compute fp32; set "
      "dtype.compute=fp16"),
-    ("hf-quant-bits", ["engine=hf", "cache=quant", "cache.k_bits=8"],
-     "engine=hf cache=quant: HF's QuantizedCache (quanto) takes one bit width for K and V, 2 or 4: got k_bits=8"),
-    ("hf-quant-rotate", ["engine=hf", "cache=quant", "cache.rotate=hadamard"],
-     "engine=hf cache=quant: HF's QuantizedCache (quanto) groups V per token and rotates nothing: got "
-     "v_axis=token, rotate=hadamard"),
+    ("hf-quant-bits", ["engine=hf", "cache=quant/token", "cache.k_bits=8"],
+     "engine=hf cache=quant: HF's QuantizedCache does not run k_bits=8 (quanto quantises K and V to one width, its "
+     "nbits: 4 or 2): pass cache.k_bits=4, or use engine=kvlab"),
+    ("hf-quant-rotate", ["engine=hf", "cache=quant/token", "cache.rotate=hadamard"],
+     "engine=hf cache=quant: HF's QuantizedCache does not run rotate=hadamard (quanto rotates nothing): pass "
+     "cache.rotate=none, or use engine=kvlab"),
+    # HF runs quant per token, both K and V, and nothing else: every option it cannot honour is refused, none ignored
+    ("hf-quant-k-axis", ["engine=hf", "cache=quant"],
+     "engine=hf cache=quant: HF's QuantizedCache does not run k_axis=channel (quanto groups K per token, axis_key=0: "
+     "its per-channel axis fails on a growing cache): pass cache.k_axis=token, or use engine=kvlab"),
+    ("hf-quant-quantize", ["engine=hf", "cache=quant/token", "cache.quantize=v"],
+     "engine=hf cache=quant: HF's QuantizedCache does not run quantize=v (QuantizedCache quantises K and V both): "
+     "pass cache.quantize=kv, or use engine=kvlab"),
+    ("hf-quant-v-axis", ["engine=hf", "cache=quant/token", "cache.v_axis=channel"],
+     "engine=hf cache=quant: HF's QuantizedCache does not run v_axis=channel (quanto groups V per token, "
+     "axis_value=0): pass cache.v_axis=token, or use engine=kvlab"),
+    ("hf-quant-v-bits", ["engine=hf", "cache=quant/token", "cache.k_bits=2"],
+     "engine=hf cache=quant: HF's QuantizedCache does not run v_bits=4 (quanto quantises K and V to one width, its "
+     "nbits: v_bits must equal k_bits): pass cache.v_bits=2, or use engine=kvlab"),
+    ("hf-quant-residual-one", ["engine=hf", "cache=quant/token", "cache.residual=1"],
+     "engine=hf cache=quant: HF's QuantizedCache does not run residual=1 (quanto flushes its full-precision tail "
+     "every residual_length steps, and at 1 every step as at 0): pass cache.residual=0, or use engine=kvlab"),
+    ("hf-quant-group-size", ["engine=hf", "cache=quant/token", "cache.group_size=48"],
+     "engine=hf cache=quant: HF's QuantizedCache does not run group_size=48 (quanto's q_group_size must divide the "
+     "head size 64): pass cache.group_size=32, or use engine=kvlab"),
+    # options with no effect at the run's max_len or head size: refused, never labelled as what did not run
+    ("window-never-slides", ["cache=window", "cache.window=1020"],
+     "cache=window: sinks 4 + window 1020 = 1024 slots hold every token a sequence of max_len=1024 can have: the "
+     "window never slides at that max_len and the run is full attention; use sinks + window < 1024"),
+    ("window-sinks-never-slide", ["cache=window", "cache.sinks=2000"],
+     "cache=window: sinks 2000 + window 32 = 2032 slots hold every token a sequence of max_len=1024 can have"),
+    ("window-given-with-budget", ["cache=window", "cache.budget=64", "cache.window=100"],
+     "cache=window: cache option window=100 has no effect with budget=64: the window is budget - sinks = 60; give "
+     "window alone (budget=0) or budget alone"),
+    ("eviction-budget-equals-max-len", ["cache=h2o", "cache.budget=256", "max_len=256"],
+     "cache=h2o: cache option budget 256 equals max_len 256: it keeps every token a sequence can have, so nothing "
+     "is ever evicted and the run is full attention; use budget < 256"),
+    ("snapkv-kernel-too-wide", ["cache=snapkv", "cache.kernel=2049"],
+     "cache=snapkv: cache option kernel=2049 is wider than any prompt of max_len=1024 needs: from 2047 on, every "
+     "key's pooling window spans every key, so wider runs the same; use kernel <= 2047"),
+    ("random-seed-negative", ["cache=random", "cache.seed=-1"],
+     "cache=random: cache option seed must be an integer 0 <= seed < 2**32"),
+    ("random-seed-aliased", ["cache=random", "cache.seed=4294967296"],
+     "(the hash is 32-bit: seed and seed + 2**32 keep the same positions), got 4294967296"),
+    ("quant-residual-over-max-len", ["cache=quant", "cache.residual=1024"],
+     "cache=quant: cache option residual=1024 keeps every one of max_len=1024 tokens in full precision, so nothing "
+     "is ever quantised: use residual < 1024"),
+    ("quant-channel-group-never-fills", ["cache=quant", "cache.residual=1000"],
+     "cache=quant: K is grouped per channel over group_size=32 tokens beyond the newest residual=1000: at "
+     "max_len=1024 no group ever fills (that needs residual + group_size < max_len), so K is never quantised"),
+    ("quant-group-over-head", ["cache=quant/token", "cache.group_size=128"],
+     "cache=quant: cache option group_size=128 is more than the head size 64: a per-token group spans at most the "
+     "head's 64 channels, so it runs as group_size=64 would; use group_size <= 64"),
+    ("paged-block-size-over-max-len", ["cache=paged", "cache.block_size=2048"],
+     "cache=paged: cache option block_size=2048 is more than max_len=1024: a block's slots past max_len never hold "
+     "a token; use block_size <= 1024"),
+    ("paged-pool-too-small", ["cache=paged", "cache.blocks=5"],
+     "cache=paged: cache option blocks=5 is too few for this run: the decode step at context 512 holds 1 sequence "
+     "of 513 tokens, 33 blocks of 16; use cache.blocks >= 33 (or blocks=0: every sequence can reach max_len)"),
+    ("paged-pool-too-small-batch", ["cache=paged", "cache.blocks=40", "batch=16", "context_lengths=[32]"],
+     "cache=paged: cache option blocks=40 is too few for this run: the served batch of 16 holds 16 sequences of 63 "
+     "tokens, 64 blocks of 16; use cache.blocks >= 64"),
+    ("batch-context-over-max-len", ["batch_sizes=[1,8]", "batch_context=2000"],
+     "batch_context=2000: a batch timed at context c needs 1 <= c < max_len=1024; use batch_context <= 1023"),
+    # every count is bounded before anything is read or allocated by it
+    ("n-prompts-huge", ["n_prompts=100000000"],
+     "n_prompts=100000000 is over kvlab's cap of 10,000 prompts per run: give 1 .. 10,000"),
+    ("repeats-huge", ["repeats=100000"], "repeats=100000 is over kvlab's cap of 10,000 timed repeats per step: give "
+     "1 .. 10,000"),
+    ("warmup-huge", ["warmup=5000"], "warmup=5000 is over kvlab's cap of 1,000 warm-up steps: give 0 .. 1,000"),
+    ("full-prompts-huge", ["full_prompts=20000"],
+     "full_prompts=20000 is over kvlab's cap of 10,000 prompts: give 0 .. 10,000 (n_prompts caps it)"),
+    ("retrieval-k-huge", ["retrieval_k=5000"], "retrieval_k=5000 is over kvlab's cap of 1,000 sequences: give "
+     "1 .. 1,000"),
+    ("contexts-too-many", [f"context_lengths=[{','.join(map(str, range(1, 102)))}]"],
+     "context_lengths has 101 lengths, over kvlab's cap of 100 per run: give at most 100"),
+    ("batch-sizes-too-many", [f"batch_sizes=[{','.join(map(str, range(1, 102)))}]"],
+     "batch_sizes has 101 sizes, over kvlab's cap of 100 per run: give at most 100"),
+    ("batch-size-repeated", ["batch_sizes=[1,8,8]"], "batch_sizes [1, 8, 8] repeats a size: give each once"),
+    ("ragged-batch-of-one", ["prompt_lengths=ragged"],
+     "prompt_lengths=ragged with batch=1 and prompt_len=32 serves every prompt at prompt_len tokens: nothing is "
+     "ragged; use batch >= 2 and prompt_len >= 2, or prompt_lengths=uniform"),
     ("quant-axis-unknown", ["cache=quant", "cache.k_axis=row"], "cache option k_axis='row': use channel or token"),
     ("paged-block-size-zero", ["cache=paged", "cache.block_size=0"], "block_size must be an integer >= 1"),
     ("compile-not-prealloc", ["cache=concat", "compile=true"],
@@ -110,7 +187,7 @@ def compose_cfg(overrides):
 @pytest.mark.parametrize("case,overrides,message", CONFIG, ids=[c[0] for c in CONFIG])
 def test_config_values_are_refused_in_one_line(case, overrides, message):
     with pytest.raises(ConfigError) as e:
-        validate(compose_cfg(overrides), 1024)
+        validate(compose_cfg(overrides), 1024, 64)  # gpt2's geometry, the default model's
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -475,9 +552,11 @@ def test_the_readme_table_lists_every_case():
     end = doc.find("\n## ", start + 1)
     table = doc[start:end if end >= 0 else len(doc)]
     listed = set(re.findall(r"^\| `([a-z0-9-]+)` \|", table, flags=re.M))
-    from tests import test_safe_engine, test_safe_report, test_safe_runs, test_safe_tools
+    from tests import (test_findings, test_safe_bounds, test_safe_engine, test_safe_options, test_safe_report,
+                       test_safe_runs, test_safe_second_pass, test_safe_tools)
 
-    safe = {c[0] for m in (test_safe_engine, test_safe_runs, test_safe_report, test_safe_tools) for c in m.CASES}
+    safe = {c[0] for m in (test_safe_engine, test_safe_runs, test_safe_report, test_safe_tools, test_safe_options,
+                           test_safe_bounds, test_safe_second_pass, test_findings) for c in m.CASES}
     cases = {c[0] for c in CONFIG + HYDRA + CHECKPOINTS + PROMPTS} | set(API) | set(OTHER) | safe
     assert listed == cases, (sorted(cases - listed), sorted(listed - cases))
     assert len(cases) >= 30

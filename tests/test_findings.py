@@ -11,15 +11,33 @@ import pytest
 from harness import findings
 from harness.findings import claim_rows, sweep_findings
 
+# issue 44's verdict cases: a claim is judged only on runs of its stated setting (docs/faults.md lists the ids)
+CASES = [
+    ("kivi-verdict-ignores-group-and-rotation", "paper_kivi with cache.group_size=8 cache.rotate=hadamard: every claim "
+                                                "'not judged', naming each setting that differs"),
+    ("streaming-verdict-ignores-budget-and-dtype", "paper_streamingllm with cache.budget=16 dtype=bf16: 'not "
+                                                   "judged', naming both"),
+    ("copy-verdict-without-copying-control", "a copy claim when fp32 full attention itself does not copy: 'not "
+                                             "judged', saying so"),
+    ("h2o-budget-two-homes", "paper_h2o's budget has one home (its preset); cache.budget=256 is 'not judged'"),
+    ("verdict-setting-mismatch", "any setting a claim states (group size, rotation, residual, dtype, engine, prompts, "
+                                 "trained weights, text and copy lengths) perturbed in any preset: 'not judged'"),
+    ("kivi-short-text", "paper_kivi with drift_text_len=16 (groups of 32 never fill): 'not judged', not 'does not "
+                        "hold'"),
+    ("sink-verdict-without-a-gap", "the sink claims when the window without sinks costs nothing: 'not judged'"),
+    ("mixed-sweep-reads-any-run", "a sweep mixing the claim's setting with another: judged from the matching runs "
+                                  "alone"),
+]
+
 
 def run(name, cache="quant", status="ok", dtype="fp32", exact=None, **values):
     """One results row as a run records it; ``cache_<option>`` columns for the kind's options."""
     exact = values.pop("cache_exact", cache in ("prealloc", "concat", "window", "h2o") if exact is None else exact)
     label = values.pop("label", values.pop("cache_label", None)) or cache + "".join(
         f" {k[6:]}{v}" for k, v in values.items() if k.startswith("cache_") and k != "cache_nbytes")
-    return dict(run_name=name, status=status, model="mini", engine="kvlab", cache=cache, cache_label=label,
-                cache_exact=exact, dtype=dtype, storage_dtype="float32" if dtype == "fp32" else "float16",
-                compute_dtype="float32", device="cpu", batch=1, **values)
+    return {**dict(run_name=name, status=status, model="mini", engine="kvlab", cache=cache, cache_label=label,
+                   cache_exact=exact, dtype=dtype, storage_dtype="float32" if dtype == "fp32" else "float16",
+                   compute_dtype="float32", device="cpu", batch=1), **values}
 
 
 def frame(*rows) -> pd.DataFrame:
@@ -87,17 +105,37 @@ def test_a_sweep_with_one_setting_or_no_ok_run_says_nothing():
     assert claim_rows(frame(run("a"))) == []  # not a paper preset
 
 
-def h2o_sweep(both, local, heavy, acc=(0.27, 0.13, 0.02)):
-    return frame(*[run(f"r{recent}", "h2o", experiment="paper_h2o", cache_budget=205, cache_recent=recent,
-                       drift_delta_nll=d, retrieval_acc=a, retrieval_acc_ref=0.4, retrieval_n=512)
-                   for recent, d, a in ((102, both, acc[1]), (205, local, acc[2]), (0, heavy, acc[0]))])
+def paper_run(preset, name, **values):
+    """One ok run of ``preset``'s setting as a run records it: the kind, dtype, engine and cache options its YAML
+    states, trained weights, the prompts file, and texts and copies of the lengths it asks for; ``values`` on top."""
+    p = findings.preset(preset)
+    n = p.fixed["n_prompts"]
+    cols = dict(experiment=preset, engine=p.fixed["engine"], prompts=p.fixed["prompts"], weights="pretrained",
+                n_prompts=n, drift_text_positions=n * (p.fixed["drift_text_len"] - 1),
+                retrieval_n=p.fixed.get("retrieval_n", 200), retrieval_first_copy_acc=0.0)
+    cols.update({f"cache_{k[len('cache.'):]}": v for k, v in p.fixed.items() if k.startswith("cache.")})
+    cols.update(values)
+    return run(name, cols.pop("cache", p.fixed["cache"]), dtype=cols.pop("dtype", p.fixed["dtype"]), **cols)
+
+
+H2O_BUDGET = findings.preset("paper_h2o").fixed["cache.budget"]
+RECENT = {"heavy": 0, "both": H2O_BUDGET // 2, "local": H2O_BUDGET}  # H2O's ablation at the preset's budget
+
+
+def h2o_sweep(both, local, heavy, acc=(0.27, 0.13, 0.02), **values):
+    return frame(*[paper_run("paper_h2o", f"r{RECENT[role]}", **{"cache_recent": RECENT[role], "drift_delta_nll": d,
+                                                                "retrieval_acc": a, "retrieval_acc_ref": 0.4,
+                                                                **values})
+                   for role, d, a in (("both", both, acc[1]), ("local", local, acc[2]), ("heavy", heavy, acc[0]))])
 
 
 def test_h2o_claims_take_their_direction_from_the_numbers():
     rows = claim_rows(h2o_sweep(both=0.2, local=0.6, heavy=1.0))
     assert [r.holds for r in rows] == [True, False, True]  # both best; heavy alone worse than local; copies better
-    assert rows[0].our_number == "+0.200 / +0.600 / +1.000" and rows[0].runs == ("r102", "r205", "r0")
+    assert rows[0].our_number == "+0.200 / +0.600 / +1.000"
+    assert rows[0].runs == (f"r{RECENT['both']}", f"r{RECENT['local']}", "r0")
     assert rows[0].paper_number == "78.51 / 55.82 / 67.25 / 78.45" and "Table 6" in rows[0].source
+    assert not any(r.not_judged for r in rows)
     flipped = claim_rows(h2o_sweep(both=0.7, local=0.6, heavy=0.3, acc=(0.01, 0.1, 0.2)))
     assert [r.holds for r in flipped] == [False, True, False]
 
@@ -105,13 +143,14 @@ def test_h2o_claims_take_their_direction_from_the_numbers():
 def test_a_claim_whose_runs_are_missing_says_so():
     runs = h2o_sweep(0.2, 0.6, 1.0).iloc[:2]  # no heavy-hitters-only run
     rows = claim_rows(runs)
-    assert all(r.holds is None and "not in this sweep" in r.our_number for r in rows)
+    assert all(r.holds is None and "not in this sweep" in r.our_number and not r.not_judged for r in rows)
 
 
-def streaming_sweep(dnll):
-    return frame(*[run(f"s{s}", "window", experiment="paper_streamingllm", cache_budget=64, cache_sinks=s,
-                       cache_window=64 - s, drift_delta_nll=d, drift_text_positions=2046, retrieval_acc=0.01,
-                       retrieval_acc_ref=0.2, retrieval_n=200) for s, d in zip((0, 1, 2, 4, 8), dnll)])
+def streaming_sweep(dnll, **values):
+    budget = findings.preset("paper_streamingllm").fixed["cache.budget"]
+    values = {"retrieval_acc": 0.01, "retrieval_acc_ref": 0.2, **values}
+    return frame(*[paper_run("paper_streamingllm", f"s{s}", cache_sinks=s, cache_window=budget - s, drift_delta_nll=d,
+                             **values) for s, d in zip(findings.SINKS, dnll)])
 
 
 def test_streamingllm_claims():
@@ -123,31 +162,164 @@ def test_streamingllm_claims():
     assert [r.holds for r in rows[:3]] == [True, False, False]  # one sink recovers 10%; 8 sinks far better than 4
 
 
+def kv_types_sweep(**values):
+    return frame(*[paper_run("paper_kv_types", f"{q}{b}", cache_k_bits=b, cache_v_bits=b, cache_quantize=q,
+                             drift_kl=kl, **values)
+                   for q, b, kl in (("k", 8, 2e-4), ("v", 8, 5e-4), ("kv", 8, 6e-4), ("k", 4, 3e-3), ("v", 4, 1e-3))])
+
+
+def rotation_sweep(**values):
+    return frame(*[paper_run("paper_rotation", f"{r}{b}", cache_k_bits=b, cache_rotate=r, text_nll=3.4 + d,
+                             text_nll_fp32=3.4, step_ms_cached_at_max_context=ms, max_context_len=960, **values)
+                   for r, b, d, ms in (("none", 4, 0.1, 2.0), ("hadamard", 4, 0.01, 2.5), ("none", 2, 0.5, 2.0),
+                                       ("hadamard", 2, 0.6, 2.4))])
+
+
+def kivi_sweep(flip=False, **values):
+    """The 8 KIVI runs; ΔNLL lowest with K per channel and V per token (``flip``: with K per token)."""
+    return frame(*[paper_run("paper_kivi", f"{b}{k[0]}{v[0]}", cache_k_bits=b, cache_v_bits=b, cache_k_axis=k,
+                             cache_v_axis=v, drift_delta_nll=(0.1 if (k == "token") == flip else 0.3)
+                             * (1 if v == "token" else 2) / b, drift_kl_p99=0.1, **values)
+                   for b in (2, 4) for k in ("channel", "token") for v in ("token", "channel")])
+
+
 def test_kv_types_and_rotation_claims():
-    kv = frame(*[run(f"{q}{b}", experiment="paper_kv_types", cache_k_bits=b, cache_v_bits=b, cache_k_axis="token",
-                     cache_v_axis="token", cache_group_size=32, cache_quantize=q, drift_kl=kl)
-                 for q, b, kl in (("k", 8, 2e-4), ("v", 8, 5e-4), ("kv", 8, 6e-4), ("k", 4, 3e-3), ("v", 4, 1e-3))])
-    rows = claim_rows(kv)
+    rows = claim_rows(kv_types_sweep())
     # V the more sensitive at 8 bits here; both (6e-4) is 3x K alone (2e-4), not within 1.25x; K at 4 bits
     assert [r.holds for r in rows] == [False, False, True]
     assert rows[0].our_number == "2.00e-04 vs 5.00e-04 (0.40×)"
-    rot = frame(*[run(f"{r}{b}", experiment="paper_rotation", cache_k_bits=b, cache_k_axis="token",
-                      cache_quantize="k", cache_rotate=r, text_nll=3.4 + d, text_nll_fp32=3.4,
-                      step_ms_cached_at_max_context=ms, max_context_len=960)
-                  for r, b, d, ms in (("none", 4, 0.1, 2.0), ("hadamard", 4, 0.01, 2.5), ("none", 2, 0.5, 2.0),
-                                      ("hadamard", 2, 0.6, 2.4))])
-    rows = claim_rows(rot)
+    rows = claim_rows(rotation_sweep())
     assert [r.holds for r in rows] == [True, False, None]
     assert rows[0].our_number == f"{100 * (math.exp(0.1) - 1):+.2f}% vs {100 * (math.exp(0.01) - 1):+.2f}%"
     assert rows[2].our_number == "2.00 vs 2.50 ms (1.25×)"
 
 
-def test_every_preset_has_its_claims_and_its_config():
-    from pathlib import Path
+def test_kivi_claims():
+    assert [r.holds for r in claim_rows(kivi_sweep())] == [True, False, False]  # V per channel costs more here
+    assert [r.holds for r in claim_rows(kivi_sweep(flip=True))] == [False, False, False]
 
-    conf = Path(__file__).resolve().parent.parent / "conf" / "experiment"
+
+# ---- a verdict reads only runs of the claim's setting (issue 44, rule 5) ------------------------------------------
+
+
+def test_kivi_runs_of_another_group_size_and_a_rotation_get_no_verdict():
+    """`experiment=paper_kivi model=tiny cache.group_size=8 cache.rotate=hadamard`: the same numbers that give
+    verdicts at the preset's setting give none, and each row says what differs."""
+    fixed = findings.preset("paper_kivi").fixed
+    assert all(r.holds is not None for r in claim_rows(kivi_sweep()))  # the control: these numbers are judged
+    rows = claim_rows(kivi_sweep(cache_group_size=8, cache_rotate="hadamard", model="tiny", weights="random"))
+    for r in rows:
+        assert r.holds is None and findings.verdict_text(r) == "not judged" and r.runs
+        assert r.our_number == "not judged: " + r.not_judged
+        assert r.not_judged.startswith(f"the runs have cache.group_size 8, the claim is about "
+                                       f"{fixed['cache.group_size']}; cache.rotate hadamard, the claim is about "
+                                       f"{fixed['cache.rotate']}; weights random (a random init), the claim is "
+                                       "about pretrained (a trained model)")
+        assert f"groups of {fixed['cache.group_size']}" in r.our_setting  # the claim's own setting, stated once
+
+
+def test_streamingllm_runs_of_another_budget_and_dtype_get_no_verdict():
+    """`experiment=paper_streamingllm cache.budget=16 dtype=bf16`: no verdict, budget and dtype named."""
+    fixed = findings.preset("paper_streamingllm").fixed
+    assert all(r.holds is True for r in claim_rows(streaming_sweep([2.0, 1.2, 1.1, 1.0, 0.98])))
+    runs = streaming_sweep([2.0, 1.2, 1.1, 1.0, 0.98], cache_budget=16, dtype="bf16")
+    for r in claim_rows(runs):
+        assert r.holds is None and r.not_judged == (f"the runs have cache.budget 16, the claim is about "
+                                                    f"{fixed['cache.budget']}; dtype bf16, the claim is about "
+                                                    f"{fixed['dtype']}")
+        assert f"{fixed['cache.budget']} slots" in r.our_setting and "window of 64" not in r.our_number
+
+
+@pytest.mark.parametrize("sweep, claim", [
+    (lambda **v: streaming_sweep([2.0, 1.2, 1.1, 1.0, 0.98], **v), 3),
+    (lambda **v: h2o_sweep(0.2, 0.6, 1.0, acc=(0.0, 0.0, 0.0), **v), 2)])
+def test_a_copy_claim_is_not_judged_when_full_attention_does_not_copy(sweep, claim):
+    """Full attention itself copies 0% of the second copy: no cache can be shown to lose copying, so the copy claim
+    gives no verdict (the text claims of the same runs still do)."""
+    judged = claim_rows(sweep())[claim]
+    assert judged.holds is not None and not judged.not_judged
+    rows = claim_rows(sweep(retrieval_acc=0.0, retrieval_acc_ref=0.0))
+    assert rows[claim].holds is None and rows[claim].not_judged == (
+        "full attention itself copies 0.0% of the second copy (the first, with nothing to copy yet: 0.0%), so a "
+        "cache cannot be shown to lose copying")
+    assert all(r.holds is not None for i, r in enumerate(rows) if i != claim)
+    # copying no more of the second showing than of the first (chance) is not copying either
+    row = claim_rows(sweep(retrieval_acc=0.01, retrieval_acc_ref=0.02, retrieval_first_copy_acc=0.02))[claim]
+    assert row.holds is None and "copies 2.0% of the second copy (the first, with nothing to copy yet: 2.0%)" in \
+        row.not_judged
+
+
+def test_a_window_that_costs_nothing_has_nothing_for_sinks_to_do():
+    """The 0-sink window is the sink claims' baseline: when it costs nothing there is no collapse to prevent, and
+    when 4 sinks do not lower it there is nothing for one sink to recover or 8 to add to."""
+    rows = claim_rows(streaming_sweep([0.0, 0.0, 0.0, 0.0, 0.0]))
+    assert all(r.holds is None and r.not_judged for r in rows[:3]) and rows[3].holds is True
+    assert "the window without sinks costs nothing (ΔNLL +0.000)" in rows[0].not_judged
+    assert "4 sinks do not lower the window's ΔNLL" in rows[1].not_judged
+    assert "one sink to recover" in rows[1].not_judged
+    rows = claim_rows(streaming_sweep([1.0, 0.9, 1.1, 1.2, 1.0]))  # the window costs, 4 sinks make it worse
+    assert rows[0].holds is False and rows[1].holds is None and rows[2].holds is None
+    assert "8 sinks to add to or not" in rows[2].not_judged
+
+
+def test_a_mixed_sweep_is_judged_from_the_runs_of_the_setting_alone():
+    """Runs at the claim's group size and at another in one sweep: the verdict, numbers and runs are those of the
+    claim's setting, whatever the others say."""
+    runs = pd.concat([kivi_sweep(cache_group_size=8, flip=True).assign(run_name=lambda d: "g8-" + d.run_name),
+                      kivi_sweep()], ignore_index=True)
+    rows = claim_rows(runs)
+    assert [r.holds for r in rows] == [r.holds for r in claim_rows(kivi_sweep())] == [True, False, False]
+    assert all(not any(n.startswith("g8-") for n in r.runs) for r in rows)
+
+
+def test_a_claims_setting_has_one_home_its_presets_yaml(tmp_path, monkeypatch):
+    """The H2O claims read the budget from paper_h2o.yaml and find their runs by recent against it: a YAML with
+    another budget moves the claim's setting, so runs of the old budget get no verdict and runs of the new one do."""
+    import shutil
+
+    for f in findings.CONF.glob("paper_*.yaml"):
+        shutil.copy(f, tmp_path / f.name)
+    text = (tmp_path / "paper_h2o.yaml").read_text()
+    assert f"budget: {H2O_BUDGET}\n" in text
+    new = H2O_BUDGET // 2
+    (tmp_path / "paper_h2o.yaml").write_text(text.replace(f"budget: {H2O_BUDGET}\n", f"budget: {new}\n"))
+    runs = h2o_sweep(0.2, 0.6, 1.0)  # runs of the preset's budget, as it is in conf/
+    monkeypatch.setattr(findings, "CONF", tmp_path)
+    old = claim_rows(runs)
+    assert all(r.holds is None and r.not_judged.startswith(f"the runs have cache.budget {H2O_BUDGET}, the claim is "
+                                                           f"about {new}") for r in old)
+    runs = frame(*[paper_run("paper_h2o", f"n{recent}", cache_recent=recent, drift_delta_nll=d, retrieval_acc=a,
+                             retrieval_acc_ref=0.4)
+                   for recent, d, a in ((new // 2, 0.2, 0.13), (new, 0.6, 0.02), (0, 1.0, 0.27))])
+    rows = claim_rows(runs)
+    assert [r.holds for r in rows] == [True, False, True] and rows[0].runs == (f"n{new // 2}", f"n{new}", "n0")
+    assert f"{new} slots" in rows[0].our_setting and f"recent {new // 2}" in rows[0].our_setting
+
+
+def test_every_preset_states_each_option_its_claims_are_about():
+    """Each option of a preset's cache kind is set by its YAML, linked to another, swept, or declared not part of
+    its claims' setting (findings.NOT_ABOUT, with why); every key a claim is about is in the YAML; H2O's recent
+    values are the ablation's roles at its budget."""
+    from models.kv_cache import CACHE_KINDS
+
+    for name, claims in findings.PAPERS.items():
+        p = findings.preset(name)
+        assert {"cache", "dtype", "engine"} <= set(p.fixed)
+        options = {f"cache.{o}" for o in CACHE_KINDS[p.fixed["cache"]].option_types()}
+        stated = set(p.fixed) | set(p.linked) | set(p.swept)
+        not_about = findings.NOT_ABOUT.get(name, {})
+        assert options - stated == set(not_about), name
+        assert not set(not_about) & set(p.fixed), name
+        for c in claims:
+            setting = findings.claim_setting(name, c)
+            assert set(c.about) - {findings.TRAINED} <= set(p.fixed) and set(setting) >= options & set(p.fixed)
+    budget = findings.preset("paper_h2o").fixed["cache.budget"]
+    assert set(findings.preset("paper_h2o").swept["cache.recent"]) == {0, budget // 2, budget}
+
+
+def test_every_preset_has_its_claims_and_its_config():
     for preset, claims in findings.PAPERS.items():
-        assert (conf / f"{preset}.yaml").is_file() and claims
+        assert (findings.CONF / f"{preset}.yaml").is_file() and claims
         assert all(c.source and c.paper_setting and c.paper_number for c in claims)
 
 
@@ -159,50 +331,141 @@ def test_markdown_and_html_carry_the_claims_and_the_sentences():
     assert "does not hold" in md and "- cache.recent:" in md
     page = findings.html_section(made)
     assert page.startswith("<h2>Findings</h2>") and page.count("<tr>") == 4 and "<li>cache.recent:" in page
+    made = findings.make(h2o_sweep(0.2, 0.6, 1.0, dtype="fp16"))
+    md = findings.markdown(made)
+    assert md.count("| not judged |") == 3 and "| holds |" not in md and "does not hold" not in md
+    assert md.count("not judged: the runs have dtype fp16, the claim is about fp32") == 3
+    assert findings.html_section(made).count("<b>not judged</b>") == 3
 
 
 @pytest.mark.parametrize("status", ["failed", "interrupted"])
 def test_runs_that_are_not_ok_are_never_read_as_findings(status):
     runs = h2o_sweep(0.2, 0.6, 1.0)
     runs.loc[0, "status"] = status
-    assert all("r102" not in f.runs for f in sweep_findings(runs))
+    assert all(f"r{RECENT['both']}" not in f.runs for f in sweep_findings(runs))
     assert claim_rows(runs)[0].holds is None
 
 
-def preset_grid(preset: str) -> pd.DataFrame:
-    """The runs a preset's sweep makes, as results rows: each point of its grid composed as run.py composes it, the
-    cache options resolved as a run records them, and made-up numbers for every key a claim reads."""
+def preset_grid(preset: str, *overrides: str) -> pd.DataFrame:
+    """The runs ``python run.py experiment=<preset> <overrides>`` makes, as results rows: each point of its grid
+    composed as run.py composes it and recorded as a run records its setting (the cache options resolved, the dtype
+    label, the weights' kind, the texts and copies cut to max_len), and made-up numbers for every key a claim reads."""
     import itertools
 
     from hydra import compose, initialize_config_dir
 
-    from harness.config import register, validate
+    from harness.config import dtype_label, register, validate
     from harness.experiment import cache_record
     from models.gpt2 import GPT2Config
     from tests.conftest import REPO
 
     register()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        base = compose(config_name="config", overrides=[f"experiment={preset}"], return_hydra_config=True)
+        base = compose(config_name="config", overrides=[f"experiment={preset}", *overrides],
+                       return_hydra_config=True)
         axes = {k: str(v).split(",") for k, v in base.hydra.sweeper.params.items()}
+        axes.update({o.split("=")[0]: o.split("=")[1].split(",") for o in overrides if "," in o})
         rows = []
         for i, point in enumerate(itertools.product(*axes.values())):
-            overrides = [f"experiment={preset}"] + [f"{k}={v}" for k, v in zip(axes, point)]
-            cfg = compose(config_name="config", overrides=overrides)
-            validate(cfg, GPT2Config.preset(cfg.model.preset).n_positions)  # a point the sweep would refuse fails here
-            rows.append(run(f"run{i}", cfg.cache.kind, experiment=cfg.experiment, **cache_record(cfg.cache),
-                            drift_delta_nll=0.1 * (i + 1), drift_kl=1e-3 * (i + 1), drift_kl_p99=1e-2 * (i + 1),
-                            drift_text_positions=1023, retrieval_acc=0.1, retrieval_acc_ref=0.2, retrieval_n=200,
-                            text_nll=3.5 + 0.01 * i, text_nll_fp32=3.5, step_ms_cached_at_max_context=2.0 + i,
-                            max_context_len=960))
+            swept = [f"{k}={v}" for k, v in zip(axes, point)]
+            cfg = compose(config_name="config", overrides=[f"experiment={preset}", *overrides, *swept])
+            max_len, _ = validate(cfg, GPT2Config.preset(cfg.model.preset).n_positions)  # refused: fails here
+            text_len = min(max_len, max(cfg.drift_text_len, cfg.prompt_len + 1))
+            rows.append(run(f"run{i}", cfg.cache.kind, dtype=dtype_label(cfg.dtype.storage, cfg.dtype.compute),
+                            experiment=cfg.experiment, **cache_record(cfg.cache), engine=cfg.engine.name,
+                            model=cfg.model.name, weights="random" if cfg.model.weights == "random" else "pretrained",
+                            prompts=cfg.prompts, n_prompts=cfg.n_prompts,
+                            drift_text_positions=cfg.n_prompts * (text_len - 1),
+                            retrieval_n=min(cfg.retrieval_n, max_len // 2), drift_delta_nll=1.0 / (i + 1),
+                            drift_kl=1e-3 * (i + 1), drift_kl_p99=1e-2 * (i + 1), retrieval_acc=0.1,
+                            retrieval_acc_ref=0.2, retrieval_first_copy_acc=0.0, text_nll=3.5 + 0.01 * i,
+                            text_nll_fp32=3.5, step_ms_cached_at_max_context=2.0 + i, max_context_len=960))
     return frame(*rows)
 
 
 @pytest.mark.parametrize("preset", sorted(findings.PAPERS))
 def test_every_claim_finds_its_runs_in_its_presets_grid(preset):
-    """What each preset sweeps is what its claims read: composed from conf/, no claim says 'not in this sweep'."""
+    """What each preset sweeps is what its claims read, of the setting they are about: composed from conf/, no
+    claim says 'not in this sweep' or that the runs differ from its setting."""
     runs = preset_grid(preset)
     assert findings.preset_of(runs) == preset and len(runs) <= 8
     for row in claim_rows(runs):
         assert "not in this sweep" not in row.our_number and "could not be read" not in row.our_number, row
+        assert "the runs have" not in row.not_judged, row
         assert row.runs and set(row.runs) <= set(runs.run_name)
+
+
+def _other(key: str, value):
+    """A value of ``key`` that is not ``value``, as a run records it (column, value)."""
+    if key == "drift_text_len":
+        return "drift_text_positions", None  # set below: texts half as long
+    col = f"cache_{key[len('cache.'):]}" if key.startswith("cache.") else key
+    return col, value + 1 if isinstance(value, int) else f"not-{value}"
+
+
+@pytest.mark.parametrize("preset", sorted(findings.PAPERS))
+def test_every_setting_a_claim_states_is_checked_against_its_runs(preset):
+    """For every claim of every preset and every setting it is about (kind, bits, group size, axes, rotation,
+    budget, dtype, engine, prompts, texts' and copies' lengths, trained weights): runs that differ in that one
+    setting get no verdict, and the row names it; the claim's setting text states each setting once."""
+    base = preset_grid(preset)
+    for i, claim in enumerate(findings.PAPERS[preset]):
+        setting = findings.claim_setting(preset, claim)
+        row = claim_rows(base)[i]
+        stated = findings.setting_text(setting)
+        assert row.our_setting.startswith(stated + ": ")  # the setting, then what the claim compares
+        numbers = [p for p in stated.split(", ") if any(ch.isdigit() for ch in p) and p not in ("fp32", "bf16", "fp16")]
+        assert not any(p in row.our_setting[len(stated):] for p in numbers), row.our_setting  # stated once
+        for key, value in setting.items():
+            col, other = _other(key, value)
+            runs = base.copy()
+            if key == "drift_text_len":
+                runs[col] = runs["n_prompts"] * (value // 2 - 1)
+                other = value // 2
+            else:
+                runs[col] = other
+            got = claim_rows(runs)[i]
+            assert got.holds is None and f"the runs have {key} " in got.not_judged, (claim.claim, key, got)
+            assert f"{key} {findings.setting_value(key, other)}, the claim is about " \
+                   f"{findings.setting_value(key, value)}" in got.not_judged
+
+
+@pytest.mark.parametrize("preset, overrides, named", [
+    ("paper_kivi", ["model=tiny", "cache.group_size=8", "cache.rotate=hadamard"],
+     ["cache.group_size 8, the claim is about 32", "cache.rotate hadamard, the claim is about none",
+      "weights random (a random init)"]),
+    ("paper_streamingllm", ["cache.budget=16", "dtype=bf16"],
+     ["cache.budget 16, the claim is about 64", "dtype bf16, the claim is about fp32"]),
+    ("paper_h2o", ["cache.budget=256"], ["cache.budget 256, the claim is about 205"]),
+    ("paper_rotation", ["cache.group_size=16"], ["cache.group_size 16, the claim is about 32"]),
+    ("paper_kv_types", ["prompts=random"], ["prompts random, the claim is about file"]),
+])
+def test_the_hostile_commands_get_no_verdict(preset, overrides, named):
+    """The commands of issue 44 (and their cousins), composed as run.py composes them: every claim that gives a
+    verdict at the preset's own setting gives none here, and names what differs."""
+    assert all(not r.not_judged for r in claim_rows(preset_grid(preset)))  # the preset's own setting is judged
+    for row in claim_rows(preset_grid(preset, *overrides)):
+        assert row.holds is None and row.our_number.startswith("not judged: the runs have"), row
+        assert all(n in row.not_judged for n in named), row
+
+
+@pytest.mark.slow
+def test_the_kivi_command_with_other_groups_and_a_rotation_prints_no_verdict(tmp_path):
+    """End to end, the command of issue 44: the sweep's summary and findings.md say "not judged" for every claim
+    and why, and give no verdict."""
+    from tests.conftest import run_py
+
+    sweep = tmp_path / "sweep"
+    proc = run_py(["experiment=paper_kivi", "model=tiny", "cache.group_size=8", "cache.rotate=hadamard",
+                   "tracking=disabled", "measurements=[text_drift]", "n_prompts=1", f"hydra.sweep.dir={sweep}"],
+                  tmp_path)  # the measurement the claims read, on one text: 8 tiny runs
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    claims = [line for line in proc.stdout.splitlines() if "(paper " in line and "; kvlab " in line]
+    assert len(claims) == len(findings.PAPERS["paper_kivi"])
+    for line in claims:
+        assert "kvlab not judged: the runs have cache.group_size 8, the claim is about 32; cache.rotate hadamard, " \
+               "the claim is about none; " in line, line
+        assert "drift_text_len 128, the claim is about 512" in line and "weights random (a random init)" in line
+        assert "holds:" not in line
+    md = (sweep / "report" / findings.FILE).read_text()
+    assert md.count("| not judged |") == 3 and "| holds |" not in md and "| does not hold |" not in md

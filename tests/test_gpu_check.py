@@ -43,11 +43,17 @@ def test_the_dry_run_plans_every_kind_eager_and_the_compiled_ones_compiled(capsy
     (["--contexts", "1024"], "exceeds n_positions 1024 of gpt2"),
     (["--warmup", "1"], "at least 3"),
     (["--budget-s", "0"], "must be > 0"),
+    (["--budget-s", "nan"], "--budget-s nan: must be > 0 and at most 86,400 seconds"),  # bench-count-bounds
+    (["--card-gbps", "inf"], "--card-gbps inf: must be > 0"),
+    (["--batch", "100000000"], "--batch 100,000,000 is beyond what gpu-check runs: give 1 .. 65,536"),
+    (["--repeats", "20000"], "--repeats 20,000 is beyond what gpu-check runs: give 1 .. 10,000"),
+    (["--contexts", *map(str, range(1, 80))], "--contexts has 79 entries: give at most 64"),
 ])
 def test_bad_arguments_get_one_line_and_exit_2(capsys, argv, says):
     with pytest.raises(SystemExit) as e:
         gc.parse_args(["--dry-run", *argv])
-    assert e.value.code == 2 and says in capsys.readouterr().err.strip().splitlines()[-1]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and says in err[0], err  # one line: no usage before it
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run")
@@ -82,3 +88,24 @@ def test_measured_rows_make_the_table_and_the_targets(monkeypatch):
     assert "of the card's 2 GB/s" in gc.targets(xl, card_gbps=2.0)[0]
     assert gc.targets(rows, None) == ["targets: not measured (they need gpt2-xl prealloc at batch 1)"]
     assert gc.measure_model(a, "tiny", deadline=0.0) == []  # the budget spent: nothing more is started
+
+
+def test_on_a_gpu_each_model_is_checked_against_its_free_memory_first(monkeypatch, capsys):  # bench-memory
+    """Without a GPU here: CUDA as a GPU with 8 GB free would report it. gpt2-xl at batch 4,096 does not fit, and the
+    line says which batch would (harness.bench's own estimate); batch 1 passes."""
+    from harness import memory
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": 8 * 10 ** 9)
+    with pytest.raises(SystemExit) as e:
+        gc.parse_args(["--models", "gpt2-xl", "--batch", "4096", "--skip-tests"])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and line.startswith("scripts/gpu-check: error: the benchmark (--kinds, --model gpt2-xl, "
+                                                  "fp16, batch 4096) needs about ")
+    assert "but Fake GPU has 8 GB free" in line and "--batch <= " in line and "--kinds" in line
+    assert gc.parse_args(["--models", "gpt2", "--skip-tests"]).batch == 1
+    with pytest.raises(SystemExit):
+        gc.parse_args(["--device", "cuda:3"])
+    assert "this machine has 1 CUDA device(s)" in capsys.readouterr().err

@@ -14,12 +14,12 @@ from hydra import compose, initialize_config_dir
 
 from harness import measurements, measure
 from harness.config import ConfigError, cache_options, dtype_label, register, validate
-from harness.engines import HF_COUNTERPARTS, KvlabEngine
+from harness.engines import HF_COUNTERPARTS, KvlabEngine, hf_refuses
 from harness.experiment import batch_lengths, text_prompts
 from harness.findings import PAPERS
 from tests.conftest import TINY, run_py
 from models.gpt2 import GPT2Config
-from models.kv_cache import CACHE_KINDS, kv_bytes
+from models.kv_cache import CACHE_KINDS, cache_kind, kv_bytes
 from models.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -420,9 +420,18 @@ def test_the_benchmark_is_a_sweep_of_both_engines_on_two_models():
         cfg = compose(config_name="config", overrides=["experiment=bench"], return_hydra_config=True)
     assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
     params = {k: set(str(v).split(",")) for k, v in cfg.hydra.sweeper.params.items()}
-    assert params == {"model": {"gpt2", "gpt2-medium"}, "engine": {"kvlab", "hf"}, "cache": set(HF_COUNTERPARTS)}
+    assert {k: v for k, v in params.items() if k != "cache"} == {"model": {"gpt2", "gpt2-medium"},
+                                                                   "engine": {"kvlab", "hf"}}
     assert list(cfg.context_lengths) == [32, 512, 960] and list(cfg.batch_sizes) == [1, 8]
     assert cfg.dtype.storage == "fp32"
+    kinds = []
+    for choice in params["cache"]:  # every kind HF has a counterpart of, each in a setting HF runs as named
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+            node = compose(config_name="config", overrides=["experiment=bench", f"cache={choice}"]).cache
+        opts = cache_kind(node.kind).parse_options(**{k: v for k, v in node.items() if k != "kind"})
+        assert hf_refuses(node.kind, opts, 64) is None, choice
+        kinds.append(node.kind)
+    assert sorted(kinds) == sorted(HF_COUNTERPARTS)
 
 
 @pytest.mark.parametrize("kind", [k for k, c in CACHE_KINDS.items() if c.full_attention(c.Options())])

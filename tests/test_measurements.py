@@ -247,7 +247,8 @@ def conformance(tmp_path_factory):
               "budgets": ["-m", "cache=h2o,window", "cache.budget=16,24", "engine=kvlab", *EVERY_KIND],
               "hf": ["-m", f"cache={','.join(HF_KINDS)}", "dtype=fp32", "engine=hf"],
               "hf16": ["-m", "cache=concat", "dtype=fp16", "dtype.compute=fp16", "engine=hf"],
-              "hf_quant": ["-m", "cache=quant", "cache.k_bits=4", "cache.v_bits=4", "engine=hf"]}
+              "hf_quant": ["-m", "cache=quant", "cache.k_bits=4", "cache.v_bits=4", "cache.k_axis=token",
+                           "engine=hf"]}
     out = {}
     for name, args in sweeps.items():
         own = {a.split("=")[0] for a in args if "=" in a}  # what this sweep sets itself

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from harness import kvcalc as K
 from harness import train as T
-from tests.conftest import REPO
+from tests.conftest import REPO, one_line, untested_cases
 
 CASES = [
     ("kvcalc-huge-layers", "config.json with num_hidden_layers 10**30: `num_hidden_layers=1e+30 in PATH is beyond "
@@ -66,19 +66,17 @@ CASES = [
                                      "kvlab_train): one line, exit 2, its files byte for byte as they were"),
     ("train-save-fails", "an OSError while saving (a full disk): `error: cannot write PATH: ...`, exit 1, no "
                          "traceback; the old state file is intact"),
+    ("train-threads-bounds", "--threads -1 (was a traceback), 0 (silently every core) or 100,000: `error: --threads N: "
+                             "give 1 .. 256 (the CPU threads to train with; this machine has C; leave the flag out to "
+                             "use every core)`, exit 2, before any data is loaded"),
+    ("train-number-bounds", "--steps 0 or 10**10, --minutes nan / inf / -1 / 1e9, --seed -1 or 2**63, a share flag "
+                            "NaN or outside its interval, --copy-offsets nan, --curriculum 32:nan: one line naming "
+                            "the flag and its range, exit 2, before torch is asked for threads or data is loaded"),
 ]
 
 
 def test_every_case_has_a_test():
-    text = open(__file__, encoding="utf-8").read().split("\nCASES = [", 1)[1].split("\n]\n", 1)[1]
-    assert len({c for c, _ in CASES}) == len(CASES)
-    assert not [c for c, _ in CASES if f"# {c}" not in text and f", {c}" not in text]
-
-
-def one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
+    assert not untested_cases(__file__, CASES)
 
 
 def kvcalc(argv, capsys) -> tuple[int, str]:
@@ -479,3 +477,53 @@ def test_a_checkpoint_kvlab_did_not_train_is_never_overwritten(tmp_path, monkeyp
         assert "holds a checkpoint kvlab did not train" in line, line
     assert (tmp_path / "model.safetensors").read_bytes() == b"their weights"
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--threads", "-1"], "--threads -1: give 1 .. "),
+    (["--threads", "0"], "--threads 0: give 1 .. "),
+    (["--threads", "100000"], "--threads 100000: give 1 .. "),
+])
+def test_threads_out_of_range_is_one_line_before_any_data(tmp_path, monkeypatch, capsys, argv, says):
+    # train-threads-bounds
+    def no_data():
+        raise AssertionError("data loaded before the flags were checked")
+
+    monkeypatch.setattr(T, "load_data", no_data)
+    monkeypatch.setattr(T.torch, "set_num_threads", no_data)
+    assert T.main(["--out", str(tmp_path / "run"), "--steps", "3", *argv]) == 2
+    line = one_line(capsys.readouterr().err)
+    most = max(T.MAX_THREADS, T._cores())
+    assert line == (f"error: {says}{most:,} (the CPU threads to train with; this machine has {T._cores()}; leave the "
+                    "flag out to use every core) (see python -m harness.train --help)")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "0"], "--steps 0: give 1 .. 1,000,000 (the step budget; the shipped model took 3,200)"),
+    (["--steps", str(10 ** 10)], "--steps 10,000,000,000: give 1 .. 1,000,000"),
+    (["--minutes", "nan"], "--minutes nan: give a number of minutes more than 0 and at most 10,080"),
+    (["--minutes", "inf"], "--minutes inf: give a number of minutes more than 0 and at most 10,080"),
+    (["--minutes", "-1"], "--minutes -1: give a number of minutes"),
+    (["--minutes", "1e9"], "--minutes 1e+09: give a number of minutes"),
+    (["--seed", "-1"], "--seed -1: use an integer 0 <= seed < 2**63"),
+    (["--seed", str(2 ** 63)], f"--seed {2 ** 63}: use an integer 0 <= seed < 2**63"),
+    (["--copy-share", "nan"], "--copy-share nan: give a share in [0, 1]"),
+    (["--mlp-off", "1"], "--mlp-off 1: give a share in [0, 1)"),
+    (["--placed-share", "-0.1"], "--placed-share -0.1: give a share in [0, 1]"),
+    (["--copy-phase", "inf"], "--copy-phase inf: give a share in [0, 1)"),
+    (["--copy-offsets", "nan"], "--copy-offsets nan: give a share in [0, --copy-phase 0.315) or none"),
+    (["--curriculum", "32:nan"], "--curriculum 32:nan: a length must be >= 2"),
+    (["--steps", "5", "--minutes", "3"], "give one budget: --minutes or --steps, not both"),
+])
+def test_every_number_is_bounded_before_any_data(tmp_path, monkeypatch, capsys, argv, says):  # train-number-bounds
+    def no_data():
+        raise AssertionError("data loaded before the flags were checked")
+
+    monkeypatch.setattr(T, "load_data", no_data)
+    monkeypatch.setattr(T.torch, "set_num_threads", no_data)
+    extra = [] if "--steps" in argv or "--minutes" in argv else ["--steps", "3"]
+    assert T.main(["--out", str(tmp_path / "run"), *extra, *argv]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"error: {says}") and line.endswith("(see python -m harness.train --help)"), line
+    assert not (tmp_path / "run").exists()

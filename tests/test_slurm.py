@@ -160,7 +160,8 @@ def test_a_job_out_of_time_is_requeued_then_recorded_failed_with_why(tmp_path):
     """timeout_min=1 and a run that needs more: submitit requeues it once (max_num_timeout=1), then it fails and
     says it ran out of its time limit."""
     sweep = tmp_path / "sweep"
-    slow = [*LONG, "repeats=100000", "context_lengths=[8]"]
+    # kvlab caps repeats at 10,000 per step: ten contexts of 10,000 cached and uncached steps each take minutes
+    slow = [*LONG, "repeats=10000", "context_lengths=[8,16,24,32,40,48,56,64,72,80]"]
     proc = run_py(["-m", *LAUNCH, "hydra.launcher.timeout_min=1", "hydra.launcher.max_num_timeout=1",
                    "hydra.launcher.signal_delay_s=20", "cache=concat", *slow, "tracking=disabled",
                    f"hydra.sweep.dir={sweep}"], tmp_path)
@@ -168,3 +169,29 @@ def test_a_job_out_of_time_is_requeued_then_recorded_failed_with_why(tmp_path):
     (rec,) = records(sweep).values()
     assert rec["status"] == "failed" and "time limit" in rec["error"], rec["error"]
     assert "requeued 1" in rec["error"]
+
+
+def test_what_this_cluster_cannot_take_is_refused_in_one_line_before_anything_is_written(tmp_path):
+    """harness/slurm_check.py against the real cluster: a launcher that asks for a GPU on its CPU node, a partition it
+    lacks, and a slurm.conf whose controller port nothing listens on (the real `scontrol ping` says DOWN). Each is
+    one line, exit 2, and the sweep folder is never made (it used to be ~40 lines of traceback from submitit, with a
+    manifest, multirun.yaml and .submitit/ left behind)."""
+    dead = tmp_path / "dead-slurm.conf"
+    conf = Path(os.environ["SLURM_CONF"]).read_text()
+    dead.write_text(re.sub(r"(?m)^SlurmctldPort=.*$", "SlurmctldPort=1", conf))
+    for args, env, says in [
+        (["hydra/launcher=slurm"], {}, "it asks for 1 GPU per job (hydra.launcher.gpus_per_node=1) and no node of "
+                                       "partition 'debug' has one (Gres=gpu); nothing was written: use "
+                                       "hydra/launcher=slurm_cpu"),
+        ([*LAUNCH, "hydra.launcher.partition=nosuch"], {}, "the cluster has no partition 'nosuch' "
+                                                           "(hydra.launcher.partition); nothing was written: give "
+                                                           "hydra.launcher.partition= one of debug"),
+        (LAUNCH, {"SLURM_CONF": str(dead)}, "the Slurm controller does not answer (`scontrol ping`: "),
+    ]:
+        sweep = tmp_path / "sweep"
+        p = run_py(["-m", *args, "cache=concat,prealloc", *TINY, "tracking=disabled", f"hydra.sweep.dir={sweep}"],
+                   tmp_path, env)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+        assert lines[0].startswith("kvlab: hydra/launcher=") and says in lines[0], lines[0]
+        assert not sweep.exists()

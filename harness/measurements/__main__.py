@@ -3,29 +3,71 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from harness import measurements
 
+PROG = "python -m harness.measurements"
+
+
+class Refused(Exception):
+    """A bad flag or an unwritable --doc FILE: one line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block (argparse would print the usage first)
+        raise Refused(f"{message} (see {PROG} --help)")
+
+
+def doc_path(text: str) -> Path:
+    """The file ``--doc FILE`` writes, or Refused in one line before anything is written: FILE must be a file (new,
+    or a regular file it replaces) in a folder that exists. A symlink is written through, to what it names."""
+    path = Path(text).resolve()
+    if path.is_dir():
+        raise Refused(f"--doc {text or repr(text)}: that is a folder: give the file to write docs/results.md to, e.g. "
+                      "--doc docs/results.md (or --doc alone for stdout)")
+    if path.exists() and not path.is_file():
+        raise Refused(f"--doc {text}: not a regular file (a device, socket or pipe is not replaced): give a file "
+                      "to write docs/results.md to")
+    if not path.parent.is_dir():
+        raise Refused(f"--doc {text}: folder {path.parent} does not exist: give a file in an existing folder")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise Refused(f"--doc {text}: cannot write in {path.parent}: give a file in a folder you can write")
+    return path
+
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.measurements",
-                                 description="What kvlab's measurements record.")
+    ap = _Parser(prog=PROG, description="What kvlab's measurements record.")
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--keys", action="store_true", help="every results.json key: key, measurement, type, meaning")
     g.add_argument("--list", action="store_true", help="the measurements, in the order a run makes them")
-    g.add_argument("--doc", nargs="?", const="-", metavar="FILE", help="docs/results.md (to FILE, or stdout)")
-    args = ap.parse_args(argv)
-    if args.keys:
-        print(measurements.keys_text())
-    elif args.list:
-        for name, cls in measurements.MEASUREMENTS.items():
-            print(f"{name}\t{cls.about}")
-    elif args.doc == "-":
-        sys.stdout.write(measurements.results_doc())
-    else:
-        Path(args.doc).write_text(measurements.results_doc(), encoding="utf-8")
+    g.add_argument("--doc", nargs="?", const="-", metavar="FILE",
+                   help="docs/results.md (to FILE, written whole or not at all; or stdout)")
+    try:
+        args = ap.parse_args(argv)
+        if args.keys:
+            print(measurements.keys_text())
+        elif args.list:
+            for name, cls in measurements.MEASUREMENTS.items():
+                print(f"{name}\t{cls.about}")
+        elif args.doc == "-":
+            sys.stdout.write(measurements.results_doc())
+        else:
+            from harness.ownership import atomic_write
+
+            path = doc_path(args.doc)
+            text = measurements.results_doc()
+            try:  # a temporary file beside it, renamed into place: never half a file
+                atomic_write(path, lambda f: f.write(text))
+            except OSError as e:
+                why = e.strerror or type(e).__name__
+                raise Refused(f"--doc {args.doc}: cannot write a file in {path.parent} ({why}): give a file in a "
+                              "folder you can write") from None
+    except Refused as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

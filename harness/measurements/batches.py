@@ -38,13 +38,22 @@ class Batches(Measurement):
 
     @classmethod
     def check(cls, opts, cfg, max_len):
-        from harness.config import ConfigError
+        from harness.config import MAX_LIST, ConfigError
 
-        for b in opts.batch_sizes or []:
+        sizes = list(opts.batch_sizes or [])
+        for b in sizes:
             if not (isinstance(b, int) and b >= 1):
                 raise ConfigError(f"batch_sizes has {b!r}: give batch sizes >= 1, e.g. [1,8,32]")
+        if len(sizes) > MAX_LIST:  # each entry's bytes are the memory check's
+            raise ConfigError(f"batch_sizes has {len(sizes):,} sizes, over kvlab's cap of {MAX_LIST} per run: give "
+                              f"at most {MAX_LIST}")
+        if len(set(sizes)) != len(sizes):
+            raise ConfigError(f"batch_sizes {sizes} repeats a size: give each once")
         if opts.batch_context < 1:
             raise ConfigError(f"batch_context={opts.batch_context} must be at least 1")
+        if sizes and opts.batch_context >= max_len:
+            raise ConfigError(f"batch_context={opts.batch_context}: a batch timed at context c needs 1 <= c < "
+                              f"max_len={max_len}; use batch_context <= {max_len - 1}")
 
     def skip(self):
         return None if self.opts.batch_sizes else "batch_sizes is not set (e.g. batch_sizes=[1,8,32])"

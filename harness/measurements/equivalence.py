@@ -51,7 +51,7 @@ class Equivalence(Measurement):
 
     @classmethod
     def check(cls, opts, cfg, max_len):
-        from harness.config import ConfigError
+        from harness.config import MAX_PROMPTS, ConfigError
 
         tol = opts.equivalence_tol
         if not (isinstance(tol, (int, float)) and not isinstance(tol, bool) and 0 < tol < float("inf")):
@@ -59,6 +59,9 @@ class Equivalence(Measurement):
                               "fp32 may show), e.g. 1e-4")
         if opts.full_prompts is not None and opts.full_prompts < 0:
             raise ConfigError(f"full_prompts={opts.full_prompts} must be 0 or more (n_prompts caps it)")
+        if opts.full_prompts is not None and opts.full_prompts > MAX_PROMPTS:
+            raise ConfigError(f"full_prompts={opts.full_prompts} is over kvlab's cap of {MAX_PROMPTS:,} prompts: give "
+                              f"0 .. {MAX_PROMPTS:,} (n_prompts caps it)")
 
     def __init__(self, ctx):
         super().__init__(ctx)

@@ -17,6 +17,8 @@ import torch
 from harness import measure, plots
 from harness.measurements.base import Figure, Measurement, Panel, key, option, register
 
+MAX_SEQUENCES = 1_000  # retrieval_k's cap: each sequence is a pass of 2 * retrieval_n tokens
+
 
 def distinct_ids(model) -> torch.Tensor:
     """Token ids whose embedding row is unique (1-D, sorted)."""
@@ -84,6 +86,9 @@ class Retrieval(Measurement):
             raise ConfigError(f"retrieval_n={opts.retrieval_n} must be at least 2 (tokens per sequence)")
         if opts.retrieval_k < 1:
             raise ConfigError(f"retrieval_k={opts.retrieval_k} must be at least 1 (sequences)")
+        if opts.retrieval_k > MAX_SEQUENCES:
+            raise ConfigError(f"retrieval_k={opts.retrieval_k} is over kvlab's cap of {MAX_SEQUENCES:,} sequences: "
+                              f"give 1 .. {MAX_SEQUENCES:,}")
         if max_len < 4:
             raise ConfigError(f"retrieval needs max_len >= 4 (two copies of 2 tokens), got {max_len}: raise max_len "
                               "or leave retrieval out of measurements")

@@ -210,6 +210,9 @@ class KVCache:
     # True (with fuses_decode): attend_decode also takes a ragged batch's decode step (padding, ended sequences),
     # handed the step's mask over the keys ``update`` would return; False: such steps take update + attention
     fuses_ragged: ClassVar[bool] = False
+    # the options whose larger values hold more bytes: what a memory refusal names to lower (0 for one of them
+    # means "not set", and is never suggested)
+    sized_by: ClassVar[tuple[str, ...]] = ()
 
     @property
     def attends_opaquely(self) -> bool:
@@ -275,8 +278,21 @@ class KVCache:
 
     @classmethod
     def check_max_len(cls, opts, max_len: int) -> None:
-        """Refuse, in one line (ValueError), options that do not fit a cache of ``max_len`` slots (a budget above
-        it); the constructor calls it, and so can a config's validation before anything is built."""
+        """Refuse, in one line (ValueError), options that do not fit a cache of ``max_len`` slots, or that have no
+        effect at that max_len (a budget above it, a window that never slides, nothing ever quantised): a run's
+        validation calls it before anything is built. (A cache built directly, for a few tokens, is not refused:
+        a measurement's short cache simply never evicts.)"""
+
+    @classmethod
+    def check_head_dim(cls, opts, head_dim: int) -> None:
+        """Refuse, in one line (ValueError), options that a model of this head size cannot honour or on which they
+        have no effect (a rotation of one channel); validation calls it once the model's geometry is known."""
+
+    @classmethod
+    def check_fills(cls, opts, fills: list[tuple[str, int, int]]) -> None:
+        """Refuse, in one line (ValueError), options too small for the caches a run builds: ``fills`` is one
+        (what builds it, sequences, tokens written) per cache (``harness.memory.cache_fills``). A paged pool of
+        ``blocks`` blocks is checked here."""
 
     @classmethod
     def min_prompt(cls, opts) -> int:

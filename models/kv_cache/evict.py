@@ -45,6 +45,7 @@ class EvictingKVCache(KVCache):
     and ``carries_score``, and implement ``_priority``."""
 
     evicts: ClassVar[bool] = True
+    sized_by: ClassVar[tuple[str, ...]] = ("budget",)
     carries_score: ClassVar[bool] = False  # a per-slot fp32 score kept from one forward to the next
 
     def __init__(self, *args, **kwargs):
@@ -69,6 +70,10 @@ class EvictingKVCache(KVCache):
         if opts.budget > max_len:
             raise ValueError(f"cache option budget {opts.budget} is more than max_len {max_len}: a budget is at most "
                              "the tokens a sequence can hold (lower it, or raise max_len)")
+        if opts.budget == max_len:  # every token a sequence can have fits: nothing is ever evicted
+            raise ValueError(f"cache option budget {opts.budget} equals max_len {max_len}: it keeps every token a "
+                             f"sequence can have, so nothing is ever evicted and the run is full attention; use "
+                             f"budget < {max_len} (or raise max_len)")
 
     @classmethod
     def parse_options(cls, **options):

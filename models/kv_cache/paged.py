@@ -113,6 +113,7 @@ class PagedKVCache(KVCache):
     examples = ({"block_size": 4}, {"block_size": 16}, {"block_size": 1})
     pooled = True
     fuses_decode = True
+    sized_by = ("blocks", "block_size")
 
     def __init__(self, *args, pool: BlockPool | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -132,6 +133,29 @@ class PagedKVCache(KVCache):
     @classmethod
     def held_tokens(cls, max_len: int, n_tokens: int, opts) -> int:
         return math.ceil(n_tokens / opts.block_size) * opts.block_size
+
+    @classmethod
+    def check_max_len(cls, opts, max_len: int) -> None:
+        if opts.block_size > max_len:
+            raise ValueError(f"cache option block_size={opts.block_size} is more than max_len={max_len}: a block's "
+                             f"slots past max_len never hold a token; use block_size <= {max_len}")
+
+    @classmethod
+    def blocks_needed(cls, opts, batch: int, n_tokens: int) -> int:
+        """Blocks a cache of ``batch`` sequences holds once each has ``n_tokens`` tokens written."""
+        return batch * math.ceil(n_tokens / opts.block_size)
+
+    @classmethod
+    def check_fills(cls, opts, fills: list[tuple[str, int, int]]) -> None:
+        """A pool of ``blocks`` blocks (each cache a run builds draws its own) must hold the largest of them."""
+        if not opts.blocks or not fills:
+            return
+        need, what, batch, n = max((cls.blocks_needed(opts, b, n), what, b, n) for what, b, n in fills)
+        if need > opts.blocks:
+            seqs = "1 sequence" if batch == 1 else f"{batch} sequences"
+            raise ValueError(f"cache option blocks={opts.blocks} is too few for this run: {what} holds {seqs} of "
+                             f"{n} tokens, {need} blocks of {opts.block_size}; use cache.blocks >= {need} (or "
+                             "blocks=0: every sequence can reach max_len)")
 
     @classmethod
     def label(cls, opts) -> str:

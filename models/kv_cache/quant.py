@@ -271,6 +271,7 @@ class QuantKVCache(KVCache):
     Options = QuantOptions
     exact = False
     fuses_decode = True
+    sized_by = ("residual",)
     description = ("K and V as 8/4/2-bit integers with fp16 scales, each grouped per channel or per token (KIVI: K "
                    "per channel, V per token), optionally Hadamard-rotated first")
     examples = ({"k_bits": 8, "v_bits": 8, "group_size": 8},
@@ -314,6 +315,34 @@ class QuantKVCache(KVCache):
     @classmethod
     def held_tokens(cls, max_len: int, n_tokens: int, opts) -> int:
         return max_len
+
+    @classmethod
+    def check_max_len(cls, opts, max_len: int) -> None:
+        """Something must be quantised at ``max_len``: per token, the tokens older than the newest ``residual``;
+        per channel, a whole group of ``group_size`` tokens beyond them (and the newest token)."""
+        G, R = opts.group_size, opts.residual
+        if R >= max_len:
+            raise ValueError(f"cache option residual={R} keeps every one of max_len={max_len} tokens in full "
+                             f"precision, so nothing is ever quantised: use residual < {max_len}")
+        for which, name in (("k", "K"), ("v", "V")):
+            if opts.axis(which) == "channel" and _capacity(max_len, "channel", G, R)[0] == 0:
+                raise ValueError(f"{name} is grouped per channel over group_size={G} tokens beyond the newest "
+                                 f"residual={R}: at max_len={max_len} no group ever fills (that needs residual + "
+                                 f"group_size < max_len), so {name} is never quantised; lower cache.residual or "
+                                 f"cache.group_size, or raise max_len")
+
+    @classmethod
+    def check_head_dim(cls, opts, head_dim: int) -> None:
+        """A rotation needs blocks of 2 channels or more; per-token groups span at most the head's channels."""
+        if opts.rotate == "hadamard" and hadamard_block(head_dim) == 1:
+            raise ValueError(f"cache option rotate=hadamard rotates blocks of the largest power of two that divides "
+                             f"the head size, and {head_dim} is odd: blocks of 1 channel, nothing rotated; use "
+                             "rotate=none")
+        axes = {opts.axis(w) for w in ("k", "v")} - {"none"}
+        if axes == {"token"} and opts.group_size > head_dim:
+            raise ValueError(f"cache option group_size={opts.group_size} is more than the head size {head_dim}: a "
+                             f"per-token group spans at most the head's {head_dim} channels, so it runs as "
+                             f"group_size={head_dim} would; use group_size <= {head_dim}")
 
     @classmethod
     def nbytes_formula(cls, n_layer, n_head, head_dim, max_len, batch, dtype, n_tokens, opts) -> int:

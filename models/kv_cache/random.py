@@ -13,6 +13,7 @@ from models.kv_cache.base import register
 from models.kv_cache.evict import BudgetOptions, EvictingKVCache
 
 _M32 = 0xFFFFFFFF
+SEEDS = 1 << 32  # distinct seeds: the hash keeps 32 bits of seed * 104729 (odd), so seed mod 2**32 decides
 
 
 def hashed(x: torch.Tensor) -> torch.Tensor:
@@ -29,8 +30,9 @@ class RandomOptions(BudgetOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"cache option seed must be an integer, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < SEEDS:
+            raise ValueError(f"cache option seed must be an integer 0 <= seed < 2**32 (the hash is 32-bit: seed and "
+                             f"seed + 2**32 keep the same positions), got {self.seed!r}")
 
 
 @register

@@ -59,6 +59,14 @@ class SnapKVKVCache(EvictingKVCache):
     def min_prompt(cls, opts) -> int:
         return opts.window
 
+    @classmethod
+    def check_max_len(cls, opts, max_len: int) -> None:
+        super().check_max_len(opts, max_len)
+        if opts.kernel >= 2 * max_len:  # centred on any of at most max_len keys, it already spans them all
+            raise ValueError(f"cache option kernel={opts.kernel} is wider than any prompt of max_len={max_len} needs: "
+                             f"from {2 * max_len - 1} on, every key's pooling window spans every key, so wider runs "
+                             f"the same; use kernel <= {2 * max_len - 1}")
+
     def check_forward(self, t: int) -> None:
         if self.pos == 0:  # each sequence's tokens in the first forward (a chunk of padding alone has none)
             own = [t - p for p in ([0] if self.pad is None else self.pad.tolist()) if t - p > 0]

@@ -39,6 +39,11 @@ class WindowOptions:
             if self.budget <= self.sinks:
                 raise ValueError(f"cache option budget {self.budget} must be more than sinks {self.sinks} (it holds "
                                  f"the sinks and a window of budget - sinks): raise budget or lower sinks")
+            given, default = self.window, WindowOptions.__dataclass_fields__["window"].default
+            if given not in (default, self.budget - self.sinks):  # a window the budget would silently replace
+                raise ValueError(f"cache option window={given} has no effect with budget={self.budget}: the window "
+                                 f"is budget - sinks = {self.budget - self.sinks}; give window alone (budget=0) or "
+                                 "budget alone")
             object.__setattr__(self, "window", self.budget - self.sinks)
 
 
@@ -48,6 +53,7 @@ class WindowKVCache(KVCache):
     Options = WindowOptions
     description = "attention sinks + sliding window: sinks + window slots, a ring for the window"
     examples = ({"window": 8, "sinks": 2}, {"window": 5, "sinks": 0}, {"window": 1, "sinks": 3}, {"budget": 6, "sinks": 2})
+    sized_by = ("budget", "window")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -62,9 +68,14 @@ class WindowKVCache(KVCache):
 
     @classmethod
     def check_max_len(cls, opts, max_len: int) -> None:
-        if opts.budget > max_len:  # as the evicting kinds' budget: a window given as window= is clipped instead
+        if opts.budget > max_len:  # as the evicting kinds' budget
             raise ValueError(f"cache option budget {opts.budget} is more than max_len {max_len}: a budget is at most "
                              "the tokens a sequence can hold (lower it, or raise max_len)")
+        if opts.sinks + opts.window >= max_len:  # every position a query can see stays: full attention
+            raise ValueError(f"sinks {opts.sinks} + window {opts.window} = {opts.sinks + opts.window} slots hold "
+                             f"every token a sequence of max_len={max_len} can have: the window never slides at that "
+                             f"max_len and the run is full attention; use sinks + window < {max_len} (or "
+                             "cache=prealloc for full attention)")
 
     @classmethod
     def reference(cls, opts) -> dict:
