@@ -306,16 +306,22 @@ def locked(folder: Path, what: str, invocation: str | None = None, wait_s: float
     while not _try_lock(path, me):
         other = holder(folder)
         if other is None:  # its process is gone (or the lock was just released): take it over
-            stale = _read(path)
+            stale, age = _read(path), _age(path)
             with contextlib.suppress(FileNotFoundError):
                 if holder(folder) is None:
                     path.unlink()
                     if stale and stale.get("host") != socket.gethostname():
+                        when = ("its time lies in the future" if age is not None and age < 0
+                                else f"not refreshed for over {STALE_S:.0f} s")
                         print(f"kvlab: took over the lock of {what} {folder} from kvlab process {stale.get('pid')} "
-                              f"on {stale.get('host')}: not refreshed for over {STALE_S:.0f} s", file=sys.stderr)
+                              f"on {stale.get('host')}: {when}", file=sys.stderr)
             continue
         if wait_s is not None and time.monotonic() - t0 >= wait_s:
             raise TimeoutError(f"{_in_use(what, folder, other)}; try again when it has finished")
+        if not said and other.get("pid") is None:  # a lock being written now, or one kvlab cannot read
+            print(f"kvlab: {what} {folder} has a lock kvlab cannot read ({path}): waiting up to 10 s for its writer, "
+                  "then it is taken over", file=sys.stderr)
+            said = True
         if not said:
             clear = (f"; if no kvlab process runs there, delete {path} (a lock not refreshed for {STALE_S:.0f} s is "
                      "taken over)" if other.get("host") != socket.gethostname() else

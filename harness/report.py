@@ -594,6 +594,9 @@ class SweepReport(Callback):
             experiment.note_failure(f"{sweep} (the sweep report: {e})")
             return
         except Exception as e:  # the runs' own files are already complete: say so and keep the exit code honest
+            stop = interrupted_by(e)
+            if stop is not None:  # a signal, lost inside another exception (mid-import): stop as it asked
+                raise stop from None
             print(f"kvlab: sweep report failed ({experiment.one_line(e)}); each run's results are in {shown(sweep)}",
                   file=sys.stderr)
             experiment.note_failure(f"{sweep} (the sweep report)")
@@ -615,19 +618,36 @@ def main(argv=None) -> int:
         rep = report_and_log([Path(p) for p in args.path], args.wandb, args.project, None, None,
                              Path(args.out) if args.out else None)
     except KeyboardInterrupt as e:  # every file is written whole (atomic), and claimed first: the next one replaces it
-        what, code = experiment.interruption(e)
-        print(f"kvlab report: interrupted ({what}); the report may be incomplete (each file in it is whole): run the "
-              "same command again to make it", file=sys.stderr)
-        return code
-    except ownership.NotOurs as e:  # one line; the folder is as it was
-        print(f"kvlab report: {e}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, OSError) as e:
-        print(f"kvlab report: {experiment.one_line(e) if not isinstance(e, FileNotFoundError) else e}",
+        return _report_interrupted(e)
+    except Exception as e:
+        stop = interrupted_by(e)
+        if stop is not None:  # a signal mid-import, which the half-loaded module's next use turned into another error
+            return _report_interrupted(stop)
+        if not isinstance(e, (ownership.NotOurs, OSError)):
+            raise
+        print(f"kvlab report: {e if isinstance(e, (ownership.NotOurs, FileNotFoundError)) else experiment.one_line(e)}",
               file=sys.stderr)
         return 2
     print_summary(rep)
     return 0
+
+
+def interrupted_by(e: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or stop signal behind ``e`` (in its chain of causes and contexts), if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _report_interrupted(e: KeyboardInterrupt) -> int:
+    what, code = experiment.interruption(e)
+    print(f"kvlab report: interrupted ({what}); the report may be incomplete (each file in it is whole): run the "
+          "same command again to make it", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -173,20 +173,25 @@ def scan(path: str | Path, invocation: str | None = None) -> dict:
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: no such folder; pass a run or sweep folder under outputs/")
     found, jobs = _walk(root)
-    runs, skipped, recorded, read = [], [], set(), 0
+    runs, skipped, recorded, read, unread = [], [], set(), 0, 0
     for f in found:
         if _skipped(f.relative_to(root).parent):
             continue
         recorded.add(f.parent)
         with contextlib.suppress(OSError):
-            read += os.stat(f).st_size if f.is_file() else 0
-        record, why = read_record(f) if read <= RECORDS_TOTAL_MAX else (
-            None, f"not read: the records under {shown(root)} hold more than the {RECORDS_TOTAL_MAX:,} bytes kvlab "
-                  "reads in one scan (report on fewer folders)")
+            size = os.stat(f).st_size if f.is_file() else 0
+            read += size if size <= RECORD_MAX else 0  # one over the per-file bound is refused by read_record
+        if read > RECORDS_TOTAL_MAX:
+            unread += 1
+            continue
+        record, why = read_record(f)
         if record is None:
             skipped.append((f.parent, why))
         elif invocation is None or invocation in of_invocations(record):
             runs.append((f.parent, record))
+    if unread:  # one line for all of them
+        skipped.append((root, f"{unread:,} results.json files not read: the records under it hold more than the "
+                              f"{RECORDS_TOTAL_MAX:,} bytes kvlab reads in one scan (report on fewer folders)"))
     interrupted = [h.parent for h in jobs if h.parent not in recorded and not _skipped(h.parent.relative_to(root))]
     return dict(runs=runs, skipped=skipped, interrupted=interrupted)
 
@@ -256,8 +261,9 @@ def _long(path: str | Path, name: str, invocation: str | None = None, required: 
         f = folder / name
         if record.get("status") != "ok":
             continue
-        with contextlib.suppress(OSError):
-            read += os.stat(f).st_size if f.is_file() else 0
+        with contextlib.suppress(OSError):  # a file over the per-file bound is refused by read_table, unread
+            size = os.stat(f).st_size if f.is_file() else 0
+            read += size if size <= TABLE_MAX else 0
         if read > TABLES_TOTAL_MAX:
             warnings.warn(f"{shown(folder)}: its {name} is not read: the {name} files under {shown(path)} hold more "
                           f"than the {TABLES_TOTAL_MAX:,} bytes kvlab reads in one load; its rows are missing",

@@ -373,10 +373,35 @@ def test_a_lock_of_a_live_process_here_says_how_to_clear_it(tmp_path, capsys):
     assert f"if process {sleeper.pid} is not a kvlab run, delete {tmp_path / ownership.LOCK}" in err
 
 
-def test_a_lock_with_a_time_far_in_the_future_is_taken_over(tmp_path):
+def test_a_lock_with_a_time_far_in_the_future_is_taken_over(tmp_path, capsys):
     _foreign_lock(tmp_path, -(ownership.STALE_S + 3600))
     with ownership.locked(tmp_path, "run folder", wait_s=0.6):
         assert json.loads((tmp_path / ownership.LOCK).read_text())["pid"] == os.getpid()
+    assert "from kvlab process 4242 on another-host: its time lies in the future" in capsys.readouterr().err
+
+
+def test_a_lock_being_written_or_unreadable_is_said_so(tmp_path, capsys):
+    (tmp_path / ownership.LOCK).write_text("{half")
+    with pytest.raises(TimeoutError):
+        with ownership.locked(tmp_path, "run folder", wait_s=0.6):
+            pass
+    err = capsys.readouterr().err
+    assert "has a lock kvlab cannot read" in err and "process None" not in err
+
+
+def test_a_signal_lost_inside_another_error_is_still_one_line(finished, tmp_path, monkeypatch, capsys):
+    import signal
+
+    def broken(*a, **k):  # a signal mid-import, then the half-loaded module's next use fails
+        try:
+            raise experiment.Interrupted(signal.SIGTERM)
+        except KeyboardInterrupt:
+            raise AttributeError("module 'matplotlib' has no attribute 'get_data_path'")
+
+    monkeypatch.setattr(report, "report_and_log", broken)
+    monkeypatch.setattr(experiment, "catch_signals", lambda: None)
+    assert report.main([str(finished), "--out", str(tmp_path / "out")]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip().startswith("kvlab report: interrupted (SIGTERM)")
 
 
 @pytest.mark.slow
@@ -410,8 +435,10 @@ def test_a_scan_reads_a_bounded_total_of_records(tmp_path, monkeypatch):
     for i in range(4):
         (tmp_path / f"r{i}").mkdir()
         (tmp_path / f"r{i}" / "results.json").write_text(json.dumps({"pad": "x" * 900}))
-    why = [w for _, w in results.scan(tmp_path)["skipped"]]
-    assert len(why) == 4 and sum("more than the 3,000 bytes kvlab reads in one scan" in w for w in why) == 1
+    found = results.scan(tmp_path)
+    why = [w for _, w in found["skipped"]]
+    assert len(found["runs"]) == 0 and len(why) == 4  # three unreadable (not kvlab records), one line for the rest
+    assert sum(w.startswith("1 results.json files not read") and "more than the 3,000 bytes" in w for w in why) == 1
 
 
 def test_one_huge_paragraph_is_tokenized_only_in_part(tmp_path, monkeypatch):
