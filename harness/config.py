@@ -206,7 +206,6 @@ def validate(cfg, n_positions: int, head_dim: int | None = None) -> tuple[int, l
     _check_sizes(cfg)
     max_len, contexts = _lengths(cfg, n_positions)
     _check_kind_fits(cfg, max_len, head_dim)
-    _check_ragged(cfg)
     check_measurements(cfg, max_len)
     _check_fills(cfg, max_len, contexts)
     return max_len, contexts
@@ -311,16 +310,6 @@ def _check_kind_fits(cfg, max_len: int, head_dim: int | None = None) -> None:
     need(shortest == 1 or cfg.get("prompt_lengths", "uniform") != "ragged",
          f"cache={cfg.cache.kind}: prompt_lengths=ragged draws prompts of 1 .. prompt_len tokens, shorter than the "
          f"{shortest} this kind needs (its window); use prompt_lengths=uniform or cache.window=1")
-
-
-def _check_ragged(cfg) -> None:
-    """A ragged batch that is one: the served batch's first prompt is prompt_len long, the others drawn from
-    1 .. prompt_len, so with one sequence, or prompts of one token, every prompt is prompt_len long."""
-    if cfg.get("prompt_lengths", "uniform") == "ragged":
-        need(cfg.get("batch", 1) >= 2 and cfg.prompt_len >= 2,
-             f"prompt_lengths=ragged with batch={cfg.get('batch', 1)} and prompt_len={cfg.prompt_len} serves every "
-             "prompt at prompt_len tokens: nothing is ragged; use batch >= 2 and prompt_len >= 2, or "
-             "prompt_lengths=uniform")
 
 
 def check_measurements(cfg, max_len: int) -> None:

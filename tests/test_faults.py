@@ -147,9 +147,6 @@ CONFIG = [
     ("batch-sizes-too-many", [f"batch_sizes=[{','.join(map(str, range(1, 102)))}]"],
      "batch_sizes has 101 sizes, over kvlab's cap of 100 per run: give at most 100"),
     ("batch-size-repeated", ["batch_sizes=[1,8,8]"], "batch_sizes [1, 8, 8] repeats a size: give each once"),
-    ("ragged-batch-of-one", ["prompt_lengths=ragged"],
-     "prompt_lengths=ragged with batch=1 and prompt_len=32 serves every prompt at prompt_len tokens: nothing is "
-     "ragged; use batch >= 2 and prompt_len >= 2, or prompt_lengths=uniform"),
     ("quant-axis-unknown", ["cache=quant", "cache.k_axis=row"], "cache option k_axis='row': use channel or token"),
     ("paged-block-size-zero", ["cache=paged", "cache.block_size=0"], "block_size must be an integer >= 1"),
     ("compile-not-prealloc", ["cache=concat", "compile=true"],
