@@ -56,18 +56,11 @@ def _same_folder(recorded, folder: Path) -> bool:
     """Whether the run folder a record names (absolute, or relative to where kvlab ran) is ``folder``."""
     if not isinstance(recorded, str) or not recorded:
         return False
-    here, p = _resolved(folder), Path(recorded)
+    here, p = ownership.resolved(folder), Path(recorded)
     if p.is_absolute():
-        return _resolved(p) == here
+        return ownership.resolved(p) == here
     parts = Path(os.path.normpath(p)).parts
     return ".." not in parts and here.parts[-len(parts):] == parts
-
-
-def _resolved(folder) -> Path:
-    try:
-        return Path(folder).resolve()
-    except (OSError, RuntimeError):
-        return Path(os.path.abspath(folder))
 
 
 def _first_row(path: Path) -> dict | None:
@@ -705,8 +698,8 @@ def _misplaced(run_dir: Path) -> str | None:
     from harness.results import within_report_folder, within_run_folder
 
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        sweep = _resolved(HydraConfig.get().sweep.dir)
-        here = _resolved(run_dir)
+        sweep = ownership.resolved(HydraConfig.get().sweep.dir)
+        here = ownership.resolved(run_dir)
         subdir = HydraConfig.get().sweep.subdir
         if here == sweep or sweep not in here.parents:
             return (f"hydra.sweep.subdir={subdir} puts this run in {run_dir}, not inside the sweep folder "

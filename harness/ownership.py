@@ -43,21 +43,34 @@ class NotOurs(ValueError):
 READ_MAX = 4 * 2 ** 20  # bytes: a manifest or a lock is a few hundred; anything bigger is not kvlab's
 
 
-def _regular(path: Path, limit: int = READ_MAX) -> bool:
-    """Whether ``path`` is a regular file of at most ``limit`` bytes (links followed): checked before a byte of it
-    is read, so a FIFO, a device or a huge file in kvlab's name is never opened or read."""
+def resolved(path) -> Path:
+    """``path`` made absolute with its links followed (as far as they can be: a loop or an unreadable part leaves
+    the plain absolute path)."""
+    try:
+        return Path(path).resolve()
+    except (OSError, RuntimeError):
+        return Path(os.path.abspath(path))
+
+
+def file_problem(path: Path, limit: int) -> str | None:
+    """Why ``path`` is not read (None: it may be): not a regular file (a device, FIFO or socket, a link to one), or
+    more than ``limit`` bytes. Checked before a byte is read, so no file kvlab reads can grow without bound."""
     import stat
 
     try:
         st = os.stat(path)
-    except OSError:
-        return False
-    return stat.S_ISREG(st.st_mode) and st.st_size <= limit
+    except OSError as e:
+        return f"unreadable {Path(path).name} ({e.strerror or type(e).__name__})"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{Path(path).name} is not a regular file"
+    if st.st_size > limit:
+        return f"{Path(path).name} holds {st.st_size:,} bytes, more than the {limit:,} kvlab reads for it"
+    return None
 
 
 def _read(path: Path) -> dict | None:
     """A small JSON object kvlab wrote (a manifest, a lock), or None: absent, not a regular file, too big, not JSON."""
-    if not _regular(path):
+    if file_problem(path, READ_MAX):
         return None
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))

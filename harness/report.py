@@ -293,7 +293,7 @@ def _refusal(out: Path, hint: str) -> tuple[Exception | None, bool]:
     inside = results.within_run_folder(out)
     if inside:
         run, why = inside
-        where = "is a run folder" if run == _resolved(out) else f"lies inside the run folder {shown(run)}"
+        where = "is a run folder" if run == ownership.resolved(out) else f"lies inside the run folder {shown(run)}"
         return ownership.NotOurs(f"{shown(out)} {where} ({why}): give --out a folder of its own, outside every "
                                  "run's folder"), False
     if not ownership.foreign(out):
@@ -417,23 +417,16 @@ def build_report(path: str | Path, out: str | Path | None = None, invocation: st
         return _write(path, out, loaded)
 
 
-def _resolved(folder) -> Path:
-    try:
-        return Path(folder).resolve()
-    except (OSError, RuntimeError):
-        return Path(os.path.abspath(folder))
-
-
 def _unfinished(path: Path, found: dict, invocation: str | None) -> list[Path]:
     """Run folders under ``path`` with no results.json that belong in this report: every job folder without one;
     with ``invocation``, those it started (a run it started and that was refused or died included)."""
     if invocation is None:
         return list(found["interrupted"])
-    mine = {_resolved(f) for f in experiment.invocation_folders(invocation)}  # the run folders it started
-    out = [f for f in found["interrupted"] if _resolved(f) in mine]
+    mine = {ownership.resolved(f) for f in experiment.invocation_folders(invocation)}  # the run folders it started
+    out = [f for f in found["interrupted"] if ownership.resolved(f) in mine]
     if mine:
-        root, seen = _resolved(path), {_resolved(f) for f in out}
-        seen |= {_resolved(f) for f, _ in found["skipped"]} | {_resolved(f) for f, _ in found["runs"]}
+        root, seen = ownership.resolved(path), {ownership.resolved(f) for f in out}
+        seen |= {ownership.resolved(f) for f, _ in found["skipped"]} | {ownership.resolved(f) for f, _ in found["runs"]}
         for f in sorted(mine - seen):
             if (f == root or root in f.parents) and not (f / results.RESULTS).is_file():
                 out.append(f)
@@ -539,13 +532,13 @@ def _not_in_a_run(look: Path, folder: Path, what: str, key: str) -> None:
     inside = results.within_run_folder(look)
     if inside:
         run, why = inside
-        where = "is a run's folder" if run == _resolved(folder) else f"lies inside the run folder {shown(run)}"
+        where = "is a run's folder" if run == ownership.resolved(folder) else f"lies inside the run folder {shown(run)}"
         print(f"kvlab: the {what} {shown(folder)} {where} ({why}); kvlab never puts anything in a run's folder: "
               f"choose a folder outside every run's with hydra.{key}.dir=...", file=sys.stderr)
         raise SystemExit(2)
     rep = results.within_report_folder(look)
     if rep:
-        where = "is a report folder" if rep == _resolved(folder) else f"lies inside the report folder {shown(rep)}"
+        where = "is a report folder" if rep == ownership.resolved(folder) else f"lies inside the report folder {shown(rep)}"
         print(f"kvlab: the {what} {shown(folder)} {where}, where no report would see its runs: choose a folder of "
               f"its own with hydra.{key}.dir=...", file=sys.stderr)
         raise SystemExit(2)

@@ -88,20 +88,7 @@ TABLE_MAX = 256 * 2 ** 20  # bytes: a run's CSV table (a 1,000-step serve of man
 TABLES_TOTAL_MAX = 512 * 2 ** 20  # bytes of one table's files one load reads, over every run (pandas holds ~5x)
 
 
-def too_big(path: Path, limit: int) -> str | None:
-    """Why ``path`` is not read (None: it may be): not a regular file (a device, FIFO or socket, a link to one), or
-    more than ``limit`` bytes. Checked before a byte is read, so no file kvlab reads can grow without bound."""
-    import stat
-
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        return f"unreadable {Path(path).name} ({e.strerror or type(e).__name__})"
-    if not stat.S_ISREG(st.st_mode):
-        return f"{Path(path).name} is not a regular file"
-    if st.st_size > limit:
-        return f"{Path(path).name} holds {st.st_size:,} bytes, more than the {limit:,} kvlab reads for it"
-    return None
+too_big = ownership.file_problem  # why a file is not read: not regular, or over its bound
 
 
 def read_record(path: Path) -> tuple[dict | None, str | None]:
@@ -358,10 +345,7 @@ def within_run_folder(folder: str | Path) -> tuple[Path, str] | None:
     """The run folder ``folder`` is, or lies inside (the nearest), and why it is one (``run_folder``); None: neither.
     Nothing of kvlab's (a report, a sweep, another run) goes into a run's folder: its manifest would not list it, and
     the run could not be resumed or cleared."""
-    try:
-        here = Path(folder).resolve()
-    except (OSError, RuntimeError):
-        here = Path(os.path.abspath(folder))
+    here = ownership.resolved(folder)
     for f in (here, *here.parents):
         if f.is_dir():
             why = run_folder(f)
@@ -373,10 +357,7 @@ def within_run_folder(folder: str | Path) -> tuple[Path, str] | None:
 def within_report_folder(folder: str | Path) -> Path | None:
     """The report folder (one whose manifest lists a report page) ``folder`` is, or lies inside (the nearest); None:
     neither. A run or a sweep there would be hidden from every report, and the report could no longer be replaced."""
-    try:
-        here = Path(folder).resolve()
-    except (OSError, RuntimeError):
-        here = Path(os.path.abspath(folder))
+    here = ownership.resolved(folder)
     for f in (here, *here.parents):
         if f.is_dir() and REPORT_PAGE in ownership.owned(f):
             return f
