@@ -14,7 +14,7 @@ $(STAMP): requirements.txt
 	@echo "installing requirements.txt into $(VENV) (log: $(VENV)/pip.log)"
 	$(PY) -m pip install -r requirements.txt > $(VENV)/pip.log 2>&1 || { tail -n 40 $(VENV)/pip.log; exit 1; }
 	$(PY) -c "import torch, transformers, hydra, wandb, pandas, seaborn"
-	$(PY) -c "from harness.engines import prepare_quanto; prepare_quanto()"
+	$(PY) -c "from harness.core.engines import prepare_quanto; prepare_quanto()"
 	$(PY) -c "from models.kv_cache.kernels import main; main()"
 	touch $(STAMP)
 

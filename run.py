@@ -7,7 +7,7 @@ of this invocation did not end ok (read from the runs' own results.json files).
 
 A stop signal while it starts (torch and Hydra load for seconds) is one line, exit 128 + n: nothing is written that
 early. A sweep through a Slurm launcher (``-m hydra/launcher=slurm``, ``slurm_cpu``) first checks that Slurm answers
-(harness/slurm_check.py) and, if not, says what is missing in one line, exit 2, before any folder is made.
+(harness/experiment/slurm_check.py) and, if not, says what is missing in one line, exit 2, before any folder is made.
 """
 
 import os
@@ -74,7 +74,7 @@ def bad_flags(argv: list[str]) -> str | None:
 
 if __name__ == "__main__":
     _REPLACED = _while_starting()
-    from harness.slurm_check import precheck  # the standard library only: before torch and Hydra load
+    from harness.experiment.slurm_check import precheck  # the standard library only: before torch and Hydra load
 
     _refused = precheck(sys.argv[1:])
     if _refused is not None:
@@ -88,8 +88,8 @@ if __name__ == "__main__":
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from harness.config import register  # noqa: E402
-from harness.experiment import (  # noqa: E402
+from harness.experiment.config import register  # noqa: E402
+from harness.experiment.runner import (  # noqa: E402
     catch_signals, forget_invocation, interruption, invocation_failures, new_invocation, run)
 
 register()

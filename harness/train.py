@@ -123,7 +123,7 @@ if __name__ == "__main__":  # python -m harness.train: a stop signal while impor
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from harness.ownership import atomic_write as _atomic_write  # noqa: E402
+from harness.common.ownership import atomic_write as _atomic_write  # noqa: E402
 from models.gpt2 import PRESETS, _CONV1D, GPT2, CheckpointError, GPT2Config  # noqa: E402
 from models.tokenizer import Tokenizer  # noqa: E402
 

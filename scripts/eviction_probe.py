@@ -24,9 +24,9 @@ if __name__ == "__main__":  # a Python without torch: run again with the repo's 
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from harness.bench import parse_kind  # noqa: E402
-from harness.engines import KvlabEngine  # noqa: E402
-from harness.experiment import text_prompts  # noqa: E402
+from harness.tools.bench import parse_kind  # noqa: E402
+from harness.core.engines import KvlabEngine  # noqa: E402
+from harness.experiment.runner import text_prompts  # noqa: E402
 from models.gpt2 import GPT2  # noqa: E402
 from models.tokenizer import Tokenizer  # noqa: E402
 

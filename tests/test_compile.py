@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from harness.engines import KvlabEngine
+from harness.core.engines import KvlabEngine
 from models.gpt2 import GPT2, GPT2Config
 from models.generate import StaticDecoder, new_cache
 
@@ -153,7 +153,7 @@ def test_quant_attention_over_its_packed_storage_equals_the_dequantised_path(tin
 def test_text_drift_records_what_a_fused_quant_step_read(tiny_model):
     """The text-drift pass records the K/V attention read at its last step; a fused quant step never calls update,
     so it records them through stored_history: the same history, the same logits as the eager pass."""
-    from harness import measure
+    from harness.core import measure
 
     spec = measure.CacheSpec("quant", {"k_bits": 4, "v_bits": 2, "group_size": 8, "residual": 4})
     seq = torch.randint(0, tiny_model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
@@ -173,7 +173,7 @@ def test_paged_attention_through_its_block_table_equals_the_gathered_path(tiny_m
     lies in the pool (the CPU kernel) instead of gathering the blocks into a copy. For each conformance block size,
     batch 2, across block boundaries, the logits equal the gathering path's within float32 rounding (bf16: its own
     rounding), and the drift pass records the same history through stored_history."""
-    from harness import measure
+    from harness.core import measure
     from models.kv_cache import PagedKVCache
 
     model = copy.deepcopy(tiny_model).to(dtype)

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import measure, measurements
-from harness.engines import KvlabEngine
+from harness import measurements
+from harness.core import measure
+from harness.core.engines import KvlabEngine
 
 TEXT = [torch.tensor([[464, 3290, 318, 257, 1332, 286, 262, 6801, 13, 198, 464, 2068, 7586, 21831, 18045, 625,
                        262, 16931, 3290, 13, 632, 373, 257, 3223, 290, 30367, 1755, 13, 383, 2344, 340, 19228,
@@ -117,7 +118,7 @@ def _runs(**cols):
 
 
 def test_the_report_builds_a_k_vs_v_table_from_bit_sweeps():
-    from harness.report import drift_tables
+    from harness.analysis.report import drift_tables
 
     page = "".join(drift_tables(_runs()))
     assert "K vs V sensitivity, mini fp32: ΔNLL" in page and "K 2-bit" in page and "V 8-bit" in page
@@ -126,7 +127,7 @@ def test_the_report_builds_a_k_vs_v_table_from_bit_sweeps():
 
 
 def test_the_report_warns_loudly_when_a_sweep_mixes_real_and_random_weights():
-    from harness.report import weights_notice
+    from harness.analysis.report import weights_notice
 
     mixed = "".join(weights_notice(_runs(weights=["random", "pretrained", "pretrained", "pretrained"])))
     assert "Warning: this sweep mixes pretrained weights (3 runs) and random-init weights (1 runs)" in mixed
@@ -137,7 +138,7 @@ def test_the_report_warns_loudly_when_a_sweep_mixes_real_and_random_weights():
 
 @pytest.fixture(scope="module")
 def mini_texts():
-    from harness.experiment import text_prompts
+    from harness.experiment.runner import text_prompts
     from models.gpt2 import GPT2
     from models.tokenizer import Tokenizer
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from harness.engines import HF_COUNTERPARTS, HFEngine, KvlabEngine, QuantoStorage
+from harness.core.engines import HF_COUNTERPARTS, HFEngine, KvlabEngine, QuantoStorage
 from models.kv_cache import KeepRecord, cache_kind, kv_bytes
 
 EXACT = [k for k in HF_COUNTERPARTS if cache_kind(k).exact]
@@ -127,7 +127,7 @@ def test_hf_quantized_runs_bytes_and_decode_drift_measured_as_ours(engines, tiny
     """Through the harness's own measurements: with a residual, the bytes after a prompt and every step match
     quanto's layout from that prompt on; and HF's prefill attends to the prompt unquantised, so the text drift
     of its prefill positions is ~0 and all of it sits in the decode positions, which ``drift_kl_decode`` isolates."""
-    from harness import measure
+    from harness.core import measure
 
     _, hf = engines
     spec = measure.CacheSpec("quant", {"residual": 3, **TOKEN})
@@ -213,7 +213,7 @@ def test_hf_is_a_peer_in_the_grid(tmp_path):
 def test_bytes_read_count_what_each_engines_cache_hands_attention(engines):
     """HF's StaticCache returns all max_len slots to attention every step (masked): a step reads them all; its
     DynamicCache and our kinds read the ctx + 1 tokens held."""
-    from harness.measure import CacheSpec, kv_read_bytes
+    from harness.core.measure import CacheSpec, kv_read_bytes
 
     ours, hf = engines
     c = ours.model.config
@@ -229,7 +229,7 @@ def test_engine_ratios_pair_runs_of_the_same_options_only():
     both."""
     import pandas as pd
 
-    from harness.report import engine_ratios
+    from harness.analysis.report import engine_ratios
 
     rows = []
     for label, ms in (("quant k4/v4 g32", 10.0), ("quant k2/v2 g32", 30.0)):
@@ -245,7 +245,7 @@ def test_engine_ratios_pair_runs_of_the_same_options_only():
 
 # ---- the engine protocol: a conformance suite over ENGINES -------------------------------------------------------
 
-from harness.engines import ENGINES, Engine  # noqa: E402
+from harness.core.engines import ENGINES, Engine  # noqa: E402
 from models.kv_cache import CACHE_KINDS  # noqa: E402
 
 
@@ -315,6 +315,6 @@ def test_every_engine_prefill_decode_checkpoint_and_bytes_agree_with_its_forward
 
 
 def measure_spec(kind, opts):
-    from harness.measure import CacheSpec
+    from harness.core.measure import CacheSpec
 
     return CacheSpec(kind, opts)

@@ -16,8 +16,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import save_file
 
-from harness.config import ConfigError, register, validate
-from harness.experiment import text_prompts
+from harness.experiment.config import ConfigError, register, validate
+from harness.experiment.runner import text_prompts
 from models.generate import decode_step, greedy, new_cache, prefill
 from models.gpt2 import GPT2, CheckpointError
 from models.kv_cache import kv_bytes, make_cache
@@ -303,8 +303,9 @@ def test_nan_weights_fail_the_run_never_called_equivalent(tmp_path):
 def test_non_finite_values_made_while_running_fail_with_where(tiny_model):
     import copy
 
-    from harness import measure, measurements
-    from harness.engines import KvlabEngine
+    from harness import measurements
+    from harness.core import measure
+    from harness.core.engines import KvlabEngine
 
     bad = copy.deepcopy(tiny_model)
     with torch.no_grad():
@@ -470,7 +471,7 @@ def test_online_tracking_without_a_key_falls_back_to_offline(tmp_path):
 
 @pytest.mark.slow
 def test_the_report_builds_from_whatever_is_readable(tmp_path):
-    from harness.report import build_report
+    from harness.analysis.report import build_report
 
     proc = run_py(["-m", "cache=concat,prealloc", *TINY, "tracking=disabled", f"hydra.sweep.dir={tmp_path / 's'}"],
                   tmp_path)
@@ -502,7 +503,7 @@ def test_the_report_builds_from_whatever_is_readable(tmp_path):
 
 
 def test_a_write_error_is_one_line_and_counts_as_not_ok(capsys):
-    from harness import experiment
+    from harness.experiment import runner as experiment
 
     experiment.new_invocation()
     try:
@@ -517,7 +518,7 @@ def test_a_write_error_is_one_line_and_counts_as_not_ok(capsys):
 def test_runs_on_two_checkpoint_folders_get_two_labels():
     from types import SimpleNamespace
 
-    from harness.experiment import model_label
+    from harness.experiment.runner import model_label
 
     a = SimpleNamespace(name="tiny", preset="tiny", weights="/ckpts/run-a")
     b = SimpleNamespace(name="tiny", preset="tiny", weights="/ckpts/run-b")

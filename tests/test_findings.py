@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness import findings
-from harness.findings import claim_rows, sweep_findings
+from harness.analysis import findings
+from harness.analysis.findings import claim_rows, sweep_findings
 
 # issue 44's verdict cases: a claim is judged only on runs of its stated setting (docs/faults.md lists the ids)
 CASES = [
@@ -354,8 +354,8 @@ def preset_grid(preset: str, *overrides: str) -> pd.DataFrame:
 
     from hydra import compose, initialize_config_dir
 
-    from harness.config import dtype_label, register, validate
-    from harness.experiment import cache_record
+    from harness.experiment.config import dtype_label, register, validate
+    from harness.experiment.runner import cache_record
     from models.gpt2 import GPT2Config
     from tests.conftest import REPO
 

@@ -27,7 +27,7 @@ gc = load()
 def test_the_dry_run_plans_every_kind_eager_and_the_compiled_ones_compiled(capsys):
     assert gc.main(["--dry-run", "--models", "gpt2", "gpt2-xl", "--contexts", "512", "960"]) == 0
     rows = gc.plan(gc.parse_args(["--dry-run", "--contexts", "512", "960"]))
-    from harness.engines import KvlabEngine
+    from harness.core.engines import KvlabEngine
 
     compiled = [k for k in gc.KINDS if KvlabEngine.refuses_compile(k) is None]
     assert len(rows) == 2 * 2 * (len(gc.KINDS) + len(compiled))  # models x contexts x (eager + compiled kinds)
@@ -69,7 +69,7 @@ def test_measured_rows_make_the_table_and_the_targets(monkeypatch):
     a = gc.parse_args(["--dry-run", "--models", "tiny", "--contexts", "16", "--kinds", "prealloc", "concat",
                        "--repeats", "2", "--warmup", "3"])
     a.device, a.dtype = "cpu", "fp32"
-    from harness import measure
+    from harness.core import measure
 
     monkeypatch.setattr(measure, "bandwidth_probe", lambda device, nbytes: {"probe_gbps": 10.0})
     rows = gc.measure_model(a, "tiny", deadline=float("inf"))
@@ -92,8 +92,8 @@ def test_measured_rows_make_the_table_and_the_targets(monkeypatch):
 
 def test_on_a_gpu_each_model_is_checked_against_its_free_memory_first(monkeypatch, capsys):  # bench-memory
     """Without a GPU here: CUDA as a GPU with 8 GB free would report it. gpt2-xl at batch 4,096 does not fit, and the
-    line says which batch would (harness.bench's own estimate); batch 1 passes."""
-    from harness import memory
+    line says which batch would (harness.tools.bench's own estimate); batch 1 passes."""
+    from harness.experiment import memory
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -12,11 +12,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from harness import measurements, measure
-from harness.config import ConfigError, cache_options, dtype_label, register, validate
-from harness.engines import HF_COUNTERPARTS, KvlabEngine, hf_refuses
-from harness.experiment import batch_lengths, text_prompts
-from harness.findings import PAPERS
+from harness import measurements
+from harness.core import measure
+from harness.experiment.config import ConfigError, cache_options, dtype_label, register, validate
+from harness.core.engines import HF_COUNTERPARTS, KvlabEngine, hf_refuses
+from harness.experiment.runner import batch_lengths, text_prompts
+from harness.analysis.findings import PAPERS
 from tests.conftest import TINY, run_py
 from models.gpt2 import GPT2Config
 from models.kv_cache import CACHE_KINDS, cache_kind, kv_bytes
@@ -328,7 +329,7 @@ def test_the_cost_model_recovers_known_coefficients():
 
 
 def test_bandwidth_columns_count_weights_once_and_the_kv_history(tiny_model):
-    from harness.engines import KvlabEngine
+    from harness.core.engines import KvlabEngine
 
     e = KvlabEngine(tiny_model)
     c = tiny_model.config
@@ -353,8 +354,8 @@ def test_bandwidth_columns_count_weights_once_and_the_kv_history(tiny_model):
 
 
 def test_bench_kinds_prints_each_kinds_roofline_from_its_own_probe(tiny_model, monkeypatch):
-    from harness import bench
-    from harness.engines import KvlabEngine
+    from harness.tools import bench
+    from harness.core.engines import KvlabEngine
 
     monkeypatch.setattr(measure, "bandwidth_probe", lambda device, nbytes: {"probe_gbps": 10.0})
     e = KvlabEngine(tiny_model)
@@ -368,7 +369,7 @@ def test_bench_kinds_prints_each_kinds_roofline_from_its_own_probe(tiny_model, m
 
 
 def test_a_batched_steps_roofline_reads_every_sequences_kv_and_the_weights_once(tiny_model):
-    from harness.engines import KvlabEngine
+    from harness.core.engines import KvlabEngine
 
     e, spec = KvlabEngine(tiny_model), measure.CacheSpec("prealloc")
     steps = pd.DataFrame({"context_len": [16], "mode": ["cached"], "ms_median": [2.0]})
@@ -381,8 +382,8 @@ def test_a_batched_steps_roofline_reads_every_sequences_kv_and_the_weights_once(
 def test_bench_kinds_times_a_batch_and_checks_the_kind_targets_it_measured(tiny_model):
     """time_kinds decodes `batch` sequences on each cache (each holds batch x one sequence's bytes); kind_targets
     reports exactly the targets whose kind, batch and context the run measured, each against its own bound."""
-    from harness import bench
-    from harness.engines import KvlabEngine
+    from harness.tools import bench
+    from harness.core.engines import KvlabEngine
 
     specs = [measure.CacheSpec("prealloc"), bench.parse_kind("quant:k_bits=4,v_bits=4"), bench.parse_kind("paged")]
     t1, held1 = bench.time_kinds(KvlabEngine(tiny_model), specs, 12, 64, repeats=2, warmup=0)
@@ -407,7 +408,7 @@ def test_bench_kinds_times_a_batch_and_checks_the_kind_targets_it_measured(tiny_
     (["--dtype", "fp16"], "--dtype and --device are for --kinds"),
 ])
 def test_bench_refuses_options_it_cannot_honour_in_one_line(capsys, argv, says):
-    from harness.bench import main
+    from harness.tools.bench import main
 
     with pytest.raises(SystemExit) as e:
         main(["--model", "tiny", *argv])
@@ -438,7 +439,7 @@ def test_the_benchmark_is_a_sweep_of_both_engines_on_two_models():
 def test_prefix_reuse_gives_the_cold_prefills_first_token(tiny_model, kind):
     """The prefix benchmark's two ways to the first token (prefill everything, or restore the prefix's snapshot and
     prefill the rest) agree, and each was timed `repeats` times."""
-    from harness.bench import time_prefix_reuse
+    from harness.tools.bench import time_prefix_reuse
 
     t = time_prefix_reuse(KvlabEngine(tiny_model), measure.CacheSpec(kind), prefix=24, suffix=6, repeats=3, warmup=1)
     assert t["max_abs"] < 1e-4 and len(t["cold"]) == len(t["reuse"]) == 3
@@ -447,7 +448,7 @@ def test_prefix_reuse_gives_the_cold_prefills_first_token(tiny_model, kind):
 
 
 def test_prefix_bench_refuses_what_does_not_fit(capsys):
-    from harness.bench import main
+    from harness.tools.bench import main
 
     with pytest.raises(SystemExit) as e:
         main(["--prefix", "--model", "tiny", "--prefixes", "120", "--suffix", "16"])
@@ -458,7 +459,7 @@ def test_serving_a_ragged_batch_counts_waste_from_each_layouts_slots(tiny_model)
     """The paged benchmark's bookkeeping, worked out here: prealloc holds max_len slots a row from the start, paged
     with one-token blocks holds exactly the live requests' tokens (finished ones hand theirs back), and every layout
     gives each request the same tokens."""
-    from harness.bench import serve_ragged
+    from harness.tools.bench import serve_ragged
 
     g = torch.Generator().manual_seed(2)
     p_lens, o_lens = [9, 2, 17, 5], [6, 11, 3, 8]
@@ -480,7 +481,7 @@ def test_serving_a_ragged_batch_counts_waste_from_each_layouts_slots(tiny_model)
 
 
 def test_paged_bench_prints_each_layouts_waste(capsys):
-    from harness.bench import main
+    from harness.tools.bench import main
 
     main(["--paged", "--model", "tiny", "--batch", "4", "--prompt-max", "30", "--output-max", "12"])
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
@@ -496,7 +497,7 @@ def test_paged_bench_prints_each_layouts_waste(capsys):
 def test_bench_steps_run_in_turns_each_at_the_same_context(tiny_model):
     """Every runner is timed `repeats` times, and each step is put back: the caches end where the prompt left them,
     holding what they held, so no timed step ran at a longer context than asked."""
-    from harness.bench import time_in_turns
+    from harness.tools.bench import time_in_turns
 
     e = KvlabEngine(tiny_model)
     prompt = torch.randint(0, 50257, (1, 12), generator=torch.Generator().manual_seed(0))

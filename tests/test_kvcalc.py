@@ -1,4 +1,4 @@
-"""harness.kvcalc against byte counts worked out by hand for published configs (written here as config.json files,
+"""harness.tools.kvcalc against byte counts worked out by hand for published configs (written here as config.json files,
 with the published numbers), against our quant kind's own accounting, and its command line."""
 
 import json
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from harness.kvcalc import (
+from harness.tools.kvcalc import (
     bytes_per_token,
     kv_cache_bytes,
     kv_geometry,

@@ -15,9 +15,14 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from harness import experiment, measurements, record, report
-from harness.config import ConfigError, register, validate
-from harness.measurements import MEASUREMENTS, Figure, Measurement, Table, key
+from harness import measurements
+from harness.experiment import runner as experiment
+from harness.measurements import record
+from harness.analysis import report
+from harness.experiment.config import ConfigError, register, validate
+from harness.analysis import figures
+from harness.analysis.figures import Figure
+from harness.measurements import MEASUREMENTS, Measurement, Table, key
 from harness.measurements.base import conforms, hints
 from models.kv_cache import CACHE_KINDS
 from tests.conftest import REPO, run_py
@@ -111,14 +116,14 @@ def test_no_function_in_harness_or_models_is_longer_than_60_lines():
 
 
 def test_readers_look_results_up_by_declared_names():
-    from harness.keys import KEYS
+    from harness.measurements import KEYS
 
     declared = measurements.declared_names()
     assert KEYS.drift_kl == "drift_kl" and KEYS.ms_median == "ms_median" and KEYS.run_name == "run_name"
     with pytest.raises(AttributeError, match="'drift_kll' is not a results.json key.*--keys"):
         KEYS.drift_kll
     used = set()
-    for path in sorted((REPO / "harness").glob("*.py")):
+    for path in sorted((REPO / "harness").rglob("*.py")):
         used |= {(path.name, k) for k in re.findall(r"\bKEYS\.(\w+)", path.read_text(encoding="utf-8"))}
     assert {f for f, _ in used} >= {"plots.py", "report.py", "tracking.py"}
     assert [(f, k) for f, k in sorted(used) if k not in declared] == []
@@ -163,7 +168,7 @@ def test_the_default_still_runs_every_measurement_and_keeps_the_config_id():
     plain = {k: v for k, v in cfg.items() if k != "measurements"}
     from omegaconf import OmegaConf
 
-    from harness.config import config_id
+    from harness.experiment.config import config_id
     assert config_id(cfg) == config_id(OmegaConf.create(plain))
     assert config_id(compose_cfg(["model=tiny", "measurements=[memory]"])) != config_id(cfg)
 
@@ -187,8 +192,6 @@ class ContextTokens(Measurement):
         context_tokens_total: int = key("prompt + generated tokens over every prompt", "tokens")
 
     tables = (Table("context_tokens", "context_tokens.csv", on=("prompt",), columns=("prompt", "tokens")),)
-    figures = (Figure("context_tokens", "runs", _draw_context_tokens, "Tokens the prompts put in the cache."),)
-
     def run(self):
         per = [p.shape[1] + self.ctx.new_tokens for p in self.ctx.prompts]
         return self.Result(context_tokens_total=sum(per)), {"context_tokens": pd.DataFrame(
@@ -199,8 +202,14 @@ class ContextTokens(Measurement):
         return [f"  context tokens    {r['context_tokens_total']} (prompts + generated)"]
 
 
+CONTEXT_FIGURE = Figure("context_tokens", "runs", _draw_context_tokens, "Tokens the prompts put in the cache.",
+                        by=("context_tokens",))
+
+
 @pytest.fixture
-def registered():
+def registered(monkeypatch):
+    """The measurement registered, and its figure declared where every figure is (harness.analysis.figures)."""
+    monkeypatch.setattr(figures, "FIGURES", (*figures.FIGURES, CONTEXT_FIGURE))
     measurements.register(ContextTokens)
     try:
         yield ContextTokens
@@ -307,7 +316,7 @@ def test_every_figure_draws_from_a_sweep(conformance):
         rep = conformance[name] / "report"
         drawn |= {p.stem for p in rep.glob("*.png") if p.stat().st_size > 0}
         assert (rep / "report.html").is_file()
-    assert {f.stem for _, f in measurements.figures()} <= drawn
+    assert {f.stem for f in figures.FIGURES} <= drawn
 
 
 @pytest.mark.slow
@@ -350,7 +359,7 @@ def test_a_budget_sweep_draws_quality_against_budget(conformance):
         assert r["status"] == "ok" and r["nbytes_match"] and r["drift_delta_nll"] is not None
         if r["cache"] == "window":
             assert r["cache_window"] == r["cache_budget"] - r["cache_sinks"]
-    from harness import plots
+    from harness.analysis import plots
 
     drawn = plots.budget_quality(pd.DataFrame(runs))
     assert len(drawn) == 4 and (conformance["budgets"] / "report" / "budget.png").stat().st_size > 0
@@ -358,8 +367,8 @@ def test_a_budget_sweep_draws_quality_against_budget(conformance):
 
 
 def test_a_programmatic_run_on_an_engine(tiny_model):
-    from harness.engines import KvlabEngine
-    from harness.measure import CacheSpec
+    from harness.core.engines import KvlabEngine
+    from harness.core.measure import CacheSpec
 
     e = KvlabEngine(tiny_model)
     rec, tables = measurements.run_on(e, CacheSpec("concat", {}, torch.float32), [torch.tensor([[464, 3290]])], 5,
@@ -373,7 +382,7 @@ def test_a_programmatic_run_on_an_engine(tiny_model):
 def test_retrieval_draws_only_tokens_the_model_can_tell_apart(tiny_model):
     import copy
 
-    from harness.measurements.retrieval import copy_accuracy, copy_sequences, distinct_ids
+    from harness.core.copying import copy_accuracy, copy_sequences, distinct_ids
 
     m = copy.deepcopy(tiny_model)
     with torch.no_grad():
@@ -393,8 +402,8 @@ def test_retrieval_draws_only_tokens_the_model_can_tell_apart(tiny_model):
 def test_a_window_loses_what_full_attention_retrieves_on_the_shipped_mini():
     """On the reference model (which copies), a 64-token window cannot copy a 200-token sequence seen 200 tokens
     ago, while an exact kind's retrieval_acc equals its fp32 full-attention reference."""
-    from harness.engines import KvlabEngine
-    from harness.measure import CacheSpec
+    from harness.core.engines import KvlabEngine
+    from harness.core.measure import CacheSpec
     from models.gpt2 import GPT2
 
     model = GPT2.from_pretrained(REPO / "models" / "weights" / "mini").eval()

@@ -1,4 +1,4 @@
-"""harness.memory: a run's peak bytes from its config alone, what the machine has free, and the one-line refusal.
+"""harness.experiment.memory: a run's peak bytes from its config alone, what the machine has free, and the one-line refusal.
 Nothing here builds more than a tiny model; every other size is arithmetic."""
 
 import os
@@ -7,9 +7,9 @@ import re
 import pytest
 import torch
 
-from harness.config import ConfigError
-from harness.engines import QuantoStorage
-from harness.memory import (available_bytes, cache_bytes, cgroup_free, check, param_count, run_bytes, size,
+from harness.experiment.config import ConfigError
+from harness.core.engines import QuantoStorage
+from harness.experiment.memory import (available_bytes, cache_bytes, cgroup_free, check, param_count, run_bytes, size,
                             usable)
 from models.gpt2 import GPT2, GPT2Config
 from models.kv_cache import CACHE_KINDS, KVCache, cache_kind, make_cache
@@ -182,7 +182,7 @@ def test_cgroup_limits_are_read_v2_and_v1(tmp_path):
 def test_every_phase_of_the_estimate_belongs_to_a_measurement():
     """Each phase run_bytes adds is some measurement's (``memory_phases``), so choosing measurements keeps exactly
     theirs: memory alone keeps the cache's phase and drops the step times'."""
-    from harness.memory import phase_of
+    from harness.experiment.memory import phase_of
 
     cfg = CUSTOM[0]
     every = run_bytes(cfg, batch_sizes=[1, 2], compile=True, retrieval_n=8, context_lengths=[8])

@@ -12,12 +12,11 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
-from harness.plots import (  # noqa: E402
-    all_figures,
+from harness.analysis.figures import all_figures, figure_makers, figures_for  # noqa: E402
+from harness.analysis.plots import (  # noqa: E402
     cache_bytes_plot,
     drift_plot,
     equivalence_grid,
-    figure_makers,
     memory_plot,
     serving_plot,
     speedup_plot,
@@ -264,8 +263,8 @@ def test_memory_lines_follow_the_formula_and_dots_the_measurements():
 
 
 def test_cost_lines_are_each_runs_fit(tables):
-    from harness.measure import cost_model
-    from harness.plots import cost_plot
+    from harness.core.measure import cost_model
+    from harness.analysis.plots import cost_plot
 
     _, steps, _ = tables
     ok = steps[(steps["status"] == "ok") & (steps["mode"] == "cached")]
@@ -314,7 +313,6 @@ def test_serving_lines_are_the_runs_throughput_and_waste_per_cache_and_prompt_sh
 
 def test_a_figure_of_a_measurement_the_sweep_left_out_is_not_drawn():
     """A sweep with measurements=[equivalence,text_drift] has no cache bytes: no cache_bytes figure (and no error)."""
-    from harness.plots import figures_for
 
     base = dict(status="ok", run_name="r", model="tiny", cache="prealloc", cache_label="prealloc", dtype="fp32",
                 engine="kvlab", tokens_identical=True, max_abs_logit_diff=1e-6, cache_exact=True)
@@ -327,7 +325,7 @@ def test_a_figure_of_a_measurement_the_sweep_left_out_is_not_drawn():
 def test_quality_against_budget_draws_budgeted_kinds_one_line_per_setting():
     """Only kinds given a budget are drawn (a prealloc swept over max_len is not); an option swept at one budget
     (H2O's recent) splits its kind into lines, an option the budget sets (a window's window) does not."""
-    from harness.plots import budget_plot, budget_quality
+    from harness.analysis.plots import budget_plot, budget_quality
 
     def run(cache, budget, **kw):
         return dict(status="ok", model="mini", cache=cache, dtype="fp32", cache_budget=budget,
@@ -347,7 +345,7 @@ def test_quality_against_budget_draws_budgeted_kinds_one_line_per_setting():
 
 
 def test_the_pareto_frontier_is_the_settings_nothing_beats_on_both():
-    from harness.plots import pareto_front, pareto_plot, pareto_points
+    from harness.analysis.plots import pareto_front, pareto_plot, pareto_points
 
     x = pd.Series([1.0, 2.0, 3.0, 4.0, 2.5])
     low = pd.Series([5.0, 3.0, 3.5, 1.0, 2.0])  # the third is beaten by the second (cheaper and better)

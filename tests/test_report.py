@@ -11,9 +11,9 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
 
-from harness import plots
-from harness.report import build_report
-from harness.results import IncompleteRunWarning, load_drift, load_layers, load_memory, load_runs, load_steps
+from harness.analysis import plots
+from harness.analysis.report import build_report
+from harness.analysis.results import IncompleteRunWarning, load_drift, load_layers, load_memory, load_runs, load_steps
 from tests.conftest import REPO, TINY, run_py
 
 pytestmark = pytest.mark.slow  # every test here reads the session's real sweep
@@ -131,7 +131,7 @@ def test_sweep_end_wrote_the_report_and_an_aggregate_wandb_run(tiny_sweep):
 def test_the_sweep_leaves_a_wandb_report_spec_whose_metrics_its_runs_log(tiny_sweep):
     """Offline, the W&B Report's spec is written beside report.html; every metric a panel plots is a key the
     sweep's runs really logged (history or summary), decoded from their .wandb files."""
-    from harness.wandb_report import spec_from_file
+    from harness.analysis.wandb_report import spec_from_file
     from tests.test_wandb import of_type, wandb_records
 
     sweep, proc, _ = tiny_sweep

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.config import slug
+from harness.experiment.config import slug
 from tests.conftest import REPO, TINY, run_py
 
 pytestmark = pytest.mark.slow
@@ -147,8 +147,8 @@ def test_printing_the_config_is_not_a_failure(tmp_path):
 
 
 def test_one_config_in_two_folders_is_two_runs_and_two_wandb_runs(tmp_path):
-    from harness.experiment import wandb_id
-    from harness.results import scan
+    from harness.experiment.runner import wandb_id
+    from harness.analysis.results import scan
 
     record = {"status": "ok", "run_name": "r", "model": "tiny", "cache": "prealloc", "dtype": "fp32",
               "device": "cpu", "config_id": "abc", "group": "paper"}

@@ -1,7 +1,7 @@
 """Issue 44, second pass: every input that scales is bounded before it is read or allocated, and a missing service or
 a bad flag is one line that says what to do. ``python -m harness.bench`` bounds its counts and checks memory before
 it builds a model; ``python run.py -m hydra/launcher=slurm...`` checks that Slurm answers before any folder is made
-(harness/slurm_check.py; here against stand-in Slurm commands, tests/test_slurm.py against a real cluster); run.py
+(harness/experiment/slurm_check.py; here against stand-in Slurm commands, tests/test_slurm.py against a real cluster); run.py
 says one line for a bad flag and for a signal while it starts; the scripts run from a fresh clone without the
 virtualenv activated. ``CASES`` lists each case with what kvlab now does."""
 
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import bench, memory
-from harness import slurm_check as S
+from harness.tools import bench
+from harness.experiment import memory
+from harness.experiment import slurm_check as S
 from models.gpt2 import GPT2Config
 from tests.conftest import REPO, TINY, one_line, untested_cases
 
@@ -161,7 +162,7 @@ def test_bench_memory_estimate_counts_at_least_the_caches_built(tiny_model):  # 
                        "--cache", "prealloc", "--cache", "quant:k_bits=4,v_bits=4", "--cache", "paged"])
     bench.check_args(argparse.ArgumentParser(), args, cfg)
     specs = [bench.parse_kind(k) for k in args.cache]
-    from harness.engines import KvlabEngine
+    from harness.core.engines import KvlabEngine
 
     _, held = bench.time_kinds(KvlabEngine(tiny_model), specs, 40, cfg.n_positions, repeats=1, warmup=0, batch=3)
     need = bench.bench_bytes(args, cfg)
@@ -356,7 +357,7 @@ def test_the_check_from_a_composed_config_covers_a_launcher_chosen_anywhere(tmp_
     """composed_refusal: what a sweep callback (SweepReport.on_multirun_start) can call with Hydra's composed config."""
     from hydra import compose, initialize_config_dir
 
-    from harness.config import register
+    from harness.experiment.config import register
 
     register()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -604,7 +605,7 @@ def test_remeasure_mini_quanto_sweeps_run_one_layout_on_both_engines():  # remea
     the two runs of a sweep differ by engine only: the same cache options."""
     from hydra import compose, initialize_config_dir
 
-    from harness.config import ConfigError, cache_options, register, validate
+    from harness.experiment.config import ConfigError, cache_options, register, validate
 
     sweeps = _quanto_sweeps()
     assert set(sweeps) == {"quanto4", "quanto2"}
@@ -650,7 +651,8 @@ def test_measurements_doc_to_a_place_it_cannot_write_is_one_line(tmp_path, where
 
 
 def test_measurements_doc_is_written_atomically(tmp_path, monkeypatch, capsys):  # measurements-doc-unwritable
-    from harness import measurements, ownership
+    from harness import measurements
+    from harness.common import ownership
     from harness.measurements.__main__ import main
 
     out, real, used = tmp_path / "results.md", ownership.atomic_write, []
@@ -681,7 +683,7 @@ def test_measurements_bad_flags_are_one_line(capsys):  # measurements-doc-unwrit
 
 @pytest.mark.parametrize("value", ["nan", "-1", "0", "1e308", "inf", "600.5", "abc"])
 def test_wandb_report_timeout_is_refused_before_w_and_b(tmp_path, monkeypatch, capsys, value):  # wandb-report-timeout
-    from harness import wandb_report as wrep
+    from harness.analysis import wandb_report as wrep
 
     def no_call(*a, **k):
         raise AssertionError("W&B was called")
@@ -694,7 +696,7 @@ def test_wandb_report_timeout_is_refused_before_w_and_b(tmp_path, monkeypatch, c
 
 
 def test_wandb_report_timeout_in_range_reaches_w_and_b(monkeypatch, capsys):  # wandb-report-timeout
-    from harness import wandb_report as wrep
+    from harness.analysis import wandb_report as wrep
 
     seen = []
     monkeypatch.setattr(wrep, "create", lambda spec, timeout: seen.append(timeout) or "https://wandb.ai/r")
@@ -714,7 +716,7 @@ def test_wandb_report_timeout_in_range_reaches_w_and_b(monkeypatch, capsys):  # 
     (["--timeout"], "argument --timeout: expected one argument (see python -m harness.wandb_report --help)"),
 ])
 def test_wandb_report_other_flags_are_one_line(tmp_path, monkeypatch, capsys, argv, says):  # wandb-report-timeout
-    from harness import wandb_report as wrep
+    from harness.analysis import wandb_report as wrep
 
     monkeypatch.setattr(wrep, "create", lambda *a, **k: pytest.fail("W&B was called"))
     monkeypatch.chdir(tmp_path)

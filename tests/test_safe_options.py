@@ -12,9 +12,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from harness import measure, measurements, memory
-from harness.config import ConfigError, config_id, register, validate
-from harness.engines import HF_COUNTERPARTS, ENGINES, Counterpart, HFEngine, KvlabEngine, counterpart_options, \
+from harness import measurements
+from harness.core import measure
+from harness.experiment import memory
+from harness.experiment.config import ConfigError, config_id, register, validate
+from harness.core.engines import HF_COUNTERPARTS, ENGINES, Counterpart, HFEngine, KvlabEngine, counterpart_options, \
     hf_refuses
 from models.gpt2 import GPT2Config
 from models.kv_cache import CACHE_KINDS, cache_kind
@@ -23,7 +25,7 @@ from tests.conftest import REPO, TINY, run_py
 
 CASES = [
     ("hf-declaration-covers-every-option", "every option of every kind HF has a counterpart for is declared in "
-                                           "harness/engines.py HF_COUNTERPARTS, with the values HF honours: an option "
+                                           "harness/core/engines.py HF_COUNTERPARTS, with the values HF honours: an option "
                                            "added to a kind without a declaration fails this test"),
     ("hf-undeclared-option-refused", "an option a counterpart's declaration does not name is refused (fail closed), "
                                      "at validation and by HFEngine.new_cache, in one line naming it"),
@@ -150,7 +152,7 @@ def test_engine_hf_cache_quant_from_the_command_line(tmp_path):
 
 
 def test_hf_group_size_is_checked_against_the_checkpoints_head_size():
-    from harness.experiment import plan_run
+    from harness.experiment.runner import plan_run
 
     with pytest.raises(ConfigError) as e:  # model=tiny: 2 heads of 32
         plan_run(compose_cfg(["model=tiny", "engine=hf", "cache=quant/token", "cache.group_size=24",

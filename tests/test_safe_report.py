@@ -22,13 +22,18 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from harness import experiment, ownership, plots, report, results, tracking
-from harness import wandb_report as wrep
+from harness.experiment import runner as experiment
+from harness.common import ownership
+from harness.analysis import plots
+from harness.analysis import report
+from harness.analysis import results
+from harness.experiment import tracking
+from harness.analysis import wandb_report as wrep
 from tests.conftest import REPO, TINY, run_py
 
 CASES = [
     ("report-out-foreign-files",
-     "`harness.report PATH --out DIR` on a folder holding files kvlab did not write exits 2 with one line naming them; "
+     "`harness.analysis.report PATH --out DIR` on a folder holding files kvlab did not write exits 2 with one line naming them; "
      "DIR is left byte for byte as it was (no manifest, no lock, nothing added)"),
     ("report-wandb-not-ours",
      "a report/wandb folder kvlab did not write is never deleted: the report (CLI with --wandb offline, or the sweep's "
@@ -60,7 +65,7 @@ CASES = [
      "the sweep's report lists as unfinished exactly the run folders this invocation noted it started "
      "(experiment.invocation_folders), a refused one without .hydra included; another invocation's are not listed"),
     ("report-spec-not-ours",
-     "`harness.wandb_report GROUP --spec-only FILE` does not overwrite a FILE that is not a kvlab W&B report spec"),
+     "`harness.analysis.wandb_report GROUP --spec-only FILE` does not overwrite a FILE that is not a kvlab W&B report spec"),
 ]
 
 INV = "inv000000001"
@@ -124,7 +129,7 @@ def one_plot(monkeypatch):
     def makers(runs, steps, drift, memory=None, layers=None, batches=None):
         return {"cache_bytes": (plots.cache_bytes_plot, runs)}
 
-    monkeypatch.setattr(report.plots, "figures_for", lambda runs, frames: makers(
+    monkeypatch.setattr(report.figures, "figures_for", lambda runs, frames: makers(
         runs, *[frames.get(k) for k in ("steps", "drift", "memory", "layers", "batches")]))
 
 
@@ -193,7 +198,7 @@ def test_a_wandb_folder_kvlab_did_not_write_survives(sweep, one_plot, capsys):
     # the sweep's own report at the end of a multirun: one line, and the sweep is not ok
     cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}, "experiment": "quick",
                             "tracking": {"mode": "offline", "project": "kvlab", "entity": None, "group": "quick-s"}})
-    from harness import invocation
+    from harness.experiment import invocation
 
     notes = invocation._notes(experiment.invocation())
     try:
@@ -420,9 +425,8 @@ def test_the_sweep_report_lists_the_unfinished_runs_this_invocation_started(swee
     (sweep / "mine_killed" / ".hydra").mkdir(parents=True)
     (sweep / "theirs_killed" / ".hydra").mkdir(parents=True)
     (sweep / "mine_refused").mkdir()  # refused before Hydra's files: no .hydra
-    monkeypatch.setattr(experiment, "invocation_folders",
-                        lambda inv: [sweep / "mine_killed", sweep / "mine_refused"] if inv == INV else [],
-                        raising=False)
+    monkeypatch.setattr(report.invocations, "invocation_folders",
+                        lambda inv: [sweep / "mine_killed", sweep / "mine_refused"] if inv == INV else [])
     rep = report.build_report(sweep, invocation=INV)
     listed = {Path(f).name for f, _ in rep["skipped"] if f}
     assert listed == {"mine_killed", "mine_refused"}  # never another invocation's theirs_killed

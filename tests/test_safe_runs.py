@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import experiment, ownership
+from harness.experiment import runner as experiment
+from harness.common import ownership
 from tests.conftest import REPO, TINY, run_py
 
 CASES = [
@@ -152,7 +153,7 @@ def test_a_record_that_cannot_be_replaced_is_one_line(tmp_path):
     assert run_py(args, tmp_path).returncode == 1
     before = snapshot(out)
     patch = """
-import harness.ownership as o
+import harness.common.ownership as o
 def remove(folder, names):
     raise PermissionError(1, "Operation not permitted")
 o.remove = remove
@@ -241,7 +242,7 @@ def test_a_report_folder_or_another_configs_run_is_never_replaced(tmp_path):
 def test_a_signal_while_the_results_are_written_waits_for_them(tmp_path):
     out = tmp_path / "run"
     patch = """
-import os, signal, harness.tracking as t
+import os, signal, harness.experiment.tracking as t
 _write = t.write_run_files
 def write(*a, **k):
     os.kill(os.getpid(), signal.SIGTERM)  # lands while the files are written
@@ -322,7 +323,7 @@ def test_the_verdict_is_for_exact_kinds_in_fp32_only():
 def test_a_run_that_fails_late_keeps_what_it_measured(tmp_path):
     out = tmp_path / "run"
     patch = """
-import harness.measure as m
+import harness.core.measure as m
 def boom(*a, **k):
     raise RuntimeError("the served batch broke")
 m.serve_batch = boom
@@ -378,7 +379,7 @@ def test_a_signal_mid_run_leaves_a_record_naming_it(tmp_path, sig):
 
 HOLD = """
 import sys, time
-from harness import ownership
+from harness.common import ownership
 with ownership.locked(sys.argv[1], "run folder"):
     print("held", flush=True)
     time.sleep(60)

@@ -12,8 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import experiment, ownership, report, results
-from harness.config import ConfigError
+from harness.common import signals
+from harness.experiment import runner as experiment
+from harness.common import ownership
+from harness.analysis import report
+from harness.analysis import results
+from harness.experiment.config import ConfigError
 from tests.conftest import TINY, run_py
 
 CASES = [
@@ -394,7 +398,7 @@ def test_a_signal_lost_inside_another_error_is_still_one_line(finished, tmp_path
 
     def broken(*a, **k):  # a signal mid-import, then the half-loaded module's next use fails
         try:
-            raise experiment.Interrupted(signal.SIGTERM)
+            raise signals.Interrupted(signal.SIGTERM)
         except KeyboardInterrupt:
             raise AttributeError("module 'matplotlib' has no attribute 'get_data_path'")
 
@@ -465,7 +469,7 @@ def test_a_signal_during_a_report_is_one_line_and_releases_its_lock(finished, tm
 
     from tests.conftest import REPO
 
-    code = ("import sys, time, harness.report as r\n"
+    code = ("import sys, time, harness.analysis.report as r\n"
             "real = r._write\n"
             "def slow(*a, **k):\n"
             "    print('writing', flush=True); time.sleep(30); return real(*a, **k)\n"
@@ -564,7 +568,7 @@ def test_a_huge_table_is_skipped_unread(finished, tmp_path, monkeypatch):
 
 
 def test_a_wandb_spec_that_is_a_device_is_one_line(tmp_path, capsys):
-    from harness import wandb_report
+    from harness.analysis import wandb_report
 
     assert wandb_report.main(["--from-spec", "/dev/zero"]) == 2
     err = capsys.readouterr().err.strip()
@@ -574,8 +578,8 @@ def test_a_wandb_spec_that_is_a_device_is_one_line(tmp_path, capsys):
 # ---- what a diagnosis says ---------------------------------------------------------------------------------------
 
 def test_a_kind_that_drops_keys_is_not_told_to_look_for_a_bug():
-    from harness.engines import KvlabEngine
-    from harness.measure import CacheSpec, diagnose_divergence
+    from harness.core.engines import KvlabEngine
+    from harness.core.measure import CacheSpec, diagnose_divergence
     from models.gpt2 import GPT2, GPT2Config
 
     torch.manual_seed(0)
@@ -593,7 +597,7 @@ def test_a_kind_that_drops_keys_is_not_told_to_look_for_a_bug():
 def test_a_slurm_launcher_from_a_config_file_is_refused_by_the_sweeps_callback(tmp_path, monkeypatch, capsys):
     from hydra import compose, initialize_config_dir
 
-    from harness.config import register
+    from harness.experiment.config import register
     from tests.conftest import REPO
 
     register()
@@ -610,7 +614,7 @@ def test_a_slurm_launcher_from_a_config_file_is_refused_by_the_sweeps_callback(t
 
 
 def test_a_spec_path_with_a_trailing_slash_is_a_folder():
-    from harness import wandb_report
+    from harness.analysis import wandb_report
 
     assert wandb_report._spec_path("no/such/folder/") == Path("no/such/folder") / wandb_report.SPEC_FILE
     assert wandb_report._spec_path("no/such/file.json") == Path("no/such/file.json")

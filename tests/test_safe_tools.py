@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness import kvcalc as K
+from harness.tools import kvcalc as K
 from harness import train as T
 from tests.conftest import REPO, one_line, untested_cases
 

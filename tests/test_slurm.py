@@ -172,7 +172,7 @@ def test_a_job_out_of_time_is_requeued_then_recorded_failed_with_why(tmp_path):
 
 
 def test_what_this_cluster_cannot_take_is_refused_in_one_line_before_anything_is_written(tmp_path):
-    """harness/slurm_check.py against the real cluster: a launcher that asks for a GPU on its CPU node, a partition it
+    """harness/experiment/slurm_check.py against the real cluster: a launcher that asks for a GPU on its CPU node, a partition it
     lacks, and a slurm.conf whose controller port nothing listens on (the real `scontrol ping` says DOWN). Each is
     one line, exit 2, and the sweep folder is never made (it used to be ~40 lines of traceback from submitit, with a
     manifest, multirun.yaml and .submitit/ left behind)."""

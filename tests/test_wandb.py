@@ -113,7 +113,7 @@ def test_the_run_files_go_up_as_an_artifact_and_nothing_is_written_outside(offli
     code = [a for a in of_type(recs, "artifact") if a.get("type") == "kvlab-code"]
     assert len(code) == 1
     files = {c["path"] for c in code[0]["manifest"]["contents"]}
-    assert {"run.py", "harness/experiment.py", "models/gpt2.py", "conf/config.yaml"} <= files
+    assert {"run.py", "harness/experiment/runner.py", "models/gpt2.py", "conf/config.yaml"} <= files
     assert not any(f.startswith((".venv", "outputs", "tests")) for f in files)
 
 

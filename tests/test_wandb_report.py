@@ -1,4 +1,4 @@
-"""The W&B Report of a sweep (harness.wandb_report): its spec names exactly what runs log, every chart is grouped and
+"""The W&B Report of a sweep (harness.analysis.wandb_report): its spec names exactly what runs log, every chart is grouped and
 filtered to the sweep's group and job type "run", the wr.Report builds with no network, and the CLI answers in one
 line (spec offline; no key: exit 2, quickly). Nothing here reaches a W&B server."""
 
@@ -13,10 +13,12 @@ import types
 import pytest
 import torch
 
-from harness import measure, report, tracking
-from harness import wandb_report as wrep
+from harness.core import measure
+from harness.analysis import report
+from harness.experiment import tracking
+from harness.analysis import wandb_report as wrep
 from harness.measurements import step_time
-from harness.config import KvlabConfig, cache_schema
+from harness.experiment.config import KvlabConfig, cache_schema
 from models.kv_cache import CACHE_KINDS
 from tests.conftest import REPO, Tripwire
 

@@ -16,7 +16,7 @@ from tests.fake_hub import Blackhole, FakeHub, closed_port_url
 RESOLVE = """
 import json, sys
 from types import SimpleNamespace
-from harness.weights import resolve
+from harness.experiment.weights import resolve
 w = resolve(SimpleNamespace(preset=sys.argv[1], weights='auto', seed=0))
 print(json.dumps(dict(kind=w.kind, source=w.source, load_from=w.load_from, detail=w.detail)))
 """

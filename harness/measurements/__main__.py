@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         elif args.doc == "-":
             sys.stdout.write(measurements.results_doc())
         else:
-            from harness.ownership import atomic_write
+            from harness.common.ownership import atomic_write
 
             path = doc_path(args.doc)
             text = measurements.results_doc()

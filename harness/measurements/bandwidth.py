@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness import measure
 from harness.measurements.base import Measurement, Table, key, register
 
 
@@ -39,6 +38,8 @@ class Bandwidth(Measurement):
                             "time reading those bytes at the probe's bandwidth takes (NaN for uncached)"),)
 
     def run(self):
+        from harness.core import measure
+
         ctx = self.ctx
         probe = measure.bandwidth_probe(ctx.device, measure.weight_bytes(ctx.engine.model))
         steps = measure.with_bandwidth(ctx.tables["steps"], ctx.engine, ctx.spec, ctx.max_len, probe["probe_gbps"])

@@ -10,7 +10,6 @@
             ...
 
         tables = (Table("memory", "memory.csv", on=("tokens",), columns=("tokens", "nbytes_formula", ...)),)
-        figures = (Figure("memory", "memory", plots.memory_plot, "Cache bytes held vs tokens ..."),)
 
         def run(self):
             ...
@@ -22,7 +21,7 @@
 
 ``Result``'s fields are exactly the results.json keys the measurement adds (each with a meaning and a unit);
 ``tables`` the run files it writes (several measurements may fill one table: its rows are joined on ``on``);
-``figures`` what the sweep report draws from the runs table or a table; ``panels`` its charts in the W&B Report;
+``panels`` its charts in the W&B Report;
 ``history`` the per-step series it logs to W&B; ``skip`` says why it does not apply to a run (recorded as
 ``<name>_skipped``, never a failure); ``check`` refuses bad options before anything runs. A measurement that reads
 the run's cached generations (one per prompt, made once for all of them) says so with ``reads_generations`` and
@@ -35,9 +34,15 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import pandas as pd
+
+# caps on the counts a run reads or allocates by (config.validate and the measurements' checks refuse more, naming the cap)
+MAX_PROMPTS = 10_000  # n_prompts, full_prompts
+MAX_REPEATS = 10_000  # timed repeats per step
+MAX_WARMUP = 1_000  # warm-up steps before them
+MAX_LIST = 100  # entries of context_lengths and batch_sizes
 
 
 def key(meaning: str, unit: str = "", shown: bool | str = False, label: str | None = None) -> Any:
@@ -74,22 +79,9 @@ class Table:
 
 
 @dataclass(frozen=True)
-class Figure:
-    """A figure of the sweep report: ``stem`` (its PNG's name), the table it is drawn from (``"runs"``: one row per
-    run), ``draw`` (DataFrame -> matplotlib Figure), its caption; drawn when its table has ok rows and ``when``
-    (if given) says so."""
-
-    stem: str
-    table: str
-    draw: Callable[[pd.DataFrame], Any]
-    caption: str
-    when: Callable[[pd.DataFrame], bool] | None = None
-
-
-@dataclass(frozen=True)
 class Panel:
     """A chart of the W&B Report: ``kind`` line (``y`` are history keys, drawn against their step metric) or bar
-    (``y`` are results.json keys); ``groupby``: names of ``harness.wandb_report.GROUP_BY``."""
+    (``y`` are results.json keys); ``groupby``: names of ``harness.analysis.wandb_report.GROUP_BY``."""
 
     title: str
     kind: str
@@ -110,13 +102,12 @@ class Measurement:
     Options: ClassVar[type] = NoOptions
     Result: ClassVar[type]
     tables: ClassVar[tuple[Table, ...]] = ()
-    figures: ClassVar[tuple[Figure, ...]] = ()
     panels: ClassVar[tuple[Panel, ...]] = ()
     history: ClassVar[dict[str, str]] = {}  # W&B history key -> the step metric it is logged against
     needs: ClassVar[tuple[str, ...]] = ()  # measurements whose results or tables it reads (they run first)
     reads_generations: ClassVar[bool] = False
     stage: ClassVar[str | None] = None  # how failed_stage names it (default: its name)
-    memory_phases: ClassVar[tuple[str, ...]] = ()  # the phases of harness.memory.run_bytes it makes (its peak bytes)
+    memory_phases: ClassVar[tuple[str, ...]] = ()  # the phases of harness.experiment.memory.run_bytes it makes (its peak bytes)
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -124,7 +115,7 @@ class Measurement:
 
     @classmethod
     def check(cls, opts, cfg, max_len: int) -> None:
-        """Refuse bad options (raise ``harness.config.ConfigError``, one line), from the config alone."""
+        """Refuse bad options (raise ``harness.experiment.config.ConfigError``, one line), from the config alone."""
 
     def skip(self) -> str | None:
         """Why this measurement does not apply to the run (None: it does)."""

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness import measure, plots
-from harness.measurements.base import Figure, Measurement, Table, key, option, register
+from harness.measurements.base import Measurement, Table, key, option, register
 
 
 @register
@@ -33,12 +32,11 @@ class Batches(Measurement):
                     columns=("batch", "context_len", "ms_median", "ms_p10", "ms_p90", "ms_min", "repeats",
                              "tokens_per_s", "weight_bytes", "kv_bytes", "gb_per_s"),
                     meaning="decode throughput per batch size"),)
-    figures = (Figure("batches", "batches", plots.batch_plot,
-                      "Decode throughput vs batch size, and the K/V bytes a step reads against the weights."),)
 
     @classmethod
     def check(cls, opts, cfg, max_len):
-        from harness.config import MAX_LIST, ConfigError
+        from harness.common.errors import ConfigError
+        from harness.measurements.base import MAX_LIST
 
         sizes = list(opts.batch_sizes or [])
         for b in sizes:
@@ -59,6 +57,8 @@ class Batches(Measurement):
         return None if self.opts.batch_sizes else "batch_sizes is not set (e.g. batch_sizes=[1,8,32])"
 
     def run(self):
+        from harness.core import measure
+
         ctx = self.ctx
         df = measure.batch_throughput(ctx.engine, ctx.spec, list(self.opts.batch_sizes),
                                       min(self.opts.batch_context, ctx.max_len - 1), ctx.max_len, ctx.repeats,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness import measure
 from harness.measurements.base import Measurement, key, register
 
 
@@ -31,7 +30,9 @@ class Compile(Measurement):
         return None if self.ctx.compiled else "compile=false"
 
     def run(self):
-        from harness.engines import KvlabEngine
+        from harness.core import measure
+
+        from harness.core.engines import KvlabEngine
 
         ctx = self.ctx
         same = measure.compiled_equivalence(ctx.engine, KvlabEngine(ctx.engine.model), ctx.spec, ctx.prompts[0],

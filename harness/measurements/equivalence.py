@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness import measure, plots
-from harness.measurements.base import Figure, Measurement, Table, key, option, register
+from harness.measurements.base import Measurement, Table, key, option, register
 
 
 @register
@@ -44,14 +43,12 @@ class Equivalence(Measurement):
 
     tables = (Table("drift", "drift.csv", on=("step",), columns=("step", "eq_max_abs_diff", "eq_top1_agreement"),
                     meaning="per decode step: max |dlogit| against the kind's reference, top-1 agreement"),)
-    figures = (Figure("equivalence", "runs", plots.equivalence_grid,
-                      "Cached vs the kind's uncached reference: max |Δlogit| per model × cache/dtype; ✓ = identical "
-                      "greedy tokens."),)
     history = {"step/eq_max_abs_diff": "decode_step", "step/eq_top1_agreement": "decode_step"}
 
     @classmethod
     def check(cls, opts, cfg, max_len):
-        from harness.config import MAX_PROMPTS, ConfigError
+        from harness.common.errors import ConfigError
+        from harness.measurements.base import MAX_PROMPTS
 
         tol = opts.equivalence_tol
         if not (isinstance(tol, (int, float)) and not isinstance(tol, bool) and 0 < tol < float("inf")):
@@ -71,6 +68,8 @@ class Equivalence(Measurement):
         self.checks: list[dict] = []
 
     def on_generation(self, i, prompt, out):
+        from harness.core import measure
+
         ctx = self.ctx
         reference = {**ctx.spec.reference, **measure.keep_reference(out)}
         eq = measure.equivalence_check(ctx.engine, prompt, out, reference)
@@ -79,6 +78,8 @@ class Equivalence(Measurement):
                                 loop=loop))
 
     def run(self):
+        from harness.core import measure
+
         from models.tokenizer import Tokenizer
 
         summary, table = measure.equivalence_summary(self.checks, self.ctx.new_tokens)

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from harness import measure, plots
-from harness.measurements.base import shown, Figure, Measurement, Panel, Table, key, register
+from harness.measurements.base import shown, Measurement, Panel, Table, key, register
 from harness.measurements.equivalence import _per_step
 
 DRIFT_COLUMNS = ("drift_max_abs", "drift_mean_abs", "drift_kl", "drift_top1_agreement")
@@ -41,8 +38,6 @@ class GenerationDrift(Measurement):
 
     tables = (Table("drift", "drift.csv", on=("step",), columns=("step", *DRIFT_COLUMNS),
                     meaning="per decode step: drift against fp32 full attention (NaN without drift)"),)
-    figures = (Figure("drift", "drift", plots.drift_plot,
-                      "Drift vs fp32 full attention per decode step: KL, max |Δlogit|, top-1 agreement."),)
     history = {f"step/{c}": "decode_step" for c in DRIFT_COLUMNS}
     panels = (Panel("Drift vs decode step, by dtype", "line", ("step/drift_kl", "step/drift_max_abs"), ("dtype",),
                     "Drift from fp32 full attention per decode step: KL and max |Δlogit|.", "decode_step",
@@ -60,10 +55,14 @@ class GenerationDrift(Measurement):
         return None
 
     def on_generation(self, i, prompt, out):
+        from harness.core import measure
+
         self.checks.append(dict(prompt=prompt, tokens=out.tokens[0].tolist(),
                                 drift=measure.drift_check(self.ctx.ref32, prompt, out)))
 
     def run(self):
+        from harness.core import measure
+
         ctx = self.ctx
         summary, table = measure.drift_summary_of(self.checks, ctx.new_tokens)
         summary.update(drift_margin_at_divergence=None, drift_near_tie=None, drift_divergence_layer=None,
@@ -80,7 +79,7 @@ class GenerationDrift(Measurement):
                                                        self.checks[i]["tokens"], step,
                                                        float(stats["ref_margin"][step]), usual))
         return (self.Result(drift_reference="fp32 full attention (uncached)", **summary),
-                {"drift": table.assign(step=torch.arange(ctx.new_tokens).numpy())[["step", *DRIFT_COLUMNS]]})
+                {"drift": table.assign(step=range(ctx.new_tokens))[["step", *DRIFT_COLUMNS]]})
 
     @classmethod
     def summary(cls, r, tables):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness import measure, plots
-from harness.measurements.base import Figure, Measurement, Panel, Table, key, register
+from harness.measurements.base import Measurement, Panel, Table, key, register
 
 
 @register
@@ -32,14 +31,12 @@ class Memory(Measurement):
     tables = (Table("memory", "memory.csv", on=("tokens",), columns=("tokens", "nbytes_formula", "nbytes_measured"),
                     meaning="cache bytes vs tokens: the formula out to max_len, measured where the generation "
                             "reached"),)
-    figures = (Figure("cache_bytes", "runs", plots.cache_bytes_plot,
-                      "Cache bytes: measured vs the formula, and bytes per cached token."),
-               Figure("memory", "memory", plots.memory_plot,
-                      "Cache bytes held vs tokens in the sequence: the kind's formula (line), measured (dots)."))
     panels = (Panel("Bytes per token", "bar", ("bytes_per_token", "cache_nbytes"), ("cache", "dtype"),
                     "Cache bytes per cached token (the kind's formula) and the cache's bytes at the end of the run."),)
 
     def run(self):
+        from harness.core import measure
+
         ctx = self.ctx
         rec, curve = measure.cache_memory(ctx.engine, ctx.spec, ctx.prompts[0], ctx.new_tokens, ctx.max_len)
         # the context from which a step reads more K/V than weights (batch 1); never, for a kind that caps its reads

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness import measure
 from harness.measurements.base import Measurement, key, register
 
 
@@ -21,4 +20,6 @@ class PeakMemory(Measurement):
                                     "process_max_rss_including_earlier_runs")
 
     def run(self):
+        from harness.core import measure
+
         return self.Result(**measure.peak_memory(self.ctx.device, self.ctx.peak_reset))

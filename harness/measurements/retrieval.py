@@ -12,39 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from harness import measure, plots
-from harness.measurements.base import Figure, Measurement, Panel, key, option, register
+from harness.measurements.base import Measurement, Panel, key, option, register
 
 MAX_SEQUENCES = 1_000  # retrieval_k's cap: each sequence is a pass of 2 * retrieval_n tokens
-
-
-def distinct_ids(model) -> torch.Tensor:
-    """Token ids whose embedding row is unique (1-D, sorted)."""
-    wte = (model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.transformer.wte).weight
-    rows = wte.detach()[:, :16].float().cpu()  # 16 channels tell distinct rows apart; shared rows share them
-    _, inverse, counts = torch.unique(rows, dim=0, return_inverse=True, return_counts=True)
-    return torch.nonzero(counts[inverse] == 1)[:, 0]
-
-
-def copy_sequences(ids: torch.Tensor, n: int, k: int, seed: int) -> list[torch.Tensor]:
-    """k sequences (1, 2n): n random ids from ``ids`` (seeded), then the same n again."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(k):
-        first = ids[torch.randint(0, len(ids), (n,), generator=g)]
-        out.append(torch.cat([first, first]).unsqueeze(0))
-    return out
-
-
-def copy_accuracy(logits: torch.Tensor, seq: torch.Tensor, n: int) -> tuple[float, float]:
-    """(second-copy, first-copy) top-1 accuracy from the logits (2n - 1, vocab) that predicted tokens 1 .. 2n - 1."""
-    pred = logits.argmax(-1).cpu()
-    target = seq[0, 1:].cpu()
-    second = (pred[n - 1:] == target[n - 1:]).float().mean().item()
-    first = (pred[:n - 1] == target[:n - 1]).float().mean().item() if n > 1 else float("nan")
-    return second, first
 
 
 @register
@@ -71,16 +41,13 @@ class Retrieval(Measurement):
         retrieval_k: int = key("sequences", "sequences")
         retrieval_vocab: int = key("token ids the sequences were drawn from (distinct embedding rows)", "ids")
 
-    figures = (Figure("retrieval", "runs", plots.retrieval_plot,
-                      "Retrieval: copy accuracy on random sequences shown twice, through each cache vs fp32 full "
-                      "attention.", when=lambda runs: "retrieval_acc" in runs and runs["retrieval_acc"].notna().any()),)
     panels = (Panel("Retrieval: copy accuracy", "bar", ("retrieval_acc", "retrieval_acc_ref"), ("cache_label", "dtype"),
                     "Top-1 accuracy on the second copy of random sequences shown twice: through the cache, and "
                     "through fp32 full attention."),)
 
     @classmethod
     def check(cls, opts, cfg, max_len):
-        from harness.config import ConfigError
+        from harness.common.errors import ConfigError
 
         if opts.retrieval_n < 2:
             raise ConfigError(f"retrieval_n={opts.retrieval_n} must be at least 2 (tokens per sequence)")
@@ -94,17 +61,20 @@ class Retrieval(Measurement):
                               "or leave retrieval out of measurements")
 
     def run(self):
+        from harness.core import measure
+        from harness.core import copying
+
         ctx = self.ctx
         n = min(self.opts.retrieval_n, ctx.max_len // 2)
-        ids = distinct_ids(ctx.engine.model)
+        ids = copying.distinct_ids(ctx.engine.model)
         ref_engine = ctx.ref32 if ctx.ref32 is not None else ctx.engine
         accs, refs, firsts = [], [], []
-        for seq in copy_sequences(ids, n, self.opts.retrieval_k, ctx.seed):
+        for seq in copying.copy_sequences(ids, n, self.opts.retrieval_k, ctx.seed):
             seq = seq.to(ctx.device)
             ours, _ = measure.text_pass(ctx.engine, ctx.spec, seq, n)  # (2n - 1, vocab)
             measure.check_finite(ours, "the retrieval pass")
             ref = ref_engine.forward(seq)[0, :-1].float()  # fp32 full attention, uncached
-            (a, f), (r, _) = copy_accuracy(ours, seq, n), copy_accuracy(ref, seq, n)
+            (a, f), (r, _) = copying.copy_accuracy(ours, seq, n), copying.copy_accuracy(ref, seq, n)
             accs.append(a), refs.append(r), firsts.append(f)
         mean = lambda xs: float(sum(xs) / len(xs))  # noqa: E731
         return self.Result(retrieval_acc=mean(accs), retrieval_acc_ref=mean(refs),

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness import measure, plots
-from harness.measurements.base import Figure, Measurement, Panel, key, register
-
-
-def _served(runs) -> bool:
-    return "tokens_per_s" in runs and runs["tokens_per_s"].notna().any()
+from harness.measurements.base import Measurement, Panel, key, register
 
 
 @register
@@ -37,15 +32,14 @@ class Serving(Measurement):
                                                   "kinds; null for lossy)", shown=True)
         serve_max_abs_logit: float | None = key("max |dlogit| against those references", "logit")
 
-    figures = (Figure("serving", "runs", plots.serving_plot,
-                      "A served batch per run: generated tokens/s vs batch size, and KV waste (held slots holding "
-                      "no token).", when=_served),)
     panels = (Panel("Served batch: throughput and KV waste", "bar", ("tokens_per_s", "kv_waste"),
                     ("cache_label", "batch", "prompt_lengths"),
                     "Each run's served batch: generated tokens/s, and the share of held cache slots that hold no "
                     "token."),)
 
     def run(self):
+        from harness.core import measure
+
         ctx = self.ctx
         # always one warm-up: a compiled step compiles in it
         return self.Result(**measure.serve_batch(ctx.engine, ctx.spec, ctx.served, ctx.new_tokens, ctx.max_len,

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness import measure, plots
-from harness.measurements.base import Figure, Measurement, Panel, Table, key, option, register
+from harness.measurements.base import Measurement, Panel, Table, key, option, register
 
 STEP_MS = {"ms_median": "", "ms_p10": "_p10", "ms_p90": "_p90"}  # steps.csv column -> step_ms/<mode><suffix>
 
@@ -40,12 +39,6 @@ class StepTime(Measurement):
     tables = (Table("steps", "steps.csv", on=("context_len", "mode"),
                     columns=("context_len", "mode", "ms_median", "ms_p10", "ms_p90", "ms_min", "repeats", "speedup"),
                     meaning="decode-step time per context length, cached and uncached"),)
-    figures = (Figure("step_time", "steps", plots.step_time_plot,
-                      "Decode-step time vs context length: cached (by cache) vs uncached (full recompute)."),
-               Figure("speedup", "steps", plots.speedup_plot,
-                      "Speedup of a cached decode step over the uncached one (uncached / cached)."),
-               Figure("cost_model", "steps", plots.cost_plot,
-                      "Cost model: cached step time vs context, measured (dots) and fitted per run (lines)."))
     history = {**{f"step_ms/{mode}{sfx}": "context_len" for mode in ("cached", "uncached")
                   for sfx in STEP_MS.values()}, "step_ms/speedup": "context_len"}
     panels = (Panel("Decode-step time vs context length, by cache kind", "line",
@@ -59,6 +52,8 @@ class StepTime(Measurement):
                     True, False))
 
     def run(self):
+        from harness.core import measure
+
         ctx = self.ctx
         steps = measure.step_times(ctx.engine, ctx.spec, ctx.contexts, ctx.max_len, ctx.repeats, ctx.warmup,
                                    ctx.device, ctx.seed, ctx.progress)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness import measure, plots
-from harness.measurements.base import shown, Figure, Measurement, Panel, Table, key, option, register
+from harness.measurements.base import shown, Measurement, Panel, Table, key, option, register
 
 
 @register
@@ -48,23 +47,13 @@ class TextDrift(Measurement):
 
     tables = (Table("layers", "layers.csv", on=("layer",), columns=("layer", "k_rel_err", "v_rel_err"),
                     meaning="per layer: relative error of the K and V attention read, against fp32"),)
-    figures = (Figure("layers", "layers", plots.layers_plot,
-                      "Relative error of the K and V attention read, per layer, against fp32."),
-               Figure("budget", "runs", plots.budget_plot,
-                      "Quality against budget: text ΔNLL against fp32 full attention and retrieval, per kind, at "
-                      "each budget (kinds swept over cache.budget).",
-                      when=lambda runs: not plots.budget_quality(runs).empty),
-               Figure("pareto", "runs", plots.pareto_plot,
-                      "Quality against cost, a point per setting: text ΔNLL, KL p99 and retrieval against the KV "
-                      "bytes held and the step at the longest context; the line joins the frontier.",
-                      when=lambda runs: not plots.pareto_points(runs).empty))
     panels = (Panel("Drift on text", "bar", ("drift_kl", "drift_kl_decode", "drift_kl_p99", "drift_delta_nll",
                                              "drift_rms_dp"), ("cache_label", "dtype"),
                     "Teacher-forced drift on text vs fp32: mean and p99 KL, ΔNLL (nats/token), RMS Δp."),)
 
     @classmethod
     def check(cls, opts, cfg, max_len):
-        from harness.config import ConfigError
+        from harness.common.errors import ConfigError
 
         if opts.drift_text_len < 2:
             raise ConfigError(f"drift_text_len={opts.drift_text_len} must be at least 2 (a token and the one it "
@@ -78,6 +67,8 @@ class TextDrift(Measurement):
         return None
 
     def run(self):
+        from harness.core import measure
+
         ctx = self.ctx
         summary, layers = measure.text_drift(ctx.engine, ctx.ref32, ctx.spec, ctx.texts, ctx.prompts[0].shape[1],
                                              ctx.progress)

@@ -291,7 +291,7 @@ class KVCache:
     @classmethod
     def check_fills(cls, opts, fills: list[tuple[str, int, int]]) -> None:
         """Refuse, in one line (ValueError), options too small for the caches a run builds: ``fills`` is one
-        (what builds it, sequences, tokens written) per cache (``harness.memory.cache_fills``). A paged pool of
+        (what builds it, sequences, tokens written) per cache (``harness.experiment.memory.cache_fills``). A paged pool of
         ``blocks`` blocks is checked here."""
 
     @classmethod

@@ -14,7 +14,8 @@ control can show the effect (full attention that copies, a window that costs som
 judged", and says which setting differs or why nothing can be judged. Both go into ``report/findings.md``, the top of
 report.html and the W&B Report.
 
-    from harness import findings, results
+    from harness.analysis import findings
+    from harness.analysis import results
     runs = results.load_runs("outputs/multirun/2026-12-02_01-00-00")
     for f in findings.sweep_findings(runs): print(f.text, f.runs)
     findings.claim_rows(runs)        # [] for a sweep that is not a paper preset
@@ -34,8 +35,8 @@ from typing import Callable
 import pandas as pd
 from omegaconf import OmegaConf
 
-from harness.keys import KEYS
-from harness.plots import _plain, is_full_attention, pareto_front, with_reference_at_zero
+from harness.measurements import KEYS
+from harness.analysis.plots import _plain, is_full_attention, pareto_front, with_reference_at_zero
 
 FILE = "findings.md"
 
@@ -277,7 +278,7 @@ def sweep_findings(runs: pd.DataFrame) -> list[Finding]:
 # but not the setting is not read: the claim gives no verdict and says which setting differs ("not judged"), as it
 # does when a control cannot show the effect (full attention that does not copy, a window that costs nothing).
 
-CONF = Path(__file__).resolve().parent.parent / "conf" / "experiment"
+CONF = Path(__file__).resolve().parents[2] / "conf" / "experiment"
 GROUPS = ("cache", "dtype", "engine")  # the config groups a preset's defaults pick that its claims are about
 TRAINED = "weights"  # in Claim.about: about a trained model (a random init's drift and copying say nothing)
 TEXT = ("drift_text_len", "prompts", TRAINED)  # a claim read from drift on the prompts' text, as long as the preset
@@ -757,7 +758,7 @@ def markdown(made: Made) -> str:
     """findings.md: the claims table (paper presets) and the sweep's findings, each naming its runs."""
     out = ["# Findings", ""]
     if made.claims:
-        out += [f"Claims checked by `experiment={made.preset}` (harness/findings.py says how each number is read "
+        out += [f"Claims checked by `experiment={made.preset}` (harness/analysis/findings.py says how each number is read "
                 f"from the runs). Each verdict reads only runs of the setting its row states (conf/experiment/"
                 f"{made.preset}.yaml); \"not judged\" says which setting the runs differ in, or why they cannot show "
                 "the effect.", "",

@@ -52,9 +52,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from harness.keys import KEYS
-from harness.measure import LAYER_TOL
-from models.kv_cache import CACHE_KINDS
+from harness.measurements import KEYS
+from harness.core.stats import LAYER_TOL, cost_model
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -81,7 +80,15 @@ _ticker = _OnFirstUse("matplotlib.ticker")
 
 # known levels in a sensible order; anything unknown goes after them, sorted
 MODEL_ORDER = ["tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
-CACHE_ORDER = list(CACHE_KINDS)  # the registry's order; a kind's runs are labelled "<kind> <options>"
+
+
+@lru_cache(maxsize=1)
+def cache_order() -> tuple[str, ...]:
+    """The cache kinds in the registry's order (a kind's runs are labelled "<kind> <options>"); the engine's registry
+    is read when a figure is drawn, never when this module is imported."""
+    from models.kv_cache import CACHE_KINDS
+
+    return tuple(CACHE_KINDS)
 DTYPE_ORDER = ["fp32", "fp16", "bf16"]
 
 
@@ -129,7 +136,8 @@ def _cache_levels(values) -> list[str]:
     """Cache labels in the registry's order of their kinds, then by label."""
     def key(label: str):
         kind = label.split(" ")[0].split("(")[0]
-        return (CACHE_ORDER.index(kind) if kind in CACHE_ORDER else len(CACHE_ORDER), label)
+        order = cache_order()
+        return (order.index(kind) if kind in order else len(order), label)
 
     return sorted(set(values.dropna()), key=key)
 
@@ -277,7 +285,6 @@ def cost_plot(steps: pd.DataFrame) -> Figure:
     """The cost model over the points: cached step time vs context length (dots: medians; line: the run's fit
     a + b·T drawn from 0 to the longest context, its coefficients in the legend). One line per run, a panel per
     model; where two lines cross, one kind's per-token cost has overtaken the other's head start."""
-    from harness.measure import cost_model
 
     df = _ok(steps)
     df = df[df[KEYS.mode] == "cached"] if KEYS.mode in df else df.iloc[0:0]
@@ -553,40 +560,6 @@ def memory_plot(memory: pd.DataFrame) -> Figure:
     _fig_legend(fig, axes)
     return fig
 
-
-def all_figures(runs: pd.DataFrame, steps: pd.DataFrame, drift: pd.DataFrame,
-                memory: pd.DataFrame | None = None, layers: pd.DataFrame | None = None,
-                batches: pd.DataFrame | None = None) -> dict[str, Figure]:
-    """Every figure keyed by file stem. A figure whose input table has no ok rows is skipped (absent from the dict).
-
-    "drift" is still made when none of its ok rows drifts: it then says so.
-    """
-    return {stem: fn(df) for stem, (fn, df) in figure_makers(runs, steps, drift, memory, layers, batches).items()}
-
-
-def figure_makers(runs: pd.DataFrame, steps: pd.DataFrame, drift: pd.DataFrame,
-                  memory: pd.DataFrame | None = None, layers: pd.DataFrame | None = None,
-                  batches: pd.DataFrame | None = None) -> dict:
-    """stem -> (figure function, its table), for every figure whose table has ok rows (``figures_for`` with the
-    seed's five tables)."""
-    return figures_for(runs, dict(steps=steps, drift=drift, memory=memory, layers=layers, batches=batches))
-
-
-def figures_for(runs: pd.DataFrame, frames: dict[str, pd.DataFrame | None]) -> dict:
-    """stem -> (figure function, its table) for every figure a registered measurement declares
-    (``harness.measurements.figures``) whose table (``runs`` or one of ``frames``) has ok rows; a figure of the runs
-    table without a ``when`` also needs its measurement to have run in one of them."""
-    from harness import measurements
-
-    out = {}
-    for name, fig in measurements.figures():
-        df = runs if fig.table == "runs" else frames.get(fig.table)
-        if df is None or _ok(df).empty or (fig.when is not None and not fig.when(df)):
-            continue
-        if fig.table == "runs" and fig.when is None and not _measured(_ok(df), measurements.MEASUREMENTS[name].keys()):
-            continue  # a sweep that left this figure's measurement out (a figure with a ``when`` decides itself)
-        out[fig.stem] = (fig.draw, df)
-    return out
 
 
 def retrieval_plot(runs: pd.DataFrame) -> Figure:

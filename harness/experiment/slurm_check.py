@@ -26,7 +26,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LAUNCHERS = REPO / "conf" / "hydra" / "launcher"
 PLUGIN_LAUNCHER = "submitit_slurm"  # hydra-submitit-launcher's own config: every kvlab Slurm launcher builds on it
 COMMANDS = ("sbatch", "srun", "sacct", "scontrol")  # submitit: sbatch submits, srun is checked for at start and

@@ -31,16 +31,25 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import measure, measurements, ownership, record, tracking, weights
-from harness.weights import Weights
-from harness.config import ConfigError, cache_options, config_id, dtype_label, validate
-from harness.engines import ENGINES, KvlabEngine
-from harness.invocation import (concurrent_runs, forget_invocation, invocation, invocation_failures,
+from harness import measurements
+from harness.common import signals
+from harness.common.errors import ConfigError, one_line
+from harness.common.signals import interruption
+from harness.core import measure
+from harness.common import ownership
+from harness.measurements import record
+from harness.experiment import tracking
+from harness.experiment.tracking import default_group, wandb_id
+from harness.experiment import weights
+from harness.experiment.weights import Weights
+from harness.experiment.config import cache_options, config_id, dtype_label, validate
+from harness.core.engines import ENGINES, KvlabEngine
+from harness.experiment.invocation import (concurrent_runs, forget_invocation, invocation, invocation_failures,
                                 invocation_folders, mark_active, new_invocation, note_failure, note_started)
 from models.gpt2 import GPT2, GPT2Config, read_hf_config
 from models.kv_cache import as_dtype, cache_kind
 
-# the invocation's bookkeeping lives in harness.invocation; these names stay importable from here
+# the invocation's bookkeeping lives in harness.experiment.invocation; these names stay importable from here
 __all__ = ["concurrent_runs", "forget_invocation", "invocation", "invocation_failures", "invocation_folders",
            "new_invocation", "note_failure", "note_started", "run"]
 
@@ -102,7 +111,7 @@ def adoption_problem(folder: Path) -> str | None:
     results.json is a kvlab record whose run folder is this folder, and every table and summary beside it is that
     record's; or, for a run killed before its record, its .hydra/config.yaml is a kvlab config and its tables are
     the folder's run's."""
-    from harness.results import RESULTS, read_record
+    from harness.experiment.records import RESULTS, read_record
 
     folder = Path(folder)
     if (folder / RESULTS).exists():
@@ -112,7 +121,7 @@ def adoption_problem(folder: Path) -> str | None:
         if not _same_folder(record.get("run_dir"), folder):
             return f"its {RESULTS} was written for another folder ({record.get('run_dir')})"
         return _not_its_files(folder, record["run_name"], record)
-    from harness.results import too_big
+    from harness.experiment.records import too_big
 
     try:
         job = (None if too_big(folder / ".hydra" / "config.yaml", 2 ** 20)
@@ -154,7 +163,7 @@ INSIDE = {".hydra": r"(config|hydra|overrides)\.yaml",  # what kvlab and W&B wri
 def _fresh_or_failed_attempt(run_dir: Path, ident: str) -> bool:
     """Whether a refused config may record its failure in ``run_dir``: it holds nothing of kvlab's yet, or only a
     failed or interrupted attempt of this same config (never a finished run, never another config's record)."""
-    from harness.results import RESULTS, read_record
+    from harness.experiment.records import RESULTS, read_record
 
     if not ownership.owned(run_dir) & set(ownership.entries(run_dir)):
         return True
@@ -164,7 +173,7 @@ def _fresh_or_failed_attempt(run_dir: Path, ident: str) -> bool:
 
 def completed(run_dir: Path, ident: str) -> dict | None:
     """The run folder's record when it is complete (every file kvlab listed is there), ok and of this identity."""
-    from harness.results import RESULTS, read_record
+    from harness.experiment.records import RESULTS, read_record
 
     record, _ = read_record(Path(run_dir) / RESULTS)
     ok = record is not None and record.get("status") == "ok" and record.get("config_id") == ident
@@ -175,7 +184,7 @@ def completed(run_dir: Path, ident: str) -> dict | None:
 def _finished_other(run_dir: Path, ident: str) -> str | None:
     """Why ``run_dir`` may not take this run: it holds a sweep report, or a finished run of another config (kvlab
     wrote them, but replacing one silently would lose it)."""
-    from harness.results import RESULTS, read_record
+    from harness.experiment.records import RESULTS, read_record
 
     if "report.html" in ownership.owned(run_dir):
         return (f"{run_dir} is a sweep report folder: kvlab never measures a run into it; point hydra.run.dir at a new "
@@ -364,12 +373,6 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[torch.Ten
 
 # ---- the run ---------------------------------------------------------------------------------------------------
 
-def default_group(experiment_name: str, folder: str) -> str:
-    """The W&B group of a sweep's runs (or of a single run): ``<experiment>-<sweep folder>``, the folder being named
-    by the time it started."""
-    return f"{experiment_name}-{folder}"[:128]
-
-
 def _hydra_dirs() -> tuple[Path, str, str]:
     """(run folder, the sweep's folder name (the run's, for a single run), run name) from Hydra's runtime; a plain
     call (no Hydra) uses outputs/adhoc/<time>."""
@@ -477,8 +480,8 @@ def plan_run(cfg, w: Weights | None = None) -> Plan:
 
 def check_memory(cfg, mcfg: GPT2Config, max_len: int, contexts: list[int], storage, compute, device) -> None:
     """The run's peak bytes (weights, caches, the measurements' largest tensors) against what is free: refused in
-    one line, with what would fit, before anything is allocated (``harness.memory``)."""
-    from harness import memory
+    one line, with what would fit, before anything is allocated (``harness.experiment.memory``)."""
+    from harness.experiment import memory
 
     need = memory.run_bytes(mcfg, storage=storage, compute=compute, kind=cfg.cache.kind,
                             options=cache_options(cfg.cache), max_len=max_len, context_lengths=contexts,
@@ -535,7 +538,7 @@ def load(cfg, plan: Plan) -> dict:
 
 
 def resolved_record(plan: Plan, loaded: dict) -> dict:
-    """What the config resolved to on this machine and model (``harness.record.Resolved``), with the effective
+    """What the config resolved to on this machine and model (``harness.measurements.record.Resolved``), with the effective
     max_len and context lengths."""
     mcfg, model = loaded["mcfg"], loaded["model"]
     dtype = {t: str(t).removeprefix("torch.") for t in (plan.storage, plan.compute)}
@@ -587,26 +590,6 @@ def verdict(cfg, rec: dict) -> tuple[str, str | None]:
                               f"equivalent: {'; '.join(why)}")
 
 
-def one_line(e: BaseException) -> str:
-    msg = " ".join(str(e).split()) or "(no message)"
-    return msg if isinstance(e, ConfigError) else f"{type(e).__name__}: {msg}"
-
-
-class Interrupted(KeyboardInterrupt):
-    """A signal handled like Ctrl-C: SIGTERM (what Slurm sends on pre-emption), SIGUSR2 (submitit's), SIGHUP."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-CAUGHT = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)
-
-
-def _raise_interrupted(signum, frame):
-    raise Interrupted(signum)
-
-
 class OutOfTime(RuntimeError):
     """The Slurm job reached its time limit and will not be requeued again: the run failed, and says why."""
 
@@ -624,7 +607,7 @@ def _after_submitit(inner):
         try:
             inner(signum, frame)
         except SystemExit:
-            raise Interrupted(signum) from None
+            raise signals.Interrupted(signum) from None
         except Exception as e:
             job = slurm_record()["slurm_job_id"]
             raise OutOfTime(f"Slurm job {job} reached its time limit (hydra.launcher.timeout_min) after being "
@@ -634,20 +617,19 @@ def _after_submitit(inner):
     return handler
 
 
+def _submitit_kept(s, current):
+    """In a Slurm job, submitit's handlers: its SIGTERM handler ignores the signal (so scancel and scontrol requeue
+    would kill the run unrecorded a few seconds later): kvlab takes SIGTERM over; its SIGUSR2 handler (the time
+    limit) is kept, and what it does is recorded (``_after_submitit``)."""
+    if not _submitits(current):
+        return None
+    return _after_submitit(current) if s == signal.SIGUSR2 else signals.raise_interrupted
+
+
 def catch_signals() -> None:
-    """SIGTERM, SIGHUP and SIGUSR2 raise ``Interrupted`` in this process (main thread), as SIGINT raises
-    KeyboardInterrupt; a signal another handler already takes (a launcher's) is left to it, but for submitit's in a
-    Slurm job: its SIGTERM handler ignores the signal (so scancel and scontrol requeue would kill the run unrecorded
-    a few seconds later), and kvlab takes SIGTERM over; its SIGUSR2 handler (the time limit) is kept, and what it
-    does is recorded (``_after_submitit``)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for s in CAUGHT:
-        current = signal.getsignal(s)
-        if current in (signal.SIG_DFL, None) or (s != signal.SIGUSR2 and _submitits(current)):
-            signal.signal(s, _raise_interrupted)
-        elif s == signal.SIGUSR2 and _submitits(current):
-            signal.signal(s, _after_submitit(current))
+    """SIGTERM, SIGHUP and SIGUSR2 raise ``Interrupted`` in this process (``harness.common.signals``), submitit's
+    handlers in a Slurm job taken over or kept (``_submitit_kept``)."""
+    signals.catch_signals(_submitit_kept)
 
 
 def slurm_record() -> dict:
@@ -657,19 +639,6 @@ def slurm_record() -> dict:
     array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
     job = f"{array}_{task}" if array and task else env.get("SLURM_JOB_ID")
     return dict(slurm_job_id=job, slurm_array_task_id=int(task) if task and task.isdigit() else None)
-
-
-def interruption(e: KeyboardInterrupt) -> tuple[str, int]:
-    """(what stopped the run, for people; the exit code: 128 + the signal's number)."""
-    n = getattr(e, "signum", signal.SIGINT)
-    return ("Ctrl-C" if n == signal.SIGINT else signal.Signals(n).name), 128 + int(n)
-
-
-def _ignore_signals() -> None:
-    """While an interrupted run writes its record, a second signal must not cut it in half."""
-    if threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGINT, *CAUGHT):
-            signal.signal(s, signal.SIG_IGN)
 
 
 def run(cfg: DictConfig, progress: bool = True) -> dict:
@@ -695,7 +664,7 @@ def _misplaced(run_dir: Path) -> str | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from harness.results import within_report_folder, within_run_folder
+    from harness.experiment.records import within_report_folder, within_run_folder
 
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         sweep = ownership.resolved(HydraConfig.get().sweep.dir)
@@ -824,7 +793,7 @@ def _measured(cfg, plan: Plan, loaded: dict, record: dict, run_dir: Path, name: 
         record["status"], record["error"] = verdict(cfg, record)
     except KeyboardInterrupt as e:
         what, code = interruption(e)
-        _ignore_signals()
+        signals.ignore_signals()
         record.update(status="interrupted", signal=what, duration_s=round(time.perf_counter() - t0, 2),
                       error=f"interrupted ({what}); run the same command again to resume")
         _write(run_dir, record)
@@ -849,36 +818,17 @@ def _finish(run_dir: Path, record: dict, tables: dict, wb, name: str, t0: float)
     record["finished_at"] = dt.datetime.now().isoformat(timespec="seconds")
     tables = tracking.with_identity(tables, record)
     text = summary_text(record, tables)
-    with held_signals() as pending:  # the measurement is done: its files and W&B run are finished whole
+    with signals.held_signals() as pending:  # the measurement is done: its files and W&B run are finished whole
         written = _write(run_dir, record, tables, text)
         _close_wandb(wb, record, tables, run_dir, exit_code=0 if written and record["status"] == "ok" else 1)
     if written:
         print(text)
     if pending:
-        what, code = interruption(Interrupted(pending[0]))
+        what, code = interruption(signals.Interrupted(pending[0]))
         print(f"kvlab: {what} arrived as run {name} wrote its results: they are complete ({run_dir}); stopping",
               file=sys.stderr)
         raise SystemExit(code)
     return record
-
-
-@contextlib.contextmanager
-def held_signals():
-    """Hold Ctrl-C, SIGTERM, SIGHUP and SIGUSR2 for the ``with`` block (the signals that arrive are listed in the
-    list it yields), so a run's files and W&B run are written whole; the caller stops after it."""
-    pending: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield pending
-        return
-    before = {s: signal.getsignal(s) for s in (signal.SIGINT, *CAUGHT)}
-    for s in before:
-        if before[s] is not signal.SIG_IGN:
-            signal.signal(s, lambda n, f: pending.append(n))
-    try:
-        yield pending
-    finally:
-        for s, h in before.items():
-            signal.signal(s, h)
 
 
 def _write_hydra(run_dir: Path, cfg) -> None:
@@ -937,12 +887,6 @@ def _close_wandb(wb, record: dict, tables: dict, run_dir: Path, exit_code: int) 
         record["wandb"] = f"failed: {one_line(e)}"
         print(f"kvlab: W&B logging failed ({record['wandb']}); results are in {run_dir}", file=sys.stderr)
         _write(run_dir, record)
-
-
-def wandb_id(folder: Path, ident: str) -> str:
-    """The W&B run id of a config measured in ``folder``: the same when the run is resumed there, so W&B continues
-    it instead of adding one; a different folder (another sweep, a single run) is another W&B run."""
-    return hashlib.sha256(f"{Path(folder).resolve()}/{ident}".encode()).hexdigest()[:16]
 
 
 def _confirm(run_dir: Path, record: dict, inv: str, name: str) -> dict:

@@ -9,7 +9,7 @@
 - a folder (absolute, relative to the working directory or to the repository): an HF GPT-2 checkpoint folder.
 - anything else: a hub id, fetched by ``GPT2.from_pretrained`` (which says what to do when it cannot).
 
-Nothing here builds a model; ``harness.experiment`` loads what this decides.
+Nothing here builds a model; ``harness.experiment.runner`` loads what this decides.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # the published checkpoint of each preset (HF's canonical ids)
 HUB_IDS = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",

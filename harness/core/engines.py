@@ -147,7 +147,7 @@ def hf_refuses(kind: str, opts, head_dim: int | None = None) -> str | None:
     undeclared = [n for n in names if n not in cp.options]
     if undeclared:
         return (f"HF's {cp.name} has no declared counterpart of cache option {', '.join(undeclared)} (kvlab runs on "
-                "HF only what harness/engines.py HF_COUNTERPARTS says HF honours): use engine=kvlab")
+                "HF only what harness/core/engines.py HF_COUNTERPARTS says HF honours): use engine=kvlab")
     wrong, fixed = [], opts
     for name in names:
         how = cp.options[name]

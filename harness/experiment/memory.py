@@ -7,7 +7,7 @@
     need.describe()                           # one line for people
     cache_fills(kind="paged", ..., max_len=1024)  # every cache the run builds: (what, sequences, tokens written)
 
-A run holds its weights throughout and goes through its measurements one after another (harness/measure.py), each
+A run holds its weights throughout and goes through its measurements one after another (harness/core/measure.py), each
 building its own caches and freeing them before the next: its peak is the weights plus the largest phase. Each
 phase counts the caches alive in it (exactly, from the kind's ``nbytes_formula``) and its largest transient
 tensors (logits, attention scores, activations, copies), a little conservatively: see ``run_bytes``.
@@ -58,9 +58,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from harness.config import ConfigError
-from harness.engines import ENGINES
-from harness.measure import STAT_ROWS
+from harness.common.errors import ConfigError
+from harness.core.engines import ENGINES
+from harness.core.measure import STAT_ROWS
 from models.gpt2 import GPT2Config
 from models.kv_cache import CACHE_KINDS, KVCache, as_dtype, cache_kind, kv_bytes
 from models.kv_cache.base import itemsize
@@ -83,7 +83,7 @@ def param_count(cfg: GPT2Config) -> int:
 
 
 def decode_weight_bytes(cfg: GPT2Config, dtype) -> int:
-    """What ``harness.measure.weight_bytes`` reports for a model of ``cfg`` in ``dtype``: every parameter once, but
+    """What ``harness.core.measure.weight_bytes`` reports for a model of ``cfg`` in ``dtype``: every parameter once, but
     only one row of the position embedding (the bandwidth probe sizes its buffers by it)."""
     return (param_count(cfg) - (cfg.n_positions - 1) * cfg.n_embd) * itemsize(dtype)
 
@@ -141,7 +141,7 @@ def _storage(engine: str, kind: str, cls: type[KVCache], opts, prefilled: int):
 
 
 def _full_attention_kind() -> type[KVCache]:
-    """The kind the fp32 drift reference runs with (``harness.measure.full_attention_kind``)."""
+    """The kind the fp32 drift reference runs with (``harness.core.measure.full_attention_kind``)."""
     return next(c for c in CACHE_KINDS.values() if c.full_attention(c.Options()))
 
 

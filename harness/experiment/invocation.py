@@ -81,7 +81,7 @@ def forget_invocation(inv: str | None = None) -> None:
 def invocation_failures() -> list[str]:
     """Runs of this invocation that did not end ok: records that are not ok, runs refused without a record, and run
     folders it started that hold no complete results.json. Empty: every run is ok (or nothing ran)."""
-    from harness.results import RESULTS, read_record
+    from harness.experiment.records import RESULTS, read_record
 
     notes = _noted(invocation())
     bad = [n["failure"] for n in notes if n.get("failure")]

@@ -18,7 +18,9 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from harness.engines import ENGINES
+from harness.common.errors import ConfigError
+from harness.measurements.base import MAX_LIST, MAX_PROMPTS, MAX_REPEATS, MAX_WARMUP
+from harness.core.engines import ENGINES
 from models.kv_cache import CACHE_KINDS, DTYPE_NAMES, KVCache, cache_kind
 
 
@@ -177,19 +179,11 @@ def register() -> None:
         cs.store(group="schema/engine", name=name, node=engine_schema(name, cls))
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message is one line that says what would be right."""
-
-
 AUTO_CONTEXTS = (32, 128, 512)
 PROMPT_LENGTHS = ("uniform", "ragged")
 ENGINE_NAMES = tuple(ENGINES)
-# caps on the counts a run reads or allocates by, checked before any of it is (each refusal names its cap); the
-# sizes that scale memory (batch, batch_sizes' entries, a paged pool) are bounded by the memory check instead
-MAX_PROMPTS = 10_000  # n_prompts, full_prompts
-MAX_REPEATS = 10_000  # timed repeats per step
-MAX_WARMUP = 1_000  # warm-up steps before them
-MAX_LIST = 100  # entries of context_lengths and batch_sizes
+# caps on counts (MAX_PROMPTS, MAX_REPEATS, MAX_WARMUP, MAX_LIST) live beside the measurements that read them
+# (harness.measurements.base); the sizes that scale memory (batch, batch_sizes, a paged pool) are bounded by the memory check
 
 
 def need(ok: bool, msg: str) -> None:
@@ -328,9 +322,10 @@ def check_measurements(cfg, max_len: int) -> None:
 
 
 def _check_fills(cfg, max_len: int, contexts: list[int]) -> None:
-    """The caches the run's measurements build (``harness.memory.cache_fills``) against what the kind's options can
+    """The caches the run's measurements build (``harness.experiment.memory.cache_fills``) against what the kind's options can
     hold: a paged pool of ``cache.blocks`` blocks must hold the largest, before any of them is built."""
-    from harness import measurements, memory
+    from harness import measurements
+    from harness.experiment import memory
 
     cls = cache_kind(cfg.cache.kind)
     opts = cls.parse_options(**cache_options(cfg.cache))

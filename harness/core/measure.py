@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from harness.core.stats import LAYER_TOL, cost_model  # noqa: F401  (cost_model: what step_time records)
 from models.kv_cache import CACHE_KINDS, KeepRecord, cache_kind
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def sync(device: torch.device) -> None:
@@ -277,7 +278,6 @@ def drift_summary_of(checks: list[dict], new_tokens: int) -> tuple[dict, pd.Data
 
 # ---- drift statistics as llama.cpp's perplexity tool reports them (--kl-divergence) ----------------------------
 
-LAYER_TOL = 1e-2  # relative K/V error (vs fp32) from which a layer counts as disagreeing
 STAT_ROWS = 128  # positions whose float64 log-softmax over the vocabulary is held at once (text_drift)
 NEAR_TIE = 2.0  # a divergence is a near tie when the reference's top-1/top-2 margin < NEAR_TIE x max |dlogit| there
 
@@ -704,19 +704,6 @@ def served_check(engine, spec: CacheSpec, prompts: list[torch.Tensor], tokens: t
         same &= bool(torch.equal(ref.argmax(-1), tokens[i]))
         worst = max(worst, float((ref - logits[i]).abs().max()))
     return dict(serve_tokens_identical=same, serve_max_abs_logit=worst)
-
-
-def cost_model(steps: pd.DataFrame) -> dict:
-    """Least-squares fit of the cached step time (ms) against context length T: a + b*T. One decode step reads (and,
-    for a kind that copies its history, copies) T tokens of K/V: linear in T for every kind, a kind that copies
-    having the larger b; only a whole generation (a sum of steps) is quadratic. ``a`` is what a step costs with no
-    history (the weights), ``b`` what each cached token adds. Needs two context lengths or more."""
-    c = steps[steps["mode"] == "cached"].sort_values("context_len")
-    T, y = c["context_len"].to_numpy(float), c["ms_median"].to_numpy(float)
-    if len(T) < 2:
-        return dict(cost_model=None, cost_a_ms=None, cost_b_ms_per_token=None)
-    a, b = (float(x) for x in np.polynomial.polynomial.polyfit(T, y, 1))
-    return dict(cost_model="a + b*T", cost_a_ms=a, cost_b_ms_per_token=b)
 
 
 def bandwidth_probe(device: torch.device, nbytes: int, repeats: int = 9) -> dict:

@@ -10,6 +10,7 @@ never leaves a half-written one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -18,9 +19,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness import ownership
-from harness.keys import KEYS
-from harness.ownership import atomic_write
+from harness.common import ownership
+from harness.measurements import KEYS
+from harness.common.ownership import atomic_write
 
 RESULTS, LOG = "results.json", "run.log"  # run.log: the run's summary, as printed; the tables' files are declared
 # by the measurements that write them (harness.measurements.tables())
@@ -134,7 +135,7 @@ def _where(run, mode: str) -> str:
     return str(Path(run.dir).parent) if mode == "offline" else (run.url or "online")
 
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def sources() -> list[Path]:
@@ -269,3 +270,15 @@ def log_wandb_aggregate(mode: str, project: str, entity: str | None, group: str,
     finally:
         run.finish()
     return where
+
+
+def default_group(experiment_name: str, folder: str) -> str:
+    """The W&B group of a sweep's runs (or of a single run): ``<experiment>-<sweep folder>``, the folder being named
+    by the time it started."""
+    return f"{experiment_name}-{folder}"[:128]
+
+
+def wandb_id(folder: Path, ident: str) -> str:
+    """The W&B run id of a config measured in ``folder``: the same when the run is resumed there, so W&B continues
+    it instead of adding one; a different folder (another sweep, a single run) is another W&B run."""
+    return hashlib.sha256(f"{Path(folder).resolve()}/{ident}".encode()).hexdigest()[:16]

@@ -1,0 +1,17 @@
+"""The run layer: a Hydra config in, one run's folder out (results.json, its tables, run.log, W&B).
+
+    from harness.experiment import run          # run(cfg): what run.py calls for each run of a sweep
+
+It reads Hydra once (``config``: the typed nodes, validation), plans the run, loads the weights (``weights``),
+checks memory (``memory``), drives the measurements (``runner``), writes the record (``record``, ``tracking``)
+and keeps an invocation's runs together (``invocation``, ``slurm_check``). It owns results.json: writing it and
+reading it back. Nothing here imports the analysis layer, training or the tools.
+"""
+
+
+def run(cfg, progress: bool = True) -> dict:
+    """One run from its Hydra config (``harness.experiment.runner.run``); imported on call, so that the modules of
+    this package that read and write files (record, tracking) load without torch."""
+    from harness.experiment.runner import run as run_
+
+    return run_(cfg, progress)

@@ -1,0 +1,647 @@
+"""Decode-step benchmarks, every ratio measured in one run.
+
+    python -m harness.bench                      # ours vs HF transformers: gpt2 size, fp32, batch 1, ctx 32 and 512
+    python -m harness.bench --model tiny --contexts 16 64 --repeats 20
+    python -m harness.bench --kinds              # every cache kind of ours: bytes held and step time vs prealloc
+    python -m harness.bench --kinds --cache prealloc --cache quant:k_bits=8,v_bits=8 --cache window:window=256
+    python -m harness.bench --prefix             # prefix reuse: time to first token with and without a snapshot
+    python -m harness.bench --paged --model mini # a ragged batch served: KV waste per layout, step time, tokens
+
+Ours vs HF: for each context length and each kind transformers has a counterpart of (concat: DynamicCache, prealloc:
+StaticCache, quant at its defaults, 4 bits, groups of 32: QuantizedCache with optimum-quanto) both caches are
+prefilled with the same prompt; then each repeat times one decode step of each engine, alternating which goes first,
+and puts the step back (``checkpoint``), so every timed step runs at exactly that context. Prints the medians and the
+ratio ours / HF.
+
+Kinds (``--kinds``): one cache per kind (default: every registered kind, quant at 8, 4 and 2 bits, window 4 + 256),
+each owning ``max_len`` = the model's positions; at each context all are prefilled with the same prompt, then each
+repeat times one decode step of every kind in turn (rotating who goes first) and puts each cache back with its
+``checkpoint``. Prints the bytes each holds at the longest context, that as a fraction of fp32 prealloc's, and the
+median step time per context with its ratio to prealloc's.
+
+Prefix reuse (``--prefix``): requests that share a prefix of P tokens and add S of their own (``--suffix``, default
+16). Cold: an empty cache prefills all P + S tokens. Reuse: ``cache.restore(snapshot)`` of the prefix (taken once,
+untimed), then a prefill of the S new tokens. Both are timed to the first token's logits, alternating, for every
+exact kind that snapshots (default concat and prealloc); prints the medians, cold / reuse, the largest |Δlogit|
+between the two first-token logits (they must agree), the bytes the snapshot took (a copy of the prefix's K/V; a
+paged snapshot shares the prefix's blocks, copy-on-write, and takes none), and the break-even: the shortest prefix
+from which reuse is faster.
+
+Paged serving (``--paged``): ``--batch`` requests (default 16) with prompt lengths drawn from 1 .. ``--prompt-max``
+and output lengths from 1 .. ``--output-max`` (seeded) are served as one left-padded batch on each layout (default
+prealloc, concat, paged), the cache owning the model's ``n_positions`` slots per sequence where a layout reserves
+ahead. After every decode step: the slots the cache holds against the tokens of the requests still running (a
+request that has its output is done: ``paged`` hands its blocks back with ``cache.end(b)``; the other layouts keep
+its slots until the batch ends). Prints the time-averaged and end-of-prefill waste (held slots holding no live
+token), the most bytes held, the median decode step (ms) and its ratio to prealloc's (the price of the block-table
+gather), and whether every request's tokens equal prealloc's. With ``--compile`` the kinds that read K/V where they
+lie do (paged: each sequence's own keys through its block table; compile time apart), the rest run eager (prealloc
+with padding has no static step).
+
+The weights are a seeded random init (no pretrained weights needed: the cost of a step and the bytes held do not
+depend on their values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+
+import pandas as pd
+import torch
+
+from harness.core.engines import ENGINES, HF_COUNTERPARTS, HFEngine, KvlabEngine
+from harness.core import measure
+from harness.experiment import memory
+from harness.core.measure import CacheSpec
+from models.gpt2 import GPT2, GPT2Config, PRESETS
+from models.kv_cache import CACHE_KINDS, KVCache, cache_kind
+from models.kv_cache.base import DTYPES, itemsize, storage_nbytes
+
+DEFAULT_KINDS = ["concat", "prealloc", "quant:k_bits=8,v_bits=8", "quant:k_bits=4,v_bits=4",
+                 "quant:k_bits=2,v_bits=2", "window:window=256,sinks=4", "paged:block_size=16",
+                 # the evicting kinds at 256 slots, beside a window of the same 256 (S4 + W252)
+                 "window:window=252,sinks=4", "h2o:budget=256,recent=32", "tova:budget=256",
+                 "snapkv:budget=256,window=32", "knorm:budget=256", "random:budget=256"]
+
+
+def _prompt_and_token(vocab: int, ctx: int, seed: int, batch: int = 1,
+                      device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    prompt, token = torch.randint(0, vocab, (batch, ctx), generator=g), torch.randint(0, vocab, (batch, 1), generator=g)
+    return prompt.to(device), token.to(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_in_turns(runners: list[tuple], token: torch.Tensor, repeats: int, warmup: int) -> dict[str, list[float]]:
+    """``runners``: (label, engine, prefilled cache). Each repeat times one decode step of each in turn, starting one
+    further along every repeat, and puts each cache back (``checkpoint``), so every step runs at the same context.
+    Returns label -> seconds per step (after ``warmup`` repeats)."""
+    backs = [engine.checkpoint(cache) for _, engine, cache in runners]
+    times: dict[str, list[float]] = {label: [] for label, _, _ in runners}
+    for r in range(warmup + repeats):
+        for i in range(len(runners)):
+            j = (r + i) % len(runners)
+            label, engine, cache = runners[j]
+            _sync(token.device)
+            t0 = time.perf_counter()
+            engine.decode(token, cache)
+            _sync(token.device)
+            dt = time.perf_counter() - t0
+            backs[j]()
+            if r >= warmup:
+                times[label].append(dt)
+    return times
+
+
+def _counterpart_options(kind: str) -> dict:
+    """The options of ``kind`` both engines run in the HF comparison (``harness.core.engines.counterpart_options``: the
+    kind's defaults HF does not honour replaced by what it does), or {} where the engines declare none."""
+    from harness.core import engines
+
+    return getattr(engines, "counterpart_options", lambda kind: {})(kind)
+
+
+def time_steps(engines, layout: str, ctx: int, repeats: int, warmup: int, seed: int = 0,
+               options: dict | None = None) -> dict[str, list[float]]:
+    """Per-engine decode-step times (seconds) at context ``ctx``; engines alternate within each repeat. ``options``:
+    the cache kind's, the same for every engine."""
+    prompt, token = _prompt_and_token(engines[0].model.config.vocab_size, ctx, seed)
+    runners = []
+    for e in engines:
+        cache = e.new_cache(layout, max_len=ctx + 1, **(options or {}))
+        e.prefill(prompt, cache)
+        runners.append((e.name, e, cache))
+    return time_in_turns(runners, token, repeats, warmup)
+
+
+def parse_kind(text: str) -> CacheSpec:
+    """"quant:k_bits=8,v_bits=4" -> CacheSpec("quant", {"k_bits": 8, "v_bits": 4}); options typed by the kind."""
+    kind, _, rest = text.partition(":")
+    cls = cache_kind(kind)
+    types, options = cls.option_types(), {}
+    for item in filter(None, rest.split(",")):
+        name, eq, value = item.partition("=")
+        if not eq or name not in types:
+            raise ValueError(f"--cache {text!r}: {item!r} is not NAME=VALUE with NAME one of "
+                             f"{', '.join(types) or 'no options'}")
+        try:
+            options[name] = types[name](value) if types[name] is not bool else value.lower() in ("1", "true", "yes")
+        except ValueError:
+            raise ValueError(f"--cache {text!r}: {name}={value!r} is not a {getattr(types[name], '__name__', 'value')}"
+                             ) from None
+    cls.parse_options(**options)
+    return CacheSpec(kind, options)
+
+
+def time_kinds(engine, specs: list[CacheSpec], ctx: int, max_len: int, repeats: int, warmup: int,
+               seed: int = 0, batch: int = 1) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Decode-step times (seconds) of each cache at context ``ctx`` for ``batch`` sequences, kinds taking turns
+    within each repeat, and the bytes each holds there."""
+    device = next(engine.model.parameters()).device
+    prompt, token = _prompt_and_token(engine.model.config.vocab_size, ctx, seed, batch, device)
+    runners = []
+    for spec in specs:
+        cache = spec.new(engine, max_len, batch)
+        engine.prefill(prompt, cache)
+        runners.append((spec.label, engine, cache))
+    return time_in_turns(runners, token, repeats, warmup), {label: engine.nbytes(c) for label, _, c in runners}
+
+
+def time_prefix_reuse(engine, spec: CacheSpec, prefix: int, suffix: int, repeats: int, warmup: int,
+                      seed: int = 0) -> dict:
+    """Time to first token for a request of ``prefix`` shared + ``suffix`` own tokens: cold (prefill everything)
+    against reuse (restore the prefix's snapshot, prefill the suffix). Seconds per repeat, and the largest |Δlogit|
+    between the two ways' first-token logits."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, engine.model.config.vocab_size, (1, prefix + suffix), generator=g)
+    max_len = prefix + suffix + 1
+    warm = spec.new(engine, max_len)
+    engine.prefill(ids[:, :prefix], warm)
+    used = getattr(getattr(warm, "pool", None), "used", 0)
+    snap = warm.snapshot()  # once, untimed: what a server keeps for the shared prefix
+    if warm.pooled:  # blocks the snapshot took from the pool (sharing: none)
+        snap_nbytes = (warm.pool.used - used) * warm.pool.block_nbytes
+    else:  # the K/V it copied
+        snap_nbytes = storage_nbytes([t for v in snap.values() for t in (v if isinstance(v, list) else [v])
+                                      if isinstance(t, torch.Tensor) and t is not snap.get("pad")])
+    cold_cache, reuse_cache = spec.new(engine, max_len), warm.empty_like()  # (a paged one shares warm's pool)
+    out: dict = {"cold": [], "reuse": [], "snapshot_nbytes": snap_nbytes}
+
+    def cold():
+        cold_cache.reset()
+        return engine.prefill(ids, cold_cache, last_only=True)
+
+    def reuse():
+        reuse_cache.restore(snap)
+        return engine.prefill(ids[:, prefix:], reuse_cache, last_only=True)
+
+    for r in range(warmup + repeats):
+        for name, fn in ((("cold", cold), ("reuse", reuse)) if r % 2 == 0 else (("reuse", reuse), ("cold", cold))):
+            t0 = time.perf_counter()
+            logits = fn()
+            dt = time.perf_counter() - t0
+            out[name + "_logits"] = logits
+            if r >= warmup:
+                out[name].append(dt)
+    out["max_abs"] = float((out.pop("cold_logits") - out.pop("reuse_logits")).abs().max())
+    return out
+
+
+def bench_prefix(args, model: GPT2) -> None:
+    kinds = [parse_kind(k) for k in (args.cache or ["concat", "prealloc"])]
+    engine = KvlabEngine(model)
+    print(f"prefix reuse: {args.suffix} new tokens after a shared prefix; time to first token, ms")
+    print(f"{'cache':<22}{'prefix':>8}{'cold ms':>10}{'reuse ms':>10}{'cold/reuse':>11}{'max |dlogit|':>14}"
+          f"{'snapshot bytes':>16}")
+    for spec in kinds:
+        even = None
+        for p in args.prefixes:
+            t = time_prefix_reuse(engine, spec, p, args.suffix, args.repeats, args.warmup, args.seed)
+            cold, reuse = statistics.median(t["cold"]) * 1e3, statistics.median(t["reuse"]) * 1e3
+            if even is None and reuse < cold:
+                even = p
+            print(f"{spec.label:<22}{p:>8}{cold:>10.2f}{reuse:>10.2f}{cold / reuse:>10.2f}x{t['max_abs']:>14.2e}"
+                  f"{t['snapshot_nbytes']:>16,}")
+        print(f"{spec.label:<22}break-even: " + (f"reuse is faster from a prefix of {even} tokens (of those timed)"
+                                                  if even is not None else "reuse was never faster here"))
+
+
+def serve_ragged(engine, spec: CacheSpec, prompts: list[torch.Tensor], out_lens: list[int], max_len: int) -> dict:
+    """Serve ``prompts`` as one left-padded batch until every request has its ``out_lens`` tokens; after every
+    decode step, the slots held against the live requests' tokens. Returns each request's tokens, per-step waste,
+    the most bytes held and the step times (s)."""
+    from models.generate import left_pad
+
+    B = len(prompts)
+    idx, pad = left_pad(prompts)
+    cache = spec.new(engine, max_len, B)
+    logits = engine.prefill(idx, cache, last_only=True, pad=pad if bool(pad.any()) else None)[:, -1]
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    live, waste, peak, times = set(range(B)), [], 0, []
+    while True:
+        nxt = logits.argmax(-1, keepdim=True)  # (B, 1)
+        for b in sorted(live):
+            tokens[b].append(int(nxt[b]))
+            if len(tokens[b]) == out_lens[b]:
+                live.discard(b)
+                if hasattr(cache, "end"):
+                    cache.end(b)  # a paged cache hands the finished request's blocks back
+        held = cache.held_slots
+        used = sum(len(prompts[b]) + len(tokens[b]) - 1 for b in live)  # the newest token is not cached yet
+        waste.append(1 - used / held if held else 0.0)
+        peak = max(peak, engine.nbytes(cache))
+        if not live:
+            break
+        t0 = time.perf_counter()
+        logits = engine.decode(nxt, cache)[:, -1]
+        times.append(time.perf_counter() - t0)
+    return dict(tokens=tokens, waste=waste, peak_nbytes=peak, times=times)
+
+
+def bench_paged(args, model: GPT2) -> None:
+    specs = [parse_kind(k) for k in (args.cache or ["prealloc", "concat", "paged"])]
+    n_pos = model.config.n_positions  # --prompt-max + --output-max <= n_pos: check_args
+    g = torch.Generator().manual_seed(args.seed)
+    p_lens = torch.randint(1, args.prompt_max + 1, (args.batch,), generator=g).tolist()
+    o_lens = torch.randint(1, args.output_max + 1, (args.batch,), generator=g).tolist()
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in p_lens]
+    engine = KvlabEngine(model, compile=args.compile)
+    mean_p = sum(p_lens) / len(p_lens)
+    print(f"{args.batch} requests: prompts of {min(p_lens)}..{max(p_lens)} tokens (mean {mean_p:.0f}), outputs of "
+          f"{min(o_lens)}..{max(o_lens)} (mean {sum(o_lens) / len(o_lens):.0f}); max_len {n_pos} per "
+          "sequence where a layout reserves ahead; waste = held slots holding no live request's token")
+    print(f"{'cache':<24}{'mean waste':>11}{'waste@prefill':>14}{'peak bytes':>16}{'step ms':>9}{'vs prealloc':>12}"
+          f"{'tokens = prealloc':>18}")
+    base = None
+    for spec in specs:
+        r = serve_ragged(engine, spec, prompts, o_lens, n_pos)
+        ms = statistics.median(r["times"]) * 1e3 if r["times"] else float("nan")
+        if base is None:
+            base = (spec.label, ms, r["tokens"])
+        same = r["tokens"] == base[2]
+        print(f"{spec.label:<24}{statistics.mean(r['waste']):>10.1%}{r['waste'][0]:>14.1%}{r['peak_nbytes']:>16,}"
+              f"{ms:>9.2f}{ms / base[1]:>11.2f}x{str(same):>18}")
+    print(f"(ratios and token checks against {base[0]}, the first cache listed)")
+    if args.compile:
+        fused = ", ".join(s.label for s in specs if cache_kind(s.kind).fuses_decode) or "none of these kinds"
+        print(f"read where they lie (--compile): {fused}; compile {engine.compile_stats['compile_s']:.1f} s apart "
+              "from the steps; the rest eager")
+
+
+def bench_hf(args, model: GPT2) -> None:
+    engines = [KvlabEngine(model), HFEngine(model)]
+    print(f"{'context':>7}  {'kind':<9} {'kvlab ms':>9} {'HF ms':>9} {'HF cache':<15} {'kvlab/HF':>8}")
+    for ctx in args.contexts:
+        for kind, counterpart in HF_COUNTERPARTS.items():
+            hf_name = counterpart.name if hasattr(counterpart, "name") else counterpart[0]
+            t = time_steps(engines, kind, ctx, args.repeats, args.warmup, args.seed, _counterpart_options(kind))
+            ours, hf = statistics.median(t["kvlab"]) * 1e3, statistics.median(t["hf"]) * 1e3
+            print(f"{ctx:>7}  {kind:<9} {ours:>9.2f} {hf:>9.2f} {hf_name:<15} {ours / hf:>7.2f}x")
+
+
+# what a kind's step should cost beside prealloc's, where its bytes are a small share (issue 24): (kind as --cache
+# spells it, batch, context, most step / prealloc's step); checked by --kinds whenever a run has that kind, batch and
+# context
+KIND_TARGETS = (
+    ("quant:k_bits=4,v_bits=4", 8, 960, 1.0),
+    ("quant:k_bits=4,v_bits=4", 1, 960, 1.15),
+    ("paged:block_size=16", 1, 960, 1.1),
+)
+
+
+def bench_kinds(args, model: GPT2) -> None:
+    specs = [parse_kind(k) for k in (args.cache or DEFAULT_KINDS)]
+    base = CacheSpec("prealloc")
+    if base.label not in {s.label for s in specs}:
+        specs.insert(0, base)
+    engine, max_len = KvlabEngine(model, compile=args.compile), model.config.n_positions
+    ms: dict[str, dict[int, float]] = {s.label: {} for s in specs}
+    held = {}
+    for ctx in args.contexts:
+        t, held = time_kinds(engine, specs, ctx, max_len, args.repeats, args.warmup, args.seed, args.batch)
+        for label, ts in t.items():
+            ms[label][ctx] = statistics.median(ts) * 1e3
+    top = max(args.contexts)
+    print(f"max_len {max_len}; bytes held at context {top} + 1; step ms (ratio to prealloc)")
+    if args.compile:
+        st = engine.compile_stats
+        print(f"compiled: {', '.join(s.label for s in specs if engine.compiles(s.kind))}; "
+              f"compile {st['compile_s']:.1f} s (apart from the steps), {st['compile_recompiles']} recompiles over "
+              f"{st['compiled_steps']} steps; the rest run eager")
+    head = "".join(f"{'ctx ' + str(c) + ' ms':>20}" for c in args.contexts)
+    print(f"{'cache':<34}{'bytes held':>14}{'vs prealloc':>12}{head}")
+    for s in specs:
+        cells = "".join(f"{ms[s.label][c]:>11.2f} ({ms[s.label][c] / ms[base.label][c]:.2f}x)"
+                        for c in args.contexts)
+        print(f"{s.label:<34}{held[s.label]:>14,}{held[s.label] / held[base.label]:>11.3f}x{cells}")
+    print(roofline_table(engine, specs, ms, args.contexts, max_len, args.batch))
+    targets = kind_targets(specs, ms, base.label, args.batch, args.contexts)
+    if targets:
+        print("\n".join(targets))
+
+
+def kind_targets(specs: list[CacheSpec], ms: dict[str, dict[int, float]], base: str, batch: int,
+                 contexts: list[int]) -> list[str]:
+    """One line per KIND_TARGETS entry this run measured (its kind, batch and context): the step's ratio to
+    prealloc's, the bound, and whether it is met."""
+    labels = {s.label for s in specs}
+    lines = []
+    for text, b, ctx, bound in KIND_TARGETS:
+        label = parse_kind(text).label
+        if label in labels and b == batch and ctx in contexts:
+            r = ms[label][ctx] / ms[base][ctx]
+            lines.append(f"target: {label} at batch {b}, context {ctx}: {r:.2f}x prealloc's step (bound <= "
+                         f"{bound:.2f}x) {'met' if r <= bound else 'NOT met'}")
+    return lines
+
+
+def roofline_table(engine, specs: list[CacheSpec], ms: dict[str, dict[int, float]], contexts: list[int],
+                   max_len: int, batch: int = 1) -> str:
+    """Each kind's roofline beside its step times, from this run's own bandwidth probe: the ms reading what the
+    step must read (weights + every sequence's K/V at the context, as steps.csv's bytes_read) takes at the probe's
+    GB/s, and that over the measured step (1: at the machine's limit)."""
+    device = next(engine.model.parameters()).device
+    probe = measure.bandwidth_probe(device, measure.weight_bytes(engine.model))["probe_gbps"]
+    lines = [f"roofline: bytes a step reads / this run's probe ({probe:.1f} GB/s); ms (roofline ms / step ms)",
+             f"{'cache':<34}" + "".join(f"{'ctx ' + str(c):>20}" for c in contexts)]
+    for s in specs:
+        steps = pd.DataFrame({"context_len": contexts, "mode": "cached",
+                              "ms_median": [ms[s.label][c] for c in contexts]})
+        roof = measure.with_bandwidth(steps, engine, s, max_len, probe, batch)  # steps.csv's own columns
+        cells = "".join(f"{r.roofline_ms:>11.2f} ({r.roofline_fraction:.2f})".rjust(20) for r in roof.itertuples())
+        lines.append(f"{s.label:<34}{cells}")
+    return "\n".join(lines)
+
+
+class Refused(SystemExit):
+    """Exit 2 once the one-line refusal is printed; ``str()`` is the refusal itself (for callers and tests)."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _check_specs(args: argparse.Namespace, cfg: GPT2Config) -> None:
+    """Refuse (ValueError, one line) cache specs that the mode's prompts or caches cannot honour, as a run's
+    validation does: a prompt shorter than the kind takes (SnapKV's window), a ragged batch (--paged) on a kind that
+    runs none, a pool too small for the caches built (paged ``blocks``), options the model's head size cannot take."""
+    if args.paged:
+        specs, fills = [parse_kind(k) for k in (args.cache or ["prealloc", "concat", "paged"])], (args.batch,
+                                                                                                  cfg.n_positions)
+        shortest, what = 1, f"--paged draws prompts of 1 .. {args.prompt_max} tokens"
+    elif args.prefix:
+        specs, fills = [parse_kind(k) for k in (args.cache or ["concat", "prealloc"])], (1, max(args.prefixes)
+                                                                                        + args.suffix)
+        shortest, what = min(args.prefixes), f"--prefixes has {min(args.prefixes)}"
+    elif args.kinds:
+        specs, fills = [parse_kind(k) for k in (args.cache or DEFAULT_KINDS)], (args.batch, max(args.contexts) + 1)
+        shortest, what = min(args.contexts), f"--contexts has {min(args.contexts)}"
+    else:
+        return
+    for spec in specs:
+        cls, opts = spec.cls, spec.opts
+        cls.check_head_dim(opts, cfg.head_dim)
+        if cls.min_prompt(opts) > shortest:
+            need = cls.min_prompt(opts)
+            raise ValueError(f"--cache {spec.label}: this kind needs prompts of at least {need} tokens (its window), "
+                             f"but {what}: lower its window" + ("" if args.paged else f", or give {need} or more"))
+        if args.paged and cls.why_no_padding:
+            raise ValueError(f"--cache {spec.label}: --paged serves a ragged batch, and cache kind {spec.kind!r} does "
+                             f"not run ragged batches: {cls.why_no_padding}")
+        cls.check_fills(opts, [(f"the benchmark ({spec.label})", *fills)])
+
+
+# what the benchmark accepts at all (issue 44: every input that scales is bounded before it is read or allocated);
+# within these, the memory check below decides what fits this machine
+MAX_BATCH = 65_536  # sequences decoded together (--kinds) or requests served (--paged)
+MAX_REPEATS = 10_000  # timed steps per point (a run's cap too: harness/experiment/config.py)
+MAX_WARMUP = 1_000
+MAX_LIST = 64  # entries of --contexts and --prefixes, and --cache given at most this often
+MAX_SEED = 2 ** 63  # torch.manual_seed takes 0 <= seed < 2**63
+
+
+def _forward_bytes(cfg: GPT2Config, B: int, T: int, rows: int, isz: int) -> int:
+    """Transients of one forward of (B, T) tokens keeping ``rows`` positions' logits: the same terms as
+    ``harness.experiment.memory``'s run estimate (activations, fp32 attention scores, masks, logits, ids)."""
+    return (B * T * cfg.n_embd * memory.ACT_WIDTH * isz + B * cfg.n_head * T * T * memory.F32 + 3 * B * T * T
+            + B * rows * cfg.vocab_size * isz + 2 * B * T * memory.I64)
+
+
+def _snapshot_bytes(spec: CacheSpec, nbytes: int) -> int:
+    """What a kind's ``checkpoint`` copies to put a cache back (0 for a kind that crops back)."""
+    return nbytes if spec.cls.checkpoint is not KVCache.checkpoint else 0
+
+
+def bench_bytes(args: argparse.Namespace, cfg: GPT2Config, batch: int | None = None) -> dict[str, int]:
+    """The bytes the benchmark as asked holds at its peak, from the arguments alone (nothing is built): the
+    weights (the model is built in fp32, then converted; the HF comparison adds transformers' own copy), the caches
+    alive together (every kind at the longest context with --kinds, and their snapshots; one layout at a time with
+    --paged; cold, warm, reuse and the snapshot with --prefix; two engines' with the HF comparison) and the largest
+    forward's transients (``_forward_bytes``). ``batch`` replaces ``args.batch`` (to search what would fit)."""
+    B = args.batch if batch is None else batch
+    dtype = DTYPES[args.dtype]
+    isz = itemsize(dtype)
+    P = memory.param_count(cfg)
+    n_pos = cfg.n_positions
+    out = {"weights": P * memory.F32, "cache": 0, "transients": 0}
+    if args.paged:
+        specs = [parse_kind(k) for k in (args.cache or ["prealloc", "concat", "paged"])]
+        out["cache"] = max(memory.cache_bytes(cfg, s.kind, s.options, dtype, n_pos, B, n_pos) for s in specs)
+        out["transients"] = (_forward_bytes(cfg, B, args.prompt_max, 1, memory.F32)
+                             + B * args.output_max * memory.I64 + 2 * B * cfg.vocab_size * memory.F32)
+    elif args.prefix:
+        specs = [parse_kind(k) for k in (args.cache or ["concat", "prealloc"])]
+        T = max(args.prefixes) + args.suffix
+        out["cache"] = max(3 * (c := memory.cache_bytes(cfg, s.kind, s.options, dtype, T + 1, 1, T)) +
+                           _snapshot_bytes(s, c) for s in specs)
+        out["transients"] = _forward_bytes(cfg, 1, T, T, isz)
+    elif args.kinds:
+        specs = [parse_kind(k) for k in (args.cache or DEFAULT_KINDS)]
+        ctx = max(args.contexts)
+        for s in specs + ([] if "prealloc" in {s.kind for s in specs} else [CacheSpec("prealloc")]):
+            c = memory.cache_bytes(cfg, s.kind, s.options, dtype, n_pos, B, ctx + 1, prefilled=ctx)
+            out["cache"] += c + _snapshot_bytes(s, c)
+        out["transients"] = _forward_bytes(cfg, B, ctx, ctx, isz)
+    else:  # ours vs HF: batch 1, fp32, every kind transformers has a counterpart of, in both engines
+        ctx = max(args.contexts)
+        out["weights"] += P * memory.F32 if ENGINES["hf"].holds_weight_copy else 0
+        for kind in HF_COUNTERPARTS:
+            for engine in ("kvlab", "hf"):
+                c = memory.cache_bytes(cfg, kind, _counterpart_options(kind), "fp32", ctx + 1, 1, ctx + 1, engine,
+                                       ctx)
+                out["cache"] += c + c  # and its checkpoint's copy, at most
+        out["transients"] = _forward_bytes(cfg, 1, ctx, ctx, memory.F32)
+    out["transients"] += math.ceil(memory.SLACK * (out["cache"] + out["transients"]))
+    return out
+
+
+def _needs(args: argparse.Namespace, cfg: GPT2Config, device: torch.device, batch: int | None = None) -> dict:
+    """Where the benchmark holds what: {"cpu": bytes} on a CPU; on CUDA the host builds the fp32 model first and
+    the GPU holds the model in --dtype, the caches and the transients."""
+    need = bench_bytes(args, cfg, batch)
+    if device.type == "cpu":
+        return {"cpu": sum(need.values())}
+    on_gpu = memory.param_count(cfg) * itemsize(DTYPES[args.dtype]) + need["cache"] + need["transients"]
+    return {"cpu": need["weights"], "gpu": on_gpu}
+
+
+def check_memory(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) -> str | None:
+    """One line when the benchmark as asked would not fit this machine (or the GPU) less the runs' margin
+    (``harness.experiment.memory.usable``), naming the sizes and what would fit; None when it fits."""
+    need, needs = bench_bytes(args, cfg), _needs(args, cfg, device)
+    for where, needed in needs.items():
+        available = memory.available_bytes("cpu" if where == "cpu" else device)
+        budget = memory.usable(available)
+        if needed <= budget:
+            continue
+        fits = ""
+        if (args.kinds or args.paged) and args.batch > 1 and _needs(args, cfg, device, 1)[where] <= budget:
+            lo, hi = 1, args.batch  # the largest batch that fits (the bytes grow with it)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if _needs(args, cfg, device, mid)[where] <= budget else (lo, mid - 1)
+            fits = f"--batch <= {lo} would fit, or "
+        mode = "--paged" if args.paged else "--prefix" if args.prefix else "--kinds" if args.kinds else "ours vs HF"
+        name = "this machine" if where == "cpu" else torch.cuda.get_device_name(device)
+        return (f"the benchmark ({mode}, --model {args.model}, {args.dtype}, batch {args.batch}) needs about "
+                f"{memory.size(needed)} (weights {memory.size(need['weights'])}, caches {memory.size(need['cache'])}, "
+                f"transients {memory.size(need['transients'])}) but {name} has {memory.size(available)} free "
+                f"({memory.size(max(budget, 0))} after a {memory.size(available - budget)} margin): {fits}use a "
+                "smaller --model, fewer --cache kinds or shorter --contexts")
+    return None
+
+
+def _bounded(ap: argparse.ArgumentParser, name: str, value: int, lo: int, hi: int, what: str) -> None:
+    if not lo <= value <= hi:
+        ap.error(f"{name} {value:,} is beyond what the benchmark runs: give {lo:,} .. {hi:,} ({what})")
+
+
+def _device(ap: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """The --device asked for, refused in one line when it is not a device this machine has."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device {args.device!r} is not a device: give cpu or cuda (or cuda:N)")
+    if device.type not in ("cpu", "cuda"):
+        ap.error(f"--device {args.device!r}: give cpu or cuda (or cuda:N)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device} but torch {torch.__version__} sees no CUDA device here: use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        ap.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                 f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
+def _check_lengths(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg: GPT2Config) -> None:
+    """The lengths each mode runs (contexts, prefixes + suffix, prompt + output) fit the model's positions."""
+    if args.paged and min(args.batch, args.prompt_max, args.output_max) < 1:
+        ap.error(f"--batch, --prompt-max and --output-max must be >= 1 (got {args.batch}, {args.prompt_max}, "
+                 f"{args.output_max})")
+    if args.paged and args.prompt_max + args.output_max > cfg.n_positions:
+        ap.error(f"--prompt-max {args.prompt_max} + --output-max {args.output_max} exceeds n_positions "
+                 f"{cfg.n_positions} of {args.model}")
+    if args.cache and not (args.kinds or args.prefix or args.paged):
+        ap.error("--cache is for --kinds or --prefix; the HF comparison runs every kind transformers has a counterpart "
+                 "of")
+    if args.prefix:
+        if args.suffix < 1 or min(args.prefixes) < 1:
+            ap.error(f"--suffix and --prefixes must be >= 1 token (got {args.suffix}, {args.prefixes})")
+        if max(args.prefixes) + args.suffix + 1 > cfg.n_positions:
+            ap.error(f"prefix {max(args.prefixes)} + suffix {args.suffix} + 1 exceeds n_positions {cfg.n_positions} "
+                     f"of {args.model}")
+    for ctx in [] if args.prefix or args.paged else args.contexts:
+        if ctx < 1:
+            ap.error(f"context {ctx}: contexts must be >= 1 token")
+        if ctx + 1 > cfg.n_positions:
+            ap.error(f"context {ctx} + 1 decode token exceeds n_positions {cfg.n_positions} of {args.model}")
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg: GPT2Config) -> torch.device:
+    """Refuse, in one line each (exit 2), what the benchmark cannot honour, before anything is built: every count
+    bounded (``MAX_*``), then the memory it would need against what is free (``check_memory``); fill in the
+    defaults. Returns the device to run on."""
+    modes = [m for m in ("kinds", "prefix", "paged") if getattr(args, m)]
+    if len(modes) > 1:
+        ap.error(f"{' and '.join('--' + m for m in modes)}: give one of --kinds, --prefix, --paged (or none: ours vs "
+                 "HF)")
+    for flag, value, mode in (("--prefixes", args.prefixes, "prefix"), ("--suffix", args.suffix, "prefix"),
+                              ("--prompt-max", args.prompt_max, "paged"), ("--output-max", args.output_max, "paged")):
+        if value is not None and not getattr(args, mode):
+            ap.error(f"{flag} is for --{mode}")
+    if args.contexts is not None and (args.prefix or args.paged):
+        ap.error("--contexts is for --kinds and the HF comparison; --prefix takes --prefixes, --paged draws its "
+                 "lengths from --prompt-max and --output-max")
+    args.prefixes = args.prefixes or [16, 64, 256, 512]
+    args.suffix = 16 if args.suffix is None else args.suffix
+    args.prompt_max = 512 if args.prompt_max is None else args.prompt_max
+    args.output_max = 256 if args.output_max is None else args.output_max
+    if args.batch is None:
+        args.batch = 16 if args.paged else 1
+    if args.batch < 1:
+        ap.error(f"--batch must be >= 1 (got {args.batch})")
+    _bounded(ap, "--batch", args.batch, 1, MAX_BATCH, "sequences decoded or requests served together")
+    if args.batch != 1 and not (args.kinds or args.paged):
+        ap.error("--batch is for --kinds or --paged; the HF comparison and --prefix run one sequence")
+    if args.compile and not (args.kinds or args.paged):
+        ap.error("--compile is for --kinds or --paged (the compiled decode step beside the eager kinds)")
+    if not 0 <= args.seed < MAX_SEED:
+        ap.error(f"--seed {args.seed}: use an integer 0 <= seed < 2**63")
+    device = _device(ap, args)
+    if (args.dtype != "fp32" or device.type != "cpu") and not args.kinds:
+        ap.error("--dtype and --device are for --kinds; the HF comparison, --prefix and --paged run fp32 on the CPU")
+    args.contexts = args.contexts or ([32, 128, 512, 960] if args.kinds else [32, 512])
+    if args.repeats < 1 or args.warmup < 0:
+        ap.error(f"--repeats must be >= 1 and --warmup >= 0 (got {args.repeats}, {args.warmup})")
+    _bounded(ap, "--repeats", args.repeats, 1, MAX_REPEATS, "timed steps per point")
+    _bounded(ap, "--warmup", args.warmup, 0, MAX_WARMUP, "untimed steps first")
+    for flag, values in (("--contexts", args.contexts), ("--prefixes", args.prefixes), ("--cache", args.cache or [])):
+        if len(values) > MAX_LIST:
+            ap.error(f"{flag} has {len(values):,} entries: give at most {MAX_LIST}")
+    _check_lengths(ap, args, cfg)
+    try:
+        [parse_kind(k) for k in args.cache or []]
+        _check_specs(args, cfg)
+    except (ValueError, TypeError) as e:
+        ap.error(str(e))
+    too_much = check_memory(args, cfg, device)
+    if too_much:
+        ap.error(too_much)
+    return device
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m harness.bench", description=__doc__.splitlines()[0])
+
+    def error(message):  # one line, exit 2 (argparse would print the usage first)
+        print(f"bench: error: {message} (see python -m harness.bench --help)", file=sys.stderr)
+        raise Refused(message)
+
+    ap.error = error
+    ap.add_argument("--model", default="gpt2", choices=sorted(PRESETS))
+    ap.add_argument("--contexts", type=int, nargs="+", default=None,
+                    help="default: 32 512 (vs HF); 32 128 512 960 (--kinds)")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", action="store_true", help="compare our cache kinds instead of ours vs HF")
+    ap.add_argument("--cache", action="append", metavar="KIND[:OPT=V,...]",
+                    help=f"with --kinds or --prefix: a cache to time (repeatable); kinds: {', '.join(CACHE_KINDS)}")
+    ap.add_argument("--prefix", action="store_true", help="time to first token with and without prefix reuse")
+    ap.add_argument("--prefixes", type=int, nargs="+", default=None, help="with --prefix (default 16 64 256 512)")
+    ap.add_argument("--suffix", type=int, default=None, help="with --prefix: each request's own tokens (default 16)")
+    ap.add_argument("--paged", action="store_true", help="a ragged batch served on each layout: KV waste, step time")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="with --kinds: sequences decoded together (default 1); with --paged: requests served "
+                         "together (default 16)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="the model's and its caches' dtype")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (or cuda:N)")
+    ap.add_argument("--compile", action="store_true",
+                    help="with --kinds or --paged: the kinds our engine compiles decode compiled (compile=true); "
+                         "the rest eager")
+    ap.add_argument("--prompt-max", type=int, default=None, help="with --paged: longest prompt drawn (default 512)")
+    ap.add_argument("--output-max", type=int, default=None, help="with --paged: longest output drawn (default 256)")
+    args = ap.parse_args(argv)
+    cfg = GPT2Config.preset(args.model)
+    device = check_args(ap, args, cfg)
+    torch.manual_seed(args.seed)
+    model = GPT2(cfg).eval().to(device, DTYPES[args.dtype])
+    if args.paged:
+        print(f"model {args.model} (seeded random init, seed {args.seed}), fp32, torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads")
+        return bench_paged(args, model)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"model {args.model} (seeded random init, seed {args.seed}), {args.dtype}, batch {args.batch}, "
+          f"{args.device}, torch {torch.__version__}, {where}; median of {args.repeats} steps after {args.warmup} "
+          "warm-up")
+    (bench_prefix if args.prefix else bench_kinds if args.kinds else bench_hf)(args, model)

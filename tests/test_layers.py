@@ -1,0 +1,183 @@
+"""The house's arrows point one way: the import graph of models/ and harness/ (read with ast, imports inside
+functions included) has no cycle, and no module imports one from a layer above its own.
+
+    models                       the engine: imports no harness module
+    harness.common               errors, the stop-signal protocol, ownership: the standard library only
+    harness.core                 engines and the pure measurement functions: models/ only
+    harness.measurements         the measurement plug-ins (declarations and run()): never figures, never a run
+    harness.experiment           the run layer: config, plan, weights, memory, runner, tracking, invocation
+    harness.analysis             loading results, plots, figures, report, findings, papers, W&B Report
+    harness.train                the reference models (a peer of analysis: neither imports the other)
+    harness.tools                bench, kvcalc
+    harness.<door>               the public commands and names (harness.results, .report, .bench, ...): nothing
+                                 inside harness imports them
+
+``python tests/test_layers.py`` prints the graph's figures (modules, imports, cycles, upward imports).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# (module prefix, rank); a module's layer is its longest matching prefix
+LAYERS = {
+    "models": 0,
+    "harness.common": 1,
+    "harness.core": 2,
+    "harness.measurements": 3,
+    "harness.experiment": 4,
+    "harness.analysis": 5,
+    "harness.train": 5,
+    "harness.tools": 6,
+    "harness": 7,  # the doors (harness.results, harness.report, ...) and the package itself
+}
+PEERS = {frozenset({"harness.analysis", "harness.train"})}  # same rank, and neither may import the other
+
+
+def modules(root: Path = REPO) -> dict[str, Path]:
+    out = {}
+    for pkg in ("models", "harness"):
+        for f in sorted((root / pkg).rglob("*.py")):
+            parts = list(f.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = f
+    return out
+
+
+def _resolve(name: str, mods: dict) -> str | None:
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports(root: Path = REPO) -> dict[str, set[str]]:
+    """module -> the project modules it imports (anywhere in its code: top level, functions, branches)."""
+    mods = modules(root)
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for m, f in mods.items():
+        package = m.split(".") if f.name == "__init__.py" else m.split(".")[:-1]
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for t in targets:
+                r = _resolve(t, mods)
+                if r and r != m:
+                    edges[m].add(r)
+    return edges
+
+
+def layer(module: str) -> str:
+    return max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+
+
+def upward(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports from a lower layer into a higher one (or between peers, or into a door)."""
+    bad = []
+    for a, targets in edges.items():
+        for b in targets:
+            la, lb = layer(a), layer(b)
+            if la == lb:
+                if la == "harness" and b != "harness" and a != "harness":
+                    bad.append((a, b))  # a door importing a door
+                continue
+            if LAYERS[lb] > LAYERS[la] or frozenset({la, lb}) in PEERS:
+                bad.append((a, b))
+    return sorted(bad)
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_import_graph_has_no_cycle():
+    assert cycles(imports()) == []
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    assert upward(imports()) == []
+
+
+def test_every_module_has_a_layer():
+    """A module outside every declared folder would escape the rules: harness's top level holds doors only."""
+    doors = {m for m in modules() if layer(m) == "harness" and m != "harness"}
+    assert doors == {"harness.results", "harness.report", "harness.wandb_report", "harness.bench", "harness.kvcalc"}
+    for door in doors:  # a door is a few lines: the code lives in its layer
+        assert len(modules()[door].read_text().splitlines()) < 30, door
+
+
+def test_the_checker_sees_what_it_must():
+    """The rules catch what they are for, on a graph made to break them (an import inside a function included)."""
+    edges = {"harness.core.measure": {"harness.analysis.plots"}, "harness.analysis.plots": {"harness.core.measure"},
+             "harness.train.loop": {"harness.analysis.results"}, "harness.analysis.results": set(),
+             "models.gpt2": {"harness.common.errors"}, "harness.common.errors": set()}
+    assert cycles(edges) == [["harness.analysis.plots", "harness.core.measure"]]
+    assert upward(edges) == [("harness.core.measure", "harness.analysis.plots"),
+                             ("harness.train.loop", "harness.analysis.results"),
+                             ("models.gpt2", "harness.common.errors")]
+    src = "def f():\n    from harness.analysis import plots\n"
+    assert any(isinstance(n, ast.ImportFrom) and n.module == "harness.analysis" for n in ast.walk(ast.parse(src)))
+
+
+def test_loading_results_imports_no_torch():
+    """``from harness.results import load_runs``, the analysis layer and the measurements' declarations load
+    pandas, never torch (a fresh interpreter: this one has torch already)."""
+    code = ("import sys\nfrom harness.results import load_runs, load_steps, load_table\n"
+            "import harness.analysis.report, harness.analysis.findings, harness.analysis.wandb_report\n"
+            "from harness.measurements import MEASUREMENTS, KEYS\nKEYS.drift_kl\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+def figures() -> dict:
+    edges = imports()
+    return dict(modules=len(edges), imports=sum(len(v) for v in edges.values()), cycles=len(cycles(edges)),
+                modules_in_cycles=sum(len(c) for c in cycles(edges)), upward=len(upward(edges)))
+
+
+if __name__ == "__main__":
+    print(figures())
+    for a, b in upward(imports()):
+        print(f"upward: {a} -> {b}")
