@@ -8,8 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness.analysis import findings
-from harness.analysis.findings import claim_rows, sweep_findings
+from harness.analysis import findings, papers
+from harness.analysis.findings import sweep_findings
+from harness.analysis.papers import claim_rows
 
 # issue 44's verdict cases: a claim is judged only on runs of its stated setting (docs/faults.md lists the ids)
 CASES = [
@@ -108,7 +109,7 @@ def test_a_sweep_with_one_setting_or_no_ok_run_says_nothing():
 def paper_run(preset, name, **values):
     """One ok run of ``preset``'s setting as a run records it: the kind, dtype, engine and cache options its YAML
     states, trained weights, the prompts file, and texts and copies of the lengths it asks for; ``values`` on top."""
-    p = findings.preset(preset)
+    p = papers.preset(preset)
     n = p.fixed["n_prompts"]
     cols = dict(experiment=preset, engine=p.fixed["engine"], prompts=p.fixed["prompts"], weights="pretrained",
                 n_prompts=n, drift_text_positions=n * (p.fixed["drift_text_len"] - 1),
@@ -118,7 +119,7 @@ def paper_run(preset, name, **values):
     return run(name, cols.pop("cache", p.fixed["cache"]), dtype=cols.pop("dtype", p.fixed["dtype"]), **cols)
 
 
-H2O_BUDGET = findings.preset("paper_h2o").fixed["cache.budget"]
+H2O_BUDGET = papers.preset("paper_h2o").fixed["cache.budget"]
 RECENT = {"heavy": 0, "both": H2O_BUDGET // 2, "local": H2O_BUDGET}  # H2O's ablation at the preset's budget
 
 
@@ -147,10 +148,10 @@ def test_a_claim_whose_runs_are_missing_says_so():
 
 
 def streaming_sweep(dnll, **values):
-    budget = findings.preset("paper_streamingllm").fixed["cache.budget"]
+    budget = papers.preset("paper_streamingllm").fixed["cache.budget"]
     values = {"retrieval_acc": 0.01, "retrieval_acc_ref": 0.2, **values}
     return frame(*[paper_run("paper_streamingllm", f"s{s}", cache_sinks=s, cache_window=budget - s, drift_delta_nll=d,
-                             **values) for s, d in zip(findings.SINKS, dnll)])
+                             **values) for s, d in zip(papers.SINKS, dnll)])
 
 
 def test_streamingllm_claims():
@@ -205,7 +206,7 @@ def test_kivi_claims():
 def test_kivi_runs_of_another_group_size_and_a_rotation_get_no_verdict():
     """`experiment=paper_kivi model=tiny cache.group_size=8 cache.rotate=hadamard`: the same numbers that give
     verdicts at the preset's setting give none, and each row says what differs."""
-    fixed = findings.preset("paper_kivi").fixed
+    fixed = papers.preset("paper_kivi").fixed
     assert all(r.holds is not None for r in claim_rows(kivi_sweep()))  # the control: these numbers are judged
     rows = claim_rows(kivi_sweep(cache_group_size=8, cache_rotate="hadamard", model="tiny", weights="random"))
     for r in rows:
@@ -220,7 +221,7 @@ def test_kivi_runs_of_another_group_size_and_a_rotation_get_no_verdict():
 
 def test_streamingllm_runs_of_another_budget_and_dtype_get_no_verdict():
     """`experiment=paper_streamingllm cache.budget=16 dtype=bf16`: no verdict, budget and dtype named."""
-    fixed = findings.preset("paper_streamingllm").fixed
+    fixed = papers.preset("paper_streamingllm").fixed
     assert all(r.holds is True for r in claim_rows(streaming_sweep([2.0, 1.2, 1.1, 1.0, 0.98])))
     runs = streaming_sweep([2.0, 1.2, 1.1, 1.0, 0.98], cache_budget=16, dtype="bf16")
     for r in claim_rows(runs):
@@ -277,14 +278,14 @@ def test_a_claims_setting_has_one_home_its_presets_yaml(tmp_path, monkeypatch):
     another budget moves the claim's setting, so runs of the old budget get no verdict and runs of the new one do."""
     import shutil
 
-    for f in findings.CONF.glob("paper_*.yaml"):
+    for f in papers.CONF.glob("paper_*.yaml"):
         shutil.copy(f, tmp_path / f.name)
     text = (tmp_path / "paper_h2o.yaml").read_text()
     assert f"budget: {H2O_BUDGET}\n" in text
     new = H2O_BUDGET // 2
     (tmp_path / "paper_h2o.yaml").write_text(text.replace(f"budget: {H2O_BUDGET}\n", f"budget: {new}\n"))
     runs = h2o_sweep(0.2, 0.6, 1.0)  # runs of the preset's budget, as it is in conf/
-    monkeypatch.setattr(findings, "CONF", tmp_path)
+    monkeypatch.setattr(papers, "CONF", tmp_path)
     old = claim_rows(runs)
     assert all(r.holds is None and r.not_judged.startswith(f"the runs have cache.budget {H2O_BUDGET}, the claim is "
                                                            f"about {new}") for r in old)
@@ -298,28 +299,31 @@ def test_a_claims_setting_has_one_home_its_presets_yaml(tmp_path, monkeypatch):
 
 def test_every_preset_states_each_option_its_claims_are_about():
     """Each option of a preset's cache kind is set by its YAML, linked to another, swept, or declared not part of
-    its claims' setting (findings.NOT_ABOUT, with why); every key a claim is about is in the YAML; H2O's recent
+    its claims' setting (papers.NOT_ABOUT, with why); every key a claim is about is in the YAML; H2O's recent
     values are the ablation's roles at its budget."""
     from models.kv_cache import CACHE_KINDS
 
-    for name, claims in findings.PAPERS.items():
-        p = findings.preset(name)
+    for name, claims in papers.PAPERS.items():
+        p = papers.preset(name)
         assert {"cache", "dtype", "engine"} <= set(p.fixed)
         options = {f"cache.{o}" for o in CACHE_KINDS[p.fixed["cache"]].option_types()}
         stated = set(p.fixed) | set(p.linked) | set(p.swept)
-        not_about = findings.NOT_ABOUT.get(name, {})
+        not_about = papers.NOT_ABOUT.get(name, {})
         assert options - stated == set(not_about), name
         assert not set(not_about) & set(p.fixed), name
         for c in claims:
-            setting = findings.claim_setting(name, c)
-            assert set(c.about) - {findings.TRAINED} <= set(p.fixed) and set(setting) >= options & set(p.fixed)
-    budget = findings.preset("paper_h2o").fixed["cache.budget"]
-    assert set(findings.preset("paper_h2o").swept["cache.recent"]) == {0, budget // 2, budget}
+            setting = papers.claim_setting(name, c)
+            assert set(c.about) - {papers.TRAINED} <= set(p.fixed) and set(setting) >= options & set(p.fixed)
+    budget = papers.preset("paper_h2o").fixed["cache.budget"]
+    assert set(papers.preset("paper_h2o").swept["cache.recent"]) == {0, budget // 2, budget}
 
 
 def test_every_preset_has_its_claims_and_its_config():
-    for preset, claims in findings.PAPERS.items():
-        assert (findings.CONF / f"{preset}.yaml").is_file() and claims
+    """PAPERS and conf/experiment/paper_*.yaml match one to one: a preset without claims, or claims without a
+    preset, fails here."""
+    assert set(papers.PAPERS) == {f.stem for f in papers.CONF.glob("paper_*.yaml")}
+    for preset, claims in papers.PAPERS.items():
+        assert (papers.CONF / f"{preset}.yaml").is_file() and claims
         assert all(c.source and c.paper_setting and c.paper_number for c in claims)
 
 
@@ -383,12 +387,12 @@ def preset_grid(preset: str, *overrides: str) -> pd.DataFrame:
     return frame(*rows)
 
 
-@pytest.mark.parametrize("preset", sorted(findings.PAPERS))
+@pytest.mark.parametrize("preset", sorted(papers.PAPERS))
 def test_every_claim_finds_its_runs_in_its_presets_grid(preset):
     """What each preset sweeps is what its claims read, of the setting they are about: composed from conf/, no
     claim says 'not in this sweep' or that the runs differ from its setting."""
     runs = preset_grid(preset)
-    assert findings.preset_of(runs) == preset and len(runs) <= 8
+    assert papers.preset_of(runs) == preset and len(runs) <= 8
     for row in claim_rows(runs):
         assert "not in this sweep" not in row.our_number and "could not be read" not in row.our_number, row
         assert "the runs have" not in row.not_judged, row
@@ -403,16 +407,16 @@ def _other(key: str, value):
     return col, value + 1 if isinstance(value, int) else f"not-{value}"
 
 
-@pytest.mark.parametrize("preset", sorted(findings.PAPERS))
+@pytest.mark.parametrize("preset", sorted(papers.PAPERS))
 def test_every_setting_a_claim_states_is_checked_against_its_runs(preset):
     """For every claim of every preset and every setting it is about (kind, bits, group size, axes, rotation,
     budget, dtype, engine, prompts, texts' and copies' lengths, trained weights): runs that differ in that one
     setting get no verdict, and the row names it; the claim's setting text states each setting once."""
     base = preset_grid(preset)
-    for i, claim in enumerate(findings.PAPERS[preset]):
-        setting = findings.claim_setting(preset, claim)
+    for i, claim in enumerate(papers.PAPERS[preset]):
+        setting = papers.claim_setting(preset, claim)
         row = claim_rows(base)[i]
-        stated = findings.setting_text(setting)
+        stated = papers.setting_text(setting)
         assert row.our_setting.startswith(stated + ": ")  # the setting, then what the claim compares
         numbers = [p for p in stated.split(", ") if any(ch.isdigit() for ch in p) and p not in ("fp32", "bf16", "fp16")]
         assert not any(p in row.our_setting[len(stated):] for p in numbers), row.our_setting  # stated once
@@ -426,8 +430,8 @@ def test_every_setting_a_claim_states_is_checked_against_its_runs(preset):
                 runs[col] = other
             got = claim_rows(runs)[i]
             assert got.holds is None and f"the runs have {key} " in got.not_judged, (claim.claim, key, got)
-            assert f"{key} {findings.setting_value(key, other)}, the claim is about " \
-                   f"{findings.setting_value(key, value)}" in got.not_judged
+            assert f"{key} {papers.setting_value(key, other)}, the claim is about " \
+                   f"{papers.setting_value(key, value)}" in got.not_judged
 
 
 @pytest.mark.parametrize("preset, overrides, named", [
@@ -461,7 +465,7 @@ def test_the_kivi_command_with_other_groups_and_a_rotation_prints_no_verdict(tmp
                   tmp_path)  # the measurement the claims read, on one text: 8 tiny runs
     assert proc.returncode == 0, proc.stderr[-3000:]
     claims = [line for line in proc.stdout.splitlines() if "(paper " in line and "; kvlab " in line]
-    assert len(claims) == len(findings.PAPERS["paper_kivi"])
+    assert len(claims) == len(papers.PAPERS["paper_kivi"])
     for line in claims:
         assert "kvlab not judged: the runs have cache.group_size 8, the claim is about 32; cache.rotate hadamard, " \
                "the claim is about none; " in line, line
