@@ -2,8 +2,6 @@
 
 A public door: the command and the names users type; the code lives in harness.tools.bench."""
 
-import sys
-
 from harness.tools.bench import main  # noqa: F401
 
 if __name__ == "__main__":

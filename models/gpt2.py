@@ -1,18 +1,17 @@
 """GPT-2, written out by hand: attention, MLP, block, config, model (bottom-up, nanoGPT's order).
 
-Parameter names follow Hugging Face's GPT-2 (``transformer.wte``, ``transformer.h.N.attn.c_attn``, ...), so loading a
-checkpoint is a copy loop with the four Conv1D transposes. One forward path serves every use: without a cache it is
-the full causal recompute (the oracle); with one, positions start at ``cache.pos`` and each layer stores its K and V
-through ``cache.update``. The cache is passed in, never attached to the model.
+Parameter names follow Hugging Face's GPT-2 (``transformer.wte``, ``transformer.h.N.attn.c_attn``, ...), so a
+checkpoint is HF's state dict with the four Conv1D weights transposed: ``models.hf_checkpoint`` holds that format
+(reading, writing, the transposes), and ``GPT2.from_pretrained`` / ``load_hf_state_dict`` use it. One forward path
+serves every use: without a cache it is the full causal recompute (the oracle); with one, positions start at
+``cache.pos`` and each layer stores its K and V through ``cache.update``. The cache is passed in, never attached to
+the model.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import pickle
-import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -20,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models import hf_checkpoint as hf
+from models.hf_checkpoint import CheckpointError  # public here too: models.gpt2.CheckpointError
 from models.kv_cache import KVCache
 
 
@@ -203,17 +204,6 @@ class GPT2Config:
 
 ARCHITECTURE = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")  # what a config.json must give
 MAX_POSITIONS = 1 << 20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, not GPT-2, or disagrees with its own config."""
-
-
-# HF GPT-2 stores these four as Conv1D, weight (in, out); nn.Linear keeps (out, in).
-_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-# causal-mask buffers that HF GPT-2 state dicts may carry; not weights
-HF_MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
-
 
 def attention_mask(past: int, T: int, key_pos: torch.Tensor | None, device, window: int | None = None,
                    sinks: int = 0, pad: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -399,42 +389,17 @@ class GPT2(nn.Module):
         with ``weights_only=True``), or a hub id resolved through huggingface_hub when the machine is online. Every
         tensor's shape is checked against config.json (from the safetensors header) before the model is built, so a
         config.json that asks for a bigger model than its weights allocates nothing."""
-        folder = _resolve_checkpoint(path_or_id)
+        folder = hf.resolve(path_or_id)
         cfg = read_hf_config(folder)
-        weights_file, state = _read_state_dict(folder, cfg)
+        weights_file, state = hf.read_weights(folder, expect=cfg, fmt=hf.GPT2_FORMAT)
         model = cls(cfg)
         model.load_hf_state_dict(state, source=str(weights_file))
         return model
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor], source: str = "state dict") -> None:
-        """Copy an HF GPT-2 state dict in, transposing the four Conv1D weights; every tensor is checked."""
-        state = {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": v
-                 for k, v in state.items()}
-        ours = self.state_dict()
-        extra = sorted(k for k in state if k not in ours and not k.endswith(HF_MASK_BUFFERS))
-        if extra:
-            raise CheckpointError(f"{source}: {len(extra)} tensor(s) the config does not account for, e.g. "
-                                  f"{extra[0]!r}: does config.json describe these weights?")
-        for name, target in ours.items():
-            if name == "lm_head.weight":
-                continue  # tied to transformer.wte.weight
-            if name not in state:
-                raise CheckpointError(f"{source}: tensor {name!r} is missing")
-            src = state[name]
-            if name.endswith(_CONV1D):
-                src = src.t()
-            if src.shape != target.shape:
-                raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(src.shape)} but the config "
-                                      f"implies {tuple(target.shape)}")
-            if src.is_floating_point() and not torch.isfinite(src).all():
-                bad = int((~torch.isfinite(src)).sum())
-                raise CheckpointError(f"{source}: tensor {name!r} holds {bad} non-finite values (NaN/inf): the "
-                                      "checkpoint is corrupt; nothing measured on it could be trusted")
-            with torch.no_grad():
-                target.copy_(src)
-        if "lm_head.weight" in state and not torch.equal(state["lm_head.weight"].to(target.dtype),
-                                                         self.transformer.wte.weight):
-            raise CheckpointError(f"{source}: lm_head.weight differs from transformer.wte.weight; GPT-2 ties them")
+        """Copy an HF GPT-2 state dict in (``hf_checkpoint.load_state``: the four Conv1D weights transposed, the
+        mask buffers ignored, the tied lm_head checked against wte when given); every tensor is checked."""
+        hf.load_state(self, state, source, hf.GPT2_FORMAT)
 
     def hf_config_dict(self) -> dict:
         """The HF ``config.json`` fields that describe this model."""
@@ -445,105 +410,4 @@ class GPT2(nn.Module):
 
 def read_hf_config(folder: str | os.PathLike) -> GPT2Config:
     """The GPT2Config of an HF checkpoint folder's config.json; every fault names the file."""
-    cfg_file = Path(folder) / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{cfg_file}: not found; a GPT-2 checkpoint folder holds config.json and "
-                              "model.safetensors")
-    try:
-        hf_cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{cfg_file}: not valid JSON ({type(e).__name__}: {e})") from None
-    return GPT2Config.from_hf_dict(hf_cfg, source=str(cfg_file))
-
-
-def _resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
-    path = Path(path_or_id).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise CheckpointError(f"{path}: is a file; pass the checkpoint folder that holds config.json")
-        return path
-    text = str(path_or_id)
-    if text.startswith((".", "/", "~")) or text.count("/") > 1 or os.sep in text.replace("/", ""):
-        raise CheckpointError(f"{text}: no such checkpoint folder")
-    # a hub id such as "gpt2" or "openai-community/gpt2"
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-    hint = (f"cannot fetch {text!r} from the hub {{why}}; download it on a machine with network "
-            "(e.g. `huggingface-cli download {id} config.json model.safetensors --local-dir DIR`) and pass DIR")
-    if offline:
-        raise CheckpointError(f"{text}: no such folder here, and " + hint.format(why="(HF_HUB_OFFLINE is set)",
-                                                                             id=text))
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(text, allow_patterns=["config.json", "*.safetensors"]))
-    except Exception as e:  # no network, unknown repo, auth: one line that says what to do
-        raise CheckpointError(f"{text}: no such folder here, and " + hint.format(why=f"({type(e).__name__})",
-                                                                             id=text)) from None
-
-
-def check_checkpoint_shapes(cfg: GPT2Config, shapes: dict[str, tuple], source: str | os.PathLike,
-                            asked_by: str = "config.json") -> None:
-    """Every parameter ``cfg`` implies is among a checkpoint's tensors (HF names, with or without ``transformer.``;
-    the four Conv1D weights (in, out)) with the shape ``cfg`` gives it; the first that is not is refused in one line
-    naming the file, the tensor, its shape in the file and the shape asked for. ``shapes`` come from the safetensors
-    header, so this runs before anything is allocated. Tensors the config does not account for are left to
-    ``load_hf_state_dict``."""
-    shapes = {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": tuple(v)
-              for k, v in shapes.items()}
-    for name, want in cfg.param_shapes():
-        if name.endswith(_CONV1D):
-            want = want[::-1]
-        have = shapes.get(name)
-        if have == want:
-            continue
-        layers = [int(m.group(1)) for k in shapes if (m := re.match(r"transformer\.h\.(\d+)\.", k))]
-        wte, wpe = shapes.get("transformer.wte.weight"), shapes.get("transformer.wpe.weight")
-        ours = {"layers": cfg.n_layer, "wide": cfg.n_embd, "tokens": cfg.vocab_size, "positions": cfg.n_positions}
-        theirs = {"layers": max(layers, default=-1) + 1, "wide": wte[1] if wte and len(wte) == 2 else None,
-                  "tokens": wte[0] if wte else None, "positions": wpe[0] if wpe else None}
-        differ = [k for k in ours if theirs[k] is not None and theirs[k] != ours[k]]
-        if {"layers", "wide"} & set(differ):  # the model's size: both, as "L layers x C wide"
-            differ = ["layers", "wide"] + [k for k in differ if k not in ("layers", "wide")]
-
-        def size(d):
-            s = [f"{'?' if d[k] is None else d[k]} {k}" for k in differ]
-            return " x ".join(s[:2]) + "".join(f", {x}" for x in s[2:]) if differ[:1] == ["layers"] else ", ".join(s)
-
-        whole = f"{asked_by} asks for {size(ours)} but {Path(source).name} holds {size(theirs)}: " if differ else ""
-        what = "is missing" if have is None else f"has shape {have} in the file"
-        raise CheckpointError(f"{source}: {whole}tensor {name!r} {what}, the config asks for {want}; does "
-                              f"{asked_by} describe these weights?")
-
-
-def _read_state_dict(folder: Path, cfg: GPT2Config | None = None) -> tuple[Path, dict[str, torch.Tensor]]:
-    """The checkpoint's tensors; with ``cfg``, their shapes are checked against it first (``check_checkpoint_shapes``:
-    for safetensors from the header alone, before any tensor is read)."""
-    st = folder / "model.safetensors"
-    if st.is_file():
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        try:
-            with safe_open(str(st), framework="pt") as f:  # reads the header only
-                shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-        except Exception as e:
-            raise CheckpointError(f"{st}: not a readable safetensors file ({e})") from None
-        if cfg is not None:
-            check_checkpoint_shapes(cfg, shapes, st)
-        try:
-            return st, load_file(str(st))
-        except Exception as e:
-            raise CheckpointError(f"{st}: not a readable safetensors file ({e})") from None
-    binf = folder / "pytorch_model.bin"
-    if binf.is_file():
-        try:
-            state = torch.load(binf, map_location="cpu", weights_only=True)
-        except Exception as e:
-            why = ("it holds pickled objects, not only tensors" if isinstance(e, pickle.UnpicklingError)
-                   else f"{type(e).__name__}: {' '.join(str(e).split())[:120]}")
-            raise CheckpointError(f"{binf}: cannot be read with weights_only=True ({why}); kvlab never unpickles "
-                                  "code: save the weights as model.safetensors") from None
-        if cfg is not None and isinstance(state, dict):
-            check_checkpoint_shapes(cfg, {k: v.shape for k, v in state.items() if isinstance(v, torch.Tensor)}, binf)
-        return binf, state
-    raise CheckpointError(f"{folder}: no model.safetensors (or pytorch_model.bin) in the checkpoint folder")
+    return GPT2Config.from_hf_dict(hf.read_config(folder), source=str(Path(folder) / hf.CONFIG))

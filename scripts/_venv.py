@@ -1,5 +1,5 @@
 """The Python a script of scripts/ runs with: one that has kvlab's packages. Run from a fresh clone after `make
-setup` without activating the virtualenv (``scripts/gpu-check --help``, ``python3 scripts/kv_stats.py``), the
+setup` without activating the virtualenv (``scripts/gpu-check --help``, ``python3 scripts/probes/kv_stats.py``), the
 first Python on PATH has no torch: the script is run again, the same arguments, with the repo's
 ``.venv/bin/python``; with no usable virtualenv it says, in one line, to run ``make setup`` (exit 2). A Python that
 has the packages (an activated virtualenv, or a device machine's own python3 with torch) runs the script itself.
@@ -48,7 +48,7 @@ def ensure(script: str, needs: tuple[str, ...] = ("torch",), argv: list[str] | N
         os.environ[AGAIN] = str(script_path)
         args = sys.argv[1:] if argv is None else argv
         os.execv(str(python), [str(python), str(script_path), *args])
-    name = f"scripts/{script_path.name}"
+    name = str(script_path.relative_to(REPO)) if script_path.is_relative_to(REPO) else f"scripts/{script_path.name}"
     what = ", ".join(lacking)
     if python.is_file():
         why = f"the repo's virtualenv {VENV} cannot import {what} (its install is unfinished or broken)"

@@ -10,6 +10,7 @@ from transformers import GPT2Config as HFConfig
 from transformers import GPT2LMHeadModel
 
 from models.gpt2 import GPT2, CheckpointError, GPT2Config
+from models.hf_checkpoint import CONV1D, FORMATS, GPT2_FORMAT, from_hf, to_hf, to_safetensors, write_folder
 
 CONFIGS = [
     dict(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=300),
@@ -158,3 +159,126 @@ def test_attention_scaling_other_than_gpt2s_is_refused(tmp_path, flag, value):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="attention scaling"):
         GPT2.from_pretrained(tmp_path)
+
+
+# ---- the checkpoint format (models.hf_checkpoint) ------------------------------------------------------------------
+
+def perturbed_model(seed=0, **cfg):
+    """Our GPT-2 with every tensor random (our init zeros the biases and unit-inits LayerNorm)."""
+    torch.manual_seed(seed)
+    model = GPT2(GPT2Config(**cfg)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def hf_model(**cfg):
+    return GPT2LMHeadModel(HFConfig(**cfg, bos_token_id=0, eos_token_id=0)).eval()
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[:2], ids=lambda c: f"L{c['n_layer']}h{c['n_head']}d{c['n_embd']}")
+def test_round_trip_ours_to_hf_and_back(cfg):
+    """ours -> to_hf -> an HF GPT2LMHeadModel (built from a config, random weights, then overwritten): the same
+    logits; HF -> from_hf -> ours: the same tensors, strict (every name, nothing extra)."""
+    ours = perturbed_model(**cfg)
+    theirs = hf_model(**cfg)
+    missing, unexpected = theirs.load_state_dict(to_hf(ours.state_dict()), strict=False)
+    assert missing == ["lm_head.weight"] and unexpected == []  # the tied head comes with the tie
+    assert theirs.lm_head.weight is theirs.transformer.wte.weight
+    idx = torch.randint(0, cfg["vocab_size"], (2, cfg["n_positions"]), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (ours(idx) - theirs(idx).logits).abs().max().item() <= 1e-5
+
+    back = GPT2(GPT2Config(**cfg))
+    back.load_state_dict(from_hf(theirs.state_dict()))  # strict: our names and layouts exactly
+    assert all(torch.equal(v, ours.state_dict()[k]) for k, v in back.state_dict().items())
+    assert back.lm_head.weight is back.transformer.wte.weight
+    again = from_hf(to_hf(ours.state_dict()))
+    assert again.keys() == ours.state_dict().keys() - {"lm_head.weight"}
+    assert all(torch.equal(again[k], ours.state_dict()[k]) for k in again)
+
+
+def test_to_hf_writes_contiguous_copies_in_the_dtype_asked():
+    model = perturbed_model(**CONFIGS[0])
+    state = model.state_dict()
+    out = to_hf(state, torch.float16)
+    assert "lm_head.weight" not in out
+    for name, t in out.items():
+        assert t.dtype == torch.float16 and t.is_contiguous(), name
+        assert t.untyped_storage().data_ptr() != state[name].untyped_storage().data_ptr(), name
+        want = state[name].t() if name.endswith(CONV1D) else state[name]
+        assert torch.equal(t, want.half()), name
+    views = to_hf(state, clone=False)  # what the HF peer loads from: no second copy of the model
+    assert views["transformer.h.0.mlp.c_fc.weight"].data_ptr() == state["transformer.h.0.mlp.c_fc.weight"].data_ptr()
+
+
+def test_the_transposes_are_declared_once(tmp_path):
+    """The engine (GPT2.from_pretrained), the HF peer (HFEngine) and the writer (write_folder / to_safetensors)
+    all go through the one declaration: the peer's tensors are the file's, the engine reads back the model written,
+    HF transformers reads the file as the peer holds it, and the declared transposes are exactly HF's Conv1D."""
+    from transformers.pytorch_utils import Conv1D
+
+    from harness.core.engines import HFEngine
+
+    model = perturbed_model(**CONFIGS[1])
+    folder = write_folder(tmp_path / "ckpt", model.state_dict(), model.hf_config_dict())
+    written = load_file(str(folder / "model.safetensors"))
+    assert (folder / "model.safetensors").read_bytes() == to_safetensors(model.state_dict())
+    peer = HFEngine(model).model
+    peer_state = {k: v for k, v in peer.state_dict().items() if k not in GPT2_FORMAT.tied}
+    assert written.keys() == peer_state.keys()
+    assert all(torch.equal(written[k], peer_state[k]) for k in written)
+    loaded = GPT2.from_pretrained(folder)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
+    theirs = GPT2LMHeadModel.from_pretrained(folder).eval()
+    assert all(torch.equal(theirs.state_dict()[k], peer_state[k]) for k in peer_state)
+    conv1d = {f"{n}.weight" for n, m in peer.named_modules() if isinstance(m, Conv1D)}
+    assert conv1d == {k for k in model.state_dict() if GPT2_FORMAT.is_transposed(k)}
+    assert FORMATS["gpt2"] is GPT2_FORMAT and GPT2_FORMAT.transposed == CONV1D
+
+
+def test_written_config_says_dtype_and_tie(tmp_path):
+    model = perturbed_model(**CONFIGS[3])
+    folder = write_folder(tmp_path, model.state_dict(), model.hf_config_dict(), dtype=torch.bfloat16)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["torch_dtype"] == "bfloat16" and cfg["tie_word_embeddings"] is True and cfg["model_type"] == "gpt2"
+    assert all(t.dtype == torch.bfloat16 for t in load_file(str(folder / "model.safetensors")).values())
+    with pytest.raises(ValueError, match="model_type"):
+        write_folder(tmp_path / "other", model.state_dict(), {**cfg, "model_type": "llama"})
+
+
+def test_a_base_model_state_dict_with_mask_buffers_loads():
+    """HF GPT2Model's names (no ``transformer.`` prefix) and the causal-mask buffers older HF versions saved."""
+    theirs = hf_model(**CONFIGS[0])
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    base = dict(theirs.transformer.state_dict())
+    base["h.0.attn.bias"] = torch.ones(1, 1, 64, 64, dtype=torch.bool).tril()
+    base["h.1.attn.masked_bias"] = torch.tensor(-1e4)
+    ours = GPT2(GPT2Config(**CONFIGS[0]))
+    ours.load_hf_state_dict(base)
+    idx = torch.arange(12).unsqueeze(0)
+    with torch.no_grad():
+        assert (ours(idx) - theirs(idx).logits).abs().max().item() <= 1e-5
+
+
+def test_a_tied_head_that_differs_is_refused():
+    model = perturbed_model(**CONFIGS[0])
+    state = {**to_hf(model.state_dict()), "lm_head.weight": torch.zeros_like(model.lm_head.weight)}
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from transformer.wte.weight; GPT-2 ties them"):
+        GPT2(GPT2Config(**CONFIGS[0])).load_hf_state_dict(state, source="x")
+
+
+@pytest.mark.parametrize("payload,message", [
+    ([1, 2], "holds a list, not a state dict"),
+    ({"transformer.wte.weight": 3}, "entry 'transformer.wte.weight' is a int, not a tensor"),
+], ids=["list", "int-entry"])
+def test_a_pytorch_bin_that_is_not_a_state_dict_is_refused(tmp_path, payload, message):
+    hf_checkpoint(tmp_path, **CONFIGS[0])
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(payload, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError) as e:
+        GPT2.from_pretrained(tmp_path)
+    assert message in str(e.value) and "\n" not in str(e.value) and "pytorch_model.bin" in str(e.value)

@@ -13,11 +13,11 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from harness import measurements
-from harness.core import measure
+from harness.core import measure, stats
 from harness.experiment.config import ConfigError, cache_options, dtype_label, register, validate
 from harness.core.engines import HF_COUNTERPARTS, KvlabEngine, hf_refuses
 from harness.experiment.runner import batch_lengths, text_prompts
-from harness.analysis.findings import PAPERS
+from harness.analysis.papers import PAPERS
 from tests.conftest import TINY, run_py
 from models.gpt2 import GPT2Config
 from models.kv_cache import CACHE_KINDS, cache_kind, kv_bytes
@@ -323,9 +323,9 @@ def test_the_cost_model_recovers_known_coefficients():
     T = [32, 128, 512, 960]
     lin = pd.DataFrame({"context_len": T * 2, "mode": ["cached"] * 4 + ["uncached"] * 4,
                         "ms_median": [2 + 0.01 * t for t in T] + [99.0] * 4})
-    fit = measure.cost_model(lin)
+    fit = stats.cost_model(lin)
     assert fit["cost_a_ms"] == pytest.approx(2) and fit["cost_b_ms_per_token"] == pytest.approx(0.01)
-    assert measure.cost_model(lin[lin.context_len == 32])["cost_a_ms"] is None  # one context: nothing to fit
+    assert stats.cost_model(lin[lin.context_len == 32])["cost_a_ms"] is None  # one context: nothing to fit
 
 
 def test_bandwidth_columns_count_weights_once_and_the_kv_history(tiny_model):

@@ -263,7 +263,7 @@ def test_memory_lines_follow_the_formula_and_dots_the_measurements():
 
 
 def test_cost_lines_are_each_runs_fit(tables):
-    from harness.core.measure import cost_model
+    from harness.core.stats import cost_model
     from harness.analysis.plots import cost_plot
 
     _, steps, _ = tables

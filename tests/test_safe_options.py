@@ -152,14 +152,16 @@ def test_engine_hf_cache_quant_from_the_command_line(tmp_path):
 
 
 def test_hf_group_size_is_checked_against_the_checkpoints_head_size():
+    from harness.experiment.config import read
     from harness.experiment.runner import plan_run
 
     with pytest.raises(ConfigError) as e:  # model=tiny: 2 heads of 32
-        plan_run(compose_cfg(["model=tiny", "engine=hf", "cache=quant/token", "cache.group_size=24",
-                              "tracking=disabled"]))
+        plan_run(read(compose_cfg(["model=tiny", "engine=hf", "cache=quant/token", "cache.group_size=24",
+                                   "tracking=disabled"])))
     assert str(e.value) == ("engine=hf cache=quant: HF's QuantizedCache does not run group_size=24 (quanto's "
                             "q_group_size must divide the head size 32): pass cache.group_size=16, or use engine=kvlab")
-    plan_run(compose_cfg(["model=tiny", "engine=hf", "cache=quant/token", "cache.group_size=16", "tracking=disabled"]))
+    plan_run(read(compose_cfg(["model=tiny", "engine=hf", "cache=quant/token", "cache.group_size=16",
+                               "tracking=disabled"])))
 
 
 def test_kvlab_runs_every_option_of_every_kind():

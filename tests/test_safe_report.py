@@ -26,6 +26,7 @@ from harness.experiment import runner as experiment
 from harness.common import ownership
 from harness.analysis import plots
 from harness.analysis import report
+from harness.experiment import records
 from harness.analysis import results
 from harness.experiment import tracking
 from harness.analysis import wandb_report as wrep
@@ -277,7 +278,7 @@ def test_out_at_a_run_folder_is_refused_and_its_tables_are_unchanged(sweep, tmp_
     job = tmp_path / "job"
     (job / ".hydra").mkdir(parents=True)
     for folder, why in ((going, "holds a run's steps.csv"), (job, "Hydra job folder")):
-        assert why in results.run_folder(folder)
+        assert why in records.run_folder(folder)
         with pytest.raises(ownership.NotOurs, match="is a run folder"):
             report.build_report(sweep, folder)
         with pytest.raises(ownership.NotOurs, match="is a run folder"):
@@ -383,7 +384,7 @@ def test_text_that_is_not_utf8_in_a_record_is_shown_escaped(tmp_path):
     rec = _record("r")
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "results.json").write_text(json.dumps(dict(rec, sample_text="\udcff\ud800x")))
-    record, why = results.read_record(tmp_path / "r" / "results.json")
+    record, why = records.read_record(tmp_path / "r" / "results.json")
     assert why is None and record["sample_text"].encode("utf-8")
     results.save_table(results.load_runs(tmp_path), tmp_path / "t", "results")  # parquet takes it
 

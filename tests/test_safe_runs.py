@@ -447,15 +447,12 @@ def test_a_changed_prompts_file_or_checkpoint_is_measured_again(tmp_path):
 
 
 def test_the_code_is_part_of_a_runs_inputs(tmp_path, monkeypatch):
-    from omegaconf import OmegaConf
-
     src = tmp_path / "model.py"
     src.write_text("x = 1\n")
     monkeypatch.setattr(experiment.tracking, "sources", lambda: [src])
-    cfg = OmegaConf.create({"prompts": "random", "model": {"seed": 0}})
-    before = experiment.input_ids(cfg, None)
+    before = experiment.input_ids(None, 0, None)  # prompts=random, random init of seed 0
     src.write_text("x = 2\n")
-    after = experiment.input_ids(cfg, None)
+    after = experiment.input_ids(None, 0, None)
     assert before["inputs_code"] != after["inputs_code"] and before["inputs_prompts"] == after["inputs_prompts"]
     assert experiment.changed_inputs(before, after) == [
         f"kvlab's code changed ({before['inputs_code']} -> {after['inputs_code']})"]

@@ -16,8 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from harness.common import signals
 from harness.tools import kvcalc as K
-from harness import train as T
+from harness.train import __main__ as train_cli
+from harness.train import corpus as train_corpus
+from harness.train import loop as train_loop
+from harness.train.recipe import MAX_THREADS, STATE
+from models.gpt2 import GPT2Config
 from tests.conftest import REPO, one_line, untested_cases
 
 CASES = [
@@ -245,18 +250,18 @@ def test_kvcalc_cases_as_a_script(tmp_path):  # the module's own command line: e
 
 # ---- train: stop signals ------------------------------------------------------------------------------------------
 
-SMALL = T.GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64)
+SMALL = GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64)
 FAST = dict(config=SMALL, batch=8, seq_len=32, eval_tokens=1024, eval_every=1000, progress=False)  # one quick eval
 
 
 @pytest.fixture(autouse=True)
 def quick_eval_small(monkeypatch):
-    monkeypatch.setattr(T, "EVAL_TOKENS", 256)  # the held-out check during training only: no effect on the weights
+    monkeypatch.setattr(train_corpus, "EVAL_TOKENS", 256)  # the held-out check in training only: weights unchanged
 
 
-def signal_on_call(monkeypatch, name, n, signums):
-    """Make T.<name>'s n-th call send ``signums`` to this process first (a signal that lands mid-step)."""
-    real, calls = getattr(T, name), [0]
+def signal_on_call(monkeypatch, module, name, n, signums):
+    """Make <module>.<name>'s n-th call send ``signums`` to this process first (a signal that lands mid-step)."""
+    real, calls = getattr(module, name), [0]
 
     def wrapped(*a, **kw):
         calls[0] += 1
@@ -265,21 +270,21 @@ def signal_on_call(monkeypatch, name, n, signums):
                 os.kill(os.getpid(), s)
         return real(*a, **kw)
 
-    monkeypatch.setattr(T, name, wrapped)
+    monkeypatch.setattr(module, name, wrapped)
 
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory):
     out = tmp_path_factory.mktemp("whole") / "run"
-    return out, T.train(out, steps=6, **FAST)
+    return out, train_loop.train(out, steps=6, **FAST)
 
 
-def stopped_mid_step(out, monkeypatch, signum, at_call=3) -> T.Interrupted:
+def stopped_mid_step(out, monkeypatch, signum, at_call=3) -> signals.Interrupted:
     """train() stopped by ``signum`` sent from inside step ``at_call`` (lr_at is called once at the start of each
     step); the Interrupted it raised."""
-    signal_on_call(monkeypatch, "lr_at", at_call, [signum])
-    with T.stop_signals(), pytest.raises(T.Interrupted) as e:
-        T.train(out, steps=6, **FAST)
+    signal_on_call(monkeypatch, train_loop, "lr_at", at_call, [signum])
+    with signals.stop_signals(), pytest.raises(signals.Interrupted) as e:
+        train_loop.train(out, steps=6, **FAST)
     monkeypatch.undo()
     return e.value
 
@@ -292,27 +297,27 @@ def test_each_stop_signal_saves_the_step_it_lands_in(tmp_path, monkeypatch, sign
     e = stopped_mid_step(out, monkeypatch, signum)
     name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
     assert e.exit_code == 128 + signum and e.signum == signum
-    assert e.message == f"{name}: saved {out / T.STATE} at step 3 of 6 steps; the same command resumes from it"
-    assert torch.load(out / T.STATE, weights_only=True)["step"] == 3
-    assert sorted(p.name for p in out.iterdir()) == [T.STATE]  # nothing else, no temporary file
-    assert signal.getsignal(signum) is not T._on_signal  # the handlers are put back
+    assert e.message == f"{name}: saved {out / STATE} at step 3 of 6 steps; the same command resumes from it"
+    assert torch.load(out / STATE, weights_only=True)["step"] == 3
+    assert sorted(p.name for p in out.iterdir()) == [STATE]  # nothing else, no temporary file
+    assert signal.getsignal(signum) is not signals.raise_interrupted  # the handlers are put back
 
 
 def test_after_restart_the_line_says_resume_without_it(tmp_path, monkeypatch):  # train-stop-signals
     out = tmp_path / "run"
-    signal_on_call(monkeypatch, "lr_at", 2, [signal.SIGTERM])
-    with T.stop_signals(), pytest.raises(T.Interrupted) as e:
-        T.train(out, steps=6, restart=True, **FAST)
-    assert e.value.message == (f"SIGTERM: saved {out / T.STATE} at step 2 of 6 steps; the same command without "
+    signal_on_call(monkeypatch, train_loop, "lr_at", 2, [signal.SIGTERM])
+    with signals.stop_signals(), pytest.raises(signals.Interrupted) as e:
+        train_loop.train(out, steps=6, restart=True, **FAST)
+    assert e.value.message == (f"SIGTERM: saved {out / STATE} at step 2 of 6 steps; the same command without "
                                "--restart resumes from it")
 
 
 def test_an_ignored_signal_stays_ignored():  # train-nohup
     before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts a process
     try:
-        with T.stop_signals():
+        with signals.stop_signals():
             assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
-            assert signal.getsignal(signal.SIGTERM) is T._on_signal
+            assert signal.getsignal(signal.SIGTERM) is signals.raise_interrupted
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, before)
@@ -322,23 +327,23 @@ def test_an_ignored_signal_stays_ignored():  # train-nohup
 def test_resumed_after_a_signal_it_ends_where_an_uninterrupted_run_does(tmp_path, monkeypatch, whole):
     out = tmp_path / "run"  # train-stop-signals
     stopped_mid_step(out, monkeypatch, signal.SIGTERM)
-    resumed = T.train(out, steps=6, **FAST)
+    resumed = train_loop.train(out, steps=6, **FAST)
     a, b = load_file(str(whole[0] / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert resumed["done"] and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert resumed["heldout_nll"] == whole[1]["heldout_nll"] and not (out / T.STATE).exists()
+    assert resumed["heldout_nll"] == whole[1]["heldout_nll"] and not (out / STATE).exists()
 
 
 def test_ctrl_c_before_the_first_step_says_nothing_was_saved(tmp_path, monkeypatch, capsys):  # train-ctrl-c-honest
     out = tmp_path / "run"
-    signal_on_call(monkeypatch, "load_data", 1, [signal.SIGINT])
-    assert T.main(["--out", str(out), "--steps", "5"]) == 130
+    signal_on_call(monkeypatch, train_corpus, "load_data", 1, [signal.SIGINT])
+    assert train_cli.main(["--out", str(out), "--steps", "5"]) == 130
     assert one_line(capsys.readouterr().err) == ("interrupted by SIGINT (Ctrl-C): stopped before the first step was "
                                                  "saved; nothing was saved yet, so the same command starts over")
     assert list(out.iterdir()) == []
     # without stop_signals (train() as a library call), Ctrl-C is a KeyboardInterrupt: the same honest Interrupted
-    signal_on_call(monkeypatch, "load_data", 1, [signal.SIGINT])
-    with pytest.raises(T.Interrupted, match="nothing was saved yet") as e:
-        T.train(out, steps=5, **FAST)
+    signal_on_call(monkeypatch, train_corpus, "load_data", 1, [signal.SIGINT])
+    with pytest.raises(signals.Interrupted, match="nothing was saved yet") as e:
+        train_loop.train(out, steps=5, **FAST)
     assert e.value.exit_code == 130
 
 
@@ -346,70 +351,70 @@ def test_a_second_signal_stops_at_once_and_names_the_earlier_state(tmp_path, mon
     out = tmp_path / "run"
     # two different signals (the lower number first: the order Python runs pending handlers in), so neither can
     # merge into the other; the first one is named
-    signal_on_call(monkeypatch, "lr_at", 2, [signal.SIGUSR2, signal.SIGTERM])
-    with T.stop_signals(), pytest.raises(T.Interrupted) as e:
-        T.train(out, steps=6, **FAST)
+    signal_on_call(monkeypatch, train_loop, "lr_at", 2, [signal.SIGUSR2, signal.SIGTERM])
+    with signals.stop_signals(), pytest.raises(signals.Interrupted) as e:
+        train_loop.train(out, steps=6, **FAST)
     assert e.value.exit_code == 140 and e.value.message == ("SIGUSR2: stopped at once at step 1, before any state was "
                                                             "saved; nothing was saved, so the same command starts over")
-    assert not (out / T.STATE).exists()
+    assert not (out / STATE).exists()
     monkeypatch.undo()
-    signal_on_call(monkeypatch, "lr_at", 3, [signal.SIGTERM])
-    with T.stop_signals(), pytest.raises(T.Interrupted):
-        T.train(out, steps=6, **FAST)  # saved at step 3
+    signal_on_call(monkeypatch, train_loop, "lr_at", 3, [signal.SIGTERM])
+    with signals.stop_signals(), pytest.raises(signals.Interrupted):
+        train_loop.train(out, steps=6, **FAST)  # saved at step 3
     monkeypatch.undo()
-    signal_on_call(monkeypatch, "lr_at", 2, [signal.SIGHUP, signal.SIGINT])  # inside step 5 (resumed at 3)
-    with T.stop_signals(), pytest.raises(T.Interrupted) as e:
-        T.train(out, steps=6, **FAST)
+    signal_on_call(monkeypatch, train_loop, "lr_at", 2, [signal.SIGHUP, signal.SIGINT])  # inside step 5 (resumed at 3)
+    with signals.stop_signals(), pytest.raises(signals.Interrupted) as e:
+        train_loop.train(out, steps=6, **FAST)
     assert e.value.exit_code == 129 and e.value.message == (
-        f"SIGHUP: stopped at step 4 at once, nothing new saved; {out / T.STATE} (step 3, saved earlier) is kept and "
+        f"SIGHUP: stopped at step 4 at once, nothing new saved; {out / STATE} (step 3, saved earlier) is kept and "
         "the same command resumes from step 3")
-    assert torch.load(out / T.STATE, weights_only=True)["step"] == 3
+    assert torch.load(out / STATE, weights_only=True)["step"] == 3
 
 
 @pytest.mark.slow
 def test_a_signal_during_export_saves_the_last_step(tmp_path, monkeypatch, whole):  # train-signal-in-export
     out = tmp_path / "run"
-    signal_on_call(monkeypatch, "export_full", 1, [signal.SIGTERM])
-    with T.stop_signals(), pytest.raises(T.Interrupted) as e:
-        T.train(out, steps=6, **FAST)
+    signal_on_call(monkeypatch, train_loop, "export_full", 1, [signal.SIGTERM])
+    with signals.stop_signals(), pytest.raises(signals.Interrupted) as e:
+        train_loop.train(out, steps=6, **FAST)
     assert e.value.exit_code == 143 and e.value.message == (
-        f"SIGTERM: saved {out / T.STATE} at step 6 of 6 steps; training had reached its budget; the same command "
+        f"SIGTERM: saved {out / STATE} at step 6 of 6 steps; training had reached its budget; the same command "
         "evaluates and writes the checkpoint from it")
-    assert sorted(p.name for p in out.iterdir()) == [T.STATE]
+    assert sorted(p.name for p in out.iterdir()) == [STATE]
     monkeypatch.undo()
-    again = T.train(out, steps=6, **FAST)
+    again = train_loop.train(out, steps=6, **FAST)
     a, b = load_file(str(whole[0] / "model.safetensors")), load_file(str(out / "model.safetensors"))
-    assert again["done"] and all(torch.equal(a[k], b[k]) for k in a) and not (out / T.STATE).exists()
+    assert again["done"] and all(torch.equal(a[k], b[k]) for k in a) and not (out / STATE).exists()
 
 
 def test_a_failed_save_is_one_line_exit_1(tmp_path, monkeypatch, capsys):  # train-save-fails
     out = tmp_path / "run"
-    real_train = T.train  # main() with the small config: the error handling is main's
-    monkeypatch.setattr(T, "train", lambda out, **kw: real_train(out, **kw, **FAST))
-    assert T.main(["--out", str(out), "--steps", "3", "--stop-after", "1"]) == 0
-    before = (out / T.STATE).read_bytes()
+    real_train = train_loop.train  # main() with the small config: the error handling is main's
+    monkeypatch.setattr(train_cli, "train", lambda out, **kw: real_train(out, **kw, **FAST))
+    assert train_cli.main(["--out", str(out), "--steps", "3", "--stop-after", "1"]) == 0
+    before = (out / STATE).read_bytes()
 
     def full_disk(path, data):
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(T, "_atomic_write", full_disk)
-    assert T.main(["--out", str(out), "--steps", "3", "--stop-after", "1"]) == 1
-    assert one_line(capsys.readouterr().err) == (f"error: cannot write {out / T.STATE}: No space left on device; free "
+    monkeypatch.setattr(train_loop, "atomic_write", full_disk)
+    assert train_cli.main(["--out", str(out), "--steps", "3", "--stop-after", "1"]) == 1
+    assert one_line(capsys.readouterr().err) == (f"error: cannot write {out / STATE}: No space left on device; free "
                                                  "space or give another --out")
-    assert (out / T.STATE).read_bytes() == before
+    assert (out / STATE).read_bytes() == before
 
 
 def test_out_unwritable_is_one_line_before_any_data(tmp_path, monkeypatch, capsys):  # train-out-unwritable
     def no_data():
         raise AssertionError("data loaded before --out was checked")
 
-    monkeypatch.setattr(T, "load_data", no_data)
+    monkeypatch.setattr(train_corpus, "load_data", no_data)
     parent_file = tmp_path / "a-file"
     parent_file.write_text("x")
     for out, says in [("/proc/kvlab-test/run", "--out /proc/kvlab-test/run: cannot write there (/proc/kvlab-test: "),
                       (parent_file / "sub" / "run", f"--out {parent_file / 'sub' / 'run'}: {parent_file} is a file, so "
                                                     "no folder can be made under it; give a folder path")]:
-        assert T.main(["--out", str(out), "--steps", "3"]) == 2
+        assert train_cli.main(["--out", str(out), "--steps", "3"]) == 2
         line = one_line(capsys.readouterr().err)
         assert line.startswith("error: " + says), line
     assert not os.path.exists("/proc/kvlab-test") and parent_file.read_text() == "x"
@@ -440,14 +445,14 @@ def test_sigterm_to_a_real_run_saves_and_the_same_command_resumes(tmp_path):  # 
         p.kill()
     assert p.returncode == 143, stderr
     last = _last_line(stderr)
-    assert last == (f"interrupted by SIGTERM: saved {out / T.STATE} at step 1 of 1000 steps; the same command resumes "
+    assert last == (f"interrupted by SIGTERM: saved {out / STATE} at step 1 of 1000 steps; the same command resumes "
                     "from it")
     assert sum("SIGTERM" in ln for ln in stderr.splitlines()) == 1
-    assert sorted(p.name for p in out.iterdir()) == [T.STATE]
+    assert sorted(p.name for p in out.iterdir()) == [STATE]
     again = subprocess.run(_cli(out), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert f"{out}: resuming at step 1 " in again.stdout and f"{out}: stopped at step 3 of the budget" in again.stdout
-    assert torch.load(out / T.STATE, weights_only=True)["step"] == 3
+    assert torch.load(out / STATE, weights_only=True)["step"] == 3
 
 
 @pytest.mark.slow
@@ -468,11 +473,11 @@ def test_a_checkpoint_kvlab_did_not_train_is_never_overwritten(tmp_path, monkeyp
     def no_data():
         raise AssertionError("data loaded before --out was checked")
 
-    monkeypatch.setattr(T, "load_data", no_data)
+    monkeypatch.setattr(train_corpus, "load_data", no_data)
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_layer": 2}')
     (tmp_path / "model.safetensors").write_bytes(b"their weights")
     for extra in ([], ["--restart"]):
-        assert T.main(["--out", str(tmp_path), "--steps", "2", *extra]) == 2
+        assert train_cli.main(["--out", str(tmp_path), "--steps", "2", *extra]) == 2
         line = one_line(capsys.readouterr().err)
         assert "holds a checkpoint kvlab did not train" in line, line
     assert (tmp_path / "model.safetensors").read_bytes() == b"their weights"
@@ -489,12 +494,13 @@ def test_threads_out_of_range_is_one_line_before_any_data(tmp_path, monkeypatch,
     def no_data():
         raise AssertionError("data loaded before the flags were checked")
 
-    monkeypatch.setattr(T, "load_data", no_data)
-    monkeypatch.setattr(T.torch, "set_num_threads", no_data)
-    assert T.main(["--out", str(tmp_path / "run"), "--steps", "3", *argv]) == 2
+    monkeypatch.setattr(train_corpus, "load_data", no_data)
+    monkeypatch.setattr(torch, "set_num_threads", no_data)
+    assert train_cli.main(["--out", str(tmp_path / "run"), "--steps", "3", *argv]) == 2
     line = one_line(capsys.readouterr().err)
-    most = max(T.MAX_THREADS, T._cores())
-    assert line == (f"error: {says}{most:,} (the CPU threads to train with; this machine has {T._cores()}; leave the "
+    cores = train_cli._cores()
+    most = max(MAX_THREADS, cores)
+    assert line == (f"error: {says}{most:,} (the CPU threads to train with; this machine has {cores}; leave the "
                     "flag out to use every core) (see python -m harness.train --help)")
     assert not (tmp_path / "run").exists()
 
@@ -520,10 +526,10 @@ def test_every_number_is_bounded_before_any_data(tmp_path, monkeypatch, capsys, 
     def no_data():
         raise AssertionError("data loaded before the flags were checked")
 
-    monkeypatch.setattr(T, "load_data", no_data)
-    monkeypatch.setattr(T.torch, "set_num_threads", no_data)
+    monkeypatch.setattr(train_corpus, "load_data", no_data)
+    monkeypatch.setattr(torch, "set_num_threads", no_data)
     extra = [] if "--steps" in argv or "--minutes" in argv else ["--steps", "3"]
-    assert T.main(["--out", str(tmp_path / "run"), *extra, *argv]) == 2
+    assert train_cli.main(["--out", str(tmp_path / "run"), *extra, *argv]) == 2
     line = one_line(capsys.readouterr().err)
     assert line.startswith(f"error: {says}") and line.endswith("(see python -m harness.train --help)"), line
     assert not (tmp_path / "run").exists()

@@ -30,7 +30,7 @@ import pandas as pd
 from harness.measurements import KEYS
 from harness.analysis.papers import (ClaimRow, claim_rows, names, num, ok_runs, preset_of,  # noqa: F401
                                      value, verdict_text)
-from harness.analysis.plots import _plain, is_full_attention, pareto_front, with_reference_at_zero
+from harness.analysis.plots import as_written, is_full_attention, pareto_front, with_reference_at_zero
 
 FILE = "findings.md"
 
@@ -84,7 +84,7 @@ def frontier_findings(ok: pd.DataFrame) -> list[Finding]:
 def _axes(ok: pd.DataFrame) -> list[str]:
     cols = [c for c in AXIS_COLUMNS if c in ok] + sorted(c for c in ok if c.startswith("cache_") and c not in (
         KEYS.cache_label, KEYS.cache_exact, KEYS.cache_nbytes, KEYS.cache_tokens, KEYS.cache_filled_tokens))
-    return [c for c in cols if ok[c].dropna().map(_plain).nunique() >= 2]
+    return [c for c in cols if ok[c].dropna().map(as_written).nunique() >= 2]
 
 
 def _axis_name(col: str) -> str:
@@ -99,7 +99,7 @@ def axis_findings(ok: pd.DataFrame) -> list[Finding]:
     metrics = [(k, n, b) for k, n, b in (*QUALITY, STEP) if k in ok and ok[k].dropna().nunique() >= 2]
     for col in _axes(ok):
         sub = ok[ok[col].notna()]
-        split = frozenset(frozenset(idx) for idx in sub.groupby(sub[col].map(_plain), sort=False).groups.values())
+        split = frozenset(frozenset(idx) for idx in sub.groupby(sub[col].map(as_written), sort=False).groups.values())
         if split in said:
             said[split][1].append(_axis_name(col))
             continue
@@ -118,7 +118,7 @@ def axis_findings(ok: pd.DataFrame) -> list[Finding]:
 def _axis_part(sub: pd.DataFrame, col: str, key: str, name: str, better: str) -> str:
     """"<metric> <value> <median> (<ratio>× <best value>'s), ..." for one axis, or "" where fewer than two values
     have the metric."""
-    med = sub.groupby(sub[col].map(_plain), sort=False)[key].median().dropna()
+    med = sub.groupby(sub[col].map(as_written), sort=False)[key].median().dropna()
     med = med.iloc[sorted(range(len(med)), key=lambda i: _order(med.index[i]))]
     if len(med) < 2:
         return ""
@@ -134,7 +134,7 @@ def _order(value) -> tuple:
 
 
 def _short(value) -> str:
-    return str(_plain(value))
+    return str(as_written(value))
 
 
 def surprise_findings(runs: pd.DataFrame, ok: pd.DataFrame) -> list[Finding]:
@@ -148,7 +148,7 @@ def surprise_findings(runs: pd.DataFrame, ok: pd.DataFrame) -> list[Finding]:
                 names(r), "surprise"))
     drift_keys = [k for k in (KEYS.drift_kl, KEYS.drift_max_abs, KEYS.drift_delta_nll) if k in ok]
     if KEYS.cache_exact in ok and drift_keys:
-        lossy = ok[(ok[KEYS.cache_exact].map(_plain) == False) & ok[drift_keys].notna().any(axis=1)]  # noqa: E712
+        lossy = ok[(ok[KEYS.cache_exact].map(as_written) == False) & ok[drift_keys].notna().any(axis=1)]  # noqa: E712
         for _, r in lossy.iterrows():
             if all(pd.isna(r[k]) or r[k] == 0 for k in drift_keys):
                 out.append(Finding(f"{_label(r)} is a lossy kind but moved nothing ({', '.join(drift_keys)} all 0): "

@@ -24,7 +24,7 @@ from typing import Callable
 import pandas as pd
 from omegaconf import OmegaConf
 
-from harness.analysis.plots import _plain
+from harness.analysis.plots import as_written
 from harness.measurements import KEYS
 
 
@@ -180,7 +180,7 @@ def recorded(row: pd.Series, key: str):
         return None if pos is None or not n else round(pos / n) + 1
     col = f"cache_{key[len('cache.'):]}" if key.startswith("cache.") else key
     v = row.get(col)
-    return None if v is None or (isinstance(v, float) and math.isnan(v)) else _plain(v)
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else as_written(v)
 
 
 class Runs:
@@ -199,7 +199,7 @@ class Runs:
             col = f"cache_{name}"
             if col not in sel:
                 return None
-            sel = sel[sel[col].map(_plain) == value]
+            sel = sel[sel[col].map(as_written) == value]
         rows = [r for _, r in sel.iterrows()]
         diffs = [{k: recorded(r, k) for k, v in self.setting.items() if recorded(r, k) != v} for r in rows]
         for r, d in zip(rows, diffs):

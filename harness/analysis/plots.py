@@ -590,7 +590,7 @@ def retrieval_plot(runs: pd.DataFrame) -> Figure:
     return fig
 
 
-def _plain(v):
+def as_written(v):
     """A table value as written in a config: 8 rather than 8.0 (a column with gaps is float)."""
     return int(v) if isinstance(v, float) and v.is_integer() else v
 
@@ -613,7 +613,7 @@ def budget_quality(runs: pd.DataFrame) -> pd.DataFrame:
     for _, row in df.iterrows():
         own = swept[row["kind"]]
         parts = [row["kind"], row[KEYS.dtype]] + ([f"prompt {row[KEYS.prompt_len]}"] if several_prompts else [])
-        series.append(" · ".join([*map(str, parts), *(f"{c[len('cache_'):]}={_plain(row[c])}" for c in own)]))
+        series.append(" · ".join([*map(str, parts), *(f"{c[len('cache_'):]}={as_written(row[c])}" for c in own)]))
     df = df.assign(series=series)
     sizes = df.groupby(["model", "series"])["slots"].transform("nunique")
     return df[sizes >= 2]
@@ -678,7 +678,7 @@ def is_full_attention(row: pd.Series) -> bool:
     cls = CACHE_KINDS.get(row.get(KEYS.cache))
     if cls is None:
         return False
-    options = {name: _plain(row[f"cache_{name}"]) for name in cls.option_types()
+    options = {name: as_written(row[f"cache_{name}"]) for name in cls.option_types()
                if f"cache_{name}" in row and pd.notna(row[f"cache_{name}"])}
     try:
         return cls.full_attention(cls.parse_options(**options))

@@ -38,6 +38,7 @@ from harness import measurements
 from harness.common import signals
 from harness.common.errors import one_line
 from harness.experiment import invocation as invocations
+from harness.experiment import records
 from harness.analysis import figures, findings
 from harness.common import ownership
 from harness.analysis import plots
@@ -66,9 +67,7 @@ FINGERPRINT_COLS = [KEYS.torch_version, KEYS.device_name, KEYS.threads, KEYS.att
 
 
 def captions() -> dict[str, str]:
-    """Figure stem -> its caption, from the measurements that draw them."""
-    from harness import measurements
-
+    """Figure stem -> its caption (``harness.analysis.figures``)."""
     return figures.captions()
 
 
@@ -81,7 +80,7 @@ def report_tables() -> tuple[str, ...]:
     from harness import measurements
 
     return ("results", *measurements.tables(), "engine_ratios")
-PAGE, SPEC, WANDB = results.REPORT_PAGE, "wandb_report.json", "wandb"  # the page, the W&B Report spec, W&B's folder
+PAGE, SPEC, WANDB = records.REPORT_PAGE, "wandb_report.json", "wandb"  # the page, the W&B Report spec, W&B's folder
 CLI_HINT = "give --out a new or empty folder (or one a kvlab report wrote), or move those files away"
 
 
@@ -294,11 +293,11 @@ def _refusal(out: Path, hint: str) -> tuple[Exception | None, bool]:
     bad = _not_a_folder(out)
     if bad:
         return ownership.NotOurs(bad), False
-    rep = results.within_report_folder(out.parent)
+    rep = records.within_report_folder(out.parent)
     if rep:
         return ownership.NotOurs(f"{shown(out)} lies inside the report folder {shown(rep)}: give --out a folder of "
                                  "its own, outside every report's"), False
-    inside = results.within_run_folder(out)
+    inside = records.within_run_folder(out)
     if inside:
         run, why = inside
         where = "is a run folder" if run == ownership.resolved(out) else f"lies inside the run folder {shown(run)}"
@@ -376,7 +375,7 @@ def _write(path: Path, out: Path, loaded: dict) -> dict:
     written."""
     runs, skipped, frames = loaded["runs"], list(loaded["skipped"]), loaded["frames"]
     steps, batches = frames["steps"], frames["batches"]
-    ownership.claim(out, PAGE)  # first: the manifest says this is a report's folder (results.run_folder)
+    ownership.claim(out, PAGE)  # first: the manifest says this is a report's folder (records.run_folder)
     tables = []
     for stem, df in (("results", runs), *frames.items()):
         tables += results.save_table(df, out, stem)
@@ -537,14 +536,14 @@ def _can_create(folder: Path, what: str) -> None:
 def _not_in_a_run(look: Path, folder: Path, what: str, key: str) -> None:
     """Stop before any work, in one line, when ``folder`` would be a run's folder or lie inside one (``look``: the
     folder checked, with the folders above it): that run could no longer be resumed or cleared."""
-    inside = results.within_run_folder(look)
+    inside = records.within_run_folder(look)
     if inside:
         run, why = inside
         where = "is a run's folder" if run == ownership.resolved(folder) else f"lies inside the run folder {shown(run)}"
         print(f"kvlab: the {what} {shown(folder)} {where} ({why}); kvlab never puts anything in a run's folder: "
               f"choose a folder outside every run's with hydra.{key}.dir=...", file=sys.stderr)
         raise SystemExit(2)
-    rep = results.within_report_folder(look)
+    rep = records.within_report_folder(look)
     if rep:
         where = "is a report folder" if rep == ownership.resolved(folder) else f"lies inside the report folder {shown(rep)}"
         print(f"kvlab: the {what} {shown(folder)} {where}, where no report would see its runs: choose a folder of "

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import warnings
 from pathlib import Path
@@ -29,9 +28,7 @@ from harness import measurements
 from harness.common import ownership
 from harness.experiment import tracking
 from harness.measurements import IDENTITY_COLUMNS
-from harness.experiment.records import (RECORD_MAX, REPORT_PAGE, REQUIRED, _text, of_invocations,  # noqa: F401
-                                        read_record, run_folder, shown, too_big, within_report_folder,
-                                        within_run_folder)
+from harness.experiment.records import RECORD_MAX, of_invocations, read_record, run_folder, shown, too_big
 from harness.experiment.tracking import RESULTS
 
 # the columns that say which run a row belongs to, first in every table

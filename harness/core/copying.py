@@ -1,33 +1,80 @@
-"""Copying: random sequences shown twice, and how well a model copies the second copy (the retrieval measurement,
-training's copy targets and the probes all use these)."""
+"""Copying: random sequences shown twice, and how well a model copies the second showing. One home for what the
+retrieval measurement, training's copy targets and quick checks, and the research probes (scripts/probes) share.
+
+- ``distinct_rows`` / ``distinct_ids``: the output embedding's distinct rows (an id whose row another id shares
+  cannot be told apart from it: kvlab's mini ties every unused id to one row).
+- ``copy_sequences``: k random sequences of n ids, each followed by itself (optionally behind ``after`` other
+  random ids).
+- ``copy_accuracy``: the score of one pass's logits; ``model_copy_accuracy``: a model run on k sequences, scored.
+  Both return ``CopyAccuracy(second, first)``: top-1 accuracy on the second showing (what copying earns) and on the
+  first (chance: nothing to copy yet).
+"""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class CopyAccuracy(NamedTuple):
+    """Top-1 next-token accuracy on a sequence's second showing and on its first (chance)."""
+
+    second: float
+    first: float
+
+
+def distinct_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(distinct rows, log of how often each occurs, each id's row) of a (vocab, C) embedding, in fp32: logsumexp
+    over every id is logsumexp over the distinct rows' logits plus the log of their counts."""
+    rows, index, counts = torch.unique(weight.detach().float(), dim=0, return_inverse=True, return_counts=True)
+    return rows, counts.float().log(), index
 
 
 def distinct_ids(model) -> torch.Tensor:
     """Token ids whose embedding row is unique (1-D, sorted)."""
     wte = (model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.transformer.wte).weight
-    rows = wte.detach()[:, :16].float().cpu()  # 16 channels tell distinct rows apart; shared rows share them
-    _, inverse, counts = torch.unique(rows, dim=0, return_inverse=True, return_counts=True)
-    return torch.nonzero(counts[inverse] == 1)[:, 0]
+    # 16 channels tell distinct rows apart; shared rows share them
+    _, log_count, index = distinct_rows(wte.detach()[:, :16].cpu())
+    return torch.nonzero(log_count[index] == 0)[:, 0]  # each id's row occurs once
 
 
-def copy_sequences(ids: torch.Tensor, n: int, k: int, seed: int) -> list[torch.Tensor]:
-    """k sequences (1, 2n): n random ids from ``ids`` (seeded), then the same n again."""
+def copy_sequences(ids: torch.Tensor, n: int, k: int, seed: int, after: int = 0) -> list[torch.Tensor]:
+    """k sequences (1, after + 2n): n random ids from ``ids`` (seeded), then the same n again; with ``after``, behind
+    that many other random ids (drawn after every sequence's n, so the n are the same for any ``after``)."""
     g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(k):
-        first = ids[torch.randint(0, len(ids), (n,), generator=g)]
-        out.append(torch.cat([first, first]).unsqueeze(0))
-    return out
+    spans = [ids[torch.randint(0, len(ids), (n,), generator=g)] for _ in range(k)]
+    before = [ids[torch.randint(0, len(ids), (after,), generator=g)] for _ in range(k)]
+    return [torch.cat([b, s, s]).unsqueeze(0) for b, s in zip(before, spans)]
 
 
-def copy_accuracy(logits: torch.Tensor, seq: torch.Tensor, n: int) -> tuple[float, float]:
-    """(second-copy, first-copy) top-1 accuracy from the logits (2n - 1, vocab) that predicted tokens 1 .. 2n - 1."""
-    pred = logits.argmax(-1).cpu()
-    target = seq[0, 1:].cpu()
-    second = (pred[n - 1:] == target[n - 1:]).float().mean().item()
-    first = (pred[:n - 1] == target[:n - 1]).float().mean().item() if n > 1 else float("nan")
-    return second, first
+def copy_accuracy(logits: torch.Tensor, seq: torch.Tensor, n: int, skip_first: bool = False) -> CopyAccuracy:
+    """(second-copy, first-copy) top-1 accuracy from the logits (2n - 1, vocab) that predicted tokens 1 .. 2n - 1 of
+    ``seq`` (1, 2n) (or a batch: (B, 2n - 1, vocab) and (B, 2n)). The first copy's tokens 1 .. n - 1 are scored; the
+    second copy's n tokens, or with ``skip_first`` its n - 1 after its first (nothing announces that the sequence
+    repeats: training's targets leave it out)."""
+    return _scored(logits.argmax(-1), seq, n, skip_first)
+
+
+def _scored(pred: torch.Tensor, seq: torch.Tensor, n: int, skip_first: bool) -> CopyAccuracy:
+    pred, target = pred.cpu(), seq[..., 1:].cpu()
+    at = n if skip_first else n - 1
+    second = (pred[..., at:] == target[..., at:]).float().mean().item()
+    first = (pred[..., :n - 1] == target[..., :n - 1]).float().mean().item() if n > 1 else float("nan")
+    return CopyAccuracy(second, first)
+
+
+@torch.no_grad()
+def model_copy_accuracy(model, ids: torch.Tensor, n: int, k: int = 8, seed: int = 0, after: int = 0,
+                        batch: int = 2) -> CopyAccuracy:
+    """How well ``model`` (a full, uncached forward: ``model(idx)`` -> logits) copies: top-1 accuracy on k random
+    sequences of n ids from ``ids`` (``copy_sequences``), each followed by itself, behind ``after`` other random ids;
+    scored as training's targets are (``skip_first``), ``batch`` sequences a forward, in eval mode (restored)."""
+    x = torch.cat(copy_sequences(ids, n, k, seed, after))  # (k, after + 2n)
+    was_training = model.training
+    model.eval()
+    try:
+        pred = torch.cat([model(x[i:i + batch]).argmax(-1) for i in range(0, k, batch)])  # (k, after + 2n)
+    finally:
+        model.train(was_training)
+    return _scored(pred[:, after:after + 2 * n - 1], x[:, after:], n, skip_first=True)

@@ -40,7 +40,8 @@ import torch
 
 from models.generate import (FusedDecoder, GreedyOutput, StaticDecoder, decode_step, greedy, greedy_loop,
                              greedy_uncached, model_device, model_dtype, new_cache, prefill)
-from models.gpt2 import _CONV1D, GPT2, HF_MASK_BUFFERS
+from models.gpt2 import GPT2
+from models.hf_checkpoint import GPT2_FORMAT, to_hf
 from models.kv_cache import CACHE_KINDS, PreallocKVCache, cache_kind
 from models.kv_cache.base import itemsize
 
@@ -504,11 +505,14 @@ class HFEngine:
                                vocab_size=c.vocab_size, layer_norm_epsilon=c.layer_norm_epsilon,
                                bos_token_id=c.vocab_size - 1, eos_token_id=c.vocab_size - 1)
         hf = GPT2LMHeadModel(self.config)
-        state = {k: (v.t() if k.endswith(_CONV1D) else v) for k, v in model.state_dict().items()}
+        # the checkpoint format's mapping (views: load_state_dict copies them, no second copy of the model is held)
+        state = to_hf(model.state_dict(), fmt=GPT2_FORMAT, clone=False)
         missing, unexpected = hf.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith(HF_MASK_BUFFERS)]
-        if missing or unexpected:
-            raise RuntimeError(f"weights did not map onto HF GPT-2: missing {missing}, unexpected {unexpected}")
+        missing = [k for k in missing if k not in GPT2_FORMAT.tied and not GPT2_FORMAT.is_ignored(k)]
+        untied = [k for k, tie in GPT2_FORMAT.tied.items() if hf.get_parameter(k) is not hf.get_parameter(tie)]
+        if missing or unexpected or untied:
+            raise RuntimeError(f"weights did not map onto HF GPT-2: missing {missing}, unexpected {unexpected}, "
+                               f"not tied {untied}")
         self.model = hf.to(device=model_device(model), dtype=model_dtype(model)).eval()
 
     @staticmethod

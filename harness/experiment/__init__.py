@@ -2,10 +2,12 @@
 
     from harness.experiment import run          # run(cfg): what run.py calls for each run of a sweep
 
-It reads Hydra once (``config``: the typed nodes, validation), plans the run, loads the weights (``weights``),
-checks memory (``memory``), drives the measurements (``runner``), writes the record (``record``, ``tracking``)
-and keeps an invocation's runs together (``invocation``, ``slurm_check``). It owns results.json: writing it and
-reading it back. Nothing here imports the analysis layer, training or the tools.
+It reads Hydra once, at the door (``config``: the typed nodes, ``read`` into the run's plain ``RunConfig``,
+validation), plans the run (``plan``: the ``RunConfig`` and the ``Plan`` it resolves to; below the door nothing sees
+the DictConfig), loads the weights (``weights``), checks memory (``memory``), drives the measurements (``runner``),
+writes the record (``record``, ``tracking``) and keeps an invocation's runs together (``invocation``,
+``slurm_check``). It owns results.json: writing it and reading it back. Nothing here imports the analysis layer,
+training or the tools.
 """
 
 

@@ -1,5 +1,7 @@
 """Typed configs: one dataclass per config node, registered in Hydra's ConfigStore so every YAML in conf/ is checked
-against it when composed. ``validate`` refuses impossible combinations before any work, with one-line errors.
+against it when composed. ``read`` turns a composed config into the run's plain ``RunConfig``
+(``harness.experiment.plan``), the only form the run's modules see; ``validate`` refuses impossible combinations of
+one before any work, with one-line errors.
 
 The cache node has one schema per cache kind, made from the kind's own ``Options`` (``schema/cache/<kind>``, which
 ``conf/cache/<kind>.yaml`` extends): a kind registered in ``models.kv_cache`` is typed here with no line of this file
@@ -19,6 +21,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from harness.common.errors import ConfigError
+from harness.experiment.plan import CacheChoice, DtypeChoice, EngineChoice, ModelChoice, RunConfig, TrackingChoice
 from harness.measurements.base import MAX_LIST, MAX_PROMPTS, MAX_REPEATS, MAX_WARMUP
 from harness.core.engines import ENGINES
 from models.kv_cache import CACHE_KINDS, DTYPE_NAMES, KVCache, cache_kind
@@ -43,6 +46,11 @@ def cache_schema(cls: type[KVCache]) -> type:
 def cache_options(node) -> dict:
     """The kind's options from a composed cache node (everything but ``kind``)."""
     return {k: v for k, v in node.items() if k != "kind"}
+
+
+def cache_choice(node) -> CacheChoice:
+    """A composed cache node as the plan's ``CacheChoice``: its kind and its options, plain."""
+    return CacheChoice(kind=node.kind, options={k: _plain(v) for k, v in cache_options(node).items()})
 
 
 @dataclass
@@ -156,6 +164,37 @@ def config_id(cfg) -> str:
     return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+def _plain(v):
+    return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+
+
+def read(cfg) -> RunConfig:
+    """The run's config, read from Hydra once into plain values (``harness.experiment.plan.RunConfig``): the one
+    door between the composed DictConfig and the run. Nothing is checked here (``validate`` checks what this
+    returns), so a refused config's record still says what it asked for; ``config_id`` is hashed from ``cfg``
+    itself, as composed."""
+    from harness.measurements import options
+
+    m, engine, tracking, dtype = cfg.model, cfg.get("engine", {}), cfg.tracking, cfg.dtype
+    given = cfg.get("measurements")
+    return RunConfig(
+        model=ModelChoice(name=m.name, preset=m.preset, weights=m.weights, seed=m.seed, build=m.get("build")),
+        engine=EngineChoice(name=str(engine.get("name", "kvlab")),
+                            options={k: _plain(v) for k, v in engine.items() if k != "name"}),
+        cache=cache_choice(cfg.cache),
+        dtype=DtypeChoice(name=dtype.get("name"), storage=dtype.storage, compute=dtype.compute),
+        device=cfg.device.name,
+        tracking=TrackingChoice(mode=tracking.mode, project=tracking.get("project"), entity=tracking.get("entity"),
+                                group=tracking.get("group")),
+        experiment=cfg.experiment, n_prompts=cfg.n_prompts, new_tokens=cfg.new_tokens, prompt_len=cfg.prompt_len,
+        batch=cfg.get("batch", 1), prompt_lengths=cfg.get("prompt_lengths", "uniform"), max_len=cfg.max_len,
+        repeats=cfg.repeats, warmup=cfg.warmup, seed=cfg.seed, prompts=cfg.prompts, prompts_file=cfg.prompts_file,
+        compile=bool(cfg.get("compile", False)), resume=bool(cfg.get("resume", True)),
+        measurements=None if given is None else tuple(_plain(given)),
+        options={f.name: _plain(cfg[f.name]) for _, f in options() if f.name in cfg},
+        config_id=config_id(cfg), resolved=OmegaConf.to_container(cfg, resolve=True))
+
+
 def slug(text) -> str:
     """A config value made safe as one path component: no separators, no leading dots, nothing but [A-Za-z0-9._+-]."""
     out = re.sub(r"[^A-Za-z0-9._+-]+", "-", str(text)).strip("-.")
@@ -192,89 +231,90 @@ def need(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def validate(cfg, n_positions: int, head_dim: int | None = None) -> tuple[int, list[int]]:
+def validate(config, n_positions: int, head_dim: int | None = None) -> tuple[int, list[int]]:
     """Check the knobs against each other and the model (``n_positions``; ``head_dim``, the model's head size, for
     the options that depend on it: None skips those); returns the effective max_len and the context lengths, in the
-    order they are timed (ascending)."""
-    _check_choices(cfg, head_dim)
-    _check_sizes(cfg)
-    max_len, contexts = _lengths(cfg, n_positions)
-    _check_kind_fits(cfg, max_len, head_dim)
-    check_measurements(cfg, max_len)
-    _check_fills(cfg, max_len, contexts)
+    order they are timed (ascending). ``config``: the run's ``RunConfig`` (a composed config is ``read`` first)."""
+    rc = config if isinstance(config, RunConfig) else read(config)
+    _check_choices(rc, head_dim)
+    _check_sizes(rc)
+    max_len, contexts = _lengths(rc, n_positions)
+    _check_kind_fits(rc, max_len, head_dim)
+    check_measurements(rc, max_len)
+    _check_fills(rc, max_len, contexts)
     return max_len, contexts
 
 
-def _check_choices(cfg, head_dim: int | None = None) -> None:
+def _check_choices(rc: RunConfig, head_dim: int | None = None) -> None:
     """The group choices and names: cache kind and options, dtypes, device, engine, tracking, prompts, seeds."""
-    need(cfg.cache.kind in CACHE_KINDS, f"cache.kind={cfg.cache.kind!r}: use one of {', '.join(CACHE_KINDS)}")
+    kind, options = rc.cache.kind, rc.cache.options
+    need(kind in CACHE_KINDS, f"cache.kind={kind!r}: use one of {', '.join(CACHE_KINDS)}")
     try:
-        cache_kind(cfg.cache.kind).parse_options(**cache_options(cfg.cache))
+        cache_kind(kind).parse_options(**options)
     except ValueError as e:
-        raise ConfigError(f"cache={cfg.cache.kind}: {e}") from None
-    need(cfg.dtype.storage in DTYPE_NAMES, f"dtype.storage={cfg.dtype.storage!r}: use one of {DTYPE_NAMES}")
-    need(cfg.dtype.compute in DTYPE_NAMES + ("auto",),
-         f"dtype.compute={cfg.dtype.compute!r}: use auto or one of {DTYPE_NAMES}")
-    need(cfg.device.name in ("cpu", "cuda", "auto"), f"device={cfg.device.name!r}: use cpu, cuda or auto")
-    engine = cfg.get("engine", {}).get("name", "kvlab")
+        raise ConfigError(f"cache={kind}: {e}") from None
+    need(rc.dtype.storage in DTYPE_NAMES, f"dtype.storage={rc.dtype.storage!r}: use one of {DTYPE_NAMES}")
+    need(rc.dtype.compute in DTYPE_NAMES + ("auto",),
+         f"dtype.compute={rc.dtype.compute!r}: use auto or one of {DTYPE_NAMES}")
+    need(rc.device in ("cpu", "cuda", "auto"), f"device={rc.device!r}: use cpu, cuda or auto")
+    engine = rc.engine.name
     need(engine in ENGINE_NAMES, f"engine={engine!r}: use one of {', '.join(ENGINE_NAMES)}")
     engine_cls = ENGINES[engine]
-    why = engine_cls.refuses(cfg.cache.kind, cache_kind(cfg.cache.kind).parse_options(**cache_options(cfg.cache)),
-                             head_dim)
-    need(not why, f"engine={engine} cache={cfg.cache.kind}: {why}")
-    need(cfg.tracking.mode in ("offline", "online", "disabled"),
-         f"tracking.mode={cfg.tracking.mode!r}: use offline, online or disabled")
-    need(cfg.prompts in ("file", "random"), f"prompts={cfg.prompts!r}: use file or random")
-    for name, value in (("seed", cfg.seed), ("model.seed", cfg.model.seed)):
+    why = engine_cls.refuses(kind, cache_kind(kind).parse_options(**options), head_dim)
+    need(not why, f"engine={engine} cache={kind}: {why}")
+    need(rc.tracking.mode in ("offline", "online", "disabled"),
+         f"tracking.mode={rc.tracking.mode!r}: use offline, online or disabled")
+    need(rc.prompts in ("file", "random"), f"prompts={rc.prompts!r}: use file or random")
+    for name, value in (("seed", rc.seed), ("model.seed", rc.model.seed)):
         need(0 <= value < 2 ** 63, f"{name}={value}: use an integer 0 <= seed < 2**63")
-    need(str(cfg.model.name).strip() != "", "model.name is empty: give the runs a label, e.g. model.name=my-ckpt")
+    need(str(rc.model.name).strip() != "", "model.name is empty: give the runs a label, e.g. model.name=my-ckpt")
     for name in ("project", "entity", "group"):
-        value = cfg.tracking.get(name)
+        value = getattr(rc.tracking, name)
         need(value is None or (0 < len(str(value)) <= 128 and not set(str(value)) & set("/\\#?%:")),
              f"tracking.{name}={value!r}: W&B names are 1-128 characters without / \\ # ? % :")
 
 
-def _check_sizes(cfg) -> None:
+def _check_sizes(rc: RunConfig) -> None:
     """Counts and what the engine and kind must support for them: ragged prompts, a compiled step."""
-    engine = cfg.get("engine", {}).get("name", "kvlab")
+    engine = rc.engine.name
     engine_cls = ENGINES[engine]
     for name in ("n_prompts", "new_tokens", "prompt_len", "repeats"):
-        need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be at least 1")
-    need(cfg.warmup >= 0, f"warmup={cfg.warmup} must be 0 or more")
+        need(getattr(rc, name) >= 1, f"{name}={getattr(rc, name)} must be at least 1")
+    need(rc.warmup >= 0, f"warmup={rc.warmup} must be 0 or more")
     for name, cap, low, what in (("n_prompts", MAX_PROMPTS, 1, "prompts per run"),
                                  ("repeats", MAX_REPEATS, 1, "timed repeats per step"),
                                  ("warmup", MAX_WARMUP, 0, "warm-up steps")):
-        value = getattr(cfg, name)
+        value = getattr(rc, name)
         need(value <= cap, f"{name}={value} is over kvlab's cap of {cap:,} {what}: give {low} .. {cap:,}")
-    need(isinstance(cfg.get("batch", 1), int) and cfg.get("batch", 1) >= 1,
-         f"batch={cfg.get('batch')!r} must be an integer >= 1 (sequences served together)")
-    lengths = cfg.get("prompt_lengths", "uniform")
+    need(isinstance(rc.batch, int) and rc.batch >= 1,
+         f"batch={rc.batch!r} must be an integer >= 1 (sequences served together)")
+    lengths = rc.prompt_lengths
     need(lengths in PROMPT_LENGTHS, f"prompt_lengths={lengths!r}: use one of {', '.join(PROMPT_LENGTHS)}")
-    if lengths == "ragged" and cfg.cache.kind in CACHE_KINDS:
-        why = CACHE_KINDS[cfg.cache.kind].why_no_padding
-        need(not why, f"prompt_lengths=ragged: cache kind {cfg.cache.kind!r} does not run ragged batches ({why})")
+    if lengths == "ragged" and rc.cache.kind in CACHE_KINDS:
+        why = CACHE_KINDS[rc.cache.kind].why_no_padding
+        need(not why, f"prompt_lengths=ragged: cache kind {rc.cache.kind!r} does not run ragged batches ({why})")
         why = engine_cls.refuses_ragged()
         need(not why, f"prompt_lengths=ragged: engine={engine} {why}")
-    if cfg.get("compile", False):
-        why = engine_cls.refuses_compile(cfg.cache.kind)
+    if rc.compile:
+        why = engine_cls.refuses_compile(rc.cache.kind)
         need(not why, str(why))
-    compute = cfg.dtype.compute
-    if compute == "auto" and cfg.device.name in ("cpu", "cuda"):  # auto: fp32 on a CPU, the storage dtype on CUDA
-        compute = "fp32" if cfg.device.name == "cpu" else cfg.dtype.storage
+    compute = rc.dtype.compute
+    if compute == "auto" and rc.device in ("cpu", "cuda"):  # auto: fp32 on a CPU, the storage dtype on CUDA
+        compute = "fp32" if rc.device == "cpu" else rc.dtype.storage
     if compute != "auto":
-        why = engine_cls.refuses_storage(cfg.dtype.storage, compute)
+        why = engine_cls.refuses_storage(rc.dtype.storage, compute)
         need(not why, f"engine={engine}: {why}")
 
 
-def _lengths(cfg, n_positions: int) -> tuple[int, list[int]]:
+def _lengths(rc: RunConfig, n_positions: int) -> tuple[int, list[int]]:
     """The effective max_len and timed context lengths, checked against the model and each other."""
-    max_len = n_positions if cfg.max_len is None else cfg.max_len
-    need(max_len <= n_positions, f"max_len={max_len} > n_positions={n_positions} of model {cfg.model.name}: "
+    max_len = n_positions if rc.max_len is None else rc.max_len
+    need(max_len <= n_positions, f"max_len={max_len} > n_positions={n_positions} of model {rc.model.name}: "
          f"use max_len <= {n_positions}")
-    need(cfg.prompt_len + cfg.new_tokens <= max_len,
-         f"prompt_len + new_tokens = {cfg.prompt_len} + {cfg.new_tokens} > max_len={max_len}: "
+    need(rc.prompt_len + rc.new_tokens <= max_len,
+         f"prompt_len + new_tokens = {rc.prompt_len} + {rc.new_tokens} > max_len={max_len}: "
          f"shorten them or raise max_len (at most {n_positions})")
-    contexts = (list(cfg.context_lengths) if cfg.context_lengths is not None
+    contexts = (list(rc.context_lengths) if rc.context_lengths is not None
                 else [c for c in AUTO_CONTEXTS if c < max_len] or [max_len // 2])
     need(len(contexts) > 0, "context_lengths is empty: give at least one, e.g. [32,128]")
     need(len(contexts) <= MAX_LIST, f"context_lengths has {len(contexts):,} lengths, over kvlab's cap of {MAX_LIST} "
@@ -286,57 +326,57 @@ def _lengths(cfg, n_positions: int) -> tuple[int, list[int]]:
     return max_len, sorted(contexts)  # timed in one order, whatever order they were given in (config_id too)
 
 
-def _check_kind_fits(cfg, max_len: int, head_dim: int | None = None) -> None:
+def _check_kind_fits(rc: RunConfig, max_len: int, head_dim: int | None = None) -> None:
     """What the kind's options need of the lengths and the model: options that fit max_len and have an effect at it
     (a budget below it, a window that slides, something quantised), that the head size can honour, and prompts as
     long as a SnapKV window."""
-    cls = cache_kind(cfg.cache.kind)
-    opts = cls.parse_options(**cache_options(cfg.cache))
+    kind = rc.cache.kind
+    cls = cache_kind(kind)
+    opts = cls.parse_options(**rc.cache.options)
     try:
         cls.check_max_len(opts, max_len)
         if head_dim is not None:
             cls.check_head_dim(opts, head_dim)
     except ValueError as e:
-        raise ConfigError(f"cache={cfg.cache.kind}: {e}") from None
+        raise ConfigError(f"cache={kind}: {e}") from None
     shortest = cls.min_prompt(opts)
-    need(cfg.prompt_len >= shortest, f"cache={cfg.cache.kind}: prompt_len={cfg.prompt_len} is shorter than the "
+    need(rc.prompt_len >= shortest, f"cache={kind}: prompt_len={rc.prompt_len} is shorter than the "
          f"{shortest} prompt tokens this kind needs (its window); raise prompt_len or lower cache.window")
-    need(shortest == 1 or cfg.get("prompt_lengths", "uniform") != "ragged",
-         f"cache={cfg.cache.kind}: prompt_lengths=ragged draws prompts of 1 .. prompt_len tokens, shorter than the "
+    need(shortest == 1 or rc.prompt_lengths != "ragged",
+         f"cache={kind}: prompt_lengths=ragged draws prompts of 1 .. prompt_len tokens, shorter than the "
          f"{shortest} this kind needs (its window); use prompt_lengths=uniform or cache.window=1")
 
 
-def check_measurements(cfg, max_len: int) -> None:
+def check_measurements(rc: RunConfig, max_len: int) -> None:
     """The ``measurements`` key names registered measurements, and each chosen one accepts its options."""
     from harness import measurements
 
     try:
-        names = measurements.chosen(cfg.get("measurements"))
+        names = measurements.chosen(rc.measurements)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    ctx = measurements.Context(engine=None, spec=None, prompts=[], new_tokens=0, max_len=max_len, device=None,
-                               cfg=cfg)
     for name in names:
         cls = measurements.MEASUREMENTS[name]
-        cls.check(ctx.options(cls), cfg, max_len)
+        cls.check(measurements.options_of(cls, rc.options), max_len)
 
 
-def _check_fills(cfg, max_len: int, contexts: list[int]) -> None:
+def _check_fills(rc: RunConfig, max_len: int, contexts: list[int]) -> None:
     """The caches the run's measurements build (``harness.experiment.memory.cache_fills``) against what the kind's options can
     hold: a paged pool of ``cache.blocks`` blocks must hold the largest, before any of them is built."""
     from harness import measurements
     from harness.experiment import memory
 
-    cls = cache_kind(cfg.cache.kind)
-    opts = cls.parse_options(**cache_options(cfg.cache))
+    kind = rc.cache.kind
+    cls = cache_kind(kind)
+    opts = cls.parse_options(**rc.cache.options)
     fills = memory.cache_fills(
-        kind=cfg.cache.kind, options=cache_options(cfg.cache), max_len=max_len, contexts=contexts,
-        prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens, batch=cfg.get("batch", 1),
-        batch_sizes=list(cfg.get("batch_sizes") or []) or None, batch_context=cfg.get("batch_context", 512),
-        drift_text_len=cfg.get("drift_text_len", 128), retrieval_n=cfg.get("retrieval_n"),
-        storage=cfg.dtype.storage, compute=cfg.dtype.compute, compile=bool(cfg.get("compile", False)),
-        measurements=measurements.chosen(cfg.get("measurements")))
+        kind=kind, options=dict(rc.cache.options), max_len=max_len, contexts=contexts,
+        prompt_len=rc.prompt_len, new_tokens=rc.new_tokens, batch=rc.batch,
+        batch_sizes=list(rc.option("batch_sizes") or []) or None, batch_context=rc.option("batch_context", 512),
+        drift_text_len=rc.option("drift_text_len", 128), retrieval_n=rc.option("retrieval_n"),
+        storage=rc.dtype.storage, compute=rc.dtype.compute, compile=rc.compile,
+        measurements=measurements.chosen(rc.measurements))
     try:
         cls.check_fills(opts, fills)
     except ValueError as e:
-        raise ConfigError(f"cache={cfg.cache.kind}: {e}") from None
+        raise ConfigError(f"cache={kind}: {e}") from None

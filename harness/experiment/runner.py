@@ -1,6 +1,9 @@
-"""One run, one straight path: validate the whole config (``plan_run``: pure, once) -> resolve the weights -> take
-the folder -> load the model, engine and prompts (``load``) -> run the measurements (``measure_run``, from the
-registry ``harness.measurements``) -> write the record and tables -> log to W&B.
+"""One run, one straight path: read Hydra's config once into plain values (``run``, the door:
+``harness.experiment.config.read`` -> a ``RunConfig``) -> validate it and resolve the weights (``plan_run``: pure,
+once -> a ``Plan``) -> take the folder -> load the model, engine and prompts (``load``) -> run the measurements
+(``measure_run``, from the registry ``harness.measurements``) -> write the record and tables -> log to W&B. Only
+``run`` holds the DictConfig; everything after it gets the ``RunConfig``, the ``Plan`` or the part of one it needs
+(``harness.experiment.plan``).
 
 A run never raises: whatever goes wrong (an impossible config, CUDA asked on a machine without it, out of memory,
 non-finite logits) is recorded as ``status: failed`` with its error, so a sweep goes on and keeps the runs around it.
@@ -15,7 +18,6 @@ the sweep report and ``run.py``'s exit code read exactly this invocation's runs 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import datetime as dt
 import hashlib
@@ -23,7 +25,6 @@ import os
 import re
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +43,8 @@ from harness.experiment import tracking
 from harness.experiment.tracking import default_group, wandb_id
 from harness.experiment import weights
 from harness.experiment.weights import Weights
-from harness.experiment.config import cache_options, config_id, dtype_label, validate
+from harness.experiment.config import cache_choice, dtype_label, read, validate
+from harness.experiment.plan import CacheChoice, ModelChoice, Plan, RunConfig
 from harness.core.engines import ENGINES, KvlabEngine
 from harness.experiment.invocation import (concurrent_runs, forget_invocation, invocation, invocation_failures,
                                 invocation_folders, mark_active, new_invocation, note_failure, note_started)
@@ -51,7 +53,7 @@ from models.kv_cache import as_dtype, cache_kind
 
 # the invocation's bookkeeping lives in harness.experiment.invocation; these names stay importable from here
 __all__ = ["concurrent_runs", "forget_invocation", "invocation", "invocation_failures", "invocation_folders",
-           "new_invocation", "note_failure", "note_started", "run"]
+           "new_invocation", "note_failure", "note_started", "run", "Plan", "RunConfig"]
 
 
 # ---- the run folder, resume -------------------------------------------------------------------------------------
@@ -231,16 +233,16 @@ def file_id(path: Path) -> str:
         return _sha(samples())
 
 
-def input_ids(cfg, w: Weights | None) -> dict:
-    """What a run's results depend on beyond its config: the prompts file's contents, the checkpoint's contents
-    (config.json and weights; the seed for random weights) and kvlab's own code (its sources and configs)."""
+def input_ids(prompts_path: Path | None, seed: int, w: Weights | None) -> dict:
+    """What a run's results depend on beyond its config: the prompts file's contents (``prompts_path``; None: random
+    prompts), the checkpoint's contents (config.json and weights; the model's ``seed`` for random weights) and
+    kvlab's own code (its sources and configs)."""
     prompts = "random prompts"
-    if cfg.prompts == "file":
-        path = Path(cfg.prompts_file)
-        path = path if path.is_absolute() else measure.REPO / path
+    if prompts_path is not None:
+        path = Path(prompts_path)
         prompts = file_id(path) if path.is_file() and path.stat().st_size <= PROMPTS_FILE_MAX else "not read"
     if w is None or w.random:
-        ckpt = f"random init (seed {cfg.model.seed})"
+        ckpt = f"random init (seed {seed})"
     elif Path(w.load_from).is_dir():
         files = [Path(w.load_from) / n for n in (*weights.FILES, "pytorch_model.bin")]
         ckpt = _sha(f"{f.name}:{file_id(f)}".encode() for f in files if f.is_file())
@@ -267,7 +269,7 @@ def resolve_dtypes(storage: str, compute: str, device: torch.device) -> tuple[to
     return as_dtype(storage), as_dtype(compute)
 
 
-def model_config(w: Weights, m) -> GPT2Config | None:
+def model_config(w: Weights, m: ModelChoice) -> GPT2Config | None:
     """The model's config, read cheaply before any weights (None for a hub id: known once loaded)."""
     if w.random:
         return GPT2Config.preset(m.preset)
@@ -280,14 +282,14 @@ def model_config(w: Weights, m) -> GPT2Config | None:
     return None
 
 
-def build_model(w: Weights, m, cfg: GPT2Config | None) -> GPT2:
+def build_model(w: Weights, m: ModelChoice, cfg: GPT2Config | None) -> GPT2:
     if w.random:
         torch.manual_seed(m.seed)
         return GPT2(cfg).eval()
     return GPT2.from_pretrained(w.load_from).eval()
 
 
-def weights_record(w: Weights | None, m) -> dict:
+def weights_record(w: Weights | None, m: ModelChoice) -> dict:
     """What results.json says of the weights: ``weights`` (random | pretrained), ``weights_source`` (random, the hub
     id or the folder), ``weights_detail`` (one line for people) and what was asked (``weights_requested``)."""
     if w is None:  # the request itself was refused; the run fails on it with its own message
@@ -388,7 +390,7 @@ def _hydra_dirs() -> tuple[Path, str, str]:
     return measure.REPO / "outputs" / "adhoc" / name, "adhoc", name
 
 
-def model_label(m) -> str:
+def model_label(m: ModelChoice) -> str:
     """How runs are labelled: the model's name; on a checkpoint folder whose name was left at the preset's, the
     folder's name is added (unless it is the model's name), so runs on two checkpoints never share a label."""
     if m.weights in ("random", "auto") or m.name != m.preset or Path(str(m.weights)).name == m.name:
@@ -396,140 +398,137 @@ def model_label(m) -> str:
     return f"{m.name}@{Path(str(m.weights)).name}"
 
 
-def config_record(cfg) -> dict:
+def config_record(rc: RunConfig) -> dict:
+    """What results.json says of the config, as given (a refused config's record says what it asked for)."""
     return dict(
-        model=model_label(cfg.model), preset=cfg.model.preset if cfg.model.weights in ("random", "auto") else None,
-        model_seed=cfg.model.seed, engine=engine_name(cfg), cache=cfg.cache.kind,
-        **cache_record(cfg.cache, engine_name(cfg)),
-        dtype=dtype_label(cfg.dtype.storage, cfg.dtype.compute),
-        device_requested=cfg.device.name, experiment=cfg.experiment, n_prompts=cfg.n_prompts,
-        new_tokens=cfg.new_tokens, prompt_len=cfg.prompt_len, max_len=cfg.max_len, batch=cfg.get("batch", 1),
-        compile=bool(cfg.get("compile", False)),
-        prompt_lengths=cfg.get("prompt_lengths", "uniform"),
-        context_lengths=None if cfg.context_lengths is None else ",".join(str(c) for c in cfg.context_lengths),
-        repeats=cfg.repeats, warmup=cfg.warmup,
-        seed=cfg.seed, prompts=cfg.prompts)
+        model=model_label(rc.model), preset=rc.model.preset if rc.model.weights in ("random", "auto") else None,
+        model_seed=rc.model.seed, engine=rc.engine.name, cache=rc.cache.kind,
+        **cache_record(rc.cache, rc.engine.name),
+        dtype=dtype_label(rc.dtype.storage, rc.dtype.compute),
+        device_requested=rc.device, experiment=rc.experiment, n_prompts=rc.n_prompts,
+        new_tokens=rc.new_tokens, prompt_len=rc.prompt_len, max_len=rc.max_len, batch=rc.batch,
+        compile=rc.compile,
+        prompt_lengths=rc.prompt_lengths,
+        context_lengths=None if rc.context_lengths is None else ",".join(str(c) for c in rc.context_lengths),
+        repeats=rc.repeats, warmup=rc.warmup,
+        seed=rc.seed, prompts=rc.prompts)
 
 
-def asked_measurements(cfg) -> str:
-    """The measurements the config asks for, comma-separated (as given, when they are not all known)."""
+def asked_measurements(names) -> str:
+    """The measurements asked for (``RunConfig.measurements``), comma-separated (as given, when they are not all
+    known)."""
     try:
-        return ",".join(measurements.chosen(cfg.get("measurements")))
+        return ",".join(measurements.chosen(names))
     except ValueError:
-        return ",".join(map(str, cfg.get("measurements") or []))
+        return ",".join(map(str, names or []))
 
 
-def engine_name(cfg) -> str:
-    return str(cfg.get("engine", {}).get("name", "kvlab"))
-
-
-def cache_record(node, engine: str = "kvlab") -> dict:
+def cache_record(cache: CacheChoice, engine: str = "kvlab") -> dict:
     """The cache's label, whether it is exact, and its options as ``cache_<option>`` columns. On another engine
     than kvlab's the label says which (``prealloc · hf``), so its runs are their own series in every table and
-    plot. The options are the resolved ones (a window's ``budget`` sets its ``window``)."""
-    options = cache_options(node)
+    plot. The options are the resolved ones (a window's ``budget`` sets its ``window``). ``cache``: the run's
+    ``CacheChoice`` (a composed cache node is read into one first: ``harness.experiment.config.cache_choice``)."""
+    if not isinstance(cache, CacheChoice):
+        cache = cache_choice(cache)
+    options = dict(cache.options)
     try:
-        cls = cache_kind(node.kind)
+        cls = cache_kind(cache.kind)
         opts = cls.parse_options(**options)
         head = dict(cache_label=cls.label(opts) + ("" if engine == "kvlab" else f" · {engine}"),
                     cache_exact=cls.exact)
         options = {k: getattr(opts, k, v) for k, v in options.items()}
     except ValueError:  # recorded as given; the run fails on it with its own message
-        head = dict(cache_label=str(node.kind), cache_exact=None)
+        head = dict(cache_label=str(cache.kind), cache_exact=None)
     return {**head, **{f"cache_{k}": v for k, v in options.items()}}
 
 
-@dataclass(frozen=True)
-class Plan:
-    """What a valid config resolves to, checked before anything is built, written or opened."""
-
-    weights: Weights
-    model_cfg: GPT2Config | None  # None: a hub checkpoint, known once loaded
-    max_len: int | None
-    contexts: list[int] | None
-    device: torch.device
-    storage: torch.dtype
-    compute: torch.dtype
-    prompts_path: Path | None  # prompts=file: the file
-    inputs: dict  # input_ids: what the results depend on beyond the config
+def prompts_path(rc: RunConfig) -> Path | None:
+    """The prompts file (``prompts=file``: ``prompts_file``, relative to the repository unless absolute), or None."""
+    if rc.prompts != "file":
+        return None
+    path = Path(rc.prompts_file)
+    return path if path.is_absolute() else measure.REPO / path
 
 
-def plan_run(cfg, w: Weights | None = None) -> Plan:
+def plan_run(rc: RunConfig, w: Weights | None = None) -> Plan:
     """Check the whole config from the config alone, purely (files are only read): the knobs, the checkpoint's
     config and its tensors' shapes, the device, the prompts file, and the run's peak memory against what the machine
-    has free. Raises (``ConfigError``, ``CheckpointError``: one line) on anything that cannot run."""
+    has free -> the run's ``Plan``. Raises (``ConfigError``, ``CheckpointError``: one line) on anything that cannot
+    run."""
     from models.tokenizer import Tokenizer
 
-    w = w or weights.resolve(cfg.model)
-    mcfg = model_config(w, cfg.model)
-    max_len, contexts = validate(cfg, mcfg.n_positions, mcfg.head_dim) if mcfg is not None else (None, None)
-    device = resolve_device(cfg.device.name)
-    storage, compute = resolve_dtypes(cfg.dtype.storage, cfg.dtype.compute, device)
-    path = None
-    if cfg.prompts == "file":
-        path = Path(cfg.prompts_file)
-        path = path if path.is_absolute() else measure.REPO / path
+    w = w or weights.resolve(rc.model)
+    mcfg = model_config(w, rc.model)
+    max_len, contexts = validate(rc, mcfg.n_positions, mcfg.head_dim) if mcfg is not None else (None, None)
+    device = resolve_device(rc.device)
+    storage, compute = resolve_dtypes(rc.dtype.storage, rc.dtype.compute, device)
+    path = prompts_path(rc)
+    if path is not None:
         check_prompts_file(path)
         if mcfg is not None and mcfg.vocab_size < Tokenizer.VOCAB_SIZE:
             raise ConfigError(f"prompts=file uses GPT-2's {Tokenizer.VOCAB_SIZE:,}-token vocabulary, but model "
-                              f"{cfg.model.name} has vocab_size {mcfg.vocab_size:,}: use prompts=random")
+                              f"{rc.model.name} has vocab_size {mcfg.vocab_size:,}: use prompts=random")
     if mcfg is not None:
-        check_memory(cfg, mcfg, max_len, contexts, storage, compute, device)
-    return Plan(w, mcfg, max_len, contexts, device, storage, compute, path, input_ids(cfg, w))
+        check_memory(rc, mcfg, max_len, contexts, storage, compute, device)
+    return Plan(rc, w, mcfg, max_len, contexts, device, storage, compute, path,
+                input_ids(path, rc.model.seed, w))
 
 
-def check_memory(cfg, mcfg: GPT2Config, max_len: int, contexts: list[int], storage, compute, device) -> None:
+def check_memory(rc: RunConfig, mcfg: GPT2Config, max_len: int, contexts: list[int], storage, compute,
+                 device) -> None:
     """The run's peak bytes (weights, caches, the measurements' largest tensors) against what is free: refused in
-    one line, with what would fit, before anything is allocated (``harness.experiment.memory``)."""
+    one line, with what would fit, before anything is allocated (``harness.experiment.memory``: plain values)."""
     from harness.experiment import memory
 
-    need = memory.run_bytes(mcfg, storage=storage, compute=compute, kind=cfg.cache.kind,
-                            options=cache_options(cfg.cache), max_len=max_len, context_lengths=contexts,
-                            batch=cfg.get("batch", 1), batch_sizes=list(cfg.get("batch_sizes") or []) or None,
-                            batch_context=cfg.get("batch_context", 512), n_prompts=cfg.n_prompts,
-                            new_tokens=cfg.new_tokens, prompt_len=cfg.prompt_len,
-                            drift_text_len=cfg.drift_text_len, engine=engine_name(cfg), device=device.type,
-                            compile=bool(cfg.get("compile", False)), retrieval_n=cfg.get("retrieval_n"),
-                            measurements=measurements.chosen(cfg.get("measurements")))
+    need = memory.run_bytes(mcfg, storage=storage, compute=compute, kind=rc.cache.kind,
+                            options=dict(rc.cache.options), max_len=max_len, context_lengths=contexts,
+                            batch=rc.batch, batch_sizes=list(rc.option("batch_sizes") or []) or None,
+                            batch_context=rc.option("batch_context", 512), n_prompts=rc.n_prompts,
+                            new_tokens=rc.new_tokens, prompt_len=rc.prompt_len,
+                            drift_text_len=rc.option("drift_text_len"), engine=rc.engine.name, device=device.type,
+                            compile=rc.compile, retrieval_n=rc.option("retrieval_n"),
+                            measurements=measurements.chosen(rc.measurements))
     memory.check(need, memory.available_bytes(device),
                  where="this machine" if device.type == "cpu" else f"GPU {device}")
 
 
-def load(cfg, plan: Plan) -> dict:
+def load(plan: Plan) -> dict:
     """What a run reads before it measures, loaded before anything in its folder is cleared: the model from its
     checkpoint (every tensor checked), the engine, the prompts from their file. Raises, in one line, on a fault."""
     from models.tokenizer import Tokenizer
 
+    rc = plan.config
     w, mcfg, max_len, contexts = plan.weights, plan.model_cfg, plan.max_len, plan.contexts
     device, storage, compute = plan.device, plan.storage, plan.compute
-    model32 = build_model(w, cfg.model, mcfg)
+    model32 = build_model(w, rc.model, mcfg)
     if mcfg is None:  # a hub checkpoint: validate now that its config is known
         mcfg = model32.config
-        max_len, contexts = validate(cfg, mcfg.n_positions, mcfg.head_dim)
-        check_memory(cfg, mcfg, max_len, contexts, storage, compute, device)
+        max_len, contexts = validate(rc, mcfg.n_positions, mcfg.head_dim)
+        check_memory(rc, mcfg, max_len, contexts, storage, compute, device)
     model32 = model32.to(device)
     model = model32 if compute == torch.float32 else copy.deepcopy(model32).to(compute)
-    compiled = bool(cfg.get("compile", False))  # validation has refused it on an engine that cannot compile
-    engine = ENGINES[engine_name(cfg)](model, **({"compile": True} if compiled else {}))
-    spec = measure.CacheSpec(cfg.cache.kind, cache_options(cfg.cache), storage)
+    compiled = rc.compile  # validation has refused it on an engine that cannot compile
+    engine = ENGINES[rc.engine.name](model, **({"compile": True} if compiled else {}))
+    spec = measure.CacheSpec(rc.cache.kind, dict(rc.cache.options), storage)
     # drift (against FP32 full attention) is measured for every run that is not that reference itself
     plain_fp32 = storage == compute == torch.float32 and spec.cls.full_attention(spec.opts)
     ref32 = None if plain_fp32 else (engine if compute == torch.float32 and engine.runs_references
                                      else KvlabEngine(model32))  # the reference is always kvlab's fp32
-    text_len = min(max_len, max(cfg.drift_text_len, cfg.prompt_len + 1))  # drift on text: prompt + continuation
+    # drift on text: the prompt and its continuation
+    text_len = min(max_len, max(rc.option("drift_text_len"), rc.prompt_len + 1))
     if plan.prompts_path is not None:
         if plan.model_cfg is None and mcfg.vocab_size < Tokenizer.VOCAB_SIZE:  # a hub checkpoint: known only now
             raise ConfigError(f"prompts=file uses GPT-2's {Tokenizer.VOCAB_SIZE:,}-token vocabulary, but model "
-                              f"{cfg.model.name} has vocab_size {mcfg.vocab_size:,}: use prompts=random")
+                              f"{rc.model.name} has vocab_size {mcfg.vocab_size:,}: use prompts=random")
         path = plan.prompts_path
-        prompts = text_prompts(path, cfg.n_prompts, cfg.prompt_len, Tokenizer())
-        texts = text_prompts(path, cfg.n_prompts, text_len, Tokenizer()) if ref32 is not None else None
-        served = text_prompts(path, cfg.batch, cfg.prompt_len, Tokenizer())
+        prompts = text_prompts(path, rc.n_prompts, rc.prompt_len, Tokenizer())
+        texts = text_prompts(path, rc.n_prompts, text_len, Tokenizer()) if ref32 is not None else None
+        served = text_prompts(path, rc.batch, rc.prompt_len, Tokenizer())
     else:
-        prompts = random_prompts(cfg.n_prompts, cfg.prompt_len, mcfg.vocab_size, cfg.seed)
-        texts = random_prompts(cfg.n_prompts, text_len, mcfg.vocab_size, cfg.seed) if ref32 is not None else None
-        served = random_prompts(cfg.batch, cfg.prompt_len, mcfg.vocab_size, cfg.seed)
-    lengths = batch_lengths(cfg.batch, cfg.prompt_len, cfg.prompt_lengths, cfg.seed)
+        prompts = random_prompts(rc.n_prompts, rc.prompt_len, mcfg.vocab_size, rc.seed)
+        texts = random_prompts(rc.n_prompts, text_len, mcfg.vocab_size, rc.seed) if ref32 is not None else None
+        served = random_prompts(rc.batch, rc.prompt_len, mcfg.vocab_size, rc.seed)
+    lengths = batch_lengths(rc.batch, rc.prompt_len, rc.prompt_lengths, rc.seed)
     served = [p[0, :n] for p, n in zip(served, lengths)]  # (n,) each
     prompts = [p.to(device) for p in prompts]
     texts = texts and [t.to(device) for t in texts]
@@ -548,25 +547,26 @@ def resolved_record(plan: Plan, loaded: dict) -> dict:
         max_len=loaded["max_len"], context_lengths=",".join(map(str, loaded["contexts"])))
 
 
-def context(cfg, plan: Plan, loaded: dict, rec: dict, progress: bool) -> measurements.Context:
-    """What the run's measurements share (``harness.measurements.Context``)."""
+def context(plan: Plan, loaded: dict, rec: dict, progress: bool) -> measurements.Context:
+    """What the run's measurements share (``harness.measurements.Context``): plain values, their options by name."""
+    rc = plan.config
     return measurements.Context(
-        engine=loaded["engine"], spec=loaded["spec"], prompts=loaded["prompts"], new_tokens=cfg.new_tokens,
-        max_len=loaded["max_len"], device=plan.device, cfg=cfg, ref32=loaded["ref32"], texts=loaded["texts"],
-        served=loaded["served"], contexts=loaded["contexts"], repeats=cfg.repeats, warmup=cfg.warmup, seed=cfg.seed,
-        compiled=loaded["compiled"], progress=progress, peak_reset=measure.reset_peak_memory(plan.device),
-        record=rec)
+        engine=loaded["engine"], spec=loaded["spec"], prompts=loaded["prompts"], new_tokens=rc.new_tokens,
+        max_len=loaded["max_len"], device=plan.device, option_values=dict(rc.options), ref32=loaded["ref32"],
+        texts=loaded["texts"], served=loaded["served"], contexts=loaded["contexts"], repeats=rc.repeats,
+        warmup=rc.warmup, seed=rc.seed, compiled=loaded["compiled"], progress=progress,
+        peak_reset=measure.reset_peak_memory(plan.device), record=rec)
 
 
-def measure_run(cfg, plan: Plan, loaded: dict, rec: dict, progress: bool = True) -> dict:
+def measure_run(plan: Plan, loaded: dict, rec: dict, progress: bool = True) -> dict:
     """The measurements the config asks for (``measurements``; default: all), each one's Result written into ``rec``
     as it ends (a run that fails late keeps what it measured; ``rec["failed_stage"]`` names the measurement it was
     in) -> the run's tables. Raises on any failure."""
     rec.update(resolved_record(plan, loaded), **record.typed(record.Fingerprint, measure.fingerprint(plan.device)),
-               **weights_record(plan.weights, cfg.model))
+               **weights_record(plan.weights, plan.config.model))
     others = concurrent_runs()
-    tables = measurements.measure(context(cfg, plan, loaded, rec, progress),
-                                  measurements.chosen(cfg.get("measurements")))
+    tables = measurements.measure(context(plan, loaded, rec, progress),
+                                  measurements.chosen(plan.config.measurements))
     rec["concurrent_runs_while_timing"] = max(others, concurrent_runs())
     if rec["concurrent_runs_while_timing"]:
         print(f"kvlab: {rec['concurrent_runs_while_timing']} other kvlab run(s) measured on this machine while this "
@@ -574,15 +574,16 @@ def measure_run(cfg, plan: Plan, loaded: dict, rec: dict, progress: bool = True)
     return tables
 
 
-def verdict(cfg, rec: dict) -> tuple[str, str | None]:
+def verdict(options: dict, rec: dict) -> tuple[str, str | None]:
     """``("ok", None)``, or ``("not_equivalent", why)`` for an exact kind whose storage and compute are fp32 and
-    whose cached tokens differ from its reference's, or whose max |dlogit| exceeds ``equivalence_tol``: a failure,
-    never "ok". Each measurement says what of its own results fails it (``not_equivalent``). Reduced precision and
-    lossy kinds are findings, not verdicts."""
+    whose cached tokens differ from its reference's, or whose max |dlogit| exceeds ``equivalence_tol`` (of
+    ``options``: the measurements' options by name, ``RunConfig.options``): a failure, never "ok". Each measurement
+    says what of its own results fails it (``not_equivalent``). Reduced precision and lossy kinds are findings, not
+    verdicts."""
     exact32 = rec.get("cache_exact") and rec.get("storage_dtype") == rec.get("compute_dtype") == "float32"
     if not exact32:
         return "ok", None
-    tol = float(cfg.get("equivalence_tol", 1e-4))
+    tol = float(options.get("equivalence_tol", 1e-4))
     why = [w for m in measurements.MEASUREMENTS.values() for w in m.not_equivalent(rec, tol)]
     if not why:
         return "ok", None
@@ -641,15 +642,44 @@ def slurm_record() -> dict:
     return dict(slurm_job_id=job, slurm_array_task_id=int(task) if task and task.isdigit() else None)
 
 
+@dataclass(frozen=True)
+class HydraJob:
+    """What a run keeps of Hydra's side, read at the door: the job's ``.hydra/`` files (file name -> text: its
+    config, Hydra's, the overrides) and the command line's overrides (the W&B run's notes)."""
+
+    files: dict
+    notes: str
+
+
+def hydra_job(cfg: DictConfig) -> HydraJob:
+    """The job's ``.hydra/`` files and overrides, as text (written by kvlab once the config is valid and the folder is
+    its own: Hydra's own writing of them is off, conf/config.yaml)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    files = {"config.yaml": OmegaConf.to_yaml(cfg)}
+    if HydraConfig.initialized():
+        hc = HydraConfig.get()
+        files["hydra.yaml"] = OmegaConf.to_yaml(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}))
+        files["overrides.yaml"] = OmegaConf.to_yaml(OmegaConf.create(list(hc.overrides.task)))
+    return HydraJob(files, hydra_overrides())
+
+
 def run(cfg: DictConfig, progress: bool = True) -> dict:
-    """One run from a composed config. The config is checked first, purely; then the run folder must be kvlab's
-    (new, empty, or holding only what kvlab wrote) and is locked; then the run is measured, its files and W&B run
-    written. Never raises for a failed run; Ctrl-C, SIGTERM, SIGHUP or SIGUSR2 record it as interrupted and stop
-    the process with exit code 128 + the signal's number."""
+    """One run from a composed config: the door. Hydra is read here once (the config into a ``RunConfig``, the job's
+    .hydra/ files and overrides); below, only plain values travel. The config is checked first, purely; then the
+    run folder must be kvlab's (new, empty, or holding only what kvlab wrote) and is locked; then the run is
+    measured, its files and W&B run written. Never raises for a failed run; Ctrl-C, SIGTERM, SIGHUP or SIGUSR2
+    record it as interrupted and stop the process with exit code 128 + the signal's number."""
     run_dir, folder, name = _hydra_dirs()
     catch_signals()
     try:
-        return _run(cfg, run_dir, folder, name, progress)
+        try:
+            rc, job = read(cfg), hydra_job(cfg)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # a config that cannot even be read (a value that does not resolve): nothing written
+            return _refuse(run_dir, name, one_line(e))
+        return _run(rc, job, run_dir, folder, name, progress)
     except KeyboardInterrupt as e:  # outside the measurement: nothing of this attempt was written
         what, code = interruption(e)
         print(f"kvlab: run {name} interrupted ({what}) before its measurement started; the same command runs it",
@@ -696,15 +726,15 @@ def _refuse(run_dir: Path, name: str, why: str) -> dict:
     return dict(status="failed", error=why, run_name=name, run_dir=str(run_dir))
 
 
-def _run(cfg, run_dir: Path, folder: str, name: str, progress: bool) -> dict:
-    group = cfg.tracking.group or default_group(cfg.experiment, folder)
-    ident, inv = config_id(cfg), invocation()
+def _run(rc: RunConfig, job: HydraJob, run_dir: Path, folder: str, name: str, progress: bool) -> dict:
+    group = rc.tracking.group or default_group(rc.experiment, folder)
+    ident, inv = rc.config_id, invocation()
     note_started(run_dir)
     misplaced = _misplaced(run_dir)
     if misplaced:
         return _refuse(run_dir, name, misplaced)
     try:
-        plan, refused = plan_run(cfg), None
+        plan, refused = plan_run(rc), None
     except KeyboardInterrupt:
         raise
     except Exception as e:  # recorded below, in a folder that holds nothing of an earlier run
@@ -717,7 +747,7 @@ def _run(cfg, run_dir: Path, folder: str, name: str, progress: bool) -> dict:
         return _refuse(run_dir, name, f"{refused} (the earlier run in {run_dir} is left as it was)")
     try:
         with ownership.locked(run_dir, "run folder", inv):
-            return _locked_run(cfg, plan, refused, run_dir, name, group, ident, inv, progress)
+            return _locked_run(rc, job, plan, refused, run_dir, name, group, ident, inv, progress)
     except OSError as e:  # the folder cannot be written: nothing was measured
         why = f"cannot write in {run_dir}: {e.strerror or e}"
         print(f"kvlab: run {name} failed: {why}", file=sys.stderr)
@@ -725,11 +755,11 @@ def _run(cfg, run_dir: Path, folder: str, name: str, progress: bool) -> dict:
         return dict(status="failed", error=why, run_name=name, run_dir=str(run_dir))
 
 
-def _locked_run(cfg, plan: Plan | None, refused: str | None, run_dir: Path, name: str, group: str, ident: str,
-                inv: str, progress: bool) -> dict:
+def _locked_run(rc: RunConfig, job: HydraJob, plan: Plan | None, refused: str | None, run_dir: Path, name: str,
+                group: str, ident: str, inv: str, progress: bool) -> dict:
     """A run in its locked folder: a finished run of the same config and inputs is confirmed; otherwise what it
     reads is loaded, the folder cleared of kvlab's earlier attempt, and it is measured and written."""
-    prior = _resumable(cfg, plan, run_dir, name, ident)
+    prior = _resumable(rc, plan, run_dir, name, ident)
     if prior is not None:
         return _confirm(run_dir, prior, inv, name)
     other = _finished_other(run_dir, ident)
@@ -738,7 +768,7 @@ def _locked_run(cfg, plan: Plan | None, refused: str | None, run_dir: Path, name
     loaded = None
     if refused is None:
         try:  # the checkpoint's tensors and the prompts file are read before anything here is cleared
-            loaded = load(cfg, plan)
+            loaded = load(plan)
         except KeyboardInterrupt:
             raise
         except Exception as e:
@@ -746,12 +776,13 @@ def _locked_run(cfg, plan: Plan | None, refused: str | None, run_dir: Path, name
             if not _fresh_or_failed_attempt(run_dir, ident):
                 return _refuse(run_dir, name, f"{refused} (the earlier run in {run_dir} is left as it was)")
     ownership.remove(run_dir, partial_files())  # what an earlier attempt of kvlab's left here, and nothing else
-    _write_hydra(run_dir, cfg)
+    _write_hydra(run_dir, job.files)
     record = dict(status="failed", error=refused, failed_stage=None if refused is None else "check the config",
                   run_name=name, group=group, run_dir=str(run_dir), config_id=ident, invocation=inv, invocations=inv,
-                  device=cfg.device.name, **weights_record(plan.weights if plan else None, cfg.model),
-                  started_at=dt.datetime.now().isoformat(timespec="seconds"), **config_record(cfg),
-                  measurements=asked_measurements(cfg), **(plan.inputs if plan else {}), **slurm_record())
+                  device=rc.device, **weights_record(plan.weights if plan else None, rc.model),
+                  started_at=dt.datetime.now().isoformat(timespec="seconds"), **config_record(rc),
+                  measurements=asked_measurements(rc.measurements), **(plan.inputs if plan else {}),
+                  **slurm_record())
     if record["slurm_job_id"]:  # the job's log says which run it measures (a user's scancel needs the id)
         print(f"kvlab: run {name} in Slurm job {record['slurm_job_id']} ({run_dir})", flush=True)
     t0 = time.perf_counter()
@@ -759,21 +790,21 @@ def _locked_run(cfg, plan: Plan | None, refused: str | None, run_dir: Path, name
     if refused is not None:
         print(f"kvlab: run {name} failed: {refused}", file=sys.stderr)
     else:
-        wb, tables = _measured(cfg, plan, loaded, record, run_dir, name, group, ident, progress, t0)
+        wb, tables = _measured(plan, job.notes, loaded, record, run_dir, name, group, ident, progress, t0)
     return _finish(run_dir, record, tables, wb, name, t0)
 
 
-def _resumable(cfg, plan: Plan | None, run_dir: Path, name: str, ident: str) -> dict | None:
+def _resumable(rc: RunConfig, plan: Plan | None, run_dir: Path, name: str, ident: str) -> dict | None:
     """The finished record in ``run_dir`` to keep (resume): same config, same inputs, same weights; None (and,
     where one exists, a line saying why it is measured again) otherwise."""
-    if plan is None or not cfg.get("resume", True):
+    if plan is None or not rc.resume:
         return None
     prior = completed(run_dir, ident)
     if prior is None:
         return None
     why = changed_inputs(prior, plan.inputs)
     if prior.get("weights_source") not in (None, plan.weights.source):
-        why.insert(0, f"it was measured on {prior['weights_source']} but model.weights={cfg.model.weights} "
+        why.insert(0, f"it was measured on {prior['weights_source']} but model.weights={rc.model.weights} "
                       f"now gives {plan.weights.source}")
     if not why:
         return prior
@@ -781,16 +812,16 @@ def _resumable(cfg, plan: Plan | None, run_dir: Path, name: str, ident: str) -> 
     return None
 
 
-def _measured(cfg, plan: Plan, loaded: dict, record: dict, run_dir: Path, name: str, group: str, ident: str,
+def _measured(plan: Plan, notes: str, loaded: dict, record: dict, run_dir: Path, name: str, group: str, ident: str,
               progress: bool, t0: float):
     """Open the W&B run and measure; the verdict into ``record``. A failure is recorded, never raised (the sweep
     goes on); a signal writes an interrupted record and stops the process. -> (W&B run, tables)."""
     active = mark_active()
     wb, tables = None, {}
     try:
-        wb = _open_wandb(cfg, record, group, name, run_dir, ident)
-        tables = measure_run(cfg, plan, loaded, record, progress)
-        record["status"], record["error"] = verdict(cfg, record)
+        wb = _open_wandb(plan.config, record, group, name, run_dir, ident, notes)
+        tables = measure_run(plan, loaded, record, progress)
+        record["status"], record["error"] = verdict(plan.config.options, record)
     except KeyboardInterrupt as e:
         what, code = interruption(e)
         signals.ignore_signals()
@@ -831,26 +862,19 @@ def _finish(run_dir: Path, record: dict, tables: dict, wb, name: str, t0: float)
     return record
 
 
-def _write_hydra(run_dir: Path, cfg) -> None:
-    """The job's ``.hydra/`` (its config, Hydra's, the overrides), written by kvlab once the config is valid and the
-    folder is its own (Hydra's own writing of it is off: conf/config.yaml)."""
-    from hydra.core.hydra_config import HydraConfig
-
+def _write_hydra(run_dir: Path, files: dict) -> None:
+    """The job's ``.hydra/`` (``HydraJob.files``: its config, Hydra's, the overrides), written by kvlab once the
+    config is valid and the folder is its own (Hydra's own writing of it is off: conf/config.yaml)."""
     ownership.claim(run_dir, ".hydra")
-    files = {"config.yaml": OmegaConf.to_yaml(cfg)}
-    if HydraConfig.initialized():
-        hc = HydraConfig.get()
-        files["hydra.yaml"] = OmegaConf.to_yaml(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}))
-        files["overrides.yaml"] = OmegaConf.to_yaml(OmegaConf.create(list(hc.overrides.task)))
     for fname, text in files.items():
         tracking.atomic_write(Path(run_dir) / ".hydra" / fname, text.encode())
 
 
-def run_tags(cfg, record: dict) -> list[str]:
+def run_tags(rc: RunConfig, record: dict) -> list[str]:
     """W&B tags: experiment, model, cache kind, dtype, device, and whether the weights are random."""
     weights_tag = {"random": "random-weights", "pretrained": "pretrained"}.get(record.get("weights"), "weights-unknown")
-    return [str(t)[:64] for t in (cfg.experiment, record.get("model"), f"engine-{engine_name(cfg)}", cfg.cache.kind,
-                                  record.get("dtype"), cfg.device.name, weights_tag)]
+    return [str(t)[:64] for t in (rc.experiment, record.get("model"), f"engine-{rc.engine.name}", rc.cache.kind,
+                                  record.get("dtype"), rc.device, weights_tag)]
 
 
 def hydra_overrides() -> str:
@@ -862,12 +886,13 @@ def hydra_overrides() -> str:
     return " ".join(HydraConfig.get().overrides.task) or "defaults"
 
 
-def _open_wandb(cfg, record: dict, group: str, name: str, run_dir: Path, ident: str):
-    """The run's W&B run, opened as the measurement starts; trouble with W&B never costs the measurement."""
+def _open_wandb(rc: RunConfig, record: dict, group: str, name: str, run_dir: Path, ident: str, notes: str):
+    """The run's W&B run, opened as the measurement starts; trouble with W&B never costs the measurement. W&B gets
+    the tracking choice and the resolved config as a plain dict (``RunConfig.resolved``)."""
     try:
-        wb = tracking.WandbRun(cfg.tracking.mode, cfg.tracking.project, cfg.tracking.entity, group, name, run_dir,
-                               OmegaConf.to_container(cfg, resolve=True), run_id=wandb_id(run_dir, ident),
-                               tags=run_tags(cfg, record), notes=hydra_overrides())
+        t = rc.tracking
+        wb = tracking.WandbRun(t.mode, t.project, t.entity, group, name, run_dir, copy.deepcopy(rc.resolved),
+                               run_id=wandb_id(run_dir, ident), tags=run_tags(rc, record), notes=notes)
         record.update(wandb=wb.where, wandb_id=wb.id)
         return wb
     except Exception as e:

@@ -106,8 +106,9 @@ def checkpoint_folder(text: str) -> Path | None:
 
 
 def resolve(m, announce=print) -> Weights:
-    """The weights a model config node (``name``, ``preset``, ``weights``, ``seed``) asks for. Only ``auto`` may
-    touch the network, with a bounded wait, and says in one line when it falls back to the seeded init."""
+    """The weights the run's model choice asks for (``harness.experiment.plan.ModelChoice``: ``preset``, ``weights``,
+    ``seed``; plain values, never the config). Only ``auto`` may touch the network, with a bounded wait, and says in
+    one line when it falls back to the seeded init."""
     text = str(m.weights)
     if text == "random":
         return random_init(m.seed)

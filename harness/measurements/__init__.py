@@ -12,6 +12,7 @@ the figures, the W&B history keys and panels.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from dataclasses import dataclass, field
@@ -27,8 +28,8 @@ from harness.measurements import (equivalence, generation_drift, text_drift, ret
 
 __all__ = ["MEASUREMENTS", "Context", "Measurement", "NoOptions", "Panel", "Table", "key", "option",
            "register", "measure", "chosen", "run_on", "tables", "table", "history_keys", "panels",
-           "shown_keys", "labels", "summary_lines", "options", "all_keys", "keys_text", "results_doc", "KEYS",
-           "declared_names"]
+           "shown_keys", "labels", "summary_lines", "options", "options_of", "all_keys", "keys_text", "results_doc",
+           "KEYS", "declared_names"]
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Context:
     new_tokens: int
     max_len: int
     device: Any  # torch.device
-    cfg: Any = None  # the run's config: the measurements' options (None: their defaults)
+    option_values: dict | None = None  # the measurements' options by name, plain values (None: their defaults)
     ref32: Any = None  # the fp32 full-attention reference engine; None for a run that is its own
     texts: list | None = None  # real text, one (1, L) per prompt, for text drift
     served: list | None = None  # the served batch's prompts, 1-D each
@@ -57,21 +58,20 @@ class Context:
     tables: dict = field(default_factory=dict)
 
     def options(self, cls: type[Measurement]):
-        """``cls.Options`` from the run's config (the top-level keys of the same names), defaults where unset."""
-        if self.cfg is None:
-            return cls.Options()
-        return cls.Options(**{f.name: _plain(self.cfg.get(f.name, _default(f)))
-                              for f in dataclasses.fields(cls.Options)})
+        """``cls.Options`` from the run's option values (``option_values``), defaults where unset."""
+        return options_of(cls, self.option_values)
+
+
+def options_of(cls: type[Measurement], values: dict | None):
+    """``cls.Options`` from plain option values by name (a run's: the top-level config keys of the same names),
+    each one's declared default where ``values`` has none."""
+    values = values or {}
+    return cls.Options(**{f.name: copy.deepcopy(values[f.name]) if f.name in values else _default(f)
+                          for f in dataclasses.fields(cls.Options)})  # each its own copy, as the config gave it
 
 
 def _default(f: dataclasses.Field):
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-
-
-def _plain(v):
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
 
 
 def options() -> list[tuple[str, dataclasses.Field]]:
@@ -135,7 +135,7 @@ def run_on(engine, spec, prompts: list, new_tokens: int, names=GENERATION, max_l
     opts = {k: v for k, v in kw.items() if k not in fields}
     ctx = Context(engine=engine, spec=spec, prompts=prompts, new_tokens=new_tokens,
                   max_len=max_len or max(p.shape[1] for p in prompts) + new_tokens,
-                  device=kw.pop("device", prompts[0].device if prompts else torch.device("cpu")), cfg=opts,
+                  device=kw.pop("device", prompts[0].device if prompts else torch.device("cpu")), option_values=opts,
                   **{k: v for k, v in kw.items() if k in fields})
     tables_ = measure(ctx, chosen(list(names)))
     return ctx.record, tables_

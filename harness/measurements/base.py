@@ -23,7 +23,8 @@
 ``tables`` the run files it writes (several measurements may fill one table: its rows are joined on ``on``);
 ``panels`` its charts in the W&B Report;
 ``history`` the per-step series it logs to W&B; ``skip`` says why it does not apply to a run (recorded as
-``<name>_skipped``, never a failure); ``check`` refuses bad options before anything runs. A measurement that reads
+``<name>_skipped``, never a failure); ``check`` refuses bad options before anything runs (from the options and
+max_len alone: a measurement never sees the config). A measurement that reads
 the run's cached generations (one per prompt, made once for all of them) says so with ``reads_generations`` and
 gets each in ``on_generation``. Registering a class (``register``) is all it takes: the run, the summary, the
 tables, the report, the W&B logging and ``python -m harness.measurements --keys`` find it in ``MEASUREMENTS``.
@@ -36,9 +37,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import pandas as pd
-
-# caps on the counts a run reads or allocates by (config.validate and the measurements' checks refuse more, naming the cap)
+# caps on the counts a run reads or allocates by (config.validate and the measurements' checks refuse more,
+# naming the cap)
 MAX_PROMPTS = 10_000  # n_prompts, full_prompts
 MAX_REPEATS = 10_000  # timed repeats per step
 MAX_WARMUP = 1_000  # warm-up steps before them
@@ -114,8 +114,9 @@ class Measurement:
         self.opts = ctx.options(type(self))
 
     @classmethod
-    def check(cls, opts, cfg, max_len: int) -> None:
-        """Refuse bad options (raise ``harness.experiment.config.ConfigError``, one line), from the config alone."""
+    def check(cls, opts, max_len: int) -> None:
+        """Refuse bad options ``opts`` (its ``Options``, from the run's config) before anything runs: raise
+        ``harness.common.errors.ConfigError``, one line. ``max_len``: the run's effective cache capacity."""
 
     def skip(self) -> str | None:
         """Why this measurement does not apply to the run (None: it does)."""

@@ -34,7 +34,7 @@ class Batches(Measurement):
                     meaning="decode throughput per batch size"),)
 
     @classmethod
-    def check(cls, opts, cfg, max_len):
+    def check(cls, opts, max_len):
         from harness.common.errors import ConfigError
         from harness.measurements.base import MAX_LIST
 

@@ -46,7 +46,7 @@ class Equivalence(Measurement):
     history = {"step/eq_max_abs_diff": "decode_step", "step/eq_top1_agreement": "decode_step"}
 
     @classmethod
-    def check(cls, opts, cfg, max_len):
+    def check(cls, opts, max_len):
         from harness.common.errors import ConfigError
         from harness.measurements.base import MAX_PROMPTS
 

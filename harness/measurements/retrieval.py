@@ -46,7 +46,7 @@ class Retrieval(Measurement):
                     "through fp32 full attention."),)
 
     @classmethod
-    def check(cls, opts, cfg, max_len):
+    def check(cls, opts, max_len):
         from harness.common.errors import ConfigError
 
         if opts.retrieval_n < 2:

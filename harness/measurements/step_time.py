@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.core import stats
 from harness.measurements.base import Measurement, Panel, Table, key, option, register
 
 STEP_MS = {"ms_median": "", "ms_p10": "_p10", "ms_p90": "_p90"}  # steps.csv column -> step_ms/<mode><suffix>
@@ -64,7 +65,7 @@ class StepTime(Measurement):
                            step_ms_cached_at_max_context=float(top.loc["cached", "ms_median"]),
                            step_ms_uncached_at_max_context=float(top.loc["uncached", "ms_median"]),
                            speedup_at_max_context=float(top.loc["cached", "speedup"]),
-                           **ttft, **measure.cost_model(steps)), {"steps": steps}
+                           **ttft, **stats.cost_model(steps)), {"steps": steps}
 
     @classmethod
     def summary(cls, r, tables):

@@ -52,7 +52,7 @@ class TextDrift(Measurement):
                     "Teacher-forced drift on text vs fp32: mean and p99 KL, ΔNLL (nats/token), RMS Δp."),)
 
     @classmethod
-    def check(cls, opts, cfg, max_len):
+    def check(cls, opts, max_len):
         from harness.common.errors import ConfigError
 
         if opts.drift_text_len < 2:

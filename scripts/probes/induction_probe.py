@@ -2,13 +2,14 @@
 wide, random ids), scored every --every steps on 16 random sequences of 16 tokens shown twice behind 96 other random
 tokens: the attention each layer-1 head puts on the key right after the query's earlier showing (an induction head:
 near 1; attention spread evenly: ~0.008), layer 0's on the previous key, and top-1 copy accuracy on the second showing
-from position 0 / behind 32 / behind 96 (``harness.train.copy_accuracy``). One JSON line per evaluation.
+from position 0 / behind 32 / behind 96 (``harness.core.copying.model_copy_accuracy``). One JSON line per
+evaluation.
 
-    .venv/bin/python scripts/induction_probe.py                         # the toy as copy_from_probe --rows repeated
-    .venv/bin/python scripts/induction_probe.py --layer0 held           # a previous-token stage, its query/key held
-    .venv/bin/python scripts/induction_probe.py --layer0 frozen         # ... the whole of layer 0 frozen after it
-    .venv/bin/python scripts/induction_probe.py --rows twice --steps 6000   # a span twice at a random place
-    .venv/bin/python scripts/induction_probe.py --apart                 # a 2-layer attention-only model written here,
+    .venv/bin/python scripts/probes/induction_probe.py                  # the toy as copy_from_probe --rows repeated
+    .venv/bin/python scripts/probes/induction_probe.py --layer0 held    # a previous-token stage, its query/key held
+    .venv/bin/python scripts/probes/induction_probe.py --layer0 frozen  # ... the whole of layer 0 frozen after it
+    .venv/bin/python scripts/probes/induction_probe.py --rows twice --steps 6000  # a span twice at a random place
+    .venv/bin/python scripts/probes/induction_probe.py --apart           # a 2-layer attention-only model written here,
         # apart from kvlab's GPT2 (no MLP, std 0.02, AdamW lr 1e-3): is the plateau in our model code?
 
 docs/reference-model.md ("Copying from anywhere") reads its output; about 1 minute per 1,000 steps on one core.
@@ -23,8 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-if __name__ == "__main__":  # a Python without torch: run again with the repo's .venv, or one line (scripts/_venv.py)
-    import _venv
+if __name__ == "__main__":  # run as a file: the repo on the path; a Python without torch: run again with the repo's
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # .venv, or one line (scripts/_venv.py)
+    from scripts import _venv
 
     _venv.ensure(__file__)
 
@@ -32,29 +34,21 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import copy_from_probe as P  # noqa: E402
-from harness import train as T  # noqa: E402
+from harness.core.copying import model_copy_accuracy  # noqa: E402
+from harness.train.model import compact_model, lr_at, make_optimizer  # noqa: E402
+from harness.train.recipe import IGNORE  # noqa: E402
+from harness.train.rows import copy_rows, twice_rows  # noqa: E402
+from harness.train.targets import attention_io, attention_probs  # noqa: E402
 from models.gpt2 import GPT2Config  # noqa: E402
+from scripts.probes import copy_from_probe as P  # noqa: E402
 
 LONG = P.LONG
 
 
-def twice_rows(rows: int, n_ids: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of LONG random ids with one span of 4-32 of them shown twice at a random place; only the second showing
-    is a target (inputs, targets)."""
-    xs, ys = [], []
-    for _ in range(rows):
-        n = int(torch.randint(4, 33, (), generator=gen))
-        at = int(torch.randint(0, LONG + 1 - 2 * n, (), generator=gen))
-        r = torch.randint(0, n_ids, (LONG + 1,), generator=gen)
-        r[at + n:at + 2 * n] = r[at:at + n].clone()
-        y = torch.full((LONG,), T.IGNORE)
-        y[at + n:at + 2 * n - 1] = r[at + n + 1:at + 2 * n]
-        xs.append(r[:LONG])
-        ys.append(y)
-    return torch.stack(xs), torch.stack(ys)
+def twice(rows: int, n_ids: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """--rows twice: rows of LONG random ids (0 .. n_ids - 1) with one span of 4-32 of them shown twice at a random
+    place; only the second showing past its first token is a target (harness.train's ``twice_rows``)."""
+    return twice_rows(rows, LONG, n_ids + 1, n_ids, gen, span_min=4, span_max=32)
 
 
 class Apart(nn.Module):
@@ -96,14 +90,14 @@ def scores(model, n_ids: int, apart: bool) -> dict:
     if apart:
         model(x, keep)
     else:
-        keep = T.attention_probs(model, x)
+        keep = attention_probs(model, x)
     j = torch.arange(112, 127)
     att = {layer: dict(induction=[round(float(v), 3) for v in a[:, :, j, j - 15].mean((0, 2))],
                        same=[round(float(v), 3) for v in a[:, :, j, j - 16].mean((0, 2))],
                        previous=[round(float(v), 3) for v in a[:, :, j, j - 1].mean((0, 2))])
            for layer, a in enumerate(keep)}
     ids = torch.arange(n_ids)
-    copy = {f"after{o}": round(T.copy_accuracy(model, ids, 16, k=16, after=o)[1], 3) for o in (0, 32, 96)}
+    copy = {f"after{o}": round(model_copy_accuracy(model, ids, 16, k=16, after=o).second, 3) for o in (0, 32, 96)}
     model.train()
     return dict(**copy, attention=att)
 
@@ -131,7 +125,7 @@ def linear_probe(model, n_ids: int) -> dict:
     g = torch.Generator().manual_seed(7)
     train, test = torch.randint(0, n_ids, (64, LONG), generator=g), torch.randint(0, n_ids, (16, LONG), generator=g)
     with torch.no_grad():
-        f_train, f_test = (T.attention_io(model, x)[1][0][:, 1:] for x in (train, test))
+        f_train, f_test = (attention_io(model, x)[1][0][:, 1:] for x in (train, test))
     out = {}
     for name, target in (("previous_token", lambda x: x[:, :-1]), ("own_token", lambda x: x[:, 1:])):
         torch.manual_seed(0)
@@ -153,8 +147,8 @@ def make(a):
     if a.apart:
         model = Apart(a.ids + 1, a.width, a.heads)
         return model, torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0, betas=(0.9, 0.95)), None
-    model = T.compact_model(GPT2Config(n_layer=2, n_head=a.heads, n_embd=a.width, n_positions=LONG), a.ids + 1)
-    opt = T.make_optimizer(model, a.lr)
+    model = compact_model(GPT2Config(n_layer=2, n_head=a.heads, n_embd=a.width, n_positions=LONG), a.ids + 1)
+    opt = make_optimizer(model, a.lr)
     if a.layer0 == "frozen":
         return model, opt, Frozen(model)
     if a.layer0 == "held":
@@ -212,15 +206,15 @@ def main() -> None:
             break
         if not a.apart:
             for g in opt.param_groups:
-                g["lr"] = T.lr_at(step / a.steps, a.lr)
+                g["lr"] = lr_at(step / a.steps, a.lr)
         if a.rows == "twice" and step >= P.PREV_STEPS:
-            x, y = twice_rows(16, a.ids, gen)
+            x, y = twice(16, a.ids, gen)
         elif a.apart:  # copy_from_probe's short-then-long copy rows, a third of the steps short
             n = P.SHORT if step < a.steps // 3 else LONG
-            x, y = T.copy_rows(2048 // n, n, a.ids + 1, a.ids, gen, span_min=4)
+            x, y = copy_rows(2048 // n, n, a.ids + 1, a.ids, gen, span_min=4)
         else:
             x, y = P.batch("repeated", step, None, gen)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=T.IGNORE)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -4,7 +4,7 @@ tokens; this probe compares the same tokens with and without what came before th
 how many tokens of the token's own chapter precede it (a held-out sequence of 1,024 tokens crosses 1.4 chapter
 boundaries on average, so its far context is often another chapter), and the context gain counted that way.
 
-    .venv/bin/python scripts/context_probe.py [DIR]     # DIR defaults to models/weights/mini; ~20 s on 2 cores
+    .venv/bin/python scripts/probes/context_probe.py [DIR]     # DIR defaults to models/weights/mini; ~20 s on 2 cores
 
 docs/reference-model.md ("Missed: the context gain") reads its output.
 """
@@ -15,15 +15,18 @@ import argparse
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":  # a Python without torch: run again with the repo's .venv, or one line (scripts/_venv.py)
-    import _venv
+if __name__ == "__main__":  # run as a file: the repo on the path; a Python without torch: run again with the repo's
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # .venv, or one line (scripts/_venv.py)
+    from scripts import _venv
 
     _venv.ensure(__file__)
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from harness.train import EOT, EVAL_LEN, LATE, load_data, position_nll, position_offsets, windows  # noqa: E402
+from harness.train.corpus import load_data, windows  # noqa: E402
+from harness.train.model import position_offsets  # noqa: E402
+from harness.train.recipe import EOT, EVAL_LEN, LATE  # noqa: E402
+from harness.train.targets import position_nll  # noqa: E402
 from models.gpt2 import GPT2  # noqa: E402
 
 BUCKET = 128

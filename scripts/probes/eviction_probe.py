@@ -1,8 +1,8 @@
 """Why the evicting kinds score as they do on the shipped mini: where each keeps its slots, and how far each drifts
 from fp32 full attention along a text.
 
-    .venv/bin/python scripts/eviction_probe.py                        # budget 128 (docs/cache-kinds.md reads it)
-    .venv/bin/python scripts/eviction_probe.py --budget 256 --texts 2 --cache window:budget=256,sinks=24
+    .venv/bin/python scripts/probes/eviction_probe.py                        # budget 128 (docs/cache-kinds.md reads it)
+    .venv/bin/python scripts/probes/eviction_probe.py --budget 256 --texts 2 --cache window:budget=256,sinks=24
 
 Each held-out text of the mini (1,024 tokens) is teacher-forced through each cache after a 32-token prompt, as the
 text-drift measurement does. Printed per cache: where its kept positions lie after the last token (median, the
@@ -16,21 +16,21 @@ import argparse
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":  # a Python without torch: run again with the repo's .venv, or one line (scripts/_venv.py)
-    import _venv
+if __name__ == "__main__":  # run as a file: the repo on the path; a Python without torch: run again with the repo's
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # .venv, or one line (scripts/_venv.py)
+    from scripts import _venv
 
     _venv.ensure(__file__)
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.tools.bench import parse_kind  # noqa: E402
 from harness.core.engines import KvlabEngine  # noqa: E402
 from harness.experiment.runner import text_prompts  # noqa: E402
 from models.gpt2 import GPT2  # noqa: E402
 from models.tokenizer import Tokenizer  # noqa: E402
 
-MINI = Path(__file__).resolve().parent.parent / "models" / "weights" / "mini"
+MINI = Path(__file__).resolve().parents[2] / "models" / "weights" / "mini"
 BANDS = [(0, 128), (128, 256), (256, 512), (512, 768), (768, 1023)]
 PROMPT = 32
 

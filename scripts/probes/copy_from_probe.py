@@ -1,16 +1,17 @@
 """Where can a copy circuit copy from? A 2-layer toy (2,000 random ids, harness.train's initialisation, optimiser and
 schedule) learns to copy in rows of 32 tokens (the recipe's first curriculum stage), then trains on rows of 128
 tokens of one kind; every --every steps, top-1 accuracy on the second showing of 16 random sequences of 16 tokens
-that start at position 0, or behind 32 or 96 other random tokens (``harness.train.copy_accuracy(after=)``).
+that start at position 0, or behind 32 or 96 other random tokens (``harness.core.copying.model_copy_accuracy``).
 
-    .venv/bin/python scripts/copy_from_probe.py --rows repeated   # harness.train's copy rows (from 0, repeated)
-    .venv/bin/python scripts/copy_from_probe.py --rows placed     # harness.train's placed rows (twice, anywhere)
-    .venv/bin/python scripts/copy_from_probe.py --rows mixed      # half each
-    .venv/bin/python scripts/copy_from_probe.py --fifths models/weights/mini   # a checkpoint: where its copying stops
-    .venv/bin/python scripts/copy_from_probe.py --prev-heads models/weights/mini   # does any head look one back?
-    .venv/bin/python scripts/copy_from_probe.py --state DIR/train_state.pt   # a harness.train run in progress
-    .venv/bin/python scripts/copy_from_probe.py --rows repeated --prev-steps 200 [--hold-prev]   # a previous-token
-        # stage first: rows whose every target is the token before it (a previous-token head at every position)
+    .venv/bin/python scripts/probes/copy_from_probe.py --rows repeated   # harness.train's copy rows (from 0, repeated)
+    .venv/bin/python scripts/probes/copy_from_probe.py --rows placed     # harness.train's placed rows (twice, anywhere)
+    .venv/bin/python scripts/probes/copy_from_probe.py --rows mixed      # half each
+    .venv/bin/python scripts/probes/copy_from_probe.py --fifths models/weights/mini   # where its copying stops
+    .venv/bin/python scripts/probes/copy_from_probe.py --prev-heads models/weights/mini   # does any head look one back?
+    .venv/bin/python scripts/probes/copy_from_probe.py --state DIR/train_state.pt   # a harness.train run in progress
+    .venv/bin/python scripts/probes/copy_from_probe.py --rows repeated --prev-steps 200 [--hold-prev]
+        # a previous-token stage first: rows whose every target is the token before it (a previous-token head
+        # at every position)
 
 docs/reference-model.md ("Copying from anywhere") reads its output (one JSON line per evaluation; ~2 min each on one
 core, with 3 at once on 2 cores). The toy's "text" is random ids, so a placed row is a random span shown twice among
@@ -25,16 +26,22 @@ import sys
 import time
 from pathlib import Path
 
-if __name__ == "__main__":  # a Python without torch: run again with the repo's .venv, or one line (scripts/_venv.py)
-    import _venv
+if __name__ == "__main__":  # run as a file: the repo on the path; a Python without torch: run again with the repo's
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # .venv, or one line (scripts/_venv.py)
+    from scripts import _venv
 
     _venv.ensure(__file__)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from harness import train as T  # noqa: E402
+from harness.core.copying import model_copy_accuracy  # noqa: E402
+from harness.train.corpus import TrainingData  # noqa: E402
+from harness.train.model import (attention_only_at, compact_model, lr_at, make_optimizer, mlps_left_out,  # noqa: E402
+                                 position_offsets)
+from harness.train.recipe import EVAL_LEN, EVAL_TOKENS, IGNORE, INIT_STD  # noqa: E402
+from harness.train.rows import copy_rows, placed_rows  # noqa: E402
+from harness.train.targets import attention_probs  # noqa: E402
 from models.gpt2 import GPT2Config  # noqa: E402
 
 SHORT, LONG, FORM_STEPS = 32, 128, 400
@@ -48,13 +55,13 @@ def batch(kind: str, step: int, stream: torch.Tensor, gen: torch.Generator) -> t
         return xx[:, 1:], xx[:, :-1].clone()
     step -= PREV_STEPS
     if step < FORM_STEPS:  # the circuit forms in short rows
-        return T.copy_rows(64, SHORT, N_IDS + 1, N_IDS, gen, span_min=4)
+        return copy_rows(64, SHORT, N_IDS + 1, N_IDS, gen, span_min=4)
     repeated = {"repeated": 16, "placed": 0, "mixed": 8}[kind]
     parts = []
     if repeated:
-        parts.append(T.copy_rows(repeated, LONG, N_IDS + 1, N_IDS, gen, span_min=4))
+        parts.append(copy_rows(repeated, LONG, N_IDS + 1, N_IDS, gen, span_min=4))
     if repeated < 16:
-        parts.append(T.placed_rows(stream, 16 - repeated, LONG, N_IDS + 1, N_IDS, gen, span_min=4))
+        parts.append(placed_rows(stream, 16 - repeated, LONG, N_IDS + 1, N_IDS, gen, span_min=4))
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
@@ -65,7 +72,7 @@ def fifths(folder: str) -> None:
     from models.gpt2 import GPT2
 
     model = GPT2.from_pretrained(folder).float().eval()
-    ids = T._Data(T.EVAL_LEN, T.EVAL_TOKENS).copy_ids(full=True)
+    ids = TrainingData(EVAL_LEN, EVAL_TOKENS).copy_ids(full=True)
     gen = torch.Generator().manual_seed(0)
     for n in (100, 200, 300, 500):
         span = ids[torch.randint(0, len(ids), (4, n), generator=gen)]
@@ -80,7 +87,7 @@ def previous_token_share(model, x: torch.Tensor, buckets=((0, 15), (15, 63), (63
     """Per layer, per head: the mean attention a query at position i puts on key i - 1, averaged over each bucket
     of query positions (a previous-token head: near 1 at every position)."""
     out = []
-    for att in T.attention_probs(model, x):
+    for att in attention_probs(model, x):
         n = att.shape[-1]
         prev = torch.diagonal(att, offset=-1, dim1=-2, dim2=-1).mean(0)  # (nh, n - 1): query i + 1 on key i
         out.append([[round(float(prev[hd, a:min(b, n - 1)].mean()), 2) for a, b in buckets if a < n - 1]
@@ -93,7 +100,7 @@ def prev_heads(folder: str) -> None:
     from models.gpt2 import GPT2
 
     model = GPT2.from_pretrained(folder).float().eval()
-    ids = T._Data(T.EVAL_LEN, T.EVAL_TOKENS).copy_ids(full=True)
+    ids = TrainingData(EVAL_LEN, EVAL_TOKENS).copy_ids(full=True)
     x = ids[torch.randint(0, len(ids), (2, 1024), generator=torch.Generator().manual_seed(0))]
     for layer, heads in enumerate(previous_token_share(model, x)):
         print(json.dumps(dict(layer=layer, positions="0-15, 15-63, 63-255, 255-1023", heads=heads)), flush=True)
@@ -108,9 +115,9 @@ def hold_previous(model, held: dict | None) -> dict:
         if held is None:
             held = dict(w=at.c_attn.weight[:2 * C].clone(), b=at.c_attn.bias[:2 * C].clone(),
                         pe=model.transformer.wpe.weight.clone())
-            at.c_attn.weight[2 * C:].normal_(0, T.INIT_STD)
+            at.c_attn.weight[2 * C:].normal_(0, INIT_STD)
             at.c_attn.bias[2 * C:].zero_()
-            at.c_proj.weight.normal_(0, T.INIT_STD / 2)
+            at.c_proj.weight.normal_(0, INIT_STD / 2)
             at.c_proj.bias.zero_()
         at.c_attn.weight[:2 * C] = held["w"]
         at.c_attn.bias[:2 * C] = held["b"]
@@ -128,15 +135,15 @@ def state(path: str) -> None:
     behind 0 .. 800 other random ids. One JSON line per n."""
     st = torch.load(path, map_location="cpu", weights_only=True)
     s = st["settings"]
-    data = T._Data(s["seq_len"], 1024)
-    model = T.compact_model(GPT2Config(**s["config"]), len(data.vocab) + 1, s["init_std"])
+    data = TrainingData(s["seq_len"], 1024)
+    model = compact_model(GPT2Config(**s["config"]), len(data.vocab) + 1, s["init_std"])
     model.load_state_dict(st["model"])
     model.eval()
-    alone = T.attention_only_at(s, st["step"], st["elapsed"])
+    alone = attention_only_at(s, st["step"], st["elapsed"])
     ids = data.copy_ids(full=False)
-    with T.mlps_left_out(model, alone):
+    with mlps_left_out(model, alone):
         for n in STATE_LENGTHS:
-            acc = {f"after{o}": round(T.copy_accuracy(model, ids, n, k=8, after=o)[1], 3)
+            acc = {f"after{o}": round(model_copy_accuracy(model, ids, n, k=8, after=o).second, 3)
                    for o in STATE_AFTER if o + 2 * n <= model.config.n_positions}
             print(json.dumps(dict(step=st["step"], attention_only=alone, n=n, **acc)), flush=True)
 
@@ -176,15 +183,16 @@ def main() -> None:
     if not a.rows:
         p.error("give --rows repeated|placed|mixed (or --fifths DIR)")
     torch.manual_seed(0)
-    model = T.compact_model(GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=LONG), N_IDS + 1)
-    opt = T.make_optimizer(model, a.lr)
+    model = compact_model(GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=LONG), N_IDS + 1)
+    opt = make_optimizer(model, a.lr)
     gen = torch.Generator().manual_seed(0)
     ids = torch.arange(N_IDS)
     stream = torch.randint(0, N_IDS, (200_000,), generator=torch.Generator().manual_seed(9))
     t0, held = time.time(), None
     for step in range(a.steps + 1):
         if step % a.every == 0:
-            acc = {f"after{o}": round(T.copy_accuracy(model, ids, 16, k=16, after=o)[1], 3) for o in (0, 32, 96)}
+            acc = {f"after{o}": round(model_copy_accuracy(model, ids, 16, k=16, after=o).second, 3)
+                   for o in (0, 32, 96)}
             x = ids[torch.randint(0, N_IDS, (8, LONG), generator=torch.Generator().manual_seed(5))]
             prev = [max(c) for c in zip(*previous_token_share(model, x, ((0, 31), (31, 63), (63, 127)))[0])]
             print(json.dumps(dict(rows=a.rows, step=step, s=round(time.time() - t0), **acc, layer0_prev=prev)),
@@ -192,11 +200,11 @@ def main() -> None:
         if step == a.steps:
             break
         for g in opt.param_groups:
-            g["lr"] = T.lr_at(step / a.steps, a.lr)
+            g["lr"] = lr_at(step / a.steps, a.lr)
         x, y = batch(a.rows, step, stream, gen)
         starts = (torch.randint(0, LONG - x.shape[1] + 1, (len(x), 1), generator=gen) if a.offsets else None)
-        with T.position_offsets(model, starts):
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=T.IGNORE)
+        with position_offsets(model, starts):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -10,11 +10,11 @@ best head puts on the key right after the query's earlier showing (ind) and laye
 (prev). The unembedding is separate unless --tied (GPT-2 ties it to the token embedding); there is no MLP unless
 --mlp (GPT-2 has one per layer).
 
-    .venv/bin/python scripts/induction_toy.py --ids 500                 # attention-only, untied
-    .venv/bin/python scripts/induction_toy.py --ids 500 --tied --steps 5000
-    .venv/bin/python scripts/induction_toy.py --ids 500 --mlp --steps 5000
-    .venv/bin/python scripts/induction_toy.py --ids 500 --mlp --small-ids 100:1500   # ids < 100 for 1,500 steps
-    .venv/bin/python scripts/induction_toy.py --ids 500 --mlp --mlp-from 3000 --steps 5000  # MLPs join at 3,000
+    .venv/bin/python scripts/probes/induction_toy.py --ids 500                 # attention-only, untied
+    .venv/bin/python scripts/probes/induction_toy.py --ids 500 --tied --steps 5000
+    .venv/bin/python scripts/probes/induction_toy.py --ids 500 --mlp --steps 5000
+    .venv/bin/python scripts/probes/induction_toy.py --ids 500 --mlp --small-ids 100:1500   # ids < 100 for 1,500 steps
+    .venv/bin/python scripts/probes/induction_toy.py --ids 500 --mlp --mlp-from 3000 --steps 5000  # MLPs join at 3,000
 
 About 0.15 s a step on one core (0.26 with --mlp) at the defaults.
 """
@@ -23,16 +23,21 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
+from pathlib import Path
 
-if __name__ == "__main__":  # a Python without torch: run again with the repo's .venv, or one line (scripts/_venv.py)
-    import _venv
+if __name__ == "__main__":  # run as a file: the repo on the path; a Python without torch: run again with the repo's
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # .venv, or one line (scripts/_venv.py)
+    from scripts import _venv
 
     _venv.ensure(__file__)
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from harness.train.model import sinusoids  # noqa: E402
 
 
 class Layer(nn.Module):
@@ -76,14 +81,6 @@ class Toy(nn.Module):
         for layer in self.layers:
             h = layer(h)
         return self.u(self.ln(h))
-
-
-def sinusoids(length: int, width: int) -> torch.Tensor:
-    """(length, width): sin/cos pairs at frequencies 1 .. 1e-4 rad a position (entries of rms 1 / sqrt(2)); a
-    rotation maps each row to the next, so one query/key map can point every position at its predecessor."""
-    freq = 10000.0 ** (-torch.arange(0, width, 2).float() / width)
-    angle = torch.arange(length).float()[:, None] * freq
-    return torch.stack([angle.sin(), angle.cos()], -1).flatten(1)
 
 
 def rows(n_rows: int, length: int, ids: int, span_max: int, gen: torch.Generator,

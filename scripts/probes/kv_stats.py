@@ -1,8 +1,8 @@
 """What the papers' findings depend on, measured on a checkpoint: outlier channels in K and V (KIVI's and the
 rotation's premise) and attention sinks (StreamingLLM's). docs/papers.md reads it.
 
-    .venv/bin/python scripts/kv_stats.py                          # the shipped mini, 2 held-out texts of 1,024 tokens
-    .venv/bin/python scripts/kv_stats.py --weights DIR --texts 4
+    .venv/bin/python scripts/probes/kv_stats.py            # the shipped mini, 2 held-out texts of 1,024 tokens
+    .venv/bin/python scripts/probes/kv_stats.py --weights DIR --texts 4
 
 Printed per layer, K and V as attention reads them (each head's head_dim channels, over every token of the texts):
 - channel ratio: the largest channel's max |x| over the median channel's (mean over heads). Large: a few channels
@@ -21,20 +21,20 @@ import argparse
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":  # a Python without torch: run again with the repo's .venv, or one line (scripts/_venv.py)
-    import _venv
+if __name__ == "__main__":  # run as a file: the repo on the path; a Python without torch: run again with the repo's
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # .venv, or one line (scripts/_venv.py)
+    from scripts import _venv
 
     _venv.ensure(__file__)
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from harness.train import attention_io, attention_on_first  # noqa: E402
+from harness.train.targets import attention_io, attention_on_first  # noqa: E402
 from models.gpt2 import GPT2  # noqa: E402
 from models.kv_cache.quant import hadamard  # noqa: E402
 from models.tokenizer import Tokenizer  # noqa: E402
 
-MINI = Path(__file__).resolve().parent.parent / "models" / "weights" / "mini"
+MINI = Path(__file__).resolve().parents[2] / "models" / "weights" / "mini"
 
 
 def keys_values(model: GPT2, idx: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

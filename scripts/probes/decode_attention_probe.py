@@ -3,7 +3,7 @@ kind's kernel path (kernel_attention) and its two reductions, the step's write (
 compiled step writes it), and SDPA over
 fp32 K/V of the same length for comparison. What docs/cache-kinds.md's "compile=true" section splits quant's cost by.
 
-    .venv/bin/python scripts/decode_attention_probe.py [--batch 8] [--bits 4]
+    .venv/bin/python scripts/probes/decode_attention_probe.py [--batch 8] [--bits 4]
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import sys
 import time
 from pathlib import Path
 
-if __name__ == "__main__":  # a Python without torch: run again with the repo's .venv, or one line (scripts/_venv.py)
-    import _venv
+if __name__ == "__main__":  # run as a file: the repo on the path; a Python without torch: run again with the repo's
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # .venv, or one line (scripts/_venv.py)
+    from scripts import _venv
 
     _venv.ensure(__file__)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models.kv_cache import kernels, make_cache  # noqa: E402
 from models.kv_cache import quant as Q  # noqa: E402
 

@@ -1,0 +1,488 @@
+"""Training: check the settings and --out, report a finished run, resume or start one, train, export, record.
+
+AdamW, linear warmup then cosine decay scheduled on the fraction of the budget used (steps for --steps, wall clock
+for --minutes), batches from a seeded generator: the same --steps command gives the same model on any machine load
+(bit for bit with the same torch and --threads; another thread count sums in another order, which moves the weights
+by float rounding). ``threads`` (default: every core) is only about speed: one thread beats two on a machine whose
+other core is busy, since two threads then wait on each other.
+
+While training, DIR/train_state.pt (model, optimiser, step, elapsed time, RNG; tensors and plain values only) is saved
+every minute: the same command resumes it; ``restart`` starts over. A finished folder is reported and left alone.
+``--out`` must be writable: that is checked (one line, exit 2) before any data is loaded.
+
+Stopping (``harness.common.signals``, the one stop-signal protocol): SIGINT (Ctrl-C), SIGTERM (Slurm's pre-emption),
+SIGUSR2 (submitit's) and SIGHUP all stop it the same way. Once the model exists, the step in progress finishes,
+DIR/train_state.pt is saved at that step (signals held off while it is written, so it is the old file or the new one,
+never half of one) and one line on stderr says the signal, the path and the step; the same command resumes from it.
+Stopped before the first step, nothing is saved and the line says the same command starts over; stopped while the
+finished model is evaluated and exported, the state at the last step is saved and the same command writes the
+checkpoint. A second signal stops at once (the line then names the state saved earlier, if any). Exit code 128 + the
+signal's number (130, 143, 140, 129).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from harness.common.ownership import atomic_write
+from harness.common.signals import Interrupted, Stop, blocked, signal_name
+from harness.core.copying import model_copy_accuracy
+from harness.train.corpus import TrainingData
+from harness.train.export import export_full, finished, write_checkpoint
+from harness.train.model import (attention_only_at, compact_model, hidden, lr_at, make_optimizer, mlps_left_out,
+                                 position_offsets)
+from harness.train.recipe import (BATCH, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CORPUS, DEFAULT_STEPS, EVAL_LEN,
+                                  FREE_DIM, HELDOUT_AT, HELDOUT_EVERY, IGNORE, INIT_STD, MIN_LR_FRAC, MINI_CONFIG,
+                                  MLP_OFF, OURS, PEAK_LR, PLACED_SHARE, QUICK_COPY, QUICK_FAR, SEQ_LEN, SPAN_MIN,
+                                  STATE, WARMUP_FRAC, WEIGHT_DECAY, TrainError, check_settings, curriculum_setting)
+from harness.train.rows import make_batch, twice_rows
+from harness.train.targets import evaluate, nll, prompts_nll, targets_table
+from models.gpt2 import GPT2, GPT2Config
+
+
+class _Progress:
+    """What a stopped ``train`` has on disk, for the one line it ends with."""
+
+    def __init__(self, folder: Path, restart: bool):
+        self.folder, self.restart = folder, restart
+        self.state_step: int | None = None  # step of the training state in the folder (this run's or the one resumed)
+        self.saved_now = False  # whether this stop saved it
+        self.step: int | None = None  # steps trained so far (this run and the one resumed), once training started
+        self.budget = ""  # "of 40 steps" / "of the 12-minute budget"
+        self.save = None  # once training is over: saves the state at its last step (the stop then saves it)
+        self.complete = False  # the checkpoint is written
+        self.bar = None
+
+    def message(self, signum: int) -> str:
+        name, path = signal_name(signum), self.folder / STATE
+        same = "the same command without --restart" if self.restart else "the same command"  # --restart discards it
+        if self.complete:
+            return (f"{name} after the checkpoint was written: {self.folder} is complete ({self.step} steps); the "
+                    "same command reports it")
+        if self.state_step is not None and self.saved_now:
+            what = (f"training had reached its budget; {same} evaluates and writes the checkpoint from it"
+                    if self.save is not None else f"{same} resumes from it")
+            return f"{name}: saved {path} at step {self.state_step} {self.budget}; {what}"
+        if self.state_step is not None:
+            at = f" at step {self.step}" if self.step is not None else ""
+            return (f"{name}: stopped{at} at once, nothing new saved; {path} (step {self.state_step}, saved "
+                    f"earlier) is kept and {same} resumes from step {self.state_step}")
+        if not self.restart and (self.folder / STATE).is_file():  # stopped before the state was even read
+            return (f"{name}: stopped before training started, nothing new saved; {path} from an earlier run is "
+                    "untouched")
+        if self.step:
+            return (f"{name}: stopped at once at step {self.step}, before any state was saved; nothing was saved, so "
+                    "the same command starts over")
+        return (f"{name}: stopped before the first step was saved; nothing was saved yet, so the same command starts "
+                "over")
+
+
+# ---- the output folder ----------------------------------------------------------------------------------------------
+
+def _check_writable(folder: Path) -> None:
+    """Refuse (TrainError) a ``--out`` that cannot be written, before anything is loaded: create the missing folders
+    and a probe file, remove the probe; on failure remove the folders this made."""
+    missing, p = [], folder
+    try:
+        while not p.exists() and p != p.parent:
+            missing.append(p)
+            p = p.parent
+        if not p.is_dir():
+            raise TrainError(f"--out {folder}: {p} is a file, so no folder can be made under it; give a folder path")
+    except OSError as e:
+        raise TrainError(f"--out {folder}: cannot use it ({e.strerror or e}); give a folder you can write to") from None
+    made = []
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            made.append(d)
+        probe = folder / f".kvlab-write-test-{os.getpid()}.tmp"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        for d in reversed(made):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        where = f"{e.filename}: " if e.filename else ""
+        raise TrainError(f"--out {folder}: cannot write there ({where}{e.strerror or e}); give a folder you can "
+                         "write to") from None
+
+
+def _is_kvlab_training(folder: Path) -> bool:
+    """Whether ``folder``'s config.json is one kvlab's training wrote (it carries a ``kvlab_train`` record)."""
+    try:
+        return isinstance(json.loads((folder / "config.json").read_text(encoding="utf-8")).get("kvlab_train"), dict)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _check_out(folder: Path) -> None:
+    """Refuse an ``--out`` that is a file, holds files that are not a run's, or holds a checkpoint kvlab did not
+    train (kvlab never overwrites what it did not write)."""
+    if folder.exists() and not folder.is_dir():
+        raise TrainError(f"--out {folder}: is a file, not a folder")
+    if folder.is_dir() and any(p.name not in OURS and not p.name.startswith(".") for p in folder.iterdir()):
+        raise TrainError(f"--out {folder}: holds files that are not a kvlab training run's; give a new or empty folder")
+    if (folder / "config.json").is_file() and not _is_kvlab_training(folder):
+        raise TrainError(f"--out {folder}: holds a checkpoint kvlab did not train (its config.json has no "
+                         "kvlab_train record); kvlab never overwrites it: give a new or empty folder")
+
+
+def _read_state(folder: Path, settings: dict, restart: bool, status: _Progress) -> dict | None:
+    """The partial run to resume (None: start afresh); with ``restart``, the run's old files are removed."""
+    state = None
+    if folder.is_dir() and (folder / STATE).is_file() and not restart:
+        try:
+            state = torch.load(folder / STATE, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise TrainError(f"{folder / STATE}: unreadable training state ({type(e).__name__}); "
+                             "pass --restart to start over") from None
+        if state.get("settings") != settings:
+            raise TrainError(f"{folder}: holds a partial run with other settings ({state.get('settings')}); "
+                             "pass the same ones to resume, or --restart")
+        status.state_step = int(state["step"])
+    if restart and folder.is_dir():
+        for name in OURS:
+            (folder / name).unlink(missing_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    return state
+
+
+# ---- one run --------------------------------------------------------------------------------------------------------
+
+class _Run:
+    """One training run's moving parts: the compact model, its optimiser, the data generator, the step, the wall
+    clock trained and the log. ``save`` writes them whole to train_state.pt; ``resume`` reads them back."""
+
+    def __init__(self, folder: Path, cfg: GPT2Config, data: TrainingData, settings: dict, status: _Progress):
+        self.folder, self.cfg, self.data, self.settings, self.status = folder, cfg, data, settings, status
+        self.steps, self.minutes = settings["steps"], settings["minutes"]
+        self.budget = self.steps if self.steps is not None else self.minutes * 60.0
+        torch.manual_seed(settings["seed"])
+        self.model = compact_model(cfg, len(data.vocab) + 1, settings["init_std"])
+        with torch.no_grad():
+            self.model.transformer.wte.weight[:, FREE_DIM] = 0.0
+            if settings.get("mlp_off"):  # the MLPs join adding nothing, so joining does not change the model
+                for b in self.model.transformer.h:
+                    b.mlp.c_proj.weight.zero_()
+                    b.mlp.c_proj.bias.zero_()
+        self.opt = make_optimizer(self.model, settings["peak_lr"])
+        self.gen = torch.Generator().manual_seed(settings["seed"])
+        self.step, self.elapsed, self.log_rows, self.loss_ema = 0, 0.0, [], None
+
+    def resume(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.gen.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step, self.elapsed, self.log_rows = int(state["step"]), float(state["elapsed"]), list(state["log"])
+
+    def frac(self) -> float:
+        return self.step / self.steps if self.steps is not None else self.elapsed / self.budget
+
+    def lr(self) -> float:
+        return lr_at(self.frac(), self.settings["peak_lr"])
+
+    def save(self, rng: torch.Tensor | None = None) -> None:
+        with blocked():
+            buf = io.BytesIO()
+            torch.save(dict(settings=self.settings, model=self.model.state_dict(), optimizer=self.opt.state_dict(),
+                            generator=self.gen.get_state(), torch_rng=torch.get_rng_state() if rng is None else rng,
+                            step=self.step, elapsed=self.elapsed, log=self.log_rows), buf)
+            atomic_write(self.folder / STATE, buf.getvalue())
+            self.status.state_step = self.step
+
+    def attention_only(self) -> bool:
+        """True while the budget's first ``mlp_off`` share lasts: the MLPs are left out of the forward."""
+        return attention_only_at(self.settings, self.step, self.elapsed)
+
+    def shape(self) -> tuple[int, int]:
+        """(rows, tokens per row) of the next batch: with the curriculum, rows of its lengths (those shorter than
+        seq_len) for their shares of the budget, as many tokens per batch as later; then rows of seq_len tokens."""
+        s = self.settings
+        end = 0.0
+        for length, share in s["curriculum"] or ():
+            end += share
+            if length < s["seq_len"] and self.frac() < end:
+                return s["batch"] * s["seq_len"] // length, length
+        return s["batch"], s["seq_len"]
+
+    def train_step(self) -> tuple[float, float]:
+        """One optimiser step on one batch of the mix: (loss, lr)."""
+        s, d = self.settings, self.data
+        lr = self.lr()
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        rows, seq_len = self.shape()
+        if self.frac() < s.get("copy_phase", 0.0):  # --copy-phase: every row a span shown twice among random ids
+            x, y = twice_rows(rows, seq_len, len(d.vocab), d.eot, self.gen)
+            starts = None  # --copy-offsets: rows read the position embeddings from a random start
+            if self.frac() >= s.get("copy_offsets", 1.0) and seq_len < self.cfg.n_positions:
+                starts = torch.randint(0, self.cfg.n_positions - seq_len + 1, (rows, 1), generator=self.gen)
+            with mlps_left_out(self.model, self.attention_only()), position_offsets(self.model, starts):
+                h = hidden(self.model, x)  # (rows, seq_len, C)
+            trained = y != IGNORE  # ~a fifth of the positions: only they go through the vocabulary projection
+            logits = self.model.lm_head(self.model.transformer.ln_f(h[trained]))  # (n, vocab)
+            loss = F.cross_entropy(logits, y[trained])
+        else:
+            x, y = make_batch(d.ctrain, rows, seq_len, s["copy_share"], len(d.vocab), d.eot, self.gen,
+                              s.get("placed_share", 0.0))
+            with mlps_left_out(self.model, self.attention_only()):
+                logits = self.model(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        with torch.no_grad():
+            self.model.transformer.wte.weight[:, FREE_DIM] = 0.0
+        self.step += 1
+        self.loss_ema = loss.item() if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss.item()
+        return loss.item(), lr
+
+    def quick_eval(self, loss: float | str = "", lr: float = 0.0) -> dict:
+        """A log row: the compact model's held-out NLL (training vocabulary) and its copy accuracy (QUICK_COPY) from
+        position 0 and behind QUICK_FAR random tokens, of the model as it trains now (attention only in that phase)."""
+        d, model = self.data, self.model
+        model.eval()
+        with torch.no_grad(), mlps_left_out(model, self.attention_only()):
+            total = 0.0
+            for i in range(0, len(d.quick_eval), 8):
+                logits = model(d.quick_eval[i:i + 8, :-1])
+                total += float(F.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                               d.quick_tgt[i:i + 8, 1:].reshape(-1), ignore_index=IGNORE,
+                                               reduction="sum"))
+            k, n = QUICK_COPY
+            n, ids = min(n, self.settings["seq_len"] // 2), d.copy_ids(full=False)
+            copy = model_copy_accuracy(model, ids, n, k=k).second
+            after = min(QUICK_FAR, self.cfg.n_positions - 2 * n)
+            far = round(model_copy_accuracy(model, ids, n, k=k, after=after).second, 4) if after > 0 else ""
+        model.train()
+        row = dict(step=self.step, elapsed_s=round(self.elapsed, 2), train_loss=loss if loss == "" else round(loss, 4),
+                   lr=lr, heldout_nll=round(total / int((d.quick_tgt[:, 1:] != IGNORE).sum()), 4),
+                   copy_acc=round(copy, 4), copy_far_acc=far)
+        self.log_rows.append(row)
+        return row
+
+
+def _progress_bar(run: _Run, status: _Progress):
+    from tqdm import tqdm
+
+    steps = run.steps
+    bar = status.bar = tqdm(total=steps if steps is not None else round(run.budget),
+                            initial=run.step if steps else round(run.elapsed), unit="step" if steps else "s",
+                            dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
+    return bar
+
+
+def _loop(run: _Run, status: _Progress, stop_after: int | None, eval_every: int, progress: bool) -> bool:
+    """Train until the budget is spent (True) or ``stop_after`` steps ran (False); a stop signal during a step saves
+    the state at the end of that step and stops. Logs a quick evaluation every ``eval_every`` steps (or, with a
+    minutes budget, twelve times), saves the state every minute of training."""
+    eval_secs = run.budget / 12 if run.steps is None else None
+    last_eval_t = last_save_t = run.elapsed
+    bar = _progress_bar(run, status) if progress else None
+    run.model.train()
+    ran = 0
+    while run.frac() < 1.0 and (stop_after is None or ran < stop_after):
+        t0 = time.perf_counter()
+        loss, lr = run.train_step()
+        ran += 1
+        run.elapsed += time.perf_counter() - t0
+        row = None
+        if (eval_every and run.step % eval_every == 0) or (eval_secs and run.elapsed - last_eval_t >= eval_secs):
+            last_eval_t = run.elapsed
+            row = run.quick_eval(loss, lr)
+        if bar is not None:
+            bar.update(1 if run.steps else round(run.elapsed) - bar.n)
+            bar.set_postfix(loss=f"{run.loss_ema:.3f}", lr=f"{lr:.2e}")
+            if row:
+                bar.write(f"step {run.step} ({run.elapsed:.0f} s): train loss {run.loss_ema:.3f}, held-out NLL "
+                          f"{row['heldout_nll']:.3f} (training vocabulary), copy accuracy {row['copy_acc']:.3f}, behind "
+                          f"{QUICK_FAR}: {row['copy_far_acc']}" + (" (attention only)" if run.attention_only() else ""))
+        status.step = run.step
+        if Stop.signum is not None:  # a stop signal arrived during this step: save it whole, then stop
+            run.save()
+            status.saved_now = True
+            raise Interrupted(Stop.signum)
+        if run.elapsed - last_save_t >= 60:
+            last_save_t = run.elapsed
+            run.save()
+    if bar is not None:
+        bar.close()
+    return run.frac() >= 1.0
+
+
+# ---- train ----------------------------------------------------------------------------------------------------------
+
+def train(out: str | os.PathLike, minutes: float | None = None, steps: int | None = None, seed: int = 0,
+          restart: bool = False, config: GPT2Config | None = None, stop_after: int | None = None,
+          save_dtype: str = "fp16", batch: int = BATCH, seq_len: int = SEQ_LEN, eval_every: int | None = None,
+          eval_tokens: int | None = None, progress: bool = True, command: str | None = None,
+          copy_share: float = COPY_SHARE, init_std: float = INIT_STD, peak_lr: float = PEAK_LR,
+          curriculum=True, threads: int | None = None, placed_share: float = PLACED_SHARE,
+          mlp_off: float = MLP_OFF, copy_phase: float = COPY_PHASE, copy_offsets: float | None | str = "default"
+          ) -> dict:
+    """Train (or resume, or report) the run in ``out``; returns its ``kvlab_train`` record (``done`` False when
+    ``stop_after`` interrupted it). The budget is ``minutes`` of wall clock or ``steps`` (deterministic), not both;
+    neither: DEFAULT_STEPS. ``config``, ``batch``, ``seq_len``, ``eval_every``, ``eval_tokens`` (the final held-out
+    evaluation's size; default: the whole split), ``copy_share``, ``init_std``, ``peak_lr`` and ``curriculum`` exist
+    for quick tests; the mini checkpoint uses the defaults.
+
+    A stop signal (inside ``harness.common.signals.stop_signals``; Ctrl-C anywhere) raises ``Interrupted``, whose
+    message says what was saved (see the module docstring)."""
+    status = _Progress(Path(out), restart)
+    Stop.stopping = False
+    if copy_offsets == "default":  # COPY_OFFSETS inside a copy phase that outlasts it, else none
+        copy_offsets = COPY_OFFSETS if copy_phase > COPY_OFFSETS else None
+    recipe = dict(batch=batch, seq_len=seq_len, copy_share=copy_share, init_std=init_std, peak_lr=peak_lr,
+                  **({"placed_share": placed_share} if placed_share else {}),  # absent when off: a record names only the phases it had
+                  **({"mlp_off": mlp_off} if mlp_off else {}),
+                  **({"copy_phase": copy_phase} if copy_phase else {}),
+                  **({"copy_offsets": copy_offsets} if copy_offsets is not None else {}),
+                  curriculum=curriculum_setting(curriculum))  # in the resume check
+    try:
+        return _train(Path(out), minutes, steps, seed, restart, config, stop_after, save_dtype, recipe, eval_every,
+                      eval_tokens, progress, command, status, threads)
+    except KeyboardInterrupt as e:  # Interrupted (a stop signal), or Ctrl-C without stop_signals
+        signum = Stop.signum if Stop.signum is not None else getattr(e, "signum", signal.SIGINT)  # the first
+        Stop.stopping, Stop.defer = True, False
+        if status.bar is not None:
+            status.bar.close()
+        if status.save is not None and not status.complete:
+            status.save()  # training was over: its state at the last step is consistent
+        raise Interrupted(signum, status.message(signum)) from None
+    finally:  # a signal after train() is over (its work is saved or complete) changes nothing
+        Stop.defer, Stop.stopping = False, True
+
+
+def _train(folder: Path, minutes, steps, seed, restart, config, stop_after, save_dtype, recipe: dict, eval_every,
+           eval_tokens, progress, command, status: _Progress, threads: int | None = None) -> dict:
+    """The recipe: check the settings and --out, report a finished run, resume or start one, train, finish."""
+    cfg = config or GPT2Config(**MINI_CONFIG)
+    if steps is None and minutes is None:
+        steps = DEFAULT_STEPS
+    check_settings(minutes, steps, stop_after, save_dtype, recipe["batch"], recipe["seq_len"], recipe["copy_share"],
+                   recipe["init_std"], recipe["peak_lr"], cfg, recipe.get("placed_share", 0.0),
+                   recipe.get("mlp_off", 0.0), recipe["curriculum"], recipe.get("copy_phase", 0.0),
+                   recipe.get("copy_offsets"))
+    _check_out(folder)
+    settings = dict(minutes=minutes, steps=steps, seed=seed, save_dtype=save_dtype, **recipe, config=asdict(cfg))
+    say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
+    if not restart and (meta := finished(folder)) is not None:
+        say(f"{folder}: already trained ({meta.get('steps')} steps, held-out NLL {meta.get('heldout_nll'):.3f}, "
+            f"prompts NLL {meta.get('prompts_nll'):.3f}); --restart trains it again")
+        return meta
+    _check_writable(folder)
+    state = _read_state(folder, settings, restart, status)
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    data = TrainingData(recipe["seq_len"], eval_tokens)
+    run = _Run(folder, cfg, data, settings, status)
+    if state is not None:
+        run.resume(state)
+        say(f"{folder}: resuming at step {run.step} ({run.elapsed:.0f} s trained)")
+    status.step = run.step
+    status.budget = f"of {steps} steps" if steps is not None else f"of the {minutes:g}-minute budget"
+    Stop.defer = True  # from here a stop signal waits for the end of the step in progress, then the state is saved
+    if run.step == 0:
+        row = run.quick_eval()
+        say(f"step 0: held-out NLL {row['heldout_nll']:.3f} (training vocabulary of {len(data.vocab):,} ids)")
+    if eval_every is None:
+        eval_every = max(1, steps // 20) if steps is not None else 0
+    if not _loop(run, status, stop_after, eval_every, progress):
+        run.save()
+        say(f"{folder}: stopped at step {run.step} of the budget; run the same command again to resume")
+        return dict(done=False, steps=run.step, elapsed_s=run.elapsed)
+    return _finish(run, status, save_dtype, command, say)
+
+
+def _finish(run: _Run, status: _Progress, save_dtype: str, command: str | None, say) -> dict:
+    """Training is over: export the full-vocabulary model, evaluate it, write the checkpoint, remove the state.
+    The compact model, optimiser and RNG are those of the last step, so a stop from here on saves them (the same
+    command then only evaluates and exports); the export itself is not waited for."""
+    rng_at_end = torch.get_rng_state()
+
+    def save_at_end() -> None:
+        run.save(rng_at_end)
+        status.saved_now = True
+
+    status.save = save_at_end
+    Stop.defer = False
+    if Stop.signum is not None:
+        raise Interrupted(Stop.signum)
+    say(f"trained {run.step} steps in {run.elapsed:.0f} s; writing the full-vocabulary checkpoint ...")
+    t0 = time.perf_counter()
+    d, s, seq_len = run.data, run.settings, run.settings["seq_len"]
+    dtype = torch.float16 if save_dtype == "fp16" else torch.float32
+    probe = d.remap[d.train_stream[: 8 * seq_len]].view(8, seq_len)
+    full, unused_info = export_full(run.model, run.cfg, d.vocab, d.unseen_mass, seq_len, dtype, probe)
+    meta = _record(run, full, unused_info, command)
+    targets = meta.get("targets")
+    run.log_rows.append(dict(step=run.step, elapsed_s=round(run.elapsed, 2), train_loss=round(run.loss_ema or 0.0, 4),
+                             lr=lr_at(1.0, s["peak_lr"]), heldout_nll=meta["heldout_nll"],
+                             copy_acc=targets["copy50_acc"] if targets else ""))
+    with blocked():  # the checkpoint and the state's removal, both or neither
+        write_checkpoint(run.folder, full, dtype, meta, run.log_rows)
+        (run.folder / STATE).unlink(missing_ok=True)
+        status.complete = True
+    say(f"{run.folder}: held-out NLL {meta['heldout_nll']:.3f} nats/token (full 50,257-way softmax, "
+        f"{meta['heldout_tokens']:,} tokens), prompts.txt NLL {meta['prompts_nll']:.3f}; export and evaluation took "
+        f"{time.perf_counter() - t0:.0f} s")
+    if targets:
+        say(targets_table(targets))
+    full.eval()
+    meta["_model"] = full  # for callers in this process (tests); not written anywhere
+    return meta
+
+
+def _record(run: _Run, full: GPT2, unused_info: dict, command: str | None) -> dict:
+    """The ``kvlab_train`` record: corpus, mix, budget, NLLs and (for a model of EVAL_LEN positions trained on
+    whole sequences) every target, measured on the saved values."""
+    d, s = run.data, run.settings
+    held_nll = nll(full, d.held_wins)
+    full_len = s["seq_len"] >= EVAL_LEN and run.cfg.n_positions >= EVAL_LEN
+    mix = (f"{s['copy_share']:.0%} of each batch's rows: a random span of the training split's ids (uniform, without "
+           f"<|endoftext|>; log-uniform length {SPAN_MIN}..{s['seq_len'] // 2}) repeated to fill the row, the first "
+           f"showing not a target; the rest: KJV text windows")
+    if s.get("placed_share"):
+        mix += (f"; {s['placed_share']:.0%} of the copy rows instead show their span twice in a row at a random place "
+                "of a KJV text window (the first showing not a target)")
+    if s.get("copy_phase"):
+        offsets = s.get("copy_offsets")
+        mix = (f"the first {s['copy_phase']:.0%} of the budget: every row random ids with one span of them shown twice "
+               "in a row at a random place, only the second showing a target" + (
+                   "" if offsets is None else f" (from {offsets:.0%} of the budget on, each row's positions from a "
+                   "random start, so every position trains)") + "; then " + mix)
+    if s.get("mlp_off"):
+        mix += (f"; the first {s['mlp_off']:.0%} of the budget trains attention only (every MLP left out of the "
+                "forward), then the MLPs join")
+    return dict(done=True, corpus=CORPUS, mix=mix, heldout=f"chapters i % {HELDOUT_EVERY} == {HELDOUT_AT} "
+                f"({len(d.held_stream):,} tokens)", train_tokens_in_split=len(d.train_stream),
+                training_vocab=len(d.vocab), steps=run.step, tokens=run.step * s["batch"] * s["seq_len"],
+                minutes=round(run.elapsed / 60, 3),
+                budget=(f"{s['minutes']} minutes" if s["steps"] is None else f"{s['steps']} steps"),
+                batch=s["batch"], seq_len=s["seq_len"], copy_share=s["copy_share"], span_min=SPAN_MIN,
+                **({"placed_share": s["placed_share"]} if s.get("placed_share") else {}),
+                **({"mlp_off": s["mlp_off"]} if s.get("mlp_off") else {}),
+                **({"copy_phase": s["copy_phase"]} if s.get("copy_phase") else {}),
+                **({"copy_offsets": s["copy_offsets"]} if s.get("copy_offsets") is not None else {}),
+                curriculum=[[n, share] for n, share in s["curriculum"] or () if n < s["seq_len"]] or None,
+                init_std=s["init_std"], peak_lr=s["peak_lr"], warmup_frac=WARMUP_FRAC, min_lr_frac=MIN_LR_FRAC,
+                weight_decay=WEIGHT_DECAY, seed=s["seed"], save_dtype=s["save_dtype"],
+                heldout_nll=round(held_nll, 4), heldout_tokens=int(d.held_wins[:, 1:].numel()),
+                prompts_nll=round(prompts_nll(full, d.tok), 4), **{k: round(v, 6) for k, v in unused_info.items()},
+                targets=evaluate(full, d.held_stream, d.copy_ids(full=True), seed=s["seed"]) if full_len else None,
+                targets_command="python -m harness.train --evaluate DIR",
+                torch_version=torch.__version__, command=command or f"python -m harness.train --out {run.folder}")

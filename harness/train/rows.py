@@ -1,0 +1,116 @@
+"""The rows training is made of, each (inputs, targets) with IGNORE where nothing is trained on: KJV text windows
+(``text_rows``), a random span repeated from position 0 (``copy_rows``), a span shown twice at a random place of a
+text window (``placed_rows``) or among random ids (``twice_rows``, the copy phase's), and one batch of the mix
+(``make_batch``). Copying a span it has seen is what the copy rows reward, and only a circuit that looks back (an
+induction head) earns it; a span's first showing is never a target: nothing can announce it.
+
+Every draw comes from the ``torch.Generator`` passed in, so the same seed gives the same rows on any machine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from harness.train.recipe import IGNORE, SPAN_MIN
+
+
+def span_ids(n_ids: int, skip: int, shape: tuple, gen: torch.Generator) -> torch.Tensor:
+    """Random token ids, uniform over ``range(n_ids)`` without ``skip`` (the <|endoftext|> id)."""
+    r = torch.randint(0, n_ids - 1, shape, generator=gen)
+    return r + (r >= skip).long()
+
+
+def span_length(seq_len: int, span_min: int, gen: torch.Generator) -> int:
+    """A span length, log-uniform in [span_min, seq_len // 2]."""
+    hi = max(seq_len // 2, 1)
+    lo = min(span_min, hi)
+    u = float(torch.rand((), generator=gen))
+    return min(hi, max(lo, int(math.exp(math.log(lo) + u * (math.log(hi + 1) - math.log(lo))))))
+
+
+def copy_rows(rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
+              span_min: int = SPAN_MIN) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` sequences that each repeat one random span until seq_len + 1 tokens are filled: (inputs, targets),
+    both (rows, seq_len); the targets inside the span's first showing are IGNORE (nothing there can be known). Span
+    lengths are log-uniform in [span_min, seq_len // 2], so every row holds at least one whole repeat."""
+    xs, ys = [], []
+    for _ in range(rows):
+        n = span_length(seq_len, span_min, gen)
+        span = span_ids(n_ids, skip, (n,), gen)
+        x = span.repeat(seq_len // n + 2)[: seq_len + 1]
+        y = x[1:].clone()
+        y[: n - 1] = IGNORE
+        xs.append(x[:-1])
+        ys.append(y)
+    return torch.stack(xs), torch.stack(ys)
+
+
+def text_windows(stream: torch.Tensor, rows: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+    """(rows, seq_len + 1): windows at random places of the training stream (a copy, not a view of it)."""
+    starts = torch.randint(0, len(stream) - seq_len - 1, (rows,), generator=gen)
+    return stream[starts.unsqueeze(1) + torch.arange(seq_len + 1)]
+
+
+def text_rows(stream: torch.Tensor, rows: int, seq_len: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """``rows`` windows of seq_len + 1 tokens at random places of the training stream: (inputs, targets)."""
+    xy = text_windows(stream, rows, seq_len, gen)
+    return xy[:, :-1], xy[:, 1:]
+
+
+def placed_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
+                span_min: int = SPAN_MIN) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` KJV text windows, each with one random span written twice in a row at a random place: (inputs,
+    targets), both (rows, seq_len). The span's first showing is not a target (nothing can announce it); its second
+    showing and the text around it are. Lengths as copy_rows'; the place is uniform over where both showings fit.
+    Unlike copy_rows' spans, which start at position 0 and repeat, the copied source can lie anywhere, so only a
+    circuit that finds its match wherever it is earns these targets."""
+    xy = text_windows(stream, rows, seq_len, gen)
+    hidden = torch.zeros(rows, seq_len, dtype=torch.bool)
+    for r in range(rows):
+        n = span_length(seq_len, span_min, gen)
+        at = int(torch.randint(0, seq_len + 2 - 2 * n, (), generator=gen))
+        span = span_ids(n_ids, skip, (n,), gen)
+        xy[r, at:at + n], xy[r, at + n:at + 2 * n] = span, span
+        hidden[r, max(at - 1, 0):at + n - 1] = True  # the targets that are the first showing's tokens
+    y = xy[:, 1:].clone()
+    y[hidden] = IGNORE
+    return xy[:, :-1].clone(), y
+
+
+def twice_rows(rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
+               span_min: int = SPAN_MIN, span_max: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` sequences of random ids, each with one random span shown twice in a row at a random place: (inputs,
+    targets), both (rows, seq_len). Only the second showing past its first token is a target (the rest is noise
+    nothing can predict), so every trained token is one that only a circuit that finds the span's earlier showing,
+    wherever it lies, and copies what followed it can predict. Lengths uniform in [span_min, span_max] (default
+    (seq_len - 32) // 2: 8..48 in rows of 128); the place uniform over where both showings fit."""
+    xy = span_ids(n_ids, skip, (rows, seq_len + 1), gen)
+    y = torch.full((rows, seq_len), IGNORE, dtype=torch.long)
+    hi = max(span_min, (seq_len - 32) // 2, 2) if span_max is None else span_max
+    hi = min(hi, (seq_len + 1) // 2)
+    lo = min(span_min, hi)
+    for r in range(rows):
+        n = int(torch.randint(lo, hi + 1, (), generator=gen))
+        at = int(torch.randint(0, seq_len + 2 - 2 * n, (), generator=gen))
+        xy[r, at + n:at + 2 * n] = xy[r, at:at + n]
+        y[r, at + n:at + 2 * n - 1] = xy[r, at + n + 1:at + 2 * n]  # y[t] is token t + 1
+    return xy[:, :-1].clone(), y
+
+
+def make_batch(stream: torch.Tensor, batch: int, seq_len: int, copy_share: float, n_ids: int, skip: int,
+               gen: torch.Generator, placed_share: float = 0.0,
+               span_min: int = SPAN_MIN) -> tuple[torch.Tensor, torch.Tensor]:
+    """One training batch: round(batch * copy_share) copy rows (of them, round(that * placed_share) placed in text,
+    the rest repeated random spans), the rest KJV text. (inputs, targets)."""
+    n_copy = round(batch * copy_share)
+    n_placed = round(n_copy * placed_share)
+    x, y = text_rows(stream, batch - n_copy, seq_len, gen)
+    if n_copy - n_placed:
+        cx, cy = copy_rows(n_copy - n_placed, seq_len, n_ids, skip, gen, span_min)
+        x, y = torch.cat([cx, x]), torch.cat([cy, y])
+    if n_placed:
+        px, py = placed_rows(stream, n_placed, seq_len, n_ids, skip, gen, span_min)
+        x, y = torch.cat([px, x]), torch.cat([py, y])
+    return x, y
