@@ -12,7 +12,7 @@ functions included) has no cycle, and no module imports one from a layer above i
     harness.<door>               the public commands and names (harness.results, .report, .bench, ...): nothing
                                  inside harness imports them
 
-``python tests/test_layers.py`` prints the graph's figures (modules, imports, cycles, upward imports).
+``python -m tests.test_layers`` prints the graph's figures (modules, imports, cycles, upward imports).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
+from tests.helpers.house import imports, modules
 
 # (module prefix, rank); a module's layer is its longest matching prefix
 LAYERS = {
@@ -37,45 +37,6 @@ LAYERS = {
     "harness": 7,  # the doors (harness.results, harness.report, ...) and the package itself
 }
 PEERS = {frozenset({"harness.analysis", "harness.train"})}  # same rank, and neither may import the other
-
-
-def modules(root: Path = REPO) -> dict[str, Path]:
-    out = {}
-    for pkg in ("models", "harness"):
-        for f in sorted((root / pkg).rglob("*.py")):
-            parts = list(f.relative_to(root).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            out[".".join(parts)] = f
-    return out
-
-
-def _resolve(name: str, mods: dict) -> str | None:
-    while name and name not in mods:
-        name = name.rpartition(".")[0]
-    return name or None
-
-
-def imports(root: Path = REPO) -> dict[str, set[str]]:
-    """module -> the project modules it imports (anywhere in its code: top level, functions, branches)."""
-    mods = modules(root)
-    edges: dict[str, set[str]] = {m: set() for m in mods}
-    for m, f in mods.items():
-        package = m.split(".") if f.name == "__init__.py" else m.split(".")[:-1]
-        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
-            for t in targets:
-                r = _resolve(t, mods)
-                if r and r != m:
-                    edges[m].add(r)
-    return edges
 
 
 def layer(module: str) -> str:

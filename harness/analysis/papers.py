@@ -106,7 +106,7 @@ TEXT = ("drift_text_len", "prompts", TRAINED)  # a claim read from drift on the 
 # says (shorter texts may never fill a quantisation group, or never leave a window: they measure something else)
 COPY = ("retrieval_n", TRAINED)  # a claim read from copying random sequences
 # options of a preset's cache kind that its claims are not about, and why; every other option the preset sets (or
-# links to another: v_bits: ${cache.k_bits}) or sweeps (tests/test_findings.py holds each preset to this)
+# links to another: v_bits: ${cache.k_bits}) or sweeps (tests/analysis/test_findings.py holds each preset to this)
 NOT_ABOUT = {
     "paper_streamingllm": {"cache.window": "set by the budget: the budget less the sinks"},
     "paper_rotation": {"cache.v_bits": "V is not quantised (quantize k)", "cache.v_axis": "V is not quantised "

@@ -191,7 +191,7 @@ class KVCache:
     Options: ClassVar[type] = NoOptions
     exact: ClassVar[bool] = True  # must equal its reference (tokens identical); False: lossy, measured as drift
     description: ClassVar[str] = ""
-    # option sets the conformance tests (tests/test_cache_kinds.py) run this kind with on tiny models, chosen so
+    # option sets the conformance tests (tests/models/test_cache_kinds.py) run this kind with on tiny models, chosen so
     # that the kind's own mechanics (eviction, groups, ...) happen within a short generation
     examples: ClassVar[tuple[dict, ...]] = ({},)
     # whether the kind runs left-padded ragged batches exactly; if not, why (the one-line refusal)

@@ -26,7 +26,7 @@ each of K and V grouped along either axis, optionally rotated first.
   dequantises the whole history every step; it is the reference. With ``compile=true`` a decode step instead
   attends over the packed bytes and scales where they lie (``attend_decode``): on the CPU through a C++ kernel
   (``csrc/decode_attention.cpp``, ``kernel_attention``), elsewhere through torch.compile (``stored_attention``),
-  float32 math, equal to the eager path within float32 rounding (tests/test_compile.py).
+  float32 math, equal to the eager path within float32 rounding (tests/models/test_compile.py).
   The whole allocation is made up front, like ``prealloc``: the cache holds ``max_len`` token slots.
 - Scales and minimums are fp16, so values beyond fp16's range (|x| > 65504) cannot be quantised: their group turns
   non-finite, which a run reports as such.
@@ -448,7 +448,7 @@ class QuantKVCache(KVCache):
             q, s0, s1 = q.view(B, nh, m, hs), q0 // G, q1 // G
         elif self.fused and self.device.type == "cpu" and kernels.load() is not None:
             # the compiled decode step on the CPU: the same values, quantised, packed and written into the slots by
-            # the kernel (value for value what quantize and pack give: tests/test_compile.py)
+            # the kernel (value for value what quantize and pack give: tests/models/test_compile.py)
             kernels.load().quantize_into(x, layer, getattr(self, f"{which}_q"), getattr(self, f"{which}_scale"),
                                          getattr(self, f"{which}_min"), q0, bits, G)
             q = packed = None

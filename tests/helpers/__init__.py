@@ -1,0 +1,77 @@
+"""What the tests share that is not a fixture (the fixtures live in tests/conftest.py): the repository's root, the
+tiny run every run.py test makes, running run.py offline, a network tripwire, and reading a test file's ``CASES``.
+The modules beside this one hold what tests of one kind share: ``caches`` (the model layer's cache kinds and
+prompts), ``checkpoints`` (tiny HF checkpoints and faults in them), ``fake_hub`` (a stand-in HF hub),
+``wandb_runs`` (reading an offline W&B run) and ``house`` (the project's import graph). A test file imports what it
+shares from here, never from another test file (tests/test_house.py checks)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent.parent
+# small and quick: what every run.py test runs
+TINY = ["model=tiny", "n_prompts=2", "new_tokens=8", "prompt_len=6", "repeats=2", "warmup=1",
+        "context_lengths=[8,32]"]
+
+
+class Tripwire:
+    """A local TCP listener that counts connections: point W&B's and every HTTP client's server at it."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port, self.hits = self.sock.getsockname()[1], 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.hits += 1
+            self.took(conn)
+
+    def took(self, conn) -> None:
+        conn.close()
+
+
+def run_py(args, tmp_path, extra_env=None) -> subprocess.CompletedProcess:
+    """``python run.py ARGS`` in a subprocess, offline, W&B's folders under tmp_path."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
+        env[var] = str(Path(tmp_path) / var.lower())
+    return subprocess.run([sys.executable, "run.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def one_line(err: str) -> str:
+    """The one line a refusal prints (asserted: one line, no traceback)."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def untested_cases(path: str, cases: list) -> list[str]:
+    """The ids of a test file's ``CASES`` that no test below the list names (``# id`` or ``, id``); asserts each id is
+    listed once."""
+    text = open(path, encoding="utf-8").read().split("\nCASES = [", 1)[1].split("\n]\n", 1)[1]
+    assert len({c for c, _ in cases}) == len(cases)
+    return [c for c, _ in cases if f"# {c}" not in text and f", {c}" not in text]
+
+
+def case_ids(path: Path) -> list[str]:
+    """The ids (each tuple's first item) of a test file's top-level ``CASES = [...]``, read with ast without
+    importing the file: the list must be a literal, and is evaluated whole as one."""
+    for node in ast.parse(Path(path).read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["CASES"]:
+            return [c[0] for c in ast.literal_eval(node.value)]
+    raise AssertionError(f"{path} has no top-level CASES = [...]")

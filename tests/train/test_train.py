@@ -1,0 +1,735 @@
+"""harness.train: the offline reference GPT-2 ("mini"). Tiny runs on the real corpus with a small config; the shipped
+checkpoint in models/weights/mini is checked with the full 50,257-way softmax. The research probes that study its
+recipe (scripts/probes) are imported here as modules."""
+
+import json
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from harness.core import copying
+from harness.train import __main__ as cli
+from harness.train import corpus, loop, rows, targets
+from harness.train import model as M
+from harness.train import recipe as R
+from models.gpt2 import GPT2, GPT2Config
+from models.tokenizer import Tokenizer
+from tests.helpers import REPO
+from tests.helpers.house import imports
+
+MINI = REPO / "models" / "weights" / "mini"
+SMALL = GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64)
+# text from the first step (no copy phase, no attention-only phase: their own tests set them)
+FAST = dict(config=SMALL, batch=8, seq_len=32, eval_tokens=1024, progress=False, copy_phase=0.0, mlp_off=0.0)
+COPY_STEPS = 400  # the quick copy test's training steps
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "run"
+    meta = loop.train(out, steps=40, eval_every=10, **FAST)
+    return out, meta
+
+
+@pytest.mark.slow
+def test_checkpoint_loads_with_the_trained_models_logits(tiny_run):
+    out, meta = tiny_run
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "train_log.csv", "heldout.txt"}
+    docs = corpus.corpus_documents()
+    _, held = corpus.split_documents(docs)  # the prompts of runs on the model: held-out chapters, one per line
+    assert (out / "heldout.txt").read_text().splitlines() == [docs[i] for i in held]
+    trained = meta["_model"]
+    loaded = GPT2.from_pretrained(out).eval()
+    assert loaded.config.vocab_size == 50257 and loaded.config.n_embd == 32
+    idx = torch.tensor([Tokenizer().encode("And the LORD said unto Moses, Go in unto Pharaoh, and say")])
+    with torch.no_grad():
+        assert torch.equal(loaded(idx), trained(idx))
+    state = load_file(str(out / "model.safetensors"))  # HF names and layouts: Conv1D weights are (in, out)
+    assert state["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)
+    assert state["transformer.h.0.mlp.c_proj.weight"].shape == (128, 32)
+    assert "lm_head.weight" not in state and state["transformer.wte.weight"].shape == (50257, 32)
+
+
+def test_hf_transformers_loads_it_with_the_same_logits(tiny_run):
+    from transformers import GPT2LMHeadModel
+
+    out, meta = tiny_run
+    hf = GPT2LMHeadModel.from_pretrained(out, dtype=torch.float32).eval()
+    idx = torch.randint(0, 50257, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, meta["_model"](idx), atol=1e-4, rtol=1e-4)
+
+
+def test_training_lowers_the_full_softmax_heldout_nll(tiny_run):
+    out, meta = tiny_run
+    cfg = json.loads((out / "config.json").read_text())
+    rec = cfg["kvlab_train"]
+    assert rec["done"] and rec["steps"] == 40 and rec["tokens"] == 40 * 8 * 32 and rec["seed"] == 0
+    assert rec["heldout_nll"] < math.log(50257) - 2  # ~10.8 at init
+    assert math.isfinite(rec["prompts_nll"]) and rec["corpus"].startswith("King James Bible")
+    # the reported number is the saved model's, with the full softmax
+    tok, _, held = corpus.load_data()
+    loaded = GPT2.from_pretrained(out)
+    assert targets.nll(loaded, corpus.windows(held, 1024, T=32)) == pytest.approx(rec["heldout_nll"], abs=1e-3)
+    rows = (out / "train_log.csv").read_text().splitlines()
+    assert rows[0] == "step,elapsed_s,train_loss,lr,heldout_nll,copy_acc,copy_far_acc" and len(rows) >= 6
+    assert all(0 <= float(r.split(",")[6]) <= 1 for r in rows[1:-1])  # copy behind other tokens, on every quick row
+    first, last = float(rows[1].split(",")[4]), float(rows[-2].split(",")[4])
+    assert last < first - 1  # quick held-out NLL along the way went down
+
+
+def test_unused_vocabulary_rows_get_one_small_constant_logit(tiny_run):
+    _, meta = tiny_run
+    model = meta["_model"]
+    _, train_stream, _ = corpus.load_data()
+    unused = torch.ones(50257, dtype=torch.bool)
+    unused[torch.unique(train_stream)] = False
+    idx = torch.randint(0, 50257, (3, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(idx)
+    u = logits[..., unused]
+    assert float(u.std()) < 1e-3 and float(u.mean()) == pytest.approx(meta["unused_rows_logit"], abs=1e-2)
+    mass = torch.softmax(logits, -1)[..., unused].sum(-1)
+    assert float(mass.max()) < 0.05
+
+
+def test_finished_folder_is_reported_not_retrained(tiny_run):
+    out, meta = tiny_run
+    before = (out / "model.safetensors").stat().st_mtime_ns
+    again = loop.train(out, steps=40, **{**FAST, "progress": False})
+    assert again["heldout_nll"] == meta["heldout_nll"] and "_model" not in again
+    assert (out / "model.safetensors").stat().st_mtime_ns == before
+
+
+@pytest.mark.slow
+def test_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
+    whole = loop.train(tmp_path / "whole", steps=8, eval_every=4, **FAST)
+    part = loop.train(tmp_path / "split", steps=8, eval_every=4, stop_after=3, **FAST)
+    assert not part["done"] and (tmp_path / "split" / R.STATE).is_file()
+    assert not (tmp_path / "split" / "model.safetensors").exists()
+    state = torch.load(tmp_path / "split" / R.STATE, weights_only=True)
+    assert state["step"] == 3
+    with pytest.raises(R.TrainError, match="other settings"):
+        loop.train(tmp_path / "split", steps=9, **FAST)
+    resumed = loop.train(tmp_path / "split", steps=8, eval_every=4, **FAST)
+    assert resumed["done"] and resumed["steps"] == 8 and not (tmp_path / "split" / R.STATE).exists()
+    a = load_file(str(tmp_path / "whole" / "model.safetensors"))
+    b = load_file(str(tmp_path / "split" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed["heldout_nll"] == whole["heldout_nll"]
+
+
+@pytest.mark.slow
+def test_a_fractional_minutes_budget_trains_and_finishes(tmp_path):
+    meta = loop.train(tmp_path / "quick", minutes=0.01, **FAST)
+    assert meta["done"] and meta["steps"] >= 1 and meta["budget"] == "0.01 minutes"
+    assert 0.01 <= meta["minutes"] < 0.05 and (tmp_path / "quick" / "model.safetensors").is_file()
+
+
+def test_heldout_split_is_whole_documents_never_trained_on():
+    docs = corpus.corpus_documents()
+    train_i, held_i = corpus.split_documents(docs)
+    assert len(docs) == 1189 and not set(train_i) & set(held_i) and sorted(train_i + held_i) == list(range(1189))
+    assert 0.04 < len(held_i) / len(docs) < 0.06
+    train_docs = {docs[i] for i in train_i}
+    assert not any(docs[i] in train_docs for i in held_i)
+    tok, train_stream, held_stream = corpus.load_data()
+    assert torch.equal(held_stream, corpus.encode_stream(tok, [docs[i] for i in held_i]))
+    assert len(train_stream) + len(held_stream) == sum(len(tok.encode(d)) + 1 for d in docs)
+    assert not re.search(r"\d+:\d+", docs[0]) and docs[0].startswith("In the beginning God created")
+
+
+def test_prompts_text_is_not_in_the_corpus():
+    words = lambda t: re.findall(r"[a-z']+", t.lower())  # noqa: E731
+    shingles = set()
+    for d in corpus.corpus_documents():
+        w = words(d)
+        shingles.update(" ".join(w[i:i + 6]) for i in range(len(w) - 5))
+    lines = [ln for ln in R.PROMPTS.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    assert len(lines) >= 10
+    for line in lines:
+        w = words(line)
+        assert not [" ".join(w[i:i + 6]) for i in range(len(w) - 5) if " ".join(w[i:i + 6]) in shingles], line
+
+
+def test_mlps_left_out_make_each_block_attention_only_and_give_the_model_back_whole(tiny_model):
+    """Inside mlps_left_out the forward equals that of a copy whose MLPs add nothing (their output projection zeroed),
+    the MLPs get no gradient; outside, the model's outputs and state_dict are as before."""
+    import copy
+
+    x = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    before = {k: v.clone() for k, v in tiny_model.state_dict().items()}
+    with torch.no_grad():
+        whole = tiny_model(x)
+        silent = copy.deepcopy(tiny_model)
+        for b in silent.transformer.h:
+            b.mlp.c_proj.weight.zero_()
+            b.mlp.c_proj.bias.zero_()
+        want = silent(x)
+    assert not torch.allclose(whole, want, atol=1e-3)  # the MLPs matter to this model, so the check can fail
+    with M.mlps_left_out(tiny_model):
+        got = tiny_model(x)
+        got.sum().backward()
+    assert torch.allclose(got, want, atol=1e-5)
+    assert all(p.grad is None for b in tiny_model.transformer.h for p in b.mlp.parameters())
+    assert all(p.grad is not None for b in tiny_model.transformer.h for p in b.attn.parameters())
+    tiny_model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        assert torch.equal(tiny_model(x), whole)
+    after = tiny_model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+@pytest.mark.slow
+def test_an_attention_only_phase_leaves_the_mlps_untrained_until_it_ends(tmp_path):
+    """--mlp-off 0.5 of 8 steps: after 4 steps every MLP weight is its initial value while attention has moved, and
+    the MLPs join without changing the model's outputs; the finished run's MLPs have trained, and the record names
+    the phase."""
+    first = loop.train(tmp_path / "run", steps=8, eval_every=4, stop_after=1, **{**FAST, "mlp_off": 0.5})
+    init = torch.load(tmp_path / "run" / R.STATE, weights_only=True)["model"]
+    loop.train(tmp_path / "run", steps=8, eval_every=4, stop_after=3, **{**FAST, "mlp_off": 0.5})
+    mid = torch.load(tmp_path / "run" / R.STATE, weights_only=True)["model"]
+    assert not first["done"] and any(".mlp." in k for k in init)
+    assert all(torch.equal(init[k], mid[k]) for k in init if ".mlp." in k)
+    assert not torch.equal(init["transformer.h.0.attn.c_attn.weight"], mid["transformer.h.0.attn.c_attn.weight"])
+    model = M.compact_model(SMALL, mid["transformer.wte.weight"].shape[0])
+    model.load_state_dict(mid)
+    x = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # the MLPs join at step 4 adding nothing: the model as it trained is unchanged
+        alone = model(x)
+        with M.mlps_left_out(model):
+            assert torch.equal(model(x), alone)
+    meta = loop.train(tmp_path / "run", steps=8, eval_every=4, **{**FAST, "mlp_off": 0.5})
+    end = GPT2.from_pretrained(tmp_path / "run").state_dict()
+    for k in (k for k in init if ".mlp." in k):  # moved by far more than the checkpoint's fp16 rounding
+        assert (end[k] - init[k]).abs().max() > 1e-3, k
+    assert meta["mlp_off"] == 0.5 and "attention only" in meta["mix"]
+    with pytest.raises(R.TrainError, match="--mlp-off must lie in"):
+        loop.train(tmp_path / "other", steps=8, **{**FAST, "mlp_off": 1.0})
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--minutes", "-1"], "--minutes -1: give a number of minutes more than 0 and at most"),
+    (["--minutes", "0"], "--minutes 0: give a number of minutes more than 0"),
+    (["--minutes", "nan"], "--minutes nan: give a number of minutes more than 0"),
+    (["--minutes", "abc"], "invalid float value"),
+    (["--steps", "0"], "--steps 0: give 1 .. 1,000,000"),
+    (["--minutes", "1", "--steps", "5"], "one budget"),
+    (["--curriculum", "32-0.3"], "--curriculum '32-0.3': give 'none' or LEN:SHARE pairs"),
+    (["--curriculum", "100:0.3"], "a length must be >= 2 and divide the 8192 tokens"),
+    (["--curriculum", "32:0.6,64:0.6"], "the shares add up to 1.2"),
+    (["--mlp-off", "1"], "--mlp-off 1: give a share in [0, 1)"),
+    (["--copy-phase", "-0.1"], "--copy-phase -0.1: give a share in [0, 1)"),
+    (["--copy-share", "2"], "--copy-share 2: give a share in [0, 1]"),
+    (["--copy-offsets", "soon"], "--copy-offsets 'soon': give a share of the budget"),
+    (["--copy-phase", "0.2", "--copy-offsets", "0.3"], "--copy-offsets 0.3: give a share in [0, --copy-phase 0.2)"),
+    (["--heads", "3"], "--heads 3 must divide the model's width 128"),
+    (["--heads", "0"], "--heads 0 must divide the model's width 128"),
+    ([], "--out"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, args, why):
+    out = tmp_path / "ckpt"
+    argv = args if args == [] else ["--out", str(out), *args]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and why in err[0], err
+    assert not out.exists()  # nothing half-written
+
+
+def test_out_must_be_a_folder_of_ours(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert cli.main(["--out", str(f), "--steps", "1"]) == 2
+    assert "is a file" in capsys.readouterr().err
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert cli.main(["--out", str(tmp_path / "other"), "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a kvlab training run" in err[0]
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["notes.txt"]
+
+
+def test_cli_reports_a_finished_folder_and_exits_0(tiny_run):
+    out, meta = tiny_run
+    p = subprocess.run([sys.executable, "-m", "harness.train", "--out", str(out), "--steps", "40"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    # different settings than the tiny run's config, but a finished folder is only reported
+    assert p.returncode == 0, p.stderr
+    assert "already trained" in p.stdout and f"{meta['heldout_nll']:.3f}" in p.stdout
+
+
+def test_copy_rows_repeat_one_span_and_hide_its_first_showing():
+    gen = torch.Generator().manual_seed(0)
+    x, y = rows.copy_rows(64, 32, n_ids=10, skip=3, gen=gen)
+    assert x.shape == y.shape == (64, 32) and not (x == 3).any() and int(x.max()) <= 9
+    seen = set()
+    for row_x, row_y in zip(x, y):
+        n = int((row_y == R.IGNORE).sum()) + 1  # the span's length: its first showing's targets are not trained on
+        assert 8 <= n <= 16 and (row_y[: n - 1] == R.IGNORE).all()
+        full = torch.cat([row_x, row_y[-1:]])
+        assert torch.equal(full[n:], full[: len(full) - n])  # the rest repeats the span
+        assert torch.equal(row_y[n - 1:], full[n:])  # every later token is a target
+        seen.add(n)
+    assert len(seen) > 4  # lengths vary
+    xb, yb = rows.make_batch(torch.arange(1000), 8, 32, 0.5, n_ids=10, skip=3, gen=gen)
+    assert xb.shape == (8, 32) and (yb[:4] == R.IGNORE).any() and not (yb[4:] == R.IGNORE).any()
+    assert torch.equal(yb[4:, :-1], xb[4:, 1:])  # text rows: next-token targets
+
+
+def test_placed_rows_show_one_span_twice_anywhere_in_text():
+    """A placed row is a text window with one random span written twice in a row at a random place; only the
+    span's first showing is hidden from the loss, and the source lies anywhere (not only at position 0)."""
+    gen = torch.Generator().manual_seed(0)
+    stream = torch.arange(100, 5100)  # text ids (>= 100) told apart from span ids (< 10)
+    x, y = rows.placed_rows(stream, 64, 64, n_ids=10, skip=3, gen=gen)
+    assert x.shape == y.shape == (64, 64) and not (x == 3).any()
+    starts = set()
+    for row_x, row_y in zip(x, y):
+        full = torch.cat([row_x, row_y[-1:]])  # the row's seq_len + 1 tokens
+        where = (full < 10).nonzero().flatten()
+        at, n = int(where[0]), len(where) // 2
+        assert len(where) == 2 * n and torch.equal(where, torch.arange(at, at + 2 * n))  # one place, both showings
+        assert 8 <= n <= 32 and torch.equal(full[at:at + n], full[at + n:at + 2 * n])
+        outside = torch.cat([torch.arange(at), torch.arange(at + 2 * n, len(full))])
+        assert (full[outside] - outside).unique().numel() == 1  # one text window around the span, in order
+        hidden = (row_y == R.IGNORE).nonzero().flatten()
+        assert torch.equal(hidden, torch.arange(max(at - 1, 0), at + n - 1))  # the first showing's tokens only
+        assert torch.equal(row_y[at + n - 1:at + 2 * n - 1], full[at + n:at + 2 * n])  # the second: targets
+        starts.add(at)
+    assert max(starts) > 16 and min(starts) < 8  # anywhere in the row
+    xb, yb = rows.make_batch(stream, 8, 64, 0.5, n_ids=10, skip=3, gen=gen, placed_share=0.5)
+    assert ((xb < 10).sum(1) > 0).sum() == 4  # four copy rows: two placed (text around them), two repeated
+    assert ((xb >= 100).any(1) & (xb < 10).any(1)).sum() == 2
+
+
+def test_twice_rows_show_one_span_twice_among_random_ids_and_train_only_its_second_showing():
+    """A twice row (--copy-phase) is random ids with one span written twice in a row at a random place; the targets
+    are the second showing's tokens after its first (each the next token), nothing else, and the source lies
+    anywhere in the row."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = rows.twice_rows(200, 128, n_ids=50, skip=3, gen=gen)
+    assert x.shape == y.shape == (200, 128) and not (x == 3).any() and int(x.max()) <= 50
+    starts, lengths = set(), set()
+    for row_x, row_y in zip(x, y):
+        full = torch.cat([row_x, row_y[-1:]])
+        trained = (row_y != R.IGNORE).nonzero().flatten()
+        first, n = int(trained[0]), len(trained) + 1  # the second showing starts at `first`, n tokens long
+        assert torch.equal(trained, torch.arange(first, first + n - 1))  # one run of targets
+        assert torch.equal(row_y[trained], row_x[trained + 1] if first + n - 1 < 128 else full[trained + 1])
+        assert torch.equal(full[first - n:first], full[first:first + n])  # the span, shown twice in a row
+        assert 8 <= n <= 48
+        starts.add(first - n), lengths.add(n)
+    assert min(starts) < 8 and max(starts) > 64 and len(lengths) > 20  # anywhere, any length
+    assert torch.equal(rows.twice_rows(4, 128, 50, 3, torch.Generator().manual_seed(5))[0],
+                       rows.twice_rows(4, 128, 50, 3, torch.Generator().manual_seed(5))[0])  # reproducible
+
+
+def test_a_copy_phase_trains_on_twice_rows_only_then_on_the_mix(tmp_path, monkeypatch):
+    """--copy-phase 0.5 of 8 steps: the first 4 batches are twice rows, the rest the usual mix; the record names
+    the phase, and a share outside [0, 1) is refused in one line."""
+    calls = []
+    monkeypatch.setattr(loop, "twice_rows", lambda *a, **k: calls.append("twice") or real_twice(*a, **k))
+    monkeypatch.setattr(loop, "make_batch", lambda *a, **k: calls.append("mix") or real_mix(*a, **k))
+    meta = loop.train(tmp_path / "run", steps=8, eval_every=4, **{**FAST, "copy_phase": 0.5})
+    assert calls == ["twice"] * 4 + ["mix"] * 4
+    assert meta["copy_phase"] == 0.5 and "shown twice" in meta["mix"]
+    with pytest.raises(R.TrainError, match=r"--copy-phase must lie in \[0, 1\)"):
+        loop.train(tmp_path / "other", steps=8, **{**FAST, "copy_phase": 1.0})
+
+
+real_twice, real_mix, real_offsets = rows.twice_rows, rows.make_batch, M.position_offsets
+
+
+def test_copy_offsets_move_the_copy_phases_rows_to_random_positions_from_their_share_on(tmp_path, monkeypatch):
+    """--copy-offsets 0.25 with --copy-phase 0.5 of 8 steps: steps 1-2 read positions from 0, steps 3-4 from a
+    random start per row that keeps the row inside n_positions; a share outside [0, copy phase) is refused."""
+    seen = []
+
+    def spy(model, starts):
+        seen.append(None if starts is None else starts.flatten().tolist())
+        return real_offsets(model, starts)
+
+    monkeypatch.setattr(loop, "position_offsets", spy)
+    meta = loop.train(tmp_path / "run", steps=8, eval_every=4, **{**FAST, "copy_phase": 0.5, "copy_offsets": 0.25})
+    assert seen[:2] == [None, None] and len(seen) == 4
+    starts = [v for row in seen[2:] for v in row]
+    assert len(starts) == 2 * 8 * 32 // 32 and len(set(starts)) > 1
+    assert all(0 <= v <= SMALL.n_positions - 32 for v in starts)
+    assert meta["copy_offsets"] == 0.25 and "random start" in meta["mix"]
+    with pytest.raises(R.TrainError, match=r"--copy-offsets must lie in \[0, --copy-phase 0.5\)"):
+        loop.train(tmp_path / "other", steps=8, **{**FAST, "copy_phase": 0.5, "copy_offsets": 0.5})
+
+
+def test_position_offsets_read_each_rows_positions_from_its_start(tiny_model):
+    """Inside position_offsets, row r's forward equals the plain forward of a model whose position embeddings are
+    shifted by that row's start; outside, nothing changed."""
+    import copy
+
+    x = torch.randint(0, 1000, (2, 10), generator=torch.Generator().manual_seed(0))
+    starts = torch.tensor([[0], [7]])
+    with torch.no_grad(), M.position_offsets(tiny_model, starts):
+        got = tiny_model(x)
+    for r, s in enumerate(starts.flatten().tolist()):
+        shifted = copy.deepcopy(tiny_model)
+        with torch.no_grad():
+            shifted.transformer.wpe.weight[: -s or None] = tiny_model.transformer.wpe.weight[s:]
+            want = shifted(x[r:r + 1])
+        assert torch.allclose(got[r:r + 1], want, atol=1e-5), s
+    assert not tiny_model.transformer.wpe._forward_pre_hooks
+    with torch.no_grad():
+        assert not torch.allclose(tiny_model(x)[1], got[1], atol=1e-3)  # the shift did move row 1
+
+
+class _Copier(torch.nn.Module):
+    """Predicts the token n - 1 positions back (a perfect copier of a sequence of n shown twice)."""
+
+    def __init__(self, n, vocab):
+        super().__init__()
+        self.n, self.vocab = n, vocab
+
+    def forward(self, x):
+        back = torch.cat([torch.zeros_like(x[:, : self.n - 1]), x[:, : x.shape[1] - self.n + 1]], 1)
+        return torch.nn.functional.one_hot(back, self.vocab).float()
+
+
+@pytest.mark.parametrize("after", [0, 7, 40])
+def test_copy_accuracy_scores_the_second_copy_wherever_it_starts(after):
+    ids = torch.arange(5, 200)
+    second, first = copying.model_copy_accuracy(_Copier(20, 200), ids, 20, k=4, after=after)
+    assert second == 1.0 and first < 0.2
+    assert copying.model_copy_accuracy(_Copier(21, 200), ids, 20, k=4, after=after).second < 0.2  # the wrong span
+
+
+def test_heldout_nll_over_distinct_rows_is_the_full_softmax(tiny_model):
+    """position_nll projects once per distinct output row (unused ids share one): the same NLL as cross-entropy
+    over every id."""
+    import copy
+
+    m = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        m.transformer.wte.weight[300:] = m.transformer.wte.weight[299]  # 49,958 ids share one row
+    rows, log_count, index = copying.distinct_rows(m.lm_head.weight)
+    assert len(rows) == 300 and round(float(log_count.exp().sum())) == m.config.vocab_size
+    wins = torch.randint(0, 400, (3, 33), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = m(wins[:, :-1])
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), wins[:, 1:].flatten(), reduction="none")
+    got = targets.position_nll(m, wins)
+    assert torch.allclose(got, want.view(3, -1).double().mean(0), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_recipe_teaches_a_tiny_model_to_copy_in_seconds():
+    """Repeated random spans (the recipe's copy rows, initialisation, optimiser and schedule) make a 2-layer model
+    copy: top-1 accuracy on a span's second showing rises far above chance while its first stays at chance."""
+    n_ids, seq_len, steps, lr = 64, 32, COPY_STEPS, 1e-2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is fastest, and several crawl on a busy machine
+    try:
+        torch.manual_seed(0)
+        model = M.compact_model(GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=seq_len), n_ids + 1)
+        opt = M.make_optimizer(model, lr)
+        gen = torch.Generator().manual_seed(0)
+        ids, chance = torch.arange(n_ids), 1 / n_ids
+        before = copying.model_copy_accuracy(model, ids, seq_len // 2, k=16)
+        for step in range(steps):
+            for g in opt.param_groups:
+                g["lr"] = M.lr_at(step / steps, lr)
+            x, y = rows.copy_rows(16, seq_len, n_ids + 1, n_ids, gen)  # ids 0 .. n_ids - 1 (n_ids: the skipped one)
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=R.IGNORE)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        second, first = copying.model_copy_accuracy(model, ids, seq_len // 2, k=16)
+    finally:
+        torch.set_num_threads(threads)
+    assert before.second < 3 * chance and first < 3 * chance, (before, first)
+    assert second > 10 * chance, (first, second)  # chance: 1/64
+
+
+def test_late_positions_nll_is_the_full_runs_tail(tiny_model):
+    """position_nll(start=s) skips the vocabulary projection of positions before s, not their attention."""
+    wins = torch.randint(0, tiny_model.config.vocab_size, (3, 41), generator=torch.Generator().manual_seed(0))
+    for attention in ({}, {"window": 8}, {"window": 8, "sinks": 2}):
+        full = targets.position_nll(tiny_model, wins, **attention)
+        late = targets.position_nll(tiny_model, wins, start=25, **attention)
+        assert late.shape == (15,) and torch.allclose(late, full[25:], atol=1e-6), attention
+    assert not tiny_model.lm_head._forward_pre_hooks  # the model is left as it was
+
+
+def test_targets_table_names_every_target_and_what_it_missed():
+    r = {key: 0.5 for key, _, _ in R.TARGETS}
+    r.update(attention_on_position_0=[0.25, 0.75], heldout_windows=3)
+    r["met"] = {key: targets.meets(r[key], bound) for key, _, bound in R.TARGETS if bound is not None}
+    table = targets.targets_table(r).splitlines()
+    assert len(table) == 2 + len(R.TARGETS) + 2 + 1
+    assert all(what in "\n".join(table) for _, what, _ in R.TARGETS)
+    assert r["met"]["copy50_acc"] is False and r["met"]["heldout_nll"] is True
+    assert table[-1].startswith(f"{sum(r['met'].values())} of {len(r['met'])} targets met; missed: ")
+    assert "copy50_acc" in table[-1] and "heldout_nll" not in table[-1]
+
+
+@pytest.mark.slow
+def test_shipped_mini_checkpoint_is_good_with_the_full_vocabulary():
+    assert (MINI / "model.safetensors").is_file(), "build it: python -m harness.train --out models/weights/mini"
+    assert (MINI / "model.safetensors").stat().st_size < 60 * 2**20
+    model = GPT2.from_pretrained(MINI).eval()
+    assert model.config.vocab_size == 50257 and model.config.n_positions == 1024
+    rec = json.loads((MINI / "config.json").read_text())["kvlab_train"]
+    assert rec["done"] and rec["heldout_nll"] <= 5.0 and rec["minutes"] <= 150 and rec["seq_len"] == 1024
+    assert rec["command"].startswith("python -m harness.train ") and "--steps" in rec["command"]
+    _, _, held = corpus.load_data()
+    wins = corpus.windows(held, 4096, T=128)
+    assert wins[:, 1:].numel() >= 4000
+    assert targets.nll(model, wins) <= 5.0  # full 50,257-way softmax of the loaded checkpoint
+    header = (MINI / "train_log.csv").read_text().splitlines()[0].split(",")
+    assert header == R.LOG_FIELDS[:len(header)] and "copy_acc" in header  # runs before copy_far_acc lack it
+    assert (MINI / "heldout.txt").read_text().splitlines() == [corpus.corpus_documents()[i] for i in
+                                                               corpus.split_documents(corpus.corpus_documents())[1]]
+
+
+def test_the_shipped_mini_was_made_by_the_default_recipe():
+    """python -m harness.train --out models/weights/mini (the defaults) is the recipe of the shipped checkpoint: its
+    record's settings are the module's defaults, and its geometry is the mini preset's."""
+    cfg = json.loads((MINI / "config.json").read_text())
+    rec = cfg["kvlab_train"]
+    assert rec["steps"] == R.DEFAULT_STEPS and rec["seed"] == 0
+    assert (rec["copy_phase"], rec["copy_offsets"], rec["mlp_off"]) == (R.COPY_PHASE, R.COPY_OFFSETS, R.MLP_OFF)
+    assert (rec["copy_share"], rec["placed_share"], rec["span_min"]) == (R.COPY_SHARE, R.PLACED_SHARE, R.SPAN_MIN)
+    assert rec["curriculum"] == [list(c) for c in R.CURRICULUM]
+    assert (rec["init_std"], rec["peak_lr"], rec["batch"], rec["seq_len"]) == (R.INIT_STD, R.PEAK_LR, R.BATCH,
+                                                                               R.SEQ_LEN)
+    assert {k: cfg[k] for k in R.MINI_CONFIG} == R.MINI_CONFIG
+
+
+@pytest.fixture(scope="module")
+def mini_targets():
+    """Every target of the shipped checkpoint, computed now (nothing here is a recorded number), and its record."""
+    r, table = targets.evaluate_folder(MINI)
+    return r, table, json.loads((MINI / "config.json").read_text())["kvlab_train"]
+
+
+@pytest.mark.slow
+def test_shipped_mini_records_the_targets_it_has(mini_targets):
+    """The figures in the checkpoint's kvlab_train (and so in the docs) are the ones measured now."""
+    r, _, rec = mini_targets
+    for key, _, bound in R.TARGETS:
+        assert r[key] == pytest.approx(rec["targets"][key], abs=2e-3), key
+    assert rec["targets"]["met"] == r["met"]
+    assert r["copy50_first"] < r["copy50_acc"] and r["copy500_first"] < r["copy500_acc"]
+    shares = r["attention_on_position_0"]
+    assert len(shares) == 6 and all(0 <= s <= 1 for s in shares)
+    assert shares == pytest.approx(rec["targets"]["attention_on_position_0"], abs=2e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", [key for key, _, bound in R.TARGETS if bound is not None])
+def test_shipped_mini_meets_its_target(mini_targets, key, request):
+    """Each target, measured now against its bound. A target the shipped model's record says it misses is an
+    expected failure, strictly: when the model starts meeting it, this fails until the record says so."""
+    r, table, rec = mini_targets
+    bound = next(b for k, _, b in R.TARGETS if k == key)
+    if not rec["targets"]["met"].get(key, False):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=f"the shipped mini misses {key} (its kvlab_train "
+                                                                 "says so; docs/reference-model.md)"))
+    assert targets.meets(r[key], bound), f"{key} = {r[key]} misses {bound}\n{table}"
+
+
+def test_the_curriculum_trains_short_rows_first_with_the_same_tokens_per_step():
+    class Run:  # the parts of _Run that shape() reads
+        shape = loop._Run.shape
+        settings = dict(curriculum=[list(c) for c in R.CURRICULUM], seq_len=1024, batch=8)
+
+        def frac(self):
+            return self.at
+
+    run, seen, ends = Run(), [], []
+    for i in range(1000):
+        run.at = i / 1000
+        seen.append(run.shape())
+    assert all(rows * length == 8 * 1024 for rows, length in seen)  # the same tokens every step
+    lengths = [length for _, length in seen]
+    assert lengths == sorted(lengths) and lengths[0] == R.CURRICULUM[0][0] and lengths[-1] == 1024
+    end = 0.0
+    for length, share in R.CURRICULUM:  # each length for its share of the budget
+        assert lengths.count(length) == pytest.approx(1000 * share, abs=1)
+        end += share
+    assert lengths.count(1024) == pytest.approx(1000 * (1 - end), abs=1)
+    run.settings = dict(run.settings, seq_len=128)  # lengths not shorter than the rows are passed over
+    run.at = 0.5
+    assert run.shape() == (8, 128)
+    run.settings = dict(run.settings, curriculum=R.parse_curriculum("64:0.25"))  # --curriculum 64:0.25
+    assert [run.shape() for run.at in (0.0, 0.249, 0.25)] == [(16, 64), (16, 64), (8, 128)]
+    assert R.parse_curriculum("none") is None
+    run.settings = dict(run.settings, curriculum=None)
+    run.at = 0.0
+    assert run.shape() == (8, 128)
+
+
+PROBES = ("context_probe", "copy_from_probe", "copy_probe", "decode_attention_probe", "eviction_probe",
+          "induction_probe", "induction_toy", "kv_stats")
+
+
+def test_scripts_holds_the_user_commands_and_the_probes_apart():
+    """scripts/ holds what users run; the research probes are a package of their own, each mapped to the doc
+    section it feeds in its README."""
+    assert sorted(p.name for p in (REPO / "scripts").iterdir() if p.name != "__pycache__") == [
+        "_venv.py", "gpu-check", "probes", "remeasure-mini", "slurm-down", "slurm-up"]
+    probes = REPO / "scripts" / "probes"
+    assert sorted(p.stem for p in probes.glob("*.py") if p.stem != "__init__") == sorted(PROBES)
+    readme = (probes / "README.md").read_text()
+    for name in PROBES:
+        assert f"`{name}.py`" in readme and "../../docs/" in readme, name
+        text = (probes / f"{name}.py").read_text()  # a Python without torch runs it again with the repo's .venv
+        assert "_venv.ensure(__file__" in text and text.index("_venv.ensure(__file__") < text.index("\nimport torch")
+
+
+@pytest.mark.parametrize("name", PROBES)
+def test_every_probe_imports_as_a_module(name):
+    """``from scripts.probes import <name>``: importing a probe runs nothing (its command is behind __main__) and
+    keeps no copy of a helper training or the copy scores own."""
+    import importlib
+
+    probe = importlib.import_module(f"scripts.probes.{name}")
+    assert callable(getattr(probe, "main", None) or getattr(probe, "train", None))
+    for helper in ("copy_accuracy", "distinct_rows", "distinct_ids", "sinusoids", "lr_at", "twice_rows"):
+        own = getattr(probe, helper, None)
+        assert own is None or own.__module__ != probe.__name__, (name, helper)
+
+
+def _probe_help(*how: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *how, "--help"], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_a_probe_runs_as_a_file_and_as_a_module():
+    for how in (["scripts/probes/induction_toy.py"], ["-m", "scripts.probes.induction_toy"]):
+        p = _probe_help(*how)
+        assert p.returncode == 0 and p.stdout.startswith("usage: "), (how, p.stderr[-2000:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PROBES)
+def test_every_probe_runs_as_a_file_and_as_a_module(name):
+    for how in ([f"scripts/probes/{name}.py"], ["-m", f"scripts.probes.{name}"]):
+        p = _probe_help(*how)
+        assert p.returncode == 0 and p.stdout.startswith("usage: "), (how, p.stderr[-2000:])
+
+
+def test_the_induction_probes_rows_and_attention_only_model_do_what_its_figures_assume():
+    """scripts/probes/induction_probe.py (docs/reference-model.md): a "twice" row shows one span of 4-32 ids twice,
+    back to back, and targets exactly its second showing's next tokens; the model written apart from GPT2 is causal
+    (a later token changes no earlier logit) and its kept attention rows sum to 1."""
+    from scripts.probes import induction_probe as probe
+
+    x, y = probe.twice(32, 50, torch.Generator().manual_seed(1))
+    assert x.shape == y.shape == (32, probe.LONG) and int(x.max()) < 50
+    for row, target in zip(x, y):
+        full = torch.cat([row, target[-1:]])  # the row's last token past the inputs (a target if the span ends there)
+        scored = (target != R.IGNORE).nonzero().flatten()
+        n = len(scored) + 1  # the second showing's first token is not scored (nothing announces it)
+        first = int(scored[0]) - n
+        assert 4 <= n <= 32 and torch.equal(full[first:first + n], full[first + n:first + 2 * n])
+        assert torch.equal(target[scored], full[scored + 1])
+        assert torch.equal(scored, torch.arange(first + n, first + 2 * n - 1))
+    torch.manual_seed(0)
+    model = probe.Apart(51)
+    idx = torch.randint(0, 51, (2, 20))
+    keep: list = []
+    a = model(idx, keep)
+    b = model(torch.cat([idx[:, :10], torch.randint(0, 51, (2, 10))], 1))
+    torch.testing.assert_close(a[:, :10], b[:, :10])
+    assert len(keep) == 2 and torch.allclose(keep[1].sum(-1), torch.ones(2, 2, 20))
+
+
+def test_the_induction_toys_rows_score_only_the_second_showing_and_its_model_is_causal():
+    """scripts/probes/induction_toy.py (docs/reference-model.md): each row shows one span twice at a random place,
+    scores exactly the second showing past its first token (each scored token is the one n places back), and names as
+    the induction key of a query the position right after its token's first showing; the toy is causal and --tied
+    shares the unembedding with the token embedding."""
+    from scripts.probes import induction_toy as toy
+
+    x, scored, key = toy.rows(64, 2 * 12 + 32, 7, 12, torch.Generator().manual_seed(3))
+    for row, s, k in zip(x, scored, key):
+        at = s.nonzero().flatten()
+        n = len(at) + 1
+        start = int(at[0]) - 1  # the second showing's first position
+        assert 8 <= n <= 12 and torch.equal(at, torch.arange(start + 1, start + n))
+        assert torch.equal(row[start:start + n], row[start - n:start])
+        assert torch.equal(k[start:start + n], torch.arange(start - n + 1, start + 1))
+    torch.manual_seed(0)
+    model = toy.Toy(9, 16, 2, 20, tied=True, mlp=True, std=0.02)
+    assert model.u.weight is model.e.weight
+    idx = torch.randint(0, 9, (2, 20))
+    a, b = model(idx), model(torch.cat([idx[:, :10], torch.randint(0, 9, (2, 10))], 1))
+    torch.testing.assert_close(a[:, :10], b[:, :10])
+    assert torch.allclose(model.layers[1].att.sum(-1), torch.ones(2, 2, 20))
+    with pytest.raises(SystemExit):
+        toy.parse(["--width", "10", "--heads", "4"])
+
+
+def test_heads_option_trains_mini_with_that_many_heads(tmp_path, monkeypatch):
+    """--heads N: the recipe's model is mini's geometry with N heads (32 channels a head at N = 4); the default is
+    the shipped mini's own config, GPT-2's 64 channels a head."""
+    seen = []
+    monkeypatch.setattr(cli, "train", lambda out, **kw: seen.append(kw.get("config")) or {})
+    assert cli.main(["--out", str(tmp_path / "a"), "--steps", "1", "--heads", "4"]) == 0
+    assert cli.main(["--out", str(tmp_path / "b"), "--steps", "1"]) == 0
+    four, default = seen
+    assert (four.n_head, four.n_embd, four.n_layer, four.head_dim) == (4, R.MINI_CONFIG["n_embd"],
+                                                                       R.MINI_CONFIG["n_layer"], 32)
+    assert default is None  # not passed: train() builds GPT2Config(**MINI_CONFIG)
+    assert GPT2Config(**R.MINI_CONFIG).head_dim == 64
+
+
+def test_copy_offsets_default_to_the_recipes_inside_a_long_enough_copy_phase(tmp_path, monkeypatch):
+    """No --copy-offsets: COPY_OFFSETS when the copy phase outlasts it, none without one (a text-only recipe needs
+    no flag to turn them off); "none" turns them off; a number is passed as given."""
+    seen = []
+    monkeypatch.setattr(loop, "_train", lambda folder, *a, **k: seen.append(a[7]) or {})  # the recipe dict
+    for extra in ([], ["--copy-phase", "0"], ["--copy-offsets", "none"], ["--copy-offsets", "0.1"]):
+        assert cli.main(["--out", str(tmp_path / "a"), "--steps", "1", *extra]) == 0
+    default, no_phase, off, given = seen
+    assert default["copy_offsets"] == R.COPY_OFFSETS < default["copy_phase"] == R.COPY_PHASE
+    assert "copy_offsets" not in no_phase and "copy_phase" not in no_phase
+    assert "copy_offsets" not in off and given["copy_offsets"] == 0.1
+
+
+def test_the_context_probe_counts_each_tokens_own_document_and_drops_only_context():
+    """scripts/probes/context_probe.py (docs/reference-model.md): the predicted token's own document in each position's
+    context restarts after every <|endoftext|>; and a late token's NLL fed alone is the NLL at the same place of a sequence
+    that starts with it (the same tokens, only the context before them gone)."""
+    from scripts.probes import context_probe as probe
+
+    x = torch.tensor([[5, 6, R.EOT, 7, 8, 9, R.EOT, R.EOT, 3], [R.EOT, 1, 2, 3, 4, 5, 6, 7, 8]])
+    assert probe.own_document_context(x).tolist() == [[1, 2, 0, 1, 2, 3, 0, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7, 8]]
+    torch.manual_seed(1)
+    model = GPT2(GPT2Config.preset("tiny")).eval()
+    wins = torch.randint(0, model.config.vocab_size, (2, 41), generator=torch.Generator().manual_seed(0))
+    alone = targets.position_nll(model, wins[:, 20:])  # what the probe's "fed alone" column averages
+    with torch.no_grad():
+        first = torch.nn.functional.cross_entropy(model(wins[:, 20:21])[:, 0], wins[:, 21])  # no context at all
+    assert alone.shape == (20,) and float(alone[0]) == pytest.approx(float(first), abs=1e-4)
+    assert not torch.allclose(alone, targets.position_nll(model, wins)[20:], atol=1e-3)  # the context did change them
+
+
+def test_training_imports_only_the_layers_below_it():
+    """harness.train's modules import models/, harness.common, harness.core and each other, nothing else of the
+    project (tests/test_layers.py would allow measurements and experiment; training needs neither)."""
+    edges = {m: targets for m, targets in imports().items() if m == "harness.train" or m.startswith("harness.train.")}
+    assert "harness.train.loop" in edges and "harness.train.__main__" in edges
+    allowed = ("models.", "harness.common.", "harness.core.", "harness.train.")
+    assert {m: sorted(t for t in ts if not t.startswith(allowed)) for m, ts in edges.items()} == {m: [] for m in edges}
+
+
+def test_the_package_loads_nothing_before_its_command_line_can_catch_a_signal():
+    """``python -m harness.train`` imports harness.train before running its __main__, whose first act is the
+    while-starting stop handler: the package itself must import no torch (a fresh interpreter: this one has it)."""
+    code = ("import sys, harness.train\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('harness.train.')))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr[-2000:]
