@@ -53,3 +53,15 @@ def tiny_sweep(tmp_path_factory):
                    f"hydra.sweep.dir={sweep}"], tmp,
                   dict(WANDB_BASE_URL=url, HTTP_PROXY=url, HTTPS_PROXY=url, http_proxy=url, https_proxy=url))
     return sweep, proc, trip
+
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The files in ``tests.helpers.LONGEST_FIRST`` first (why: there)."""
+    from tests.helpers import LONGEST_FIRST
+
+    def rank(item):
+        path = item.nodeid.split("::")[0].removeprefix("tests/")
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept

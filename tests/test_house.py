@@ -97,3 +97,10 @@ def test_the_checker_sees_what_it_must():
     assert imported_test_files(src, ["tests", "models"]) == sorted([
         "tests.models.test_generate", "tests.test_layers", "tests.test_faults", "tests.experiment.test_wandb",
         "tests.models.test_cache_kinds", "tests.models.test_ragged", "tests.conftest", "test_layers"])
+
+
+def test_the_longest_first_files_exist():
+    """conftest's LONGEST_FIRST names files that exist: a renamed one would silently fall back to its place."""
+    from tests.helpers import LONGEST_FIRST
+
+    assert [f for f in LONGEST_FIRST if not (REPO / "tests" / f).is_file()] == []

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.helpers import REPO
 from tests.helpers.house import imports, modules
@@ -142,3 +143,29 @@ if __name__ == "__main__":
     print(figures())
     for a, b in upward(imports()):
         print(f"upward: {a} -> {b}")
+
+
+def test_what_users_type_is_where_they_find_it():
+    """The names the README and DESIGN give users stay put whatever moves inside (the commands themselves run in
+    their layers' tests: python -m harness.{train,report,kvcalc,bench,wandb_report,measurements})."""
+    import importlib.util
+
+    from harness import experiment, kvcalc, results
+    from harness.experiment import runner
+    from harness.measurements import KEYS, MEASUREMENTS
+    from models.generate import decode_step, greedy, prefill  # noqa: F401
+    from models.gpt2 import GPT2, GPT2Config  # noqa: F401
+    from models.kv_cache import CACHE_KINDS, ConcatKVCache, PreallocKVCache, kv_bytes, make_cache  # noqa: F401
+    from models.tokenizer import Tokenizer  # noqa: F401
+
+    assert callable(experiment.run) and experiment.run.__doc__ and "run" in dir(runner)
+    for name in ("load_runs", "load_steps", "load_drift", "load_memory", "load_table", "load_tables"):
+        assert callable(getattr(results, name)), name
+    for name in ("kv_geometry", "kv_cache_bytes", "bytes_per_token", "sequences_that_fit"):
+        assert callable(getattr(kvcalc, name)), name
+    assert "equivalence" in MEASUREMENTS and KEYS.run_name == "run_name"
+    for command in ("train", "report", "kvcalc", "bench", "wandb_report", "measurements"):
+        spec = importlib.util.find_spec(f"harness.{command}")
+        main = spec.origin if not spec.submodule_search_locations else \
+            importlib.util.find_spec(f"harness.{command}.__main__").origin
+        assert '__name__ == "__main__"' in Path(main).read_text() or main.endswith("__main__.py"), command

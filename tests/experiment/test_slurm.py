@@ -163,7 +163,7 @@ def test_a_job_out_of_time_is_requeued_then_recorded_failed_with_why(tmp_path):
     # kvlab caps repeats at 10,000 per step: ten contexts of 10,000 cached and uncached steps each take minutes
     slow = [*LONG, "repeats=10000", "context_lengths=[8,16,24,32,40,48,56,64,72,80]"]
     proc = run_py(["-m", *LAUNCH, "hydra.launcher.timeout_min=1", "hydra.launcher.max_num_timeout=1",
-                   "hydra.launcher.signal_delay_s=20", "cache=concat", *slow, "tracking=disabled",
+                   "hydra.launcher.signal_delay_s=50", "cache=concat", *slow, "tracking=disabled",
                    f"hydra.sweep.dir={sweep}"], tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     (rec,) = records(sweep).values()

@@ -75,3 +75,14 @@ def case_ids(path: Path) -> list[str]:
         if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["CASES"]:
             return [c[0] for c in ast.literal_eval(node.value)]
     raise AssertionError(f"{path} has no top-level CASES = [...]")
+
+
+# The files that take longest (`pytest --durations`: their setups and tests together, 2026-12-05), run first: with
+# `-n 2 --dist loadfile` a worker takes the next whole file when it is free, so a long file left for last keeps one
+# worker busy while the other has nothing to do; longest first leaves only short files for the end. Every other file
+# keeps its place after these.
+LONGEST_FIRST = ("experiment/test_slurm.py", "train/test_train.py", "experiment/test_safe_runs.py",
+                 "experiment/test_resume.py", "measurements/test_measurements.py", "experiment/test_harness.py",
+                 "models/test_generate.py", "experiment/test_safe_second_pass.py", "experiment/test_faults.py",
+                 "analysis/test_report.py", "models/test_cache_kinds.py", "tools/test_safe_tools.py",
+                 "models/test_compile.py", "core/test_drift.py", "experiment/test_wandb.py")

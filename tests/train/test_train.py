@@ -612,12 +612,45 @@ def test_a_probe_runs_as_a_file_and_as_a_module():
         assert p.returncode == 0 and p.stdout.startswith("usage: "), (how, p.stderr[-2000:])
 
 
+# every probe's `--help`, run as a file (runpy.run_path: as `python scripts/probes/X.py` runs it, its folder first on
+# sys.path and the repository not on it, so the probe must put it there itself) and as a module (runpy.run_module,
+# the repository on sys.path), in one interpreter for all of them, kvlab's modules forgotten before each:
+# {probe: [what each way printed]}
+_EVERY_PROBE = """
+import contextlib, io, json, os, runpy, sys
+repo = os.getcwd()
+base = [p for p in sys.path if p not in ("", repo)]
+out = {}
+for name in sys.argv[1:]:
+    for how in ("file", "module"):
+        for m in [m for m in sys.modules if m.split(".")[0] in ("harness", "models", "scripts")]:
+            del sys.modules[m]
+        sys.path[:] = [os.path.join(repo, "scripts", "probes") if how == "file" else repo, *base]
+        sys.argv = [name, "--help"]
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            try:
+                if how == "file":
+                    runpy.run_path(os.path.join(repo, "scripts", "probes", f"{name}.py"), run_name="__main__")
+                else:
+                    runpy.run_module(f"scripts.probes.{name}", run_name="__main__", alter_sys=True)
+            except SystemExit as e:
+                buf.write(f"\\nexit {e.code}")
+        out.setdefault(name, []).append(buf.getvalue())
+print(json.dumps(out))
+"""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", PROBES)
-def test_every_probe_runs_as_a_file_and_as_a_module(name):
-    for how in ([f"scripts/probes/{name}.py"], ["-m", f"scripts.probes.{name}"]):
-        p = _probe_help(*how)
-        assert p.returncode == 0 and p.stdout.startswith("usage: "), (how, p.stderr[-2000:])
+def test_every_probe_runs_as_a_file_and_as_a_module():
+    p = subprocess.run([sys.executable, "-c", _EVERY_PROBE, *PROBES], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.splitlines()[-1])
+    assert set(got) == set(PROBES)
+    for name, (as_file, as_module) in got.items():
+        for text in (as_file, as_module):
+            assert text.startswith("usage: ") and text.rstrip().endswith("exit 0"), (name, text[-500:])
 
 
 def test_the_induction_probes_rows_and_attention_only_model_do_what_its_figures_assume():
