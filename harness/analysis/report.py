@@ -605,7 +605,8 @@ class SweepReport(Callback):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Report on kvlab runs: tables, plots and report.html.")
+    ap = argparse.ArgumentParser(prog="python -m harness.report",
+                                 description="Report on kvlab runs: tables, plots and report.html.")
     ap.add_argument("path", nargs="+", help="a run or sweep folder (or any folder above several); several folders "
                                             "(sweeps from several machines) make one report, in --out")
     ap.add_argument("--out", help="where to write the report (default: PATH/report)")
