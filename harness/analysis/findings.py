@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from harness.measurements import KEYS
-from harness.analysis.papers import (ClaimRow, claim_rows, names, num, ok_runs, preset_of,  # noqa: F401
+from harness.analysis.papers import (ClaimRow, claim_rows, names, num, ok_runs, preset_of,
                                      value, verdict_text)
 from harness.analysis.plots import as_written, is_full_attention, pareto_front, with_reference_at_zero
 

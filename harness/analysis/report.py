@@ -39,7 +39,7 @@ from harness.common import signals
 from harness.common.errors import one_line
 from harness.experiment import invocation as invocations
 from harness.experiment import records
-from harness.analysis import figures, findings
+from harness.analysis import figures, findings, papers
 from harness.common import ownership
 from harness.analysis import plots
 from harness.analysis import results
@@ -502,7 +502,7 @@ def print_summary(rep: dict) -> None:
     if rep.get("findings"):
         print(f"kvlab findings: {shown(rep['folder'] / findings.FILE)}")
         for row in rep.get("claims", []):  # a paper preset: each claim's verdict, the paper's number beside ours
-            print(f"  {findings.verdict_text(row):>13}: {row.claim} (paper {row.paper_number}; kvlab "
+            print(f"  {papers.verdict_text(row):>13}: {row.claim} (paper {row.paper_number}; kvlab "
                   f"{row.our_number})")
     ratios = rep.get("ratios")
     if ratios is not None and len(ratios):

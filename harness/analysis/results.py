@@ -28,7 +28,7 @@ from harness import measurements
 from harness.common import ownership
 from harness.experiment import tracking
 from harness.measurements import IDENTITY_COLUMNS
-from harness.experiment.records import RECORD_MAX, of_invocations, read_record, run_folder, shown, too_big
+from harness.experiment.records import RECORD_MAX, of_invocations, read_record, run_folder, shown
 from harness.experiment.tracking import RESULTS
 
 # the columns that say which run a row belongs to, first in every table
@@ -154,7 +154,7 @@ def load_runs(path: str | Path, invocation: str | None = None) -> pd.DataFrame:
 
 def read_table(f: Path) -> tuple[pd.DataFrame | None, str | None]:
     """A run's CSV table, or (None, why not)."""
-    why = too_big(f, TABLE_MAX)
+    why = ownership.file_problem(f, TABLE_MAX)
     if why:
         return None, why
     try:

@@ -169,9 +169,9 @@ def spec_from_file(path: str | Path) -> dict:
     when it is not one."""
     path = _spec_path(path)
     if path.exists():  # sized before it is read: a device or a huge file is not a spec
-        from harness.analysis.results import too_big
+        from harness.common.ownership import file_problem
 
-        why = too_big(path, SPEC_MAX)
+        why = file_problem(path, SPEC_MAX)
         if why:
             raise ValueError(f"{path}: not a kvlab W&B report spec ({why})")
     try:

@@ -45,12 +45,9 @@ REQUIRED = ("status", "run_name", "model", "cache", "dtype")  # what makes a res
 RECORD_MAX = 2 ** 20  # bytes: a run's results.json is a few KB; anything this big is not one
 
 
-too_big = ownership.file_problem  # why a file is not read: not regular, or over its bound
-
-
 def read_record(path: Path) -> tuple[dict | None, str | None]:
     """A run's record from its results.json, or (None, why not)."""
-    why = too_big(path, RECORD_MAX)
+    why = ownership.file_problem(path, RECORD_MAX)
     if why:
         return None, why
     try:

@@ -43,7 +43,7 @@ from harness.experiment import tracking
 from harness.experiment.tracking import default_group, wandb_id
 from harness.experiment import weights
 from harness.experiment.weights import Weights
-from harness.experiment.config import cache_choice, dtype_label, read, validate
+from harness.experiment.config import dtype_label, read, validate
 from harness.experiment.plan import CacheChoice, ModelChoice, Plan, RunConfig
 from harness.core.engines import ENGINES, KvlabEngine
 from harness.experiment.invocation import (concurrent_runs, forget_invocation, invocation, invocation_failures,
@@ -123,10 +123,9 @@ def adoption_problem(folder: Path) -> str | None:
         if not _same_folder(record.get("run_dir"), folder):
             return f"its {RESULTS} was written for another folder ({record.get('run_dir')})"
         return _not_its_files(folder, record["run_name"], record)
-    from harness.experiment.records import too_big
 
     try:
-        job = (None if too_big(folder / ".hydra" / "config.yaml", 2 ** 20)
+        job = (None if ownership.file_problem(folder / ".hydra" / "config.yaml", 2 ** 20)
                else OmegaConf.load(folder / ".hydra" / "config.yaml"))
         ours = job is not None and OmegaConf.select(job, "cache.kind") is not None and OmegaConf.select(
             job, "model.preset") is not None
@@ -426,10 +425,7 @@ def asked_measurements(names) -> str:
 def cache_record(cache: CacheChoice, engine: str = "kvlab") -> dict:
     """The cache's label, whether it is exact, and its options as ``cache_<option>`` columns. On another engine
     than kvlab's the label says which (``prealloc · hf``), so its runs are their own series in every table and
-    plot. The options are the resolved ones (a window's ``budget`` sets its ``window``). ``cache``: the run's
-    ``CacheChoice`` (a composed cache node is read into one first: ``harness.experiment.config.cache_choice``)."""
-    if not isinstance(cache, CacheChoice):
-        cache = cache_choice(cache)
+    plot. The options are the resolved ones (a window's ``budget`` sets its ``window``)."""
     options = dict(cache.options)
     try:
         cls = cache_kind(cache.kind)

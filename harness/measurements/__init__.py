@@ -7,7 +7,7 @@
 What a measurement declares, and how one is added, is in ``harness.measurements.base``. This module runs the chosen
 ones over a ``Context`` (the engine, the cache under test, the prompts, the shared knobs) and derives from the
 registry what other modules would otherwise list by hand: the run's tables and their columns, the summary lines,
-the figures, the W&B history keys and panels.
+the W&B history keys and panels (the report's figures are declared in ``harness.analysis.figures``).
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def _join(have: pd.DataFrame | None, new: pd.DataFrame, on: tuple[str, ...]) -> 
     return have.merge(new, on=list(on), how="left")
 
 
-# ---- what the registry says about tables, figures, W&B, keys -----------------------------------------------------
+# ---- what the registry says about tables, W&B, keys --------------------------------------------------------------
 
 def tables() -> dict[str, dict]:
     """name -> {"file", "on", "columns" (every contributor's, in registry order), "by" (the measurements)}."""

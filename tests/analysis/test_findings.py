@@ -210,7 +210,7 @@ def test_kivi_runs_of_another_group_size_and_a_rotation_get_no_verdict():
     assert all(r.holds is not None for r in claim_rows(kivi_sweep()))  # the control: these numbers are judged
     rows = claim_rows(kivi_sweep(cache_group_size=8, cache_rotate="hadamard", model="tiny", weights="random"))
     for r in rows:
-        assert r.holds is None and findings.verdict_text(r) == "not judged" and r.runs
+        assert r.holds is None and papers.verdict_text(r) == "not judged" and r.runs
         assert r.our_number == "not judged: " + r.not_judged
         assert r.not_judged.startswith(f"the runs have cache.group_size 8, the claim is about "
                                        f"{fixed['cache.group_size']}; cache.rotate hadamard, the claim is about "
@@ -358,7 +358,7 @@ def preset_grid(preset: str, *overrides: str) -> pd.DataFrame:
 
     from hydra import compose, initialize_config_dir
 
-    from harness.experiment.config import dtype_label, register, validate
+    from harness.experiment.config import cache_choice, dtype_label, register, validate
     from harness.experiment.runner import cache_record
     from models.gpt2 import GPT2Config
     from tests.helpers import REPO
@@ -376,7 +376,7 @@ def preset_grid(preset: str, *overrides: str) -> pd.DataFrame:
             max_len, _ = validate(cfg, GPT2Config.preset(cfg.model.preset).n_positions)  # refused: fails here
             text_len = min(max_len, max(cfg.drift_text_len, cfg.prompt_len + 1))
             rows.append(run(f"run{i}", cfg.cache.kind, dtype=dtype_label(cfg.dtype.storage, cfg.dtype.compute),
-                            experiment=cfg.experiment, **cache_record(cfg.cache), engine=cfg.engine.name,
+                            experiment=cfg.experiment, **cache_record(cache_choice(cfg.cache)), engine=cfg.engine.name,
                             model=cfg.model.name, weights="random" if cfg.model.weights == "random" else "pretrained",
                             prompts=cfg.prompts, n_prompts=cfg.n_prompts,
                             drift_text_positions=cfg.n_prompts * (text_len - 1),
