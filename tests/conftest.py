@@ -56,12 +56,16 @@ def tiny_sweep(tmp_path_factory):
 
 
 
+def pytest_configure(config):
+    """pytest-xdist's loadfile keeps the collection's order of files (``pytest_collection_modifyitems``); left to
+    itself it orders them by how many tests each holds, which put the Slurm tests (four, mostly waiting) last."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """The files in ``tests.helpers.LONGEST_FIRST`` first (why: there)."""
-    from tests.helpers import LONGEST_FIRST
+    """The files in ``tests.helpers.LONGEST_FIRST`` first, in that order (why: there); the order within a file,
+    and of the other files, is kept."""
+    from tests.helpers import in_hand_out_order
 
-    def rank(item):
-        path = item.nodeid.split("::")[0].removeprefix("tests/")
-        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
+    items[:] = in_hand_out_order(items, key=lambda item: item.nodeid)

@@ -104,3 +104,44 @@ def test_the_longest_first_files_exist():
     from tests.helpers import LONGEST_FIRST
 
     assert [f for f in LONGEST_FIRST if not (REPO / "tests" / f).is_file()] == []
+
+
+def test_the_longest_first_files_are_handed_out_first(pytestconfig):
+    """Under `make test` (-n 2 --dist loadfile) the two workers start on the first two LONGEST_FIRST files and queue
+    the next two behind them, whatever the number of tests in each file: xdist's own scheduler, given the
+    collection in conftest's order and the option conftest sets (xdist alone would start on the file with the most
+    tests)."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    if not pytestconfig.pluginmanager.hasplugin("xdist"):
+        pytest.skip("pytest-xdist is not loaded here (-p no:xdist): make test runs with it")
+    from xdist import scheduler
+
+    from tests.helpers import LONGEST_FIRST, in_hand_out_order
+
+    class Node:  # what the scheduler reads of a worker
+        shutting_down = False
+
+        def __init__(self, name):
+            self.sent, self.gateway = [], SimpleNamespace(id=name)
+
+        def send_runtest_some(self, indexes):
+            self.sent.append(indexes)
+
+        def shutdown(self):
+            self.shutting_down = True
+
+    config = SimpleNamespace(getvalue=lambda name: {"tx": ["2*popen"]}[name],
+                             option=SimpleNamespace(loadscopereorder=pytestconfig.option.loadscopereorder))
+    files = ["tests/zz/test_many.py", *(f"tests/{f}" for f in reversed(LONGEST_FIRST[:4]))]
+    collection = in_hand_out_order([f"{f}::test_{i}" for f in files for i in range(20 if "many" in f else 2)])
+    sched, nodes = scheduler.LoadFileScheduling(config), [Node("gw0"), Node("gw1")]
+    for n in nodes:
+        sched.add_node(n)
+    for n in nodes:
+        sched.add_node_collection(n, collection)
+    sched.schedule()
+    handed = [[collection[i[0]].split("::")[0].removeprefix("tests/") for i in n.sent] for n in nodes]
+    assert handed == [[LONGEST_FIRST[0], LONGEST_FIRST[2]], [LONGEST_FIRST[1], LONGEST_FIRST[3]]]

@@ -77,12 +77,23 @@ def case_ids(path: Path) -> list[str]:
     raise AssertionError(f"{path} has no top-level CASES = [...]")
 
 
-# The files that take longest (`pytest --durations`: their setups and tests together, 2026-12-05), run first: with
-# `-n 2 --dist loadfile` a worker takes the next whole file when it is free, so a long file left for last keeps one
-# worker busy while the other has nothing to do; longest first leaves only short files for the end. Every other file
-# keeps its place after these.
-LONGEST_FIRST = ("experiment/test_slurm.py", "train/test_train.py", "experiment/test_safe_runs.py",
-                 "experiment/test_resume.py", "measurements/test_measurements.py", "experiment/test_harness.py",
-                 "models/test_generate.py", "experiment/test_safe_second_pass.py", "experiment/test_faults.py",
-                 "analysis/test_report.py", "models/test_cache_kinds.py", "tools/test_safe_tools.py",
-                 "models/test_compile.py", "core/test_drift.py", "experiment/test_wandb.py")
+# The files handed out first under `-n 2 --dist loadfile` (tests/conftest.py keeps this order), in this order: the Slurm
+# tests (mostly waiting on the scheduler and a job's time limit, so the other worker's files fill that time), then the
+# others longest first by their wall time (2026-12-05, `-n 2`). A worker takes the next whole file when it is free:
+# a long file left for the end keeps one worker busy while the other has nothing left. Every other file follows.
+LONGEST_FIRST = ("experiment/test_slurm.py", "experiment/test_safe_runs.py", "experiment/test_resume.py",
+                 "train/test_train.py", "measurements/test_measurements.py", "models/test_generate.py",
+                 "experiment/test_harness.py", "experiment/test_safe_second_pass.py", "models/test_compile.py",
+                 "models/test_cache_kinds.py", "experiment/test_faults.py", "core/test_drift.py",
+                 "core/test_engines.py", "tools/test_safe_tools.py", "analysis/test_findings.py",
+                 "analysis/test_safe_report.py", "experiment/test_wandb.py", "analysis/test_report.py")
+
+
+def in_hand_out_order(items: list, key=str) -> list:
+    """``items`` (test ids, or what ``key`` reads one from) with the files in ``LONGEST_FIRST`` first, in its order;
+    stable: the order within a file, and of the other files, is kept."""
+    def rank(item) -> int:
+        path = key(item).split("::")[0].removeprefix("tests/")
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    return sorted(items, key=rank)
