@@ -35,6 +35,24 @@ from models.gpt2 import GPT2, GPT2Config  # noqa: E402
 from tests.helpers import TINY, Tripwire, run_py  # noqa: E402
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)
+
+
+@pytest.fixture(autouse=True)
+def process_state_put_back():
+    """What kvlab sets for the rest of a process, put back after each test, so that no later test on the same worker
+    inherits it (which test would depends on how the files are shared out): the stop-signal handlers a run installs
+    (``runner.run(cfg)``, the report's ``main``) and torch's thread count (training in this process takes every
+    core, and two workers each on both cores crawl)."""
+    saved, threads = {s: signal.getsignal(s) for s in STOP_SIGNALS}, torch.get_num_threads()
+    yield
+    for s, handler in saved.items():
+        if handler is not None and signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> GPT2:
     torch.manual_seed(0)
