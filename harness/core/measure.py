@@ -13,6 +13,7 @@ No W&B, no files, no printing (a tqdm bar on stderr when ``progress`` is true is
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import resource
@@ -356,23 +357,26 @@ def first_layer_over(layers: pd.DataFrame, tol: float = LAYER_TOL) -> int | None
 
 
 def text_drift(engine, ref32, spec: CacheSpec, texts: list[torch.Tensor], T: int,
-               progress: bool = False) -> tuple[dict, pd.DataFrame]:
+               progress: bool = False) -> tuple[dict, dict[str, pd.DataFrame]]:
     """Drift on real text, teacher-forced, against FP32 with the exact full-attention cache on the same tokens:
     KL(fp32 || ours) mean / p99 / max over every scored position, the change in next-token NLL of the text (ΔNLL,
     nats/token, and ΔPPL), the RMS change of the probability fp32 puts on its own top token (RMS Δp: llama.cpp's
     Δp uses the text's next token instead), how often the top token is the same, and the per-layer relative error of
     K and V (``layers``). ``drift_kl_decode`` is the KL mean over the positions scored by decode steps alone (not
     the prefill's): what to compare across caches that treat a prefill differently (HF's QuantizedCache attends
-    to the prompt's K/V unquantised, ours to what it stored)."""
+    to the prompt's K/V unquantised, ours to what it stored). Tables: ``layers`` and ``text_positions`` (every scored
+    position of every text: its KL, NLL and fp32's NLL, same top-1; ``text_id`` names the text by its tokens, so two
+    runs' rows pair text by text)."""
     ref_spec = CacheSpec(full_attention_kind(), {}, torch.float32)
-    kl, nll, nll_ref, dp, same, layers, decoded = [], [], [], [], [], [], []
-    for seq in tqdm(texts, desc=f"text drift ({spec.label})", disable=not progress):
+    kl, nll, nll_ref, dp, same, layers, decoded, which = [], [], [], [], [], [], [], []
+    for i, seq in enumerate(tqdm(texts, desc=f"text drift ({spec.label})", disable=not progress)):
         ours, seen = text_pass(engine, spec, seq, T)
         decoded.append(torch.arange(ours.shape[0]) >= max(1, min(T, seq.shape[1] - 1)))  # rows after the prefill
         ref, seen_ref = text_pass(ref32, ref_spec, seq, T)
         check_finite(ours, "the cached text pass")
         ref = ref.to(ours.device)
         target = seq[0, 1:].to(ours.device)
+        which.append((i, text_id(seq), len(target)))
         for a in range(0, len(target), STAT_ROWS):  # float64 over the vocabulary, a bounded number of rows at once
             rows = slice(a, a + STAT_ROWS)
             lp, lr = ours[rows].double().log_softmax(-1), ref[rows].double().log_softmax(-1)
@@ -401,7 +405,16 @@ def text_drift(engine, ref32, spec: CacheSpec, texts: list[torch.Tensor], T: int
         drift_k_rel_err_max=float(per_layer.k_rel_err.max()) if len(per_layer) else None,
         drift_v_rel_err_max=float(per_layer.v_rel_err.max()) if len(per_layer) else None,
     )
-    return summary, per_layer
+    positions = pd.DataFrame(dict(
+        text=[i for i, _, n in which for _ in range(n)], position=[p for *_, n in which for p in range(n)],
+        text_id=[t for _, t, n in which for _ in range(n)], decoded=decoded.int().numpy(), kl=kl.numpy(),
+        nll=nll.numpy(), nll_fp32=nll_ref.numpy(), same_top1=same.int().numpy()))
+    return summary, {"layers": per_layer, "text_positions": positions}
+
+
+def text_id(seq: torch.Tensor) -> str:
+    """A text named by its tokens (12 hex digits of their SHA-1): the same text in two runs has the same id."""
+    return hashlib.sha1(seq.detach().cpu().to(torch.int64).numpy().tobytes()).hexdigest()[:12]
 
 
 def diagnose_divergence(engine, ref32, spec: CacheSpec, prompt: torch.Tensor, tokens: list[int], step: int,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.measurements.base import Measurement, Panel, key, option, register
+from harness.measurements.base import Measurement, Panel, Table, key, option, register
 
 MAX_SEQUENCES = 1_000  # retrieval_k's cap: each sequence is a pass of 2 * retrieval_n tokens
 
@@ -41,6 +41,11 @@ class Retrieval(Measurement):
         retrieval_k: int = key("sequences", "sequences")
         retrieval_vocab: int = key("token ids the sequences were drawn from (distinct embedding rows)", "ids")
 
+    tables = (Table("retrieval_positions", "retrieval_positions.csv", on=("sequence", "position"),
+                    columns=("sequence", "position", "seq_id", "correct", "correct_ref"),
+                    meaning="per token of each sequence's second copy: whether the run's top-1 is that token, and "
+                            "fp32 full attention's; seq_id names the sequence by its tokens (what an interval over "
+                            "sequences resamples)"),)
     panels = (Panel("Retrieval: copy accuracy", "bar", ("retrieval_acc", "retrieval_acc_ref"), ("cache_label", "dtype"),
                     "Top-1 accuracy on the second copy of random sequences shown twice: through the cache, and "
                     "through fp32 full attention."),)
@@ -63,23 +68,30 @@ class Retrieval(Measurement):
     def run(self):
         from harness.core import measure
         from harness.core import copying
+        import pandas as pd
 
         ctx = self.ctx
         n = min(self.opts.retrieval_n, ctx.max_len // 2)
         ids = copying.distinct_ids(ctx.engine.model)
         ref_engine = ctx.ref32 if ctx.ref32 is not None else ctx.engine
-        accs, refs, firsts = [], [], []
-        for seq in copying.copy_sequences(ids, n, self.opts.retrieval_k, ctx.seed):
+        accs, refs, firsts, rows = [], [], [], []
+        for i, seq in enumerate(copying.copy_sequences(ids, n, self.opts.retrieval_k, ctx.seed)):
             seq = seq.to(ctx.device)
             ours, _ = measure.text_pass(ctx.engine, ctx.spec, seq, n)  # (2n - 1, vocab)
             measure.check_finite(ours, "the retrieval pass")
             ref = ref_engine.forward(seq)[0, :-1].float()  # fp32 full attention, uncached
             (a, f), (r, _) = copying.copy_accuracy(ours, seq, n), copying.copy_accuracy(ref, seq, n)
             accs.append(a), refs.append(r), firsts.append(f)
+            target = seq[0, n:].cpu()  # the second copy, predicted by rows n - 1 .. 2n - 2
+            hit, hit_ref = (x[n - 1:].argmax(-1).cpu() == target for x in (ours, ref))
+            sid = measure.text_id(seq)
+            rows += [dict(sequence=i, position=j, seq_id=sid, correct=int(hit[j]), correct_ref=int(hit_ref[j]))
+                     for j in range(n)]
         mean = lambda xs: float(sum(xs) / len(xs))  # noqa: E731
+        table = pd.DataFrame(rows, columns=list(self.tables[0].columns))
         return self.Result(retrieval_acc=mean(accs), retrieval_acc_ref=mean(refs),
                            retrieval_first_copy_acc=mean(firsts), retrieval_n=n, retrieval_k=self.opts.retrieval_k,
-                           retrieval_vocab=len(ids))
+                           retrieval_vocab=len(ids)), {"retrieval_positions": table}
 
     @classmethod
     def summary(cls, r, tables):

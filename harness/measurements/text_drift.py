@@ -46,7 +46,12 @@ class TextDrift(Measurement):
                                                 label="V rel err (max layer)")
 
     tables = (Table("layers", "layers.csv", on=("layer",), columns=("layer", "k_rel_err", "v_rel_err"),
-                    meaning="per layer: relative error of the K and V attention read, against fp32"),)
+                    meaning="per layer: relative error of the K and V attention read, against fp32"),
+              Table("text_positions", "text_positions.csv", on=("text", "position"),
+                    columns=("text", "position", "text_id", "decoded", "kl", "nll", "nll_fp32", "same_top1"),
+                    meaning="per scored position of each text: KL(fp32 || run), the run's and fp32's NLL of the "
+                            "next token, whether the top token is fp32's; text_id names the text by its tokens (what "
+                            "an interval over texts resamples)"))
     panels = (Panel("Drift on text", "bar", ("drift_kl", "drift_kl_decode", "drift_kl_p99", "drift_delta_nll",
                                              "drift_rms_dp"), ("cache_label", "dtype"),
                     "Teacher-forced drift on text vs fp32: mean and p99 KL, ΔNLL (nats/token), RMS Δp."),)
@@ -70,9 +75,9 @@ class TextDrift(Measurement):
         from harness.core import measure
 
         ctx = self.ctx
-        summary, layers = measure.text_drift(ctx.engine, ctx.ref32, ctx.spec, ctx.texts, ctx.prompts[0].shape[1],
+        summary, tables = measure.text_drift(ctx.engine, ctx.ref32, ctx.spec, ctx.texts, ctx.prompts[0].shape[1],
                                              ctx.progress)
-        return self.Result(**summary), {"layers": layers}
+        return self.Result(**summary), tables
 
     @classmethod
     def summary(cls, r, tables):

@@ -22,7 +22,8 @@ def spec(kind="prealloc", dtype=torch.float32, **options):
 
 def test_the_exact_fp32_cache_against_itself_drifts_by_nothing(tiny_model):
     e = KvlabEngine(tiny_model)
-    s, layers = measure.text_drift(e, e, spec("concat"), TEXT, T=8)
+    s, tables = measure.text_drift(e, e, spec("concat"), TEXT, T=8)
+    layers = tables["layers"]
     assert s["drift_kl_max"] < 1e-9 and abs(s["drift_delta_nll"]) < 1e-6 and s["drift_same_top1"] == 1.0
     assert s["drift_text_positions"] == TEXT[0].shape[1] - 1
     assert (layers.k_rel_err < 1e-6).all() and (layers.v_rel_err < 1e-6).all()
@@ -53,12 +54,34 @@ def test_statistics_equal_their_definitions_on_the_pass_logits(tiny_model):
     assert s["drift_kl"] > 0
 
 
+def test_every_scored_position_is_a_row_that_adds_up_to_the_summary(tiny_model):
+    """text_positions holds each text's scored positions: its means are the run's figures, its ids pair the same
+    text across runs and tell different texts apart, and its decoded rows are those after the prefill."""
+    e = KvlabEngine(tiny_model)
+    texts = [TEXT[0], TEXT[0][:, :30], TEXT[0]]
+    lossy = spec("quant", k_bits=2, v_bits=2, group_size=8)
+    s, tables = measure.text_drift(e, e, lossy, texts, T=8)
+    rows = tables["text_positions"]
+    assert list(rows.columns) == list(measurements.table("text_positions")["columns"])
+    assert len(rows) == s["drift_text_positions"] == 2 * 44 + 29
+    assert rows.groupby("text").position.max().tolist() == [43, 28, 43]
+    assert rows.kl.mean() == pytest.approx(s["drift_kl"], rel=1e-9)
+    assert rows.nll.mean() - rows.nll_fp32.mean() == pytest.approx(s["drift_delta_nll"], rel=1e-9, abs=1e-15)
+    assert rows.same_top1.mean() == pytest.approx(s["drift_same_top1"])
+    assert rows[rows.decoded == 1].kl.mean() == pytest.approx(s["drift_kl_decode"], rel=1e-9)
+    assert (rows[rows.decoded == 0].position < 8).all() and (rows[rows.decoded == 1].position >= 8).all()  # T=8
+    ids = rows.groupby("text").text_id.first().tolist()
+    assert ids[0] == ids[2] != ids[1]  # the same tokens, the same id; other tokens, another
+    again = measure.text_drift(e, e, spec("concat"), texts[:1], T=8)[1]["text_positions"]
+    assert again.text_id.unique().tolist() == [ids[0]]
+
+
 @pytest.mark.parametrize("dtype,unit", [(torch.float16, 2.0 ** -11), (torch.bfloat16, 2.0 ** -8)])
 def test_layer_zero_kv_error_is_the_storage_rounding_alone(tiny_model, dtype, unit):
     """Layer 0's K and V come from the same embeddings in both passes: their relative error is the storage dtype's
     rounding, at most its unit roundoff; later layers add what the layers before them changed."""
     e = KvlabEngine(tiny_model)
-    _, layers = measure.text_drift(e, e, spec("prealloc", dtype), TEXT, T=8)
+    layers = measure.text_drift(e, e, spec("prealloc", dtype), TEXT, T=8)[1]["layers"]
     first = layers.set_index("layer").loc[0]
     assert 0 < first.k_rel_err <= unit and 0 < first.v_rel_err <= unit
     assert list(layers.layer) == list(range(tiny_model.config.n_layer))
@@ -68,7 +91,8 @@ def test_window_kv_is_compared_at_the_positions_it_holds(tiny_model):
     """A window cache keeps sinks + the latest W keys: in fp32 they are fp32's own at those positions (error 0 at
     layer 0), while its logits drift because attention sees fewer keys."""
     e = KvlabEngine(tiny_model)
-    s, layers = measure.text_drift(e, e, spec("window", window=8, sinks=2), TEXT, T=4)
+    s, tables = measure.text_drift(e, e, spec("window", window=8, sinks=2), TEXT, T=4)
+    layers = tables["layers"]
     assert layers.set_index("layer").loc[0, "k_rel_err"] < 1e-6
     assert s["drift_kl"] > 1e-6
 

@@ -408,12 +408,18 @@ def test_a_window_loses_what_full_attention_retrieves_on_the_shipped_mini():
 
     model = GPT2.from_pretrained(REPO / "models" / "weights" / "mini").eval()
     e = KvlabEngine(model)
-    got = {}
+    got, tables = {}, {}
     for kind, opts in (("prealloc", {}), ("window", {"window": 64, "sinks": 4})):
-        rec, _ = measurements.run_on(e, CacheSpec(kind, opts, torch.float32), [torch.tensor([[464, 3290]])], 2,
-                                     names=["retrieval"], max_len=400, retrieval_n=200, retrieval_k=2)
-        got[kind] = rec
+        got[kind], tables[kind] = measurements.run_on(e, CacheSpec(kind, opts, torch.float32),
+                                                      [torch.tensor([[464, 3290]])], 2, names=["retrieval"],
+                                                      max_len=400, retrieval_n=200, retrieval_k=2)
     full, window = got["prealloc"], got["window"]
+    for kind, rows in ((k, t["retrieval_positions"]) for k, t in tables.items()):  # a row per copied token
+        assert len(rows) == 400 and rows.groupby("sequence").seq_id.nunique().tolist() == [1, 1]
+        assert rows.correct.mean() == pytest.approx(got[kind]["retrieval_acc"])
+        assert rows.correct_ref.mean() == pytest.approx(got[kind]["retrieval_acc_ref"])
+    ids = [t["retrieval_positions"].seq_id.tolist() for t in tables.values()]
+    assert len(set(ids[0])) == 2 and ids[0] == ids[1]  # two sequences, the same in both runs: paired
     assert full["retrieval_n"] == window["retrieval_n"] == 200
     assert full["retrieval_acc"] == full["retrieval_acc_ref"] == window["retrieval_acc_ref"]
     chance = 1 / full["retrieval_vocab"]

@@ -1,0 +1,166 @@
+"""Intervals on comparisons between runs, and the verdicts they allow.
+
+A quality figure of a run (mean KL, KL p99, ΔNLL, copy accuracy) is a statistic of per-position values grouped in
+units: the texts drift is scored on, the sequences retrieval copies. Two runs of a sweep score the same units (the
+same texts, identified by their tokens), so a comparison resamples units, not positions, and the same units for both
+arms (a paired, cluster bootstrap): the interval says how much the figure would move on other texts like these.
+
+    from harness.analysis import intervals
+    iv = intervals.compare(a, b, "kl", stat="mean", how="ratio")   # a, b: one run's per-position rows each
+    iv.lo, iv.hi, iv.n                                               # 95% interval, over iv.n texts
+    intervals.verdict(iv, "<", 1.0)                                  # holds / does not hold / inconclusive
+
+Seeded (``SEED``) and so reproducible: the same rows give the same interval. Pure: numpy and pandas in, dataclasses
+out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+N_BOOT = 2_000  # resamples
+LEVEL = 0.95
+SEED = 0
+CHUNK = 200  # resamples held at once for a quantile (a resample is a weight per position)
+
+HOLDS, FAILS, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A figure (``estimate``: on the runs' own units, every one once) and its bootstrap interval [lo, hi] at
+    ``level``, from ``n`` units (texts or sequences) resampled ``n_boot`` times."""
+
+    estimate: float
+    lo: float
+    hi: float
+    n: int
+    level: float = LEVEL
+    n_boot: int = N_BOOT
+
+    @property
+    def how(self) -> str:
+        """How the interval was made, in words (what a findings row says beside it)."""
+        return (f"paired bootstrap over {self.n} units, {self.n_boot:,} resamples, {100 * self.level:.0f}% "
+                "percentile interval")
+
+    def text(self, fmt: str = "+.3g") -> str:
+        """'+0.051 [+0.032, +0.070]'."""
+        return f"{self.estimate:{fmt}} [{self.lo:{fmt}}, {self.hi:{fmt}}]"
+
+
+class NotPaired(ValueError):
+    """Two runs whose units differ: their figures cannot be compared unit by unit."""
+
+
+def units(rows: pd.DataFrame, unit: str) -> list:
+    """The distinct units of one run's rows, sorted."""
+    return sorted(rows[unit].unique().tolist())
+
+
+def _matrix(rows: pd.DataFrame, column: str, unit: str, order: list) -> tuple[np.ndarray, np.ndarray]:
+    """(values, unit index of each value) for the units in ``order``."""
+    index = {u: i for i, u in enumerate(order)}
+    return rows[column].to_numpy(dtype=float), rows[unit].map(index).to_numpy(dtype=int)
+
+
+def _counts(n_units: int, n_boot: int, seed: int) -> np.ndarray:
+    """(n_boot, n_units): how many times each unit is drawn in each resample (n_units draws with replacement)."""
+    rng = np.random.default_rng(seed)
+    return rng.multinomial(n_units, np.full(n_units, 1.0 / n_units), size=n_boot).astype(float)
+
+
+def _stat(values: np.ndarray, which: np.ndarray, counts: np.ndarray, stat: str) -> np.ndarray:
+    """The statistic of each resample (one per row of ``counts``): every position of a unit drawn k times counts
+    k times."""
+    if stat == "mean":
+        sums = np.bincount(which, weights=values, minlength=counts.shape[1])
+        sizes = np.bincount(which, minlength=counts.shape[1]).astype(float)
+        return (counts @ sums) / (counts @ sizes)
+    q = quantile_of(stat)
+    order = np.argsort(values, kind="stable")
+    v, w_unit = values[order], which[order]
+    out = np.empty(len(counts))
+    for a in range(0, len(counts), CHUNK):  # a weight per position: (CHUNK, positions) at a time
+        w = counts[a:a + CHUNK][:, w_unit]
+        cum = np.cumsum(w, axis=1)
+        at = (cum < q * cum[:, -1:]).sum(axis=1)  # the first position whose cumulative weight reaches q
+        out[a:a + CHUNK] = v[np.minimum(at, len(v) - 1)]
+    return out
+
+
+def quantile_of(stat: str) -> float:
+    """'p99' -> 0.99."""
+    if not (stat.startswith("p") and stat[1:].isdigit() and 0 < int(stat[1:]) < 100):
+        raise ValueError(f"stat={stat!r}: use mean or p1 .. p99")
+    return int(stat[1:]) / 100
+
+
+def point(values: np.ndarray, stat: str) -> float:
+    """The statistic on every position once (a quantile interpolated, as the run's own record has it)."""
+    return float(values.mean()) if stat == "mean" else float(np.quantile(values, quantile_of(stat)))
+
+
+def _bounds(draws: np.ndarray, level: float) -> tuple[float, float]:
+    tail = 100 * (1 - level) / 2
+    lo, hi = np.percentile(draws, [tail, 100 - tail])
+    return float(lo), float(hi)
+
+
+def single(rows: pd.DataFrame, column: str, stat: str = "mean", unit: str = "text", n_boot: int = N_BOOT,
+           seed: int = SEED, level: float = LEVEL) -> Interval:
+    """One run's figure (``stat`` of ``column`` over its positions) with its interval over its units."""
+    order = units(rows, unit)
+    values, which = _matrix(rows, column, unit, order)
+    draws = _stat(values, which, _counts(len(order), n_boot, seed), stat)
+    return Interval(point(values, stat), *_bounds(draws, level), n=len(order), level=level, n_boot=n_boot)
+
+
+def compare(a: pd.DataFrame, b: pd.DataFrame, column: str, stat: str = "mean", how: str = "difference",
+            unit: str = "text", n_boot: int = N_BOOT, seed: int = SEED, level: float = LEVEL) -> Interval:
+    """``stat`` of ``column`` in run ``a`` against run ``b`` (``how``: a − b, or a / b), paired: each resample
+    draws the same units for both. Raises ``NotPaired`` when the runs' units differ."""
+    if how not in ("difference", "ratio"):
+        raise ValueError(f"how={how!r}: use difference or ratio")
+    order = units(a, unit)
+    if order != units(b, unit):
+        raise NotPaired(f"the two runs scored different {unit}s ({len(order)} and {len(units(b, unit))}, not the "
+                        "same ones): they cannot be compared unit by unit")
+    (va, wa), (vb, wb) = _matrix(a, column, unit, order), _matrix(b, column, unit, order)
+    counts = _counts(len(order), n_boot, seed)
+    da, db = _stat(va, wa, counts, stat), _stat(vb, wb, counts, stat)
+    pa, pb = point(va, stat), point(vb, stat)
+    if how == "difference":
+        return Interval(pa - pb, *_bounds(da - db, level), n=len(order), level=level, n_boot=n_boot)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return Interval(pa / pb if pb else float("nan"), *_bounds(da / db, level), n=len(order), level=level,
+                        n_boot=n_boot)
+
+
+def verdict(iv: Interval, direction: str, bound: float = 0.0) -> str:
+    """Whether the claim "the figure is ``direction`` ``bound``" (direction "<" or ">") holds: "holds" when the whole
+    interval is on the claim's side of the bound, "does not hold" when the whole interval is on the other side (or
+    at the bound), otherwise "inconclusive" (the data cannot tell)."""
+    if direction not in ("<", ">"):
+        raise ValueError(f"direction={direction!r}: use < or >")
+    if not (np.isfinite(iv.lo) and np.isfinite(iv.hi)):
+        return INCONCLUSIVE
+    if direction == "<":
+        return HOLDS if iv.hi < bound else FAILS if iv.lo >= bound else INCONCLUSIVE
+    return HOLDS if iv.lo > bound else FAILS if iv.hi <= bound else INCONCLUSIVE
+
+
+def verdict_within(iv: Interval, low: float, high: float) -> str:
+    """Whether the claim "the figure lies between ``low`` and ``high``" (a margin: "about the same") holds: "holds"
+    when the whole interval is inside, "does not hold" when the whole interval is outside, otherwise
+    "inconclusive"."""
+    if not (np.isfinite(iv.lo) and np.isfinite(iv.hi)):
+        return INCONCLUSIVE
+    if low <= iv.lo and iv.hi <= high:
+        return HOLDS
+    if iv.hi < low or iv.lo > high:
+        return FAILS
+    return INCONCLUSIVE
