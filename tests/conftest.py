@@ -36,17 +36,20 @@ from tests.helpers import TINY, Tripwire, run_py  # noqa: E402
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)
+# this worker's own, as it started: read before any fixture (a module's fixture runs before a test's, so what a
+# test finds at its start may already be a fixture's)
+WORKER_STATE = ({s: signal.getsignal(s) for s in STOP_SIGNALS}, torch.get_num_threads())
 
 
 @pytest.fixture(autouse=True)
 def process_state_put_back():
-    """What kvlab sets for the rest of a process, put back after each test, so that no later test on the same worker
-    inherits it (which test would depends on how the files are shared out): the stop-signal handlers a run installs
-    (``runner.run(cfg)``, the report's ``main``) and torch's thread count (training in this process takes every
-    core, and two workers each on both cores crawl)."""
-    saved, threads = {s: signal.getsignal(s) for s in STOP_SIGNALS}, torch.get_num_threads()
+    """What kvlab sets for the rest of a process, put back to the worker's own after each test, so that no later
+    test on the same worker inherits it (which test would depends on how the files are shared out): the stop-signal
+    handlers a run installs (``runner.run(cfg)``, the report's ``main``) and torch's thread count (training in this
+    process takes every core, and two workers each on both cores crawl)."""
     yield
-    for s, handler in saved.items():
+    handlers, threads = WORKER_STATE
+    for s, handler in handlers.items():
         if handler is not None and signal.getsignal(s) is not handler:
             signal.signal(s, handler)
     if torch.get_num_threads() != threads:

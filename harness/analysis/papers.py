@@ -452,7 +452,7 @@ STREAMINGLLM = "StreamingLLM (Xiao et al., arXiv 2309.17453)"
 KIVI = "KIVI (Liu et al., arXiv 2402.02750)"
 H2O = "H2O (Zhang et al., arXiv 2306.14048)"
 LLAMACPP = "llama.cpp PR 7412"
-ROTATION = "ik_llama.cpp discussion 1034"
+ROTATION = "ik_llama.cpp pull request 1034"
 WINDOW_TEXT = TEXT  # the window and H2O claims: the texts must be long against the budget
 PAPERS: dict[str, tuple[Claim, ...]] = {
     "paper_streamingllm": (

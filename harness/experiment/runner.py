@@ -324,12 +324,9 @@ def check_prompts_file(path: Path) -> None:
                           "reads for prompts: give a smaller text file (prompts read only their first paragraphs)")
 
 
-def text_prompts(path: Path, n: int, length: int, tokenizer) -> list[torch.Tensor]:
-    """``n`` prompts of exactly ``length`` tokens of real text: prompt i starts at paragraph i of the file and, when
-    that paragraph is shorter, runs on into the paragraphs after it (wrapping around); past the last paragraph the
-    starts shift by a few tokens so every prompt differs. Only as many paragraphs are tokenized as the prompts
-    need, so a file of many lines costs what the prompts read; of one paragraph, at most ``PARAGRAPH_MAX``
-    characters."""
+def file_paragraphs(path: Path) -> list[str]:
+    """The prompts file's paragraphs (its non-empty lines, each cut at ``PARAGRAPH_MAX`` characters), the file
+    checked before it is read; no text is one line."""
     path = Path(path)
     check_prompts_file(path)
     try:
@@ -340,6 +337,16 @@ def text_prompts(path: Path, n: int, length: int, tokenizer) -> list[torch.Tenso
     paragraphs = [p.strip()[:PARAGRAPH_MAX] for p in text.splitlines() if p.strip()]
     if not paragraphs:
         raise ConfigError(f"prompts_file {path} has no text: give a file with one paragraph per line")
+    return paragraphs
+
+
+def text_prompts(path: Path, n: int, length: int, tokenizer) -> list[torch.Tensor]:
+    """``n`` prompts of exactly ``length`` tokens of real text: prompt i starts at paragraph i of the file and, when
+    that paragraph is shorter, runs on into the paragraphs after it (wrapping around); past the last paragraph the
+    starts shift by a few tokens so every prompt differs. Only as many paragraphs are tokenized as the prompts
+    need, so a file of many lines costs what the prompts read; of one paragraph, at most ``PARAGRAPH_MAX``
+    characters."""
+    paragraphs = file_paragraphs(path)
     ids: list[list[int]] = []
     starts: list[int] = []
     total = 0
@@ -356,6 +363,22 @@ def text_prompts(path: Path, n: int, length: int, tokenizer) -> list[torch.Tenso
         window = [stream[(start + j) % len(stream)] for j in range(length)]
         prompts.append(torch.tensor([window]))
     return prompts
+
+
+def disjoint_texts(path: Path, n: int, length: int, tokenizer) -> list[torch.Tensor]:
+    """``n`` texts of exactly ``length`` tokens that share no token: consecutive spans of the file's paragraphs, in
+    order (drift is scored on these, so that no text is scored twice and texts can be resampled as independent
+    units). Only as many paragraphs are tokenized as the texts need; a file too short for them is one line."""
+    stream: list[int] = []
+    for p in file_paragraphs(path):
+        if len(stream) >= n * length:
+            break
+        stream += tokenizer.encode(p + "\n\n")
+    if len(stream) < n * length:
+        raise ConfigError(f"prompts_file {path} holds {len(stream):,} tokens, and {n} disjoint texts of "
+                          f"{length:,} tokens (n_prompts x the drift text's length) need {n * length:,}: lower "
+                          "n_prompts or drift_text_len, or give a longer file")
+    return [torch.tensor([stream[i * length:(i + 1) * length]]) for i in range(n)]
 
 
 def batch_lengths(batch: int, prompt_len: int, kind: str, seed: int) -> list[int]:
@@ -510,7 +533,7 @@ def load(plan: Plan) -> dict:
     plain_fp32 = storage == compute == torch.float32 and spec.cls.full_attention(spec.opts)
     ref32 = None if plain_fp32 else (engine if compute == torch.float32 and engine.runs_references
                                      else KvlabEngine(model32))  # the reference is always kvlab's fp32
-    # drift on text: the prompt and its continuation
+    # drift on text: n_prompts disjoint spans of the prompts file, each at least a prompt and one token long
     text_len = min(max_len, max(rc.option("drift_text_len"), rc.prompt_len + 1))
     if plan.prompts_path is not None:
         if plan.model_cfg is None and mcfg.vocab_size < Tokenizer.VOCAB_SIZE:  # a hub checkpoint: known only now
@@ -518,7 +541,7 @@ def load(plan: Plan) -> dict:
                               f"{rc.model.name} has vocab_size {mcfg.vocab_size:,}: use prompts=random")
         path = plan.prompts_path
         prompts = text_prompts(path, rc.n_prompts, rc.prompt_len, Tokenizer())
-        texts = text_prompts(path, rc.n_prompts, text_len, Tokenizer()) if ref32 is not None else None
+        texts = disjoint_texts(path, rc.n_prompts, text_len, Tokenizer()) if ref32 is not None else None
         served = text_prompts(path, rc.batch, rc.prompt_len, Tokenizer())
     else:
         prompts = random_prompts(rc.n_prompts, rc.prompt_len, mcfg.vocab_size, rc.seed)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from harness.measurements.base import Measurement, Table, key, register
 
+PROBE_REPEATS = 9  # the most timed repeats of each probe (a run's repeats, at least 3, up to this)
+
 
 @register
 class Bandwidth(Measurement):
@@ -23,6 +25,8 @@ class Bandwidth(Measurement):
         probe_gbps: float = key("the better of the two: what a step could reach", "GB/s")
         probe_bytes: int = key("bytes of the probe's matrix", "B")
         probe_gflops: float = key("fp32 matrix-matrix rate (1024 x 1024)", "GFLOP/s")
+        probe_repeats: int = key("timed repeats of each probe, the median taken (the run's repeats, 3 .. 9)",
+                                 "repeats")
         machine_balance: float = key("probe_gflops / probe_gbps: flop/byte where compute meets bandwidth",
                                      "flop/B")
         weight_bytes: int = key("weight bytes a decode step reads (one position row)", "B")
@@ -41,10 +45,12 @@ class Bandwidth(Measurement):
         from harness.core import measure
 
         ctx = self.ctx
-        probe = measure.bandwidth_probe(ctx.device, measure.weight_bytes(ctx.engine.model))
+        repeats = min(PROBE_REPEATS, max(3, ctx.repeats))  # a quick run (repeats=2) probes quickly too
+        probe = measure.bandwidth_probe(ctx.device, measure.weight_bytes(ctx.engine.model), repeats=repeats)
         steps = measure.with_bandwidth(ctx.tables["steps"], ctx.engine, ctx.spec, ctx.max_len, probe["probe_gbps"])
         top = steps[(steps.context_len == steps.context_len.max()) & (steps["mode"] == "cached")].iloc[0]
-        res = self.Result(**probe, weight_bytes=int(top["weight_bytes"]), kv_bytes_at_max_context=int(top["kv_bytes"]),
+        res = self.Result(**probe, probe_repeats=repeats, weight_bytes=int(top["weight_bytes"]),
+                          kv_bytes_at_max_context=int(top["kv_bytes"]),
                           gb_per_s_at_max_context=float(top["gb_per_s"]),
                           bw_fraction_at_max_context=float(top["gb_per_s"]) / probe["probe_gbps"],
                           flop_per_byte_at_max_context=float(top["flop_per_byte"]))

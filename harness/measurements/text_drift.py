@@ -16,8 +16,8 @@ class TextDrift(Measurement):
 
     @dataclass(frozen=True)
     class Options:
-        drift_text_len: int = option(128, "tokens of real text per prompt scored for drift (prompt + its "
-                                          "continuation)")
+        drift_text_len: int = option(128, "tokens per text scored for drift: n_prompts texts, disjoint spans of "
+                                          "the prompts file (at least prompt_len + 1)")
 
     @dataclass(frozen=True)
     class Result:

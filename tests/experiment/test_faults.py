@@ -505,7 +505,19 @@ def test_runs_on_two_checkpoint_folders_get_two_labels():
 OTHER = ["run-refused-config", "run-nan-weights", "run-non-finite-while-running", "run-small-vocabulary",
          "prompts-many-lines", "outputs-unwritable", "ctrl-c", "tracking-online-no-key", "report-bad-files",
          "sweeps-into-one-folder", "resume-after-kill", "model-name-path", "cuda-without-cuda", "api-key-never-logged",
-         "run-write-error", "hub-unreachable", "model-checkpoint-missing"]
+         "run-write-error", "hub-unreachable", "model-checkpoint-missing", "prompts-too-short"]
+
+
+def test_a_prompts_file_too_short_for_disjoint_drift_texts_is_one_line(tmp_path):  # prompts-too-short
+    """Drift scores n_prompts texts that share no token: a file that cannot hold them fails the run in one line
+    that says what would fit (the generation prompts alone may wrap around a short file)."""
+    path = tmp_path / "short.txt"
+    path.write_text("A short file of a single line.\n")
+    out = tmp_path / "run"
+    proc = run_py([*TINY, f"prompts_file={path}", "dtype=fp16", "tracking=disabled", f"hydra.run.dir={out}"], tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    err = json.loads((out / "results.json").read_text())["error"]
+    assert "holds 9 tokens, and 2 disjoint texts of 128 tokens" in err and "need 256" in err, err
 
 
 def test_a_missing_checkpoint_says_how_to_build_it(tmp_path):

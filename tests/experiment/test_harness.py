@@ -16,7 +16,7 @@ from harness import measurements
 from harness.core import measure, stats
 from harness.experiment.config import ConfigError, cache_options, dtype_label, register, validate
 from harness.core.engines import HF_COUNTERPARTS, KvlabEngine, hf_refuses
-from harness.experiment.runner import batch_lengths, text_prompts
+from harness.experiment.runner import batch_lengths, disjoint_texts, text_prompts
 from harness.analysis.papers import PAPERS
 from tests.helpers import REPO, TINY, run_py
 from models.gpt2 import GPT2Config
@@ -150,6 +150,22 @@ def test_text_prompts_are_real_text_of_exact_length():
     assert len({tuple(p[0].tolist()) for p in prompts}) == 30
     short = text_prompts(path, 1, 200, tok)[0]  # longer than one paragraph: runs on into the next
     assert tok.decode(short[0]).startswith(first) and short.shape == (1, 200)
+
+
+def test_drift_texts_are_disjoint_spans_of_the_file():
+    """Drift's texts share no token: consecutive spans of the file's token stream, the first at its start; a file
+    too short for them is one line that says what would fit."""
+    tok = Tokenizer()
+    path = REPO / "harness" / "prompts.txt"
+    paragraphs = [p.strip() for p in path.read_text().splitlines() if p.strip()]
+    stream = [t for p in paragraphs for t in tok.encode(p + "\n\n")]
+    texts = disjoint_texts(path, 7, 150, tok)
+    assert [t.shape for t in texts] == [(1, 150)] * 7
+    assert torch.cat([t[0] for t in texts]).tolist() == stream[:7 * 150]  # in order, none twice, nothing skipped
+    assert tok.decode(texts[0][0]).startswith(paragraphs[0])
+    with pytest.raises(ConfigError, match=f"holds {len(stream):,} tokens, and 8 disjoint texts of 150 tokens .* "
+                                          "need 1,200: lower n_prompts or drift_text_len, or give a longer file"):
+        disjoint_texts(path, 8, 150, tok)
 
 
 class OffByOneReference(KvlabEngine):

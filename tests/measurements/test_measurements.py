@@ -425,3 +425,21 @@ def test_a_window_loses_what_full_attention_retrieves_on_the_shipped_mini():
     chance = 1 / full["retrieval_vocab"]
     assert full["retrieval_acc_ref"] > 100 * chance, "the shipped mini copies (docs/reference-model.md)"
     assert window["retrieval_acc"] < full["retrieval_acc_ref"] / 2, (window, full)
+
+
+@pytest.mark.parametrize("repeats,probed", [(1, 3), (5, 5), (40, 9)])
+def test_the_bandwidth_probe_repeats_as_often_as_the_run_does_within_3_to_9(tiny_model, monkeypatch, repeats, probed):
+    """A quick run (repeats=2) probes the machine quickly too; a careful one up to 9 times; the record says how
+    often."""
+    from harness.core import measure as core
+    from harness.core.engines import KvlabEngine
+    from harness.core.measure import CacheSpec
+
+    seen = []
+    real = core.bandwidth_probe
+    monkeypatch.setattr(core, "bandwidth_probe", lambda device, nbytes, repeats=9: seen.append(repeats) or
+                        real(device, 1 << 20, repeats=1))
+    rec, _ = measurements.run_on(KvlabEngine(tiny_model), CacheSpec("prealloc", {}, torch.float32),
+                                 [torch.tensor([[464, 3290]])], 2, names=["step_time", "bandwidth"], repeats=repeats,
+                                 warmup=0, contexts=[4], max_len=16)
+    assert seen == [probed] and rec["probe_repeats"] == probed
