@@ -6,10 +6,12 @@ same texts, identified by their tokens), so a comparison resamples units, not po
 arms (a paired, cluster bootstrap): the interval says how much the figure would move on other texts like these.
 
     from harness.analysis import intervals
-    iv = intervals.compare(a, b, "kl", stat="mean", how="ratio")   # a, b: one run's per-position rows each
+    iv = intervals.compare(a, b, "kl", how="ratio", unit="text_id")  # a, b: one run's text_positions rows each
     iv.lo, iv.hi, iv.n                                               # 95% interval, over iv.n texts
     intervals.verdict(iv, "<", 1.0)                                  # holds / does not hold / inconclusive
 
+``unit`` is the column that names a unit: for kvlab's tables ``text_id`` (text_positions.csv) or ``seq_id``
+(retrieval_positions.csv), which name a text or sequence by its tokens, so that two runs pair only on the same tokens.
 Seeded (``SEED``) and so reproducible: the same rows give the same interval. Pure: numpy and pandas in, dataclasses
 out.
 """
@@ -44,8 +46,8 @@ class Interval:
     @property
     def how(self) -> str:
         """How the interval was made, in words (what a findings row says beside it)."""
-        return (f"paired bootstrap over {self.n} units, {self.n_boot:,} resamples, {100 * self.level:.0f}% "
-                "percentile interval")
+        return (f"bootstrap over {self.n} units (the same units for both runs of a comparison), "
+                f"{self.n_boot:,} resamples, {100 * self.level:.0f}% percentile interval")
 
     def text(self, fmt: str = "+.3g") -> str:
         """'+0.051 [+0.032, +0.070]'."""
