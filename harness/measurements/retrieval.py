@@ -83,10 +83,10 @@ class Retrieval(Measurement):
             (a, f), (r, _) = copying.copy_accuracy(ours, seq, n), copying.copy_accuracy(ref, seq, n)
             accs.append(a), refs.append(r), firsts.append(f)
             target = seq[0, n:].cpu()  # the second copy, predicted by rows n - 1 .. 2n - 2
-            hit, hit_ref = (x[n - 1:].argmax(-1).cpu() == target for x in (ours, ref))
+            hit, hit_ref = ((x[n - 1:].argmax(-1).cpu() == target).int().tolist() for x in (ours, ref))
             sid = measure.text_id(seq)
-            rows += [dict(sequence=i, position=j, seq_id=sid, correct=int(hit[j]), correct_ref=int(hit_ref[j]))
-                     for j in range(n)]
+            rows += [dict(sequence=i, position=j, seq_id=sid, correct=c, correct_ref=c_ref)
+                     for j, (c, c_ref) in enumerate(zip(hit, hit_ref))]
         mean = lambda xs: float(sum(xs) / len(xs))  # noqa: E731
         table = pd.DataFrame(rows, columns=list(self.tables[0].columns))
         return self.Result(retrieval_acc=mean(accs), retrieval_acc_ref=mean(refs),
