@@ -4,8 +4,9 @@
 
 A figure names the measurements whose keys or table it reads (``by``: one, or several for the figures that set
 one measurement against others: budget, pareto), the table it is drawn from (``"runs"``: one row per run, or a
-run table's name), its drawing function (``harness.analysis.plots``) and its caption. The measurements themselves
-declare keys and tables only; what is drawn from them lives here, beside the code that draws it.
+run table's name), its drawing function (``harness.analysis.plots``; ``harness.analysis.depth`` for retrieval by
+depth) and its caption. The measurements themselves declare keys and tables only; what is drawn from them lives
+here, beside the code that draws it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from harness.analysis import plots
+from harness.analysis import depth, plots
 
 
 @dataclass(frozen=True)
@@ -43,25 +44,34 @@ def _retrieved(runs: pd.DataFrame) -> bool:
 
 FIGURES: tuple[Figure, ...] = (
     Figure("equivalence", "runs", plots.equivalence_grid,
-           "Cached vs the kind's uncached reference: max |Δlogit| per model × cache/dtype; ✓ = identical greedy "
-           "tokens.", by=("equivalence",)),
+           "Cached vs the kind's uncached reference: max |Δlogit| per model × cache/dtype, coloured against the "
+           "equivalence tolerance (green within it, red over it; grey: lossy or reduced precision, not held to it); "
+           "✓ = identical greedy tokens.", by=("equivalence",)),
     Figure("drift", "drift", plots.drift_plot,
            "Drift vs fp32 full attention per decode step: KL, max |Δlogit|, top-1 agreement.",
-           by=("generation_drift",)),
+           by=("generation_drift",), when=plots.drift_measured),
     Figure("layers", "layers", plots.layers_plot,
            "Relative error of the K and V attention read, per layer, against fp32.", by=("text_drift",)),
     Figure("budget", "runs", plots.budget_plot,
            "Quality against budget: text ΔNLL against fp32 full attention and retrieval, per kind, at each budget "
-           "(kinds swept over cache.budget).", by=("text_drift", "retrieval"),
+           "(kinds swept over cache.budget); bars: 95% intervals over texts (ΔNLL) or sequences (retrieval).",
+           by=("text_drift", "retrieval"),
            when=lambda runs: not plots.budget_quality(runs).empty),
     Figure("pareto", "runs", plots.pareto_plot,
            "Quality against cost, a point per setting: text ΔNLL, KL p99 and retrieval against the KV bytes held and "
-           "the step at the longest context; the line joins the frontier.",
+           "the step at the longest context; the line joins the frontier; bars: 95% intervals over texts or "
+           "sequences. A cost all settings share is drawn against the setting that differs instead.",
            by=("text_drift", "generation_drift", "retrieval", "memory", "step_time"),
            when=lambda runs: not plots.pareto_points(runs).empty),
     Figure("retrieval", "runs", plots.retrieval_plot,
-           "Retrieval: copy accuracy on random sequences shown twice, through each cache vs fp32 full attention.",
+           "Retrieval: copy accuracy on random sequences shown twice, through each cache vs fp32 full attention; "
+           "whiskers: 95% intervals over the sequences.",
            by=("retrieval",), when=_retrieved),
+    Figure("retrieval_depth", "retrieval_depth", depth.depth_plot,
+           "Retrieval by depth: top-1 accuracy on spans copied from each depth of a context of random tokens (x: "
+           "where the source sits, 0% the start; y: the context's length), a heatmap per setting beside fp32 full "
+           "attention's. A window of W slots loses the sources more than W tokens back; the spans are asked newest "
+           "first, so the oldest are also asked last.", by=("retrieval",)),
     Figure("cache_bytes", "runs", plots.cache_bytes_plot,
            "Cache bytes: measured vs the formula, and bytes per cached token.", by=("memory",)),
     Figure("memory", "memory", plots.memory_plot,

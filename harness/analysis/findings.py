@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from harness.measurements import KEYS
+from harness.analysis import intervals, papers
 from harness.analysis.papers import (ClaimRow, claim_rows, names, num, ok_runs, preset_of,
                                      value, verdict_text)
 from harness.analysis.plots import as_written, is_full_attention, pareto_front, with_reference_at_zero
@@ -58,7 +59,39 @@ def _label(row: pd.Series) -> str:
     return f"{row.get(KEYS.cache_label, row.get(KEYS.cache))} · {row.get(KEYS.dtype)}"
 
 
-def frontier_findings(ok: pd.DataFrame) -> list[Finding]:
+# the per-position metric behind each quality key, for its interval (harness.analysis.papers.METRICS)
+QUALITY_METRIC = {KEYS.drift_kl_p99: "kl_p99", KEYS.drift_delta_nll: "nll", KEYS.retrieval_acc: "copy"}
+
+
+def _rows_of(frames: dict | None, ok: pd.DataFrame) -> papers.Runs | None:
+    return None if not frames else papers.Runs(ok, {}, frames)
+
+
+def _single(at: papers.Runs | None, row: pd.Series, key: str) -> intervals.Interval | None:
+    """One run's quality figure with its interval over its texts (None: no per-position rows)."""
+    m = papers.METRICS.get(QUALITY_METRIC.get(key, ""))
+    if at is None or m is None:
+        return None
+    try:
+        return at.single(row, m)
+    except (papers.NoRows, KeyError, ValueError):
+        return None
+
+
+def _versus(at: papers.Runs | None, a: pd.Series, b: pd.Series, key: str) -> tuple[intervals.Interval, str] | None:
+    """Run ``a`` against run ``b`` on a quality key, paired over the units both scored: a ratio (ΔNLL, which may
+    sit near zero: a difference), and how it reads; None without per-position rows for both."""
+    m = papers.METRICS.get(QUALITY_METRIC.get(key, ""))
+    if at is None or m is None:
+        return None
+    how = "difference" if m.name == "nll" else "ratio"
+    try:
+        return at.compare(a, b, m, how), how
+    except (papers.NoRows, intervals.NotPaired, KeyError, ValueError):
+        return None
+
+
+def frontier_findings(ok: pd.DataFrame, frames: dict | None = None) -> list[Finding]:
     """Per model: the settings on the quality-vs-bytes frontier (text ΔNLL, else KL p99, against cache_nbytes)."""
     out = []
     quality = next(((k, name) for k, name, _ in QUALITY[1::-1] if k in ok and ok[k].notna().any()), None)
@@ -70,7 +103,8 @@ def frontier_findings(ok: pd.DataFrame) -> list[Finding]:
         if sub.apply(_label, axis=1).nunique() < 2:
             continue
         front = sub.loc[pareto_front(sub[KEYS.cache_nbytes], sub[key], "low")]
-        points = [f"{_label(r)} ({name} {num(r[key], signed=True)} at {_bytes(r[KEYS.cache_nbytes])})"
+        at = _rows_of(frames, ok)
+        points = [f"{_label(r)} ({name} {_with_interval(at, r, key)} at {_bytes(r[KEYS.cache_nbytes])})"
                   for _, r in front.iterrows()]
         beaten = len(sub) - len(front)
         out.append(Finding(
@@ -79,6 +113,12 @@ def frontier_findings(ok: pd.DataFrame) -> list[Finding]:
                                    f"for a worse {name}." if beaten else "."),
             names(*[r for _, r in front.iterrows()]), "frontier"))
     return out
+
+
+def _with_interval(at, row, key) -> str:
+    iv = _single(at, row, key)
+    return num(row[key], signed=True) if iv is None else f"{num(row[key], signed=True)} [{num(iv.lo, True)}, " \
+        f"{num(iv.hi, True)}; {iv.n} texts]"
 
 
 def _axes(ok: pd.DataFrame) -> list[str]:
@@ -91,10 +131,12 @@ def _axis_name(col: str) -> str:
     return f"cache.{col[len('cache_'):]}" if col.startswith("cache_") else col
 
 
-def axis_findings(ok: pd.DataFrame) -> list[Finding]:
+def axis_findings(ok: pd.DataFrame, frames: dict | None = None) -> list[Finding]:
     """A sentence per swept axis: each value's median over its runs, for the quality keys that vary and the step
     time, as a multiple of the best value's. An axis that splits the runs exactly as an earlier one does (a window
-    that is the budget less the sinks) is named in that one's sentence instead of getting its own."""
+    that is the budget less the sinks) is named in that one's sentence instead of getting its own. Where each
+    value has one run and per-position rows (``frames``), each value is set against the best one with a paired 95%
+    interval over the texts (or sequences) both scored."""
     out, said = [], {}  # the runs' split by an axis -> [its sentence's index in out, the axes that follow it]
     metrics = [(k, n, b) for k, n, b in (*QUALITY, STEP) if k in ok and ok[k].dropna().nunique() >= 2]
     for col in _axes(ok):
@@ -103,11 +145,13 @@ def axis_findings(ok: pd.DataFrame) -> list[Finding]:
         if split in said:
             said[split][1].append(_axis_name(col))
             continue
-        parts = [_axis_part(sub, col, *m) for m in metrics]
+        parts = [_axis_part(sub, col, *m, at=_rows_of(frames, ok)) for m in metrics]
         parts = [p for p in parts if p]
         if parts:
             said[split] = [len(out), []]
-            out.append(Finding(f"{_axis_name(col)}: " + "; ".join(parts) + " (median of each value's runs)",
+            how = ("one run per value; [..]: a paired 95% interval against the best value's run" if
+                   any("] " in p for p in parts) else "median of each value's runs")
+            out.append(Finding(f"{_axis_name(col)}: " + "; ".join(parts) + f" ({how})",
                                tuple(sub[KEYS.run_name].astype(str)), "axis"))
     for i, follow in said.values():
         f = out[i]
@@ -115,16 +159,30 @@ def axis_findings(ok: pd.DataFrame) -> list[Finding]:
     return out
 
 
-def _axis_part(sub: pd.DataFrame, col: str, key: str, name: str, better: str) -> str:
+def _axis_part(sub: pd.DataFrame, col: str, key: str, name: str, better: str, at=None) -> str:
     """"<metric> <value> <median> (<ratio>× <best value>'s), ..." for one axis, or "" where fewer than two values
-    have the metric."""
-    med = sub.groupby(sub[col].map(as_written), sort=False)[key].median().dropna()
+    have the metric. With one run per value and per-position rows (``at``), the comparison with the best value is
+    paired and carries its interval: "(1.31× [1.12, 1.52] 8's)", or for ΔNLL "(+0.031 [+0.012, +0.050] over 8's)"."""
+    groups = sub.groupby(sub[col].map(as_written), sort=False)
+    med = groups[key].median().dropna()
     med = med.iloc[sorted(range(len(med)), key=lambda i: _order(med.index[i]))]
     if len(med) < 2:
         return ""
     top = med.idxmin() if better == "low" else med.idxmax()
-    shown = [f"{_short(value)} {num(m)}" + (f" ({m / med[top]:.3g}× {_short(top)}'s)" if m != med[top] and med[top]
-                                            else "") for value, m in med.items()]
+    one = {v: g[g[key].notna()] for v, g in groups if v in med.index}
+    single = all(len(g) == 1 for g in one.values())
+
+    def against_top(value, m):
+        if m == med[top]:
+            return ""
+        got = _versus(at, one[value].iloc[0], one[top].iloc[0], key) if single else None
+        if got is not None:
+            iv, how = got
+            return (f" ({iv.estimate:.3g}× [{iv.lo:.3g}, {iv.hi:.3g}] {_short(top)}'s)" if how == "ratio" else
+                    f" ({num(iv.estimate, True)} [{num(iv.lo, True)}, {num(iv.hi, True)}] over {_short(top)}'s)")
+        return f" ({m / med[top]:.3g}× {_short(top)}'s)" if med[top] else ""
+
+    shown = [f"{_short(value)} {num(m)}" + against_top(value, m) for value, m in med.items()]
     return f"{name} " + ", ".join(shown)
 
 
@@ -183,12 +241,13 @@ def _slower_than_bytes(ok: pd.DataFrame) -> list[Finding]:
     return out
 
 
-def sweep_findings(runs: pd.DataFrame) -> list[Finding]:
-    """Every finding of a sweep: the frontier, the swept axes, and what contradicts expectations."""
+def sweep_findings(runs: pd.DataFrame, frames: dict | None = None) -> list[Finding]:
+    """Every finding of a sweep: the frontier, the swept axes, and what contradicts expectations; intervals where
+    ``frames`` holds the runs' per-position rows."""
     if runs is None or not len(runs) or KEYS.status not in runs:
         return []
     ok = with_reference_at_zero(ok_runs(runs), [k for k, _, _ in QUALITY[:2]])  # as the Pareto figure draws it
-    return frontier_findings(ok) + axis_findings(ok) + surprise_findings(runs, ok)
+    return frontier_findings(ok, frames) + axis_findings(ok, frames) + surprise_findings(runs, ok)
 
 
 # ---- as text -----------------------------------------------------------------------------------------------------
@@ -199,6 +258,14 @@ def _bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.3g} {unit}"
     return f"{n:.0f} B"
+
+
+INTERVAL_HOW = (f"a paired bootstrap over the texts (or copied sequences) both runs scored, {intervals.N_BOOT:,} "
+                f"resamples, seed {intervals.SEED}, percentile")
+
+
+def _source(r: ClaimRow) -> str:
+    return r.source if r.kind == papers.PAPER else f"{r.source} [{r.kind}]"
 
 
 def _md(text: str) -> str:
@@ -214,22 +281,31 @@ class Made:
     sentences: list[Finding]
 
 
-def make(runs: pd.DataFrame) -> Made:
-    return Made(preset_of(runs), claim_rows(runs), sweep_findings(runs))
+def make(runs: pd.DataFrame, frames: dict[str, pd.DataFrame] | None = None) -> Made:
+    """The findings of ``runs``; ``frames`` (``results.load_tables``) gives the per-position rows every interval is
+    made from (without them, claims are not judged and sentences carry no interval)."""
+    return Made(preset_of(runs), claim_rows(runs, frames), sweep_findings(runs, frames))
 
 
 def markdown(made: Made) -> str:
     """findings.md: the claims table (paper presets) and the sweep's findings, each naming its runs."""
     out = ["# Findings", ""]
     if made.claims:
-        out += [f"Claims checked by `experiment={made.preset}` (harness/analysis/papers.py says how each number is read "
-                f"from the runs). Each verdict reads only runs of the setting its row states (conf/experiment/"
-                f"{made.preset}.yaml); \"not judged\" says which setting the runs differ in, or why they cannot show "
-                "the effect.", "",
-                "| claim | source | paper's setting | paper | kvlab's setting | kvlab | direction | runs |",
-                "|---|---|---|---|---|---|---|---|"]
-        out += ["| " + " | ".join(_md(x) for x in (r.claim, r.source, r.paper_setting, r.paper_number,
-                                                      r.our_setting, r.our_number, verdict_text(r),
+        metric = papers.METRICS[made.claims[0].metric]
+        out += [f"Claims checked by `experiment={made.preset}` (harness/analysis/papers.py says how each is tested). "
+                f"The text claims are decided by {metric.label}, the others shown beside it. Each figure in brackets "
+                f"is a 95% interval: {INTERVAL_HOW}; n is the number of units resampled. A verdict is \"holds\" or "
+                "\"does not hold\" only when the interval lies wholly on one side of the claim's bound (or margin), "
+                "otherwise \"inconclusive\". Each verdict reads only runs of the setting its row states (conf/"
+                f"experiment/{made.preset}.yaml); \"not judged\" says which setting the runs differ in, or why they "
+                "cannot show the effect. Rows marked \"kvlab's own check\" have no paper number behind them, and "
+                "\"by construction\" rows are true by how the cache works: neither counts as a paper's claim "
+                "holding.", "",
+                "| claim | source | paper's words | paper's setting | paper | kvlab's setting | kvlab | n | verdict "
+                "| runs |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        out += ["| " + " | ".join(_md(x) for x in (r.claim, _source(r), r.quote, r.paper_setting, r.paper_number,
+                                                      r.our_setting, r.our_number, r.n or "—", verdict_text(r),
                                                       ", ".join(r.runs))) + " |" for r in made.claims]
         out.append("")
     if made.sentences:
@@ -246,14 +322,17 @@ def html_section(made: Made) -> str:
         return ""
     parts = ["<h2>Findings</h2>"]
     if made.claims:
-        head = "".join(f"<th>{h}</th>" for h in ("claim", "source", "paper's setting", "paper", "kvlab's setting",
-                                                  "kvlab", "direction"))
+        metric = papers.METRICS[made.claims[0].metric]
+        head = "".join(f"<th>{h}</th>" for h in ("claim", "source", "paper's words", "paper's setting", "paper",
+                                                  "kvlab's setting", "kvlab", "n", "verdict"))
         body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in (r.claim, r.source, r.paper_setting,
-                                                                         r.paper_number, r.our_setting, r.our_number))
+            "<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in (r.claim, _source(r), r.quote,
+                                                                         r.paper_setting, r.paper_number,
+                                                                         r.our_setting, r.our_number, r.n or "—"))
             + f"<td style='color:{'#070' if r.holds else '#c00' if r.holds is False else '#666'}'>"
             f"<b>{verdict_text(r)}</b></td></tr>" for r in made.claims)
-        parts.append(f"<table class='t findings'><tr>{head}</tr>{body}</table>")
+        parts.append(f"<p>Text claims decided by {html.escape(metric.label)}; brackets: 95% intervals "
+                     f"({html.escape(INTERVAL_HOW)}).</p><table class='t findings'><tr>{head}</tr>{body}</table>")
     if made.sentences:
         parts.append("<ul>" + "".join(f"<li>{html.escape(f.text)} <small>(runs: {html.escape(', '.join(f.runs))})"
                                       "</small></li>" for f in made.sentences) + "</ul>")

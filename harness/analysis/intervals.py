@@ -32,6 +32,67 @@ HOLDS, FAILS, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
 
 
 @dataclass(frozen=True)
+class Metric:
+    """A quality figure a claim reads: ``stat`` of ``column`` over the per-position rows of ``table``, its interval
+    resampling ``unit`` (texts or sequences); ``better``: which way is better."""
+
+    name: str
+    label: str
+    table: str
+    unit: str
+    column: str
+    stat: str
+    better: str  # "low" | "high"
+    fmt: str = ".3g"
+
+    @property
+    def unit_name(self) -> str:
+        return {"text_id": "texts", "seq_id": "sequences"}.get(self.unit, self.unit)
+
+
+METRICS = {
+    "kl": Metric("kl", "mean KL (nats)", "text_positions", "text_id", "kl", "mean", "low"),
+    "kl_p99": Metric("kl_p99", "KL p99 (nats)", "text_positions", "text_id", "kl", "p99", "low"),
+    "nll": Metric("nll", "ΔNLL (nats/token)", "text_positions", "text_id", "dnll", "mean", "low", "+.3f"),
+    "copy": Metric("copy", "copy accuracy", "retrieval_positions", "seq_id", "correct", "mean", "high", ".3f"),
+}
+
+
+def rows_of(positions: dict | None, run_name, metric: Metric) -> pd.DataFrame | None:
+    """One run's per-position rows of ``metric``'s table (``positions``: table name -> every run's rows, with
+    ``run_name``), its derived column added (ΔNLL: ``dnll``); None when it has none."""
+    table = (positions or {}).get(metric.table)
+    if table is None or "run_name" not in table:
+        return None
+    sel = table[table["run_name"] == run_name]
+    if not len(sel):
+        return None
+    return sel.assign(dnll=sel["nll"] - sel["nll_fp32"]) if metric.column == "dnll" else sel
+
+
+RUN_KEYS = (("drift_kl", "kl"), ("drift_kl_p99", "kl_p99"), ("drift_delta_nll", "nll"), ("retrieval_acc", "copy"))
+
+
+def with_intervals(runs: pd.DataFrame, positions: dict | None) -> pd.DataFrame:
+    """``runs`` with a 95% interval on each run's quality figures over its own texts or sequences: ``<key>_lo`` and
+    ``<key>_hi`` for drift_kl, drift_kl_p99, drift_delta_nll and retrieval_acc (NaN where a run has no per-position
+    rows). What the report's tables carry and its figures draw as error bars."""
+    out = runs.copy()
+    if not len(out) or "run_name" not in out:
+        return out
+    for key, name in RUN_KEYS:
+        lo, hi = [], []
+        for run_name in out["run_name"]:
+            rows = rows_of(positions, run_name, METRICS[name])
+            iv = None if rows is None else single(rows, METRICS[name].column, METRICS[name].stat,
+                                                   unit=METRICS[name].unit)
+            lo.append(np.nan if iv is None else iv.lo)
+            hi.append(np.nan if iv is None else iv.hi)
+        if not all(np.isnan(lo)):
+            out[f"{key}_lo"], out[f"{key}_hi"] = lo, hi
+    return out
+
+@dataclass(frozen=True)
 class Interval:
     """A figure (``estimate``: on the runs' own units, every one once) and its bootstrap interval [lo, hi] at
     ``level``, from ``n`` units (texts or sequences) resampled ``n_boot`` times."""
@@ -127,19 +188,32 @@ def compare(a: pd.DataFrame, b: pd.DataFrame, column: str, stat: str = "mean", h
     draws the same units for both. Raises ``NotPaired`` when the runs' units differ."""
     if how not in ("difference", "ratio"):
         raise ValueError(f"how={how!r}: use difference or ratio")
-    order = units(a, unit)
-    if order != units(b, unit):
-        raise NotPaired(f"the two runs scored different {unit}s ({len(order)} and {len(units(b, unit))}, not the "
-                        "same ones): they cannot be compared unit by unit")
-    (va, wa), (vb, wb) = _matrix(a, column, unit, order), _matrix(b, column, unit, order)
+    fn = (lambda s: s["a"] - s["b"]) if how == "difference" else (lambda s: s["a"] / s["b"])
+    return paired({"a": a, "b": b}, column, fn, stat, unit, n_boot, seed, level)
+
+
+def paired(arms: dict[str, pd.DataFrame], column: str, fn, stat: str = "mean", unit: str = "text",
+           n_boot: int = N_BOOT, seed: int = SEED, level: float = LEVEL) -> Interval:
+    """Any function of several runs' figures (``fn``: {arm: its ``stat`` of ``column``} -> a number, written with
+    numpy operations so that it also takes an array per arm), with its paired interval: every resample draws the
+    same units for every arm. E.g. the share of a gap a third run closes: ``fn=lambda s: (s["4"] - s["8"]) /
+    (s["0"] - s["4"])``. Raises ``NotPaired`` when the runs' units differ."""
+    names = list(arms)
+    order = units(arms[names[0]], unit)
+    for name in names[1:]:
+        other = units(arms[name], unit)
+        if other != order:
+            raise NotPaired(f"the runs scored different {unit}s ({len(order)} and {len(other)}, not the same ones): "
+                            "they cannot be compared unit by unit")
     counts = _counts(len(order), n_boot, seed)
-    da, db = _stat(va, wa, counts, stat), _stat(vb, wb, counts, stat)
-    pa, pb = point(va, stat), point(vb, stat)
-    if how == "difference":
-        return Interval(pa - pb, *_bounds(da - db, level), n=len(order), level=level, n_boot=n_boot)
+    draws, points = {}, {}
+    for name in names:
+        values, which = _matrix(arms[name], column, unit, order)
+        draws[name], points[name] = _stat(values, which, counts, stat), np.float64(point(values, stat))
     with np.errstate(divide="ignore", invalid="ignore"):
-        return Interval(pa / pb if pb else float("nan"), *_bounds(da / db, level), n=len(order), level=level,
-                        n_boot=n_boot)
+        estimate = float(fn(points))
+        lo, hi = _bounds(np.asarray(fn(draws), dtype=float), level)
+    return Interval(estimate, lo, hi, n=len(order), level=level, n_boot=n_boot)
 
 
 def verdict(iv: Interval, direction: str, bound: float = 0.0) -> str:

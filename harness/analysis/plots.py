@@ -17,20 +17,23 @@ kinds are ordered as the registry lists them. Every function returns a matplotli
                               a + b·T (the weights' fixed cost, and what each cached token adds).
     cache_bytes_plot(runs)    (a) measured cache bytes next to the formula's prediction, one bar pair per run
                               (a red ✗ over a run where they differ); (b) KV bytes per cached token by model,
-                              cache and dtype (caches that cost the same share a bar).
+                              cache and dtype (caches that cost the same share a bar); legends below the panels.
     memory_plot(memory)       cache bytes held vs tokens in the sequence: the kind's formula out to max_len as a
                               line, the bytes measured during generation as dots; concat grows, prealloc is flat
                               at max_len, window flat at sinks + window, quant a fraction of prealloc.
     drift_plot(drift)         how far logits drift from fp32 full attention per decode step (reduced precision,
                               lossy or windowed caches): KL(fp32 ‖ run), max |Δlogit| and top-1 agreement;
                               colour = cache, line style = dtype, one line per run, one row of panels per model.
-                              Runs without drift are left out; with none left the figure just says so.
+                              Runs without drift are left out; with none left the figure says why: nothing
+                              drifts (all fp32 full attention), or generation_drift was not measured.
     serving_plot(runs)        each run's served batch: generated tokens/s against batch size, and KV waste (held
                               slots that hold no token): colour = cache, line style = uniform / ragged prompts.
     equivalence_grid(runs)    cached-vs-reference check as a heatmap: rows = model, columns = cache/dtype, colour =
-                              max |Δlogit| (log scale), each cell annotated with the value, ✓/✗ for whether the
-                              generated tokens were identical, and "lossy" for lossy kinds (whose difference is
-                              their error). Several runs in one cell show the worst of them.
+                              max |Δlogit| on a log scale fixed on the equivalence tolerance (green within it, red
+                              at or over it; grey: lossy kinds and reduced precision, not held to it), each cell
+                              annotated with the value, ✓/✗ for whether the generated tokens were identical, and
+                              "lossy" for lossy kinds (whose difference is their error). Several runs in one cell
+                              show the worst of them.
     layers_plot(layers)       relative error of K and of V per layer against fp32, a line per run, with the
                               tolerance from which a layer counts as disagreeing.
     batch_plot(batches)       decode tokens/s against batch size, and the K/V bytes a step reads against the weights
@@ -39,7 +42,10 @@ kinds are ordered as the registry lists them. Every function returns a matplotli
                               table has no ok rows is left out of the dict.
 
 When runs from more than one device are mixed, the dtype label becomes "dtype · device" wherever timings or drift
-are grouped by dtype (a CPU and a GPU step time must not be averaged together).
+are grouped by dtype (a CPU and a GPU step time must not be averaged together). Every axis of bytes reads in B / kB
+/ MB / GB (decimal); every figure that compares settings on quality (retrieval, budget, pareto) draws each run's
+95% interval over its texts or sequences (``<key>_lo`` / ``<key>_hi``, from ``intervals.with_intervals``) as an
+error bar where the runs table carries one.
 """
 
 from __future__ import annotations
@@ -195,6 +201,87 @@ def _fig_legend(fig: Figure, axes) -> None:
                    frameon=False)
 
 
+def human_bytes(n) -> str:
+    """A byte count in decimal units to three significant figures: 393216 -> "393 kB", 75497472 -> "75.5 MB",
+    512 -> "512 B" (what every axis of bytes shows: raw integers of six or more digits do not read)."""
+    n = float(n)
+    if not np.isfinite(n):
+        return ""
+    units = ("B", "kB", "MB", "GB", "TB")
+    i = 0
+    while abs(n) >= 999.5 and i < len(units) - 1:  # 999.6 kB rounds to "1e+03 kB": call it 1 MB
+        n, i = n / 1000, i + 1
+    return f"{n:.3g} {units[i]}"
+
+
+def _bytes_axis(ax, which: str = "y") -> None:
+    """Ticks of bytes read as B / kB / MB / GB; on a log axis at the decades only (1 kB, 10 kB, ...), unlabelled
+    minor ticks between. Call after the axis's scale is set (setting a scale resets its formatters)."""
+    axis = ax.yaxis if which == "y" else ax.xaxis
+    axis.set_major_formatter(_ticker.FuncFormatter(lambda v, _pos: human_bytes(v)))
+    if axis.get_scale() == "log":
+        axis.set_major_locator(_ticker.LogLocator(base=10))
+        axis.set_minor_formatter(_ticker.NullFormatter())
+
+
+def interval_units() -> dict[str, str]:
+    """Each quality figure that carries an interval, and what its interval resamples (``intervals.RUN_KEYS``)."""
+    return {KEYS.drift_kl: "texts", KEYS.drift_kl_p99: "texts", KEYS.drift_delta_nll: "texts",
+            KEYS.retrieval_acc: "sequences"}
+
+
+def _yerr(df: pd.DataFrame, key: str):
+    """The 95% interval of ``key`` around each row's value as matplotlib's ``yerr`` (a row of lengths below, a row
+    above; NaN where a run has none, which draws no bar), or None where the table carries no interval for it (an
+    older sweep: no ``<key>_lo`` / ``<key>_hi``, or all NaN)."""
+    lo, hi = f"{key}_lo", f"{key}_hi"
+    if lo not in df or hi not in df or not df[[lo, hi]].notna().any().any():
+        return None
+    y = df[key].to_numpy(dtype=float)
+    # a percentile interval need not hold the estimate on every resampling: a bar never has a negative length
+    return np.vstack([np.clip(y - df[lo].to_numpy(dtype=float), 0, None),
+                      np.clip(df[hi].to_numpy(dtype=float) - y, 0, None)])
+
+
+def _with_bounds(df: pd.DataFrame, key: str) -> pd.Series:
+    """``key``'s values and their intervals' ends, as one series (for choosing a scale that shows the bars too)."""
+    return pd.concat([df[k] for k in (key, f"{key}_lo", f"{key}_hi") if k in df], ignore_index=True)
+
+
+def interval_note(keys) -> str:
+    """'bars: 95% intervals over texts' (or sequences, or both) for the quality ``keys`` a figure drew bars for."""
+    units = list(dict.fromkeys(unit for k, unit in interval_units().items() if k in set(keys)))
+    return f"bars: 95% intervals over {' / '.join(units)}" if units else ""
+
+
+def _label_points(fig: Figure, todo: dict) -> None:
+    """Labels beside points that do not cover one another (``todo``: axes -> [(x, y, text)]): each starts up and to
+    the right of its point (to the left in the right third of its panel, so that it stays on the panel) and moves a
+    line up or down, then two, ... until it overlaps no label placed before it. Called once the figure is drawn
+    but for the labels: it draws the figure once to learn where each label lands."""
+    todo = {ax: pts for ax, pts in todo.items() if pts}
+    if not todo:
+        return
+    fig.canvas.draw()  # the constrained layout and the autoscaled limits: where each label would land
+    renderer = fig.canvas.get_renderer()
+    for ax, points in todo.items():
+        placed = []
+        for x, y, text in sorted(points, key=lambda p: (p[1], p[0])):
+            right = ax.transAxes.inverted().transform(ax.transData.transform((x, y)))[0] > 2 / 3
+            dx = -4 if right else 4
+            label = ax.annotate(text, (x, y), xytext=(dx, 3), textcoords="offset points", fontsize="x-small",
+                                ha="right" if right else "left", va="bottom")
+            box = label.get_window_extent(renderer)
+            line = box.height * 72 / fig.dpi + 1  # one label's height, in points
+            for k in range(1, 40):
+                if not any(box.overlaps(p) for p in placed):
+                    break
+                step = (k + 1) // 2 * (1 if k % 2 else -1)  # up 1, down 1, up 2, down 2, ...
+                label.set_position((dx, 3 + step * line))
+                box = label.get_window_extent(renderer)
+            placed.append(box)
+
+
 def _message_figure(msg: str) -> Figure:
     fig, ax = plt.subplots(figsize=(6, 2))
     ax.axis("off")
@@ -325,7 +412,8 @@ def _run_labels(df: pd.DataFrame) -> pd.Series:
 
 
 def cache_bytes_plot(runs: pd.DataFrame) -> Figure:
-    """(a) measured vs predicted cache bytes per run; (b) KV bytes per cached token by model, cache and dtype."""
+    """(a) measured vs predicted cache bytes per run; (b) KV bytes per cached token by model, cache and dtype. Bytes
+    read in kB / MB; each panel's legend sits below the figure, under its panel, never on the bars."""
     df = _ok(runs).copy()
     if df.empty:
         return _message_figure("no ok runs")
@@ -344,6 +432,7 @@ def cache_bytes_plot(runs: pd.DataFrame) -> Figure:
     sns.barplot(data=long, x="run", y="bytes", hue="kind", order=order, hue_order=["measured", "predicted"],
                 errorbar=None, ax=a)
     _log_y_if_decades(a, long["bytes"])
+    _bytes_axis(a)
     for i, (_, r) in enumerate(df.iterrows()):
         if not r[KEYS.nbytes_match]:  # mark runs where the formula is off
             a.annotate("✗", (i, max(r[KEYS.cache_nbytes], r[KEYS.predicted_nbytes])), ha="center", va="bottom",
@@ -353,7 +442,6 @@ def cache_bytes_plot(runs: pd.DataFrame) -> Figure:
     a.set_xlabel("run (model/cache/dtype)")
     a.set_ylabel("cache size (bytes)")
     a.set_title("(a) KV-cache bytes: measured vs formula")
-    a.legend(title=None, frameon=False)
 
     # (b) bytes per token is a property of (model, dtype, kind): caches that cost the same share a bar
     bpt = (df.groupby([KEYS.model, KEYS.dtype, KEYS.bytes_per_token])[KEYS.cache]
@@ -362,18 +450,73 @@ def cache_bytes_plot(runs: pd.DataFrame) -> Figure:
     sns.barplot(data=bpt, x=KEYS.model, y=KEYS.bytes_per_token, hue="series", order=models,
                 hue_order=sorted(bpt["series"].unique()), errorbar=None, ax=b)
     _log_y_if_decades(b, bpt[KEYS.bytes_per_token])
+    _bytes_axis(b)
     b.set_xlabel("model")
     b.set_ylabel("KV bytes per cached token (bytes)")
     b.set_title("(b) bytes per cached token")
-    b.legend(title="cache · dtype", frameon=False, fontsize="small")
+    # outside the panels, below each: a legend inside would sit on the bars (and a long one runs off the panel)
+    for ax, loc, title, ncol in ((a, "outside lower left", "(a)", 2), (b, "outside lower right", "(b) cache · dtype",
+                                                                      1 if len(bpt) > 6 else 2)):
+        handles, labels = ax.get_legend_handles_labels()
+        if ax.get_legend() is not None:
+            ax.get_legend().remove()
+        if handles:
+            fig.legend(handles, labels, loc=loc, title=title, ncol=ncol, frameon=False, fontsize="small",
+                       title_fontsize="small")
     return fig
+
+
+def _would_drift(df: pd.DataFrame) -> pd.Series:
+    """Per row of a run table: the run is not fp32 full attention, so generation_drift, had it run, measured drift
+    (it skips only an exact kind that is full attention in fp32, its own reference). Read from the identity columns
+    every table has: the dtype, and the kind (``cache``) with its default options (a window or an evicting kind is
+    never full attention; concat, prealloc and paged always are)."""
+    from models.kv_cache import CACHE_KINDS
+
+    def full(kind) -> bool:
+        cls = CACHE_KINDS.get(kind)
+        try:
+            return cls is not None and cls.full_attention(cls.parse_options())
+        except (TypeError, ValueError):
+            return False
+
+    kinds = df[KEYS.cache] if KEYS.cache in df else pd.Series("", df.index)
+    return (df[KEYS.dtype] != "fp32") | ~kinds.map(full).astype(bool)
+
+
+def drift_unmeasured(drift: pd.DataFrame) -> list[str]:
+    """The ok runs of a drift table that would drift from fp32 full attention but have no drift in it: runs whose
+    measurements left out generation_drift (their drift.csv holds the equivalence columns only)."""
+    df = drift[drift[KEYS.status] == "ok"] if KEYS.status in drift else drift
+    if df.empty or KEYS.run_name not in df:
+        return []
+    has = df[KEYS.drift_kl].notna() if KEYS.drift_kl in df else pd.Series(False, df.index)
+    runs = df.assign(has=has, would=_would_drift(df)).groupby(KEYS.run_name)[["has", "would"]].any()
+    return sorted(runs.index[~runs["has"] & runs["would"]].astype(str))
+
+
+def drift_measured(drift: pd.DataFrame) -> bool:
+    """Whether the drift figure has something true to show: some ok run has per-step drift, or none would have any
+    (all fp32 full attention: "nothing drifts" is then a finding). False when the runs that would drift did not
+    measure it (generation_drift left out of their measurements): the figure would only say that."""
+    df = drift[drift[KEYS.status] == "ok"] if KEYS.status in drift else drift
+    if df.empty:
+        return False
+    return bool(KEYS.drift_kl in df and df[KEYS.drift_kl].notna().any()) or not drift_unmeasured(drift)
 
 
 def drift_plot(drift: pd.DataFrame) -> Figure:
     """Drift from fp32 full attention per decode step (reduced precision, lossy or windowed caches): KL, max
-    |Δlogit|, top-1 agreement; a row per model, colour = cache, line style = dtype."""
+    |Δlogit|, top-1 agreement; a row per model, colour = cache, line style = dtype. With no drift to draw the
+    figure says why, truthfully: generation_drift was not among the runs' measurements (runs that would drift have
+    none), or nothing drifts (every run is fp32 full attention). Runs that would drift but were not measured,
+    beside others that were, are named in the title."""
     df = _ok(drift)
+    unmeasured = drift_unmeasured(drift)
     df = df[df[KEYS.drift_kl].notna()] if KEYS.drift_kl in df else df.iloc[0:0]
+    if df.empty and unmeasured:
+        return _message_figure("generation drift was not measured: these runs' measurements leave out\n"
+                               "generation_drift (add it: measurements=[...,generation_drift])")
     if df.empty:
         return _message_figure("no reduced-precision runs (fp16/bf16) and no lossy or windowed caches:\n"
                                "nothing drifts from fp32 full attention")
@@ -397,7 +540,9 @@ def drift_plot(drift: pd.DataFrame) -> Figure:
             ax.set_title(f"{model}: {ylabel.split(' (')[0]}")
             ax.set_xlabel("decode step (tokens generated)")
             ax.set_ylabel(ylabel)
-    fig.suptitle("Drift from fp32 full attention per decode step (colour = cache, line style = dtype)")
+    left_out = (f"\nnot measured (no generation_drift in their measurements): {', '.join(unmeasured[:4])}"
+                + (f" and {len(unmeasured) - 4} more" if len(unmeasured) > 4 else "")) if unmeasured else ""
+    fig.suptitle("Drift from fp32 full attention per decode step (colour = cache, line style = dtype)" + left_out)
     _fig_legend(fig, axes)
     return fig
 
@@ -463,6 +608,7 @@ def batch_plot(batches: pd.DataFrame) -> Figure:
             ax.set_xlabel("batch size (sequences decoded together)")
         top.set_title(f"{model}: decode throughput")
         top.set_ylabel("tokens / s")
+        _bytes_axis(bottom)
         bottom.set_title(f"{model}: bytes read per step")
         bottom.set_ylabel("K/V bytes read per step (bytes)")
     fig.suptitle("Batching amortises the weight read until the K/V reads dominate")
@@ -503,34 +649,95 @@ def serving_plot(runs: pd.DataFrame) -> Figure:
     return fig
 
 
+def equivalence_tolerance(runs: pd.DataFrame) -> float:
+    """The max |Δlogit| an exact kind in fp32 may show: the runs' own ``equivalence_tol`` (the most common, should
+    they differ), else the equivalence measurement's default."""
+    if KEYS.equivalence_tol in runs and runs[KEYS.equivalence_tol].notna().any():
+        return float(runs[KEYS.equivalence_tol].dropna().astype(float).mode().iloc[0])
+    from harness.measurements import MEASUREMENTS
+
+    return float(MEASUREMENTS["equivalence"].Options().equivalence_tol)
+
+
+DECADES_AROUND_TOL = 4  # the equivalence grid's colours run from tol / 10^4 (calm) to tol × 10^4 (alarm)
+
+
+def tolerance_norm(tol: float):
+    """A log colour scale fixed on the tolerance, never on the data: ``tol`` at its middle (0.5), four decades
+    either side; with ``tolerance_cmap`` the calm half (below) is green, the alarm half (at and above) red."""
+    return _colors.LogNorm(tol / 10 ** DECADES_AROUND_TOL, tol * 10 ** DECADES_AROUND_TOL, clip=True)
+
+
+@lru_cache(maxsize=1)
+def tolerance_cmap():
+    """Green far below the tolerance, paling towards it; red from the tolerance up, darkening: a cell is alarm
+    red only at or over the tolerance, whatever else the grid holds."""
+    return _colors.LinearSegmentedColormap.from_list(
+        "kvlab_tolerance", [(0.0, "#1a7f37"), (0.25, "#7fc97f"), (0.4999, "#eef8ea"), (0.5, "#f4a582"),
+                            (0.75, "#d6604d"), (1.0, "#8b0016")], N=1024)
+
+
+def _held(df: pd.DataFrame) -> pd.Series:
+    """Runs held to the tolerance: an exact kind in fp32 storage and compute (the runner's verdict); a lossy kind's
+    difference is its error, reduced precision's its rounding."""
+    exact = df[KEYS.cache_exact].fillna(True).astype(bool) if KEYS.cache_exact in df else pd.Series(True, df.index)
+    if KEYS.storage_dtype in df and KEYS.compute_dtype in df:
+        fp32 = (df[KEYS.storage_dtype] == "float32") & (df[KEYS.compute_dtype] == "float32")
+        fp32 |= df[KEYS.storage_dtype].isna() & (df[KEYS.dtype] == "fp32")  # a record from before those keys
+    else:
+        fp32 = df[KEYS.dtype] == "fp32"
+    return exact & fp32
+
+
 def equivalence_grid(runs: pd.DataFrame) -> Figure:
-    """Heatmap model × cache/dtype of max |Δlogit| (cached vs uncached), annotated ✓/✗ for identical tokens."""
+    """Heatmap model × cache/dtype of max |Δlogit| (cached vs uncached), annotated ✓/✗ for identical tokens. The
+    colours are fixed on the equivalence tolerance (``equivalence_tol``, 1e-4 by default), not on the data's
+    range: green within it, red at or over it, the tolerance marked on the colour bar; cells not held to it (lossy
+    kinds, reduced precision) are grey, their value still written."""
     df = _ok(runs).copy()
     if df.empty:
         return _message_figure("no ok runs")
     df["cell"] = df[KEYS.cache] + "/" + df[KEYS.dtype]
+    df["held"] = _held(df)
     models = _levels(df[KEYS.model], MODEL_ORDER)
     cells = [f"{c}/{d}" for c in _cache_levels(df[KEYS.cache]) for d in _levels(df[KEYS.dtype], DTYPE_ORDER)]
     cells = [c for c in cells if c in set(df["cell"])]
     # several runs in one cell (e.g. two devices): show the worst
     diff = df.pivot_table(index=KEYS.model, columns="cell", values=KEYS.max_abs_logit_diff, aggfunc="max")
     same = df.groupby([KEYS.model, "cell"])[KEYS.tokens_identical].all().unstack()
+    held = df.groupby([KEYS.model, "cell"])["held"].all().unstack()
     diff, same = diff.reindex(index=models, columns=cells), same.reindex(index=models, columns=cells)
+    held = held.reindex(index=models, columns=cells).fillna(True).astype(bool)
     lossy = set(df.loc[df[KEYS.cache_exact] == False, "cell"]) if KEYS.cache_exact in df else set()  # noqa: E712
 
     annot = np.full(diff.shape, "", dtype=object)
     for (i, j), v in np.ndenumerate(diff.to_numpy()):
         if not np.isnan(v):
             annot[i, j] = f"{v:.1e}\n" + ("✓" if same.iat[i, j] else "✗") + ("\nlossy" if cells[j] in lossy else "")
-    pos = diff.to_numpy()[diff.to_numpy() > 0]  # log colour needs positive values; exact zeros are left uncoloured
-    norm = _colors.LogNorm(pos.min(), pos.max()) if pos.size and pos.max() > pos.min() else None
+    tol = equivalence_tolerance(df)
+    norm = tolerance_norm(tol)
 
-    fig, ax = plt.subplots(figsize=(1.5 * len(cells) + 3, 0.9 * len(models) + 2), layout="constrained")
-    sns.heatmap(diff, annot=annot, fmt="", norm=norm, cmap="rocket_r", linewidths=0.5, ax=ax,
-                cbar_kws={"label": "max |Δlogit| (logit units)"})
+    fig, ax = plt.subplots(figsize=(1.5 * len(cells) + 3.5, 0.9 * len(models) + 2.2), layout="constrained")
+    # an exact zero (log colours need positive values) is as calm as the scale's floor
+    sns.heatmap(diff.clip(lower=norm.vmin), annot=annot, fmt="", norm=norm, cmap=tolerance_cmap(), linewidths=0.5,
+                ax=ax, cbar_kws={"label": "max |Δlogit| (logit units)", "extend": "both"})
+    for (i, j), h in np.ndenumerate(held.to_numpy()):
+        if not h and not np.isnan(diff.iat[i, j]):  # not held to the tolerance: grey, whatever its value
+            ax.add_patch(plt.Rectangle((j, i), 1, 1, facecolor="0.87", edgecolor="white", linewidth=0.5, zorder=2))
+    for text in ax.texts:  # dark annotations on grey (seaborn chose theirs for the colour beneath)
+        x, y = text.get_position()
+        if not held.iat[int(y), int(x)]:
+            text.set_color("0.15")
+    cbar = ax.collections[0].colorbar
+    ticks = [tol * 10.0 ** k for k in range(-DECADES_AROUND_TOL, DECADES_AROUND_TOL + 1, 2)]
+    cbar.set_ticks(ticks, labels=[f"{t:.0e}" + (" tolerance" if t == tol else "") for t in ticks])
+    cbar.ax.minorticks_off()
+    cbar.ax.axhline(tol, color="black", linewidth=1.5)
     ax.set_xlabel("cache / dtype")
     ax.set_ylabel("model")
-    ax.set_title("Cached vs the kind's uncached reference: max |Δlogit|, ✓ = identical tokens")
+    ax.set_title(f"Cached vs the kind's uncached reference: max |Δlogit| against the tolerance {tol:.0e}\n"
+                 "green: within it, red: over it; grey: not held to it (lossy, or reduced precision); "
+                 "✓ = identical tokens", fontsize="medium")
     return fig
 
 
@@ -553,6 +760,9 @@ def memory_plot(memory: pd.DataFrame) -> Figure:
             pts = curve[curve[KEYS.nbytes_measured].notna()]
             ax.scatter(pts[KEYS.tokens], pts[KEYS.nbytes_measured], color=color, s=12, zorder=3, label="_measured")
         _log_y_if_decades(ax, sub[KEYS.nbytes_formula])
+        if ax.get_yscale() == "linear":
+            ax.set_ylim(bottom=0)  # bytes from nothing: a flat line at 393 kB is not drawn as a wide range
+        _bytes_axis(ax)
         ax.set_title(model)
         ax.set_xlabel("tokens in the sequence (prompt + generated)")
         ax.set_ylabel("cache bytes held (bytes)")
@@ -563,8 +773,9 @@ def memory_plot(memory: pd.DataFrame) -> Figure:
 
 
 def retrieval_plot(runs: pd.DataFrame) -> Figure:
-    """Copy accuracy on random sequences shown twice, per run: through its cache (bars) against fp32 full
-    attention (a black tick): what windows and eviction lose; one panel per model."""
+    """Copy accuracy on random sequences shown twice, per run: through its cache (bars, with the 95% interval over
+    the run's sequences where the table carries ``retrieval_acc_lo`` / ``_hi``) against fp32 full attention (a black
+    tick): what windows and eviction lose; one panel per model, the legend below them."""
     df = _ok(runs)
     df = df[df[KEYS.retrieval_acc].notna()] if KEYS.retrieval_acc in df else df.iloc[0:0]
     if df.empty:
@@ -572,12 +783,18 @@ def retrieval_plot(runs: pd.DataFrame) -> Figure:
     df, precs, models, caches = _levels_of(df)
     fig, axes = plt.subplots(1, len(models), figsize=(max(5, 1.1 * df[KEYS.run_name].nunique()) * len(models) + 1, 4),
                              squeeze=False, layout="constrained")
+    bars = False
     for j, model in enumerate(models):
         ax = axes[0, j]
         sub = df[df[KEYS.model] == model].sort_values([KEYS.cache, "prec"])
         labels = [f"{c} · {p}" if len(precs) > 1 else c for c, p in zip(sub[KEYS.cache], sub["prec"])]
         x = np.arange(len(sub))
         ax.bar(x, sub[KEYS.retrieval_acc], color=[_cache_color(caches, c) for c in sub[KEYS.cache]])
+        yerr = _yerr(sub, KEYS.retrieval_acc)
+        if yerr is not None:
+            ax.errorbar(x, sub[KEYS.retrieval_acc], yerr=yerr, fmt="none", ecolor="0.2", elinewidth=1.2, capsize=4,
+                        zorder=4, label="95% interval over sequences")
+            bars = True
         if KEYS.retrieval_acc_ref in sub:
             ax.scatter(x, sub[KEYS.retrieval_acc_ref], marker="_", s=400, color="black", zorder=3,
                        label="fp32 full attention")
@@ -585,8 +802,9 @@ def retrieval_plot(runs: pd.DataFrame) -> Figure:
         ax.set_ylim(0, 1.02)
         ax.set_title(model)
         ax.set_ylabel("top-1 accuracy on the second copy")
-        ax.legend(frameon=False, fontsize="small")
-    fig.suptitle("Retrieval: random sequences shown twice (bars: through the cache; tick: fp32 full attention)")
+    fig.suptitle("Retrieval: random sequences shown twice\n(bars: through the cache; tick: fp32 full attention"
+                 + ("; whiskers: 95% intervals over sequences)" if bars else ")"))
+    _fig_legend(fig, axes)
     return fig
 
 
@@ -622,7 +840,8 @@ def budget_quality(runs: pd.DataFrame) -> pd.DataFrame:
 def budget_plot(runs: pd.DataFrame) -> Figure:
     """Quality against the slots a cache holds, one line per kind and setting: text ΔNLL against fp32 full
     attention (lower is better) and retrieval (copy accuracy, higher is better; the dotted line is fp32 full
-    attention's), a row per model. Eviction and windows at each budget side by side."""
+    attention's), a row per model. Eviction and windows at each budget side by side. Where the table carries a
+    run's 95% interval (``<key>_lo`` / ``_hi``, over its texts or sequences) each point has it as a vertical bar."""
     df = budget_quality(runs)
     if df.empty:
         return _message_figure("no cache kind was measured at two or more budgets")
@@ -631,6 +850,7 @@ def budget_plot(runs: pd.DataFrame) -> Figure:
                                           (KEYS.retrieval_acc, "retrieval: copy accuracy")) if k in df]
     fig, axes = plt.subplots(len(models), len(panels), figsize=(5 * len(panels) + 2, 3.6 * len(models)),
                              squeeze=False, layout="constrained")
+    barred = set()
     for i, model in enumerate(models):
         sub = df[df[KEYS.model] == model]
         for j, (col, ylabel) in enumerate(panels):
@@ -639,8 +859,14 @@ def budget_plot(runs: pd.DataFrame) -> Figure:
                 g = g[g[col].notna()].sort_values("slots")
                 nth = sorted(sub[sub["kind"] == kind]["series"].unique()).index(name)  # line style within a kind
                 if not g.empty:
-                    ax.plot(g["slots"], g[col], marker="o", color=_cache_color(kinds, kind),
-                            linestyle=DASHES[nth % len(DASHES)], label=name)
+                    color = _cache_color(kinds, kind)
+                    ax.plot(g["slots"], g[col], marker="o", color=color, linestyle=DASHES[nth % len(DASHES)],
+                            label=name)
+                    yerr = _yerr(g, col)
+                    if yerr is not None:
+                        ax.errorbar(g["slots"], g[col], yerr=yerr, fmt="none", ecolor=color, elinewidth=1,
+                                    capsize=3, alpha=0.8, label="_interval")
+                        barred.add(col)
             ref = sub[KEYS.retrieval_acc_ref] if KEYS.retrieval_acc_ref in sub else None
             if col == KEYS.retrieval_acc and ref is not None and ref.notna().any():
                 ax.axhline(ref.mean(), color="black", linestyle=":", label="fp32 full attention")
@@ -649,7 +875,9 @@ def budget_plot(runs: pd.DataFrame) -> Figure:
             ax.set_title(f"{model}: {ylabel.split(':')[0].split(' (')[0]}")
             ax.set_xlabel("slots held per sequence, layer and head (budget)")
             ax.set_ylabel(ylabel)
-    fig.suptitle("Quality against budget: what each kind keeps buys (colour = kind, line style = setting)")
+    note = interval_note(barred)
+    fig.suptitle("Quality against budget: what each kind keeps buys (colour = kind, line style = setting"
+                 + (f"; {note})" if note else ")"))
     _fig_legend(fig, axes)
     return fig
 
@@ -699,10 +927,10 @@ def with_reference_at_zero(df: pd.DataFrame, keys) -> pd.DataFrame:
 
 
 def pareto_points(runs: pd.DataFrame) -> pd.DataFrame:
-    """The ok runs as points of the quality-vs-cost figure: a row per run with ``point`` (its cache label · dtype)
-    and the quality and cost columns it has. A kind that is exactly full attention, in fp32 storage and compute, is
-    the fp32 reference itself (its drift measurements skip it): its drift is drawn at 0, which its equivalence
-    check holds it to. Empty when fewer than two settings have a quality and a cost."""
+    """The ok runs as points of the quality-vs-cost figure: a row per run with ``point`` (its cache label · dtype),
+    ``kind`` (its kind's name) and the quality and cost columns it has. A kind that is exactly full attention, in
+    fp32 storage and compute, is the fp32 reference itself (its drift measurements skip it): its drift is drawn at
+    0, which its equivalence check holds it to. Empty when fewer than two settings have a quality and a cost."""
     if KEYS.status not in runs:
         return runs.iloc[0:0]
     df = runs[runs[KEYS.status] == "ok"]  # the kind's name in cache (for _is_fp32_reference), not its label
@@ -711,6 +939,7 @@ def pareto_points(runs: pd.DataFrame) -> pd.DataFrame:
     cost = [c for c, _ in cost_axes if c in df]
     if not quality or not cost:
         return df.iloc[0:0]
+    df = df.assign(kind=df[KEYS.cache])  # the kind's name (swept_setting asks it), before _ok puts the label in cache
     df = _ok(with_reference_at_zero(df, [q for q in quality if q != KEYS.retrieval_acc]))  # cache: the label (kind + options), so two settings of one kind are two points
     df["point"] = df[KEYS.cache] + " · " + df[KEYS.dtype]
     df = df[df[quality].notna().any(axis=1) & df[cost].notna().any(axis=1)]
@@ -728,10 +957,91 @@ def pareto_front(x: pd.Series, y: pd.Series, better: str) -> pd.Index:
     return pd.Index(front)
 
 
+def _derived(cls, points: pd.DataFrame, name: str) -> bool:
+    """Whether the kind ``cls`` sets option ``name`` from its other options in every one of ``points`` (a window's
+    window is its budget less its sinks): then it follows the setting that was swept, and is not one itself."""
+    col = f"cache_{name}"
+    for _, row in points.iterrows():
+        given = {n: as_written(row[f"cache_{n}"]) for n in cls.option_types()
+                 if n != name and f"cache_{n}" in row and pd.notna(row[f"cache_{n}"])}
+        try:
+            if getattr(cls.parse_options(**given), name) != as_written(row[col]):
+                return False
+        except (TypeError, ValueError, AttributeError):
+            return False
+    return True
+
+
+def swept_setting(points: pd.DataFrame) -> tuple[str, str] | None:
+    """The one setting that differs between ``points`` (rows of ``pareto_points``: one kind's runs): (its column,
+    its name in a config: "cache.sinks", or "dtype"); None when the points are of several kinds, or none or several
+    of their options differ. An option the kind derives from the others (a window's window, budget - sinks) is not
+    a setting of its own: the one it follows is."""
+    from models.kv_cache import CACHE_KINDS
+
+    kinds = points["kind"].dropna().unique() if "kind" in points else []
+    if len(kinds) != 1 or kinds[0] not in CACHE_KINDS:
+        return None
+    cls = CACHE_KINDS[kinds[0]]
+    differ = lambda col: col in points and points[col].astype(str).nunique() > 1  # noqa: E731 (NaN is a value too)
+    found = [(f"cache_{n}", f"cache.{n}") for n in cls.option_types()
+             if differ(f"cache_{n}") and not _derived(cls, points, n)]
+    found += [(KEYS.dtype, "dtype")] if differ(KEYS.dtype) else []
+    return found[0] if len(found) == 1 else None
+
+
+def _one_cost(points: pd.DataFrame, cost: str) -> str | None:
+    """What every point costs, in words ("hold 393 kB", "take 12.3 ms"), when they all cost the same on ``cost``
+    (every point on one vertical line: a frontier along it says nothing); None when the costs differ."""
+    values = points[cost].dropna().unique()
+    if len(points) < 2 or len(values) != 1:
+        return None
+    return f"hold {human_bytes(values[0])}" if cost == KEYS.cache_nbytes else f"take {values[0]:.3g} ms"
+
+
+def _against_setting(ax, sub: pd.DataFrame, q: str, setting, caches, labels: list) -> tuple[str, np.ndarray]:
+    """Quality ``q`` of ``sub`` (points that all cost the same) against the setting that differs between them:
+    its values on x (numbers on a numeric axis with a tick at each, anything else a tick per value), or a tick per
+    point where no one setting differs; a grey line joins a model's points. Points of several models at one x get
+    labels (added to ``labels``). Returns the x axis's name and each point's x."""
+    col, name = setting if setting else ("point", "setting (cache · dtype)")
+    values = sub[col].map(as_written)
+    numeric = setting is not None and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    if numeric:
+        x = values.to_numpy(dtype=float)
+    else:
+        if col == "point":  # the registry's order of kinds, then label, then dtype
+            order = list(dict.fromkeys(p for c in _cache_levels(sub[KEYS.cache])
+                                       for p in sorted(sub.loc[sub[KEYS.cache] == c, "point"])))
+        else:
+            order = _levels(values.astype(str), DTYPE_ORDER if col == KEYS.dtype else [])
+        x = values.astype(str).map({v: i for i, v in enumerate(order)}).to_numpy(dtype=float)
+    sub = sub.assign(_x=x)
+    for _, g in sub.groupby(KEYS.model):
+        g = g.sort_values("_x")
+        ax.plot(g["_x"], g[q], color="0.6", linewidth=1, zorder=2, label="_joins")
+    ax.scatter(sub["_x"], sub[q], color=[_cache_color(caches, k) for k in sub[KEYS.cache]], zorder=3)
+    if numeric:
+        ticks = sorted(set(x))
+        if min(ticks) > 0 and max(ticks) / min(ticks) >= 8:
+            _log2_x(ax, [as_written(float(t)) for t in ticks])
+        else:
+            ax.set_xticks(ticks, [str(as_written(float(t))) for t in ticks])
+    else:
+        ax.set_xticks(range(len(order)), order, rotation=30, ha="right")
+    if sub["_x"].duplicated().any():  # several models at one setting: say which point is which
+        labels += [(r["_x"], r[q], f"{r[KEYS.model]}: {r['point']}") for _, r in sub.iterrows()]
+    return name, x
+
+
 def pareto_plot(runs: pd.DataFrame) -> Figure:
     """Quality against what it costs, a point per setting (cache label · dtype; a model's runs together): rows are
-    text ΔNLL, KL p99 and retrieval, columns bytes per cached token and the step at the longest context; the line
-    joins the frontier (the settings no other beats on both). kvpress's headline plot, with measured bytes."""
+    text ΔNLL, KL p99 and retrieval, columns the KV bytes held (in kB / MB) and the step at the longest context;
+    the line joins the frontier (the settings no other beats on both). kvpress's headline plot, with measured
+    bytes. Each point carries its 95% interval (a vertical bar) where the table has ``<key>_lo`` / ``_hi``. Where
+    every setting costs the same on a column (five windows of one budget hold the same bytes: one vertical line,
+    their labels on top of one another) that column draws quality against the setting that differs instead, and
+    its title says why. Labels are moved apart until none covers another."""
     df = pareto_points(runs)
     if df.empty:
         return _message_figure("fewer than two settings with a quality and a cost measured")
@@ -741,20 +1051,39 @@ def pareto_plot(runs: pd.DataFrame) -> Figure:
     caches = _cache_levels(df[KEYS.cache])
     fig, axes = plt.subplots(len(rows), len(cols), figsize=(5.5 * len(cols) + 1, 3.6 * len(rows)), squeeze=False,
                              layout="constrained")
+    labels, barred, drawn = {}, set(), set()
     for i, (q, qlabel, better) in enumerate(rows):
         for j, (c, clabel) in enumerate(cols):
             ax = axes[i, j]
-            for model, sub in df.groupby(KEYS.model):
-                sub = sub[sub[q].notna() & sub[c].notna()]
-                ax.scatter(sub[c], sub[q], color=[_cache_color(caches, k) for k in sub[KEYS.cache]], zorder=3)
-                for _, r in sub.iterrows():
-                    ax.annotate(r["point"], (r[c], r[q]), fontsize="x-small", xytext=(3, 3),
-                                textcoords="offset points")
-                front = sub.loc[pareto_front(sub[c], sub[q], better)]
-                ax.plot(front[c], front[q], color="black", linewidth=1, label=f"frontier ({model})")
-            ax.set_xlabel(clabel)
+            labels[ax] = []
+            points = df[df[q].notna() & df[c].notna()]
+            same = _one_cost(points, c)
+            if same:
+                name, xs = _against_setting(ax, points, q, swept_setting(points), caches, labels[ax])
+                ax.set_title(f"all settings {same}: quality against {name} instead", fontsize="small")
+                ax.set_xlabel(name)
+                drawn.add(f"grey line: the settings in order of {name}" if name.startswith(("cache.", "dtype"))
+                          else "grey line: the settings side by side")
+            else:
+                for model, sub in points.groupby(KEYS.model):
+                    ax.scatter(sub[c], sub[q], color=[_cache_color(caches, k) for k in sub[KEYS.cache]], zorder=3)
+                    labels[ax] += [(r[c], r[q], r["point"]) for _, r in sub.iterrows()]
+                    front = sub.loc[pareto_front(sub[c], sub[q], better)]
+                    ax.plot(front[c], front[q], color="black", linewidth=1, label=f"frontier ({model})")
+                ax.set_xlabel(clabel)
+                drawn.add("black line: the frontier")
+                xs = points[c].to_numpy(dtype=float)
+                if c == KEYS.cache_nbytes:
+                    _bytes_axis(ax, "x")
+            yerr = _yerr(points, q)
+            if yerr is not None:
+                ax.errorbar(xs, points[q], yerr=yerr, fmt="none", ecolor="0.3", elinewidth=1, capsize=3, zorder=2,
+                            label="_interval")
+                barred.add(q)
             ax.set_ylabel(qlabel)
-            _log_y_if_decades(ax, df[q])
-    fig.suptitle("Quality against cost, a point per setting (line: the frontier)")
+            _log_y_if_decades(ax, _with_bounds(points, q))
+    notes = sorted(drawn) + ([interval_note(barred)] if barred else [])
+    fig.suptitle(f"Quality against cost, a point per setting\n({'; '.join(notes)})")
     _fig_legend(fig, axes)
+    _label_points(fig, labels)
     return fig

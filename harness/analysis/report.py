@@ -39,7 +39,7 @@ from harness.common import signals
 from harness.common.errors import one_line
 from harness.experiment import invocation as invocations
 from harness.experiment import records
-from harness.analysis import figures, findings, papers
+from harness.analysis import figures, findings, intervals, papers
 from harness.common import ownership
 from harness.analysis import plots
 from harness.analysis import results
@@ -374,6 +374,7 @@ def _write(path: Path, out: Path, loaded: dict) -> dict:
     """The report's files in ``out`` (checked and locked by ``_report_folder``), each claimed before it is
     written."""
     runs, skipped, frames = loaded["runs"], list(loaded["skipped"]), loaded["frames"]
+    runs = intervals.with_intervals(runs, frames)  # <key>_lo / <key>_hi: each run's quality over its own texts
     steps, batches = frames["steps"], frames["batches"]
     ownership.claim(out, PAGE)  # first: the manifest says this is a report's folder (records.run_folder)
     tables = []
@@ -396,7 +397,7 @@ def _write(path: Path, out: Path, loaded: dict) -> dict:
                 plots.plt.close("all")
     ownership.claim(out, findings.FILE)
     try:
-        made = findings.make(runs)
+        made = findings.make(runs, frames)
         found, section = findings.markdown(made), findings.html_section(made)
     except Exception as e:  # the findings' bad input must not cost the report
         made, found, section = None, f"# Findings\n\nNone could be made: {one_line(e)}\n", ""
@@ -502,8 +503,8 @@ def print_summary(rep: dict) -> None:
     if rep.get("findings"):
         print(f"kvlab findings: {shown(rep['folder'] / findings.FILE)}")
         for row in rep.get("claims", []):  # a paper preset: each claim's verdict, the paper's number beside ours
-            print(f"  {papers.verdict_text(row):>13}: {row.claim} (paper {row.paper_number}; kvlab "
-                  f"{row.our_number})")
+            print(f"  {papers.verdict_text(row):>15}: {row.claim} (paper {row.paper_number}; kvlab "
+                  f"{row.our_number}{f'; n = {row.n}' if row.n else ''})")
     ratios = rep.get("ratios")
     if ratios is not None and len(ratios):
         print("kvlab report: ours / HF cached decode-step time (below 1: ours is faster), measured in this sweep:")

@@ -8,6 +8,8 @@ retrieval measurement, training's copy targets and quick checks, and the researc
 - ``copy_accuracy``: the score of one pass's logits; ``model_copy_accuracy``: a model run on k sequences, scored.
   Both return ``CopyAccuracy(second, first)``: top-1 accuracy on the second showing (what copying earns) and on the
   first (chance: nothing to copy yet).
+- ``depth_sequences``: the needle-in-a-haystack form: a context of L random ids, then a short span of it from each
+  depth bucket, asked newest first (``DepthPass``: the sequence, each copied token's position and its source's).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+
+DEPTH_SPAN = 8  # tokens of each span the depth view asks for (fewer where a bucket holds fewer)
 
 
 class CopyAccuracy(NamedTuple):
@@ -78,3 +83,50 @@ def model_copy_accuracy(model, ids: torch.Tensor, n: int, k: int = 8, seed: int 
     finally:
         model.train(was_training)
     return _scored(pred[:, after:after + 2 * n - 1], x[:, after:], n, skip_first=True)
+
+
+class DepthPass(NamedTuple):
+    """One sequence of the depth view: ``seq`` (1, L + buckets x span) holds a context of L random ids, then one
+    span of it per depth bucket; ``positions``: the tokens scored (every span's tokens after its first, which nothing
+    announces); ``sources``: for each, the position in the context of the token it copies (``seq`` holds the same
+    id at both)."""
+
+    seq: torch.Tensor
+    positions: list[int]
+    sources: list[int]
+
+
+def depth_span(L: int, buckets: int, span: int = DEPTH_SPAN) -> int:
+    """Tokens per asked span in a context of L tokens cut into ``buckets``: ``span``, or fewer so that a span fits
+    in the smallest bucket (below 2 no token of it can be scored)."""
+    return min(span, L // buckets) if buckets > 0 else 0
+
+
+def depth_sequences(ids: torch.Tensor, L: int, buckets: int, k: int, seed: int,
+                    span: int = DEPTH_SPAN) -> list[DepthPass]:
+    """k sequences of the depth view: a context of L random ids from ``ids`` (distinct where ``ids`` has L of them,
+    so each copied token has one source), then from each of ``buckets`` equal depth buckets of it (bucket b holds
+    the positions p with p * buckets // L == b) one span of ``depth_span`` tokens at a seeded random place, whose
+    copied tokens (all but its first) all lie in the bucket; the spans are asked newest bucket first, as a question
+    follows the document it is about. Seeded by ``seed`` and L: the same sequences in every run."""
+    m = depth_span(L, buckets, span)
+    if m < 2:
+        raise ValueError(f"a context of {L} tokens is too short for {buckets} depth buckets: give at least "
+                         f"{2 * max(buckets, 1)} tokens (2 a bucket)")
+    g = torch.Generator().manual_seed((seed * 1_000_003 + L) % 2 ** 63)
+    out = []
+    for _ in range(k):
+        draw = torch.randperm(len(ids), generator=g)[:L] if L <= len(ids) else torch.randint(0, len(ids), (L,),
+                                                                                               generator=g)
+        context = ids[draw]
+        parts, positions, sources = [context], [], []
+        for b in reversed(range(buckets)):
+            lo, hi = -(-b * L // buckets), -(-(b + 1) * L // buckets) - 1  # the bucket's positions lo .. hi
+            first, last = max(lo - 1, 0), hi - m + 1  # the starts whose copied tokens lie in the bucket
+            start = first + int(torch.randint(0, last - first + 1, (1,), generator=g))
+            at = L + len(parts[1:]) * m  # where this span is asked
+            parts.append(context[start:start + m])
+            positions += range(at + 1, at + m)
+            sources += range(start + 1, start + m)
+        out.append(DepthPass(torch.cat(parts).unsqueeze(0), positions, sources))
+    return out

@@ -125,6 +125,10 @@ QUANTO = {
     "v_axis": Honours("quanto groups V per token, axis_value=0", values=("token",)),
     "rotate": Honours("quanto rotates nothing", values=("none",)),
     "quantize": Honours("QuantizedCache quantises K and V both", values=("kv",)),
+    "scheme": Honours("quanto keeps a scale and a zero point per group (MaxOptimizer): asymmetric",
+                      values=("asymmetric",)),
+    "tail": Honours("quanto groups per token, whose tail is the residual alone: kvlab's tail option changes "
+                    "nothing there", values=("group",)),
 }
 
 # our cache kinds that transformers has a counterpart of, each declared once: what runs, and what it honours

@@ -21,10 +21,23 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from harness.common.errors import ConfigError
-from harness.experiment.plan import CacheChoice, DtypeChoice, EngineChoice, ModelChoice, RunConfig, TrackingChoice
+from harness.experiment.plan import (CacheChoice, DtypeChoice, EngineChoice, ModelChoice, OutliersChoice, RunConfig,
+                                     TrackingChoice)
 from harness.measurements.base import MAX_LIST, MAX_PROMPTS, MAX_REPEATS, MAX_WARMUP
 from harness.core.engines import ENGINES
+from models import outliers
 from models.kv_cache import CACHE_KINDS, DTYPE_NAMES, KVCache, cache_kind
+
+
+@dataclass
+class OutliersConfig:
+    """``model.outliers``: one K and one V channel per head made ``scale`` times larger, the model's function kept
+    (``models.outliers``)."""
+
+    scale: float = 1.0  # S: 1 leaves the model as loaded
+    k_channels: Any = None  # null: seeded choice | an int: every head | one per head | one list per layer
+    v_channels: Any = None  # the same, for V
+    seed: int = 0  # seed of the choice where the channels are not given
 
 
 @dataclass
@@ -34,6 +47,7 @@ class ModelConfig:
     weights: str = "auto"  # auto (the preset's real checkpoint if reachable, else random) | random | folder | hub id
     seed: int = 0  # seed of the random init
     build: Optional[str] = None  # the command that makes the checkpoint folder, shown when it is missing
+    outliers: OutliersConfig = field(default_factory=OutliersConfig)
 
 
 def cache_schema(cls: type[KVCache]) -> type:
@@ -154,13 +168,17 @@ def _in_order(key: str, value):
 
 def config_id(cfg) -> str:
     """12 hex digits that name what a run measures: a hash of its resolved config without tracking and resume (and
-    without ``measurements`` when it is null, all of them, so runs made before the key existed keep their id). The
-    lists in ``UNORDERED`` are hashed in the order they are measured in, so their order on the command line does not
-    change a run's id (a list already in that order keeps the id it had)."""
+    without ``measurements`` when it is null, all of them, and without ``model.outliers`` at scale 1, the model as
+    loaded, so runs made before these keys existed keep their id). The lists in ``UNORDERED`` are hashed in the order
+    they are measured in, so their order on the command line does not change a run's id (a list already in that
+    order keeps the id it had)."""
     keys = [k for k in cfg.keys() if k not in NOT_MEASURED and not (k == "measurements" and cfg[k] is None)]
     plain = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
              for k in keys}
     plain = {k: _in_order(k, v) if k in UNORDERED else v for k, v in plain.items()}
+    model = plain.get("model")
+    if isinstance(model, dict) and isinstance(model.get("outliers"), dict) and model["outliers"].get("scale") == 1:
+        plain["model"] = {k: v for k, v in model.items() if k != "outliers"}
     return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -178,7 +196,8 @@ def read(cfg) -> RunConfig:
     m, engine, tracking, dtype = cfg.model, cfg.get("engine", {}), cfg.tracking, cfg.dtype
     given = cfg.get("measurements")
     return RunConfig(
-        model=ModelChoice(name=m.name, preset=m.preset, weights=m.weights, seed=m.seed, build=m.get("build")),
+        model=ModelChoice(name=m.name, preset=m.preset, weights=m.weights, seed=m.seed, build=m.get("build"),
+                          outliers=outliers_choice(m.get("outliers"))),
         engine=EngineChoice(name=str(engine.get("name", "kvlab")),
                             options={k: _plain(v) for k, v in engine.items() if k != "name"}),
         cache=cache_choice(cfg.cache),
@@ -193,6 +212,28 @@ def read(cfg) -> RunConfig:
         measurements=None if given is None else tuple(_plain(given)),
         options={f.name: _plain(cfg[f.name]) for _, f in options() if f.name in cfg},
         config_id=config_id(cfg), resolved=OmegaConf.to_container(cfg, resolve=True))
+
+
+def _frozen(v):
+    """A plain value with its lists as tuples (a frozen choice holds no list)."""
+    return tuple(_frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+def outliers_choice(node) -> OutliersChoice:
+    """A composed ``model.outliers`` node as the plan's ``OutliersChoice`` (absent: scale 1, the model as loaded)."""
+    if node is None:
+        return OutliersChoice()
+    return OutliersChoice(scale=node.get("scale", 1.0), k_channels=_frozen(_plain(node.get("k_channels"))),
+                          v_channels=_frozen(_plain(node.get("v_channels"))), seed=node.get("seed", 0))
+
+
+def check_outliers(choice: OutliersChoice, mcfg) -> dict:
+    """``model.outliers`` against the model (``mcfg``, its GPT2Config): the channels it would inject
+    (``models.outliers.choose``), or ``ConfigError`` in one line naming the key."""
+    try:
+        return outliers.choose(mcfg, choice.scale, choice.k_channels, choice.v_channels, choice.seed)
+    except ValueError as e:
+        raise ConfigError(f"model.outliers.{e}") from None
 
 
 def slug(text) -> str:
@@ -267,6 +308,12 @@ def _check_choices(rc: RunConfig, head_dim: int | None = None) -> None:
     need(rc.prompts in ("file", "random"), f"prompts={rc.prompts!r}: use file or random")
     for name, value in (("seed", rc.seed), ("model.seed", rc.model.seed)):
         need(0 <= value < 2 ** 63, f"{name}={value}: use an integer 0 <= seed < 2**63")
+    asked = rc.model.outliers
+    for check, value in ((outliers.check_scale, asked.scale), (outliers.check_seed, asked.seed)):
+        try:  # the channels need the model: plan_run checks them (check_outliers)
+            check(value)
+        except ValueError as e:
+            raise ConfigError(f"model.outliers.{e}") from None
     need(str(rc.model.name).strip() != "", "model.name is empty: give the runs a label, e.g. model.name=my-ckpt")
     for name in ("project", "entity", "group"):
         value = getattr(rc.tracking, name)

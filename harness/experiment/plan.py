@@ -26,14 +26,27 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class OutliersChoice:
+    """``model.outliers``: outlier channels put into K and V after the weights load, the model's function kept
+    (``models.outliers.inject``); scale 1 leaves the model as loaded."""
+
+    scale: float = 1.0
+    k_channels: Any = None  # None: a seeded choice | an int | one per head | one tuple per layer (tuples, not lists)
+    v_channels: Any = None
+    seed: int = 0  # seed of the choice where the channels are not given
+
+
+@dataclass(frozen=True)
 class ModelChoice:
-    """``model``: which model and weights (``harness.experiment.weights.resolve``)."""
+    """``model``: which model and weights (``harness.experiment.weights.resolve``), and what is done to them once
+    loaded (``outliers``)."""
 
     name: str  # how runs are labelled
     preset: str  # GPT2Config.preset name (random weights; auto's hub checkpoint)
     weights: str  # auto | random | a checkpoint folder | a hub id
     seed: int  # seed of the random init
     build: str | None = None  # the command that makes the checkpoint folder, shown when it is missing
+    outliers: OutliersChoice = OutliersChoice()
 
 
 @dataclass(frozen=True)

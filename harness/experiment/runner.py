@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import hashlib
+import json
 import os
 import re
 import signal
@@ -43,11 +44,12 @@ from harness.experiment import tracking
 from harness.experiment.tracking import default_group, wandb_id
 from harness.experiment import weights
 from harness.experiment.weights import Weights
-from harness.experiment.config import dtype_label, read, validate
-from harness.experiment.plan import CacheChoice, ModelChoice, Plan, RunConfig
+from harness.experiment.config import check_outliers, dtype_label, read, validate
+from harness.experiment.plan import CacheChoice, ModelChoice, OutliersChoice, Plan, RunConfig
 from harness.core.engines import ENGINES, KvlabEngine
 from harness.experiment.invocation import (concurrent_runs, forget_invocation, invocation, invocation_failures,
                                 invocation_folders, mark_active, new_invocation, note_failure, note_started)
+from models import outliers
 from models.gpt2 import GPT2, GPT2Config, read_hf_config
 from models.kv_cache import as_dtype, cache_kind
 
@@ -288,6 +290,15 @@ def build_model(w: Weights, m: ModelChoice, cfg: GPT2Config | None) -> GPT2:
     return GPT2.from_pretrained(w.load_from).eval()
 
 
+def inject_outliers(model: GPT2, choice: OutliersChoice) -> dict:
+    """``model.outliers`` done to the loaded fp32 model, in place, before anything is measured on it or copied from
+    it (the compute-dtype copy, the references, HF's engine): ``models.outliers.inject``, whose rescaling keeps the
+    model's function; refused in one line (``ConfigError``) when the channels do not fit the model. -> what was
+    injected (scale 1: nothing, the channels None)."""
+    check_outliers(choice, model.config)
+    return outliers.inject(model, choice.scale, choice.k_channels, choice.v_channels, choice.seed)
+
+
 def weights_record(w: Weights | None, m: ModelChoice) -> dict:
     """What results.json says of the weights: ``weights`` (random | pretrained), ``weights_source`` (random, the hub
     id or the folder), ``weights_detail`` (one line for people) and what was asked (``weights_requested``)."""
@@ -376,8 +387,8 @@ def disjoint_texts(path: Path, n: int, length: int, tokenizer) -> list[torch.Ten
         stream += tokenizer.encode(p + "\n\n")
     if len(stream) < n * length:
         raise ConfigError(f"prompts_file {path} holds {len(stream):,} tokens, and {n} disjoint texts of "
-                          f"{length:,} tokens (n_prompts x the drift text's length) need {n * length:,}: lower "
-                          "n_prompts or drift_text_len, or give a longer file")
+                          f"{length:,} tokens (drift_texts, or n_prompts, x the drift text's length) need "
+                          f"{n * length:,}: lower drift_texts or drift_text_len, or give a longer file")
     return [torch.tensor([stream[i * length:(i + 1) * length]]) for i in range(n)]
 
 
@@ -414,17 +425,22 @@ def _hydra_dirs() -> tuple[Path, str, str]:
 
 def model_label(m: ModelChoice) -> str:
     """How runs are labelled: the model's name; on a checkpoint folder whose name was left at the preset's, the
-    folder's name is added (unless it is the model's name), so runs on two checkpoints never share a label."""
+    folder's name is added (unless it is the model's name), so runs on two checkpoints never share a label; with
+    outlier channels injected (``model.outliers.scale`` S != 1), `` · outliers xS``, so they never share one with the
+    model as loaded."""
     if m.weights in ("random", "auto") or m.name != m.preset or Path(str(m.weights)).name == m.name:
-        return m.name
-    return f"{m.name}@{Path(str(m.weights)).name}"
+        label = m.name
+    else:
+        label = f"{m.name}@{Path(str(m.weights)).name}"
+    scale = getattr(getattr(m, "outliers", None), "scale", 1)  # a model choice without outliers: the model as loaded
+    return label if scale == 1 else f"{label} · outliers x{scale:g}"
 
 
 def config_record(rc: RunConfig) -> dict:
     """What results.json says of the config, as given (a refused config's record says what it asked for)."""
     return dict(
         model=model_label(rc.model), preset=rc.model.preset if rc.model.weights in ("random", "auto") else None,
-        model_seed=rc.model.seed, engine=rc.engine.name, cache=rc.cache.kind,
+        model_seed=rc.model.seed, outlier_scale=rc.model.outliers.scale, engine=rc.engine.name, cache=rc.cache.kind,
         **cache_record(rc.cache, rc.engine.name),
         dtype=dtype_label(rc.dtype.storage, rc.dtype.compute),
         device_requested=rc.device, experiment=rc.experiment, n_prompts=rc.n_prompts,
@@ -488,6 +504,7 @@ def plan_run(rc: RunConfig, w: Weights | None = None) -> Plan:
             raise ConfigError(f"prompts=file uses GPT-2's {Tokenizer.VOCAB_SIZE:,}-token vocabulary, but model "
                               f"{rc.model.name} has vocab_size {mcfg.vocab_size:,}: use prompts=random")
     if mcfg is not None:
+        check_outliers(rc.model.outliers, mcfg)
         check_memory(rc, mcfg, max_len, contexts, storage, compute, device)
     return Plan(rc, w, mcfg, max_len, contexts, device, storage, compute, path,
                 input_ids(path, rc.model.seed, w))
@@ -524,6 +541,7 @@ def load(plan: Plan) -> dict:
         mcfg = model32.config
         max_len, contexts = validate(rc, mcfg.n_positions, mcfg.head_dim)
         check_memory(rc, mcfg, max_len, contexts, storage, compute, device)
+    injected = inject_outliers(model32, rc.model.outliers)  # before the model is moved, copied or measured
     model32 = model32.to(device)
     model = model32 if compute == torch.float32 else copy.deepcopy(model32).to(compute)
     compiled = rc.compile  # validation has refused it on an engine that cannot compile
@@ -533,36 +551,42 @@ def load(plan: Plan) -> dict:
     plain_fp32 = storage == compute == torch.float32 and spec.cls.full_attention(spec.opts)
     ref32 = None if plain_fp32 else (engine if compute == torch.float32 and engine.runs_references
                                      else KvlabEngine(model32))  # the reference is always kvlab's fp32
-    # drift on text: n_prompts disjoint spans of the prompts file, each at least a prompt and one token long
+    # drift on text: drift_texts (default n_prompts) disjoint spans of the prompts file, each at least a prompt and
+    # one token long
     text_len = min(max_len, max(rc.option("drift_text_len"), rc.prompt_len + 1))
+    n_texts = rc.option("drift_texts") or rc.n_prompts
     if plan.prompts_path is not None:
         if plan.model_cfg is None and mcfg.vocab_size < Tokenizer.VOCAB_SIZE:  # a hub checkpoint: known only now
             raise ConfigError(f"prompts=file uses GPT-2's {Tokenizer.VOCAB_SIZE:,}-token vocabulary, but model "
                               f"{rc.model.name} has vocab_size {mcfg.vocab_size:,}: use prompts=random")
         path = plan.prompts_path
         prompts = text_prompts(path, rc.n_prompts, rc.prompt_len, Tokenizer())
-        texts = disjoint_texts(path, rc.n_prompts, text_len, Tokenizer()) if ref32 is not None else None
+        texts = disjoint_texts(path, n_texts, text_len, Tokenizer()) if ref32 is not None else None
         served = text_prompts(path, rc.batch, rc.prompt_len, Tokenizer())
     else:
         prompts = random_prompts(rc.n_prompts, rc.prompt_len, mcfg.vocab_size, rc.seed)
-        texts = random_prompts(rc.n_prompts, text_len, mcfg.vocab_size, rc.seed) if ref32 is not None else None
+        texts = random_prompts(n_texts, text_len, mcfg.vocab_size, rc.seed) if ref32 is not None else None
         served = random_prompts(rc.batch, rc.prompt_len, mcfg.vocab_size, rc.seed)
     lengths = batch_lengths(rc.batch, rc.prompt_len, rc.prompt_lengths, rc.seed)
     served = [p[0, :n] for p, n in zip(served, lengths)]  # (n,) each
     prompts = [p.to(device) for p in prompts]
     texts = texts and [t.to(device) for t in texts]
     return dict(mcfg=mcfg, max_len=max_len, contexts=contexts, model32=model32, model=model, engine=engine,
-                spec=spec, ref32=ref32, prompts=prompts, texts=texts, served=served, compiled=compiled)
+                spec=spec, ref32=ref32, prompts=prompts, texts=texts, served=served, compiled=compiled,
+                outliers=injected)
 
 
 def resolved_record(plan: Plan, loaded: dict) -> dict:
     """What the config resolved to on this machine and model (``harness.measurements.record.Resolved``), with the effective
     max_len and context lengths."""
-    mcfg, model = loaded["mcfg"], loaded["model"]
+    mcfg, model, injected = loaded["mcfg"], loaded["model"], loaded["outliers"]
     dtype = {t: str(t).removeprefix("torch.") for t in (plan.storage, plan.compute)}
+    channels = {part: None if injected[part] is None else json.dumps(injected[part], separators=(",", ":"))
+                for part in ("k_channels", "v_channels")}  # as model.outliers.k_channels takes them back
     return dict(record.typed(record.Resolved, dict(
         device=plan.device.type, storage_dtype=dtype[plan.storage], compute_dtype=dtype[plan.compute],
-        n_layer=mcfg.n_layer, n_head=mcfg.n_head, n_embd=mcfg.n_embd, n_params=model.num_params())),
+        n_layer=mcfg.n_layer, n_head=mcfg.n_head, n_embd=mcfg.n_embd, n_params=model.num_params(),
+        outlier_k_channels=channels["k_channels"], outlier_v_channels=channels["v_channels"])),
         max_len=loaded["max_len"], context_lengths=",".join(map(str, loaded["contexts"])))
 
 
@@ -967,7 +991,9 @@ def summary_text(r: dict, tables: dict) -> str:
     skipped = [k.removesuffix("_skipped") for k in r if k.endswith("_skipped")]
     return "\n".join([
         head + f" · device {r['device']} ({r['device_name']})",
-        f"  weights           {r['weights_detail']}",
+        f"  weights           {r['weights_detail']}" + (
+            "" if r.get("outlier_scale") in (None, 1) else f"; one K and one V channel per head x{r['outlier_scale']:g}"
+            " (model.outliers, function kept)"),
         *measurements.summary_lines(r, tables),
         *([f"  not measured      {', '.join(skipped)} (why: <name>_skipped in results.json)"] if skipped else []),
         f"  files             {r['run_dir']}  ({', '.join(files)})",

@@ -45,6 +45,8 @@ class Setting:
     model: str = key("the model's label")
     preset: str | None = key("the GPT2Config preset of random or auto weights")
     model_seed: int = key("seed of the random init")
+    outlier_scale: float | None = key("model.outliers.scale: the factor one K and one V channel per head were "
+                                      "given, the model's function kept (1: the weights as loaded, nothing injected)")
     engine: str = key("kvlab | hf")
     cache: str = key("the cache kind")
     cache_label: str = key("kind + options (+ · engine when not kvlab): how runs are told apart")
@@ -86,6 +88,11 @@ class Resolved:
     n_head: int = key("heads per layer", "heads")
     n_embd: int = key("model width", "channels")
     n_params: int = key("parameters (the tied output embedding once)", "parameters")
+    outlier_k_channels: str | None = key("the K channel made an outlier in each layer and head, as "
+                                         "model.outliers.k_channels takes it ([[layer 0's per head], ...]); null: "
+                                         "none (outlier_scale 1)")
+    outlier_v_channels: str | None = key("the V channel made an outlier in each layer and head, as "
+                                         "model.outliers.v_channels takes it; null: none (outlier_scale 1)")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,28 @@ a time); ``retrieval_acc`` is the top-1 accuracy on the second copy. ``retrieval
 full attention (uncached), and ``retrieval_first_copy_acc`` the accuracy on the first copy (chance: nothing to copy
 yet). The tokens are drawn from those the model can tell apart: ids whose embedding row no other id shares (a
 trained checkpoint that ties every unused id to one row, as kvlab's mini does, copies none of those).
+
+**By depth** (``retrieval_depth.csv``, the report's ``retrieval_depth`` heatmap): where in the context the copied
+token sits, the needle-in-a-haystack picture. In the pass above every token of the second copy copies the one n
+tokens back, so its source's distance never changes and a window either holds all of them or none. The depth view
+is a pass of its own per sequence and context length L: a context of L random ids (prefilled), then from each of
+``retrieval_depth_buckets`` equal depth buckets of it one span of 8 tokens at a random place (fewer when a bucket
+holds fewer), asked newest bucket first, teacher-forced one decode step at a time as the second copy is. Each span's
+first token is fed unscored (nothing announces which span comes); each later token is scored, with its source's
+depth = source position / L (0 = the start of the context, 1 = its end) and its distance = how many tokens before
+the newest one the source sits. A window of W slots and S sinks holds a source at distance < W or at a position
+< S, so at length L it reaches the depths above about 1 - W/L and loses everything older: across lengths the lost
+cells form the triangle a needle-in-a-haystack chart shows; an evicting kind loses the depths its policy drops. fp32
+full attention on the same sequences (``correct_ref``) says what the model copies with nothing lost.
+
+Why a pass of its own and these defaults: it costs little beside the pass above and reads as a needle-in-a-haystack
+chart does (depth across, context length up the side), where reading depth off the pass above would show no
+window's edge. By default one length, L = n, and k sequences: a prefill and 5 x 8 - 1 decode steps each, about a
+sixth of the pass above on GPT-2 small and a third on the mini (whose decode steps are cheap beside a prefill); a
+cell then holds k x 7 copied tokens. ``retrieval_depth_lengths`` adds lengths (k sequences each; each pass within
+the 2n tokens of the pass above, which the memory check and a paged pool are sized by), and
+``retrieval_depth_buckets=0`` leaves the view out. The context's ids are distinct, so each copied token has one
+source.
 """
 
 from __future__ import annotations
@@ -15,6 +37,9 @@ from dataclasses import dataclass
 from harness.measurements.base import Measurement, Panel, Table, key, option, register
 
 MAX_SEQUENCES = 1_000  # retrieval_k's cap: each sequence is a pass of 2 * retrieval_n tokens
+MAX_BUCKETS = 20  # retrieval_depth_buckets' cap
+DEPTH_COLUMNS = ("context_len", "sequence", "position", "source", "depth", "depth_bucket", "buckets", "distance",
+                 "seq_id", "correct", "correct_ref")
 
 
 @register
@@ -28,6 +53,10 @@ class Retrieval(Measurement):
     class Options:
         retrieval_n: int = option(200, "tokens per random sequence (each shown twice; clamped to max_len / 2)")
         retrieval_k: int = option(2, "random sequences")
+        retrieval_depth_buckets: int = option(5, "depth buckets of the depth view (retrieval_depth.csv): one span "
+                                                 "asked from each; 0: no depth view")
+        retrieval_depth_lengths: list[int] | None = option(None, "context lengths of the depth view (tokens before "
+                                                               "the spans are asked); None: retrieval_n as run")
 
     @dataclass(frozen=True)
     class Result:
@@ -40,12 +69,25 @@ class Retrieval(Measurement):
         retrieval_n: int = key("tokens per sequence, as run (after the clamp)", "tokens")
         retrieval_k: int = key("sequences", "sequences")
         retrieval_vocab: int = key("token ids the sequences were drawn from (distinct embedding rows)", "ids")
+        retrieval_depth_acc: float | None = key("top-1 accuracy on the depth view's copied spans, every depth and "
+                                                "length, through the run's cache (null: no depth view)", "fraction")
+        retrieval_depth_acc_ref: float | None = key("the same through fp32 full attention (uncached)", "fraction")
+        retrieval_depth_buckets: int = key("depth buckets of the depth view, as asked (0: none)", "buckets")
+        retrieval_depth_lengths: str | None = key("the depth view's context lengths, comma-separated (null: no depth "
+                                                  "view: retrieval_depth_buckets=0, or sequences shorter than 2 "
+                                                  "tokens a bucket)", "tokens")
 
     tables = (Table("retrieval_positions", "retrieval_positions.csv", on=("sequence", "position"),
                     columns=("sequence", "position", "seq_id", "correct", "correct_ref"),
                     meaning="per token of each sequence's second copy: whether the run's top-1 is that token, and "
                             "fp32 full attention's; seq_id names the sequence by its tokens (what an interval over "
-                            "sequences resamples)"),)
+                            "sequences resamples)"),
+              Table("retrieval_depth", "retrieval_depth.csv", on=("context_len", "sequence", "position"),
+                    columns=DEPTH_COLUMNS,
+                    meaning="per copied token of the depth view (spans of a context of context_len random tokens, "
+                            "asked after it): its source's position, depth (source / context_len: 0 the start, 1 "
+                            "the end) and bucket of buckets, distance (tokens between the source and the newest "
+                            "token), and whether the run's top-1 and fp32 full attention's are that token"),)
     panels = (Panel("Retrieval: copy accuracy", "bar", ("retrieval_acc", "retrieval_acc_ref"), ("cache_label", "dtype"),
                     "Top-1 accuracy on the second copy of random sequences shown twice: through the cache, and "
                     "through fp32 full attention."),)
@@ -64,6 +106,52 @@ class Retrieval(Measurement):
         if max_len < 4:
             raise ConfigError(f"retrieval needs max_len >= 4 (two copies of 2 tokens), got {max_len}: raise max_len "
                               "or leave retrieval out of measurements")
+        cls._check_depth(opts, min(opts.retrieval_n, max_len // 2))
+
+    @classmethod
+    def _check_depth(cls, opts, n: int) -> None:
+        """The depth view's options: buckets 0 .. MAX_BUCKETS; each length distinct, with 2 tokens a bucket, and its
+        pass (the context and a span per bucket) within the 2n tokens of the copy pass."""
+        from harness.common.errors import ConfigError
+        from harness.core.copying import depth_span
+        from harness.measurements.base import MAX_LIST
+
+        D, lengths = opts.retrieval_depth_buckets, opts.retrieval_depth_lengths
+        if isinstance(D, bool) or not isinstance(D, int) or not 0 <= D <= MAX_BUCKETS:
+            raise ConfigError(f"retrieval_depth_buckets={D!r} must be an integer 0 .. {MAX_BUCKETS} (0: no depth view)")
+        if lengths is None:
+            return
+        lengths = list(lengths)
+        if not lengths or len(lengths) > MAX_LIST:
+            raise ConfigError(f"retrieval_depth_lengths has {len(lengths)} entries: give 1 .. {MAX_LIST} (or null: "
+                              "retrieval_n as run)")
+        if D == 0:
+            raise ConfigError("retrieval_depth_lengths needs retrieval_depth_buckets >= 1 (0 leaves the depth view "
+                              "out)")
+        for L in lengths:
+            if isinstance(L, bool) or not isinstance(L, int) or L < 2 * D:
+                raise ConfigError(f"retrieval_depth_lengths entry {L!r} is too short for {D} depth buckets: give at "
+                                  f"least {2 * D} tokens (2 a bucket)")
+            if L + D * depth_span(L, D) > 2 * n:
+                longest = _longest(n, D)
+                fix = f"give at most {longest} or raise retrieval_n" if longest else "raise retrieval_n"
+                raise ConfigError(f"retrieval_depth_lengths entry {L} takes a pass of {L + D * depth_span(L, D)} "
+                                  f"tokens, over the {2 * n} of the retrieval pass (2 x retrieval_n {n}, as run): "
+                                  f"{fix}")
+        if len(set(lengths)) < len(lengths):
+            raise ConfigError(f"retrieval_depth_lengths {lengths} names a length twice: give each once")
+
+    def depth_lengths(self, n: int) -> list[int]:
+        """The depth view's context lengths: as asked, or n (the copy pass's sequences); [] for none (no buckets,
+        or n too short for them)."""
+        from harness.core.copying import depth_span
+
+        D = self.opts.retrieval_depth_buckets
+        if D == 0:
+            return []
+        if self.opts.retrieval_depth_lengths is not None:
+            return sorted(self.opts.retrieval_depth_lengths)
+        return [n] if depth_span(n, D) >= 2 else []
 
     def run(self):
         from harness.core import measure
@@ -89,12 +177,73 @@ class Retrieval(Measurement):
                      for j, (c, c_ref) in enumerate(zip(hit, hit_ref))]
         mean = lambda xs: float(sum(xs) / len(xs))  # noqa: E731
         table = pd.DataFrame(rows, columns=list(self.tables[0].columns))
+        lengths = self.depth_lengths(n)
+        depth = self._depth(ids, ref_engine, lengths)
         return self.Result(retrieval_acc=mean(accs), retrieval_acc_ref=mean(refs),
                            retrieval_first_copy_acc=mean(firsts), retrieval_n=n, retrieval_k=self.opts.retrieval_k,
-                           retrieval_vocab=len(ids)), {"retrieval_positions": table}
+                           retrieval_vocab=len(ids),
+                           retrieval_depth_acc=float(depth.correct.mean()) if len(depth) else None,
+                           retrieval_depth_acc_ref=float(depth.correct_ref.mean()) if len(depth) else None,
+                           retrieval_depth_buckets=self.opts.retrieval_depth_buckets,
+                           retrieval_depth_lengths=",".join(map(str, lengths)) or None), \
+            {"retrieval_positions": table, "retrieval_depth": depth}
+
+    def _depth(self, ids, ref_engine, lengths: list[int]):
+        """The depth view's rows (``DEPTH_COLUMNS``): k sequences per context length (``copying.depth_sequences``),
+        each through the run's cache (the context prefilled, the spans one decode step at a time) and through fp32
+        full attention."""
+        from harness.core import copying, measure
+        import pandas as pd
+
+        ctx, D, rows = self.ctx, self.opts.retrieval_depth_buckets, []
+        for L in lengths:
+            for i, p in enumerate(copying.depth_sequences(ids, L, D, self.opts.retrieval_k, ctx.seed)):
+                seq = p.seq.to(ctx.device)
+                ours, _ = measure.text_pass(ctx.engine, ctx.spec, seq, L)  # row t - 1 predicted token t
+                measure.check_finite(ours, "the retrieval depth pass")
+                ref = ref_engine.forward(seq)[0, :-1].float()
+                at, target = [t - 1 for t in p.positions], seq[0, p.positions].cpu()
+                hit, hit_ref = ((x[at].argmax(-1).cpu() == target).int().tolist() for x in (ours, ref))
+                sid = measure.text_id(seq)
+                rows += [dict(context_len=L, sequence=i, position=t, source=s, depth=s / L, depth_bucket=s * D // L,
+                              buckets=D, distance=t - 1 - s, seq_id=sid, correct=c, correct_ref=c_ref)
+                         for t, s, c, c_ref in zip(p.positions, p.sources, hit, hit_ref)]
+        return pd.DataFrame(rows, columns=list(DEPTH_COLUMNS))
 
     @classmethod
     def summary(cls, r, tables):
-        return [f"  retrieval         {r['retrieval_acc']:.1%} of the second copy right through the cache "
-                f"(fp32 full attention: {r['retrieval_acc_ref']:.1%}; first copy {r['retrieval_first_copy_acc']:.1%}"
-                f"; {r['retrieval_k']} x {r['retrieval_n']} random tokens shown twice)"]
+        lines = [f"  retrieval         {r['retrieval_acc']:.1%} of the second copy right through the cache "
+                 f"(fp32 full attention: {r['retrieval_acc_ref']:.1%}; first copy {r['retrieval_first_copy_acc']:.1%}"
+                 f"; {r['retrieval_k']} x {r['retrieval_n']} random tokens shown twice)"]
+        return lines + depth_lines(r, tables.get("retrieval_depth"))
+
+
+def _longest(n: int, buckets: int) -> int:
+    """The longest context whose depth pass (the context and a span per bucket) fits in 2n tokens."""
+    from harness.core.copying import depth_span
+
+    return max((L for L in range(2 * buckets, 2 * n + 1) if L + buckets * depth_span(L, buckets) <= 2 * n),
+               default=0)
+
+
+def depth_lines(r: dict, depth) -> list[str]:
+    """The summary's depth lines: per context length, the accuracy in each depth bucket, oldest first, through the
+    cache and (in brackets) through fp32 full attention; or why there is no depth view."""
+    D = r.get("retrieval_depth_buckets")
+    if not D:
+        return []
+    if depth is None or not len(depth):
+        return [f"  retrieval depth   not measured: the {r['retrieval_n']}-token sequences are too short for {D} depth "
+                f"buckets (2 tokens a bucket; retrieval_depth_buckets, retrieval_depth_lengths)"]
+    rows = []
+    for L, g in depth.groupby("context_len"):
+        by = g.groupby("depth_bucket")[["correct", "correct_ref"]].mean().reindex(range(D))
+        rows.append((int(L), *(" ".join(f"{chr(8212):^4}" if v != v else f"{v:.2f}" for v in by[c])
+                               for c in ("correct", "correct_ref"))))
+    head = f"  retrieval depth   by the source's depth in the context, start -> end in {D} buckets"
+    if len(rows) == 1:
+        L, cells, refs = rows[0]
+        return [f"{head}, context {L}: {cells} (fp32 full attention: {refs})"]
+    w = len(str(max(L for L, _, _ in rows)))
+    return [f"{head} (fp32 full attention in brackets):"] + [f"{' ' * 20}context {L:>{w}}: {cells}  ({refs})"
+                                                               for L, cells, refs in rows]

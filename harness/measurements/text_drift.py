@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.measurements.base import shown, Measurement, Panel, Table, key, option, register
+from harness.measurements.base import MAX_PROMPTS, shown, Measurement, Panel, Table, key, option, register
 
 
 @register
@@ -16,8 +16,11 @@ class TextDrift(Measurement):
 
     @dataclass(frozen=True)
     class Options:
-        drift_text_len: int = option(128, "tokens per text scored for drift: n_prompts texts, disjoint spans of "
+        drift_text_len: int = option(128, "tokens per text scored for drift: drift_texts texts, disjoint spans of "
                                           "the prompts file (at least prompt_len + 1)")
+        drift_texts: int | None = option(None, "disjoint texts scored for drift (default: n_prompts); the units an "
+                                               "interval on a drift figure resamples, so more texts, a narrower "
+                                               "interval")
 
     @dataclass(frozen=True)
     class Result:
@@ -37,6 +40,7 @@ class TextDrift(Measurement):
         text_nll_fp32: float = key("next-token NLL of the text in fp32 full attention", "nats/token")
         text_nll: float = key("next-token NLL of the text through the run's cache and dtype", "nats/token")
         drift_text_positions: int = key("positions scored", "positions")
+        drift_texts: int = key("texts scored (disjoint spans of the prompts file; an interval's units)", "texts")
         drift_layer_tol: float = key("relative K/V error from which a layer counts as disagreeing")
         drift_first_layer_over_tol: int | None = key("first layer whose K or V is off fp32's by more than that "
                                                      "(null: none)", "layer", shown="report")
@@ -63,6 +67,9 @@ class TextDrift(Measurement):
         if opts.drift_text_len < 2:
             raise ConfigError(f"drift_text_len={opts.drift_text_len} must be at least 2 (a token and the one it "
                               "predicts)")
+        if opts.drift_texts is not None and not 1 <= opts.drift_texts <= MAX_PROMPTS:
+            raise ConfigError(f"drift_texts={opts.drift_texts} must be 1 .. {MAX_PROMPTS:,} (texts scored for "
+                              "drift), or left out for n_prompts")
 
     def skip(self):
         if self.ctx.ref32 is None:
@@ -77,7 +84,7 @@ class TextDrift(Measurement):
         ctx = self.ctx
         summary, tables = measure.text_drift(ctx.engine, ctx.ref32, ctx.spec, ctx.texts, ctx.prompts[0].shape[1],
                                              ctx.progress)
-        return self.Result(**summary), tables
+        return self.Result(**summary, drift_texts=len(ctx.texts)), tables
 
     @classmethod
     def summary(cls, r, tables):

@@ -4,6 +4,7 @@ sliding-window aware, in plain or quantised (our ``quant`` kind) storage.
     python -m harness.kvcalc gpt2
     python -m harness.kvcalc path/to/config.json --tokens 8192 --dtype fp16 --memory 80GB
     python -m harness.kvcalc gpt2 --kv-bits 4,4 --group-size 32 --json
+    python -m harness.kvcalc gpt2 --kv-bits 8,4 --scheme symmetric      # llama.cpp's q8_0 / q4_0: a scale only
 
     from harness.tools.kvcalc import kv_geometry, kv_cache_bytes, bytes_per_token, sequences_that_fit
     g = kv_geometry("gpt2")                       # or a path to a config.json (or a folder holding one)
@@ -35,10 +36,10 @@ What a config.json is read for (plain ``json``; transformers is not needed):
   A null / absent ``sliding_window`` means no window.
 
 Quantised storage (``kv_bits``): counted by our ``quant`` kind itself (``QuantKVCache``): the bytes at N tokens are
-its exact ``nbytes_formula`` for a cache of N slots (packed values, an fp16 scale + minimum per group: K per channel
-in groups of G tokens, V per token in groups of G channels, and the newest 1..G tokens of K still in the storage
-dtype); bytes per token is its steady-state ``bytes_per_token`` (amortised, no tail). Windowed layers are counted as a
-quant cache of min(tokens, window) slots.
+its exact ``nbytes_formula`` for a cache of N slots (packed values, an fp16 scale + minimum per group, or with
+``scheme="symmetric"`` an fp16 scale alone; K per channel in groups of G tokens, V per token in groups of G channels,
+and the newest 1..G tokens of K still in the storage dtype); bytes per token is its steady-state ``bytes_per_token``
+(amortised, no tail). Windowed layers are counted as a quant cache of min(tokens, window) slots.
 
 Bounds, checked before any arithmetic and before any per-layer list is built (generous: the largest published models
 have a few hundred layers, 128 heads, head_dim 256 and 10M positions): layers, heads, KV heads, sliding-window pattern
@@ -317,7 +318,7 @@ def _dtype(dtype: str) -> str:
     return d
 
 
-def _quant_opts(kv_bits, group_size: int, dtype: str):
+def _quant_opts(kv_bits, group_size: int, dtype: str, scheme: str = "asymmetric"):
     from models.kv_cache.quant import QuantOptions
 
     if isinstance(kv_bits, int):
@@ -333,7 +334,7 @@ def _quant_opts(kv_bits, group_size: int, dtype: str):
         raise KVCalcError(f"dtype {dtype} with kv_bits: the quant kind keeps its newest tokens in the storage dtype, "
                           f"one of {', '.join(QUANT_TAIL_DTYPES)}")
     try:
-        return QuantOptions(k_bits=k_bits, v_bits=v_bits, group_size=group_size)
+        return QuantOptions(k_bits=k_bits, v_bits=v_bits, group_size=group_size, scheme=scheme)
     except ValueError as e:
         raise KVCalcError(str(e)) from None
 
@@ -355,24 +356,27 @@ def _check_counts(tokens: int, batch: int) -> None:
         raise KVCalcError(f"batch={_show(batch)} is beyond what kvcalc computes: give 1 .. {MAX_BATCH:,}")
 
 
-def bytes_per_token(geom: dict | str, dtype: str = "fp32", kv_bits=None, group_size: int = 32) -> int | float:
+def bytes_per_token(geom: dict | str, dtype: str = "fp32", kv_bits=None, group_size: int = 32,
+                    scheme: str = "asymmetric") -> int | float:
     """Bytes one token costs across all layers, K and V, batch 1, while every layer still holds it (windows not yet
     full). Plain: 2 x layers x kv heads x head_dim x itemsize. Quantised: ``QuantKVCache.bytes_per_token`` (steady
-    state: packed values + amortised fp16 scale/min; a float when G does not divide 4 x head_dim)."""
+    state: packed values + amortised fp16 scale and minimum, or scale alone (``scheme="symmetric"``); a float when G
+    does not divide 4 x head_dim)."""
     g, dtype = _geom(geom), _dtype(dtype)
     if kv_bits is None:
         return 2 * g["n_layer"] * g["n_kv_head"] * g["head_dim"] * ITEMSIZE[dtype]
     from models.kv_cache.quant import QuantKVCache
 
     b = QuantKVCache.bytes_per_token(g["n_layer"], g["n_kv_head"], g["head_dim"], dtype,
-                                     _quant_opts(kv_bits, group_size, dtype))
+                                     _quant_opts(kv_bits, group_size, dtype, scheme))
     return int(b) if float(b).is_integer() else b
 
 
 def kv_cache_bytes(geom: dict | str, tokens: int, batch: int = 1, dtype: str = "fp32", kv_bits=None,
-                   group_size: int = 32) -> int:
+                   group_size: int = 32, scheme: str = "asymmetric") -> int:
     """Exact bytes of K and V for ``tokens`` positions of ``batch`` sequences; a windowed layer holds
-    min(tokens, window). Quantised (``kv_bits=(K, V)``): our quant kind's own ``nbytes_formula`` per layer group."""
+    min(tokens, window). Quantised (``kv_bits=(K, V)``, ``scheme`` asymmetric or symmetric): our quant kind's own
+    ``nbytes_formula`` per layer group."""
     g, dtype = _geom(geom), _dtype(dtype)
     _check_counts(tokens, batch)
     groups = _held_groups(g, tokens)
@@ -381,15 +385,15 @@ def kv_cache_bytes(geom: dict | str, tokens: int, batch: int = 1, dtype: str = "
         return sum(per * layers * held for held, layers in groups) * batch
     from models.kv_cache.quant import QuantKVCache
 
-    opts = _quant_opts(kv_bits, group_size, dtype)
+    opts = _quant_opts(kv_bits, group_size, dtype, scheme)
     return sum(QuantKVCache.nbytes_formula(layers, g["n_kv_head"], g["head_dim"], held, batch, dtype, held, opts)
                for held, layers in groups)
 
 
 def sequences_that_fit(geom: dict | str, tokens: int, memory_bytes: int, dtype: str = "fp32", kv_bits=None,
-                       group_size: int = 32) -> int:
+                       group_size: int = 32, scheme: str = "asymmetric") -> int:
     """How many sequences of ``tokens`` positions have their KV cache fit in ``memory_bytes`` (floor)."""
-    per_seq = kv_cache_bytes(geom, tokens, 1, dtype, kv_bits, group_size)
+    per_seq = kv_cache_bytes(geom, tokens, 1, dtype, kv_bits, group_size, scheme)
     if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes < 0:
         raise KVCalcError(f"memory must be a number of bytes >= 0, got {memory_bytes!r}")
     if per_seq == 0:
@@ -448,24 +452,25 @@ def _formulas(g: dict, tokens: int, batch: int, dtype: str, opts) -> tuple[str, 
 
     from models.kv_cache.quant import QuantKVCache
 
-    G, kb, vb = opts.group_size, opts.k_bits, opts.v_bits
+    G, kb, vb, M = opts.group_size, opts.k_bits, opts.v_bits, opts.group_bytes
+    kept = "fp16 scale per group (symmetric)" if opts.symmetric else "fp16 scale + minimum per group (asymmetric)"
     method = (f"quantised K{kb}/V{vb} bits, group {G}: our quant kind's own QuantKVCache.nbytes_formula (exact, "
-              f"packed values + fp16 scale/min per group + the K tail in {dtype}) and QuantKVCache.bytes_per_token "
+              f"packed values + {kept} + the K tail in {dtype}) and QuantKVCache.bytes_per_token "
               "(steady state, per token)")
     kq, vq = math.ceil(hs * kb / 8), math.ceil(hs * vb / 8)
-    kmeta, vmeta = 4 * hs / G, 4 * math.ceil(hs / G)
-    bpt = bytes_per_token(g, dtype, (kb, vb), G)
-    per_token = (f"{L} layers x {H} kv_heads x (K: ceil({hs}x{kb}/8)={kq} + 4x{hs}/{G}={_n(kmeta)}"
-                 f" + V: ceil({hs}x{vb}/8)={vq} + 4xceil({hs}/{G})={vmeta}) = {_n(bpt)} B/token (steady state)")
+    kmeta, vmeta = M * hs / G, M * math.ceil(hs / G)
+    bpt = bytes_per_token(g, dtype, (kb, vb), G, opts.scheme)
+    per_token = (f"{L} layers x {H} kv_heads x (K: ceil({hs}x{kb}/8)={kq} + {M}x{hs}/{G}={_n(kmeta)}"
+                 f" + V: ceil({hs}x{vb}/8)={vq} + {M}xceil({hs}/{G})={vmeta}) = {_n(bpt)} B/token (steady state)")
     parts = []
     for held, layers in groups:
         qk, tk, qv, tv = QuantKVCache._capacity(held, opts)
-        k = qk * kq + (qk // G) * hs * 4 + tk * hs * isz
-        v = qv * vq + qv * math.ceil(hs / G) * 4 + tv * hs * isz
-        parts.append(f"{layers} layers x {batch} batch x {H} kv_heads x (K: {_n(qk)}x{kq} + {_n(qk // G)}x{hs}x4 + "
-                     f"{tk}x{hs}x{isz} = {_n(k)}; V: {_n(qv)}x{vq} + {_n(qv)}x{math.ceil(hs / G)}x4 + "
+        k = qk * kq + (qk // G) * hs * M + tk * hs * isz
+        v = qv * vq + qv * math.ceil(hs / G) * M + tv * hs * isz
+        parts.append(f"{layers} layers x {batch} batch x {H} kv_heads x (K: {_n(qk)}x{kq} + {_n(qk // G)}x{hs}x{M} + "
+                     f"{tk}x{hs}x{isz} = {_n(k)}; V: {_n(qv)}x{vq} + {_n(qv)}x{math.ceil(hs / G)}x{M} + "
                      f"{tv}x{hs}x{isz} = {_n(v)}) [{_n(held)} slots]")
-    total = " + ".join(parts) + f" = {_n(kv_cache_bytes(g, tokens, batch, dtype, (kb, vb), G))} B"
+    total = " + ".join(parts) + f" = {_n(kv_cache_bytes(g, tokens, batch, dtype, (kb, vb), G, opts.scheme))} B"
     return method, per_token, total
 
 
@@ -499,6 +504,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", help="memory to fill, e.g. 80GB, 80GiB, 24e9, 512MB: how many sequences fit")
     p.add_argument("--kv-bits", type=_kv_bits, help="quantised K,V bits (8, 4 or 2), e.g. 4,4: our quant kind")
     p.add_argument("--group-size", type=int, default=32, help="quantisation group size (default 32)")
+    p.add_argument("--scheme", choices=("asymmetric", "symmetric"),
+                   help="with --kv-bits: asymmetric (default: a scale and a minimum per group) or symmetric (a scale "
+                        "only: llama.cpp's q8_0 / q4_0)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
 
@@ -512,21 +520,25 @@ def compute(args: argparse.Namespace) -> dict:
                           "--tokens N")
     _check_counts(tokens, args.batch)
     kv_bits = args.kv_bits
-    opts = _quant_opts(kv_bits, args.group_size, dtype) if kv_bits is not None else None
+    if args.scheme is not None and kv_bits is None:
+        raise KVCalcError(f"--scheme {args.scheme} says how quantised K/V are stored: pass --kv-bits K,V with it")
+    scheme = args.scheme or "asymmetric"
+    opts = _quant_opts(kv_bits, args.group_size, dtype, scheme) if kv_bits is not None else None
     memory = parse_memory(args.memory) if args.memory is not None else None
     method, f_token, f_total = _formulas(g, tokens, args.batch, dtype, opts)
     out = {"model": args.model, "source": g["source"], "n_layer": g["n_layer"], "n_head": g["n_head"],
            "n_kv_head": g["n_kv_head"], "head_dim": g["head_dim"], "windows": g["windows"],
            "window_rule": g["window_rule"],
            "max_positions": g["max_positions"], "dtype": dtype, "kv_bits": list(kv_bits) if kv_bits else None,
-           "group_size": args.group_size if kv_bits else None, "tokens": tokens, "batch": args.batch,
-           "bytes_per_token": bytes_per_token(g, dtype, kv_bits, args.group_size),
-           "bytes": kv_cache_bytes(g, tokens, args.batch, dtype, kv_bits, args.group_size),
+           "group_size": args.group_size if kv_bits else None, "scheme": scheme if kv_bits else None,
+           "tokens": tokens, "batch": args.batch,
+           "bytes_per_token": bytes_per_token(g, dtype, kv_bits, args.group_size, scheme),
+           "bytes": kv_cache_bytes(g, tokens, args.batch, dtype, kv_bits, args.group_size, scheme),
            "method": method, "formula_per_token": f_token, "formula": f_total}
     if memory is not None:
         out["memory_bytes"] = memory
-        out["bytes_per_sequence"] = kv_cache_bytes(g, tokens, 1, dtype, kv_bits, args.group_size)
-        out["sequences_that_fit"] = sequences_that_fit(g, tokens, memory, dtype, kv_bits, args.group_size)
+        out["bytes_per_sequence"] = kv_cache_bytes(g, tokens, 1, dtype, kv_bits, args.group_size, scheme)
+        out["sequences_that_fit"] = sequences_that_fit(g, tokens, memory, dtype, kv_bits, args.group_size, scheme)
     return out
 
 

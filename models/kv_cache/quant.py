@@ -1,5 +1,5 @@
-"""K and V stored as low-bit integers: KIVI's recipe by default, asymmetric round-to-nearest, real packed storage;
-each of K and V grouped along either axis, optionally rotated first.
+"""K and V stored as low-bit integers: KIVI's recipe by default, asymmetric or symmetric round-to-nearest, real packed
+storage; each of K and V grouped along either axis, optionally rotated first.
 
 - ``k_axis`` / ``v_axis`` say how each of K and V is grouped. ``channel`` (K's default): a scale per channel over
   groups of ``group_size`` tokens (K has outlier channels: a scale per channel keeps one channel's range from
@@ -8,6 +8,12 @@ each of K and V grouped along either axis, optionally rotated first.
   token over groups of ``group_size`` channels, quantised as soon as the token is older than the newest
   ``residual``. KIVI's finding is that K wants ``channel`` and V ``token``; llama.cpp's q8_0/q4_0 caches group both
   per token (blocks of 32 channels).
+- ``tail=residual``: a per-channel axis keeps only the newest ``residual`` tokens in full precision, as the token
+  axis does, so the axes can be compared with the same tail: the group still filling is read quantised, zero-padded
+  to ``group_size`` tokens (KIVI's Table 1 study: "we add zero-padding ... all tokens in KV cache are quantized"),
+  afresh from its full-precision values at every read (so its bytes are counted as ``tail=group``'s are; a decode
+  step with ``compile=true`` takes the update path). ``tail=group`` (the default) is KIVI's streaming algorithm:
+  the filling group waits in full precision beside the residual.
 - ``rotate=hadamard``: before quantising, each token's head vector is multiplied by an orthonormal Hadamard matrix
   (Sylvester's, on blocks of the largest power of two that divides head_dim: all of it for GPT-2's 64), which
   spreads an outlier channel over all channels of its block; dequantised values are rotated back (the matrix is
@@ -16,11 +22,17 @@ each of K and V grouped along either axis, optionally rotated first.
   The matrix is a constant of the head size, shared by every cache (like a weight), not cache storage.
 - ``quantize=k`` or ``v`` quantises that tensor alone and keeps the other in the storage dtype, every slot (the
   llama.cpp comparison of a quantised K cache against a quantised V cache); ``kv`` (the default) quantises both.
-- Each group stores a scale and a minimum (the zero point) in fp16; values are ``k_bits`` / ``v_bits`` (8, 4 or 2)
-  wide, packed two (4-bit) or four (2-bit) to a byte along the channels. The minimum is rounded down and the scale
-  up to fp16, so every value of the group lies in [min, min + (2^bits - 1) * scale] and round-to-nearest puts every
-  dequantised value within half a step (scale / 2) of what was written (rotated: of the rotated value; rotating
-  back sums the half-steps of a block, weighted by 1 / sqrt(block)).
+- ``scheme`` says what a group stores. ``asymmetric`` (the default; llama.cpp's q4_1 is of this family): a scale and
+  a minimum (the zero point), each fp16. The minimum is rounded down and the scale up to fp16, so every value of the
+  group lies in [min, min + (2^bits - 1) * scale] and round-to-nearest puts every dequantised value within half a
+  step (scale / 2) of what was written. ``symmetric`` (llama.cpp's q8_0 at 8 bits, q4_0 at 4, and q4_0's rule at 2):
+  a scale only, fp16, the values signed around zero; ``quantize_symmetric`` states the rule and its bound (half a
+  step, plus fp16's rounding of the scale; a whole step at 4 and 2 bits where a value is clamped at the top code).
+  Either way values are ``k_bits`` / ``v_bits`` (8, 4 or 2) wide, packed two (4-bit) or four (2-bit) to a byte along
+  the channels, and a rotated tensor's bound is of the rotated value (rotating back sums the bounds of a block,
+  weighted by 1 / sqrt(block)). ``group_size`` is free under both schemes: llama.cpp's blocks are
+  ``group_size=32`` on the token axis (``k_axis=token``, ``v_axis=token``); other sizes and the channel axis apply
+  the same rule to other groups.
 - Attention reads K and V dequantised into the compute dtype: quantised storage, full-precision math. (In an
   fp16/bf16 compute dtype that last rounding adds half an ulp; ``error_bound`` includes it.) That eager path
   dequantises the whole history every step; it is the reference. With ``compile=true`` a decode step instead
@@ -28,18 +40,21 @@ each of K and V grouped along either axis, optionally rotated first.
   (``csrc/decode_attention.cpp``, ``kernel_attention``), elsewhere through torch.compile (``stored_attention``),
   float32 math, equal to the eager path within float32 rounding (tests/models/test_compile.py).
   The whole allocation is made up front, like ``prealloc``: the cache holds ``max_len`` token slots.
-- Scales and minimums are fp16, so values beyond fp16's range (|x| > 65504) cannot be quantised: their group turns
-  non-finite, which a run reports as such.
+- Scales and minimums are fp16, so values beyond fp16's range (|x| > 65504; symmetric: a scale beyond it, |x| beyond
+  about 65504 * 2^(bits - 1)) cannot be quantised: their group turns non-finite, which a run reports as such.
 
 Bytes, per layer, batch row and head, for each of K and V (hs = head_dim, G = group_size, R = residual, isz =
-storage bytes/element, b = its bits):
-    channel: Q * ceil(hs * b / 8) + (Q / G) * hs * 4 + T * hs * isz,   Q = floor((max_len - R - 1) / G) * G,
+storage bytes/element, b = its bits, M = the bytes each group keeps besides its values: 4 asymmetric (an fp16 scale
+and an fp16 minimum), 2 symmetric (an fp16 scale)):
+    channel: Q * ceil(hs * b / 8) + (Q / G) * hs * M + T * hs * isz,   Q = floor((max_len - R - 1) / G) * G,
                                                                       T = min(max_len, R + G)
-    token:   Q * ceil(hs * b / 8) + Q * ceil(hs / G) * 4 + T * hs * isz,   Q = max_len - R,  T = min(R, max_len)
+    token:   Q * ceil(hs * b / 8) + Q * ceil(hs / G) * M + T * hs * isz,   Q = max_len - R,  T = min(R, max_len)
     not quantised (``quantize`` leaves it out): max_len * hs * isz
-A cached token costs ceil(hs*b/8) + 4*hs/G (channel) or ceil(hs*b/8) + 4*ceil(hs/G) (token) bytes per layer and
+A cached token costs ceil(hs*b/8) + M*hs/G (channel) or ceil(hs*b/8) + M*ceil(hs/G) (token) bytes per layer and
 head for each of K and V: GPT-2 small (hs 64, G 32) at 8/8 bits: 64 + 8 + 64 + 8 = 144 B against fp32's 512, at 4/4
-bits 80, at 2/2 bits 48 (either axis: with hs = 2G both give 8 B of scales).
+bits 80, at 2/2 bits 48 (either axis: with hs = 2G both give 8 B of scales); symmetric, 64 + 4 + 64 + 4 = 136, 72
+and 40. A symmetric group of 32 values is llama.cpp's block: 32 + 2 = 34 B at 8 bits (q8_0), 16 + 2 = 18 B at 4
+(q4_0).
 """
 
 from __future__ import annotations
@@ -57,6 +72,8 @@ BITS = (8, 4, 2)
 AXES = ("channel", "token")
 ROTATIONS = ("none", "hadamard")
 QUANTIZED = ("kv", "k", "v")
+SCHEMES = ("asymmetric", "symmetric")
+TAILS = ("group", "residual")
 SCALE_DTYPE = torch.float16  # scales and minimums: 2 bytes each
 FORCE_INDUCTOR = False  # True: the fused decode attention goes through torch.compile on the CPU too (tests)
 
@@ -71,6 +88,10 @@ class QuantOptions:
     v_axis: str = "token"
     rotate: str = "none"  # "hadamard": rotate each head vector before quantising, back after dequantising
     quantize: str = "kv"  # which of K and V are quantised; the other (for "k" or "v") stays in the storage dtype
+    scheme: str = "asymmetric"  # a scale and a minimum per group (q4_1's family); "symmetric": a scale only (q8_0)
+    tail: str = "group"  # what a per-channel axis keeps in full precision: "group", the newest residual tokens and the
+    # group still filling (1 .. group_size tokens); "residual", the newest residual tokens alone (the filling group
+    # is read quantised, zero-padded to group_size tokens, as KIVI's Table 1 study), so every axis keeps the same tail
 
     def __post_init__(self):
         for name in ("k_bits", "v_bits"):
@@ -80,7 +101,8 @@ class QuantOptions:
             raise ValueError(f"cache option group_size must be an integer >= 1, got {self.group_size!r}")
         if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
             raise ValueError(f"cache option residual must be an integer >= 0, got {self.residual!r}")
-        for name, allowed in (("k_axis", AXES), ("v_axis", AXES), ("rotate", ROTATIONS), ("quantize", QUANTIZED)):
+        for name, allowed in (("k_axis", AXES), ("v_axis", AXES), ("rotate", ROTATIONS), ("quantize", QUANTIZED),
+                              ("scheme", SCHEMES), ("tail", TAILS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"cache option {name}={getattr(self, name)!r}: use {' or '.join(allowed)}")
 
@@ -92,6 +114,15 @@ class QuantOptions:
 
     def bits(self, which: str) -> int:
         return self.k_bits if which == "k" else self.v_bits
+
+    @property
+    def symmetric(self) -> bool:
+        return self.scheme == "symmetric"
+
+    @property
+    def group_bytes(self) -> int:
+        """Bytes a group keeps besides its values: an fp16 scale and an fp16 minimum (asymmetric), or the scale."""
+        return 2 if self.symmetric else 4
 
 
 def _round_fp16(x: torch.Tensor, up: bool) -> torch.Tensor:
@@ -110,6 +141,76 @@ def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.
     s = scale.float()
     q = torch.where(s > 0, (x - lo.float()) / s, 0.0).round_().clamp_(0, levels).to(torch.uint8)
     return q, scale, lo
+
+
+def offset(bits: int) -> int:
+    """N = 2^(bits - 1): a symmetric code q in [-N, N - 1] is stored as q + N (unsigned), so its value is
+    (stored - N) * scale, a minimum of -N * scale that is never stored."""
+    return 2 ** (bits - 1)
+
+
+def _round_half_away(y: torch.Tensor) -> torch.Tensor:
+    """C's roundf: to the nearest integer, halves away from zero, exactly (floor(|y| + 0.5) would round the sum)."""
+    a = y.abs()
+    f = a.floor()
+    return torch.copysign(f + (a - f >= 0.5).float(), y)
+
+
+def quantize_symmetric(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's symmetric round-to-nearest (its q8_0 and q4_0 blocks, ``quantize_row_q8_0_ref`` and
+    ``quantize_row_q4_0_ref`` in ggml-quants.c) over groups that run along ``dim`` of ``x`` (float32) -> (stored
+    codes, uint8 like x; scale, fp16 with ``dim`` kept as size 1). A scale only, no minimum: with N = 2^(bits - 1), a
+    code q is stored as q + N and its value is q * scale.
+
+    - 8 bits (q8_0): d = amax / 127 (amax = max |x|), q = round(x * (1/d)), halves away from zero (C's roundf), so q
+      lies in [-127, 127].
+    - 4 bits (q4_0) and 2 bits (q4_0's rule with N = 2): m = the value of largest |x| (the first such, as llama.cpp
+      keeps it), d = m / -N, q = min(2N - 1, trunc(x * (1/d) + N + 1/2)) - N: rounded half up, in [-N, N - 1]. m
+      itself is q = -N exactly; a value of the other sign with x * (1/d) >= N - 1/2 (at most N: as large as m) is
+      clamped to N - 1.
+
+    Computed as llama.cpp computes them, in float32: d from the group, its reciprocal (0 where d is 0), x times it
+    (rounded on its own, never fused with the addition after it), and the stored scale is d rounded to the nearest
+    fp16, so codes and scales are llama.cpp's own, value for value (tested against a transcription of its loops). A
+    group holding a NaN gets a NaN scale and codes q = 0; an infinite value or a scale beyond fp16's range makes its
+    group non-finite too. (kvlab packs adjacent channels into a byte; llama.cpp's q4_0 puts channels j and j + 16
+    into one byte's two nibbles: the same bytes, in another order.)
+
+    Error bound, per value, against the stored scale s (what ``QuantKVCache.error_bound`` uses, from the codes and
+    scales alone): |x - q * s| <= c * |s| + (|q| + c) * delta + rho, where
+      c = 1/2, except c = 1 at the top code q = N - 1 at 4 and 2 bits (the clamp: x * (1/d) may reach N there);
+      delta = 2^-11 * |s| + 2^-25 bounds |d - s|, fp16's rounding to nearest (2^-25: its subnormals' half step);
+      rho = 2^-22 * (|q| + N + 2) * (|s| + delta) covers float32's rounding of 1/d, x * (1/d) and the + N + 1/2.
+    At 8 bits no value is clamped (|x * (1/d)| <= 127 up to rounding), so c = 1/2 throughout."""
+    N = offset(bits)
+    ax = x.abs()
+    if bits == 8:  # q8_0
+        d = ax.amax(dim, keepdim=True) / 127
+    else:  # q4_0's rule: the signed value of largest magnitude (the first, if tied), +0 for a group of zeros
+        amax, first = ax.max(dim, keepdim=True)
+        m = torch.where(amax > 0, x.gather(dim, first), 0.0)
+        d = m / -N
+    inv = torch.where(d != 0, 1.0 / d, 0.0)
+    y = x * inv
+    y = torch.where(y.isnan(), 0.0, y)  # inf * 0 (an infinite group) or 0 * inf (1/d past float32): q = 0
+    if bits == 8:
+        q = _round_half_away(y).clamp_(-127, 127) + N
+    else:
+        q = (y + (N + 0.5)).trunc_().clamp_(0, 2 * N - 1)
+    nan = x.isnan().any(dim, keepdim=True)
+    scale = torch.where(nan, math.nan, d).to(SCALE_DTYPE)
+    return torch.where(nan, float(N), q).to(torch.uint8), scale
+
+
+def symmetric_bound(q: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """The bound ``quantize_symmetric`` states, per value, from the stored codes ``q`` (q + N, uint8) and their
+    scales (float32, broadcast to q's shape): how far the value written may be from (q - N) * scale."""
+    N = offset(bits)
+    code = q.float() - N
+    s = scale.abs()
+    c = torch.full_like(code, 0.5) if bits == 8 else torch.where(code == N - 1, 1.0, 0.5)
+    delta = s * 2.0 ** -11 + 2.0 ** -25
+    return c * s + (code.abs() + c) * delta + 2.0 ** -22 * (code.abs() + N + 2) * (s + delta)
 
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -174,32 +275,40 @@ def _scale_slots(q: int, axis: str, hs: int, G: int) -> tuple[int, int]:
     return (q // G, hs) if axis == "channel" else (q, math.ceil(hs / G))
 
 
-def dequantize_slots(packed: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int, axis: str, G: int,
+def minimum(scale: torch.Tensor, lo: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """Each group's minimum as float32: the stored one (asymmetric), or -N * scale (symmetric, ``lo`` None: codes are
+    stored as q + N, so (stored - N) * scale = stored * scale - N * scale, exactly in float32)."""
+    return lo.float() if lo is not None else scale.float() * -offset(bits)
+
+
+def dequantize_slots(packed: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None, bits: int, axis: str, G: int,
                      hs: int) -> torch.Tensor:
     """(B, nh, S, hs) float32: every one of the S stored slots dequantised (still rotated), written as one pointwise
-    expression of the packed bytes and their scales, so that a compiled reduction over it reads the bytes where
-    they lie instead of a dequantised copy."""
+    expression of the packed bytes and their scales (and minimums; ``lo`` None: the symmetric scheme's, from the
+    scales), so that a compiled reduction over it reads the bytes where they lie instead of a dequantised copy."""
     B, nh, S = packed.shape[:3]
     x, per = packed.to(torch.int32), 8 // bits  # int32 shifts: inductor vectorises them (uint8 ones it does not)
     q = torch.stack([(x >> (bits * i)) & (2 ** bits - 1) for i in range(per)], -1).flatten(-2)
     q = (q if q.shape[-1] == hs else q[..., :hs]).float()
+    lo = minimum(scale, lo, bits)
     if axis == "channel":  # a scale per channel per group of G tokens
-        return (q.view(B, nh, S // G, G, hs) * scale.float().unsqueeze(3) + lo.float().unsqueeze(3)).view(B, nh, S, hs)
+        return (q.view(B, nh, S // G, G, hs) * scale.float().unsqueeze(3) + lo.unsqueeze(3)).view(B, nh, S, hs)
     if hs % G == 0:  # a scale per token per group of G channels
         ng = hs // G
-        return (q.view(B, nh, S, ng, G) * scale.float().unsqueeze(4) + lo.float().unsqueeze(4)).view(B, nh, S, hs)
+        return (q.view(B, nh, S, ng, G) * scale.float().unsqueeze(4) + lo.unsqueeze(4)).view(B, nh, S, hs)
     idx = torch.arange(hs, device=packed.device) // G  # a last, partial group of channels
-    return q * scale.float()[..., idx] + lo.float()[..., idx]
+    return q * scale.float()[..., idx] + lo[..., idx]
 
 
 def stored_attention(q: torch.Tensor, k: tuple, v: tuple, n_k: torch.Tensor, n_v: torch.Tensor, n: torch.Tensor,
                      rot: torch.Tensor | None, layout: tuple) -> torch.Tensor:
     """One decode step's attention over a quant cache's own storage, static shapes (every slot is read, those not
     holding a token are masked), for ``torch.compile``: q (B, nh, 1, hs); ``k`` and ``v``: (packed, scale, min,
-    tail) of one layer (packed None: not quantised); n_k, n_v: how many of K's and V's tokens are quantised, n: the
-    tokens held (0-d tensors: no recompile as they grow); ``layout``: ((bits, axis) of K, of V, G, hs). Token j is
-    in the quantised slots if j < n_k (n_v), else in tail slot j - n_k; the scores are made in token order, so K and
-    V may split the history differently. Returns (B, nh, 1, hs) float32."""
+    tail) of one layer (packed None: not quantised; min None: the symmetric scheme, whose minimum is -N * scale);
+    n_k, n_v: how many of K's and V's tokens are quantised, n: the tokens held (0-d tensors: no recompile as they
+    grow); ``layout``: ((bits, axis) of K, of V, G, hs). Token j is in the quantised slots if j < n_k (n_v), else in
+    tail slot j - n_k; the scores are made in token order, so K and V may split the history differently. Returns
+    (B, nh, 1, hs) float32."""
     (kb, ka), (vb, va), G, hs = layout
     kq, ks, kl, kt = k
     vq, vs, vl, vt = v
@@ -245,7 +354,8 @@ def kernel_attention(kernel, cache: "QuantKVCache", layer: int, q: torch.Tensor,
         packed, tail = getattr(cache, f"{which}_q"), getattr(cache, f"{which}_tail")
         if o.axis(which) == "none" or not packed.shape[3] or not n_q:
             return (*_NO_PACKED, 0, tail)
-        return packed, getattr(cache, f"{which}_scale"), getattr(cache, f"{which}_min"), n_q, tail
+        lo = getattr(cache, f"{which}_min")  # None (symmetric): an empty minimum, which the kernel takes as -N * scale
+        return packed, getattr(cache, f"{which}_scale"), _NO_PACKED[2] if lo is None else lo, n_q, tail
 
     rot = cache._rotation()
     return kernel.attention(layer, q, _NO_ROTATION if rot is None else rot, *side("k", n_k), o.bits("k"),
@@ -272,14 +382,26 @@ class QuantKVCache(KVCache):
     exact = False
     fuses_decode = True
     sized_by = ("residual",)
-    description = ("K and V as 8/4/2-bit integers with fp16 scales, each grouped per channel or per token (KIVI: K "
-                   "per channel, V per token), optionally Hadamard-rotated first")
+    description = ("K and V as 8/4/2-bit integers with fp16 scales (and minimums: asymmetric; symmetric: a scale "
+                   "only, llama.cpp's q8_0/q4_0), each grouped per channel or per token (KIVI: K per channel, V per "
+                   "token), optionally Hadamard-rotated first")
     examples = ({"k_bits": 8, "v_bits": 8, "group_size": 8},
                 {"k_bits": 4, "v_bits": 2, "group_size": 8, "residual": 4},
                 {"k_bits": 2, "v_bits": 4, "group_size": 16, "k_axis": "token", "v_axis": "channel"},
                 {"k_bits": 4, "v_bits": 8, "group_size": 8, "residual": 3, "v_axis": "channel",
                  "rotate": "hadamard"},
-                {"k_bits": 2, "group_size": 8, "k_axis": "token", "quantize": "k"})
+                {"k_bits": 2, "group_size": 8, "k_axis": "token", "quantize": "k"},
+                # the symmetric scheme (a scale only): llama.cpp's q8_0 K and q4_0 V, both per token; the channel
+                # axes, 2 bits, a residual and the rotation; V alone
+                {"k_bits": 8, "v_bits": 4, "group_size": 8, "k_axis": "token", "scheme": "symmetric"},
+                {"k_bits": 2, "v_bits": 8, "group_size": 8, "residual": 3, "v_axis": "channel", "rotate": "hadamard",
+                 "scheme": "symmetric"},
+                {"v_bits": 2, "group_size": 4, "quantize": "v", "scheme": "symmetric"},
+                # tail=residual: the filling per-channel group read quantised (zero-padded), with a residual and
+                # the rotation, and with none (every token quantised), symmetric
+                {"k_bits": 2, "v_bits": 4, "group_size": 8, "residual": 3, "v_axis": "channel", "rotate": "hadamard",
+                 "tail": "residual"},
+                {"k_bits": 4, "v_bits": 2, "group_size": 8, "tail": "residual", "scheme": "symmetric"})
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -294,8 +416,8 @@ class QuantKVCache(KVCache):
             setattr(self, f"{which}_q", zeros(q, math.ceil(hs * o.bits(which) / 8)))  # packed along channels
             setattr(self, f"{which}_scale", zeros(*_scale_slots(q, o.axis(which), hs, o.group_size),
                                                    dtype=SCALE_DTYPE))
-            setattr(self, f"{which}_min", zeros(*_scale_slots(q, o.axis(which), hs, o.group_size),
-                                                 dtype=SCALE_DTYPE))
+            setattr(self, f"{which}_min", None if o.symmetric else  # symmetric: no minimum is stored
+                    zeros(*_scale_slots(q, o.axis(which), hs, o.group_size), dtype=SCALE_DTYPE))
             setattr(self, f"{which}_tail", zeros(tail, hs, dtype=self.dtype))  # not yet quantised
         self._returned = (0, torch.float32)  # tokens in the history the last update returned, and its dtype
 
@@ -346,19 +468,19 @@ class QuantKVCache(KVCache):
 
     @classmethod
     def nbytes_formula(cls, n_layer, n_head, head_dim, max_len, batch, dtype, n_tokens, opts) -> int:
-        hs, G, isz, ssz = head_dim, opts.group_size, itemsize(dtype), 2
+        hs, G, isz, M = head_dim, opts.group_size, itemsize(dtype), opts.group_bytes
         total = 0
         for which in ("k", "v"):
             q, tail = _capacity(max_len, opts.axis(which), G, opts.residual)
             slots, per = _scale_slots(q, opts.axis(which), hs, G)
-            total += q * math.ceil(hs * opts.bits(which) / 8) + slots * per * 2 * ssz + tail * hs * isz
+            total += q * math.ceil(hs * opts.bits(which) / 8) + slots * per * M + tail * hs * isz
         return n_layer * batch * n_head * total
 
     @classmethod
     def bytes_per_token(cls, n_layer, n_head, head_dim, dtype, opts) -> float:
-        hs, G = head_dim, opts.group_size
-        cost = {"channel": lambda bits: math.ceil(hs * bits / 8) + 4 * hs / G,
-                "token": lambda bits: math.ceil(hs * bits / 8) + 4 * math.ceil(hs / G),
+        hs, G, M = head_dim, opts.group_size, opts.group_bytes
+        cost = {"channel": lambda bits: math.ceil(hs * bits / 8) + M * hs / G,
+                "token": lambda bits: math.ceil(hs * bits / 8) + M * math.ceil(hs / G),
                 "none": lambda bits: hs * itemsize(dtype)}
         return n_layer * n_head * sum(cost[opts.axis(w)](opts.bits(w)) for w in ("k", "v"))
 
@@ -369,7 +491,8 @@ class QuantKVCache(KVCache):
         bits = {"kv": f"k{opts.k_bits}/v{opts.v_bits}", "k": f"k{opts.k_bits}", "v": f"v{opts.v_bits}"}[opts.quantize]
         alone = {"kv": "", "k": " (V full)", "v": " (K full)"}[opts.quantize]
         return (f"quant {bits} g{opts.group_size}" + (f" r{opts.residual}" if opts.residual else "") + axes
-                + (" hadamard" if opts.rotate == "hadamard" else "") + alone)
+                + (" hadamard" if opts.rotate == "hadamard" else "") + (" symmetric" if opts.symmetric else "")
+                + (" tail=residual" if opts.tail == "residual" else "") + alone)
 
     # ---- the contract ---------------------------------------------------------------------------------------
 
@@ -386,17 +509,21 @@ class QuantKVCache(KVCache):
         """Write the step's K and V as ``update`` does, then attend over the packed bytes, scales and tails
         themselves, with no dequantised copy of the history: the C++ kernel on the CPU (``kernel_attention``),
         ``stored_attention`` through torch.compile elsewhere."""
+        if self._reads_partial_groups:  # the stored bytes are not what attention reads: update's history is
+            k, v = self.update(layer, k_new, v_new)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
         t = self._check_room(layer, k_new, v_new)
         n0, n1 = self.pos, self.pos + t
         n_k, n_v = (self._store(layer, w, new, n0, n1) for w, new in (("k", k_new), ("v", v_new)))
         self._returned = (n1, k_new.dtype)
         o = self.opts
 
-        def parts(which):
+        def parts(which):  # (packed, scale, min, tail) of this layer; None where not stored (min: symmetric)
             packed = getattr(self, f"{which}_q")[layer]
             quantised = o.axis(which) != "none" and packed.shape[2] > 0
-            return (*(getattr(self, f"{which}_{part}")[layer] if quantised else None
-                      for part in ("q", "scale", "min")), getattr(self, f"{which}_tail")[layer])
+            stored = (getattr(self, f"{which}_{part}") for part in ("q", "scale", "min"))
+            return (*(t[layer] if quantised and t is not None else None for t in stored),
+                    getattr(self, f"{which}_tail")[layer])
 
         kernel = self._kernel()
         if kernel is not None:
@@ -443,27 +570,34 @@ class QuantKVCache(KVCache):
         rot = self._rotation()
         if rot is not None:
             x = x @ rot
+        lows = getattr(self, f"{which}_min")  # None: the symmetric scheme stores no minimum
+
+        def quantized(groups, dim):  # (codes, scale, minimum or None) of groups along dim
+            if o.symmetric:
+                return (*quantize_symmetric(groups, bits, dim), None)
+            return quantize(groups, bits, dim)
+
         if axis == "channel":  # a scale per channel per group of G tokens
-            q, scale, lo = quantize(x.view(B, nh, m // G, G, hs), bits, dim=3)
+            q, scale, lo = quantized(x.view(B, nh, m // G, G, hs), dim=3)
             q, s0, s1 = q.view(B, nh, m, hs), q0 // G, q1 // G
         elif self.fused and self.device.type == "cpu" and kernels.load() is not None:
             # the compiled decode step on the CPU: the same values, quantised, packed and written into the slots by
-            # the kernel (value for value what quantize and pack give: tests/models/test_compile.py)
+            # the kernel (value for value what quantize or quantize_symmetric, and pack, give: test_compile.py)
             kernels.load().quantize_into(x, layer, getattr(self, f"{which}_q"), getattr(self, f"{which}_scale"),
-                                         getattr(self, f"{which}_min"), q0, bits, G)
-            q = packed = None
+                                         _NO_PACKED[2] if lows is None else lows, q0, bits, G, o.symmetric)
+            q = None
         else:  # a scale per token per group of G channels
             ng = math.ceil(hs / G)
             if ng * G > hs:  # a last, partial group of channels: pad with its own last channel (range unchanged)
                 x = torch.cat([x, x[..., -1:].expand(B, nh, m, ng * G - hs)], dim=-1)
-            q, scale, lo = quantize(x.view(B, nh, m, ng, G), bits, dim=4)
+            q, scale, lo = quantized(x.view(B, nh, m, ng, G), dim=4)
             q, s0, s1 = q.view(B, nh, m, ng * G)[..., :hs], q0, q1
         if q is not None:
             dim = 3 if axis == "channel" else 4
-            packed, scale, lo = pack(q, bits), scale.squeeze(dim), lo.squeeze(dim)
-            getattr(self, f"{which}_q")[layer, :, :, q0:q1] = packed
-            getattr(self, f"{which}_scale")[layer, :, :, s0:s1] = scale
-            getattr(self, f"{which}_min")[layer, :, :, s0:s1] = lo
+            getattr(self, f"{which}_q")[layer, :, :, q0:q1] = pack(q, bits)
+            getattr(self, f"{which}_scale")[layer, :, :, s0:s1] = scale.squeeze(dim)
+            if lows is not None:
+                lows[layer, :, :, s0:s1] = lo.squeeze(dim)
         if n1 - q1:
             tail[layer, :, :, :n1 - q1] = pending[:, :, m:]
         return q1
@@ -471,48 +605,99 @@ class QuantKVCache(KVCache):
     def _dequantized(self, layer: int, which: str, n_quant: int) -> torch.Tensor:
         """The first ``n_quant`` tokens of K or V as stored, dequantised to float32 and still rotated:
         (B, nh, n_quant, hs)."""
-        B, nh, hs, G = self.batch, self.n_head, self.head_dim, self.opts.group_size
-        packed, scale, lo = (getattr(self, f"{which}_{part}")[layer] for part in ("q", "scale", "min"))
-        q = unpack(packed[:, :, :n_quant], self.opts.bits(which), hs).float()  # (B, nh, n_quant, hs)
+        B, nh, hs, G, bits = self.batch, self.n_head, self.head_dim, self.opts.group_size, self.opts.bits(which)
+        packed, scale, lo = (getattr(self, f"{which}_{part}") for part in ("q", "scale", "min"))
+        packed, scale = packed[layer], scale[layer]
+        slots = n_quant // G if self.opts.axis(which) == "channel" else n_quant
+        scale = scale[:, :, :slots]
+        lo = minimum(scale, None if lo is None else lo[layer, :, :, :slots], bits)  # symmetric: -N * scale
+        q = unpack(packed[:, :, :n_quant], bits, hs).float()  # (B, nh, n_quant, hs)
         if self.opts.axis(which) == "channel":  # a scale per channel per group of G tokens
             shape = (B, nh, n_quant // G, G, hs)
-            scale, lo = scale[:, :, :n_quant // G].unsqueeze(3), lo[:, :, :n_quant // G].unsqueeze(3)
+            scale, lo = scale.unsqueeze(3), lo.unsqueeze(3)
         elif hs % G == 0:  # a scale per token per group of G channels
             shape = (B, nh, n_quant, hs // G, G)
-            scale, lo = scale[:, :, :n_quant].unsqueeze(4), lo[:, :, :n_quant].unsqueeze(4)
+            scale, lo = scale.unsqueeze(4), lo.unsqueeze(4)
         else:  # a last, partial group of channels: spell the scales out per channel
             shape = (B, nh, n_quant, hs)
-            scale = scale[:, :, :n_quant].repeat_interleave(G, dim=-1)[..., :hs]
-            lo = lo[:, :, :n_quant].repeat_interleave(G, dim=-1)[..., :hs]
-        return torch.addcmul(lo.float(), q.view(shape), scale.float()).view(B, nh, n_quant, hs)
+            scale = scale.repeat_interleave(G, dim=-1)[..., :hs]
+            lo = lo.repeat_interleave(G, dim=-1)[..., :hs]
+        return torch.addcmul(lo, q.view(shape), scale.float()).view(B, nh, n_quant, hs)
 
     def _history(self, layer: int, n_quant: int, n: int, which: str, dtype: torch.dtype) -> torch.Tensor:
         """K or V of all n tokens, (B, nh, n, hs): the first ``n_quant`` dequantised (and rotated back), the rest
-        from the tail, in one float32 tensor, then cast to the compute ``dtype``."""
+        from the tail (``tail=residual``: its filling per-channel group read quantised), in one float32 tensor, then
+        cast to the compute ``dtype``."""
         out = torch.empty(self.batch, self.n_head, n, self.head_dim, dtype=torch.float32, device=self.device)
         if n_quant:
             deq, rot = self._dequantized(layer, which, n_quant), self._rotation()
             out[:, :, :n_quant] = deq if rot is None else deq @ rot
         out[:, :, n_quant:] = getattr(self, f"{which}_tail")[layer, :, :, :n - n_quant]
+        p = self._partial(which, n_quant, n)
+        if p:
+            out[:, :, n_quant:n_quant + p] = self._partial_group(layer, which, p)[0]
         return out.to(dtype)
+
+    @property
+    def _reads_partial_groups(self) -> bool:
+        """``tail=residual`` with a per-channel axis: attention reads the filling group quantised."""
+        return self.opts.tail == "residual" and "channel" in (self.opts.axis("k"), self.opts.axis("v"))
+
+    def _partial(self, which: str, n_quant: int, n: int) -> int:
+        """Tokens of the per-channel group still filling that ``tail=residual`` reads quantised (0: none)."""
+        if self.opts.tail != "residual" or self.opts.axis(which) != "channel":
+            return 0
+        return max(0, n - n_quant - self.opts.residual)
+
+    def _partial_group(self, layer: int, which: str, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The oldest ``p`` tail tokens of K or V as a per-channel group of ``group_size`` tokens, zero-padded,
+        quantised and dequantised (rotated first and back, if asked): (values, their error bound), each
+        (B, nh, p, hs) float32. Quantised afresh from the full-precision tail at every read, as the group fills."""
+        o, G, bits = self.opts, self.opts.group_size, self.opts.bits(which)
+        x = getattr(self, f"{which}_tail")[layer, :, :, :p].float()
+        rot = self._rotation()
+        if rot is not None:
+            x = x @ rot
+        padded = torch.cat([x, x.new_zeros(*x.shape[:2], G - p, x.shape[3])], dim=2)  # (B, nh, G, hs)
+        if o.symmetric:
+            codes, scale = quantize_symmetric(padded, bits, dim=2)
+            lo = minimum(scale, None, bits)
+            half = symmetric_bound(codes[:, :, :p], scale.float().expand(-1, -1, p, -1), bits)
+        else:
+            codes, scale, lo = quantize(padded, bits, dim=2)
+            half = (scale.float() / 2).expand(-1, -1, p, -1)
+        deq = torch.addcmul(lo.float(), codes[:, :, :p].float(), scale.float())
+        if rot is None:
+            return deq, half
+        return deq @ rot, self._rotated_bound(half, deq.abs())
 
     def _half_steps(self, layer: int, which: str, n_quant: int) -> torch.Tensor:
         """How far each of the first ``n_quant`` tokens of K or V may be from what was written, in float32:
-        (B, nh, n_quant, hs). Half a step per stored value; rotated, the back-rotation sums a block's half-steps
-        (weighted by |H| = 1 / sqrt(block)), plus the float32 rounding of both rotations."""
-        hs, G = self.head_dim, self.opts.group_size
+        (B, nh, n_quant, hs). Half a step per stored value (symmetric: ``symmetric_bound``, from the codes and
+        scales); rotated, the back-rotation sums a block's bounds (weighted by |H| = 1 / sqrt(block)), plus the
+        float32 rounding of both rotations."""
+        hs, G, bits = self.head_dim, self.opts.group_size, self.opts.bits(which)
         scale = getattr(self, f"{which}_scale")[layer].float()
         if self.opts.axis(which) == "channel":
-            half = scale[:, :, :n_quant // G].repeat_interleave(G, dim=2) / 2
+            scale = scale[:, :, :n_quant // G].repeat_interleave(G, dim=2)
         else:
-            half = scale[:, :, :n_quant].repeat_interleave(G, dim=-1)[..., :hs] / 2
-        rot = self._rotation()
-        if rot is None:
+            scale = scale[:, :, :n_quant].repeat_interleave(G, dim=-1)[..., :hs]
+        if self.opts.symmetric:
+            codes = unpack(getattr(self, f"{which}_q")[layer][:, :, :n_quant], bits, hs)
+            half = symmetric_bound(codes, scale, bits)
+        else:
+            half = scale / 2
+        if self._rotation() is None:
             return half
-        mag = rot.abs()  # |H|: 1 / sqrt(b) within each block, 0 elsewhere
-        b = hadamard_block(hs)
+        return self._rotated_bound(half, self._dequantized(layer, which, n_quant).abs())
+
+    def _rotated_bound(self, half: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The bound ``half`` on values quantised in the rotated basis (``y``: |their dequantised values|, still
+        rotated), rotated back: the back-rotation sums a block's bounds (weighted by |H| = 1 / sqrt(block)), plus the
+        float32 rounding of both rotations."""
+        mag = self._rotation().abs()  # |H|: 1 / sqrt(b) within each block, 0 elsewhere
+        b = hadamard_block(self.head_dim)
         gamma = (b + 2) * 2.0 ** -24 / (1 - (b + 2) * 2.0 ** -24)  # a length-b float32 dot product's rounding
-        y = self._dequantized(layer, which, n_quant).abs()
         x_bound = (y + half) @ mag  # |what was written|, to first order
         rotated_in = gamma * 1.01 * (x_bound @ mag)  # rounding of the rotation before quantising
         return (half + rotated_in) @ mag + gamma * (y @ mag)
@@ -527,8 +712,10 @@ class QuantKVCache(KVCache):
         bounds = []
         for which, q in zip(("k", "v"), self._split(n)):
             rounding = self._history(layer, q, n, which, torch.float32).abs() * half_ulp
-            zeros = torch.zeros(B, nh, n - q, hs, device=self.device)
-            bounds.append(torch.cat([self._half_steps(layer, which, q), zeros], dim=2) + rounding)
+            p = self._partial(which, q, n)  # tail=residual: the filling group, read quantised
+            partial = [self._partial_group(layer, which, p)[1]] if p else []
+            zeros = torch.zeros(B, nh, n - q - p, hs, device=self.device)
+            bounds.append(torch.cat([self._half_steps(layer, which, q), *partial, zeros], dim=2) + rounding)
         return bounds[0], bounds[1]
 
     # ---- rewinding and reuse --------------------------------------------------------------------------------
@@ -563,8 +750,9 @@ class QuantKVCache(KVCache):
             slots = _scale_slots(q, self.opts.axis(which), self.head_dim, self.opts.group_size)[0]
             parts.update({f"{which}_q": (getattr(self, f"{which}_q"), q),
                           f"{which}_scale": (getattr(self, f"{which}_scale"), slots),
-                          f"{which}_min": (getattr(self, f"{which}_min"), slots),
                           f"{which}_tail": (getattr(self, f"{which}_tail"), n - q)})
+            if getattr(self, f"{which}_min") is not None:  # asymmetric: the minimums too
+                parts[f"{which}_min"] = (getattr(self, f"{which}_min"), slots)
         return parts
 
     def snapshot(self) -> dict:

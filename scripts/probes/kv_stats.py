@@ -3,6 +3,7 @@ rotation's premise) and attention sinks (StreamingLLM's). docs/papers.md reads i
 
     .venv/bin/python scripts/probes/kv_stats.py            # the shipped mini, 2 held-out texts of 1,024 tokens
     .venv/bin/python scripts/probes/kv_stats.py --weights DIR --texts 4
+    .venv/bin/python scripts/probes/kv_stats.py --outliers 20   # the mini with outlier channels (model.outliers)
 
 Printed per layer, K and V as attention reads them (each head's head_dim channels, over every token of the texts):
 - channel ratio: the largest channel's max |x| over the median channel's (mean over heads). Large: a few channels
@@ -13,6 +14,10 @@ Printed per layer, K and V as attention reads them (each head's head_dim channel
 - token/channel range: a scale per token's group range over a scale per channel's (32 tokens): above 1, K or V
   quantised per channel takes finer steps than per token at the same bits (see ``axis_ranges``).
 - sink share: the attention queries at positions >= 64 put on position 0 (mean over heads).
+
+``--outliers S`` first gives the model one K and one V channel per head, S times their size, the model's function
+kept (``models.outliers.inject``, what ``model.outliers.scale=S`` does to a run's model): the channel ratios then
+read about S times the model's own.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch  # noqa: E402
 
 from harness.train.targets import attention_io, attention_on_first  # noqa: E402
 from models.gpt2 import GPT2  # noqa: E402
+from models.outliers import inject  # noqa: E402
 from models.kv_cache.quant import hadamard  # noqa: E402
 from models.tokenizer import Tokenizer  # noqa: E402
 
@@ -78,8 +84,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--weights", default=str(MINI), help="an HF GPT-2 checkpoint folder (default: the shipped mini)")
     p.add_argument("--texts", type=int, default=2, help="held-out texts of 1,024 tokens (default 2)")
+    p.add_argument("--outliers", type=float, default=1.0, metavar="S",
+                   help="give one K and one V channel per head S times their size first, the function kept (default "
+                        "1: the checkpoint as it is)")
     a = p.parse_args(argv)
     model = GPT2.from_pretrained(a.weights).eval()
+    try:
+        chosen = inject(model, a.outliers)
+    except ValueError as e:
+        print(f"kv_stats: --outliers: {e}", file=sys.stderr)
+        return 2
     text = (Path(a.weights) / "heldout.txt").read_text()
     ids = Tokenizer().encode(text)
     n = model.config.n_positions
@@ -91,7 +105,9 @@ def main(argv=None) -> int:
     with torch.no_grad():
         sinks = attention_on_first(model, idx)
     rot = hadamard(pairs[0][0].shape[-1])
-    print(f"{a.weights}: {a.texts} texts x {n} tokens, head_dim {pairs[0][0].shape[-1]}")
+    print(f"{a.weights}: {a.texts} texts x {n} tokens, head_dim {pairs[0][0].shape[-1]}" + (
+        "" if chosen["k_channels"] is None else f", outliers x{a.outliers:g} (K channels {chosen['k_channels']}, V "
+        f"channels {chosen['v_channels']} per layer and head)"))
     print(f"{'layer':>5} {'K channel ratio':>16} {'V channel ratio':>16} {'K token peak':>13} {'rotated':>8} "
           f"{'V token peak':>13} {'rotated':>8} {'K tok/ch range':>15} {'V tok/ch range':>15} {'sink share':>11}")
     for layer, ((k, v), sink) in enumerate(zip(pairs, sinks)):

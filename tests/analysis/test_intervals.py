@@ -122,3 +122,27 @@ def test_verdict_reads_the_whole_interval(lo, hi, want):
 @pytest.mark.parametrize("lo,hi,want", [(-0.05, 0.05, HOLDS), (0.2, 0.3, FAILS), (-0.05, 0.2, INCONCLUSIVE)])
 def test_about_the_same_is_a_margin(lo, hi, want):
     assert intervals.verdict_within(Interval((lo + hi) / 2, lo, hi, 10), -0.1, 0.1) == want
+
+
+def test_each_runs_quality_gets_its_interval_over_its_own_texts():
+    """with_intervals: a run's <key>_lo / <key>_hi are intervals.single over its rows (ΔNLL from nll - nll_fp32,
+    copy accuracy over sequences); a run without rows gets NaN, and the figure itself is left as it was."""
+    rng = np.random.default_rng(3)
+    text = pd.DataFrame(dict(run_name=np.repeat(["a", "b"], 40), text_id=np.tile(np.repeat(list("wxyz"), 10), 2),
+                             kl=rng.gamma(2.0, 0.05, 80), nll=3 + rng.random(80), nll_fp32=3.0))
+    copy = pd.DataFrame(dict(run_name="a", seq_id=np.repeat(["s1", "s2", "s3"], 5), correct=rng.integers(0, 2, 15)))
+    runs = pd.DataFrame(dict(run_name=["a", "b", "c"], drift_kl=[0.1, 0.2, 0.3]))
+    out = intervals.with_intervals(runs, {"text_positions": text, "retrieval_positions": copy})
+    a = text[text.run_name == "a"]
+    iv = intervals.single(a, "kl", unit="text_id")
+    assert (out.loc[0, "drift_kl_lo"], out.loc[0, "drift_kl_hi"]) == (iv.lo, iv.hi)
+    d = intervals.single(a.assign(dnll=a.nll - a.nll_fp32), "dnll", unit="text_id")
+    assert (out.loc[0, "drift_delta_nll_lo"], out.loc[0, "drift_delta_nll_hi"]) == (d.lo, d.hi)
+    c = intervals.single(copy, "correct", unit="seq_id")
+    assert (out.loc[0, "retrieval_acc_lo"], out.loc[0, "retrieval_acc_hi"]) == (c.lo, c.hi)
+    assert np.isnan(out.loc[1, "retrieval_acc_lo"]) and np.isnan(out.loc[2, "drift_kl_lo"])
+    assert out.loc[1, "drift_kl_p99_lo"] <= np.quantile(text[text.run_name == "b"].kl, 0.99)
+    assert out["drift_kl"].tolist() == [0.1, 0.2, 0.3]
+    paired = intervals.paired({"x": a, "y": text[text.run_name == "b"]}, "kl",
+                              lambda s: s["x"] - s["y"], unit="text_id")
+    assert paired == intervals.compare(a, text[text.run_name == "b"], "kl", unit="text_id")

@@ -157,7 +157,9 @@ def test_cache_bytes_bars_equal_bytes(tables):
     # (a): containers in hue order (measured, predicted), bars in tick order; one tick per ok run
     ticks = [t.get_text() for t in a.get_xticklabels()]
     assert sorted(ticks) == sorted(ok["model"] + "/" + ok["cache"] + "/" + ok["dtype"])
-    assert [t.get_text() for t in a.get_legend().get_texts()] == ["measured", "predicted"]
+    legend_a, legend_b = fig.legends  # below the panels, never on the bars
+    assert a.get_legend() is None and b.get_legend() is None
+    assert [t.get_text() for t in legend_a.get_texts()] == ["measured", "predicted"]
     by_label = ok.set_index(ok["model"] + "/" + ok["cache"] + "/" + ok["dtype"])
     for container, col in zip(a.containers, ["cache_nbytes", "predicted_nbytes"]):
         heights = [bar.get_height() for bar in container]
@@ -168,7 +170,7 @@ def test_cache_bytes_bars_equal_bytes(tables):
     # (b): bytes per token per (model, dtype); caches of the same cost share a bar
     models = [t.get_text() for t in b.get_xticklabels()]
     assert models == MODELS
-    series = [t.get_text() for t in b.get_legend().get_texts()]
+    series = [t.get_text() for t in legend_b.get_texts()]
     assert series == sorted(f"concat, prealloc · {d}" for d in DTYPES)
     for container, name in zip(b.containers, series):
         dtype = name.split(" · ")[1]
@@ -176,6 +178,33 @@ def test_cache_bytes_bars_equal_bytes(tables):
         np.testing.assert_allclose([bar.get_height() for bar in container], want)
     heights = [p.get_height() for ax in (a, b) for p in ax.patches]
     assert not np.isclose(heights, BYTES_SENTINEL).any()
+
+
+def test_cache_bytes_legends_sit_off_the_panels_and_bytes_read_in_units(tables):
+    runs, _, _ = tables
+    fig = cache_bytes_plot(runs)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    panels = [ax.get_window_extent(renderer) for ax in fig.axes[:2]]
+    for legend in fig.legends:
+        box = legend.get_window_extent(renderer)
+        assert not any(box.overlaps(p) for p in panels)  # on neither panel's data
+        assert fig.bbox.contains(box.x0, box.y0) and fig.bbox.contains(box.x1, box.y1)  # nor off the figure
+    for ax in fig.axes[:2]:
+        labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+        assert labels and all(lab.endswith("B") and not lab.replace(",", "").isdigit() for lab in labels), labels
+        assert ax.yaxis.get_major_formatter()(393216, 0) == "393 kB"
+
+
+def test_bytes_read_in_decimal_units():
+    from harness.analysis.plots import human_bytes
+
+    assert human_bytes(393216) == "393 kB"
+    assert human_bytes(512) == "512 B"
+    assert human_bytes(75_497_472) == "75.5 MB"
+    assert human_bytes(999_999) == "1 MB"  # not "1e+03 kB"
+    assert human_bytes(2.5e9) == "2.5 GB"
+    assert human_bytes(0) == "0 B"
 
 
 DRIFT_PANELS = {"KL": "drift_kl", "max |Δlogit|": "drift_max_abs", "top-1": "drift_top1_agreement"}
@@ -206,6 +235,32 @@ def test_drift_without_reduced_precision_says_so(tables):
     assert not fig.axes[0].get_lines()
 
 
+def test_drift_not_measured_says_so_and_is_not_drawn_in_a_report():
+    """Five windows measured without generation_drift: their drift.csv has the equivalence columns only. The figure
+    names the measurement that was left out (not "nothing drifts": windows do drift), and the report leaves it out;
+    exact fp32 runs alone still get their "nothing drifts"."""
+    from harness.analysis.plots import drift_measured, drift_unmeasured
+
+    rows = [dict(run_name=f"w{s}", status="ok", model="mini", cache="window", cache_label=f"window S{s}+W{64 - s}",
+                 dtype="fp32", device="cpu", step=step, eq_max_abs_diff=1e-6, drift_kl=np.nan, drift_max_abs=np.nan,
+                 drift_top1_agreement=np.nan) for s in (0, 1, 2, 4, 8) for step in range(3)]
+    drift = pd.DataFrame(rows)
+    assert drift_unmeasured(drift) == ["w0", "w1", "w2", "w4", "w8"]
+    fig = drift_plot(drift)
+    said = " ".join(t.get_text() for t in fig.axes[0].texts)
+    assert "generation_drift" in said and "not measured" in said and "nothing drifts" not in said
+    runs = pd.DataFrame([dict(r, max_abs_logit_diff=1e-6, tokens_identical=True) for r in rows[::3]])
+    assert not drift_measured(drift) and "drift" not in figures_for(runs, {"drift": drift})
+    exact = drift.assign(cache="prealloc", cache_label="prealloc")  # fp32 full attention: nothing would drift
+    assert drift_measured(exact) and "drift" in figures_for(runs, {"drift": exact})
+    # a window measured beside one that was not: drawn, the unmeasured one named in the title
+    mixed = drift.copy()
+    mixed.loc[mixed.run_name == "w4", ["drift_kl", "drift_max_abs", "drift_top1_agreement"]] = [0.1, 1.0, 0.9]
+    assert drift_measured(mixed)
+    title = drift_plot(mixed).get_suptitle()
+    assert "not measured" in title and "w0" in title and "w4" not in title
+
+
 def test_equivalence_grid_cells_equal_logit_diffs(tables):
     runs, _, _ = tables
     ok = runs[runs["status"] == "ok"]
@@ -225,6 +280,41 @@ def test_equivalence_grid_cells_equal_logit_diffs(tables):
         assert mark == ("✓" if run["tokens_identical"] else "✗")
     assert not np.isclose(cells, SENTINEL).any()
     assert "max |Δlogit|" in fig.axes[1].get_ylabel()  # the colour bar
+
+
+def _cell_colours(ax, shape):
+    ax.figure.canvas.draw()  # colours are mapped when drawn
+    mesh = ax.collections[0]
+    return np.asarray(mesh.get_facecolors()).reshape(*shape, 4)
+
+
+def test_equivalence_colours_are_fixed_on_the_tolerance_not_the_data():
+    """1e-4 (equivalence_tol) sits at the middle of the colour scale whatever the cells hold; a cell at 1.9e-5 is
+    calm green even when it is the grid's worst, a cell at 2e-4 alarm red; lossy and fp16 cells are grey."""
+
+    def grid(values, **kw):
+        rows = [dict(run_name=f"r{i}", status="ok", model="mini", cache=c, cache_label=c, dtype="fp32",
+                     cache_exact=True, storage_dtype="float32", compute_dtype="float32", equivalence_tol=1e-4,
+                     tokens_identical=True, max_abs_logit_diff=v) for i, (c, v) in enumerate(values.items())]
+        rows = [dict(r, **kw.get(r["cache"], {})) for r in rows]
+        fig = equivalence_grid(pd.DataFrame(rows))
+        return fig, fig.axes[0]
+
+    fig, ax = grid({"concat": 3e-6, "prealloc": 1.9e-5})  # both far inside: before, 1.9e-5 was the darkest cell
+    norm = ax.collections[0].norm
+    assert norm(1e-4) == pytest.approx(0.5)
+    concat, prealloc = _cell_colours(ax, (1, 2))[0, :, :3].tolist()
+    assert prealloc[1] > prealloc[0] and concat[1] > concat[0]  # green over red: calm
+    fig, ax = grid({"concat": 1.9e-5, "prealloc": 2e-4, "quant": 0.8},
+                   quant=dict(cache_exact=False), prealloc=dict())
+    assert ax.collections[0].norm(1e-4) == pytest.approx(0.5)  # the same scale, other data
+    calm, alarm, _ = _cell_colours(ax, (1, 3))[0, :, :3].tolist()
+    assert calm[1] > calm[0] and alarm[0] > 1.5 * alarm[1]  # 2e-4 is over the tolerance: red
+    grey = [p for p in ax.patches if p.get_x() == 2]  # the lossy quant cell is covered grey, not red
+    assert len(grey) == 1 and np.allclose(grey[0].get_facecolor()[:3], [0.87] * 3)
+    cbar = fig.axes[1]
+    assert any("tolerance" in t.get_text() and "1e-04" in t.get_text() for t in cbar.get_yticklabels())
+    assert "1e-04" in ax.get_title()
 
 
 def test_all_figures_keys_and_skips(tables):
@@ -260,6 +350,7 @@ def test_memory_lines_follow_the_formula_and_dots_the_measurements():
     want = ok.dropna(subset=["nbytes_measured"])
     assert sorted(map(tuple, dots.tolist())) == sorted(zip(want.tokens.astype(float), want.nbytes_measured))
     assert not np.isclose(all_line_values(fig), SENTINEL).any()
+    assert ax.yaxis.get_major_formatter()(393216, 0) == "393 kB" and ax.get_ylim()[0] == 0  # bytes from nothing
 
 
 def test_cost_lines_are_each_runs_fit(tables):
@@ -371,3 +462,100 @@ def test_the_pareto_frontier_is_the_settings_nothing_beats_on_both():
     frontier = [line for ax in fig.axes for line in ax.get_lines() if line.get_label().startswith("frontier")]
     assert frontier and list(frontier[0].get_xdata()) == [10, 50, 90]  # paged beats prealloc: fewer bytes, same 0
     plt.close(fig)
+
+
+def _errorbars(ax):
+    """(x, lo, hi) of every vertical error bar drawn on ``ax``."""
+    from matplotlib.container import ErrorbarContainer
+
+    out = []
+    for c in ax.containers:
+        if isinstance(c, ErrorbarContainer):
+            for seg in c.lines[2][0].get_segments():
+                out.append((seg[0][0], min(seg[0][1], seg[1][1]), max(seg[0][1], seg[1][1])))
+    return sorted(out)
+
+
+SINKS = [0, 1, 2, 4, 8]
+
+
+def windows_of_one_budget(intervals=True):
+    """Five windows of 64 slots (sinks 0 .. 8, window the rest): the same bytes held, quality that differs."""
+    rows = []
+    for s in SINKS:
+        nll, acc = 1.0 / (1 + s), 0.5 + 0.05 * s
+        row = dict(status="ok", run_name=f"w{s}", model="mini", cache="window", cache_label=f"window S{s}+W{64 - s}",
+                   dtype="fp32", cache_exact=True, storage_dtype="float32", compute_dtype="float32",
+                   cache_budget=64, cache_sinks=s, cache_window=64 - s, cache_nbytes=393216,
+                   drift_delta_nll=nll, retrieval_acc=acc, retrieval_acc_ref=0.97)
+        if intervals:
+            row.update(drift_delta_nll_lo=nll - 0.1, drift_delta_nll_hi=nll + 0.2,
+                       retrieval_acc_lo=acc - 0.05, retrieval_acc_hi=min(acc + 0.04, 1.0))
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def test_a_pareto_whose_settings_hold_the_same_bytes_is_drawn_against_the_swept_option():
+    """Five windows of one budget hold 393 kB each: on a bytes axis they are one vertical line of overlapping labels.
+    The figure draws quality against cache.sinks instead (the window, budget - sinks, follows it and is not the
+    setting), says why in the panel's title, and carries each point's interval."""
+    from harness.analysis.plots import pareto_plot, swept_setting, pareto_points
+
+    runs = windows_of_one_budget()
+    assert swept_setting(pareto_points(runs)) == ("cache_sinks", "cache.sinks")
+    fig = pareto_plot(runs)
+    for ax in fig.axes:
+        assert ax.get_xlabel() == "cache.sinks"
+        assert "393 kB" in ax.get_title() and "cache.sinks" in ax.get_title()
+        assert [float(t) for t in ax.get_xticks()] == SINKS
+        dots = ax.collections[0].get_offsets()
+        quality = "drift_delta_nll" if "ΔNLL" in ax.get_ylabel() else "retrieval_acc"
+        assert sorted(map(tuple, np.asarray(dots).tolist())) == sorted(zip(map(float, SINKS), runs[quality]))
+        want = sorted(zip(map(float, SINKS), runs[f"{quality}_lo"], runs[f"{quality}_hi"]))
+        np.testing.assert_allclose(_errorbars(ax), want)
+        assert not [t for t in ax.texts if t.get_text()]  # the ticks name the points: no labels on one line
+    assert "95% intervals over texts / sequences" in fig.get_suptitle() and "frontier" not in fig.get_suptitle()
+    # without the intervals (a sweep from before them): the same points, no bars
+    fig = pareto_plot(windows_of_one_budget(intervals=False))
+    assert all(not _errorbars(ax) for ax in fig.axes) and "95%" not in fig.get_suptitle()
+
+
+def test_pareto_labels_do_not_cover_one_another_and_bytes_read_in_units():
+    """Five settings close together on both axes (a sixth far off squeezes them): each label moves until it covers
+    none of the others."""
+    from harness.analysis.plots import pareto_plot
+
+    rows = [dict(status="ok", run_name=f"q{b}", model="mini", cache="quant", cache_label=f"quant k{b}/v{b} g32",
+                 dtype="fp32", cache_exact=False, storage_dtype="float32", compute_dtype="float32",
+                 cache_k_bits=b, cache_v_bits=b, cache_nbytes=100_000 + 100 * b if b < 8 else 400_000,
+                 drift_delta_nll=0.01 + 0.0001 * b if b < 8 else 0.5)
+            for b in (2, 3, 4, 5, 6, 8)]
+    fig = pareto_plot(pd.DataFrame(rows))
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    boxes = [t.get_window_extent() for t in ax.texts if t.get_text()]
+    assert len(boxes) == 6
+    assert not any(a.overlaps(b) for a, b in itertools.combinations(boxes, 2))
+    assert ax.get_xlabel().startswith("KV bytes")
+    assert ax.xaxis.get_major_formatter()(105_000, 0) == "105 kB"
+    assert all(fig.bbox.contains(b.x0, b.y0) and fig.bbox.contains(b.x1, b.y1) for b in boxes)  # none off it
+
+
+def test_retrieval_and_budget_draw_each_runs_interval_where_the_table_has_one():
+    from harness.analysis.plots import budget_plot, retrieval_plot
+
+    runs = windows_of_one_budget()
+    ax = retrieval_plot(runs).axes[0]
+    got = _errorbars(ax)  # bars in tick order: the window labels, sorted
+    order = runs.sort_values("cache_label")
+    np.testing.assert_allclose(got, list(zip(range(5), order["retrieval_acc_lo"], order["retrieval_acc_hi"])))
+    assert not _errorbars(retrieval_plot(windows_of_one_budget(intervals=False)).axes[0])
+    assert "95%" in retrieval_plot(runs).get_suptitle()
+    # two budgets of one setting: a line with a bar at each point
+    two = pd.concat([runs.iloc[[2]], runs.iloc[[2]].assign(run_name="w2b", cache_budget=128, cache_window=126,
+                                                            drift_delta_nll=0.1, drift_delta_nll_lo=0.05,
+                                                            drift_delta_nll_hi=0.2)])
+    fig = budget_plot(two)
+    nll = next(ax for ax in fig.axes if "ΔNLL" in ax.get_ylabel())
+    np.testing.assert_allclose(_errorbars(nll), [(64, 1 / 3 - 0.1, 1 / 3 + 0.2), (128, 0.05, 0.2)])
+    assert "95% intervals" in fig.get_suptitle()

@@ -88,7 +88,8 @@ def test_report_tables_plots_and_html(tree, tmp_path):
     assert set(pd.read_parquet(out / "steps.parquet").context_len) == {8, 32}
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert pngs == ["cache_bytes.png", "cost_model.png", "drift.png", "equivalence.png", "layers.png", "memory.png",
-                    "pareto.png", "retrieval.png", "serving.png", "speedup.png", "step_time.png"]  # several settings
+                    "pareto.png", "retrieval.png", "retrieval_depth.png", "serving.png", "speedup.png",
+                    "step_time.png"]  # several settings
     page = (out / "report.html").read_text()
     for name in pngs:
         assert name in page
@@ -183,3 +184,46 @@ def test_several_sweep_folders_make_one_report(tiny_sweep, tmp_path):
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "needs --out" in refused.stderr and len(refused.stderr.splitlines()) == 1
     assert not (a / "report").exists() and not (b / "report").exists()
+
+
+# ---- retrieval by depth: the heatmap, from runs written here (fast: no sweep) --------------------------------------
+
+def _retrieval_sweep(root, tiny_model, settings) -> None:
+    """A folder of runs that made the retrieval measurement alone on the tiny model, one per (name, kind, options,
+    retrieval_depth_buckets), written as a run writes its files."""
+    import torch
+
+    from harness import measurements
+    from harness.core.engines import KvlabEngine
+    from harness.core.measure import CacheSpec
+    from harness.experiment import tracking
+
+    engine = KvlabEngine(tiny_model)
+    for name, kind, opts, buckets in settings:
+        rec, tables = measurements.run_on(engine, CacheSpec(kind, opts, torch.float32), [torch.tensor([[464, 3290]])],
+                                          2, names=["retrieval"], max_len=128, retrieval_n=20, retrieval_k=1,
+                                          retrieval_depth_buckets=buckets)
+        label = " ".join([kind, *(f"{k}={v}" for k, v in opts.items())])
+        rec.update(run_name=name, group="depth", status="ok", model="tiny", cache=kind, cache_label=label,
+                   dtype="fp32", device="cpu", engine="kvlab", serve_batch=1, prompt_lengths="uniform",
+                   measurements="retrieval", config_id=name, weights="random")
+        tracking.write_run_files(root / name, rec, tracking.with_identity(tables, rec))
+
+
+def test_the_depth_heatmap_is_written_when_retrieval_ran_by_depth(tmp_path, tiny_model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IncompleteRunWarning)  # every table these runs made is read
+        _retrieval_sweep(tmp_path / "sweep", tiny_model, [("full", "prealloc", {}, 5),
+                                                          ("window", "window", {"window": 8}, 5)])
+        rep = build_report(tmp_path / "sweep", tmp_path / "report")
+        _retrieval_sweep(tmp_path / "flat", tiny_model, [("full", "prealloc", {}, 0)])
+        flat = build_report(tmp_path / "flat", tmp_path / "flat-report")
+    out, page = rep["folder"], rep["html"].read_text()
+    assert (out / "retrieval_depth.png").stat().st_size > 0 and 'alt="retrieval_depth"' in page
+    assert "Retrieval by depth" in page
+    depth = pd.read_csv(out / "retrieval_depth.csv")
+    assert set(depth.run_name) == {"full", "window"} and depth.depth_bucket.nunique() == 5
+    assert (flat["folder"] / "retrieval.png").is_file()  # retrieval ran, its depth view did not: no heatmap
+    assert not (flat["folder"] / "retrieval_depth.png").exists()
+    assert 'alt="retrieval_depth"' not in flat["html"].read_text()
+    plt.close("all")

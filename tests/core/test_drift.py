@@ -36,8 +36,10 @@ def test_statistics_equal_their_definitions_on_the_pass_logits(tiny_model):
     lossy = spec("quant", k_bits=2, v_bits=2, group_size=8)
     s, _ = measure.text_drift(e, e, lossy, TEXT, T=8)
     ours, _ = measure.text_pass(e, lossy, TEXT[0], 8)
-    ref, _ = measure.text_pass(e, spec("prealloc"), TEXT[0], 8)
+    ref, _ = measure.text_pass(e, spec("prealloc"), TEXT[0], TEXT[0].shape[1] - 1)  # the reference: one forward
+    stepped, _ = measure.text_pass(e, spec("prealloc"), TEXT[0], 8)
     assert torch.allclose(ref, tiny_model(TEXT[0])[0, :-1], atol=1e-4)  # the fp32 pass is full attention
+    assert torch.allclose(ref, stepped, atol=1e-4)  # and what decode steps through an exact cache compute
     target = TEXT[0][0, 1:]
     kl = F.kl_div(ours.double().log_softmax(-1), ref.double().log_softmax(-1), log_target=True,
                   reduction="none").sum(-1)

@@ -164,7 +164,7 @@ def test_drift_texts_are_disjoint_spans_of_the_file():
     assert torch.cat([t[0] for t in texts]).tolist() == stream[:7 * 150]  # in order, none twice, nothing skipped
     assert tok.decode(texts[0][0]).startswith(paragraphs[0])
     with pytest.raises(ConfigError, match=f"holds {len(stream):,} tokens, and 8 disjoint texts of 150 tokens .* "
-                                          "need 1,200: lower n_prompts or drift_text_len, or give a longer file"):
+                                          "need 1,200: lower drift_texts or drift_text_len, or give a longer file"):
         disjoint_texts(path, 8, 150, tok)
 
 

@@ -20,7 +20,7 @@ from harness.core.engines import HF_COUNTERPARTS, ENGINES, Counterpart, HFEngine
     hf_refuses
 from models.gpt2 import GPT2Config
 from models.kv_cache import CACHE_KINDS, cache_kind
-from models.kv_cache.quant import AXES, BITS, QUANTIZED, ROTATIONS
+from models.kv_cache.quant import AXES, BITS, QUANTIZED, ROTATIONS, SCHEMES, TAILS
 from tests.helpers import REPO, TINY, run_py
 
 CASES = [
@@ -87,7 +87,8 @@ def test_an_undeclared_option_is_refused(monkeypatch, tiny_model):
 
 
 QUANT_VALUES = {"k_bits": BITS, "v_bits": BITS, "group_size": (1, 8, 16, 24, 32, 48, 64), "residual": (0, 1, 2, 7),
-                "k_axis": AXES, "v_axis": AXES, "rotate": ROTATIONS, "quantize": QUANTIZED}
+                "k_axis": AXES, "v_axis": AXES, "rotate": ROTATIONS, "quantize": QUANTIZED, "scheme": SCHEMES,
+                "tail": TAILS}
 
 
 def test_quant_refusals_name_what_to_pass_and_that_is_accepted():
@@ -107,11 +108,13 @@ def test_quant_refusals_name_what_to_pass_and_that_is_accepted():
             types = cache_kind("quant").option_types()
             fixed = {**options, **{k: types[k](v) for k, v in fixes.items()}}
             assert hf_refuses("quant", cache_kind("quant").parse_options(**fixed), 64) is None, (options, why)
-    # what quanto runs: 4 or 2 bits for both, a group size dividing the head, K and V per token, nothing rotated, both
+    # what quanto runs: 4 or 2 bits for both, a group size dividing the head, K and V per token, nothing rotated, both,
+    # a scale and a zero point per group
     assert {k for k, ok in accepted.items() if ok} == {
         ("k_bits", 4), ("v_bits", 4), ("group_size", 1), ("group_size", 8), ("group_size", 16), ("group_size", 32),
         ("group_size", 64), ("residual", 0), ("residual", 2), ("residual", 7), ("k_axis", "token"),
-        ("v_axis", "token"), ("rotate", "none"), ("quantize", "kv")}
+        ("v_axis", "token"), ("rotate", "none"), ("quantize", "kv"), ("scheme", "asymmetric"),
+        ("tail", "group")}
 
 
 def test_every_option_hf_quant_runs_with_changes_what_it_computes(tiny_model):
@@ -285,6 +288,7 @@ def _old_id(cfg):
             and not (k == "measurements" and cfg[k] is None)]
     plain = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
              for k in keys}
+    plain["model"].pop("outliers")  # at scale 1 not hashed: its configs had no model.outliers
     return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

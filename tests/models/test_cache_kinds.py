@@ -120,6 +120,15 @@ def test_every_example_is_a_setting_a_run_accepts_and_the_run_checks_say_one_lin
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_each_example_has_a_label_of_its_own(kind):
+    """A run's cache_label is the kind's label of its options: option sets that store or compute differently (the
+    examples: axes, bits, a scheme, ...) must not share one, or a sweep's table would merge them."""
+    cls = CACHE_KINDS[kind]
+    labels = [cls.label(cls.parse_options(**opts)) for opts in cls.examples]
+    assert len(set(labels)) == len(labels), labels
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_geometry_and_dtype_are_checked(kind):
     with pytest.raises(ValueError, match="max_len must be a positive integer"):
         make_cache(kind, 2, 2, 4, 0)

@@ -87,7 +87,12 @@ def quant_options() -> tuple[dict, ...]:
                                     {"k_bits": 4, "v_bits": 4}, {"k_bits": 2, "v_bits": 8},
                                     {"k_bits": 8, "v_bits": 2, "residual": 5},
                                     # groups of 6 channels split 2-bit bytes: the kernel's row-by-row path
-                                    {"k_bits": 2, "v_bits": 2, "group_size": 6, "k_axis": "token"})
+                                    {"k_bits": 2, "v_bits": 2, "group_size": 6, "k_axis": "token"},
+                                    # the symmetric scheme (no minimum stored) on the whole-row loops of 64-channel
+                                    # heads (K per channel, V per token, groups of 32) and on the row-by-row path
+                                    {"k_bits": 4, "v_bits": 8, "residual": 5, "scheme": "symmetric"},
+                                    {"k_bits": 4, "v_bits": 2, "group_size": 6, "k_axis": "token",
+                                     "v_axis": "channel", "scheme": "symmetric"})
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -99,10 +104,11 @@ def test_quant_attention_over_its_packed_storage_equals_the_dequantised_path(tin
     """compile=true on the quant kind: decode attention reads the packed bytes, scales and tails where they lie
     instead of a dequantised copy: on the CPU through the C++ kernel (``kernel_attention``), on a GPU through
     torch.compile (``stored_attention``, run here on the CPU too). For every conformance option set (both axes,
-    2/4/8 bits, residual, a partial channel group, the rotation, K or V alone) and across group boundaries, the
-    logits equal the eager path's within float32 rounding (bf16: within its own rounding of the same values), one
-    graph per layout (the kernel: none), no recompile across steps, and the caches hold the same bytes (later
-    layers' K/V differ by the rounding of earlier layers' attention). Heads of 64 channels (GPT-2's) take the
+    2/4/8 bits, residual, a partial channel group, the rotation, K or V alone, either scheme: a symmetric cache
+    stores no minimum, and both paths take it as -N * scale) and across group boundaries, the logits equal the
+    eager path's within float32 rounding (bf16: within its own rounding of the same values), one graph per layout
+    (the kernel: none), no recompile across steps, and the caches hold the same bytes (later layers' K/V differ by
+    the rounding of earlier layers' attention). Heads of 64 channels (GPT-2's) take the
     kernel's whole-row loops for K per channel and V per token in groups of 32; the tiny model's 32, the general ones."""
     from models.kv_cache import QuantKVCache, quant
 
@@ -146,7 +152,11 @@ def test_quant_attention_over_its_packed_storage_equals_the_dequantised_path(tin
     assert st["compile_recompiles"] == 0 and st["compiled_steps"] == len(options) * 29
     # the kernel: the step compiled whole once, the kind's attention one opaque op whatever its layout; inductor's
     # attention: one graph per layout (bits, axes, group) for every layer and step, the rest of the step eager
-    assert st["compile_graphs"] == (len(options) if path == "inductor" else 1)
+    # (tail=residual reads a filling per-channel group quantised, not what is stored: its step takes the update path
+    # and compiles no attention graph of its own; its logits are held to the eager path's above all the same)
+    stored = [o for o in options if o.get("tail") != "residual"]
+    assert len(stored) < len(options)
+    assert st["compile_graphs"] == (len(stored) if path == "inductor" else 1)
     assert not counters["graph_break"]
 
 
@@ -249,10 +259,11 @@ def test_quant_kernel_equals_stored_attention_on_the_same_bytes(head):
                 n_k, n_v = c._split(n)
                 o = c.opts
 
-                def parts(which):
+                def parts(which):  # min None: the symmetric scheme
                     packed = getattr(c, f"{which}_q")[1]
                     held = o.axis(which) != "none" and packed.shape[2] > 0
-                    return (*(getattr(c, f"{which}_{p}")[1] if held else None for p in ("q", "scale", "min")),
+                    stored = (getattr(c, f"{which}_{p}") for p in ("q", "scale", "min"))
+                    return (*(t[1] if held and t is not None else None for t in stored),
                             getattr(c, f"{which}_tail")[1])
 
                 layout = ((o.bits("k"), o.axis("k")), (o.bits("v"), o.axis("v")), o.group_size, head)
@@ -263,31 +274,43 @@ def test_quant_kernel_equals_stored_attention_on_the_same_bytes(head):
                 assert float((got - want).abs().max()) <= 2e-6 * float(want.abs().max()), (opts, storage, n)
 
 
+@pytest.mark.parametrize("scheme", ["asymmetric", "symmetric"])
 @pytest.mark.parametrize("bits", [8, 4, 2])
-def test_the_kernels_token_quantiser_gives_quantize_and_packs_bytes(bits):
-    """What the compiled step stores for a per-token group is, byte for byte, what quant.quantize + pack store:
-    full, partial and whole-row channel groups, tiny to fp16-overflowing ranges, a constant row, inf and NaN."""
+def test_the_kernels_token_quantiser_gives_quantize_and_packs_bytes(bits, scheme):
+    """What the compiled step stores for a per-token group is, byte for byte, what quant.quantize (symmetric:
+    quant.quantize_symmetric, no minimum) + pack store: full, partial and whole-row channel groups, tiny to
+    fp16-overflowing ranges, a constant row, tied magnitudes, inf and NaN."""
     from models.kv_cache import kernels, quant
 
     kernel = kernels.load()
+    symmetric = scheme == "symmetric"
     g = torch.Generator().manual_seed(bits)
     for hs, G in ((64, 32), (64, 24), (30, 16), (64, 64)):
-        for magnitude in (1e-3, 1.0, 7e4):
+        for magnitude in (1e-3, 1.0, 7e4) + ((1e8,) if symmetric else ()):  # 1e8: a scale beyond fp16
             x = torch.randn(40, hs, generator=g) * magnitude
             x[3], x[4, :5], x[5, 7] = 0.0, float("inf"), float("nan")
+            if symmetric:  # tied magnitudes: the first is m (q4_0's rule), the other is clamped
+                x[6, 2], x[6, 9] = -5 * magnitude, 5 * magnitude
             ng = -(-hs // G)
             padded = torch.cat([x, x[:, -1:].expand(40, ng * G - hs)], -1)
-            q, scale, lo = quant.quantize(padded.view(40, ng, G), bits, dim=2)
-            want = (quant.pack(q.view(40, ng * G)[:, :hs], bits), scale.squeeze(2), lo.squeeze(2))
-            for w, got in zip(want, kernel.quantize_tokens(x.contiguous(), bits, G)):
+            if symmetric:
+                q, scale = quant.quantize_symmetric(padded.view(40, ng, G), bits, dim=2)
+                want = (quant.pack(q.view(40, ng * G)[:, :hs], bits), scale.squeeze(2))
+            else:
+                q, scale, lo = quant.quantize(padded.view(40, ng, G), bits, dim=2)
+                want = (quant.pack(q.view(40, ng * G)[:, :hs], bits), scale.squeeze(2), lo.squeeze(2))
+            got_all = kernel.quantize_tokens(x.contiguous(), bits, G, symmetric)
+            assert got_all[2].numel() == (0 if symmetric else 40 * ng)
+            for w, got in zip(want, got_all):
                 assert torch.equal(w.view(torch.uint8 if w.dtype == torch.uint8 else torch.int16),
                                    got.view(torch.uint8 if got.dtype == torch.uint8 else torch.int16)), (hs, G)
             # in place, as a decode step writes: 2 x 4 rows of 5 tokens into slots 3..7 of layer 1 of 2; the
             # other slots and the other layer keep what they held
             stores = [torch.full((2, 2, 4, 9, want[0].shape[1]), 0xAB, dtype=torch.uint8),
-                      *(torch.full((2, 2, 4, 9, ng), -7.0, dtype=torch.float16) for _ in range(2))]
+                      *(torch.full((2, 2, 4, 9, ng), -7.0, dtype=torch.float16) for _ in range(len(want) - 1))]
             before = [t.clone() for t in stores]
-            kernel.quantize_into(x.view(2, 4, 5, hs), 1, *stores, 3, bits, G)
+            lo = [] if not symmetric else [torch.empty(0, dtype=torch.float16)]
+            kernel.quantize_into(x.view(2, 4, 5, hs), 1, *stores, *lo, 3, bits, G, symmetric)
             for w, got, old in zip(want, stores, before):
                 as_bits = (lambda t: t.view(torch.uint8 if t.dtype == torch.uint8 else torch.int16))
                 assert torch.equal(as_bits(got[1, :, :, 3:8]), as_bits(w.view(2, 4, 5, -1))), (hs, G)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from models.generate import decode_step, new_cache, prefill
 from models.gpt2 import GPT2, GPT2Config
 from models.kv_cache import CACHE_KINDS, KeepRecord, make_cache
+from models.kv_cache.quant import BITS, offset, quantize_symmetric, symmetric_bound
 from tests.helpers.caches import attend, own_bytes
 
 BOUNDED = settings(max_examples=50, deadline=None, derandomize=True, database=None,
@@ -174,3 +175,31 @@ def test_lossy_kinds_stay_within_their_bound(s, dtype):
             assert ((got_k.float() - want).abs() <= kb * (1 + 1e-5) + 1e-6).all()
             assert ((got_v.float() + want).abs() <= vb * (1 + 1e-5) + 1e-6).all()
         cache.advance(t)
+
+
+@BOUNDED
+@given(st.sampled_from(BITS), st.integers(1, 40), st.integers(1, 6), st.integers(-30, 13), st.integers(0, 2 ** 16),
+       st.booleans())
+def test_the_symmetric_quantiser_stays_within_its_stated_bound(bits, G, groups, exponent, seed, tie):
+    """Any tensor, any group size, magnitudes from 2^-30 to 2^13 (fp16 subnormal scales included; above, a 2-bit
+    scale m / -2 may pass fp16's 65504 and the group turns non-finite, as documented): every value
+    dequantised from llama.cpp's symmetric codes is within the bound quantize_symmetric states (symmetric_bound:
+    from the codes and scales alone), the codes lie in [-N, N - 1] (8 bits: [-127, 127]), and the value a group's
+    scale is made from is the end of the range: +-127 at 8 bits, -N at 4 and 2 (the clamp acts only on the other
+    sign). ``tie``: a group's largest magnitude comes twice, with both signs (the first one is m)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, groups, G, generator=g) * 2.0 ** exponent
+    if tie and G > 1:  # the first value of largest magnitude (m) at 0, its negation last
+        x[..., 0] = torch.copysign(x.abs().amax(2) * 1.5, x[..., 0])
+        x[..., -1] = -x[..., 0]
+    q, scale = quantize_symmetric(x, bits, dim=2)
+    N = offset(bits)
+    code = q.float() - N
+    assert bool((code >= (-127 if bits == 8 else -N)).all()) and bool((code <= (127 if bits == 8 else N - 1)).all())
+    deq = code * scale.float()
+    err = (deq - x).abs()
+    bound = symmetric_bound(q, scale.float().expand_as(x), bits)
+    assert bool((err <= bound).all())
+    first = x.abs().argmax(2, keepdim=True)  # m: the end of the range the scale is made from
+    want = torch.where(x.gather(2, first) > 0, 127.0, -127.0) if bits == 8 else torch.full_like(first, -N).float()
+    assert torch.equal(code.gather(2, first), want)

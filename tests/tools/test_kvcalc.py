@@ -161,6 +161,25 @@ def test_quantised_bits_agree_with_the_quant_kind():
     assert kv_cache_bytes("tiny", 128, batch=2, kv_bits=(4, 2), group_size=16) == cache.nbytes
 
 
+def test_symmetric_bits_are_llama_cpps_blocks_and_agree_with_the_quant_kind(capsys):
+    """scheme=symmetric keeps an fp16 scale per group and no minimum: per 32 values 34 B at 8 bits (llama.cpp's
+    q8_0), 18 B at 4 (q4_0). GPT-2, K and V per channel / per token as the kind's defaults, G 32, head_dim 64, per
+    layer and head: K 64 + 2 x 64 / 32 = 68, V 32 + 2 x 2 = 36 -> 104 B; x 144 = 14,976 B/token."""
+    g = kv_geometry("gpt2")
+    assert bytes_per_token(g, kv_bits=(8, 4), scheme="symmetric") == 14_976
+    # 1,024 slots fp32: K 992 x 64 + 31 x 64 x 2 + 32 x 64 x 4 = 75,648; V 1,024 x 32 + 1,024 x 2 x 2 = 36,864
+    assert kv_cache_bytes(g, 1024, kv_bits=(8, 4), scheme="symmetric") == 144 * (75_648 + 36_864)
+    cache = make_cache("quant", 2, 2, 32, 128, 2, k_bits=4, v_bits=2, group_size=16, scheme="symmetric")
+    assert kv_cache_bytes("tiny", 128, batch=2, kv_bits=(4, 2), group_size=16, scheme="symmetric") == cache.nbytes
+    assert kv_cache_bytes("tiny", 128, batch=2, kv_bits=(4, 2), group_size=16) > cache.nbytes  # + the minimums
+    assert main(["gpt2", "--kv-bits", "8,4", "--scheme", "symmetric", "--tokens", "1024", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["scheme"], r["bytes_per_token"], r["bytes"]) == ("symmetric", 14_976, 144 * (75_648 + 36_864))
+    assert "2x64/32=4" in r["formula_per_token"] and "31x64x2" in r["formula"]
+    assert main(["gpt2", "--scheme", "symmetric"]) == 2
+    assert "pass --kv-bits K,V with it" in capsys.readouterr().err
+
+
 def test_memory_parsing():
     assert parse_memory("80GB") == 80_000_000_000
     assert parse_memory("80GiB") == 85_899_345_920

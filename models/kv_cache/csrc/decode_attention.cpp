@@ -2,7 +2,9 @@
 // - quant: the two reductions that read the quantised history (q . K^T and p . V), each reading the packed bytes and
 //   their fp16 scales where they lie, one token row at a time, with no dequantised copy (scores, weighted), and
 //   the whole decode attention of a layer over the cache's own tensors (attention); the step's tokens quantised
-//   per token, into their slots (quantize_into) or as new tensors (quantize_tokens);
+//   per token, into their slots (quantize_into) or as new tensors (quantize_tokens). Either scheme: asymmetric (a
+//   scale and a minimum per group) or symmetric (a scale only, codes stored as q + N, N = 2^(bits - 1): wherever a
+//   minimum is read, an empty minimum tensor stands for -N * scale, exact in float32);
 // - paged: the whole attention of one query, reading each key and value row through the block table (paged).
 // Built on first use by models/kv_cache/kernels.py (torch.utils.cpp_extension).
 #include <torch/extension.h>
@@ -47,11 +49,15 @@ constexpr int64_t MAX_HS = 256;  // the most channels a head may have (GPT-2's: 
 struct Packed {
   const uint8_t* q;
   const c10::Half* scale;
-  const c10::Half* lo;
+  const c10::Half* lo;  // null: the symmetric scheme, no minimum stored (its minimum is neg_offset * scale)
   int64_t nb, sw;
   bool channel;  // a scale and minimum per channel for each group of G tokens; else per token for each G channels
   int64_t G;
+  float neg_offset;  // -2^(bits - 1): symmetric codes are stored as q + 2^(bits - 1)
 };
+
+// Group i's minimum, given its scale s (read already): the stored one, or -N * s for the symmetric scheme.
+inline float low(const Packed& x, int64_t i, float s) { return x.lo ? h2f(x.lo[i]) : x.neg_offset * s; }
 
 // Scratch for one row: per-group query sums (the unpacked row and the scaled query live on the stack).
 struct Scratch {
@@ -64,7 +70,7 @@ template <int BITS>
 void score_row(const float* qq, const Packed& k, int64_t hs, int64_t n, float* o, Scratch& w) {
   const int64_t G = k.G, nb = k.nb, sw = k.sw;  // locals: no store through o can change them
   const uint8_t* pk = k.q;
-  const c10::Half *scale = k.scale, *lo = k.lo;
+  const c10::Half* scale = k.scale;
   alignas(64) float vals[MAX_HS + 8], qs[MAX_HS];
   float* qg = w.qg.data();
   if (k.channel) {  // fold each group's scales into the query, its minimums into one constant
@@ -72,9 +78,12 @@ void score_row(const float* qq, const Packed& k, int64_t hs, int64_t n, float* o
     for (int64_t j = 0; j < n; ++j) {
       if (j % G == 0) {
         const c10::Half* s = scale + (j / G) * hs;
-        const c10::Half* m = lo + (j / G) * hs;
         ql = 0.f;
-        for (int64_t c = 0; c < hs; ++c) { qs[c] = qq[c] * h2f(s[c]); ql += qq[c] * h2f(m[c]); }
+        for (int64_t c = 0; c < hs; ++c) {
+          const float sc = h2f(s[c]);
+          qs[c] = qq[c] * sc;
+          ql += qq[c] * low(k, (j / G) * hs + c, sc);
+        }
       }
       unpack_row<BITS>(pk + j * nb, nb, vals);
       float acc = 0.f;
@@ -97,7 +106,8 @@ void score_row(const float* qq, const Packed& k, int64_t hs, int64_t n, float* o
       const int64_t c1 = std::min(hs, (g + 1) * G);
 #pragma omp simd reduction(+ : part)
       for (int64_t c = g * G; c < c1; ++c) part += qq[c] * vals[c];
-      acc += part * h2f(scale[j * sw + g]) + qg[g] * h2f(lo[j * sw + g]);
+      const float sg = h2f(scale[j * sw + g]);
+      acc += part * sg + qg[g] * low(k, j * sw + g, sg);
     }
     o[j] = acc;
   }
@@ -108,7 +118,7 @@ template <int BITS>
 void weighted_row(const float* pp, const Packed& v, int64_t hs, int64_t n, float* o, Scratch& w) {
   const int64_t G = v.G, nb = v.nb, sw = v.sw;  // locals: no store through o can change them
   const uint8_t* pk = v.q;
-  const c10::Half *scale = v.scale, *lo = v.lo;
+  const c10::Half* scale = v.scale;
   alignas(64) float vals[MAX_HS + 8], acc[MAX_HS];
   if (v.channel) {  // per group of G tokens: sum p * value, then one scale and minimum per channel
     for (int64_t g0 = 0; g0 < n; g0 += G) {
@@ -122,8 +132,10 @@ void weighted_row(const float* pp, const Packed& v, int64_t hs, int64_t n, float
         for (int64_t c = 0; c < hs; ++c) acc[c] += pj * vals[c];
       }
       const c10::Half* s = scale + (g0 / G) * hs;
-      const c10::Half* m = lo + (g0 / G) * hs;
-      for (int64_t c = 0; c < hs; ++c) o[c] += acc[c] * h2f(s[c]) + psum * h2f(m[c]);
+      for (int64_t c = 0; c < hs; ++c) {
+        const float sc = h2f(s[c]);
+        o[c] += acc[c] * sc + psum * low(v, (g0 / G) * hs + c, sc);
+      }
     }
     return;
   }
@@ -132,7 +144,8 @@ void weighted_row(const float* pp, const Packed& v, int64_t hs, int64_t n, float
     unpack_row<BITS>(pk + j * nb, nb, vals);
     const float pj = pp[j];
     for (int64_t g = 0; g < ng; ++g) {
-      const float wg = pj * h2f(scale[j * sw + g]), ug = pj * h2f(lo[j * sw + g]);
+      const float sg = h2f(scale[j * sw + g]);
+      const float wg = pj * sg, ug = pj * low(v, j * sw + g, sg);
       const int64_t c1 = std::min(hs, (g + 1) * G);
 #pragma omp simd
       for (int64_t c = g * G; c < c1; ++c) o[c] += wg * vals[c] + ug;
@@ -163,10 +176,13 @@ void score_row64(const float* qq, const Packed& k, int64_t n, float* o) {  // K 
   float ql = 0.f;
   for (int64_t j = 0; j < n; ++j) {
     if (j % k.G == 0) {  // the group's scales folded into the query planes, its minimums into one constant
-      const c10::Half* s = k.scale + (j / k.G) * HS64;
-      const c10::Half* m = k.lo + (j / k.G) * HS64;
+      const int64_t g = (j / k.G) * HS64;
       ql = 0.f;
-      for (int64_t c = 0; c < HS64; ++c) { qp[R::at(c)] = qq[c] * h2f(s[c]); ql += qq[c] * h2f(m[c]); }
+      for (int64_t c = 0; c < HS64; ++c) {
+        const float sc = h2f(k.scale[g + c]);
+        qp[R::at(c)] = qq[c] * sc;
+        ql += qq[c] * low(k, g + c, sc);
+      }
     }
     const uint8_t* __restrict__ p = k.q + j * R::NB;
     float acc = 0.f;
@@ -186,11 +202,10 @@ void weighted_row64(const float* pp, const Packed& v, int64_t n, float* o) {  //
   float u0 = 0.f, u1 = 0.f;
   for (int64_t j = 0; j < n; ++j) {
     const uint8_t* __restrict__ p = v.q + j * R::NB;
-    const c10::Half* s = v.scale + j * v.sw;
-    const c10::Half* m = v.lo + j * v.sw;
-    const float w0 = pp[j] * h2f(s[0]), w1 = pp[j] * h2f(s[1]);
-    u0 += pp[j] * h2f(m[0]);
-    u1 += pp[j] * h2f(m[1]);
+    const float s0 = h2f(v.scale[j * v.sw]), s1 = h2f(v.scale[j * v.sw + 1]);
+    const float w0 = pp[j] * s0, w1 = pp[j] * s1;
+    u0 += pp[j] * low(v, j * v.sw, s0);
+    u1 += pp[j] * low(v, j * v.sw + 1, s1);
 #pragma omp simd
     for (int64_t b = 0; b < R::GB; ++b) {
       const int x = p[b];
@@ -232,20 +247,22 @@ inline void weighted_any(int bits, const float* pp, const Packed& v, int64_t hs,
   if (bits == 2) weighted_row<2>(pp, v, hs, n, o, w);
 }
 
-// Row bh of a (BH, S, nb) packed tensor and its (BH, ns, sw) scales.
+// Row bh of a (BH, S, nb) packed tensor and its (BH, ns, sw) scales (and minimums; an empty lo: symmetric).
 inline Packed row_of(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& lo, int64_t bh,
-                     bool channel, int64_t G) {
+                     bool channel, int64_t G, int64_t bits) {
   const int64_t S = packed.size(1), nb = packed.size(2), ns = scale.size(1), sw = scale.size(2);
-  return Packed{packed.data_ptr<uint8_t>() + bh * S * nb, scale.data_ptr<c10::Half>() + bh * ns * sw,
-                lo.data_ptr<c10::Half>() + bh * ns * sw, nb, sw, channel, G};
+  const c10::Half* mins = lo.numel() ? lo.data_ptr<c10::Half>() + bh * ns * sw : nullptr;
+  return Packed{packed.data_ptr<uint8_t>() + bh * S * nb, scale.data_ptr<c10::Half>() + bh * ns * sw, mins, nb, sw,
+                channel, G, -static_cast<float>(int64_t{1} << (bits - 1))};
 }
 
 void check(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& lo) {
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 3,
               "packed: contiguous uint8 (BH, S, bytes)");
-  TORCH_CHECK(scale.dtype() == torch::kHalf && lo.dtype() == torch::kHalf && scale.is_contiguous() &&
-              lo.is_contiguous() && scale.dim() == 3 && lo.sizes() == scale.sizes(),
-              "scale, lo: contiguous float16 (BH, slots, per slot) of one shape");
+  TORCH_CHECK(scale.dtype() == torch::kHalf && scale.is_contiguous() && scale.dim() == 3,
+              "scale: contiguous float16 (BH, slots, per slot)");
+  TORCH_CHECK(lo.numel() == 0 || (lo.dtype() == torch::kHalf && lo.is_contiguous() && lo.sizes() == scale.sizes()),
+              "lo: contiguous float16 of the scales' shape, or empty (the symmetric scheme: no minimum stored)");
 }
 
 }  // namespace
@@ -263,7 +280,7 @@ torch::Tensor scores(torch::Tensor q, torch::Tensor packed, torch::Tensor scale,
   at::parallel_for(0, BH, 1, [&](int64_t b0, int64_t b1) {
     Scratch w(hs, G);
     for (int64_t bh = b0; bh < b1; ++bh)
-      score_any(bits, q.data_ptr<float>() + bh * hs, row_of(packed, scale, lo, bh, channel, G), hs, n,
+      score_any(bits, q.data_ptr<float>() + bh * hs, row_of(packed, scale, lo, bh, channel, G, bits), hs, n,
                 out.data_ptr<float>() + bh * n, w);
   });
   return out;
@@ -283,8 +300,8 @@ torch::Tensor weighted(torch::Tensor p, torch::Tensor packed, torch::Tensor scal
   at::parallel_for(0, BH, 1, [&](int64_t b0, int64_t b1) {
     Scratch w(hs, G);
     for (int64_t bh = b0; bh < b1; ++bh)
-      weighted_any(bits, p.data_ptr<float>() + bh * p.stride(0), row_of(packed, scale, lo, bh, channel, G), hs, n,
-                   out.data_ptr<float>() + bh * hs, w);
+      weighted_any(bits, p.data_ptr<float>() + bh * p.stride(0), row_of(packed, scale, lo, bh, channel, G, bits), hs,
+                   n, out.data_ptr<float>() + bh * hs, w);
   });
   return out;
 }
@@ -301,9 +318,10 @@ inline torch::Tensor at_layer(const torch::Tensor& t, int64_t layer) {
 // nh, ...), of which layer `layer` is read (or one layer's, (B, nh, ...)): q (B, nh, 1, hs) in the compute dtype, scaled by qscale here; rot (hs, hs) or empty: K and V
 // were rotated before quantising, so packed K is scored with q . rot and packed V's share rotated back once after
 // its sum (the tails are not rotated); packed bytes uint8 (B, nh, slots, bytes), scales and minimums fp16 (B, nh,
-// slots, per slot), tails (B, nh, >= n - n_k / n - n_v, hs) in the storage dtype. A side with nothing packed (its
-// axis "none", or no group full yet) has n_k (n_v) = 0 and its packed arguments are not read. Returns q's shape and
-// dtype. The same sums as quant.stored_attention, in one call: no per-layer torch glue around it.
+// slots, per slot; a side's minimums empty: the symmetric scheme), tails (B, nh, >= n - n_k / n - n_v, hs) in the
+// storage dtype. A side with nothing packed (its axis "none", or no group full yet) has n_k (n_v) = 0 and its packed
+// arguments are not read. Returns q's shape and dtype. The same sums as quant.stored_attention, in one call: no
+// per-layer torch glue around it.
 torch::Tensor attention(int64_t layer, torch::Tensor q, torch::Tensor rot, torch::Tensor kq, torch::Tensor ks,
                         torch::Tensor kl, int64_t n_k, torch::Tensor kt, int64_t kbits, bool kchan, torch::Tensor vq,
                         torch::Tensor vs, torch::Tensor vl, int64_t n_v, torch::Tensor vt, int64_t vbits, bool vchan,
@@ -340,7 +358,8 @@ torch::Tensor attention(int64_t layer, torch::Tensor q, torch::Tensor rot, torch
     for (int64_t bh = b0; bh < b1; ++bh) {
       const float* qq = qf.data_ptr<float>() + bh * hs;
       if (n_k)
-        score_any(kbits, qk.data_ptr<float>() + bh * hs, row_of(kq, ks, kl, bh, kchan, G), hs, n_k, sc.data(), wk);
+        score_any(kbits, qk.data_ptr<float>() + bh * hs, row_of(kq, ks, kl, bh, kchan, G, kbits), hs, n_k, sc.data(),
+                  wk);
       const float* ktr = kt.data_ptr<float>() + bh * kt.stride(0);
       for (int64_t j = n_k; j < n; ++j) {
         const float* k = ktr + (j - n_k) * kt.stride(1);
@@ -354,7 +373,7 @@ torch::Tensor attention(int64_t layer, torch::Tensor q, torch::Tensor rot, torch
       for (int64_t j = 0; j < n; ++j) { sc[j] = std::exp(sc[j] - mx); total += sc[j]; }
       for (int64_t j = 0; j < n; ++j) sc[j] /= total;
       float* o = out.data_ptr<float>() + bh * hs;
-      if (n_v) weighted_any(vbits, sc.data(), row_of(vq, vs, vl, bh, vchan, G), hs, n_v, o, wv);
+      if (n_v) weighted_any(vbits, sc.data(), row_of(vq, vs, vl, bh, vchan, G, vbits), hs, n_v, o, wv);
       if (apart) o += BH * hs;  // the tail's share apart
       const float* vtr = vt.data_ptr<float>() + bh * vt.stride(0);
       for (int64_t j = n_v; j < n; ++j) {
@@ -427,7 +446,7 @@ torch::Tensor paged(torch::Tensor q, torch::Tensor pool_k, torch::Tensor pool_v,
   return out;
 }
 
-// ---- quantising a step's tokens (the quant kind's V per token): quant.quantize + pack, value for value --------
+// ---- quantising a step's tokens (the quant kind's per token): quant.quantize (or quantize_symmetric) + pack ----
 
 // The fp16 value next to h towards +inf (up) or -inf, as torch.nextafter on fp16 (finite h, or +-inf towards 0).
 inline c10::Half half_next(c10::Half h, bool up) {
@@ -474,30 +493,79 @@ void quantize_row(const float* row, int64_t hs, int64_t bits, int64_t G, uint8_t
   }
 }
 
-std::vector<torch::Tensor> quantize_tokens(torch::Tensor x, int64_t bits, int64_t G) {
+// a * b rounded to float on its own, as torch computes it: never fused with an addition after it (a compiler may
+// contract a * b + c into one fused multiply-add, which rounds once)
+inline float product(float a, float b) {
+  volatile float p = a * b;
+  return p;
+}
+
+// One row of hs values quantised per group of G channels by the symmetric scheme into nb packed bytes (overwritten)
+// and fp16 scales, value for value what quant.quantize_symmetric + pack store: llama.cpp's q8_0 at 8 bits (d =
+// amax / 127, q = roundf(x * (1/d))), q4_0's rule at 4 and 2 (d = m / -N for m the first value of largest |x|,
+// q = min(2N - 1, trunc(x * (1/d) + N + 1/2)) - N), the scale d rounded to the nearest fp16, codes stored as q + N.
+void quantize_row_symmetric(const float* row, int64_t hs, int64_t bits, int64_t G, uint8_t* pk, c10::Half* sc) {
+  const int64_t per = 8 / bits, nb = (hs + per - 1) / per, ng = (hs + G - 1) / G;
+  const int N = 1 << (bits - 1);
+  std::fill(pk, pk + nb, uint8_t{0});
+  for (int64_t g = 0; g < ng; ++g) {
+    const int64_t c0 = g * G, c1 = std::min(hs, c0 + G);
+    float amax = 0.f, m = 0.f;  // the largest |x|, and the first value that has it
+    bool nan = false;
+    for (int64_t c = c0; c < c1; ++c) {
+      nan |= std::isnan(row[c]);
+      if (amax < std::fabs(row[c])) amax = std::fabs(row[c]), m = row[c];
+    }
+    const float d = bits == 8 ? amax / 127.f : m / static_cast<float>(-N);
+    const float inv = d != 0.f ? 1.f / d : 0.f;
+    sc[g] = c10::Half(nan ? std::numeric_limits<float>::quiet_NaN() : d);
+    for (int64_t c = c0; c < c1; ++c) {
+      float v = static_cast<float>(N);  // a group holding a NaN: q = 0
+      if (!nan) {
+        float y = product(row[c], inv);
+        if (std::isnan(y)) y = 0.f;  // inf * 0 (an infinite group) or 0 * inf (1/d past float32): q = 0
+        v = bits == 8 ? std::min(std::max(std::round(y), -127.f), 127.f) + static_cast<float>(N)
+                      : std::min(std::max(std::trunc(y + (static_cast<float>(N) + 0.5f)), 0.f),
+                                 static_cast<float>(2 * N - 1));
+      }
+      pk[c / per] |= static_cast<uint8_t>(static_cast<int>(v) << (bits * (c % per)));
+    }
+  }
+}
+
+// Rows of hs values -> (packed, fp16 scale, fp16 minimum; the minimum empty where symmetric) per group of G.
+std::vector<torch::Tensor> quantize_tokens(torch::Tensor x, int64_t bits, int64_t G, bool symmetric) {
   TORCH_CHECK(x.dtype() == torch::kFloat && x.is_contiguous() && x.dim() == 2, "x: contiguous float32 (rows, hs)");
   TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, "bits must be 8, 4 or 2");
   const int64_t R = x.size(0), hs = x.size(1), per = 8 / bits, nb = (hs + per - 1) / per, ng = (hs + G - 1) / G;
   auto packed = torch::zeros({R, nb}, x.options().dtype(torch::kUInt8));
   auto scale = torch::empty({R, ng}, x.options().dtype(torch::kHalf));
-  auto lo = torch::empty({R, ng}, x.options().dtype(torch::kHalf));
-  for (int64_t r = 0; r < R; ++r)
-    quantize_row(x.data_ptr<float>() + r * hs, hs, bits, G, packed.data_ptr<uint8_t>() + r * nb,
-                 scale.data_ptr<c10::Half>() + r * ng, lo.data_ptr<c10::Half>() + r * ng);
+  auto lo = torch::empty({symmetric ? 0 : R, ng}, x.options().dtype(torch::kHalf));
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = x.data_ptr<float>() + r * hs;
+    uint8_t* pk = packed.data_ptr<uint8_t>() + r * nb;
+    c10::Half* sc = scale.data_ptr<c10::Half>() + r * ng;
+    if (symmetric) quantize_row_symmetric(row, hs, bits, G, pk, sc);
+    else quantize_row(row, hs, bits, G, pk, sc, lo.data_ptr<c10::Half>() + r * ng);
+  }
   return {packed, scale, lo};
 }
 
 // The step's m tokens x (B, nh, m, hs), any float dtype, quantised per token into slots slot .. slot + m - 1 of
-// layer `layer` of packed (L, B, nh, S, nb), scale and lo (L, B, nh, S, ng) fp16 (or of one layer's, 4-d), where
-// the cache holds them: the quant
-// kind's write of V per token in a compiled decode step, in one call.
+// layer `layer` of packed (L, B, nh, S, nb), scale and lo (L, B, nh, S, ng) fp16 (or of one layer's, 4-d; lo empty
+// and unread where symmetric), where the cache holds them: the quant kind's write of V per token in a compiled decode
+// step, in one call.
 void quantize_into(torch::Tensor x, int64_t layer, torch::Tensor packed, torch::Tensor scale, torch::Tensor lo,
-                   int64_t slot, int64_t bits, int64_t G) {
+                   int64_t slot, int64_t bits, int64_t G, bool symmetric) {
   TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, "bits must be 8, 4 or 2");
-  if (packed.dim() == 5) packed = packed.select(0, layer), scale = scale.select(0, layer), lo = lo.select(0, layer);
-  TORCH_CHECK(x.dim() == 4 && packed.dim() == 4 && scale.dim() == 4 && lo.sizes() == scale.sizes(), "4-d tensors");
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && scale.dtype() == torch::kHalf && lo.dtype() == torch::kHalf &&
-              packed.is_contiguous() && scale.is_contiguous() && lo.is_contiguous(),
+  if (packed.dim() == 5) {
+    packed = packed.select(0, layer), scale = scale.select(0, layer);
+    if (!symmetric) lo = lo.select(0, layer);
+  }
+  TORCH_CHECK(x.dim() == 4 && packed.dim() == 4 && scale.dim() == 4 && (symmetric || lo.sizes() == scale.sizes()),
+              "4-d tensors");
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && scale.dtype() == torch::kHalf && packed.is_contiguous() &&
+              scale.is_contiguous() && (symmetric || (lo.dtype() == torch::kHalf && lo.is_contiguous())),
               "packed: contiguous uint8, scale and lo: contiguous float16");
   const int64_t B = x.size(0), nh = x.size(1), m = x.size(2), hs = x.size(3), S = packed.size(2);
   const int64_t per = 8 / bits, nb = (hs + per - 1) / per, ng = (hs + G - 1) / G;
@@ -508,8 +576,11 @@ void quantize_into(torch::Tensor x, int64_t layer, torch::Tensor packed, torch::
   for (int64_t r = 0; r < B * nh; ++r)
     for (int64_t i = 0; i < m; ++i) {
       const int64_t at = r * S + slot + i;
-      quantize_row(xf.data_ptr<float>() + (r * m + i) * hs, hs, bits, G, packed.data_ptr<uint8_t>() + at * nb,
-                   scale.data_ptr<c10::Half>() + at * ng, lo.data_ptr<c10::Half>() + at * ng);
+      const float* row = xf.data_ptr<float>() + (r * m + i) * hs;
+      uint8_t* pk = packed.data_ptr<uint8_t>() + at * nb;
+      c10::Half* sc = scale.data_ptr<c10::Half>() + at * ng;
+      if (symmetric) quantize_row_symmetric(row, hs, bits, G, pk, sc);
+      else quantize_row(row, hs, bits, G, pk, sc, lo.data_ptr<c10::Half>() + at * ng);
     }
 }
 
@@ -517,7 +588,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scores", &scores, "q . K^T over packed K (first n tokens)");
   m.def("weighted", &weighted, "p . V over packed V (first n tokens)");
   m.def("attention", &attention, "the quant kind's decode attention: packed K and its tail, softmax, packed V and its tail");
-  m.def("quantize_tokens", &quantize_tokens, "rows of hs values -> (packed, fp16 scale, fp16 minimum) per group");
+  m.def("quantize_tokens", &quantize_tokens,
+        "rows of hs values -> (packed, fp16 scale, fp16 minimum: empty where symmetric) per group");
   m.def("quantize_into", &quantize_into, "a step's tokens quantised per token into one layer's slots, in place");
   m.def("paged", &paged, "one query's attention per sequence over its first lens[b] tokens, read through the block table");
 }
