@@ -345,6 +345,13 @@ def _check_sizes(rc: RunConfig) -> None:
     if rc.compile:
         why = engine_cls.refuses_compile(rc.cache.kind)
         need(not why, str(why))
+        if rc.cache.kind in CACHE_KINDS:
+            cls = CACHE_KINDS[rc.cache.kind]
+            try:
+                why = cls.refuses_fused(cls.parse_options(**rc.cache.options))
+            except (TypeError, ValueError):
+                why = None  # options the kind refuses are refused, in their own words, by the options' check
+            need(not why, str(why))
     compute = rc.dtype.compute
     if compute == "auto" and rc.device in ("cpu", "cuda"):  # auto: fp32 on a CPU, the storage dtype on CUDA
         compute = "fp32" if rc.device == "cpu" else rc.dtype.storage

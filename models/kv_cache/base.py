@@ -214,6 +214,12 @@ class KVCache:
     # means "not set", and is never suggested)
     sized_by: ClassVar[tuple[str, ...]] = ()
 
+    @classmethod
+    def refuses_fused(cls, opts) -> str | None:
+        """Why a kind that ``fuses_decode`` cannot read K/V where they lie with these options (None: it can); a run
+        with compile=true is refused with it, so that what ran is what the record says."""
+        return None
+
     @property
     def attends_opaquely(self) -> bool:
         """With fuses_decode: whether ``attend_decode`` may run as one opaque op inside a compiled decode step (it

@@ -11,8 +11,8 @@ storage; each of K and V grouped along either axis, optionally rotated first.
 - ``tail=residual``: a per-channel axis keeps only the newest ``residual`` tokens in full precision, as the token
   axis does, so the axes can be compared with the same tail: the group still filling is read quantised, zero-padded
   to ``group_size`` tokens (KIVI's Table 1 study: "we add zero-padding ... all tokens in KV cache are quantized"),
-  afresh from its full-precision values at every read (so its bytes are counted as ``tail=group``'s are; a decode
-  step with ``compile=true`` takes the update path). ``tail=group`` (the default) is KIVI's streaming algorithm:
+  afresh from its full-precision values at every read (so its bytes are counted as ``tail=group``'s are;
+  ``compile=true`` is refused with it, ``refuses_fused``; a cache built directly and fused takes the update path). ``tail=group`` (the default) is KIVI's streaming algorithm:
   the filling group waits in full precision beside the residual.
 - ``rotate=hadamard``: before quantising, each token's head vector is multiplied by an orthonormal Hadamard matrix
   (Sylvester's, on blocks of the largest power of two that divides head_dim: all of it for GPT-2's 64), which
@@ -637,6 +637,13 @@ class QuantKVCache(KVCache):
         if p:
             out[:, :, n_quant:n_quant + p] = self._partial_group(layer, which, p)[0]
         return out.to(dtype)
+
+    @classmethod
+    def refuses_fused(cls, opts) -> str | None:
+        if opts.tail == "residual" and "channel" in (opts.axis("k"), opts.axis("v")):
+            return ("compile=true attends over the stored bytes, and cache.tail=residual reads a per-channel group "
+                    "still filling quantised, which is not what is stored: use cache.tail=group, or compile=false")
+        return None
 
     @property
     def _reads_partial_groups(self) -> bool:

@@ -308,3 +308,15 @@ def test_list_order_does_not_change_a_runs_identity():
 def test_the_cases_are_what_this_file_tests():
     assert len({c[0] for c in CASES}) == len(CASES)
     assert all(dataclasses.is_dataclass(c) for c in HF_COUNTERPARTS.values())
+
+
+def test_compile_with_a_tail_the_stored_bytes_do_not_hold_is_refused():
+    """compile=true reads quant's K/V where they lie; cache.tail=residual reads a per-channel group still filling
+    quantised, which is not what is stored: refused in one line, so the record never says a fused step ran. Per
+    token (no group fills) and tail=group compile as before."""
+    bad = compose_cfg(["model=tiny", "cache=quant", "cache.tail=residual", "compile=true"])
+    with pytest.raises(ConfigError, match=r"^compile=true attends over the stored bytes, and cache.tail=residual .*: "
+                                          r"use cache.tail=group, or compile=false$"):
+        validate(bad, 64)
+    for ok in (["cache.tail=group"], ["cache.tail=residual", "cache.k_axis=token"]):
+        validate(compose_cfg(["model=tiny", "cache=quant", "compile=true", *ok]), 64)
