@@ -12,8 +12,9 @@ storage; each of K and V grouped along either axis, optionally rotated first.
   axis does, so the axes can be compared with the same tail: the group still filling is read quantised, zero-padded
   to ``group_size`` tokens (KIVI's Table 1 study: "we add zero-padding ... all tokens in KV cache are quantized"),
   afresh from its full-precision values at every read (so its bytes are counted as ``tail=group``'s are;
-  ``compile=true`` is refused with it, ``refuses_fused``; a cache built directly and fused takes the update path). ``tail=group`` (the default) is KIVI's streaming algorithm:
-  the filling group waits in full precision beside the residual.
+  ``compile=true`` is refused with it, ``refuses_fused``; a cache built directly and fused takes the update path).
+  ``tail=group`` (the default) is KIVI's streaming algorithm: the filling group waits in full precision beside the
+  residual.
 - ``rotate=hadamard``: before quantising, each token's head vector is multiplied by an orthonormal Hadamard matrix
   (Sylvester's, on blocks of the largest power of two that divides head_dim: all of it for GPT-2's 64), which
   spreads an outlier channel over all channels of its block; dequantised values are rotated back (the matrix is
@@ -647,8 +648,9 @@ class QuantKVCache(KVCache):
 
     @property
     def _reads_partial_groups(self) -> bool:
-        """``tail=residual`` with a per-channel axis: attention reads the filling group quantised."""
-        return self.opts.tail == "residual" and "channel" in (self.opts.axis("k"), self.opts.axis("v"))
+        """``tail=residual`` with a per-channel axis: attention reads the filling group quantised (what
+        ``refuses_fused`` refuses a compiled run for)."""
+        return self.refuses_fused(self.opts) is not None
 
     def _partial(self, which: str, n_quant: int, n: int) -> int:
         """Tokens of the per-channel group still filling that ``tail=residual`` reads quantised (0: none)."""
