@@ -7,7 +7,8 @@ of this invocation did not end ok (read from the runs' own results.json files).
 
 A stop signal while it starts (torch and Hydra load for seconds) is one line, exit 128 + n: nothing is written that
 early. A sweep through a Slurm launcher (``-m hydra/launcher=slurm``, ``slurm_cpu``) first checks that Slurm answers
-(harness/experiment/slurm_check.py) and, if not, says what is missing in one line, exit 2, before any folder is made.
+(harness/experiment/slurm_check.py) and, if not, says what is missing in one line, exit 2, before any folder is made. A Slurm job that ends without returning a result (killed while it starts, say) fails its
+run in one line and the sweep goes on (harness/experiment/slurm_jobs.py).
 """
 
 import os
@@ -91,6 +92,7 @@ from omegaconf import DictConfig  # noqa: E402
 from harness.experiment.config import register  # noqa: E402
 from harness.experiment.runner import (  # noqa: E402
     catch_signals, forget_invocation, interruption, invocation_failures, new_invocation, run)
+from harness.experiment.slurm_jobs import lost_jobs_are_failures  # noqa: E402
 
 register()
 
@@ -110,7 +112,8 @@ if __name__ == "__main__":
     catch_signals()  # SIGTERM, SIGHUP, SIGUSR2 end it as Ctrl-C does: a record, one line, exit 128 + n
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STARTING)  # one that arrived meanwhile is delivered now
-        main()
+        with lost_jobs_are_failures():  # a Slurm job that ends without a result fails its run, not the sweep
+            main()
     except KeyboardInterrupt as e:
         what, code = interruption(e)
         print(f"kvlab: interrupted ({what}); finished runs are complete on disk, and the same command resumes",

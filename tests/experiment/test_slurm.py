@@ -156,19 +156,72 @@ def test_a_requeued_job_resumes_and_a_cancelled_one_is_finished_by_the_same_comm
         assert len(list((sweep / name / "wandb").glob("offline-run-*"))) == 1
 
 
+def attempt_started(sweep: Path, attempt: int, timeout: float = 240) -> str:
+    """The Slurm job id once the ``attempt``-th start of the sweep's one run has begun measuring: its log names the
+    run once per start ("kvlab: run NAME in Slurm job ID", printed once the run's handlers are in place), and its
+    progress bars (on stderr) have been redrawn since that line was first seen."""
+    deadline, seen = time.time() + timeout, None
+    while time.time() < deadline:
+        for out in sweep.glob(".submitit/**/*_log.out"):
+            starts = re.findall(r"(?m)^kvlab: run \S+ in Slurm job (\S+) ", out.read_text(errors="replace"))
+            err = out.with_name(out.name.replace("_log.out", "_log.err"))
+            text = err.read_text(errors="replace") if err.is_file() else ""
+            if len(starts) >= attempt:
+                seen = len(text) if seen is None else seen
+                if "generate+check" in text[seen:] and squeue_state(starts[-1]) == "RUNNING":
+                    return starts[-1]
+        time.sleep(0.5)
+    raise AssertionError(f"start {attempt} of the run did not begin measuring within {timeout} s under {sweep}")
+
+
 def test_a_job_out_of_time_is_requeued_then_recorded_failed_with_why(tmp_path):
-    """timeout_min=1 and a run that needs more: submitit requeues it once (max_num_timeout=1), then it fails and
-    says it ran out of its time limit."""
+    """A job warned of its time limit (SIGUSR2) mid-run: submitit requeues it once (max_num_timeout=1); warned
+    again, it fails and its record says it ran out of its time limit. The warning is the one Slurm sends
+    (hydra.launcher.signal_delay_s before the limit), sent here with `scancel --signal=USR2` once each start has
+    begun measuring: Slurm checks time limits every 30 s and sends its warning up to that much early, so at the
+    shortest limit (one minute) it can land while Python is still importing, before any handler exists."""
     sweep = tmp_path / "sweep"
-    # kvlab caps repeats at 10,000 per step: ten contexts of 10,000 cached and uncached steps each take minutes
-    slow = [*LONG, "repeats=10000", "context_lengths=[8,16,24,32,40,48,56,64,72,80]"]
-    proc = run_py(["-m", *LAUNCH, "hydra.launcher.timeout_min=1", "hydra.launcher.max_num_timeout=1",
-                   "hydra.launcher.signal_delay_s=50", "cache=concat", *slow, "tracking=disabled",
-                   f"hydra.sweep.dir={sweep}"], tmp_path)
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    proc = start(["-m", *LAUNCH, "hydra.launcher.timeout_min=5", "hydra.launcher.max_num_timeout=1",
+                  "hydra.launcher.signal_delay_s=10", "cache=concat", *LONG, "tracking=disabled",
+                  f"hydra.sweep.dir={sweep}"], tmp_path)
+    for attempt in (1, 2):
+        job = attempt_started(sweep, attempt)
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]
     (rec,) = records(sweep).values()
     assert rec["status"] == "failed" and "time limit" in rec["error"], rec["error"]
-    assert "requeued 1" in rec["error"]
+    assert "requeued 1" in rec["error"] and rec["slurm_job_id"] == job
+
+
+def test_a_job_killed_before_its_run_began_fails_that_run_and_the_sweep_goes_on(tmp_path):
+    """A job killed as soon as it runs (SIGKILL, before Python has loaded torch) leaves no result: the sweep says
+    so in one line naming the job and its overrides, measures its other run, writes its report and exits 1 (it
+    used to stop at that job with a traceback from submitit, the report unwritten); the same command measures the
+    lost run."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", *LAUNCH, "cache=concat,prealloc", *TINY, "tracking=disabled", f"hydra.sweep.dir={sweep}"]
+    proc = start(args, tmp_path)
+    deadline, killed = time.time() + 120, None
+    while killed is None and time.time() < deadline:
+        out = subprocess.run(["squeue", "-h", "-o", "%i %T %j"], capture_output=True, text=True).stdout.split("\n")
+        mine = [line.split()[0] for line in out if line.endswith(" RUNNING run")]
+        if mine:
+            killed = mine[0]
+            subprocess.run(["scancel", "--signal=KILL", killed], check=True)
+        time.sleep(0.05)
+    assert killed, "no job of the sweep ran within 120 s"
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    lost = [line for line in err.splitlines() if line.startswith(f"kvlab: Slurm job {killed} (")]
+    assert len(lost) == 1 and "ended without returning a result" in lost[0], err[-3000:]
+    assert f"kvlab: not ok: Slurm job {killed} (" in err
+    assert out.count("kvlab report:") == 1
+    runs = records(sweep)
+    assert [r["status"] for r in runs.values()] == ["ok"]  # the other run, measured; the lost one has no record
+    again = run_py(args, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert sorted(r["status"] for r in records(sweep).values()) == ["ok", "ok"]
 
 
 def test_what_this_cluster_cannot_take_is_refused_in_one_line_before_anything_is_written(tmp_path):
