@@ -133,7 +133,7 @@ def new_cache(model: GPT2, kind: str, max_len: int, batch: int = 1, dtype=None, 
     """An empty cache of ``kind`` shaped for ``model``; storage dtype defaults to the model's compute dtype;
     ``options`` are the kind's own."""
     c = model.config
-    return make_cache(kind, c.n_layer, c.n_head, c.head_dim, max_len, batch,
+    return make_cache(kind, c.n_layer, c.n_kv_head, c.head_dim, max_len, batch,
                       dtype=dtype or model_dtype(model), device=model_device(model), **options)
 
 

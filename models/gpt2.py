@@ -20,6 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models import hf_checkpoint as hf
+from models.attention import attend, attention_mask, check_padding, scored_attention  # noqa: F401 (public here too)
+from models.decoder import Decoder
 from models.hf_checkpoint import CheckpointError  # public here too: models.gpt2.CheckpointError
 from models.kv_cache import KVCache
 
@@ -40,41 +42,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        past = 0
-        if cache is not None:
-            if cache.fused and T == 1 and (mask is None or cache.fuses_ragged):  # a decode step read where the
-                y = cache.attend_decode(layer, q, k, v, mask)  # kind stores K/V
-                return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
-            past = cache.pos
-            k, v = cache.update(layer, k, v)  # (B, nh, n_keys, hs) in the storage dtype
-            k, v = k.to(q.dtype), v.to(q.dtype)  # no-op when storage and compute dtypes agree
-            if cache.evicts:  # the kind chooses what it keeps after attending (with the probabilities, if it asks)
-                y, probs = scored_attention(q, k, v, mask) if cache.wants_scores else (
-                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask), None)
-                cache.after_attention(layer, probs)
-                return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
-        if mask is not None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        elif T == 1:  # one decode step: the new token sees the whole history, no mask
-            y = F.scaled_dot_product_attention(q, k, v)
-        elif past == 0:  # a full forward, or prefill into an empty cache: plain causal
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # a chunk after history: all of the history, causally within the chunk
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = attend(q, k, v, cache, layer, mask)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
         return self.c_proj(y)
-
-
-def scored_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention with its probabilities as a tensor: (output (B, nh, T, hs), probabilities (B, nh, T, n_keys)),
-    what a cache kind that scores keys is handed; ``mask`` True = may attend (None: every key)."""
-    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, nh, T, n_keys)
-    if mask is not None:
-        att = att.masked_fill(~mask, float("-inf"))
-    probs = att.softmax(dim=-1)
-    return probs @ v, probs
 
 
 class MLP(nn.Module):
@@ -96,7 +66,7 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, rope=None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache, layer, mask)
         return x + self.mlp(self.ln_2(x))
 
@@ -141,6 +111,13 @@ class GPT2Config:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def n_kv_head(self) -> int:
+        """K/V heads, what a cache stores: GPT-2 has one per query head."""
+        return self.n_head
+
+    family = "gpt2"  # config.json's model_type (not a field: a class fact)
 
     def param_shapes(self):
         """(name, shape) of every parameter ``GPT2(self)`` builds, in its order, without building it (a generator:
@@ -205,63 +182,7 @@ class GPT2Config:
 ARCHITECTURE = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")  # what a config.json must give
 MAX_POSITIONS = 1 << 20
 
-def attention_mask(past: int, T: int, key_pos: torch.Tensor | None, device, window: int | None = None,
-                   sinks: int = 0, pad: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Which keys each of the T queries (in slots past .. past + T - 1) may attend: (T, n_keys) bool, (B, 1, T,
-    n_keys) for a ragged batch, or None when it is plain causal attention over the whole history in order
-    (attention's fast paths handle that).
-
-    ``pad`` (B,): sequence b's first pad[b] slots are padding, and its token in slot s has position s - pad[b].
-    ``key_pos`` says where each key the cache returns sits: (n_keys,) the slot of each key, shared by the batch;
-    (B, n_keys) the position of each key per sequence (negative: the slot holds nothing); (B, nh, n_keys) the
-    position of each key per sequence and head (an evicting kind's layer; the mask is then (B, nh, T, n_keys));
-    None: slots 0 .. past + T - 1. A query at position t sees a key at position j when 0 <= j <= t and, with a
-    ``window``, when also j < ``sinks`` or t - window < j. A padding query sees every key: its output is never
-    read, and a query that sees nothing would make attention NaN."""
-    if key_pos is None and window is None and pad is None:
-        return None
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1
-                               or isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0):
-        raise ValueError(f"window={window!r}, sinks={sinks!r}: window must be an integer >= 1 and sinks >= 0")
-    q = torch.arange(past, past + T, device=device).unsqueeze(1)  # (T, 1) slots
-    j = torch.arange(past + T, device=device) if key_pos is None else key_pos
-    if j.dim() == 3:  # (B, nh, n_keys): positions per sequence and head (an evicting kind), -1 empty
-        off = 0 if pad is None else pad.view(-1, 1, 1, 1)
-        q = q.view(1, 1, T, 1) - off  # (B or 1, 1, T, 1) positions
-        mask = (j.unsqueeze(2) >= 0) & (j.unsqueeze(2) <= q)  # (B, nh, T, n_keys)
-        mask = mask | (q < 0)  # a padding query sees every key
-        return None if T == 1 and bool(mask.all()) else mask
-    if pad is None and j.dim() == 1:
-        j = j.unsqueeze(0)  # (1, n_keys)
-        mask = j <= q
-    else:
-        off = 0 if pad is None else pad.view(-1, 1, 1)
-        q = q.unsqueeze(0) - off  # (B, T, 1) positions
-        j = j.unsqueeze(1) if j.dim() == 2 else j.view(1, 1, -1) - off  # (B, 1, n_keys) positions
-        mask = (j >= 0) & (j <= q)
-    if window is not None:
-        mask &= (j < sinks) | (j > q - window)
-    if mask.dim() == 3:
-        mask = (mask | (q < 0)).unsqueeze(1)  # (B, 1, T, n_keys), one mask per sequence for every head
-    if T == 1 and bool(mask.all()):
-        return None  # a decode step that sees every key it is given
-    return mask
-
-
-def check_padding(pad, B: int, T: int, device) -> torch.Tensor | None:
-    """``pad`` as a (B,) long tensor on ``device`` (None when no sequence is padded); each sequence keeps a token."""
-    if pad is None:
-        return None
-    pad = torch.as_tensor(pad)
-    if pad.is_floating_point() or pad.dtype == torch.bool or tuple(pad.shape) != (B,):
-        raise ValueError(f"pad must be {B} integers (one per sequence), got {pad.dtype} of shape {tuple(pad.shape)}")
-    if int(pad.min()) < 0 or int(pad.max()) >= T:
-        raise ValueError(f"pad must lie in [0, {T}) so that every sequence of the {T} slots keeps a token, got "
-                         f"{pad.tolist()}")
-    return pad.to(device=device, dtype=torch.long) if pad.any() else None
-
-
-class GPT2(nn.Module):
+class GPT2(Decoder):
     def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.config = cfg
@@ -277,20 +198,25 @@ class GPT2(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=cfg.initializer_range / math.sqrt(2 * cfg.n_layer))
-        self._store_weights_input_major()
+        self.store_weights_input_major()
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
 
-    def _store_weights_input_major(self) -> None:
-        """Keep each projection weight's (out, in) shape but lay its memory out as (in, out), HF Conv1D's order.
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.transformer.wte(idx) + self.transformer.wpe(pos)  # learned absolute positions, at the input
 
-        A decode step multiplies one row vector by every weight matrix, and on CPU (MKL) that product streams an
-        (in, out)-major matrix about 30% faster than an (out, in)-major one. Values, shapes and names are unchanged;
-        ``.to()`` keeps the layout. The tied embedding / lm_head matrix gets it too: the lm_head product is the
-        biggest of a step, and an embedding lookup of a few rows does not mind the strides.
-        """
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)) and module is not self.lm_head:
-                module.weight = nn.Parameter(module.weight.detach().t().contiguous().t())
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.transformer.h
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.transformer.ln_f(x))
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.transformer.wte
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.transformer.ln_f
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -302,81 +228,6 @@ class GPT2(nn.Module):
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
-
-    @staticmethod
-    def _check_args(idx, cache, window, sinks, pad, keep):
-        """``forward``'s arguments checked against each other, one line each; returns the padding an uncached
-        ``keep`` reference runs with (the record's), else ``pad`` as given."""
-        if idx.dim() != 2 or idx.is_floating_point() or idx.dtype == torch.bool:
-            raise ValueError(f"idx must be (B, T) integer token ids, got {idx.dtype} of shape {tuple(idx.shape)}")
-        B, T = idx.shape
-        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-            raise ValueError(f"sinks must be an integer >= 0 (the first positions every query sees), got {sinks!r}")
-        if cache is not None and (window is not None or sinks or pad is not None):
-            raise ValueError("window/sinks and pad describe the uncached reference; a cache applies its own kind's "
-                             "rule and holds its own padding (cache.set_padding)")
-        if keep is not None and (cache is not None or window is not None):
-            raise ValueError("keep is the uncached reference of an evicting kind: give it without a cache or window")
-        if window is None and sinks:
-            raise ValueError(f"sinks={sinks} needs a window: give window=W too (sinks are kept beside the last W "
-                             "tokens)")
-        if keep is not None:
-            given = check_padding(pad, B, T, idx.device)
-            if given is not None and (keep.pad is None or not torch.equal(given.cpu(), keep.pad.cpu())):
-                raise ValueError("pad differs from the keep record's: the reference runs on the batch the record "
-                                 "was noted on")
-            pad = keep.pad
-        return pad
-
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, last_only: bool = False,
-                window: int | None = None, sinks: int = 0, pad=None, keep=None) -> torch.Tensor:
-        """idx (B, T) -> logits (B, T, vocab). With a cache, positions start at ``cache.pos`` and ``pos`` advances
-        by T once every layer has stored its K and V. ``last_only`` asks for the last position's logits alone,
-        (B, 1, vocab), sparing the vocabulary projection of positions nobody reads (generation's choice).
-
-        ``window``/``sinks`` make the uncached forward the reference of the window cache kind: the query at position
-        t sees the keys at positions j with j < sinks or t - window < j <= t. A cache applies its own kind's rule
-        (``cache.reference``), so they are not given with one.
-
-        ``pad`` (B,) makes idx a left-padded ragged batch: sequence b's first pad[b] columns are padding, its tokens
-        start at position 0, and no query attends to padding. With a cache, the padding is the cache's
-        (``cache.set_padding``, which ``prefill`` calls), so it is not given here.
-
-        ``keep`` (a ``models.kv_cache.KeepRecord``) makes the uncached forward the reference of an evicting kind:
-        in layer l, head h, the query at slot t sees what the cache held before t's forward plus that forward's
-        slots up to t (the record's padding is the batch's)."""
-        pad = self._check_args(idx, cache, window, sinks, pad, keep)
-        B, T = idx.shape
-        if cache is None:
-            past, pad = 0, check_padding(pad, B, T, idx.device)
-            pad_min = 0 if pad is None else int(pad.min())
-        else:
-            past, pad, pad_min = cache.pos, cache.pad, cache.pad_min
-        if past + T - pad_min > self.config.n_positions:
-            raise ValueError(f"sequence too long: {past - pad_min} cached + {T} new tokens > n_positions "
-                             f"{self.config.n_positions}")
-        rule = cache.reference(cache.opts) if cache is not None else (
-            {} if window is None else {"window": window, "sinks": sinks})
-        mask = None if keep is not None or (cache is not None and cache.evicts) else attention_mask(
-            past, T, None if cache is None else cache.key_positions(T), idx.device, pad=pad, **rule)
-        pos = torch.arange(past, past + T, device=idx.device)  # (T,)
-        if pad is not None:
-            pos = (pos - pad.unsqueeze(1)).clamp(min=0)  # (B, T): each sequence's own positions; padding gets 0
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
-        per_layer = None  # key sets that differ by layer and head: a mask per layer
-        if cache is not None and cache.evicts:
-            def per_layer(layer):
-                return attention_mask(past, T, cache.layer_key_positions(layer, T), idx.device, pad=pad)
-        elif keep is not None:
-            def per_layer(layer):
-                return keep.mask(layer, T, idx.device)
-        for layer, block in enumerate(self.transformer.h):
-            x = block(x, cache, layer, mask if per_layer is None else per_layer(layer))
-        if cache is not None:
-            cache.advance(T)
-        if last_only:
-            x = x[:, -1:]  # (B, 1, C)
-        return self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # the tied lm_head counts once
@@ -395,6 +246,10 @@ class GPT2(nn.Module):
         model = cls(cfg)
         model.load_hf_state_dict(state, source=str(weights_file))
         return model
+
+    @property
+    def hf_format(self) -> hf.Format:
+        return hf.GPT2_FORMAT
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor], source: str = "state dict") -> None:
         """Copy an HF GPT-2 state dict in (``hf_checkpoint.load_state``: the four Conv1D weights transposed, the

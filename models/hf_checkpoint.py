@@ -11,7 +11,8 @@ gives what it expects (an object with ``param_shapes()`` and the attributes its 
     from_hf(state)                     an HF state dict -> ours (prefix added, transposed back, buffers dropped)
     resolve(path_or_id)                a checkpoint folder, or a hub id fetched when the machine is online
     read_config(folder)                config.json as a dict
-    read_weights(folder, expect=None)  (file, HF state dict): model.safetensors, else pytorch_model.bin read with
+    read_weights(folder, expect=None)  (file, HF state dict): model.safetensors (or its shards, through
+                                       model.safetensors.index.json), else pytorch_model.bin read with
                                        ``weights_only=True``; with ``expect``, every shape checked before any tensor
                                        is read (``check_shapes``)
     load_state(module, state, source)  an HF state dict copied into a module, every tensor checked
@@ -36,6 +37,7 @@ import torch.nn as nn
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"  # a sharded checkpoint: {"weight_map": {tensor name: shard file}}
 PYTORCH_BIN = "pytorch_model.bin"
 
 
@@ -153,7 +155,7 @@ def resolve(path_or_id: str | os.PathLike) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(text, allow_patterns=[CONFIG, "*.safetensors"]))
+        return Path(snapshot_download(text, allow_patterns=[CONFIG, "*.safetensors", SHARD_INDEX]))
     except Exception as e:  # no network, unknown repo, auth: one line that says what to do
         raise unreachable(type(e).__name__) from None
 
@@ -220,6 +222,8 @@ def read_weights(folder: str | os.PathLike, expect=None, fmt: Format = GPT2_FORM
     shape is checked first: for safetensors from the header alone, before any tensor is read."""
     folder = Path(folder)
     st = folder / SAFETENSORS
+    if not st.is_file() and (folder / SHARD_INDEX).is_file():
+        return _read_shards(folder, expect, fmt)
     if st.is_file():
         from safetensors import safe_open
         from safetensors.torch import load_file
@@ -255,6 +259,41 @@ def read_weights(folder: str | os.PathLike, expect=None, fmt: Format = GPT2_FORM
             check_shapes(expect, {k: v.shape for k, v in state.items()}, binf, fmt=fmt)
         return binf, state
     raise CheckpointError(f"{folder}: no {SAFETENSORS} (or {PYTORCH_BIN}) in the checkpoint folder")
+
+
+def _read_shards(folder: Path, expect, fmt: Format) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A sharded safetensors checkpoint: the index's weight map names each tensor's shard; every shard's header is
+    read (and, with ``expect``, every shape checked) before any tensor is."""
+    from safetensors import safe_open
+
+    index = folder / SHARD_INDEX
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{index}: not a shard index with a weight_map ({type(e).__name__})") from None
+    shapes, names = {}, {}
+    for shard in shards:
+        path = folder / shard
+        if Path(shard).name != shard or not path.is_file():
+            raise CheckpointError(f"{index}: names shard {shard!r}, which is not a file in {folder}")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+                    names[name] = path
+        except Exception as e:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    lost = sorted(k for k, v in weight_map.items() if names.get(k) != folder / v)
+    if lost:
+        raise CheckpointError(f"{index}: tensor {lost[0]!r} is not in the shard the index names ({weight_map[lost[0]]})")
+    if expect is not None:
+        check_shapes(expect, shapes, index, fmt=fmt)
+    state = {}
+    for shard in shards:
+        with safe_open(str(folder / shard), framework="pt") as f:
+            state.update({name: f.get_tensor(name) for name in f.keys()})
+    return index, state
 
 
 def load_state(module: nn.Module, state: dict[str, torch.Tensor], source: str = "state dict",
@@ -327,6 +366,6 @@ def _replace(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
-__all__ = ["CONFIG", "CONV1D", "FORMATS", "GPT2_FORMAT", "MASK_BUFFERS", "PYTORCH_BIN", "SAFETENSORS",
+__all__ = ["CONFIG", "CONV1D", "FORMATS", "GPT2_FORMAT", "MASK_BUFFERS", "PYTORCH_BIN", "SAFETENSORS", "SHARD_INDEX",
            "CheckpointError", "Format", "check_shapes", "from_hf", "load_state", "read_config", "read_weights",
            "resolve", "to_hf", "to_safetensors", "write_folder"]

@@ -88,6 +88,10 @@ def choose(cfg: GPT2Config, scale=1.0, k_channels=None, v_channels=None, seed: i
     resolved, nothing built: {"scale": S, "k_channels": n_layer lists of n_head, "v_channels": the same}; at S = 1
     the channels are None (nothing is injected)."""
     scale, seed = check_scale(scale), check_seed(seed)
+    family = getattr(cfg, "family", "gpt2")
+    if family != "gpt2" and scale != 1.0:
+        raise ValueError(f"scale={scale:g}: outlier channels are injected into GPT-2's layout only; a {family} model's "
+                         "rotary pairs and shared K/V heads are not handled yet (use scale=1)")
     g = torch.Generator().manual_seed(seed)
     k = _channels("k_channels", k_channels, cfg, g)
     v = _channels("v_channels", v_channels, cfg, g)

@@ -138,6 +138,7 @@ NOT_ABOUT = {
                                                                                           "(quantize k)",
                        "cache.tail": "K is grouped per token, whose tail is the residual whatever tail says"},
     "paper_kv_types": {"cache.tail": "K and V are grouped per token, whose tail is the residual whatever tail says"},
+    "paper_h2o": {"cache.group_score": "the mini is multi-head: each K/V head has one query head, nothing to group"},
 }
 
 

@@ -40,8 +40,8 @@ import torch
 
 from models.generate import (FusedDecoder, GreedyOutput, StaticDecoder, decode_step, greedy, greedy_loop,
                              greedy_uncached, model_device, model_dtype, new_cache, prefill)
-from models.gpt2 import GPT2
-from models.hf_checkpoint import GPT2_FORMAT, to_hf
+from models.decoder import Decoder
+from models.hf_checkpoint import to_hf
 from models.kv_cache import CACHE_KINDS, PreallocKVCache, cache_kind
 from models.kv_cache.base import itemsize
 
@@ -166,15 +166,16 @@ def hf_refuses(kind: str, opts, head_dim: int | None = None) -> str | None:
     return f"HF's {cp.name} does not run {'; '.join(wrong)}: pass {instead}, or use engine=kvlab"
 
 
-def counterpart_options(kind: str) -> dict:
+def counterpart_options(kind: str, head_dim: int | None = None) -> dict:
     """The options of ``kind`` its HF counterpart runs closest to the kind's defaults: those defaults HF does not
-    honour, replaced by what it does ({"k_axis": "token"} for quant). Passed to both engines, they run one layout."""
+    honour, replaced by what it does ({"k_axis": "token"} for quant; with ``head_dim``, a group size that divides
+    it). Passed to both engines, they run one layout."""
     cls = cache_kind(kind)
     opts = cls.Options()
     out = {}
     for name, how in HF_COUNTERPARTS[kind].options.items():
-        if not how.honours(opts, name, None):
-            out[name] = how.instead(opts, None)
+        if not how.honours(opts, name, head_dim):
+            out[name] = how.instead(opts, head_dim)
             opts = dataclasses.replace(opts, **{name: out[name]})
     return out
 
@@ -210,16 +211,16 @@ class QuantoStorage:
     def held_tokens(self, max_len: int, n_tokens: int, opts) -> int:
         return n_tokens
 
-    def nbytes_formula(self, n_layer, n_head, head_dim, max_len, batch, dtype, n_tokens, opts) -> int:
+    def nbytes_formula(self, n_layer, n_kv_head, head_dim, max_len, batch, dtype, n_tokens, opts) -> int:
         R, G, isz = opts.residual, opts.group_size, itemsize(dtype)
         tail = (n_tokens - self.prefilled) % R if R and n_tokens > self.prefilled else 0
-        rows = batch * n_head * (n_tokens - tail) * head_dim // G
+        rows = batch * n_kv_head * (n_tokens - tail) * head_dim // G
         quantised = math.ceil(rows / (8 // opts.k_bits)) * G + rows * 2 * isz
-        return n_layer * 2 * (quantised + batch * n_head * tail * head_dim * isz)
+        return n_layer * 2 * (quantised + batch * n_kv_head * tail * head_dim * isz)
 
-    def bytes_per_token(self, n_layer, n_head, head_dim, dtype, opts) -> float:
+    def bytes_per_token(self, n_layer, n_kv_head, head_dim, dtype, opts) -> float:
         per_head = head_dim * opts.k_bits / 8 + head_dim / opts.group_size * 2 * itemsize(dtype)
-        return n_layer * 2 * n_head * per_head
+        return n_layer * 2 * n_kv_head * per_head
 
 
 @runtime_checkable
@@ -325,7 +326,7 @@ class KvlabEngine:
         """Whether this engine's decode steps on ``kind`` run compiled (compile=true and a kind it compiles)."""
         return self.compile and self.refuses_compile(kind) is None
 
-    def __init__(self, model: GPT2, compile: bool = False):
+    def __init__(self, model: Decoder, compile: bool = False):
         self.model = model.eval()
         self.compile = compile
         self.compile_stats = dict(compile_s=0.0, compile_warmup_s=0.0, compile_graphs=0, compile_recompiles=0,
@@ -348,6 +349,11 @@ class KvlabEngine:
         return prefill(self.model, ids, cache, last_only=last_only, pad=pad)[0]
 
     def decode(self, token: torch.Tensor, cache) -> torch.Tensor:
+        c = self.model.config
+        if self.compile and cache.fuses_decode and c.n_kv_head != c.n_head:
+            raise ValueError(f"compile=true's decode attention for cache={cache.kind} reads one K/V head per query "
+                             f"head, and this model shares each of its {c.n_kv_head} K/V heads among "
+                             f"{c.n_head // c.n_kv_head} query heads: use compile=false (or cache=prealloc)")
         if self.compile and isinstance(cache, PreallocKVCache) and cache.pad is None:
             return self._decode_compiled(token, cache)
         if self.compile and cache.attends_opaquely and cache.pad is None and cache.device.type == "cpu":
@@ -473,11 +479,12 @@ class KvlabEngine:
 
 
 class HFEngine:
-    """HF ``GPT2LMHeadModel`` holding the same weights as one of our models. HF caches store K and V in the
-    model's dtype: a ``dtype`` that differs is refused rather than silently ignored."""
+    """transformers' own model of the same family (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+    ``MistralForCausalLM``) holding the same weights as one of our models. HF caches store K and V in the model's
+    dtype: a ``dtype`` that differs is refused rather than silently ignored."""
 
     name = "hf"
-    holds_weight_copy = True  # GPT2LMHeadModel holds its own copy of the weights
+    holds_weight_copy = True  # the HF model holds its own copy of the weights
     runs_references = False  # its forward is full attention alone
     Options = HFOptions
 
@@ -500,29 +507,30 @@ class HFEngine:
                     f"dtype.compute={storage} (or use engine=kvlab, which stores any dtype)")
         return None
 
-    def __init__(self, model: GPT2):
-        from transformers import GPT2Config as HFConfig
-        from transformers import GPT2LMHeadModel
+    def __init__(self, model: Decoder):
+        import transformers
 
-        c = model.config
-        self.config = HFConfig(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, n_positions=c.n_positions,
-                               vocab_size=c.vocab_size, layer_norm_epsilon=c.layer_norm_epsilon,
-                               bos_token_id=c.vocab_size - 1, eos_token_id=c.vocab_size - 1)
-        hf = GPT2LMHeadModel(self.config)
+        d = dict(model.hf_config_dict())
+        if d["model_type"] == "gpt2":  # kvlab's GPT-2 generates past <|endoftext|>: HF's stop token at the vocab's end
+            d.update(bos_token_id=model.config.vocab_size - 1, eos_token_id=model.config.vocab_size - 1)
+        self.config = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+        hf = transformers.AutoModelForCausalLM.from_config(self.config)  # GPT2LMHeadModel, LlamaForCausalLM, ...
+        fmt = model.hf_format
         # the checkpoint format's mapping (views: load_state_dict copies them, no second copy of the model is held)
-        state = to_hf(model.state_dict(), fmt=GPT2_FORMAT, clone=False)
+        state = to_hf(model.state_dict(), fmt=fmt, clone=False)
         missing, unexpected = hf.load_state_dict(state, strict=False)
-        missing = [k for k in missing if k not in GPT2_FORMAT.tied and not GPT2_FORMAT.is_ignored(k)]
-        untied = [k for k, tie in GPT2_FORMAT.tied.items() if hf.get_parameter(k) is not hf.get_parameter(tie)]
+        missing = [k for k in missing if k not in fmt.tied and not fmt.is_ignored(k)]
+        untied = [k for k, tie in fmt.tied.items() if hf.get_parameter(k) is not hf.get_parameter(tie)]
         if missing or unexpected or untied:
-            raise RuntimeError(f"weights did not map onto HF GPT-2: missing {missing}, unexpected {unexpected}, "
+            raise RuntimeError(f"weights did not map onto HF {fmt.name}: missing {missing}, unexpected {unexpected}, "
                                f"not tied {untied}")
+        self.head_dim = model.config.head_dim
         self.model = hf.to(device=model_device(model), dtype=model_dtype(model)).eval()
 
     @staticmethod
     def _full_attention(ref: dict) -> None:
         if ref:
-            raise ValueError(f"HF GPT-2 has no uncached reference with {ref}: it runs full attention only")
+            raise ValueError(f"HF's model has no uncached reference with {ref}: it runs full attention only")
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, **ref) -> torch.Tensor:
@@ -545,7 +553,7 @@ class HFEngine:
 
     def new_cache(self, kind: str, max_len: int, batch: int = 1, dtype=None, **options):
         opts = cache_kind(kind).parse_options(**options)
-        why = hf_refuses(kind, opts, self.config.n_embd // self.config.n_head)
+        why = hf_refuses(kind, opts, self.head_dim)
         if why:
             raise ValueError(why)
         if dtype is not None and dtype != model_dtype(self.model):

@@ -131,9 +131,9 @@ class NonFiniteError(RuntimeError):
 def trace_non_finite(model, run) -> str | None:
     """Run ``run()`` with every block of ``model`` (and the K/V its caches return) watched; say where non-finite
     values first appear: a weight, the embeddings, a cache's K/V at some layer, or a block's output."""
-    from models.gpt2 import GPT2
+    from models.decoder import Decoder
 
-    if not isinstance(model, GPT2):
+    if not isinstance(model, Decoder):
         return None
     bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
     if bad:
@@ -146,9 +146,9 @@ def trace_non_finite(model, run) -> str | None:
                 first.append(what)
         return hook
 
-    handles = [model.transformer.wte.register_forward_hook(watch("the token embeddings"))]
-    handles += [b.register_forward_hook(watch(f"layer {i}'s output")) for i, b in enumerate(model.transformer.h)]
-    handles += [model.transformer.ln_f.register_forward_hook(watch("the final layer norm"))]
+    handles = [model.get_input_embeddings().register_forward_hook(watch("the token embeddings"))]
+    handles += [b.register_forward_hook(watch(f"layer {i}'s output")) for i, b in enumerate(model.blocks)]
+    handles += [model.final_norm.register_forward_hook(watch("the final layer norm"))]
     try:
         with torch.inference_mode():
             run(first)
@@ -522,10 +522,10 @@ def weight_bytes(model) -> int:
 def kv_read_bytes(engine, spec: CacheSpec, max_len: int, ctx: int, batch: int = 1) -> int:
     """Bytes of K/V one decode step at context ``ctx`` reads: the kind's bytes per cached token (its storage dtype,
     scales included) times the tokens attention reads (ctx + 1, or the slots a window keeps)."""
-    n_layer, n_head, head_dim = geometry(engine)
+    n_layer, n_kv_head, head_dim = geometry(engine)
     cls, opts = storage(engine, spec), spec.opts
     dtype = spec.dtype or next(engine.model.parameters()).dtype
-    return round(cls.bytes_per_token(n_layer, n_head, head_dim, dtype, opts) * keys_read(engine, spec, max_len, ctx)
+    return round(cls.bytes_per_token(n_layer, n_kv_head, head_dim, dtype, opts) * keys_read(engine, spec, max_len, ctx)
                  * batch)
 
 
@@ -546,10 +546,10 @@ def keys_read(engine, spec: CacheSpec, max_len: int, ctx: int) -> int:
 def step_flops(engine, spec: CacheSpec, max_len: int, ctx: int, batch: int = 1) -> int:
     """Floating-point operations of one decode step: 2 per weight multiply-add (every matrix; the position table is
     a lookup) and, per layer, 2 x 2 x d per key read (q.k and the weighted sum of V)."""
-    n_layer, n_head, head_dim = geometry(engine)
+    n_layer, n_kv_head, head_dim = geometry(engine)
     matrices = sum(p.numel() for n, p in engine.model.named_parameters() if p.dim() == 2 and "wpe" not in n)
     read = keys_read(engine, spec, max_len, ctx)
-    return batch * (2 * matrices + 4 * n_layer * n_head * head_dim * read)
+    return batch * (2 * matrices + 4 * n_layer * n_kv_head * head_dim * read)
 
 
 def with_bandwidth(steps: pd.DataFrame, engine, spec: CacheSpec, max_len: int,
@@ -763,9 +763,15 @@ def time_to_first_token(engine, spec: CacheSpec, prompt: torch.Tensor, max_len: 
 # ---- memory ----------------------------------------------------------------------------------------------------
 
 def geometry(engine) -> tuple[int, int, int]:
-    """(n_layer, n_head, head_dim) of either engine's model (HF's config has no head_dim for GPT-2)."""
+    """(n_layer, n_kv_head, head_dim) of either engine's model: what its cache stores per token (kvlab's configs
+    name them so; HF's Llama-family configs say num_hidden_layers / num_key_value_heads, and GPT-2's has no
+    head_dim)."""
     c = engine.model.config
-    return c.n_layer, c.n_head, getattr(c, "head_dim", None) or c.n_embd // c.n_head
+    n_layer = getattr(c, "n_layer", None) or c.num_hidden_layers
+    n_head = getattr(c, "n_head", None) or c.num_attention_heads
+    n_kv = getattr(c, "n_kv_head", None) or getattr(c, "num_key_value_heads", None) or n_head
+    width = getattr(c, "n_embd", None) or c.hidden_size
+    return n_layer, n_kv, getattr(c, "head_dim", None) or width // n_head
 
 
 def cache_memory(engine, spec: CacheSpec, prompt: torch.Tensor, new_tokens: int, max_len: int,
@@ -775,12 +781,12 @@ def cache_memory(engine, spec: CacheSpec, prompt: torch.Tensor, new_tokens: int,
     bookkeeping). Also returns bytes vs tokens: measured after the prefill and every step, and the formula at
     ``curve_points`` lengths out to ``max_len`` (where the generation does not reach)."""
     cls, opts = storage(engine, spec, prompt.shape[1]), spec.opts
-    n_layer, n_head, head_dim = geometry(engine)
+    n_layer, n_kv_head, head_dim = geometry(engine)
     dtype = spec.dtype or next(engine.model.parameters()).dtype
     B = prompt.shape[0]
 
     def formula(n: int) -> int:
-        return cls.nbytes_formula(n_layer, n_head, head_dim, max_len, B, dtype, n, opts)
+        return cls.nbytes_formula(n_layer, n_kv_head, head_dim, max_len, B, dtype, n, opts)
 
     cache = spec.new(engine, max_len, B)
     logits = engine.prefill(prompt, cache, last_only=True)
@@ -796,7 +802,7 @@ def cache_memory(engine, spec: CacheSpec, prompt: torch.Tensor, new_tokens: int,
                           "nbytes_measured": [measured.get(n, np.nan) for n in grid]})
     rec = dict(cache_nbytes=measured[filled], predicted_nbytes=predicted, nbytes_match=measured[filled] == predicted,
                cache_tokens=held, cache_filled_tokens=filled,
-               bytes_per_token=cls.bytes_per_token(n_layer, n_head, head_dim, dtype, opts),
+               bytes_per_token=cls.bytes_per_token(n_layer, n_kv_head, head_dim, dtype, opts),
                measured_bytes_per_token=measured[filled] / held,
                nbytes_curve_match=all(curve.nbytes_formula[curve.nbytes_measured.notna()]
                                       == curve.nbytes_measured.dropna()))

@@ -43,7 +43,7 @@ class OutliersConfig:
 @dataclass
 class ModelConfig:
     name: str = "gpt2"  # how runs are labelled
-    preset: str = "gpt2"  # GPT2Config.preset name (random weights; auto's hub checkpoint)
+    preset: str = "gpt2"  # a model preset of any family (models.families.PRESETS: random weights; auto's hub checkpoint)
     weights: str = "auto"  # auto (the preset's real checkpoint if reachable, else random) | random | folder | hub id
     seed: int = 0  # seed of the random init
     build: Optional[str] = None  # the command that makes the checkpoint folder, shown when it is missing
@@ -228,7 +228,7 @@ def outliers_choice(node) -> OutliersChoice:
 
 
 def check_outliers(choice: OutliersChoice, mcfg) -> dict:
-    """``model.outliers`` against the model (``mcfg``, its GPT2Config): the channels it would inject
+    """``model.outliers`` against the model (``mcfg``, its family's config): the channels it would inject
     (``models.outliers.choose``), or ``ConfigError`` in one line naming the key."""
     try:
         return outliers.choose(mcfg, choice.scale, choice.k_channels, choice.v_channels, choice.seed)

@@ -57,6 +57,7 @@ import resource
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from harness.common.errors import ConfigError
 from harness.core.engines import ENGINES
@@ -77,15 +78,17 @@ GB = 1e9
 
 # ---- weights ---------------------------------------------------------------------------------------------------
 
-def param_count(cfg: GPT2Config) -> int:
-    """GPT-2's parameters from its config alone (``GPT2Config.num_params``: the tied lm_head once)."""
+def param_count(cfg) -> int:
+    """A model's parameters from its config alone (its family's ``num_params``: a tied lm_head once)."""
     return cfg.num_params()
 
 
-def decode_weight_bytes(cfg: GPT2Config, dtype) -> int:
+def decode_weight_bytes(cfg, dtype) -> int:
     """What ``harness.core.measure.weight_bytes`` reports for a model of ``cfg`` in ``dtype``: every parameter once, but
-    only one row of the position embedding (the bandwidth probe sizes its buffers by it)."""
-    return (param_count(cfg) - (cfg.n_positions - 1) * cfg.n_embd) * itemsize(dtype)
+    only one row of a learned position embedding (GPT-2's; a rotary family has none). The bandwidth probe sizes its
+    buffers by it."""
+    table = (cfg.n_positions - 1) * cfg.n_embd if cfg.family == "gpt2" else 0
+    return (param_count(cfg) - table) * itemsize(dtype)
 
 
 # ---- the estimate ----------------------------------------------------------------------------------------------
@@ -151,7 +154,7 @@ def _positive(name: str, value) -> int:
     return value
 
 
-def run_bytes(model: GPT2Config, *, storage="fp32", compute="fp32", kind: str = "prealloc",
+def run_bytes(model, *, storage="fp32", compute="fp32", kind: str = "prealloc",
               options: dict | None = None, max_len: int | None = None, batch: int = 1,
               batch_sizes: list[int] | None = None, batch_context: int = 512,
               context_lengths: list[int] | None = None, n_prompts: int = 4, new_tokens: int = 32,
@@ -225,7 +228,7 @@ def phase_of() -> dict[str, set[str]]:
 class _Sizes:
     """The pieces every phase of ``run_bytes`` is made of, for one model, kind, dtype pair and capacity."""
 
-    model: GPT2Config
+    model: Any  # the model's config, of any family (models.families)
     kind: str
     options: dict
     storage: object
@@ -264,13 +267,13 @@ class _Sizes:
                 + B * rows * m.vocab_size * isz + 2 * B * T * I64)
 
     def layer_kv(self, B: int, n: int) -> int:
-        return 2 * kv_bytes(1, self.model.n_head, self.model.head_dim, max(n, 1), B, "fp32")
+        return 2 * kv_bytes(1, self.model.n_kv_head, self.model.head_dim, max(n, 1), B, "fp32")
 
     def ref_cache(self, n: int) -> int:
         """The fp32 full-attention reference's cache holding n tokens."""
         ref = _full_attention_kind()
         m = self.model
-        return ref.nbytes_formula(m.n_layer, m.n_head, m.head_dim, n, 1, "fp32", n, ref.Options())
+        return ref.nbytes_formula(m.n_layer, m.n_kv_head, m.head_dim, n, 1, "fp32", n, ref.Options())
 
 
 def _weights(s: _Sizes, engine: str, device: str, keep_fp32: bool | None) -> tuple[int, list, int]:
@@ -303,7 +306,7 @@ def _generation_phases(s: _Sizes, n_prompts: int, new_tokens: int, drift_text_le
         Lt = min(s.max_len, max(drift_text_len, s.prompt_len + 1))
         R = min(STAT_ROWS, Lt - 1)
         m = s.model
-        seen = 2 * kv_bytes(m.n_layer, m.n_head, m.head_dim, Lt, 1, "fp32")
+        seen = 2 * kv_bytes(m.n_layer, m.n_kv_head, m.head_dim, Lt, 1, "fp32")
         T = min(s.prompt_len, Lt - 1)
         meas = s.forward(1, T, T, F32) + 4 * (Lt - 1) * V * F32 + 7 * R * V * F64 + seen + n_prompts * Lt * I64
         phases.append(("text_drift", s.cache_at(1, Lt, cap=Lt) + s.ref_cache(Lt), meas))
@@ -391,7 +394,7 @@ def cache_fills(*, kind: str, options: dict | None = None, max_len: int, context
     return [(what, b, n) for _, what, b, n in fills]
 
 
-def cache_bytes(model: GPT2Config, kind: str, options: dict | None = None, storage="fp32",
+def cache_bytes(model, kind: str, options: dict | None = None, storage="fp32",
                 max_len: int | None = None, batch: int = 1, n_tokens: int | None = None, engine: str = "kvlab",
                 prefilled: int = 0) -> int:
     """Bytes a cache of ``kind`` (with ``options``) for ``model`` holds: ``batch`` sequences, capacity ``max_len``
@@ -402,7 +405,7 @@ def cache_bytes(model: GPT2Config, kind: str, options: dict | None = None, stora
     opts = cls.parse_options(**(options or {}))
     max_len = model.n_positions if max_len is None else max_len
     n_tokens = max_len if n_tokens is None else n_tokens
-    L, nh, hs = model.n_layer, model.n_head, model.head_dim
+    L, nh, hs = model.n_layer, model.n_kv_head, model.head_dim
     if cls.pooled:
         return _pool_bytes(cls, opts, L, nh, hs, max_len, batch, storage)
     own = _storage(engine, kind, cls, opts, prefilled)
@@ -602,7 +605,7 @@ def what_fits(need: RunBytes, budget: int) -> str:
     return "use a smaller model" + "".join(f", or {o}" for o in others)
 
 
-def _kind_option_that_fits(model: GPT2Config, inputs: dict, budget: int) -> str | None:
+def _kind_option_that_fits(model, inputs: dict, budget: int) -> str | None:
     """``cache.<option> <= N would fit``, for the first of the kind's ``sized_by`` options (those whose larger values
     hold more bytes: a paged pool's blocks and block_size, a budget) whose lower values fit ``budget``, among the
     values the kind accepts at the run's max_len and for the caches it builds; None if none does."""

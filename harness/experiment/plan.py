@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     import torch
 
     from harness.experiment.weights import Weights
-    from models.gpt2 import GPT2Config
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ class ModelChoice:
     loaded (``outliers``)."""
 
     name: str  # how runs are labelled
-    preset: str  # GPT2Config.preset name (random weights; auto's hub checkpoint)
+    preset: str  # a model preset of any family (models.families.PRESETS: random weights; auto's hub checkpoint)
     weights: str  # auto | random | a checkpoint folder | a hub id
     seed: int  # seed of the random init
     build: str | None = None  # the command that makes the checkpoint folder, shown when it is missing
@@ -135,7 +134,7 @@ class Plan:
 
     config: RunConfig
     weights: Weights
-    model_cfg: GPT2Config | None  # None: a hub checkpoint, known once loaded
+    model_cfg: Any  # the model family's config (models.families); None: a hub checkpoint, known once loaded
     max_len: int | None
     contexts: list[int] | None
     device: torch.device

@@ -50,7 +50,8 @@ from harness.core.engines import ENGINES, KvlabEngine
 from harness.experiment.invocation import (concurrent_runs, forget_invocation, invocation, invocation_failures,
                                 invocation_folders, mark_active, new_invocation, note_failure, note_started)
 from models import outliers
-from models.gpt2 import GPT2, GPT2Config, read_hf_config
+from models.decoder import Decoder
+from models.families import build, load_model, preset_config, read_config
 from models.kv_cache import as_dtype, cache_kind
 
 # the invocation's bookkeeping lives in harness.experiment.invocation; these names stay importable from here
@@ -270,27 +271,28 @@ def resolve_dtypes(storage: str, compute: str, device: torch.device) -> tuple[to
     return as_dtype(storage), as_dtype(compute)
 
 
-def model_config(w: Weights, m: ModelChoice) -> GPT2Config | None:
-    """The model's config, read cheaply before any weights (None for a hub id: known once loaded)."""
+def model_config(w: Weights, m: ModelChoice):
+    """The model's config (of its family: ``models.families``), read cheaply before any weights (None for a hub
+    id: known once loaded)."""
     if w.random:
-        return GPT2Config.preset(m.preset)
+        return preset_config(m.preset)
     folder = Path(w.load_from)
     if folder.is_dir():
-        return read_hf_config(folder)
+        return read_config(folder)
     if getattr(m, "build", None):
         raise ConfigError(f"model={m.name} needs its checkpoint folder {m.weights}, which is missing: build it with "
                           f"`{m.build}`")
     return None
 
 
-def build_model(w: Weights, m: ModelChoice, cfg: GPT2Config | None) -> GPT2:
+def build_model(w: Weights, m: ModelChoice, cfg) -> Decoder:
     if w.random:
         torch.manual_seed(m.seed)
-        return GPT2(cfg).eval()
-    return GPT2.from_pretrained(w.load_from).eval()
+        return build(cfg).eval()
+    return load_model(w.load_from).eval()
 
 
-def inject_outliers(model: GPT2, choice: OutliersChoice) -> dict:
+def inject_outliers(model: Decoder, choice: OutliersChoice) -> dict:
     """``model.outliers`` done to the loaded fp32 model, in place, before anything is measured on it or copied from
     it (the compute-dtype copy, the references, HF's engine): ``models.outliers.inject``, whose rescaling keeps the
     model's function; refused in one line (``ConfigError``) when the channels do not fit the model. -> what was
@@ -510,7 +512,7 @@ def plan_run(rc: RunConfig, w: Weights | None = None) -> Plan:
                 input_ids(path, rc.model.seed, w))
 
 
-def check_memory(rc: RunConfig, mcfg: GPT2Config, max_len: int, contexts: list[int], storage, compute,
+def check_memory(rc: RunConfig, mcfg, max_len: int, contexts: list[int], storage, compute,
                  device) -> None:
     """The run's peak bytes (weights, caches, the measurements' largest tensors) against what is free: refused in
     one line, with what would fit, before anything is allocated (``harness.experiment.memory``: plain values)."""
@@ -585,7 +587,8 @@ def resolved_record(plan: Plan, loaded: dict) -> dict:
                 for part in ("k_channels", "v_channels")}  # as model.outliers.k_channels takes them back
     return dict(record.typed(record.Resolved, dict(
         device=plan.device.type, storage_dtype=dtype[plan.storage], compute_dtype=dtype[plan.compute],
-        n_layer=mcfg.n_layer, n_head=mcfg.n_head, n_embd=mcfg.n_embd, n_params=model.num_params(),
+        n_layer=mcfg.n_layer, n_head=mcfg.n_head, n_kv_head=mcfg.n_kv_head, model_family=mcfg.family,
+        n_embd=mcfg.n_embd, n_params=model.num_params(),
         outlier_k_channels=channels["k_channels"], outlier_v_channels=channels["v_channels"])),
         max_len=loaded["max_len"], context_lengths=",".join(map(str, loaded["contexts"])))
 

@@ -6,8 +6,9 @@
   saying why. The hub is asked with a bounded wait (``KVLAB_HUB_TIMEOUT`` seconds, default 5): a closed port, a DNS
   failure or a firewall that drops packets costs seconds, never a hang. ``HF_HUB_OFFLINE=1`` skips the asking (the
   local cache is still used). A preset with no published checkpoint (``tiny``) gets the seeded init.
-- a folder (absolute, relative to the working directory or to the repository): an HF GPT-2 checkpoint folder.
-- anything else: a hub id, fetched by ``GPT2.from_pretrained`` (which says what to do when it cannot).
+- a folder (absolute, relative to the working directory or to the repository): an HF GPT-2, Llama, Qwen2 or Mistral
+  checkpoint folder (``models.load_model``: the family from config.json's model_type).
+- anything else: a hub id, fetched by ``models.load_model`` (which says what to do when it cannot).
 
 Nothing here builds a model; ``harness.experiment.runner`` loads what this decides.
 """
@@ -24,7 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 # the published checkpoint of each preset (HF's canonical ids)
 HUB_IDS = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",
-           "gpt2-large": "openai-community/gpt2-large", "gpt2-xl": "openai-community/gpt2-xl"}
+           "gpt2-large": "openai-community/gpt2-large", "gpt2-xl": "openai-community/gpt2-xl",
+           "smollm2-135m": "HuggingFaceTB/SmolLM2-135M", "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",
+           "llama-3.2-1b": "meta-llama/Llama-3.2-1B"}  # (Meta's is gated: without access, auto falls back)
 FILES = ("config.json", "model.safetensors")
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -33,7 +36,7 @@ DEFAULT_TIMEOUT_S = 5.0
 class Weights:
     kind: str  # "random" or "pretrained" (any checkpoint: a hub id or a folder)
     source: str  # "random", the hub id, or the folder
-    load_from: str | None  # what GPT2.from_pretrained gets (a folder or a hub id); None for random
+    load_from: str | None  # what models.load_model gets (a folder or a hub id); None for random
     detail: str  # one line for people: what was used and why
 
     @property

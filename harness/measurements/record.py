@@ -85,7 +85,10 @@ class Resolved:
     storage_dtype: str = key("dtype of K and V in the cache")
     compute_dtype: str = key("dtype of the model")
     n_layer: int = key("layers", "layers")
-    n_head: int = key("heads per layer", "heads")
+    n_head: int = key("query heads per layer", "heads")
+    n_kv_head: int = key("K/V heads per layer, what the cache stores (n_head: multi-head; fewer: grouped-query; 1: "
+                         "multi-query)", "heads")
+    model_family: str = key("the decoder family: gpt2, llama, qwen2 or mistral (config.json's model_type)")
     n_embd: int = key("model width", "channels")
     n_params: int = key("parameters (the tied output embedding once)", "parameters")
     outlier_k_channels: str | None = key("the K channel made an outlier in each layer and head, as "

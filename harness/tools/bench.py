@@ -57,7 +57,8 @@ from harness.core.engines import ENGINES, HF_COUNTERPARTS, HFEngine, KvlabEngine
 from harness.core import measure
 from harness.experiment import memory
 from harness.core.measure import CacheSpec
-from models.gpt2 import GPT2, GPT2Config, PRESETS
+from models.decoder import Decoder
+from models.families import PRESETS, build, preset_config
 from models.kv_cache import CACHE_KINDS, KVCache, cache_kind
 from models.kv_cache.base import DTYPES, itemsize, storage_nbytes
 
@@ -101,12 +102,12 @@ def time_in_turns(runners: list[tuple], token: torch.Tensor, repeats: int, warmu
     return times
 
 
-def _counterpart_options(kind: str) -> dict:
+def _counterpart_options(kind: str, head_dim: int | None = None) -> dict:
     """The options of ``kind`` both engines run in the HF comparison (``harness.core.engines.counterpart_options``: the
-    kind's defaults HF does not honour replaced by what it does), or {} where the engines declare none."""
+    kind's defaults HF does not honour replaced by what it does, for the model's ``head_dim``)."""
     from harness.core import engines
 
-    return getattr(engines, "counterpart_options", lambda kind: {})(kind)
+    return engines.counterpart_options(kind, head_dim)
 
 
 def time_steps(engines, layout: str, ctx: int, repeats: int, warmup: int, seed: int = 0,
@@ -195,7 +196,7 @@ def time_prefix_reuse(engine, spec: CacheSpec, prefix: int, suffix: int, repeats
     return out
 
 
-def bench_prefix(args, model: GPT2) -> None:
+def bench_prefix(args, model: Decoder) -> None:
     kinds = [parse_kind(k) for k in (args.cache or ["concat", "prealloc"])]
     engine = KvlabEngine(model)
     print(f"prefix reuse: {args.suffix} new tokens after a shared prefix; time to first token, ms")
@@ -246,7 +247,7 @@ def serve_ragged(engine, spec: CacheSpec, prompts: list[torch.Tensor], out_lens:
     return dict(tokens=tokens, waste=waste, peak_nbytes=peak, times=times)
 
 
-def bench_paged(args, model: GPT2) -> None:
+def bench_paged(args, model: Decoder) -> None:
     specs = [parse_kind(k) for k in (args.cache or ["prealloc", "concat", "paged"])]
     n_pos = model.config.n_positions  # --prompt-max + --output-max <= n_pos: check_args
     g = torch.Generator().manual_seed(args.seed)
@@ -276,13 +277,14 @@ def bench_paged(args, model: GPT2) -> None:
               "from the steps; the rest eager")
 
 
-def bench_hf(args, model: GPT2) -> None:
+def bench_hf(args, model: Decoder) -> None:
     engines = [KvlabEngine(model), HFEngine(model)]
     print(f"{'context':>7}  {'kind':<9} {'kvlab ms':>9} {'HF ms':>9} {'HF cache':<15} {'kvlab/HF':>8}")
     for ctx in args.contexts:
         for kind, counterpart in HF_COUNTERPARTS.items():
             hf_name = counterpart.name if hasattr(counterpart, "name") else counterpart[0]
-            t = time_steps(engines, kind, ctx, args.repeats, args.warmup, args.seed, _counterpart_options(kind))
+            t = time_steps(engines, kind, ctx, args.repeats, args.warmup, args.seed,
+                           _counterpart_options(kind, model.config.head_dim))
             ours, hf = statistics.median(t["kvlab"]) * 1e3, statistics.median(t["hf"]) * 1e3
             print(f"{ctx:>7}  {kind:<9} {ours:>9.2f} {hf:>9.2f} {hf_name:<15} {ours / hf:>7.2f}x")
 
@@ -297,7 +299,7 @@ KIND_TARGETS = (
 )
 
 
-def bench_kinds(args, model: GPT2) -> None:
+def bench_kinds(args, model: Decoder) -> None:
     specs = [parse_kind(k) for k in (args.cache or DEFAULT_KINDS)]
     base = CacheSpec("prealloc")
     if base.label not in {s.label for s in specs}:
@@ -372,7 +374,7 @@ class Refused(SystemExit):
         return self.message
 
 
-def _check_specs(args: argparse.Namespace, cfg: GPT2Config) -> None:
+def _check_specs(args: argparse.Namespace, cfg) -> None:
     """Refuse (ValueError, one line) cache specs that the mode's prompts or caches cannot honour, as a run's
     validation does: a prompt shorter than the kind takes (SnapKV's window), a ragged batch (--paged) on a kind that
     runs none, a pool too small for the caches built (paged ``blocks``), options the model's head size cannot take."""
@@ -411,7 +413,7 @@ MAX_LIST = 64  # entries of --contexts and --prefixes, and --cache given at most
 MAX_SEED = 2 ** 63  # torch.manual_seed takes 0 <= seed < 2**63
 
 
-def _forward_bytes(cfg: GPT2Config, B: int, T: int, rows: int, isz: int) -> int:
+def _forward_bytes(cfg, B: int, T: int, rows: int, isz: int) -> int:
     """Transients of one forward of (B, T) tokens keeping ``rows`` positions' logits: the same terms as
     ``harness.experiment.memory``'s run estimate (activations, fp32 attention scores, masks, logits, ids)."""
     return (B * T * cfg.n_embd * memory.ACT_WIDTH * isz + B * cfg.n_head * T * T * memory.F32 + 3 * B * T * T
@@ -423,7 +425,7 @@ def _snapshot_bytes(spec: CacheSpec, nbytes: int) -> int:
     return nbytes if spec.cls.checkpoint is not KVCache.checkpoint else 0
 
 
-def bench_bytes(args: argparse.Namespace, cfg: GPT2Config, batch: int | None = None) -> dict[str, int]:
+def bench_bytes(args: argparse.Namespace, cfg, batch: int | None = None) -> dict[str, int]:
     """The bytes the benchmark as asked holds at its peak, from the arguments alone (nothing is built): the
     weights (the model is built in fp32, then converted; the HF comparison adds transformers' own copy), the caches
     alive together (every kind at the longest context with --kinds, and their snapshots; one layout at a time with
@@ -458,7 +460,7 @@ def bench_bytes(args: argparse.Namespace, cfg: GPT2Config, batch: int | None = N
         out["weights"] += P * memory.F32 if ENGINES["hf"].holds_weight_copy else 0
         for kind in HF_COUNTERPARTS:
             for engine in ("kvlab", "hf"):
-                c = memory.cache_bytes(cfg, kind, _counterpart_options(kind), "fp32", ctx + 1, 1, ctx + 1, engine,
+                c = memory.cache_bytes(cfg, kind, _counterpart_options(kind, cfg.head_dim), "fp32", ctx + 1, 1, ctx + 1, engine,
                                        ctx)
                 out["cache"] += c + c  # and its checkpoint's copy, at most
         out["transients"] = _forward_bytes(cfg, 1, ctx, ctx, memory.F32)
@@ -466,7 +468,7 @@ def bench_bytes(args: argparse.Namespace, cfg: GPT2Config, batch: int | None = N
     return out
 
 
-def _needs(args: argparse.Namespace, cfg: GPT2Config, device: torch.device, batch: int | None = None) -> dict:
+def _needs(args: argparse.Namespace, cfg, device: torch.device, batch: int | None = None) -> dict:
     """Where the benchmark holds what: {"cpu": bytes} on a CPU; on CUDA the host builds the fp32 model first and
     the GPU holds the model in --dtype, the caches and the transients."""
     need = bench_bytes(args, cfg, batch)
@@ -476,7 +478,7 @@ def _needs(args: argparse.Namespace, cfg: GPT2Config, device: torch.device, batc
     return {"cpu": need["weights"], "gpu": on_gpu}
 
 
-def check_memory(args: argparse.Namespace, cfg: GPT2Config, device: torch.device) -> str | None:
+def check_memory(args: argparse.Namespace, cfg, device: torch.device) -> str | None:
     """One line when the benchmark as asked would not fit this machine (or the GPU) less the runs' margin
     (``harness.experiment.memory.usable``), naming the sizes and what would fit; None when it fits."""
     need, needs = bench_bytes(args, cfg), _needs(args, cfg, device)
@@ -523,7 +525,7 @@ def _device(ap: argparse.ArgumentParser, args: argparse.Namespace) -> torch.devi
     return device
 
 
-def _check_lengths(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg: GPT2Config) -> None:
+def _check_lengths(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> None:
     """The lengths each mode runs (contexts, prefixes + suffix, prompt + output) fit the model's positions."""
     if args.paged and min(args.batch, args.prompt_max, args.output_max) < 1:
         ap.error(f"--batch, --prompt-max and --output-max must be >= 1 (got {args.batch}, {args.prompt_max}, "
@@ -547,7 +549,7 @@ def _check_lengths(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg: G
             ap.error(f"context {ctx} + 1 decode token exceeds n_positions {cfg.n_positions} of {args.model}")
 
 
-def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg: GPT2Config) -> torch.device:
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> torch.device:
     """Refuse, in one line each (exit 2), what the benchmark cannot honour, before anything is built: every count
     bounded (``MAX_*``), then the memory it would need against what is free (``check_memory``); fill in the
     defaults. Returns the device to run on."""
@@ -632,10 +634,10 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-max", type=int, default=None, help="with --paged: longest prompt drawn (default 512)")
     ap.add_argument("--output-max", type=int, default=None, help="with --paged: longest output drawn (default 256)")
     args = ap.parse_args(argv)
-    cfg = GPT2Config.preset(args.model)
+    cfg = preset_config(args.model)
     device = check_args(ap, args, cfg)
     torch.manual_seed(args.seed)
-    model = GPT2(cfg).eval().to(device, DTYPES[args.dtype])
+    model = build(cfg).eval().to(device, DTYPES[args.dtype])
     if args.paged:
         print(f"model {args.model} (seeded random init, seed {args.seed}), fp32, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads")

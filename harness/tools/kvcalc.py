@@ -123,10 +123,10 @@ def _int(source: str, key: str, value, minimum: int = 1, maximum: int = MAX_LAYE
 
 
 def _preset_geometry(name: str) -> dict:
-    from models.gpt2 import GPT2Config
+    from models.families import preset_config
 
-    cfg = GPT2Config.preset(name)
-    return {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_kv_head": cfg.n_head, "head_dim": cfg.head_dim,
+    cfg = preset_config(name)  # any family's preset: its K/V heads are what its cache stores
+    return {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_kv_head": cfg.n_kv_head, "head_dim": cfg.head_dim,
             "windows": [None] * cfg.n_layer, "max_positions": cfg.n_positions, "source": f"preset {name}",
             "window_rule": "none"}
 
@@ -273,10 +273,10 @@ def _config_geometry(path: Path) -> dict:
 
 
 def kv_geometry(name_or_path: str | Path) -> dict:
-    """What the KV cache's size depends on, for a preset name (``models.gpt2.PRESETS``) or an HF config.json (or a
-    folder holding one): n_layer, n_head, n_kv_head, head_dim, windows (one per layer: tokens, or None for full
-    attention), window_rule, max_positions (None if the config gives none) and source."""
-    from models.gpt2 import PRESETS
+    """What the KV cache's size depends on, for a preset name of any family (``models.families.PRESETS``) or an HF
+    config.json (or a folder holding one): n_layer, n_head, n_kv_head, head_dim, windows (one per layer: tokens, or
+    None for full attention), window_rule, max_positions (None if the config gives none) and source."""
+    from models.families import PRESETS
 
     name = str(name_or_path)
     if name in PRESETS:

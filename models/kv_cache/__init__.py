@@ -1,7 +1,7 @@
 """KV-cache kinds behind one contract, and the registry that names them.
 
     from models.kv_cache import CACHE_KINDS, make_cache, kv_bytes
-    cache = make_cache("prealloc", n_layer, n_head, head_dim, max_len, batch, dtype=torch.float32)
+    cache = make_cache("prealloc", n_layer, n_kv_head, head_dim, max_len, batch, dtype=torch.float32)
     cache = make_cache("quant", ..., k_bits=4, v_bits=8, group_size=32, residual=0)
     cache = make_cache("window", ..., window=256, sinks=4)
     cache = make_cache("paged", ..., block_size=16)

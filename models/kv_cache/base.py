@@ -226,12 +226,12 @@ class KVCache:
         compiles nothing of its own), so an engine can compile the rest of the step around it."""
         return self.fuses_decode
 
-    def __init__(self, n_layer: int, n_head: int, head_dim: int, max_len: int, batch: int = 1,
+    def __init__(self, n_layer: int, n_kv_head: int, head_dim: int, max_len: int, batch: int = 1,
                  dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu", **options):
-        for name, value in (("n_layer", n_layer), ("n_head", n_head), ("head_dim", head_dim),
+        for name, value in (("n_layer", n_layer), ("n_kv_head", n_kv_head), ("head_dim", head_dim),
                             ("max_len", max_len), ("batch", batch)):
             _count(name, value)
-        self.n_layer, self.n_head, self.head_dim = n_layer, n_head, head_dim
+        self.n_layer, self.n_kv_head, self.head_dim = n_layer, n_kv_head, head_dim
         self.max_len, self.batch = max_len, batch
         self.dtype = as_dtype(dtype)
         self.device = torch.device(device)
@@ -311,17 +311,17 @@ class KVCache:
         raise NotImplementedError
 
     @classmethod
-    def nbytes_formula(cls, n_layer: int, n_head: int, head_dim: int, max_len: int, batch: int, dtype,
+    def nbytes_formula(cls, n_layer: int, n_kv_head: int, head_dim: int, max_len: int, batch: int, dtype,
                        n_tokens: int, opts) -> int:
         """Bytes the cache holds after ``n_tokens`` tokens were written, from the geometry alone. Default: the
         storage dtype's K and V for every slot held."""
-        return kv_bytes(n_layer, n_head, head_dim, cls.held_tokens(max_len, n_tokens, opts), batch, dtype)
+        return kv_bytes(n_layer, n_kv_head, head_dim, cls.held_tokens(max_len, n_tokens, opts), batch, dtype)
 
     @classmethod
-    def bytes_per_token(cls, n_layer: int, n_head: int, head_dim: int, dtype, opts) -> float:
+    def bytes_per_token(cls, n_layer: int, n_kv_head: int, head_dim: int, dtype, opts) -> float:
         """What one more cached token costs in the kind's main storage (fixed overheads such as a full-precision
         tail excluded; scales included)."""
-        return float(kv_bytes(n_layer, n_head, head_dim, 1, 1, dtype))
+        return float(kv_bytes(n_layer, n_kv_head, head_dim, 1, 1, dtype))
 
     @classmethod
     def label(cls, opts) -> str:
@@ -371,11 +371,11 @@ class KVCache:
     def _check_room(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> int:
         if not 0 <= layer < self.n_layer:
             raise IndexError(f"layer {layer} out of range for a cache of {self.n_layer} layers")
-        want = (self.batch, self.n_head, k_new.shape[2] if k_new.dim() == 4 else -1, self.head_dim)
+        want = (self.batch, self.n_kv_head, k_new.shape[2] if k_new.dim() == 4 else -1, self.head_dim)
         for name, x in (("k", k_new), ("v", v_new)):
             if x.dim() != 4 or tuple(x.shape) != want:
                 raise ValueError(f"{name}_new has shape {tuple(x.shape)} but this cache holds (batch, heads, t, "
-                                 f"head_dim) = ({self.batch}, {self.n_head}, t, {self.head_dim}): build the cache "
+                                 f"head_dim) = ({self.batch}, {self.n_kv_head}, t, {self.head_dim}): build the cache "
                                  "for the model's geometry and the prompt batch")
         t = k_new.shape[2]  # k_new: (B, nh, t, hs)
         if self.pos + t > self.max_len:
@@ -397,7 +397,7 @@ class KVCache:
 
     def formula_nbytes(self, n_tokens: int | None = None) -> int:
         """The kind's byte formula for this cache after ``n_tokens`` (default: ``pos``) tokens."""
-        return self.nbytes_formula(self.n_layer, self.n_head, self.head_dim, self.max_len, self.batch, self.dtype,
+        return self.nbytes_formula(self.n_layer, self.n_kv_head, self.head_dim, self.max_len, self.batch, self.dtype,
                                    self.pos if n_tokens is None else n_tokens, self.opts)
 
     @property
@@ -408,7 +408,7 @@ class KVCache:
     @property
     def filled_nbytes(self) -> int:
         """Bytes of the tokens written so far at the storage dtype (padding slots of a ragged batch excluded)."""
-        return sum(kv_bytes(self.n_layer, self.n_head, self.head_dim, n, 1, self.dtype) for n in self.lengths())
+        return sum(kv_bytes(self.n_layer, self.n_kv_head, self.head_dim, n, 1, self.dtype) for n in self.lengths())
 
     @property
     def held_slots(self) -> int:
@@ -490,7 +490,7 @@ class KVCache:
     def empty_like(self, batch: int | None = None) -> KVCache:
         """An empty cache of the same kind, geometry and options (``batch`` sequences if given): one that this
         cache's snapshots restore into. A pooled kind's draws from the same pool."""
-        return type(self)(self.n_layer, self.n_head, self.head_dim, self.max_len, batch or self.batch,
+        return type(self)(self.n_layer, self.n_kv_head, self.head_dim, self.max_len, batch or self.batch,
                           dtype=self.dtype, device=self.device, **dataclasses.asdict(self.opts))
 
     def snapshot(self) -> dict:
@@ -504,7 +504,7 @@ class KVCache:
                     pad=None if self.pad is None else self.pad.clone())
 
     def _geometry(self) -> tuple:
-        return (self.n_layer, self.batch, self.n_head, self.head_dim, self.max_len, str(self.dtype), self.opts)
+        return (self.n_layer, self.batch, self.n_kv_head, self.head_dim, self.max_len, str(self.dtype), self.opts)
 
     def _check_snapshot(self, snap: dict, expect: Callable[[int], dict] | None = None,
                         check: Callable[[dict], None] | None = None) -> int:
@@ -579,7 +579,7 @@ class KVCache:
                              "takes what snapshot() returned, unchanged")
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(n_layer={self.n_layer}, n_head={self.n_head}, head_dim={self.head_dim}, "
+        return (f"{type(self).__name__}(n_layer={self.n_layer}, n_kv_head={self.n_kv_head}, head_dim={self.head_dim}, "
                 f"max_len={self.max_len}, batch={self.batch}, dtype={self.dtype}, pos={self.pos}, {self.opts})")
 
 
@@ -602,7 +602,7 @@ def cache_kind(kind: str) -> type[KVCache]:
         raise ValueError(f"unknown cache kind {kind!r}: use one of {', '.join(CACHE_KINDS)}") from None
 
 
-def make_cache(kind: str, n_layer: int, n_head: int, head_dim: int, max_len: int, batch: int = 1,
+def make_cache(kind: str, n_layer: int, n_kv_head: int, head_dim: int, max_len: int, batch: int = 1,
                dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu", **options) -> KVCache:
     """A cache of the named kind; ``options`` are the kind's own (see its ``Options``)."""
-    return cache_kind(kind)(n_layer, n_head, head_dim, max_len, batch, dtype=dtype, device=device, **options)
+    return cache_kind(kind)(n_layer, n_kv_head, head_dim, max_len, batch, dtype=dtype, device=device, **options)

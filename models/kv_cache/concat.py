@@ -47,7 +47,7 @@ class ConcatKVCache(KVCache):
 
     def restore(self, snap: dict) -> None:
         def expect(pos):  # one (B, nh, pos, hs) tensor per layer; None before any token
-            one = None if pos == 0 else ((self.batch, self.n_head, pos, self.head_dim), self.dtype)
+            one = None if pos == 0 else ((self.batch, self.n_kv_head, pos, self.head_dim), self.dtype)
             return {"k": [one] * self.n_layer, "v": [one] * self.n_layer}
 
         self.pos = self._check_snapshot(snap, expect)

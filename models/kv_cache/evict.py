@@ -30,14 +30,23 @@ from models.kv_cache.base import KVCache, kv_bytes
 NEG = float("-inf")
 
 
+GROUP_SCORES = ("mean", "max")  # how the query heads that share a K/V head combine their attention into its score
+
+
 @dataclass(frozen=True)
 class BudgetOptions:
-    budget: int = 32  # token slots kept per sequence, layer and head
+    budget: int = 32  # token slots kept per sequence, layer and K/V head
+    # grouped-query attention: a K/V head's score from its group of query heads' probabilities (kvpress and Ada-KV
+    # average them; max keeps a key any head of the group needs). No effect where every query head has its own K/V.
+    group_score: str = "mean"
 
     def __post_init__(self):
         if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
             raise ValueError(f"cache option budget must be an integer >= 1 (token slots kept per sequence, layer and "
-                             f"head), got {self.budget!r}")
+                             f"K/V head), got {self.budget!r}")
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"cache option group_score={self.group_score!r}: use mean or max (how the query heads "
+                             "sharing a K/V head combine their attention)")
 
 
 class EvictingKVCache(KVCache):
@@ -53,7 +62,7 @@ class EvictingKVCache(KVCache):
         # a cache shorter than the budget holds every token it can take (a run's config refuses a budget above its
         # max_len: check_max_len; a measurement's short cache, for a few tokens, simply never evicts)
         self.n_slots = S = self.held_tokens(self.max_len, 0, self.opts)
-        shape = (self.n_layer, self.batch, self.n_head, S, self.head_dim)  # (L, B, nh, budget, hs)
+        shape = (self.n_layer, self.batch, self.n_kv_head, S, self.head_dim)  # (L, B, nh, budget, hs)
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kpos = torch.full(shape[:4], -1, dtype=torch.long, device=self.device)  # (L, B, nh, budget)
@@ -91,19 +100,20 @@ class EvictingKVCache(KVCache):
         return 8 + (4 if cls.carries_score else 0)
 
     @classmethod
-    def nbytes_formula(cls, n_layer: int, n_head: int, head_dim: int, max_len: int, batch: int, dtype,
+    def nbytes_formula(cls, n_layer: int, n_kv_head: int, head_dim: int, max_len: int, batch: int, dtype,
                        n_tokens: int, opts) -> int:
         slots = cls.held_tokens(max_len, n_tokens, opts)
-        return kv_bytes(n_layer, n_head, head_dim, slots, batch, dtype) + \
-            n_layer * batch * n_head * slots * cls.bookkeeping_bytes()
+        return kv_bytes(n_layer, n_kv_head, head_dim, slots, batch, dtype) + \
+            n_layer * batch * n_kv_head * slots * cls.bookkeeping_bytes()
 
     @classmethod
-    def bytes_per_token(cls, n_layer: int, n_head: int, head_dim: int, dtype, opts) -> float:
-        return float(kv_bytes(n_layer, n_head, head_dim, 1, 1, dtype) + n_layer * n_head * cls.bookkeeping_bytes())
+    def bytes_per_token(cls, n_layer: int, n_kv_head: int, head_dim: int, dtype, opts) -> float:
+        return float(kv_bytes(n_layer, n_kv_head, head_dim, 1, 1, dtype) + n_layer * n_kv_head * cls.bookkeeping_bytes())
 
     @classmethod
     def label(cls, opts) -> str:
-        rest = [f"{name}={value}" for name, value in vars(opts).items() if name != "budget"]
+        rest = [f"{name}={value}" for name, value in vars(opts).items()
+                if name != "budget" and not (name == "group_score" and value == "mean")]
         return f"{cls.kind} B{opts.budget}" + (f" {' '.join(rest)}" if rest else "")
 
     # ---- positions ------------------------------------------------------------------------------------------
@@ -118,7 +128,7 @@ class EvictingKVCache(KVCache):
     def layer_key_positions(self, layer: int, t: int) -> torch.Tensor:
         """(B, nh, budget + t): the position of each key ``update(layer, ...)`` returns while t new tokens are
         written (call before the forward advances ``pos``); -1 for a key that holds nothing."""
-        new = self.new_positions(t).unsqueeze(1).expand(self.batch, self.n_head, t)
+        new = self.new_positions(t).unsqueeze(1).expand(self.batch, self.n_kv_head, t)
         return torch.cat([self.kpos[layer], new], dim=2)
 
     def kept_positions(self, layer: int) -> torch.Tensor:
@@ -148,6 +158,8 @@ class EvictingKVCache(KVCache):
         k_all, v_all, t = self._pending[layer]
         self._pending[layer] = None
         pos_all = self.layer_key_positions(layer, t)  # (B, nh, budget + t)
+        if probs is not None and probs.size(1) != self.n_kv_head:  # grouped-query attention: one score per K/V head
+            probs = self.group_probs(probs)
         if probs is not None and self.pad is not None:  # padding queries attend to anything; they score nothing
             q = self.new_positions(t)  # (B, t)
             probs = probs * (q >= 0)[:, None, :, None]
@@ -179,6 +191,17 @@ class EvictingKVCache(KVCache):
         self.v[layer] = v_all.gather(2, idx)
         if self.carries_score:
             self.score[layer] = carried.gather(2, keep)
+
+    def group_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """(B, n_head, t, keys) probabilities of the query heads -> (B, n_kv_head, t, keys): each K/V head's from
+        its group of query heads (consecutive heads share one, as attention's ``repeat_interleave``), by
+        ``group_score``. Scores are taken per K/V head, never over expanded copies of K/V."""
+        B, nh, t, n = probs.shape
+        if nh % self.n_kv_head:
+            raise ValueError(f"attention probabilities of {nh} query heads cannot be grouped over this cache's "
+                             f"{self.n_kv_head} K/V heads")
+        grouped = probs.view(B, self.n_kv_head, nh // self.n_kv_head, t, n)
+        return grouped.amax(2) if self.opts.group_score == "max" else grouped.mean(2)
 
     def _priority(self, layer: int, probs: torch.Tensor | None, k_all: torch.Tensor, pos_all: torch.Tensor,
                   t: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -41,7 +41,7 @@ class H2OKVCache(EvictingKVCache):
                              "keeps heavy hitters alone, recent=budget the newest tokens alone (H2O's 'local')")
 
     def _priority(self, layer, probs, k_all, pos_all, t):
-        B, nh = self.batch, self.n_head
+        B, nh = self.batch, self.n_kv_head
         acc = torch.cat([self.score[layer], self.score.new_zeros(B, nh, t)], dim=2) + probs.float().sum(2)
         newest = self.new_positions(t)[:, -1]  # (B,) every sequence's last slot is a token
         return acc.masked_fill(recent_mask(pos_all, newest, self.opts.recent), float("inf")), acc

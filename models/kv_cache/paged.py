@@ -47,8 +47,8 @@ class BlockPool:
     """Blocks of K and V for every layer, shared by the sequences (and the caches) that draw from it. Block b of
     head h is rows b * block_size .. (b + 1) * block_size - 1 of ``k[layer, h]``."""
 
-    def __init__(self, n_layer: int, n_head: int, head_dim: int, block_size: int, n_blocks: int, dtype, device):
-        shape = (n_layer, n_head, n_blocks * block_size, head_dim)  # (L, nh, blocks * block_size, hs)
+    def __init__(self, n_layer: int, n_kv_head: int, head_dim: int, block_size: int, n_blocks: int, dtype, device):
+        shape = (n_layer, n_kv_head, n_blocks * block_size, head_dim)  # (L, nh, blocks * block_size, hs)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size, self.n_blocks = block_size, n_blocks
@@ -120,8 +120,8 @@ class PagedKVCache(KVCache):
         bs = self.opts.block_size
         if pool is None:
             n_blocks = self.opts.blocks or self.batch * (math.ceil(self.max_len / bs) + 1)
-            pool = BlockPool(self.n_layer, self.n_head, self.head_dim, bs, n_blocks, self.dtype, self.device)
-        elif (pool.block_size != bs or tuple(pool.k.shape[:2]) != (self.n_layer, self.n_head)
+            pool = BlockPool(self.n_layer, self.n_kv_head, self.head_dim, bs, n_blocks, self.dtype, self.device)
+        elif (pool.block_size != bs or tuple(pool.k.shape[:2]) != (self.n_layer, self.n_kv_head)
               or pool.k.shape[3] != self.head_dim or pool.k.dtype != self.dtype):
             raise ValueError("the pool's blocks do not fit this cache: give a pool of the same layers, heads, "
                              "head_dim, dtype and block_size")
@@ -182,7 +182,7 @@ class PagedKVCache(KVCache):
         """ceil(T_b / block_size) blocks for each sequence b of T_b tokens (padding takes none; unshared blocks)."""
         bs, isz = self.opts.block_size, itemsize(self.dtype)
         blocks = sum(math.ceil(n / bs) for b, n in enumerate(self.lengths(n_tokens)) if not self.ended[b])
-        return blocks * 2 * self.n_layer * self.n_head * bs * self.head_dim * isz
+        return blocks * 2 * self.n_layer * self.n_kv_head * bs * self.head_dim * isz
 
     @property
     def held(self) -> int:
@@ -273,8 +273,8 @@ class PagedKVCache(KVCache):
         rows, keep = self._new_rows, self._keep  # (B, t); keep: None when every slot is a live token
         kn, vn = k_new.transpose(0, 1), v_new.transpose(0, 1)  # (nh, B, t, hs)
         if keep is None:
-            self.pool.k[layer][:, rows.reshape(-1)] = kn.reshape(self.n_head, -1, self.head_dim).to(self.dtype)
-            self.pool.v[layer][:, rows.reshape(-1)] = vn.reshape(self.n_head, -1, self.head_dim).to(self.dtype)
+            self.pool.k[layer][:, rows.reshape(-1)] = kn.reshape(self.n_kv_head, -1, self.head_dim).to(self.dtype)
+            self.pool.v[layer][:, rows.reshape(-1)] = vn.reshape(self.n_kv_head, -1, self.head_dim).to(self.dtype)
         else:
             self.pool.k[layer][:, rows[keep]] = kn[:, keep].to(self.dtype)  # (nh, kept, hs)
             self.pool.v[layer][:, rows[keep]] = vn[:, keep].to(self.dtype)
@@ -308,7 +308,7 @@ class PagedKVCache(KVCache):
     def _blocks(self, layer: int, tab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every block of every sequence, whole blocks in table order: (B, nh, width * bs, hs)."""
         B, width = tab.shape
-        bs, nh, hs = self.opts.block_size, self.n_head, self.head_dim
+        bs, nh, hs = self.opts.block_size, self.n_kv_head, self.head_dim
         flat = tab.reshape(-1)
         k = self.pool.k[layer].view(nh, -1, bs, hs).index_select(1, flat).view(nh, B, width * bs, hs)
         v = self.pool.v[layer].view(nh, -1, bs, hs).index_select(1, flat).view(nh, B, width * bs, hs)
@@ -341,14 +341,14 @@ class PagedKVCache(KVCache):
         (what padding slots and ended sequences hold is not theirs: see ``_slot_rows``)."""
         rows = self._slot_rows(self.pos)
         B, n = rows.shape
-        k = self.pool.k[layer].index_select(1, rows.reshape(-1)).view(self.n_head, B, n, self.head_dim)
-        v = self.pool.v[layer].index_select(1, rows.reshape(-1)).view(self.n_head, B, n, self.head_dim)
+        k = self.pool.k[layer].index_select(1, rows.reshape(-1)).view(self.n_kv_head, B, n, self.head_dim)
+        v = self.pool.v[layer].index_select(1, rows.reshape(-1)).view(self.n_kv_head, B, n, self.head_dim)
         return k.transpose(0, 1), v.transpose(0, 1)
 
     # ---- sequences that end, share, rewind ------------------------------------------------------------------
 
     def empty_like(self, batch: int | None = None) -> PagedKVCache:
-        return type(self)(self.n_layer, self.n_head, self.head_dim, self.max_len, batch or self.batch,
+        return type(self)(self.n_layer, self.n_kv_head, self.head_dim, self.max_len, batch or self.batch,
                           dtype=self.dtype, device=self.device, pool=self.pool, **dataclasses.asdict(self.opts))
 
     def end(self, b: int) -> None:

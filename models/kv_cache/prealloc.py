@@ -15,7 +15,7 @@ class PreallocKVCache(KVCache):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        shape = (self.n_layer, self.batch, self.n_head, self.max_len, self.head_dim)  # (L, B, nh, max_len, hs)
+        shape = (self.n_layer, self.batch, self.n_kv_head, self.max_len, self.head_dim)  # (L, B, nh, max_len, hs)
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
@@ -42,7 +42,7 @@ class PreallocKVCache(KVCache):
 
     def restore(self, snap: dict) -> None:
         def expect(pos):  # (L, B, nh, pos, hs)
-            shape = ((self.n_layer, self.batch, self.n_head, pos, self.head_dim), self.dtype)
+            shape = ((self.n_layer, self.batch, self.n_kv_head, pos, self.head_dim), self.dtype)
             return {"k": shape, "v": shape}
 
         n = self._check_snapshot(snap, expect)

@@ -407,7 +407,7 @@ class QuantKVCache(KVCache):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         o, hs = self.opts, self.head_dim
-        lead = (self.n_layer, self.batch, self.n_head)
+        lead = (self.n_layer, self.batch, self.n_kv_head)
 
         def zeros(*shape, dtype=torch.uint8):
             return torch.zeros(*lead, *shape, dtype=dtype, device=self.device)
@@ -468,22 +468,22 @@ class QuantKVCache(KVCache):
                              f"group_size={head_dim} would; use group_size <= {head_dim}")
 
     @classmethod
-    def nbytes_formula(cls, n_layer, n_head, head_dim, max_len, batch, dtype, n_tokens, opts) -> int:
+    def nbytes_formula(cls, n_layer, n_kv_head, head_dim, max_len, batch, dtype, n_tokens, opts) -> int:
         hs, G, isz, M = head_dim, opts.group_size, itemsize(dtype), opts.group_bytes
         total = 0
         for which in ("k", "v"):
             q, tail = _capacity(max_len, opts.axis(which), G, opts.residual)
             slots, per = _scale_slots(q, opts.axis(which), hs, G)
             total += q * math.ceil(hs * opts.bits(which) / 8) + slots * per * M + tail * hs * isz
-        return n_layer * batch * n_head * total
+        return n_layer * batch * n_kv_head * total
 
     @classmethod
-    def bytes_per_token(cls, n_layer, n_head, head_dim, dtype, opts) -> float:
+    def bytes_per_token(cls, n_layer, n_kv_head, head_dim, dtype, opts) -> float:
         hs, G, M = head_dim, opts.group_size, opts.group_bytes
         cost = {"channel": lambda bits: math.ceil(hs * bits / 8) + M * hs / G,
                 "token": lambda bits: math.ceil(hs * bits / 8) + M * math.ceil(hs / G),
                 "none": lambda bits: hs * itemsize(dtype)}
-        return n_layer * n_head * sum(cost[opts.axis(w)](opts.bits(w)) for w in ("k", "v"))
+        return n_layer * n_kv_head * sum(cost[opts.axis(w)](opts.bits(w)) for w in ("k", "v"))
 
     @classmethod
     def label(cls, opts) -> str:
@@ -558,7 +558,7 @@ class QuantKVCache(KVCache):
         how many tokens are quantised after n1."""
         o, hs, G = self.opts, self.head_dim, self.opts.group_size
         axis, bits = o.axis(which), o.bits(which)
-        B, nh = self.batch, self.n_head
+        B, nh = self.batch, self.n_kv_head
         q0, q1 = _split(n0, axis, G, o.residual), _split(n1, axis, G, o.residual)
         tail = getattr(self, f"{which}_tail")
         m = q1 - q0
@@ -606,7 +606,7 @@ class QuantKVCache(KVCache):
     def _dequantized(self, layer: int, which: str, n_quant: int) -> torch.Tensor:
         """The first ``n_quant`` tokens of K or V as stored, dequantised to float32 and still rotated:
         (B, nh, n_quant, hs)."""
-        B, nh, hs, G, bits = self.batch, self.n_head, self.head_dim, self.opts.group_size, self.opts.bits(which)
+        B, nh, hs, G, bits = self.batch, self.n_kv_head, self.head_dim, self.opts.group_size, self.opts.bits(which)
         packed, scale, lo = (getattr(self, f"{which}_{part}") for part in ("q", "scale", "min"))
         packed, scale = packed[layer], scale[layer]
         slots = n_quant // G if self.opts.axis(which) == "channel" else n_quant
@@ -629,7 +629,7 @@ class QuantKVCache(KVCache):
         """K or V of all n tokens, (B, nh, n, hs): the first ``n_quant`` dequantised (and rotated back), the rest
         from the tail (``tail=residual``: its filling per-channel group read quantised), in one float32 tensor, then
         cast to the compute ``dtype``."""
-        out = torch.empty(self.batch, self.n_head, n, self.head_dim, dtype=torch.float32, device=self.device)
+        out = torch.empty(self.batch, self.n_kv_head, n, self.head_dim, dtype=torch.float32, device=self.device)
         if n_quant:
             deq, rot = self._dequantized(layer, which, n_quant), self._rotation()
             out[:, :, :n_quant] = deq if rot is None else deq @ rot
@@ -715,7 +715,7 @@ class QuantKVCache(KVCache):
         """Per element of the history the last update returned: what quantisation may have moved it (0 in the
         full-precision tails), plus half a unit in the last place of the compute dtype it was returned in (the
         float32 dequantised values, and the tails, are rounded into it)."""
-        B, nh, hs = self.batch, self.n_head, self.head_dim
+        B, nh, hs = self.batch, self.n_kv_head, self.head_dim
         n, dtype = self._returned
         half_ulp = torch.finfo(dtype).eps / 2
         bounds = []

@@ -44,7 +44,7 @@ class RandomKVCache(EvictingKVCache):
     wants_scores = False
 
     def _priority(self, layer, probs, k_all, pos_all, t):
-        head = torch.arange(self.n_head, device=self.device).view(1, -1, 1)
+        head = torch.arange(self.n_kv_head, device=self.device).view(1, -1, 1)
         key = hashed(pos_all + hashed(head + hashed(torch.tensor(layer * 7919 + self.opts.seed * 104729,
                                                                  device=self.device))))
         return key.double(), None  # (B, nh, budget + t); ties have equal positions, which a head never holds twice

@@ -82,7 +82,7 @@ class SnapKVKVCache(EvictingKVCache):
         if self.pos:  # decode, or a later chunk: the chosen stay, the rest slides
             slide = torch.cat([self.score[layer], new_pos], dim=2)
             return slide, slide
-        B, nh = self.batch, self.n_head
+        B, nh = self.batch, self.n_kv_head
         obs = probs[:, :, -self.opts.window:, S:].float().sum(2)  # (B, nh, t) what the window attends to
         k = self.opts.kernel
         pooled = F.max_pool1d(obs.reshape(B * nh, 1, t), k, stride=1, padding=k // 2).view(B, nh, t)

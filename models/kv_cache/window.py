@@ -58,7 +58,7 @@ class WindowKVCache(KVCache):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.n_slots = self.held_tokens(self.max_len, 0, self.opts)
-        shape = (self.n_layer, self.batch, self.n_head, self.n_slots, self.head_dim)  # (L, B, nh, S + W, hs)
+        shape = (self.n_layer, self.batch, self.n_kv_head, self.n_slots, self.head_dim)  # (L, B, nh, S + W, hs)
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
@@ -208,7 +208,7 @@ class WindowKVCache(KVCache):
 
     def restore(self, snap: dict) -> None:
         def expect(pos):  # (L, B, nh, filled slots, hs)
-            shape = ((self.n_layer, self.batch, self.n_head, min(pos, self.n_slots), self.head_dim), self.dtype)
+            shape = ((self.n_layer, self.batch, self.n_kv_head, min(pos, self.n_slots), self.head_dim), self.dtype)
             return {"k": shape, "v": shape}
 
         pos = self._check_snapshot(snap, expect)

@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from harness import measurements
 from harness.core import measure, stats
 from harness.experiment.config import ConfigError, cache_options, dtype_label, register, validate
+from models.families import preset_config
 from harness.core.engines import HF_COUNTERPARTS, KvlabEngine, hf_refuses
 from harness.experiment.runner import batch_lengths, disjoint_texts, text_prompts
 from harness.analysis.papers import PAPERS
@@ -28,7 +29,8 @@ GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml"))
 
 
 def test_groups_hold_what_users_sweep():
-    assert set(GROUPS["model"]) == {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "mini", "tiny"}
+    assert set(GROUPS["model"]) == {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "mini", "tiny", "smollm2-135m",
+                                    "qwen2.5-0.5b", "llama-3.2-1b", "tiny-gqa"}
     assert set(GROUPS["cache"]) == set(CACHE_KINDS)  # one YAML per registered kind
     assert set(GROUPS["engine"]) == {"kvlab", "hf"}
     assert set(GROUPS["dtype"]) == {"fp32", "fp16", "bf16"}
@@ -52,8 +54,8 @@ def test_every_group_combination_composes_and_validates():
                 seen[g].add(GROUPS[g][i % len(GROUPS[g])])
                 overrides.append(f"{g}={GROUPS[g][i % len(GROUPS[g])]}")
             cfg = compose(config_name="config", overrides=overrides)
-            n_pos = GPT2Config.preset(cfg.model.preset).n_positions
-            if cfg.model.name == "tiny" and cfg.experiment in ("long", "bench"):
+            n_pos = preset_config(cfg.model.preset).n_positions
+            if cfg.model.name in ("tiny", "tiny-gqa") and cfg.experiment in ("long", "bench"):
                 with pytest.raises(ConfigError, match="context_lengths has (128|512)"):
                     validate(cfg, n_pos)
             else:

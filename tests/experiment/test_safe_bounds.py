@@ -98,7 +98,7 @@ def no_model(monkeypatch):
     def built(*a, **kw):
         raise AssertionError("the benchmark built a model before refusing")
 
-    monkeypatch.setattr(bench, "GPT2", built)
+    monkeypatch.setattr(bench, "build", built)
 
 
 def refused(argv, capsys) -> str:

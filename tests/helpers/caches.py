@@ -47,7 +47,7 @@ def own_bytes(cache) -> int:
     worked out from the geometry."""
     if not cache.pooled:
         return walk_storage_bytes(cache)
-    block = 2 * cache.n_layer * cache.n_head * cache.opts.block_size * cache.head_dim * cache.pool.k.element_size()
+    block = 2 * cache.n_layer * cache.n_kv_head * cache.opts.block_size * cache.head_dim * cache.pool.k.element_size()
     return (cache.pool.n_blocks - len(cache.pool.free)) * block
 
 
@@ -75,13 +75,13 @@ class Writer:
 
     def __init__(self, cache: KVCache, seed: int = 0, dtype=torch.float32):
         self.cache, self.g, self.dtype = cache, torch.Generator().manual_seed(seed), dtype  # dtype: the compute one
-        self.k = [torch.empty(cache.batch, cache.n_head, 0, cache.head_dim) for _ in range(cache.n_layer)]
+        self.k = [torch.empty(cache.batch, cache.n_kv_head, 0, cache.head_dim) for _ in range(cache.n_layer)]
         self.v = [x.clone() for x in self.k]
         self.handed: dict[int, torch.Tensor | None] = {}  # per layer: the probabilities the last write handed over
 
     def chunk(self, t: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.cache
-        shape = (c.batch, c.n_head, t, c.head_dim)
+        shape = (c.batch, c.n_kv_head, t, c.head_dim)
         # K with an outlier channel, as real K has
         out = []
         for _ in range(c.n_layer):

@@ -167,7 +167,7 @@ def test_update_returns_what_the_reference_sees_and_never_moves_pos(kind, opts, 
             for q in range(before, n):  # every key the reference shows any new query is among those returned
                 assert visible(q, n, reference) <= set(kp.tolist())
             for layer, (k, v) in enumerate(returned):
-                assert k.shape == v.shape == (cache.batch, cache.n_head, rows.shape[1], cache.head_dim)
+                assert k.shape == v.shape == (cache.batch, cache.n_kv_head, rows.shape[1], cache.head_dim)
                 k, v = k[b][:, valid], v[b][:, valid]
                 want_k = w.k[layer][b][:, kp].to(cache.dtype)
                 want_v = w.v[layer][b][:, kp].to(cache.dtype)
@@ -189,7 +189,7 @@ def test_an_evicting_kind_attends_over_what_it_held_plus_the_new_and_keeps_its_b
     with the K/V written there; afterwards the kind holds min(budget, tokens) of those, each once."""
     cache = make(kind, opts, dtype=dtype)
     w = Writer(cache, dtype=dtype)
-    B, nh, budget = cache.batch, cache.n_head, cache.opts.budget
+    B, nh, budget = cache.batch, cache.n_kv_head, cache.opts.budget
     held = [torch.full((B, nh, 0), -1) for _ in range(cache.n_layer)]
     for t in CHUNKS:
         before = cache.pos

@@ -45,7 +45,7 @@ def test_h2o_keeps_the_recent_and_the_heaviest_by_accumulated_attention():
         for layer, pos in enumerate(per_layer):
             p = w.handed[layer].sum(2)  # (B, nh, keys): this forward's attention to each key
             for b in range(cache.batch):
-                for h in range(cache.n_head):
+                for h in range(cache.n_kv_head):
                     a = acc.setdefault((layer, b, h), {})
                     for col, j in enumerate(pos[b, h].tolist()):
                         if j >= 0:
@@ -63,7 +63,7 @@ def test_h2o_with_every_slot_recent_is_a_window_of_the_newest_tokens():
         newest = cache.pos - 1
         for layer in range(cache.n_layer):
             for b in range(cache.batch):
-                for h in range(cache.n_head):
+                for h in range(cache.n_kv_head):
                     assert kept(cache, layer, b, h) == set(range(max(0, newest - 4), newest + 1))
 
 
@@ -73,7 +73,7 @@ def test_tova_keeps_what_the_current_query_attends_to_most():
         for layer, pos in enumerate(per_layer):
             last = w.handed[layer][:, :, -1]  # (B, nh, keys)
             for b in range(cache.batch):
-                for h in range(cache.n_head):
+                for h in range(cache.n_kv_head):
                     cand = {j: float(last[b, h, col]) for col, j in enumerate(pos[b, h].tolist()) if j >= 0}
                     assert kept(cache, layer, b, h) == top(cand, budget)
 
@@ -83,7 +83,7 @@ def test_knorm_keeps_the_keys_of_smallest_norm():
     for cache, w, per_layer, t in run("knorm", budget=budget):
         for layer, pos in enumerate(per_layer):
             for b in range(cache.batch):
-                for h in range(cache.n_head):
+                for h in range(cache.n_kv_head):
                     norms = {j: -float(w.k[layer][b, h, j].norm()) for j in pos[b, h].tolist() if j >= 0}
                     assert kept(cache, layer, b, h) == top(norms, budget)
 
@@ -94,7 +94,7 @@ def test_snapkv_chooses_from_the_prompt_by_pooled_window_attention_then_slides()
     for cache, w, per_layer, t in run("snapkv", budget=budget, window=window, kernel=kernel):
         for layer in range(cache.n_layer):
             for b in range(cache.batch):
-                for h in range(cache.n_head):
+                for h in range(cache.n_kv_head):
                     if cache.pos == t:  # the prompt: its last `window` queries' attention, max-pooled, chooses
                         obs = w.handed[layer][b, h, -window:, budget:].sum(0)  # (t,) over the prompt's positions
                         pooled = {j: float(obs[max(0, j - kernel // 2):j + kernel // 2 + 1].max()) for j in range(t)}

@@ -1,0 +1,68 @@
+"""Runs on a Llama-family model through run.py: a sweep over both engines (kvlab's Llama and transformers' own)
+records the family and its K/V heads, holds the bytes kvcalc says, and is exact; a checkpoint folder of the family
+runs by ``model.weights=DIR``; what the family cannot do yet is refused in one line."""
+
+import json
+
+import pytest
+import torch
+
+from harness.tools.kvcalc import kv_cache_bytes, kv_geometry
+from models.families import build, preset_config
+from tests.helpers import REPO, run_py
+
+QUICK = ["n_prompts=2", "new_tokens=8", "prompt_len=6", "repeats=2", "warmup=1", "context_lengths=[8,32]",
+         "tracking=disabled"]
+
+
+def records(sweep):
+    return {p.parent.name: json.loads(p.read_text()) for p in sorted(sweep.glob("*/results.json"))}
+
+
+@pytest.mark.slow
+def test_a_gqa_sweep_on_both_engines_is_exact_and_holds_the_bytes_kvcalc_says(tmp_path):
+    sweep = tmp_path / "sweep"
+    p = run_py(["-m", "model=tiny-gqa", "engine=kvlab,hf", "cache=prealloc", "max_len=64", *QUICK,
+                f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    runs = records(sweep)
+    assert sorted(r["engine"] for r in runs.values()) == ["hf", "kvlab"]
+    expect = kv_cache_bytes(kv_geometry("tiny-gqa"), tokens=64, batch=1, dtype="fp32")
+    for r in runs.values():
+        assert r["status"] == "ok" and r["tokens_identical"] is True, r
+        assert (r["model_family"], r["n_head"], r["n_kv_head"]) == ("llama", 4, 2)
+        assert r["cache_nbytes"] == r["predicted_nbytes"] == expect == 2 * 2 * 2 * 16 * 64 * 4
+    assert "llama" in (sweep / "report" / "results.csv").read_text()
+
+
+@pytest.mark.slow
+def test_a_llama_checkpoint_folder_runs_by_model_weights(tmp_path):
+    torch.manual_seed(1)
+    model = build(preset_config("tiny-gqa"))
+    folder = tmp_path / "ckpt"
+    from models import hf_checkpoint as hf
+
+    hf.write_folder(folder, model.state_dict(), model.hf_config_dict(), fmt=model.hf_format)
+    run_dir = tmp_path / "run"
+    p = run_py(["model=tiny-gqa", f"model.weights={folder}", "cache=concat", "measurements=[equivalence,memory]",
+                *QUICK, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rec = json.loads((run_dir / "results.json").read_text())
+    assert rec["status"] == "ok" and rec["model_family"] == "llama" and rec["weights_source"] == str(folder)
+    assert rec["cache_nbytes"] == rec["predicted_nbytes"]
+
+
+@pytest.mark.slow
+def test_outliers_on_a_rotary_model_fail_the_run_saying_why(tmp_path):
+    run_dir = tmp_path / "r"
+    p = run_py(["model=tiny-gqa", "model.outliers.scale=20", *QUICK, f"hydra.run.dir={run_dir}"], tmp_path)
+    rec = json.loads((run_dir / "results.json").read_text())
+    assert p.returncode == 1 and rec["status"] == "failed" and "Traceback" not in p.stderr
+    assert "outlier channels are injected into GPT-2's layout only" in rec["error"]
+
+
+def test_the_presets_have_their_own_conf_files():
+    for name in ("smollm2-135m", "qwen2.5-0.5b", "llama-3.2-1b", "tiny-gqa"):
+        text = (REPO / "conf" / "model" / f"{name}.yaml").read_text()
+        assert f"preset: {name}" in text
+        assert preset_config(name).n_kv_head < preset_config(name).n_head  # each is grouped-query

@@ -1,0 +1,277 @@
+"""The Llama family (models/llama.py) against its oracle, HF transformers' LlamaForCausalLM / Qwen2ForCausalLM /
+MistralForCausalLM built from the same config with the same random weights, at every position; the seed's
+equivalence (cached greedy tokens identical to the uncached ones, logits within 1e-4 in fp32) for multi-head,
+grouped-query and multi-query configs in both layouts; every cache kind on GQA and MQA models; checkpoints from a
+folder (``models.load_model``), sharded too."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from models import hf_checkpoint as hf
+from models import load_model
+from models.families import build, preset_config, read_config
+from models.generate import decode_step, greedy, new_cache, prefill
+from models.gpt2 import GPT2, GPT2Config
+from models.hf_checkpoint import CheckpointError
+from models.kv_cache import CACHE_KINDS, KeepRecord, kv_bytes
+from models.llama import Llama, LlamaConfig, inverse_frequencies, llama_format
+from tests.helpers.caches import CASES, seed_prompts
+
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=32)
+SHAPES = {  # n_head 4 over 4, 2 and 1 K/V heads; Qwen2's biases and untied head; Llama 3's rescaled rotations
+    "llama-mha": dict(n_kv_head=4),
+    "llama-gqa": dict(n_kv_head=2),
+    "llama-mqa": dict(n_kv_head=1),
+    "qwen2-gqa": dict(n_kv_head=2, model_type="qwen2", qkv_bias=True, tie_word_embeddings=False),
+    "mistral-gqa": dict(n_kv_head=2, model_type="mistral", rope_theta=1e6),
+    "llama3-scaled": dict(n_kv_head=2, rope_theta=500000.0, rope_scaling=LLAMA3),
+}
+
+
+def config(n_kv_head=2, vocab_size=300, n_positions=128, **kw) -> LlamaConfig:
+    return LlamaConfig(n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=64, intermediate_size=96,
+                       n_positions=n_positions, vocab_size=vocab_size, **kw)
+
+
+def randomized(cfg: LlamaConfig, seed: int = 0) -> Llama:
+    """A model with weights far from init (norm weights and biases away from 1 and 0), so every parameter matters."""
+    torch.manual_seed(seed)
+    model = Llama(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.2)
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+def hf_twin(model: Llama):
+    """transformers' own model of the same config.json fields, holding the same weights."""
+    d = model.hf_config_dict()
+    hcfg = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+    twin = transformers.AutoModelForCausalLM.from_config(hcfg).eval()
+    missing, unexpected = twin.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
+    if model.config.tie_word_embeddings:
+        assert twin.lm_head.weight.data_ptr() == twin.model.embed_tokens.weight.data_ptr()
+    return twin
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_position_equals_transformers_with_and_without_a_cache(shape):
+    """The uncached forward, and prefill then one-token decode steps through a prealloc cache, each equal HF's
+    logits at every position within 1e-4 (fp32)."""
+    model = randomized(config(**SHAPES[shape]))
+    twin = hf_twin(model)
+    ids = torch.randint(0, 300, (2, 90), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = twin(ids).logits
+        assert (model(ids) - want).abs().max().item() <= 1e-4
+        cache = new_cache(model, "prealloc", max_len=90, batch=2)
+        steps = [model(ids[:, :60], cache)] + [model(ids[:, t:t + 1], cache) for t in range(60, 90)]
+    assert cache.pos == 90 and (torch.cat(steps, dim=1) - want).abs().max().item() <= 1e-4
+    assert want.abs().max().item() > 1  # logits of a model that computes something, not all near zero
+
+
+def test_the_rotation_matters_and_llama3_scaling_moves_only_long_wavelengths():
+    """Positions change the output (a permutation of the context changes the last logits), and Llama 3's rescaling
+    slows the lowest frequencies by its factor while leaving the highest as they were."""
+    plain = inverse_frequencies(config(rope_theta=500000.0))
+    scaled = inverse_frequencies(config(rope_theta=500000.0, rope_scaling=LLAMA3))
+    assert scaled[0] == plain[0] and torch.allclose(scaled[-1], plain[-1] / 8)  # (the HF oracle checks the rest)
+    model = randomized(config())
+    ids = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(2))
+    swapped = torch.cat([ids[:, 1:10], ids[:, :1], ids[:, 10:]], dim=1)
+    with torch.no_grad():
+        assert (model(ids)[0, -1] - model(swapped)[0, -1]).abs().max().item() > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["concat", "prealloc"])
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_seed_protocol_cached_equals_uncached_20_prompts_x_100_tokens(layout, n_kv_head):
+    model = randomized(config(n_kv_head=n_kv_head, vocab_size=50257, n_positions=128))
+    worst = 0.0
+    for p in seed_prompts(128):
+        out = greedy(model, p, 100, layout=layout)
+        with torch.no_grad():
+            ref = model(torch.cat([p, out.tokens], dim=1))[0, p.shape[1] - 1:-1]
+        assert torch.equal(ref.argmax(-1), out.tokens[0]), f"prompt of {p.shape[1]} tokens diverged"
+        worst = max(worst, (out.logits[0] - ref).abs().max().item())
+    assert worst <= 1e-4
+
+
+@pytest.fixture(scope="module", params=[2, 1], ids=["gqa", "mqa"])
+def grouped(request) -> Llama:
+    return randomized(config(n_kv_head=request.param, vocab_size=50257, n_positions=64), seed=3)
+
+
+@pytest.mark.parametrize("kind,opts", [c for c in CASES if CACHE_KINDS[c.values[0]].exact])
+def test_every_exact_kind_equals_its_reference_on_grouped_heads(grouped, kind, opts):
+    """Chunked prefill, then greedy decoding of a batch of two, against the kind's uncached reference (its window,
+    or the keep-mask an evicting kind noted), on a GQA and an MQA model."""
+    cls = CACHE_KINDS[kind]
+    reference = cls.reference(cls.parse_options(**opts))
+    ids = torch.randint(0, 50257, (2, 23), generator=torch.Generator().manual_seed(7))
+    cache = new_cache(grouped, kind, max_len=40, batch=2, **opts)
+    noted, pieces = KeepRecord(), []
+    for a, b in [(0, 5), (5, 6), (6, 17), (17, 23)]:
+        noted.note(cache, b - a)
+        pieces.append(prefill(grouped, ids[:, a:b], cache)[0])
+    with torch.no_grad():
+        full = grouped(ids, **reference, **({"keep": noted} if cache.evicts else {}))
+    assert (torch.cat(pieces, dim=1) - full).abs().max().item() <= 1e-4
+    out = greedy(grouped, ids, 17, layout=kind, **opts)
+    ref = greedy(grouped, ids, 17, **reference, **({} if out.keeps is None else {"keep": out.keeps}))
+    assert torch.equal(out.tokens, ref.tokens) and (out.logits - ref.logits).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("kind,opts", CASES)
+def test_every_kind_holds_n_kv_head_heads_and_its_bytes_are_the_formula_there(grouped, kind, opts):
+    """After a generation, every kind's cache holds exactly its formula at n_kv_head (no expanded copies), and a
+    kind whose bytes scale with the heads holds n_head / n_kv_head times less than on the same model with a K/V
+    head per query head."""
+    cfg = grouped.config
+    prompt = torch.randint(0, 50257, (1, 12), generator=torch.Generator().manual_seed(5))
+
+    def generated(model):
+        cache = new_cache(model, kind, max_len=40, **opts)
+        logits = prefill(model, prompt, cache, last_only=True)[0]
+        for _ in range(20):
+            logits = decode_step(model, logits[:, -1:].argmax(-1), cache)[0]
+        return cache
+
+    cache = generated(grouped)
+    assert cache.n_kv_head == cfg.n_kv_head and cache.pos == 32 and cache.nbytes == cache.formula_nbytes()
+    wide = generated(randomized(config(n_kv_head=4, vocab_size=50257, n_positions=64), seed=3))
+    assert wide.nbytes == wide.formula_nbytes() > cache.nbytes
+    if kind not in ("quant", "paged"):  # storage per head alone: the bytes are heads x the same per head
+        assert wide.nbytes == cache.nbytes * cfg.n_head // cfg.n_kv_head
+
+
+def test_evicting_kinds_score_each_kv_head_from_its_query_group():
+    """group_score=mean averages, max takes the largest of, the probabilities of the query heads sharing a K/V head
+    (consecutive heads, as attention's repeat_interleave pairs them); kept positions are (B, n_kv_head, n)."""
+    cache = new_cache(randomized(config(n_kv_head=2)), "tova", max_len=20, batch=1, budget=4)
+    probs = torch.rand(1, 4, 3, 7)
+    mean = cache.group_probs(probs)
+    assert mean.shape == (1, 2, 3, 7) and torch.allclose(mean[0, 1], (probs[0, 2] + probs[0, 3]) / 2)
+    hi = new_cache(randomized(config(n_kv_head=2)), "tova", max_len=20, batch=1, budget=4, group_score="max")
+    assert torch.equal(hi.group_probs(probs)[0, 0], torch.maximum(probs[0, 0], probs[0, 1]))
+    model = randomized(config(n_kv_head=2))
+    cache = new_cache(model, "h2o", max_len=20, batch=3, budget=5, recent=2)
+    prefill(model, torch.arange(30).view(3, 10), cache)
+    assert cache.kept_positions(0).shape == (3, 2, 5) and cache.k.shape[2] == 2
+    with pytest.raises(ValueError, match="group_score='sum': use mean or max"):
+        CACHE_KINDS["h2o"].parse_options(group_score="sum")
+
+
+def test_the_grouped_cache_is_smaller_by_the_group_and_kv_bytes_says_so():
+    """The seed's question, on the formula and on a measured cache: 4 query heads over 1 K/V head hold a quarter."""
+    for n_kv in (4, 2, 1):
+        cfg = config(n_kv_head=n_kv)
+        cache = new_cache(Llama(cfg), "prealloc", max_len=50)
+        assert cache.nbytes == kv_bytes(2, n_kv, 16, 50) == 2 * 2 * n_kv * 16 * 50 * 4
+
+
+@pytest.mark.parametrize("bad,why", [
+    (dict(n_kv_head=3), "n_kv_head 3 does not divide n_head 4"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling of type 'yarn' is not computed here"),
+    (dict(model_type="gemma"), "model_type 'gemma'"),
+    (dict(head_dim=15), "head_dim 15 is odd"),
+])
+def test_configs_the_decoder_cannot_compute_are_refused_in_one_line(bad, why):
+    with pytest.raises(ValueError, match=why.replace("(", r"\(").replace(")", r"\)")):
+        config(**bad)
+
+
+# ---- checkpoints --------------------------------------------------------------------------------------------------
+
+def write(model, folder, shards: int = 1):
+    """An HF checkpoint folder of ``model``: config.json and model.safetensors, or ``shards`` shards and their index."""
+    fmt = model.hf_format if hasattr(model, "hf_format") else hf.GPT2_FORMAT
+    hf.write_folder(folder, model.state_dict(), model.hf_config_dict(), fmt=fmt)
+    if shards > 1:
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(folder / hf.SAFETENSORS))
+        names = sorted(state)
+        weight_map = {}
+        for i in range(shards):
+            part = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            chunk = names[i::shards]
+            save_file({n: state[n] for n in chunk}, str(folder / part), metadata={"format": "pt"})
+            weight_map.update({n: part for n in chunk})
+        (folder / hf.SAFETENSORS).unlink()
+        (folder / hf.SHARD_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+@pytest.mark.parametrize("shape", ["llama-gqa", "qwen2-gqa", "mistral-gqa", "llama3-scaled"])
+def test_load_model_reads_a_folder_of_each_family_sharded_or_not_and_transformers_agrees(tmp_path, shape):
+    model = randomized(config(**SHAPES[shape]))
+    ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(ids)
+    for shards in (1, 3):
+        folder = write(model, tmp_path / f"{shape}-{shards}", shards)
+        back = load_model(folder)
+        assert isinstance(back, Llama) and back.config == model.config
+        with torch.no_grad():
+            assert torch.equal(back(ids), want)
+    twin = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{shape}-1").eval()
+    with torch.no_grad():
+        assert (twin(ids).logits - want).abs().max().item() <= 1e-4  # what we write, transformers reads the same
+
+
+def test_load_model_takes_gpt2_folders_too_and_refuses_other_families_in_one_line(tmp_path):
+    torch.manual_seed(0)
+    gpt2 = GPT2(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=300)).eval()
+    back = load_model(write(gpt2, tmp_path / "gpt2"))
+    ids = torch.randint(0, 300, (1, 9))
+    with torch.no_grad():
+        assert isinstance(back, GPT2) and torch.equal(back(ids), gpt2(ids))
+    folder = tmp_path / "other"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma2", "num_hidden_layers": 2}))
+    with pytest.raises(CheckpointError, match=r"model_type is 'gemma2'; kvlab loads gpt2, llama, qwen2, mistral"):
+        load_model(folder)
+
+
+def test_a_checkpoint_that_disagrees_with_its_config_is_refused_before_anything_is_built(tmp_path):
+    folder = write(randomized(config(n_kv_head=2)), tmp_path / "m")
+    d = json.loads((folder / "config.json").read_text())
+    d["num_key_value_heads"] = 4
+    (folder / "config.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match=r"self_attn.k_proj.weight' has shape \(32, 64\) in the file, the "
+                                              r"config asks for \(64, 64\)"):
+        load_model(folder)
+    index = write(randomized(config()), tmp_path / "s", shards=2) / hf.SHARD_INDEX
+    d = json.loads(index.read_text())
+    d["weight_map"] = {k: "model-00009-of-00002.safetensors" for k in d["weight_map"]}
+    index.write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match="names shard 'model-00009-of-00002.safetensors', which is not a file"):
+        load_model(index.parent)
+
+
+def test_presets_have_the_real_models_shapes_and_read_config_gives_them_back(tmp_path):
+    """Each preset's parameter count is its model's; a folder written from a preset's config reads back equal."""
+    counts = {"smollm2-135m": 134_515_008, "qwen2.5-0.5b": 494_032_768, "llama-3.2-1b": 1_235_814_400}
+    for name, n in counts.items():
+        cfg = preset_config(name)
+        assert cfg.num_params() == n
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(cfg.hf_dict()))
+        assert read_config(folder) == cfg
+    d = preset_config("smollm2-135m").hf_dict()
+    hcfg = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+    with torch.device("meta"):  # transformers' count of the same config, nothing allocated
+        assert transformers.AutoModelForCausalLM.from_config(hcfg).num_parameters() == counts["smollm2-135m"]
+    tiny = build(preset_config("tiny-gqa"))
+    assert isinstance(tiny, Llama) and tiny.config.n_kv_head == 2 and llama_format(tiny.config).tied
