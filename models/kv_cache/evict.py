@@ -87,6 +87,9 @@ class EvictingKVCache(KVCache):
     @classmethod
     def parse_options(cls, **options):
         opts = super().parse_options(**options)
+        if not cls.wants_scores and opts.group_score != "mean":  # nothing to combine: it would be recorded, not run
+            raise ValueError(f"cache option group_score={opts.group_score} has no effect on {cls.kind}, which scores "
+                             "no attention: leave it at mean")
         cls.check_options(opts)
         return opts
 

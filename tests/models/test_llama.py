@@ -169,6 +169,8 @@ def test_evicting_kinds_score_each_kv_head_from_its_query_group():
     assert cache.kept_positions(0).shape == (3, 2, 5) and cache.k.shape[2] == 2
     with pytest.raises(ValueError, match="group_score='sum': use mean or max"):
         CACHE_KINDS["h2o"].parse_options(group_score="sum")
+    with pytest.raises(ValueError, match="group_score=max has no effect on knorm, which scores no attention"):
+        CACHE_KINDS["knorm"].parse_options(group_score="max")
 
 
 def test_the_grouped_cache_is_smaller_by_the_group_and_kv_bytes_says_so():
