@@ -60,8 +60,15 @@ class Decoder(nn.Module):
         """The norm before the output projection."""
         raise NotImplementedError
 
+    def check_length(self, past: int, T: int) -> None:
+        """Refuse a forward past what the family computes exactly (``past`` tokens before it, ``T`` new), in one line.
+        Default: the positions the model was built for (a learned position table has no row past them)."""
+        if past + T > self.config.n_positions:
+            raise ValueError(f"sequence too long: {past} cached + {T} new tokens > n_positions "
+                             f"{self.config.n_positions} (the positions the model was built for)")
+
     @staticmethod
-    def _check_args(idx, cache, window, sinks, pad, keep):
+    def _check_args(idx, cache, window, sinks, pad, keep, positions="absolute"):
         """``forward``'s arguments checked against each other, one line each; returns the padding an uncached
         ``keep`` reference runs with (the record's), else ``pad`` as given."""
         if idx.dim() != 2 or idx.is_floating_point() or idx.dtype == torch.bool:
@@ -77,6 +84,11 @@ class Decoder(nn.Module):
         if window is None and sinks:
             raise ValueError(f"sinks={sinks} needs a window: give window=W too (sinks are kept beside the last W "
                              "tokens)")
+        if positions not in ("absolute", "cache"):
+            raise ValueError(f"positions={positions!r}: use absolute, or cache (the re-positioned window's reference)")
+        if positions == "cache" and (window is None or pad is not None):
+            raise ValueError("positions='cache' is the reference of a window that re-positions its keys: give "
+                             "window=W (and sinks), without pad")
         if keep is not None:
             given = check_padding(pad, B, T, idx.device)
             if given is not None and (keep.pad is None or not torch.equal(given.cpu(), keep.pad.cpu())):
@@ -86,7 +98,8 @@ class Decoder(nn.Module):
         return pad
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, last_only: bool = False,
-                window: int | None = None, sinks: int = 0, pad=None, keep=None) -> torch.Tensor:
+                window: int | None = None, sinks: int = 0, pad=None, keep=None,
+                positions: str = "absolute") -> torch.Tensor:
         """idx (B, T) -> logits (B, T, vocab). With a cache, positions start at ``cache.pos`` and ``pos`` advances
         by T once every layer has stored its K and V. ``last_only`` asks for the last position's logits alone,
         (B, 1, vocab), sparing the vocabulary projection of positions nobody reads (generation's choice).
@@ -101,26 +114,38 @@ class Decoder(nn.Module):
 
         ``keep`` (a ``models.kv_cache.KeepRecord``) makes the uncached forward the reference of an evicting kind:
         in layer l, head h, the query at slot t sees what the cache held before t's forward plus that forward's
-        slots up to t (the record's padding is the batch's)."""
-        pad = self._check_args(idx, cache, window, sinks, pad, keep)
+        slots up to t (the record's padding is the batch's).
+
+        ``positions="cache"`` (with ``window``/``sinks``, a rotary family) is the reference of a window that
+        re-positions its keys: each query sees what the window shows it, at positions within the cache
+        (StreamingLLM's), so a sequence may run past the positions the model was trained for."""
+        pad = self._check_args(idx, cache, window, sinks, pad, keep, positions)
         B, T = idx.shape
         if cache is None:
             past, pad = 0, check_padding(pad, B, T, idx.device)
             pad_min = 0 if pad is None else int(pad.min())
         else:
             past, pad, pad_min = cache.pos, cache.pad, cache.pad_min
-        if past + T - pad_min > self.config.n_positions:
-            raise ValueError(f"sequence too long: {past - pad_min} cached + {T} new tokens > n_positions "
-                             f"{self.config.n_positions} (the positions the model was built for)")
+        repositioned = positions == "cache" or (cache is not None and cache.rotary_rule is not None)
+        if not repositioned:  # a re-positioning window keeps every distance within its own slots
+            self.check_length(past - pad_min, T)
         rule = cache.reference(cache.opts) if cache is not None else (
             {} if window is None else {"window": window, "sinks": sinks})
+        key_pos = None if cache is None else cache.key_positions(T)
         mask = None if keep is not None or (cache is not None and cache.evicts) else attention_mask(
-            past, T, None if cache is None else cache.key_positions(T), idx.device, pad=pad, **rule)
+            past, T, key_pos, idx.device, pad=pad, window=rule.get("window"), sinks=rule.get("sinks", 0))
         pos = torch.arange(past, past + T, device=idx.device)  # (T,)
         if pad is not None:
             pos = (pos - pad.unsqueeze(1)).clamp(min=0)  # (B, T): each sequence's own positions; padding gets 0
         x = self.embed(idx, pos)  # (B, T, C)
         rope = self.rotary(pos)  # what a rotary family's attention positions q and k with (None: GPT-2)
+        if rope is None and (repositioned or (cache is not None and cache.prerope)):
+            raise ValueError(f"{type(self).__name__} has no rotary positions: keys stored before the rotation or "
+                             "re-positioned within a cache need them (a learned position table is added at the "
+                             "input and has no row past n_positions)")
+        if rope is not None and (repositioned or (cache is not None and cache.prerope)):
+            rope.keys_at(torch.arange(past + T, device=idx.device) if key_pos is None else key_pos,
+                         (sinks, window) if cache is None else cache.rotary_rule)
         per_layer = None  # key sets that differ by layer and head: a mask per layer
         if cache is not None and cache.evicts:
             def per_layer(layer):

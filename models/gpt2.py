@@ -118,6 +118,7 @@ class GPT2Config:
         return self.n_head
 
     family = "gpt2"  # config.json's model_type (not a field: a class fact)
+    rotary = False  # learned absolute positions, added at the input
 
     def param_shapes(self):
         """(name, shape) of every parameter ``GPT2(self)`` builds, in its order, without building it (a generator:

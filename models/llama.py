@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -56,7 +56,8 @@ class LlamaConfig:
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | None = None
-    extra: dict = field(default_factory=dict, compare=False, repr=False)  # config.json fields kept for writing back
+    # Mistral's attention window: sequences longer than it would need the window's own mask, so they are refused
+    sliding_window: int | None = None
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "n_positions", "vocab_size"):
@@ -74,6 +75,9 @@ class LlamaConfig:
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_kv_head {self.n_kv_head} does not divide n_head {self.n_head}: each K/V head serves "
                              "a whole group of query heads")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or not isinstance(
+                self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
         if self.n_positions > MAX_POSITIONS:
             raise ValueError(f"n_positions {self.n_positions:,} is beyond what kvlab builds: at most {MAX_POSITIONS:,}")
         if self.model_type not in MODEL_TYPES:
@@ -89,6 +93,8 @@ class LlamaConfig:
     @property
     def family(self) -> str:
         return self.model_type
+
+    rotary = True  # positions are rotations of q and k (a class fact, not a field)
 
     def param_shapes(self):
         """(name, shape) of every parameter ``Llama(self)`` builds, in its order, without building it; a tied
@@ -157,8 +163,7 @@ class LlamaConfig:
         theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
         n_positions = d.get("max_position_embeddings", 2048)
         window = d.get("sliding_window")
-        if window and (mt == "mistral" or d.get("use_sliding_window")) and window < n_positions:
-            n_positions = window  # attention past the window would need the window's own mask: refused past it
+        window = window if window and (mt == "mistral" or d.get("use_sliding_window")) else None
         if d.get("partial_rotary_factor", 1.0) != 1.0:
             raise CheckpointError(f"{source}: partial_rotary_factor {d['partial_rotary_factor']}: kvlab rotates every "
                                   "channel of a head")
@@ -173,7 +178,7 @@ class LlamaConfig:
                        qkv_bias=True if mt == "qwen2" else bias, o_bias=False if mt == "qwen2" else bias,
                        mlp_bias=bool(d.get("mlp_bias", False)), model_type=mt,
                        initializer_range=d.get("initializer_range", 0.02), bos_token_id=_one_id(d.get("bos_token_id")),
-                       eos_token_id=_one_id(d.get("eos_token_id")))
+                       eos_token_id=_one_id(d.get("eos_token_id")), sliding_window=window)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{source}: {e}") from None
 
@@ -190,7 +195,7 @@ class LlamaConfig:
         if self.model_type == "llama":
             d.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
         if self.model_type in ("qwen2", "mistral"):
-            d.update(sliding_window=None, use_sliding_window=False)
+            d.update(sliding_window=self.sliding_window, use_sliding_window=self.sliding_window is not None)
         for name in ("bos_token_id", "eos_token_id"):
             if getattr(self, name) is not None:
                 d[name] = getattr(self, name)
@@ -271,6 +276,62 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + turned * sin
 
 
+class Rope:
+    """A forward's rotary positions: cos and sin of its queries' angles (``cos``, ``sin``: (T, hd), or (B, 1, T, hd)
+    for a ragged batch), and, where keys are rotated inside attention (a cache that stores them before the rotation,
+    or the re-positioned window's reference: ``keys_at``), the positions of the keys attention reads and the rule
+    that places them."""
+
+    def __init__(self, inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype):
+        self.inv_freq, self.pos, self.dtype = inv_freq.to(pos.device), pos, dtype
+        self.cos, self.sin = self.at(pos)
+        if pos.dim() == 2:
+            self.cos, self.sin = self.cos.unsqueeze(1), self.sin.unsqueeze(1)
+        self.key_pos, self.rule = None, None
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (..., hd) of any positions' angles, computed in fp32 (as HF does), in the model's dtype."""
+        angles = positions.float().unsqueeze(-1) * self.inv_freq  # (..., hd/2)
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+    def keys_at(self, key_pos: torch.Tensor, rule: tuple[int, int] | None) -> None:
+        """Keys are rotated inside attention: the absolute position of each key it reads (n_keys,), and None (at
+        those positions) or (sinks, window) (at their places in the window: StreamingLLM's)."""
+        self.key_pos, self.rule = key_pos, rule
+
+
+def rotated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention over keys handed un-rotated: q (B, nh, T, hd) un-rotated at ``rope.pos``, k, v (B, nkv, n, hd) at
+    ``rope.key_pos``; each score rotated by the two positions' distance. Plain (``rope.rule`` None): the absolute
+    distance. Re-positioned (sinks S, window W): a key's place in the window it is seen in, sinks first, then the
+    window's keys in order, the query last; a window key's distance from its query is the absolute one, a sink's is
+    S + W - 1 - j once the window is full (StreamingLLM's positions within the cache). Positions are shifted so that
+    every angle stays within the window's span, however long the stream: distances are what a rotation depends on.
+    ``mask`` True = may attend (None: every key up to each query's own position)."""
+    groups = q.size(1) // k.size(1)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    qp, kp = rope.pos, rope.key_pos
+    if rope.rule is None:
+        base = int(kp.min())  # the oldest key sits at 0
+        qr, kr = rotate(q, *rope.at(qp - base)), rotate(k, *rope.at(kp - base))
+        att = qr @ kr.transpose(-2, -1)
+    else:
+        S, W = rope.rule
+        base = max(0, int(qp[0]) - (S + W - 1))
+        sink = kp < S  # (n,)
+        kr = rotate(k, *rope.at(torch.where(sink, kp, kp - base)))
+        q_window = rotate(q, *rope.at(qp - base))
+        q_sinks = rotate(q, *rope.at(qp.clamp(max=S + W - 1)))  # the query's place in the window it sees
+        att = torch.where(sink, q_sinks @ kr.transpose(-2, -1), q_window @ kr.transpose(-2, -1))
+    att = att * (1.0 / math.sqrt(q.size(-1)))
+    if mask is None:
+        mask = kp.view(1, -1) <= qp.view(-1, 1)  # (T, n): causal over the keys' positions
+    return att.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
+
+
 class RMSNorm(nn.Module):
     def __init__(self, width: int, eps: float):
         super().__init__()
@@ -295,15 +356,20 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q, cfg.n_embd, bias=cfg.o_bias)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer: int, mask: torch.Tensor | None,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                rope: Rope) -> torch.Tensor:
         B, T, _ = x.shape
         hd = self.head_dim
         q = self.q_proj(x).view(B, T, self.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_proj(x).view(B, T, self.n_kv_head, hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv_head, hd).transpose(1, 2)
-        cos, sin = rope
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # at their absolute positions; the cache keeps k rotated
-        y = attend(q, k, v, cache, layer, mask)  # (B, nh, T, hd)
+        if rope.key_pos is not None:  # keys rotated inside attention: stored before the rotation, or re-positioned
+            if cache is not None:
+                k, v = cache.update(layer, k, v)  # what it holds, un-rotated, in its storage dtype
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            y = rotated_attention(q, k, v, rope, mask)
+        else:
+            q, k = rotate(q, rope.cos, rope.sin), rotate(k, rope.cos, rope.sin)  # at their absolute positions
+            y = attend(q, k, v, cache, layer, mask)  # (B, nh, T, hd); the cache keeps k rotated, as HF's
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * hd))
 
 
@@ -358,14 +424,17 @@ class Llama(Decoder):
     def embed(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(idx)  # positions enter in attention, as rotations of q and k
 
-    def rotary(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of every position's angles, (T, hd) or (B, 1, T, hd) for a ragged batch's (B, T) positions,
-        in the model's dtype (computed in fp32, as HF does)."""
-        angles = pos.float().unsqueeze(-1) * self.inv_freq.to(pos.device)  # (..., T, hd/2)
-        angles = torch.cat((angles, angles), dim=-1)
-        dtype = self.model.embed_tokens.weight.dtype
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-        return (cos.unsqueeze(1), sin.unsqueeze(1)) if pos.dim() == 2 else (cos, sin)
+    def rotary(self, pos: torch.Tensor) -> Rope:
+        """This forward's rotary positions (``Rope``): its queries' angles at ``pos``, in the model's dtype."""
+        return Rope(self.inv_freq, pos, self.model.embed_tokens.weight.dtype)
+
+    def check_length(self, past: int, T: int) -> None:
+        """Rotary positions are computed for any position (as HF's): only a sliding window (Mistral's) bounds what
+        is computed exactly here, since attention past it would need the window's own mask."""
+        w = self.config.sliding_window
+        if w is not None and past + T > w:
+            raise ValueError(f"sequence too long: {past} cached + {T} new tokens > sliding_window {w}, the "
+                             "attention window this model was trained with (kvlab computes it up to the window)")
 
     @property
     def blocks(self) -> nn.ModuleList:

@@ -132,12 +132,17 @@ TEXT = ("drift_text_len", "prompts", TRAINED)  # a claim read from drift on the 
 COPY = ("retrieval_n", TRAINED)  # a claim read from copying random sequences
 # options of a preset's cache kind that its claims are not about, and why; every other option the preset sets (or
 # links to another: v_bits: ${cache.k_bits}) or sweeps (tests/analysis/test_findings.py holds each preset to this)
+GPT2_KEYS = "the mini is GPT-2: its keys carry no rotation to quantise before"
 NOT_ABOUT = {
-    "paper_streamingllm": {"cache.window": "set by the budget: the budget less the sinks"},
+    "paper_streamingllm": {"cache.window": "set by the budget: the budget less the sinks",
+                           "cache.positions": "the mini is GPT-2: its learned positions cannot be re-positioned"},
     "paper_rotation": {"cache.v_bits": "V is not quantised (quantize k)", "cache.v_axis": "V is not quantised "
                                                                                           "(quantize k)",
-                       "cache.tail": "K is grouped per token, whose tail is the residual whatever tail says"},
-    "paper_kv_types": {"cache.tail": "K and V are grouped per token, whose tail is the residual whatever tail says"},
+                       "cache.tail": "K is grouped per token, whose tail is the residual whatever tail says",
+                       "cache.k_pre_rope": GPT2_KEYS},
+    "paper_kv_types": {"cache.tail": "K and V are grouped per token, whose tail is the residual whatever tail says",
+                       "cache.k_pre_rope": GPT2_KEYS},
+    "paper_kivi": {"cache.k_pre_rope": GPT2_KEYS},
     "paper_h2o": {"cache.group_score": "the mini is multi-head: each K/V head has one query head, nothing to group"},
 }
 

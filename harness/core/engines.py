@@ -129,6 +129,7 @@ QUANTO = {
                       values=("asymmetric",)),
     "tail": Honours("quanto groups per token, whose tail is the residual alone: kvlab's tail option changes "
                     "nothing there", values=("group",)),
+    "k_pre_rope": Honours("transformers' caches store keys after the rotation", values=(False,)),
 }
 
 # our cache kinds that transformers has a counterpart of, each declared once: what runs, and what it honours
@@ -162,7 +163,13 @@ def hf_refuses(kind: str, opts, head_dim: int | None = None) -> str | None:
             fixed = dataclasses.replace(fixed, **{name: value})
     if not wrong:
         return None
-    instead = " ".join(f"cache.{n}={getattr(fixed, n)}" for n in names if getattr(fixed, n) != getattr(opts, n))
+    shown = {True: "true", False: "false"}  # as the command line gives a bool
+
+    def value(v):
+        return shown[v] if isinstance(v, bool) else v
+
+    instead = " ".join(f"cache.{n}={value(getattr(fixed, n))}" for n in names
+                       if getattr(fixed, n) != getattr(opts, n))
     return f"HF's {cp.name} does not run {'; '.join(wrong)}: pass {instead}, or use engine=kvlab"
 
 

@@ -272,6 +272,14 @@ def need(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def check_model(rc: RunConfig, mcfg) -> None:
+    """What the cache kind's options need of the model's family, once its config is known (``needs_rotary``: keys
+    stored before a rotation the model must have), refused in one line naming the option."""
+    cls = cache_kind(rc.cache.kind)
+    why = cls.needs_rotary(cls.parse_options(**rc.cache.options))
+    need(why is None or mcfg.rotary, f"cache={rc.cache.kind} on model {rc.model.name} ({mcfg.family}): {why}")
+
+
 def validate(config, n_positions: int, head_dim: int | None = None) -> tuple[int, list[int]]:
     """Check the knobs against each other and the model (``n_positions``; ``head_dim``, the model's head size, for
     the options that depend on it: None skips those); returns the effective max_len and the context lengths, in the
@@ -363,8 +371,10 @@ def _check_sizes(rc: RunConfig) -> None:
 def _lengths(rc: RunConfig, n_positions: int) -> tuple[int, list[int]]:
     """The effective max_len and timed context lengths, checked against the model and each other."""
     max_len = n_positions if rc.max_len is None else rc.max_len
-    need(max_len <= n_positions, f"max_len={max_len} > n_positions={n_positions} of model {rc.model.name}: "
-         f"use max_len <= {n_positions}")
+    streams = cache_kind(rc.cache.kind).streams(cache_kind(rc.cache.kind).parse_options(**rc.cache.options))
+    need(max_len <= n_positions or streams, f"max_len={max_len} > n_positions={n_positions} of model "
+         f"{rc.model.name}: use max_len <= {n_positions} (only a cache that re-positions its keys, cache=window "
+         "cache.positions=cache on a rotary model, runs past the positions a model was trained for)")
     need(rc.prompt_len + rc.new_tokens <= max_len,
          f"prompt_len + new_tokens = {rc.prompt_len} + {rc.new_tokens} > max_len={max_len}: "
          f"shorten them or raise max_len (at most {n_positions})")

@@ -44,7 +44,7 @@ from harness.experiment import tracking
 from harness.experiment.tracking import default_group, wandb_id
 from harness.experiment import weights
 from harness.experiment.weights import Weights
-from harness.experiment.config import check_outliers, dtype_label, read, validate
+from harness.experiment.config import check_model, check_outliers, dtype_label, read, validate
 from harness.experiment.plan import CacheChoice, ModelChoice, OutliersChoice, Plan, RunConfig
 from harness.core.engines import ENGINES, KvlabEngine
 from harness.experiment.invocation import (concurrent_runs, forget_invocation, invocation, invocation_failures,
@@ -496,6 +496,8 @@ def plan_run(rc: RunConfig, w: Weights | None = None) -> Plan:
 
     w = w or weights.resolve(rc.model)
     mcfg = model_config(w, rc.model)
+    if mcfg is not None:
+        check_model(rc, mcfg)
     max_len, contexts = validate(rc, mcfg.n_positions, mcfg.head_dim) if mcfg is not None else (None, None)
     device = resolve_device(rc.device)
     storage, compute = resolve_dtypes(rc.dtype.storage, rc.dtype.compute, device)
@@ -541,6 +543,7 @@ def load(plan: Plan) -> dict:
     model32 = build_model(w, rc.model, mcfg)
     if mcfg is None:  # a hub checkpoint: validate now that its config is known
         mcfg = model32.config
+        check_model(rc, mcfg)
         max_len, contexts = validate(rc, mcfg.n_positions, mcfg.head_dim)
         check_memory(rc, mcfg, max_len, contexts, storage, compute, device)
     injected = inject_outliers(model32, rc.model.outliers)  # before the model is moved, copied or measured

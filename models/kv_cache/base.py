@@ -220,6 +220,29 @@ class KVCache:
         with compile=true is refused with it, so that what ran is what the record says."""
         return None
 
+    @classmethod
+    def needs_rotary(cls, opts) -> str | None:
+        """Why these options need a model with rotary positions (the kind stores keys before the rotation), in a
+        few words; None: any model."""
+        return None
+
+    @classmethod
+    def streams(cls, opts) -> bool:
+        """Whether a sequence may run past the positions the model was trained for (the kind re-positions keys)."""
+        return False
+
+    @property
+    def prerope(self) -> bool:
+        """The kind stores keys before the rotary rotation: a rotary model hands ``update`` its keys un-rotated and
+        rotates the keys ``update`` returns itself, by ``rotary_rule``."""
+        return False
+
+    @property
+    def rotary_rule(self) -> tuple[int, int] | None:
+        """With ``prerope``: None, keys rotated at their absolute positions; (sinks, window): at their positions
+        within the cache (StreamingLLM's: the sinks first, then the window's keys in order, the query last)."""
+        return None
+
     @property
     def attends_opaquely(self) -> bool:
         """With fuses_decode: whether ``attend_decode`` may run as one opaque op inside a compiled decode step (it

@@ -93,6 +93,9 @@ class QuantOptions:
     tail: str = "group"  # what a per-channel axis keeps in full precision: "group", the newest residual tokens and the
     # group still filling (1 .. group_size tokens); "residual", the newest residual tokens alone (the filling group
     # is read quantised, zero-padded to group_size tokens, as KIVI's Table 1 study), so every axis keeps the same tail
+    # a rotary model's keys quantised before the rotation and rotated after dequantising (KVQuant's pre-RoPE keys:
+    # the rotation mixes channel pairs, smearing a channel's outliers over its pair before a per-channel scale sees it)
+    k_pre_rope: bool = False
 
     def __post_init__(self):
         for name in ("k_bits", "v_bits"):
@@ -493,7 +496,19 @@ class QuantKVCache(KVCache):
         alone = {"kv": "", "k": " (V full)", "v": " (K full)"}[opts.quantize]
         return (f"quant {bits} g{opts.group_size}" + (f" r{opts.residual}" if opts.residual else "") + axes
                 + (" hadamard" if opts.rotate == "hadamard" else "") + (" symmetric" if opts.symmetric else "")
-                + (" tail=residual" if opts.tail == "residual" else "") + alone)
+                + (" tail=residual" if opts.tail == "residual" else "") + (" pre-RoPE K" if opts.k_pre_rope else "")
+                + alone)
+
+    @classmethod
+    def needs_rotary(cls, opts) -> str | None:
+        if opts.k_pre_rope:
+            return ("k_pre_rope=true quantises keys before the rotary rotation, which needs rotary positions (GPT-2 "
+                    "has none: its keys are the same with k_pre_rope=false)")
+        return None
+
+    @property
+    def prerope(self) -> bool:
+        return self.opts.k_pre_rope
 
     # ---- the contract ---------------------------------------------------------------------------------------
 
@@ -639,18 +654,25 @@ class QuantKVCache(KVCache):
             out[:, :, n_quant:n_quant + p] = self._partial_group(layer, which, p)[0]
         return out.to(dtype)
 
+    @staticmethod
+    def _partial_groups(opts) -> bool:
+        """``tail=residual`` with a per-channel axis: attention reads the group still filling quantised."""
+        return opts.tail == "residual" and "channel" in (opts.axis("k"), opts.axis("v"))
+
     @classmethod
     def refuses_fused(cls, opts) -> str | None:
-        if opts.tail == "residual" and "channel" in (opts.axis("k"), opts.axis("v")):
+        if opts.k_pre_rope:
+            return ("compile=true attends over the stored bytes, and cache.k_pre_rope=true stores keys before the "
+                    "rotation, which attention must apply to them first: use compile=false")
+        if cls._partial_groups(opts):
             return ("compile=true attends over the stored bytes, and cache.tail=residual reads a per-channel group "
                     "still filling quantised, which is not what is stored: use cache.tail=group, or compile=false")
         return None
 
     @property
     def _reads_partial_groups(self) -> bool:
-        """``tail=residual`` with a per-channel axis: attention reads the filling group quantised (what
-        ``refuses_fused`` refuses a compiled run for)."""
-        return self.refuses_fused(self.opts) is not None
+        """What ``refuses_fused`` refuses a compiled run for: the filling group read quantised."""
+        return self._partial_groups(self.opts)
 
     def _partial(self, which: str, n_quant: int, n: int) -> int:
         """Tokens of the per-channel group still filling that ``tail=residual`` reads quantised (0: none)."""

@@ -7,8 +7,15 @@ the query at position t sees the keys at positions j with j < S or t - W < j <= 
 
 GPT-2's learned absolute position embeddings enter the residual stream at the input, so cached K and V cannot be
 re-positioned as StreamingLLM does for RoPE models: every token keeps the absolute position it was written at, and
-a sequence still ends at ``n_positions`` (and at the cache's ``max_len``). What the window buys here is bounded memory
-(and a decode step whose cost stops growing once the window is full), at the price of the drift from full attention.
+a sequence still ends at ``n_positions`` (and at the cache's ``max_len``). What the window buys there is bounded
+memory (and a decode step whose cost stops growing once the window is full), at the price of the drift from full
+attention.
+
+On a rotary model (``models.llama``), ``positions="cache"`` does what StreamingLLM does: keys are stored before the
+rotation and rotated by their place in the cache when attention reads them (the sinks at 0 .. S - 1, the window's
+keys after them in order, the query last), so every distance stays within S + W and a sequence runs past the
+positions the model was trained for, its bytes flat. Its reference is ``model(idx, window=W, sinks=S,
+positions="cache")``. GPT-2 refuses it in one line (``needs_rotary``).
 """
 
 from __future__ import annotations
@@ -20,13 +27,23 @@ import torch
 from models.kv_cache.base import KVCache, register
 
 
+POSITIONS = ("absolute", "cache")
+
+
 @dataclass(frozen=True)
 class WindowOptions:
     window: int = 32  # W: the most recent positions kept, the current one included
     sinks: int = 4  # S: the first positions, always kept
     budget: int = 0  # when > 0: the slots held, sinks + window (window becomes budget - sinks), as the evicting kinds'
+    # "absolute": keys keep the positions they were written at; "cache": a rotary model's keys are stored before the
+    # rotation and rotated by their place in the cache (StreamingLLM's re-positioning), so a sequence can run past
+    # the positions the model was trained for
+    positions: str = "absolute"
 
     def __post_init__(self):
+        if self.positions not in POSITIONS:
+            raise ValueError(f"cache option positions={self.positions!r}: use absolute (keys keep their positions) or "
+                             "cache (re-positioned by their place in the cache, a rotary model's)")
         if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 0:
             raise ValueError(f"cache option budget must be an integer >= 0 (0: window and sinks as given; else the "
                              f"slots held, sinks + window), got {self.budget!r}")
@@ -79,11 +96,38 @@ class WindowKVCache(KVCache):
 
     @classmethod
     def reference(cls, opts) -> dict:
-        return {"window": opts.window, "sinks": opts.sinks}
+        ref = {"window": opts.window, "sinks": opts.sinks}
+        return {**ref, "positions": "cache"} if opts.positions == "cache" else ref
 
     @classmethod
     def label(cls, opts) -> str:
-        return f"window S{opts.sinks}+W{opts.window}"
+        return f"window S{opts.sinks}+W{opts.window}" + (" @cache" if opts.positions == "cache" else "")
+
+    @classmethod
+    def needs_rotary(cls, opts) -> str | None:
+        if opts.positions == "cache":
+            return ("positions=cache re-positions keys by their place in the cache, which needs rotary positions "
+                    "(a learned position table, GPT-2's, is added at the input and has no row past n_positions)")
+        return None
+
+    @classmethod
+    def streams(cls, opts) -> bool:
+        """Whether a sequence may run past the positions the model was trained for (positions=cache)."""
+        return opts.positions == "cache"
+
+    @property
+    def prerope(self) -> bool:
+        return self.opts.positions == "cache"
+
+    @property
+    def rotary_rule(self) -> tuple[int, int] | None:
+        return (self.opts.sinks, self.opts.window) if self.prerope else None
+
+    def set_padding(self, pad) -> None:
+        if self.prerope:
+            raise ValueError("cache kind 'window' with positions=cache does not run ragged batches: each sequence's "
+                             "keys would need their own places in the cache; run the prompts one length at a time")
+        super().set_padding(pad)
 
     # ---- where each position lives --------------------------------------------------------------------------
 

@@ -88,7 +88,7 @@ def test_an_undeclared_option_is_refused(monkeypatch, tiny_model):
 
 QUANT_VALUES = {"k_bits": BITS, "v_bits": BITS, "group_size": (1, 8, 16, 24, 32, 48, 64), "residual": (0, 1, 2, 7),
                 "k_axis": AXES, "v_axis": AXES, "rotate": ROTATIONS, "quantize": QUANTIZED, "scheme": SCHEMES,
-                "tail": TAILS}
+                "tail": TAILS, "k_pre_rope": (False, True)}
 
 
 def test_quant_refusals_name_what_to_pass_and_that_is_accepted():
@@ -106,7 +106,7 @@ def test_quant_refusals_name_what_to_pass_and_that_is_accepted():
             assert "\n" not in why and re.search(r"does not run \w+=\w+ \(", why), why
             fixes = dict(re.findall(r"cache\.(\w+)=(\w+)", why.split(": pass ")[1]))
             types = cache_kind("quant").option_types()
-            fixed = {**options, **{k: types[k](v) for k, v in fixes.items()}}
+            fixed = {**options, **{k: v == "true" if types[k] is bool else types[k](v) for k, v in fixes.items()}}
             assert hf_refuses("quant", cache_kind("quant").parse_options(**fixed), 64) is None, (options, why)
     # what quanto runs: 4 or 2 bits for both, a group size dividing the head, K and V per token, nothing rotated, both,
     # a scale and a zero point per group
@@ -114,7 +114,7 @@ def test_quant_refusals_name_what_to_pass_and_that_is_accepted():
         ("k_bits", 4), ("v_bits", 4), ("group_size", 1), ("group_size", 8), ("group_size", 16), ("group_size", 32),
         ("group_size", 64), ("residual", 0), ("residual", 2), ("residual", 7), ("k_axis", "token"),
         ("v_axis", "token"), ("rotate", "none"), ("quantize", "kv"), ("scheme", "asymmetric"),
-        ("tail", "group")}
+        ("tail", "group"), ("k_pre_rope", False)}
 
 
 def test_every_option_hf_quant_runs_with_changes_what_it_computes(tiny_model):
