@@ -3,6 +3,7 @@ records the family and its K/V heads, holds the bytes kvcalc says, and is exact;
 runs by ``model.weights=DIR``; what the family cannot do yet is refused in one line."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -66,3 +67,23 @@ def test_the_presets_have_their_own_conf_files():
         text = (REPO / "conf" / "model" / f"{name}.yaml").read_text()
         assert f"preset: {name}" in text
         assert preset_config(name).n_kv_head < preset_config(name).n_head  # each is grouped-query
+
+
+@pytest.mark.slow
+def test_a_repositioned_window_runs_8x_past_the_trained_length_and_gpt2_refuses_it(tmp_path):
+    """tiny-gqa was built for 128 positions; a run at max_len 1,024 with the re-positioned window is exact against
+    its reference, scores a 1,024-token text with a finite NLL and holds S + W slots; GPT-2 refuses the option."""
+    run_dir = tmp_path / "stream"
+    p = run_py(["model=tiny-gqa", "cache=window", "cache.positions=cache", "cache.window=32", "cache.sinks=4",
+                "max_len=1024", "drift_text_len=1024", "drift_texts=1", "prompts_file=models/weights/mini/heldout.txt",
+                "measurements=[equivalence,text_drift,memory]", *QUICK, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rec = json.loads((run_dir / "results.json").read_text())
+    assert rec["status"] == "ok" and rec["tokens_identical"] is True and rec["max_len"] == 1024
+    assert rec["cache_nbytes"] == rec["predicted_nbytes"] == 2 * 2 * 2 * 16 * 36 * 4  # 36 slots at any length
+    assert math.isfinite(rec["text_nll"]) and math.isfinite(rec["drift_delta_nll"])
+    g2 = tmp_path / "gpt2"
+    p = run_py(["model=tiny", "cache=window", "cache.positions=cache", *QUICK, f"hydra.run.dir={g2}"], tmp_path)
+    rec = json.loads((g2 / "results.json").read_text())
+    assert p.returncode == 1 and "positions=cache re-positions keys by their place in the cache, which needs " \
+                                  "rotary positions" in rec["error"]
