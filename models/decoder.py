@@ -67,6 +67,21 @@ class Decoder(nn.Module):
             raise ValueError(f"sequence too long: {past} cached + {T} new tokens > n_positions "
                              f"{self.config.n_positions} (the positions the model was built for)")
 
+    def _rope(self, pos, cache, key_pos, n_keys: int, repositioned: bool, rule: tuple):
+        """What a rotary family's attention positions q and k with (None: GPT-2); where keys are rotated inside
+        attention (a cache that stores them before the rotation, or a re-positioned window), which positions the
+        keys it reads hold and the rule that places them (``rule``: the uncached reference's sinks and window)."""
+        rope = self.rotary(pos)
+        inside = repositioned or (cache is not None and cache.prerope)
+        if inside and rope is None:
+            raise ValueError(f"{type(self).__name__} has no rotary positions: keys stored before the rotation or "
+                             "re-positioned within a cache need them (a learned position table is added at the "
+                             "input and has no row past n_positions)")
+        if inside:
+            rope.keys_at(torch.arange(n_keys, device=pos.device) if key_pos is None else key_pos,
+                         rule if cache is None else cache.rotary_rule)
+        return rope
+
     @staticmethod
     def _check_args(idx, cache, window, sinks, pad, keep, positions="absolute"):
         """``forward``'s arguments checked against each other, one line each; returns the padding an uncached
@@ -138,14 +153,7 @@ class Decoder(nn.Module):
         if pad is not None:
             pos = (pos - pad.unsqueeze(1)).clamp(min=0)  # (B, T): each sequence's own positions; padding gets 0
         x = self.embed(idx, pos)  # (B, T, C)
-        rope = self.rotary(pos)  # what a rotary family's attention positions q and k with (None: GPT-2)
-        if rope is None and (repositioned or (cache is not None and cache.prerope)):
-            raise ValueError(f"{type(self).__name__} has no rotary positions: keys stored before the rotation or "
-                             "re-positioned within a cache need them (a learned position table is added at the "
-                             "input and has no row past n_positions)")
-        if rope is not None and (repositioned or (cache is not None and cache.prerope)):
-            rope.keys_at(torch.arange(past + T, device=idx.device) if key_pos is None else key_pos,
-                         (sinks, window) if cache is None else cache.rotary_rule)
+        rope = self._rope(pos, cache, key_pos, past + T, repositioned, (sinks, window))
         per_layer = None  # key sets that differ by layer and head: a mask per layer
         if cache is not None and cache.evicts:
             def per_layer(layer):

@@ -245,6 +245,8 @@ PRESETS = {
                          tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
                          rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192)),
+    # experiment=gqa's model: 8 query heads of 64, as many K/V heads (MHA) until model.n_kv_head says fewer
+    "gqa-base": dict(n_layer=4, n_head=8, n_kv_head=8, n_embd=512, intermediate_size=1376, n_positions=2048),
     # for tests: tiny, grouped-query (4 query heads over 2 K/V heads), the GPT-2 vocabulary so text prompts work
     "tiny-gqa": dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=128, n_positions=128),
 }

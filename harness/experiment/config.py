@@ -48,6 +48,9 @@ class ModelConfig:
     seed: int = 0  # seed of the random init
     build: Optional[str] = None  # the command that makes the checkpoint folder, shown when it is missing
     outliers: OutliersConfig = field(default_factory=OutliersConfig)
+    # the preset with this many K/V heads (a divisor of its query heads; random weights only): MHA vs GQA vs MQA at
+    # one width (experiment=gqa); null: the preset's own
+    n_kv_head: Optional[int] = None
 
 
 def cache_schema(cls: type[KVCache]) -> type:
@@ -166,10 +169,17 @@ def _in_order(key: str, value):
         return sorted(value, key=str)
 
 
+# keys added after runs were recorded, with the value that measures what runs without them measured: a run at that
+# value keeps the id it had before the key existed (a resumed sweep confirms it instead of measuring it again)
+LATER_KEYS = {("model", "n_kv_head"): None, ("cache", "group_score"): "mean", ("cache", "positions"): "absolute",
+              ("cache", "k_pre_rope"): False}
+
+
 def config_id(cfg) -> str:
     """12 hex digits that name what a run measures: a hash of its resolved config without tracking and resume (and
-    without ``measurements`` when it is null, all of them, and without ``model.outliers`` at scale 1, the model as
-    loaded, so runs made before these keys existed keep their id). The lists in ``UNORDERED`` are hashed in the order
+    without ``measurements`` when it is null, all of them, without ``model.outliers`` at scale 1, the model as
+    loaded, and without the ``LATER_KEYS`` at their old meaning, so runs made before these keys existed keep their
+    id). The lists in ``UNORDERED`` are hashed in the order
     they are measured in, so their order on the command line does not change a run's id (a list already in that
     order keeps the id it had)."""
     keys = [k for k in cfg.keys() if k not in NOT_MEASURED and not (k == "measurements" and cfg[k] is None)]
@@ -179,6 +189,10 @@ def config_id(cfg) -> str:
     model = plain.get("model")
     if isinstance(model, dict) and isinstance(model.get("outliers"), dict) and model["outliers"].get("scale") == 1:
         plain["model"] = {k: v for k, v in model.items() if k != "outliers"}
+    for (group, key), default in LATER_KEYS.items():  # at the value that means "as before": left out of the hash
+        node = plain.get(group)
+        if isinstance(node, dict) and key in node and node[key] == default and type(node[key]) is type(default):
+            plain[group] = {k: v for k, v in node.items() if k != key}
     return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -197,7 +211,7 @@ def read(cfg) -> RunConfig:
     given = cfg.get("measurements")
     return RunConfig(
         model=ModelChoice(name=m.name, preset=m.preset, weights=m.weights, seed=m.seed, build=m.get("build"),
-                          outliers=outliers_choice(m.get("outliers"))),
+                          outliers=outliers_choice(m.get("outliers")), n_kv_head=m.get("n_kv_head")),
         engine=EngineChoice(name=str(engine.get("name", "kvlab")),
                             options={k: _plain(v) for k, v in engine.items() if k != "name"}),
         cache=cache_choice(cfg.cache),

@@ -46,6 +46,7 @@ class ModelChoice:
     seed: int  # seed of the random init
     build: str | None = None  # the command that makes the checkpoint folder, shown when it is missing
     outliers: OutliersChoice = OutliersChoice()
+    n_kv_head: int | None = None  # the preset with this many K/V heads (random weights); None: its own
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ the sweep report and ``run.py``'s exit code read exactly this invocation's runs 
 
 from __future__ import annotations
 
+import dataclasses
 import copy
 import datetime as dt
 import hashlib
@@ -274,6 +275,8 @@ def resolve_dtypes(storage: str, compute: str, device: torch.device) -> tuple[to
 def model_config(w: Weights, m: ModelChoice):
     """The model's config (of its family: ``models.families``), read cheaply before any weights (None for a hub
     id: known once loaded)."""
+    if m.n_kv_head is not None:
+        return kv_heads(w, m)
     if w.random:
         return preset_config(m.preset)
     folder = Path(w.load_from)
@@ -283,6 +286,23 @@ def model_config(w: Weights, m: ModelChoice):
         raise ConfigError(f"model={m.name} needs its checkpoint folder {m.weights}, which is missing: build it with "
                           f"`{m.build}`")
     return None
+
+
+def kv_heads(w: Weights, m: ModelChoice):
+    """``model.n_kv_head``: the preset with that many K/V heads, its width and query heads unchanged (random
+    weights); refused in one line where the heads are not the run's to choose."""
+    if not w.random:
+        raise ConfigError(f"model.n_kv_head={m.n_kv_head} builds {m.preset} with that many K/V heads from random "
+                          f"weights, and model.weights={m.weights} loads a checkpoint whose heads are its own: give "
+                          "model.weights=random")
+    cfg = preset_config(m.preset)
+    if not dataclasses.is_dataclass(cfg) or "n_kv_head" not in {f.name for f in dataclasses.fields(cfg)}:
+        raise ConfigError(f"model.n_kv_head={m.n_kv_head}: {m.preset} ({cfg.family}) has one K/V head per query "
+                          "head; give a Llama-family preset (docs/models.md)")
+    try:
+        return dataclasses.replace(cfg, n_kv_head=m.n_kv_head)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"model.n_kv_head={m.n_kv_head}: {e}") from None
 
 
 def build_model(w: Weights, m: ModelChoice, cfg) -> Decoder:
@@ -428,12 +448,15 @@ def _hydra_dirs() -> tuple[Path, str, str]:
 def model_label(m: ModelChoice) -> str:
     """How runs are labelled: the model's name; on a checkpoint folder whose name was left at the preset's, the
     folder's name is added (unless it is the model's name), so runs on two checkpoints never share a label; with
+    ``model.n_kv_head`` N, `` kvN``; with
     outlier channels injected (``model.outliers.scale`` S != 1), `` · outliers xS``, so they never share one with the
     model as loaded."""
     if m.weights in ("random", "auto") or m.name != m.preset or Path(str(m.weights)).name == m.name:
         label = m.name
     else:
         label = f"{m.name}@{Path(str(m.weights)).name}"
+    if getattr(m, "n_kv_head", None) is not None:
+        label = f"{label} kv{m.n_kv_head}"
     scale = getattr(getattr(m, "outliers", None), "scale", 1)  # a model choice without outliers: the model as loaded
     return label if scale == 1 else f"{label} · outliers x{scale:g}"
 

@@ -87,3 +87,45 @@ def test_a_repositioned_window_runs_8x_past_the_trained_length_and_gpt2_refuses_
     rec = json.loads((g2 / "results.json").read_text())
     assert p.returncode == 1 and "positions=cache re-positions keys by their place in the cache, which needs " \
                                   "rotary positions" in rec["error"]
+
+
+@pytest.mark.slow
+def test_experiment_gqa_measures_bytes_halving_with_the_kv_heads_and_refuses_heads_it_cannot_build(tmp_path):
+    """experiment=gqa: one width, 8, 4, 2 and 1 K/V heads; each run exact, its bytes the formula, each half the
+    last. model.n_kv_head is refused in one line on GPT-2, on a checkpoint, and where it does not divide the heads."""
+    sweep = tmp_path / "gqa"
+    p = run_py(["experiment=gqa", "repeats=2", "warmup=1", "context_lengths=[64]", "n_prompts=1", "new_tokens=4",
+                "tracking=disabled", f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    runs = sorted(records(sweep).values(), key=lambda r: -r["n_kv_head"])
+    assert [r["n_kv_head"] for r in runs] == [8, 4, 2, 1] and all(r["n_head"] == 8 for r in runs)
+    assert all(r["status"] == "ok" and r["tokens_identical"] and r["cache_nbytes"] == r["predicted_nbytes"]
+               for r in runs)
+    assert [r["bytes_per_token"] for r in runs] == [2 * 4 * n * 64 * 4 for n in (8, 4, 2, 1)]
+    assert [r["model"] for r in runs] == [f"gqa-base kv{n}" for n in (8, 4, 2, 1)]
+    for i, (args, says) in enumerate([(["model=tiny", "model.n_kv_head=1"], "tiny (gpt2) has one K/V head per query head"),
+                       (["model=gqa-base", "model.n_kv_head=3"], "n_kv_head 3 does not divide n_head 8"),
+                       (["model=tiny-gqa", f"model.weights={REPO}", "model.n_kv_head=1"],
+                        "loads a checkpoint whose heads are its own")]):
+        run_dir = tmp_path / f"refused-{i}"
+        p = run_py([*args, *QUICK, f"hydra.run.dir={run_dir}"], tmp_path)
+        rec = json.loads((run_dir / "results.json").read_text())
+        assert p.returncode == 1 and says in rec["error"], rec["error"]
+        assert "Traceback" not in p.stderr
+
+
+def test_keys_added_later_keep_the_ids_of_runs_made_before_them_at_their_old_meaning():
+    """A resumed sweep recognises its finished runs: a config id is the same with model.n_kv_head null, group_score
+    mean, positions absolute or k_pre_rope false as it was before those keys existed, and differs otherwise."""
+    from omegaconf import OmegaConf
+
+    from harness.experiment.config import LATER_KEYS, config_id
+
+    before = {"model": {"name": "tiny", "preset": "tiny", "weights": "random", "seed": 0},
+              "cache": {"kind": "h2o", "budget": 8, "recent": 2}, "dtype": {"storage": "fp32"}}
+    old = config_id(OmegaConf.create(before))
+    for (group, key), default in LATER_KEYS.items():
+        now = {**before, group: {**before[group], key: default}}
+        assert config_id(OmegaConf.create(now)) == old, key
+        other = {None: 4, "mean": "max", "absolute": "cache", False: True}[default]
+        assert config_id(OmegaConf.create({**before, group: {**before[group], key: other}})) != old, key

@@ -26,17 +26,18 @@ from models.tokenizer import Tokenizer
 
 GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml"))
           for g in ("model", "engine", "cache", "dtype", "device", "tracking", "experiment")}
+PINNED = (*PAPERS, "gqa")  # experiments that pin their model (and kind): composed and validated on their own
 
 
 def test_groups_hold_what_users_sweep():
     assert set(GROUPS["model"]) == {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "mini", "tiny", "smollm2-135m",
-                                    "qwen2.5-0.5b", "llama-3.2-1b", "tiny-gqa"}
+                                    "qwen2.5-0.5b", "llama-3.2-1b", "tiny-gqa", "gqa-base"}
     assert set(GROUPS["cache"]) == set(CACHE_KINDS)  # one YAML per registered kind
     assert set(GROUPS["engine"]) == {"kvlab", "hf"}
     assert set(GROUPS["dtype"]) == {"fp32", "fp16", "bf16"}
     assert set(GROUPS["device"]) == {"cpu", "cuda", "auto"}
     assert set(GROUPS["tracking"]) == {"offline", "online", "disabled"}
-    assert set(GROUPS["experiment"]) == {"quick", "seed_protocol", "long", "bench", *PAPERS}
+    assert set(GROUPS["experiment"]) == {"quick", "seed_protocol", "long", "bench", "gqa", *PAPERS}
 
 
 @pytest.mark.slow  # 120 compositions, about ten seconds
@@ -47,7 +48,7 @@ def test_every_group_combination_composes_and_validates():
     checked, seen = 0, {"dtype": set(), "device": set(), "tracking": set()}
     crossed = ("model", "cache", "experiment")
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        general = {**GROUPS, "experiment": [e for e in GROUPS["experiment"] if e not in PAPERS]}
+        general = {**GROUPS, "experiment": [e for e in GROUPS["experiment"] if e not in PINNED]}
         for i, combo in enumerate(itertools.product(*(general[g] for g in crossed))):
             overrides = [f"{g}={o}" for g, o in zip(crossed, combo)]
             for g in seen:
@@ -65,7 +66,7 @@ def test_every_group_combination_composes_and_validates():
         with pytest.raises(Exception, match="n_prompts"):  # the schema types every node
             compose(config_name="config", overrides=["n_prompts=many"])
     # (each paper preset pins its model and kind: tests/analysis/test_findings.py composes and validates its whole grid)
-    assert checked == len(GROUPS["model"]) * len(CACHE_KINDS) * (len(GROUPS["experiment"]) - len(PAPERS))
+    assert checked == len(GROUPS["model"]) * len(CACHE_KINDS) * (len(GROUPS["experiment"]) - len(PINNED))
     assert all(seen[g] == set(GROUPS[g]) for g in seen)
 
 
