@@ -17,7 +17,8 @@ import torch
 
 import torch.nn as nn
 
-from models.gpt2 import GPT2, check_padding
+from models.attention import check_padding
+from models.decoder import Decoder
 from models.kv_cache import KeepRecord, KVCache, PreallocKVCache, make_cache
 
 
@@ -129,7 +130,7 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def new_cache(model: GPT2, kind: str, max_len: int, batch: int = 1, dtype=None, **options) -> KVCache:
+def new_cache(model: Decoder, kind: str, max_len: int, batch: int = 1, dtype=None, **options) -> KVCache:
     """An empty cache of ``kind`` shaped for ``model``; storage dtype defaults to the model's compute dtype;
     ``options`` are the kind's own."""
     c = model.config
@@ -138,7 +139,7 @@ def new_cache(model: GPT2, kind: str, max_len: int, batch: int = 1, dtype=None, 
 
 
 @torch.inference_mode()
-def prefill(model: GPT2, prompt_ids, cache: KVCache, last_only: bool = False,
+def prefill(model: Decoder, prompt_ids, cache: KVCache, last_only: bool = False,
             pad=None) -> tuple[torch.Tensor, KVCache]:
     """(B, T) prompt in one pass -> logits (B, T, vocab), or (B, 1, vocab) with ``last_only``; the cache then holds
     T more positions.
@@ -162,7 +163,7 @@ def prefill(model: GPT2, prompt_ids, cache: KVCache, last_only: bool = False,
 
 
 @torch.inference_mode()
-def decode_step(model: GPT2, last_token: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
+def decode_step(model: Decoder, last_token: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
     """(B, 1): exactly one new token per sequence -> logits (B, 1, vocab)."""
     if not isinstance(last_token, torch.Tensor):  # ids as lists or an array: a tensor on the model's device
         last_token = _as_ids(last_token).to(model_device(model))
@@ -199,7 +200,7 @@ def greedy_uncached(forward_last, idx: torch.Tensor, max_new_tokens: int) -> Gre
 
 
 @torch.inference_mode()
-def greedy(model: GPT2, prompt_ids, max_new_tokens: int, layout: str | None = None, cache_dtype=None,
+def greedy(model: Decoder, prompt_ids, max_new_tokens: int, layout: str | None = None, cache_dtype=None,
            max_len: int | None = None, pad=None, **options) -> GreedyOutput:
     """Greedy generation of ``max_new_tokens`` tokens after ``prompt_ids`` (B, T), or after each of a list of
     prompts of different lengths (``[[464, 3290], [50256], ...]``: left-padded into one batch, each sequence with
@@ -294,14 +295,14 @@ class StaticDecoder(nn.Module):
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """idx (B, 1), input_pos (1,) long: the position written -> logits (B, 1, vocab)."""
-        m = self.model.transformer
-        x = m.wte(idx) + m.wpe(input_pos)  # (B, 1, C)
+        m = self.model
+        x, rope = m.embed(idx, input_pos), m.rotary(input_pos)  # (B, 1, C); a rotary family's angles
         mask = (self.slots <= input_pos).view(1, 1, 1, -1)  # (1, 1, 1, max_len)
         writes = _StaticWrites([getattr(self, f"k{i}") for i in range(self.n_layer)],
                                [getattr(self, f"v{i}") for i in range(self.n_layer)], input_pos)
-        for layer, block in enumerate(m.h):
-            x = block(x, writes, layer, mask)
-        return self.model.lm_head(m.ln_f(x))
+        for layer, block in enumerate(m.blocks):
+            x = block(x, writes, layer, mask, rope)
+        return m.head(x)
 
 
 # ---- a fused kind's decode step, compiled whole ------------------------------------------------------------------
@@ -352,12 +353,12 @@ class FusedDecoder(nn.Module):
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """idx (B, 1), input_pos (1,) long: the position written -> logits (B, 1, vocab). Call inside ``using``."""
-        m = self.model.transformer
-        x = m.wte(idx) + m.wpe(input_pos)  # (B, 1, C)
+        m = self.model
+        x, rope = m.embed(idx, input_pos), m.rotary(input_pos)  # (B, 1, C); a rotary family's angles
         step = _FusedStep(self.handle)
-        for layer, block in enumerate(m.h):
-            x = block(x, step, layer)
-        return self.model.lm_head(m.ln_f(x))
+        for layer, block in enumerate(m.blocks):
+            x = block(x, step, layer, None, rope)
+        return m.head(x)
 
     @contextmanager
     def using(self, cache: KVCache):

@@ -1,4 +1,5 @@
-"""Outlier channels in K and V, put into a loaded GPT-2 without changing what it computes.
+"""Outlier channels in K and V, put into a loaded GPT-2 (or a rotary, grouped-query model: ``_inject_rotary``)
+without changing what it computes.
 
 Large models' keys (and, less, values) carry a few channels far larger than the rest, the premise of KIVI's scale per
 channel for K and of the rotations (``rotate=hadamard``); a small model such as kvlab's mini has none to speak of.
@@ -60,8 +61,9 @@ def _shown(x) -> str:
 
 
 def _channels(name: str, given, cfg: GPT2Config, g: torch.Generator) -> list[list[int]]:
-    """``given`` (None, an int, n_head ints, or n_layer lists of n_head ints) as n_layer lists of n_head channels."""
-    L, H, hs = cfg.n_layer, cfg.n_head, cfg.head_dim
+    """``given`` (None, an int, one per K/V head, or n_layer lists of those) as n_layer lists of n_kv_head channels
+    (GPT-2's K/V heads are its heads)."""
+    L, H, hs = cfg.n_layer, cfg.n_kv_head, cfg.head_dim
     drawn = torch.randint(0, hs, (L, H), generator=g).tolist()  # drawn always, so K's draw never moves V's
     if given is None:
         return drawn
@@ -88,10 +90,6 @@ def choose(cfg: GPT2Config, scale=1.0, k_channels=None, v_channels=None, seed: i
     resolved, nothing built: {"scale": S, "k_channels": n_layer lists of n_head, "v_channels": the same}; at S = 1
     the channels are None (nothing is injected)."""
     scale, seed = check_scale(scale), check_seed(seed)
-    family = getattr(cfg, "family", "gpt2")
-    if family != "gpt2" and scale != 1.0:
-        raise ValueError(f"scale={scale:g}: outlier channels are injected into GPT-2's layout only; a {family} model's "
-                         "rotary pairs and shared K/V heads are not handled yet (use scale=1)")
     g = torch.Generator().manual_seed(seed)
     k = _channels("k_channels", k_channels, cfg, g)
     v = _channels("v_channels", v_channels, cfg, g)
@@ -108,6 +106,9 @@ def inject(model: GPT2, scale=1.0, k_channels=None, v_channels=None, seed: int =
     chosen = choose(model.config, scale, k_channels, v_channels, seed)
     if chosen["k_channels"] is None:
         return chosen
+    if model.config.rotary:
+        _inject_rotary(model, chosen)
+        return chosen
     C, hs, S = model.config.n_embd, model.config.head_dim, chosen["scale"]
     for block, ks, vs in zip(model.transformer.h, chosen["k_channels"], chosen["v_channels"]):
         w, b = block.attn.c_attn.weight, block.attn.c_attn.bias  # (3C, C), (3C,)
@@ -121,3 +122,31 @@ def inject(model: GPT2, scale=1.0, k_channels=None, v_channels=None, seed: int =
             b[q].div_(S)
             proj[:, h * hs + vc].div_(S)  # c_proj's output as it was
     return chosen
+
+
+def _inject_rotary(model, chosen: dict) -> None:
+    """The same on a rotary, grouped-query model (``models.llama``): in K/V head g of each layer, K's channel c and
+    the channel it is rotated with (c + head_dim/2, mod head_dim) are made S times larger in k_proj, and the same two
+    channels of every query head of g's group 1/S times in q_proj (a rotation turns a pair as a whole, so scaling
+    both of its channels alike commutes with it: every score is unchanged); V's channel c S times larger in v_proj
+    and the matching input column of o_proj, for every query head of the group, 1/S times."""
+    cfg, S = model.config, chosen["scale"]
+    hd, groups = cfg.head_dim, cfg.n_head // cfg.n_kv_head
+    for block, ks, vs in zip(model.blocks, chosen["k_channels"], chosen["v_channels"]):
+        a = block.self_attn
+        for g, (kc, vc) in enumerate(zip(ks, vs)):
+            heads = range(g * groups, (g + 1) * groups)
+            for c in (kc, (kc + hd // 2) % hd):
+                _scale_row(a.k_proj, g * hd + c, S)
+                for h in heads:
+                    _scale_row(a.q_proj, h * hd + c, 1 / S)
+            _scale_row(a.v_proj, g * hd + vc, S)
+            for h in heads:
+                a.o_proj.weight[:, h * hd + vc].div_(S)
+
+
+def _scale_row(linear, row: int, factor: float) -> None:
+    """Output channel ``row`` of a linear layer (its weight row and bias) times ``factor``."""
+    linear.weight[row].mul_(factor)
+    if linear.bias is not None:
+        linear.bias[row].mul_(factor)

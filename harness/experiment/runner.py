@@ -515,8 +515,6 @@ def plan_run(rc: RunConfig, w: Weights | None = None) -> Plan:
     config and its tensors' shapes, the device, the prompts file, and the run's peak memory against what the machine
     has free -> the run's ``Plan``. Raises (``ConfigError``, ``CheckpointError``: one line) on anything that cannot
     run."""
-    from models.tokenizer import Tokenizer
-
     w = w or weights.resolve(rc.model)
     mcfg = model_config(w, rc.model)
     if mcfg is not None:
@@ -527,14 +525,30 @@ def plan_run(rc: RunConfig, w: Weights | None = None) -> Plan:
     path = prompts_path(rc)
     if path is not None:
         check_prompts_file(path)
-        if mcfg is not None and mcfg.vocab_size < Tokenizer.VOCAB_SIZE:
-            raise ConfigError(f"prompts=file uses GPT-2's {Tokenizer.VOCAB_SIZE:,}-token vocabulary, but model "
-                              f"{rc.model.name} has vocab_size {mcfg.vocab_size:,}: use prompts=random")
+        prompt_tokenizer(w, mcfg, rc.model.name)
     if mcfg is not None:
         check_outliers(rc.model.outliers, mcfg)
         check_memory(rc, mcfg, max_len, contexts, storage, compute, device)
     return Plan(rc, w, mcfg, max_len, contexts, device, storage, compute, path,
                 input_ids(path, rc.model.seed, w))
+
+
+def prompt_tokenizer(w: Weights, mcfg, model_name: str):
+    """The tokenizer that makes a run's text prompts: a checkpoint folder's own (its tokenizer.json), else GPT-2's;
+    refused in one line (``ConfigError``) when its ids do not all fit the model's vocabulary."""
+    from models.tokenizer import FileTokenizer, for_checkpoint
+
+    folder = Path(w.load_from) if w.load_from and Path(w.load_from).is_dir() else None
+    try:
+        tok = for_checkpoint(folder)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if mcfg is not None and tok.vocab_size > mcfg.vocab_size:
+        which = (f"the checkpoint's tokenizer ({tok.source}) with {tok.vocab_size:,} tokens"
+                 if isinstance(tok, FileTokenizer) else f"GPT-2's {tok.vocab_size:,}-token vocabulary")
+        raise ConfigError(f"prompts=file uses {which}, but model {model_name} has vocab_size {mcfg.vocab_size:,}: "
+                          "use prompts=random")
+    return tok
 
 
 def check_memory(rc: RunConfig, mcfg, max_len: int, contexts: list[int], storage, compute,
@@ -558,8 +572,6 @@ def check_memory(rc: RunConfig, mcfg, max_len: int, contexts: list[int], storage
 def load(plan: Plan) -> dict:
     """What a run reads before it measures, loaded before anything in its folder is cleared: the model from its
     checkpoint (every tensor checked), the engine, the prompts from their file. Raises, in one line, on a fault."""
-    from models.tokenizer import Tokenizer
-
     rc = plan.config
     w, mcfg, max_len, contexts = plan.weights, plan.model_cfg, plan.max_len, plan.contexts
     device, storage, compute = plan.device, plan.storage, plan.compute
@@ -583,14 +595,13 @@ def load(plan: Plan) -> dict:
     # one token long
     text_len = min(max_len, max(rc.option("drift_text_len"), rc.prompt_len + 1))
     n_texts = rc.option("drift_texts") or rc.n_prompts
+    tok = None
     if plan.prompts_path is not None:
-        if plan.model_cfg is None and mcfg.vocab_size < Tokenizer.VOCAB_SIZE:  # a hub checkpoint: known only now
-            raise ConfigError(f"prompts=file uses GPT-2's {Tokenizer.VOCAB_SIZE:,}-token vocabulary, but model "
-                              f"{rc.model.name} has vocab_size {mcfg.vocab_size:,}: use prompts=random")
+        tok = prompt_tokenizer(w, mcfg, rc.model.name)  # a hub checkpoint's vocabulary is known only now
         path = plan.prompts_path
-        prompts = text_prompts(path, rc.n_prompts, rc.prompt_len, Tokenizer())
-        texts = disjoint_texts(path, n_texts, text_len, Tokenizer()) if ref32 is not None else None
-        served = text_prompts(path, rc.batch, rc.prompt_len, Tokenizer())
+        prompts = text_prompts(path, rc.n_prompts, rc.prompt_len, tok)
+        texts = disjoint_texts(path, n_texts, text_len, tok) if ref32 is not None else None
+        served = text_prompts(path, rc.batch, rc.prompt_len, tok)
     else:
         prompts = random_prompts(rc.n_prompts, rc.prompt_len, mcfg.vocab_size, rc.seed)
         texts = random_prompts(n_texts, text_len, mcfg.vocab_size, rc.seed) if ref32 is not None else None
@@ -601,7 +612,7 @@ def load(plan: Plan) -> dict:
     texts = texts and [t.to(device) for t in texts]
     return dict(mcfg=mcfg, max_len=max_len, contexts=contexts, model32=model32, model=model, engine=engine,
                 spec=spec, ref32=ref32, prompts=prompts, texts=texts, served=served, compiled=compiled,
-                outliers=injected)
+                outliers=injected, tokenizer=tok)
 
 
 def resolved_record(plan: Plan, loaded: dict) -> dict:
@@ -615,7 +626,8 @@ def resolved_record(plan: Plan, loaded: dict) -> dict:
         device=plan.device.type, storage_dtype=dtype[plan.storage], compute_dtype=dtype[plan.compute],
         n_layer=mcfg.n_layer, n_head=mcfg.n_head, n_kv_head=mcfg.n_kv_head, model_family=mcfg.family,
         n_embd=mcfg.n_embd, n_params=model.num_params(),
-        outlier_k_channels=channels["k_channels"], outlier_v_channels=channels["v_channels"])),
+        outlier_k_channels=channels["k_channels"], outlier_v_channels=channels["v_channels"],
+        prompt_tokenizer=None if loaded["tokenizer"] is None else getattr(loaded["tokenizer"], "source", "gpt2"))),
         max_len=loaded["max_len"], context_lengths=",".join(map(str, loaded["contexts"])))
 
 
@@ -627,7 +639,8 @@ def context(plan: Plan, loaded: dict, rec: dict, progress: bool) -> measurements
         max_len=loaded["max_len"], device=plan.device, option_values=dict(rc.options), ref32=loaded["ref32"],
         texts=loaded["texts"], served=loaded["served"], contexts=loaded["contexts"], repeats=rc.repeats,
         warmup=rc.warmup, seed=rc.seed, compiled=loaded["compiled"], progress=progress,
-        peak_reset=measure.reset_peak_memory(plan.device), record=rec)
+        peak_reset=measure.reset_peak_memory(plan.device), record=rec,
+        decode=None if loaded["tokenizer"] is None else loaded["tokenizer"].decode)
 
 
 def measure_run(plan: Plan, loaded: dict, rec: dict, progress: bool = True) -> dict:

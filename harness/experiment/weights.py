@@ -1,6 +1,6 @@
 """Which weights a run measures: ``model.weights`` -> a ``Weights`` answer, decided once, before any model is built.
 
-- ``random``: GPT-2's own initialisation under ``model.seed`` (bytes and step times do not depend on the values).
+- ``random``: the model family's own initialisation under ``model.seed`` (bytes and step times do not depend on the values).
 - ``auto`` (the default of gpt2 ... gpt2-xl): the real checkpoint (``openai-community/gpt2``, ``-medium``, ``-large``,
   ``-xl``) when it is in the local HF cache or the hub answers; otherwise the seeded init, with one printed line
   saying why. The hub is asked with a bounded wait (``KVLAB_HUB_TIMEOUT`` seconds, default 5): a closed port, a DNS
@@ -46,7 +46,8 @@ class Weights:
 
 def random_init(seed: int, why: str = "") -> Weights:
     return Weights("random", "random", None,
-                   f"random init (GPT-2 initialisation, seed {seed}), not pretrained" + (f": {why}" if why else ""))
+                   f"random init (the model family's own initialisation, seed {seed}), not pretrained"
+                   + (f": {why}" if why else ""))
 
 
 def hub_offline() -> bool:

@@ -56,6 +56,7 @@ class Context:
     peak_reset: bool = False
     record: dict = field(default_factory=dict)
     tables: dict = field(default_factory=dict)
+    decode: Any = None  # token ids -> text, for the record's sample (None: GPT-2's tokenizer)
 
     def options(self, cls: type[Measurement]):
         """``cls.Options`` from the run's option values (``option_values``), defaults where unset."""

@@ -83,9 +83,8 @@ class Equivalence(Measurement):
         from models.tokenizer import Tokenizer
 
         summary, table = measure.equivalence_summary(self.checks, self.ctx.new_tokens)
-        tok = Tokenizer()
-        text = dict(sample_prompt=tok.decode(self.ctx.prompts[0][0].tolist()),
-                    sample_text=tok.decode(self.checks[0]["tokens"]))
+        decode = self.ctx.decode or Tokenizer().decode  # the prompts' own tokenizer where the run has one
+        text = dict(sample_prompt=decode(self.ctx.prompts[0][0].tolist()), sample_text=decode(self.checks[0]["tokens"]))
         return self.Result(**summary, full_prompts=self.full, equivalence_tol=float(self.opts.equivalence_tol),
                            **text), {"drift": table}
 

@@ -96,6 +96,8 @@ class Resolved:
                                          "none (outlier_scale 1)")
     outlier_v_channels: str | None = key("the V channel made an outlier in each layer and head, as "
                                          "model.outliers.v_channels takes it; null: none (outlier_scale 1)")
+    prompt_tokenizer: str | None = key("what made the text prompts: gpt2 (GPT-2's tokenizer), or the checkpoint's "
+                                       "tokenizer.json; null: random token ids (prompts=random)")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,40 @@ def test_a_gqa_sweep_on_both_engines_is_exact_and_holds_the_bytes_kvcalc_says(tm
 
 
 @pytest.mark.slow
+def test_a_checkpoint_with_its_own_tokenizer_reads_the_prompts_file_with_it(tmp_path):
+    """A folder with tokenizer.json (here a 300-token BPE trained on the prompts file, for a 300-token model): the
+    run's text prompts are its ids, the record names the tokenizer, the sample is decoded with it; without one, a
+    vocabulary smaller than GPT-2's is refused in one line."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from models import hf_checkpoint as hf
+    from models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(2)
+    model = Llama(LlamaConfig(n_layer=1, n_head=2, n_kv_head=1, n_embd=32, intermediate_size=64, vocab_size=300))
+    folder = tmp_path / "ckpt"
+    hf.write_folder(folder, model.state_dict(), model.hf_config_dict(), fmt=model.hf_format)
+    refused = tmp_path / "refused"
+    p = run_py(["model=tiny-gqa", f"model.weights={folder}", *QUICK, f"hydra.run.dir={refused}"], tmp_path)
+    assert p.returncode == 1 and "GPT-2's 50,257-token vocabulary, but model tiny-gqa has vocab_size 300" in (
+        json.loads((refused / "results.json").read_text())["error"] if (refused / "results.json").exists()
+        else p.stderr)
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train([str(REPO / "harness" / "prompts.txt")], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["[UNK]"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(folder / "tokenizer.json"))
+    run_dir = tmp_path / "run"
+    p = run_py(["model=tiny-gqa", f"model.weights={folder}", "measurements=[equivalence]", *QUICK,
+                f"hydra.run.dir={run_dir}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rec = json.loads((run_dir / "results.json").read_text())
+    assert rec["prompt_tokenizer"] == str(folder / "tokenizer.json")
+    first = (REPO / "harness" / "prompts.txt").read_text().split("\n\n")[0]
+    assert rec["sample_prompt"] == tok.decode(tok.encode(first).ids[:6])  # prompt_len 6 of the file's first text
+
+
+@pytest.mark.slow
 def test_a_llama_checkpoint_folder_runs_by_model_weights(tmp_path):
     torch.manual_seed(1)
     model = build(preset_config("tiny-gqa"))
@@ -51,15 +85,6 @@ def test_a_llama_checkpoint_folder_runs_by_model_weights(tmp_path):
     rec = json.loads((run_dir / "results.json").read_text())
     assert rec["status"] == "ok" and rec["model_family"] == "llama" and rec["weights_source"] == str(folder)
     assert rec["cache_nbytes"] == rec["predicted_nbytes"]
-
-
-@pytest.mark.slow
-def test_outliers_on_a_rotary_model_fail_the_run_saying_why(tmp_path):
-    run_dir = tmp_path / "r"
-    p = run_py(["model=tiny-gqa", "model.outliers.scale=20", *QUICK, f"hydra.run.dir={run_dir}"], tmp_path)
-    rec = json.loads((run_dir / "results.json").read_text())
-    assert p.returncode == 1 and rec["status"] == "failed" and "Traceback" not in p.stderr
-    assert "outlier channels are injected into GPT-2's layout only" in rec["error"]
 
 
 def test_the_presets_have_their_own_conf_files():

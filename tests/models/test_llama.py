@@ -277,3 +277,93 @@ def test_presets_have_the_real_models_shapes_and_read_config_gives_them_back(tmp
         assert transformers.AutoModelForCausalLM.from_config(hcfg).num_parameters() == counts["smollm2-135m"]
     tiny = build(preset_config("tiny-gqa"))
     assert isinstance(tiny, Llama) and tiny.config.n_kv_head == 2 and llama_format(tiny.config).tied
+
+
+# ---- ragged batches, prefix reuse and the compiled step on the family ------------------------------------------------
+
+RAGGED = (5, 1, 19, 12)
+
+
+@pytest.mark.parametrize("kind,opts", [pytest.param(None, {}, id="uncached")] + [
+    c for c in CASES if CACHE_KINDS[c.values[0]].exact and not CACHE_KINDS[c.values[0]].why_no_padding
+    and CACHE_KINDS[c.values[0]].min_prompt(CACHE_KINDS[c.values[0]].parse_options(**c.values[1])) <= 1])
+def test_each_sequence_of_a_ragged_batch_equals_running_it_alone_on_a_gqa_model(grouped, kind, opts):
+    """Left padding with rotary positions: each sequence's positions (so its rotations) count from its own first
+    token, and no query sees padding; every exact kind that runs ragged batches gives each sequence its own run."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 50257, (n,), generator=g).tolist() for n in RAGGED]
+    reference = {} if kind is None else CACHE_KINDS[kind].reference(CACHE_KINDS[kind].parse_options(**opts))
+    out = greedy(grouped, prompts, 12, layout=kind, **opts)
+    for i, p in enumerate(prompts):
+        noted = {} if out.keeps is None else {"keep": out.keeps.sequence(i)}
+        alone = greedy(grouped, [p], 12, **reference, **noted)
+        assert torch.equal(out.tokens[i], alone.tokens[0]), f"sequence {i} ({len(p)} tokens) diverged"
+        assert (out.logits[i] - alone.logits[0]).abs().max().item() <= 1e-4
+
+
+def test_forked_paged_continuations_of_one_prompt_equal_prealloc_on_a_gqa_model(grouped):
+    """Prefix reuse: three continuations share the prompt's blocks (K/V heads only) and each equals its own whole
+    sequence through prealloc."""
+    prompt = torch.randint(0, 50257, (1, 10), generator=torch.Generator().manual_seed(5))
+    one = new_cache(grouped, "paged", max_len=32, batch=1, block_size=4, blocks=16)
+    prefill(grouped, prompt, one)
+    forks = one.fork(3)
+    firsts = torch.tensor([[11], [7], [4242]])
+    seen = [decode_step(grouped, firsts, forks)[0]]
+    for _ in range(4):
+        seen.append(decode_step(grouped, seen[-1].argmax(-1), forks)[0])
+    seen = torch.cat(seen, dim=1)
+    for i in range(3):
+        ctx = torch.cat([prompt[0], firsts[i], seen[i, :-1].argmax(-1)]).unsqueeze(0)
+        want = prefill(grouped, ctx, new_cache(grouped, "prealloc", max_len=32))[0][0, 10:]
+        assert (seen[i] - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.slow
+def test_the_compiled_static_step_runs_grouped_query_attention_as_eager_does():
+    from harness.core.engines import KvlabEngine
+
+    model = randomized(config(n_kv_head=2, vocab_size=300, n_positions=64))
+    prompt = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(6))
+    compiled, eager = KvlabEngine(model, compile=True), KvlabEngine(model)
+    outs = []
+    for engine in (compiled, eager):
+        cache = engine.new_cache("prealloc", max_len=40)
+        logits = [engine.prefill(prompt, cache, last_only=True)]
+        for _ in range(10):
+            logits.append(engine.decode(logits[-1][:, -1:].argmax(-1), cache))
+        outs.append(torch.cat(logits, dim=1))
+    st = compiled.compile_stats  # the first step compiles (counted apart), the other nine run compiled
+    assert st["compile_graphs"] >= 1 and st["compiled_steps"] == 9 and (outs[0] - outs[1]).abs().max().item() <= 1e-4
+    cache = compiled.new_cache("quant", max_len=40)
+    compiled.prefill(prompt, cache)
+    with pytest.raises(ValueError, match="reads one K/V head per query head"):
+        compiled.decode(prompt[:, -1:], cache)
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_outlier_channels_on_a_rotary_model_keep_its_function_and_show_in_k_and_v(n_kv_head):
+    """models.outliers on the family: a K channel with its rotary pair, and a V channel, of every K/V head made 20
+    times larger; every query head of the group compensates, so the logits, cached or not, stay where they were,
+    while the stored K and V now carry the outlier channels."""
+    from models.outliers import inject
+
+    model = randomized(config(n_kv_head=n_kv_head))
+    ids = torch.randint(0, 300, (1, 30), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        before = model(ids)
+        plain = new_cache(model, "prealloc", max_len=30)
+        prefill(model, ids, plain)
+    chosen = inject(model, 20.0, k_channels=3, v_channels=5)
+    assert len(chosen["k_channels"]) == 2 and len(chosen["k_channels"][0]) == n_kv_head
+    with torch.no_grad():
+        after = model(ids)
+        cache = new_cache(model, "prealloc", max_len=30)
+        cached = prefill(model, ids, cache)[0]
+    assert (after - before).abs().max().item() <= 1e-4 and (cached - before).abs().max().item() <= 1e-4
+    k, v = cache.k[0], cache.v[0]  # (B, nkv, T, hd): layer 0, rotated keys
+    k0, v0 = plain.k[0], plain.v[0]
+    pair = k[..., [3, 3 + 8]].pow(2).sum(-1).sqrt()  # the pair's magnitude is what the rotation keeps
+    assert torch.allclose(pair, 20 * k0[..., [3, 11]].pow(2).sum(-1).sqrt(), rtol=1e-3, atol=1e-5)
+    assert torch.allclose(v[..., 5], 20 * v0[..., 5], rtol=1e-4, atol=1e-5)
+    assert torch.equal(v[..., 4], v0[..., 4])
