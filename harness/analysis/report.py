@@ -47,8 +47,9 @@ from harness.experiment import tracking
 from harness.measurements import KEYS
 from harness.analysis.results import shown
 
-RUN_COLS = [KEYS.run_name, KEYS.status, KEYS.model, KEYS.engine, KEYS.weights, KEYS.cache_label, KEYS.dtype,
-            KEYS.device, KEYS.cache_exact, KEYS.batch, KEYS.prompt_lengths, KEYS.slurm_job_id]  # which run
+RUN_COLS = [KEYS.run_name, KEYS.status, KEYS.model, KEYS.model_family, KEYS.n_kv_head, KEYS.engine, KEYS.weights,
+            KEYS.cache_label, KEYS.dtype, KEYS.device, KEYS.cache_exact, KEYS.batch, KEYS.prompt_lengths,
+            KEYS.slurm_job_id]  # which run: the model's family and K/V heads name what its cache stores
 
 
 def summary_cols() -> list[str]:

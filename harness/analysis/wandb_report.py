@@ -56,7 +56,8 @@ SAVE_TIMEOUT_S = 180.0  # saving looks up each run set's project and the report:
 HISTORY_KEYS = measurements.history_keys()
 STEP_METRICS = ("context_len", "decode_step")
 # Summary keys (results.json's keys) the report shows: every measurement's headline keys, and which run.
-SUMMARY_KEYS = (*measurements.shown_keys("wandb"), "cache_label", "dtype", "model", "status")
+SUMMARY_KEYS = (*measurements.shown_keys("wandb"), "cache_label", "dtype", "model", "model_family", "n_kv_head",
+                "status")
 # Config keys (the resolved Hydra config, plus tracking's ``effective``) the report groups by or shows.
 CONFIG_KEYS = ("cache.kind", "dtype.name", "model.name", "effective.cache_label", "effective.device", "experiment",
                "batch", "prompt_lengths")
