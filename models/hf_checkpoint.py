@@ -286,7 +286,8 @@ def _read_shards(folder: Path, expect, fmt: Format) -> tuple[Path, dict[str, tor
             raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
     lost = sorted(k for k, v in weight_map.items() if names.get(k) != folder / v)
     if lost:
-        raise CheckpointError(f"{index}: tensor {lost[0]!r} is not in the shard the index names ({weight_map[lost[0]]})")
+        raise CheckpointError(f"{index}: tensor {lost[0]!r} is not in the shard the index names "
+                              f"({weight_map[lost[0]]})")
     if expect is not None:
         check_shapes(expect, shapes, index, fmt=fmt)
     state = {}

@@ -65,7 +65,8 @@ class FileTokenizer:
         try:
             self._tok = _Tok.from_file(self.source)
         except Exception as e:
-            raise ValueError(f"{self.source}: not a readable tokenizer.json ({' '.join(str(e).split())[:120]})") from None
+            why = " ".join(str(e).split())[:120]
+            raise ValueError(f"{self.source}: not a readable tokenizer.json ({why})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:

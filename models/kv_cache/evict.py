@@ -111,7 +111,8 @@ class EvictingKVCache(KVCache):
 
     @classmethod
     def bytes_per_token(cls, n_layer: int, n_kv_head: int, head_dim: int, dtype, opts) -> float:
-        return float(kv_bytes(n_layer, n_kv_head, head_dim, 1, 1, dtype) + n_layer * n_kv_head * cls.bookkeeping_bytes())
+        return float(kv_bytes(n_layer, n_kv_head, head_dim, 1, 1, dtype)
+                     + n_layer * n_kv_head * cls.bookkeeping_bytes())
 
     @classmethod
     def label(cls, opts) -> str:

@@ -128,10 +128,11 @@ def test_experiment_gqa_measures_bytes_halving_with_the_kv_heads_and_refuses_hea
                for r in runs)
     assert [r["bytes_per_token"] for r in runs] == [2 * 4 * n * 64 * 4 for n in (8, 4, 2, 1)]
     assert [r["model"] for r in runs] == [f"gqa-base kv{n}" for n in (8, 4, 2, 1)]
-    for i, (args, says) in enumerate([(["model=tiny", "model.n_kv_head=1"], "tiny (gpt2) has one K/V head per query head"),
-                       (["model=gqa-base", "model.n_kv_head=3"], "n_kv_head 3 does not divide n_head 8"),
-                       (["model=tiny-gqa", f"model.weights={REPO}", "model.n_kv_head=1"],
-                        "loads a checkpoint whose heads are its own")]):
+    refusals = [(["model=tiny", "model.n_kv_head=1"], "tiny (gpt2) has one K/V head per query head"),
+                (["model=gqa-base", "model.n_kv_head=3"], "n_kv_head 3 does not divide n_head 8"),
+                (["model=tiny-gqa", f"model.weights={REPO}", "model.n_kv_head=1"],
+                 "loads a checkpoint whose heads are its own")]
+    for i, (args, says) in enumerate(refusals):
         run_dir = tmp_path / f"refused-{i}"
         p = run_py([*args, *QUICK, f"hydra.run.dir={run_dir}"], tmp_path)
         rec = json.loads((run_dir / "results.json").read_text())

@@ -289,6 +289,7 @@ def _old_id(cfg):
     plain = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
              for k in keys}
     plain["model"].pop("outliers")  # at scale 1 not hashed: its configs had no model.outliers
+    plain["model"].pop("n_kv_head")  # at null not hashed: nor model.n_kv_head
     return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

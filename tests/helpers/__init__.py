@@ -84,8 +84,9 @@ def case_ids(path: Path) -> list[str]:
 LONGEST_FIRST = ("experiment/test_slurm.py", "experiment/test_safe_runs.py", "experiment/test_resume.py",
                  "train/test_train.py", "measurements/test_measurements.py", "models/test_generate.py",
                  "experiment/test_harness.py", "experiment/test_safe_second_pass.py", "models/test_compile.py",
-                 "models/test_cache_kinds.py", "experiment/test_faults.py", "core/test_drift.py",
-                 "core/test_engines.py", "tools/test_safe_tools.py", "analysis/test_findings.py",
+                 "models/test_cache_kinds.py", "models/test_llama.py", "experiment/test_families.py",
+                 "experiment/test_faults.py", "core/test_drift.py", "core/test_engines.py", "tools/test_safe_tools.py",
+                 "analysis/test_findings.py",
                  "analysis/test_safe_report.py", "experiment/test_wandb.py", "analysis/test_report.py")
 
 

@@ -131,6 +131,7 @@ def test_every_exact_kind_equals_its_reference_on_grouped_heads(grouped, kind, o
     assert torch.equal(out.tokens, ref.tokens) and (out.logits - ref.logits).abs().max().item() <= 1e-4
 
 
+@pytest.mark.slow  # every kind's every example, twice over: in the full suite
 @pytest.mark.parametrize("kind,opts", CASES)
 def test_every_kind_holds_n_kv_head_heads_and_its_bytes_are_the_formula_there(grouped, kind, opts):
     """After a generation, every kind's cache holds exactly its formula at n_kv_head (no expanded copies), and a
@@ -284,6 +285,7 @@ def test_presets_have_the_real_models_shapes_and_read_config_gives_them_back(tmp
 RAGGED = (5, 1, 19, 12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,opts", [pytest.param(None, {}, id="uncached")] + [
     c for c in CASES if CACHE_KINDS[c.values[0]].exact and not CACHE_KINDS[c.values[0]].why_no_padding
     and CACHE_KINDS[c.values[0]].min_prompt(CACHE_KINDS[c.values[0]].parse_options(**c.values[1])) <= 1])
