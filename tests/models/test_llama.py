@@ -369,3 +369,34 @@ def test_outlier_channels_on_a_rotary_model_keep_its_function_and_show_in_k_and_
     assert torch.allclose(pair, 20 * k0[..., [3, 11]].pow(2).sum(-1).sqrt(), rtol=1e-3, atol=1e-5)
     assert torch.allclose(v[..., 5], 20 * v0[..., 5], rtol=1e-4, atol=1e-5)
     assert torch.equal(v[..., 4], v0[..., 4])
+
+
+@pytest.mark.parametrize("opts", [dict(k_bits=2, v_bits=4, group_size=8), dict(k_bits=4, v_bits=2, group_size=8,
+                                                                                 k_axis="token", v_axis="channel")],
+                         ids=["kivi-axes", "swapped-axes"])
+def test_quant_on_grouped_heads_keeps_its_error_bound_and_scales_per_kv_head(grouped, opts):
+    """What attention reads from a quant cache on a GQA or MQA model is within the kind's stated bound of what was
+    written, per K/V head, through prefill and decode steps."""
+    cache = new_cache(grouped, "quant", max_len=40, **opts)
+    written = [[], []]
+    inner = cache.update
+
+    def update(layer, k, v):
+        if layer == 0:
+            written[0].append(k.to(cache.dtype))
+            written[1].append(v.to(cache.dtype))
+        kr, vr = inner(layer, k, v)
+        if layer == 0:
+            kb, vb = cache.error_bound(0)
+            for got, want, bound in ((kr, torch.cat(written[0], 2), kb), (vr, torch.cat(written[1], 2), vb)):
+                assert got.shape[1] == grouped.config.n_kv_head
+                assert ((got.float() - want.float()).abs() <= bound * (1 + 1e-5) + 1e-6).all()
+        return kr, vr
+
+    cache.update = update
+    prompt = torch.randint(0, 50257, (1, 17), generator=torch.Generator().manual_seed(9))
+    logits = prefill(grouped, prompt, cache)[0]
+    for _ in range(12):
+        logits = decode_step(grouped, logits[:, -1:].argmax(-1), cache)[0]
+    del cache.update  # the check's closure holds what was written: not the cache's bytes
+    assert len(written[0]) == 13 and cache.nbytes == cache.formula_nbytes()
