@@ -40,34 +40,51 @@ def test_groups_hold_what_users_sweep():
     assert set(GROUPS["experiment"]) == {"quick", "seed_protocol", "long", "bench", "gqa", *PAPERS}
 
 
-@pytest.mark.slow  # 120 compositions, about ten seconds
+# one model of each family and number of positions is crossed with every cache kind and experiment; the others,
+# whose positions and family repeat one of these, take turns like the choices nothing else constrains
+CROSSED_MODELS = ("gpt2", "mini", "tiny", "tiny-gqa", "gqa-base")
+
+
+def _composes_and_validates(overrides: list[str]) -> None:
+    cfg = compose(config_name="config", overrides=overrides)
+    n_pos = preset_config(cfg.model.preset).n_positions
+    if cfg.model.name in ("tiny", "tiny-gqa") and cfg.experiment in ("long", "bench"):
+        with pytest.raises(ConfigError, match="context_lengths has (128|512)"):
+            validate(cfg, n_pos)
+    else:
+        max_len, contexts = validate(cfg, n_pos)
+        assert max_len == n_pos and all(c < max_len for c in contexts)
+
+
+@pytest.mark.slow  # 240 compositions, about twenty seconds
 def test_every_group_combination_composes_and_validates():
     """Every model x cache x experiment (the model's n_positions bounds the experiment's contexts and the cache's
-    options); dtype, device and tracking (which no other choice constrains) take turns."""
+    options), the models that repeat another's family and positions taking turns; dtype, device and tracking (which
+    no other choice constrains) take turns."""
     register()
-    checked, seen = 0, {"dtype": set(), "device": set(), "tracking": set()}
+    checked, seen = 0, {"dtype": set(), "device": set(), "tracking": set(), "model": set()}
     crossed = ("model", "cache", "experiment")
+    turns = {**GROUPS, "model": [m for m in GROUPS["model"] if m not in CROSSED_MODELS]}
+    assert set(CROSSED_MODELS) < set(GROUPS["model"])
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        general = {**GROUPS, "experiment": [e for e in GROUPS["experiment"] if e not in PINNED]}
+        general = {**GROUPS, "experiment": [e for e in GROUPS["experiment"] if e not in PINNED],
+                   "model": list(CROSSED_MODELS)}
         for i, combo in enumerate(itertools.product(*(general[g] for g in crossed))):
             overrides = [f"{g}={o}" for g, o in zip(crossed, combo)]
-            for g in seen:
+            if combo[0] == CROSSED_MODELS[0]:  # beside it, a model taking its turn with the same cache and experiment
+                turn = turns["model"][i % len(turns["model"])]
+                seen["model"].add(turn)
+                _composes_and_validates([f"model={turn}", *overrides[1:]])
+            for g in ("dtype", "device", "tracking"):
                 seen[g].add(GROUPS[g][i % len(GROUPS[g])])
                 overrides.append(f"{g}={GROUPS[g][i % len(GROUPS[g])]}")
-            cfg = compose(config_name="config", overrides=overrides)
-            n_pos = preset_config(cfg.model.preset).n_positions
-            if cfg.model.name in ("tiny", "tiny-gqa") and cfg.experiment in ("long", "bench"):
-                with pytest.raises(ConfigError, match="context_lengths has (128|512)"):
-                    validate(cfg, n_pos)
-            else:
-                max_len, contexts = validate(cfg, n_pos)
-                assert max_len == n_pos and all(c < max_len for c in contexts)
+            _composes_and_validates(overrides)
             checked += 1
         with pytest.raises(Exception, match="n_prompts"):  # the schema types every node
             compose(config_name="config", overrides=["n_prompts=many"])
     # (each paper preset pins its model and kind: tests/analysis/test_findings.py composes and validates its whole grid)
-    assert checked == len(GROUPS["model"]) * len(CACHE_KINDS) * (len(GROUPS["experiment"]) - len(PINNED))
-    assert all(seen[g] == set(GROUPS[g]) for g in seen)
+    assert checked == len(CROSSED_MODELS) * len(CACHE_KINDS) * (len(GROUPS["experiment"]) - len(PINNED))
+    assert all(seen[g] == set(turns[g]) for g in seen)
 
 
 def test_each_cache_yaml_is_its_kinds_defaults_and_options_are_typed():
