@@ -490,6 +490,7 @@ def test_prefix_bench_refuses_what_does_not_fit(capsys):
     assert e.value.code == 2 and "exceeds n_positions 128 of tiny" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # about 25 s: three layouts serve the same requests
 def test_serving_a_ragged_batch_counts_waste_from_each_layouts_slots(tiny_model):
     """The paged benchmark's bookkeeping, worked out here: prealloc holds max_len slots a row from the start, paged
     with one-token blocks holds exactly the live requests' tokens (finished ones hand theirs back), and every layout
