@@ -356,11 +356,6 @@ class KvlabEngine:
         return prefill(self.model, ids, cache, last_only=last_only, pad=pad)[0]
 
     def decode(self, token: torch.Tensor, cache) -> torch.Tensor:
-        c = self.model.config
-        if self.compile and cache.fuses_decode and c.n_kv_head != c.n_head:
-            raise ValueError(f"compile=true's decode attention for cache={cache.kind} reads one K/V head per query "
-                             f"head, and this model shares each of its {c.n_kv_head} K/V heads among "
-                             f"{c.n_head // c.n_kv_head} query heads: use compile=false (or cache=prealloc)")
         if self.compile and isinstance(cache, PreallocKVCache) and cache.pad is None:
             return self._decode_compiled(token, cache)
         if self.compile and cache.attends_opaquely and cache.pad is None and cache.device.type == "cpu":

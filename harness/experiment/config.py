@@ -288,15 +288,17 @@ def need(ok: bool, msg: str) -> None:
 
 def check_model(rc: RunConfig, mcfg) -> None:
     """What the cache kind's options need of the model's family, once its config is known (``needs_rotary``: keys
-    stored before a rotation the model must have; compile=true's fused decode attention: a K/V head per query head),
+    stored before a rotation the model must have; compile=true's fused decode attention off the CPU: a K/V head per
+    query head),
     refused in one line naming the option."""
     cls = cache_kind(rc.cache.kind)
     why = cls.needs_rotary(cls.parse_options(**rc.cache.options))
     need(why is None or mcfg.rotary, f"cache={rc.cache.kind} on model {rc.model.name} ({mcfg.family}): {why}")
-    need(not (rc.compile and cls.fuses_decode and mcfg.n_kv_head != mcfg.n_head),
-         f"compile=true's decode attention for cache={rc.cache.kind} reads one K/V head per query head, and model "
-         f"{rc.model.name} shares each of its {mcfg.n_kv_head} K/V heads among {mcfg.n_head // mcfg.n_kv_head} query "
-         "heads: use compile=false (or cache=prealloc, whose compiled step runs grouped-query attention)")
+    need(not (rc.compile and cls.fuses_decode and mcfg.n_kv_head != mcfg.n_head and rc.device != "cpu"),
+         f"compile=true's decode attention for cache={rc.cache.kind} off the CPU reads one K/V head per query head, "
+         f"and model {rc.model.name} shares each of its {mcfg.n_kv_head} K/V heads among "
+         f"{mcfg.n_head // mcfg.n_kv_head} query heads: use device=cpu (its kernels read a group's K/V head for each "
+         "of its query heads), compile=false, or cache=prealloc")
 
 
 def validate(config, n_positions: int, head_dim: int | None = None) -> tuple[int, list[int]]:

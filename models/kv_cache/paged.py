@@ -24,8 +24,8 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from models.attention import sdpa
 from models.kv_cache import kernels
 from models.kv_cache.base import KVCache, itemsize, register
 
@@ -292,7 +292,7 @@ class PagedKVCache(KVCache):
         kernel = kernels.load() if self.device.type == "cpu" else None
         if kernel is None:
             k, v = self.update(layer, k_new, v_new)
-            return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+            return sdpa(q, k.to(q.dtype), v.to(q.dtype), mask)  # each K/V head for its group of query heads
         self._write(layer, k_new, v_new)
         qf = (q.float() * (1.0 / math.sqrt(self.head_dim)))[:, :, 0].contiguous()  # (B, nh, hs)
         y = kernel.paged(qf, self.pool.k[layer], self.pool.v[layer], self._tab, self.opts.block_size, self._lens)

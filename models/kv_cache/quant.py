@@ -66,6 +66,7 @@ from dataclasses import dataclass
 
 import torch
 
+from models.attention import sdpa
 from models.kv_cache import kernels
 from models.kv_cache.base import KVCache, itemsize, register
 
@@ -527,7 +528,12 @@ class QuantKVCache(KVCache):
         ``stored_attention`` through torch.compile elsewhere."""
         if self._reads_partial_groups:  # the stored bytes are not what attention reads: update's history is
             k, v = self.update(layer, k_new, v_new)
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            return sdpa(q, k, v)
+        kernel = self._kernel()
+        if kernel is None and q.size(1) != self.n_kv_head:  # before anything is written
+            raise ValueError(f"cache=quant's decode attention over its storage reads one K/V head per query head off "
+                             f"the CPU kernel, and this model shares each of its {self.n_kv_head} K/V heads among "
+                             f"{q.size(1) // self.n_kv_head} query heads: use compile=false")
         t = self._check_room(layer, k_new, v_new)
         n0, n1 = self.pos, self.pos + t
         n_k, n_v = (self._store(layer, w, new, n0, n1) for w, new in (("k", k_new), ("v", v_new)))
@@ -541,8 +547,7 @@ class QuantKVCache(KVCache):
             return (*(t[layer] if quantised and t is not None else None for t in stored),
                     getattr(self, f"{which}_tail")[layer])
 
-        kernel = self._kernel()
-        if kernel is not None:
+        if kernel is not None:  # a query head reads its group's K/V head there (grouped-query attention)
             return kernel_attention(kernel, self, layer, q, n_k, n_v, n1)
         layout = ((o.bits("k"), o.axis("k")), (o.bits("v"), o.axis("v")), o.group_size, self.head_dim)
         counts = torch.tensor([n_k, n_v, n1], device=self.device)

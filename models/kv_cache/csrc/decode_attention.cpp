@@ -335,20 +335,24 @@ torch::Tensor attention(int64_t layer, torch::Tensor q, torch::Tensor rot, torch
   kq = rows(kq), ks = rows(ks), kl = rows(kl), vq = rows(vq), vs = rows(vs), vl = rows(vl);
   kt = rows(kt).to(torch::kFloat), vt = rows(vt).to(torch::kFloat);
   const int64_t BH = qf.size(0);
+  // grouped-query attention: consecutive query heads share a K/V head, so query row bh reads K/V row bh / groups
+  const int64_t BKV = kt.size(0), groups = BKV > 0 ? BH / BKV : 0;
+  TORCH_CHECK(BKV > 0 && groups * BKV == BH && vt.size(0) == BKV,
+              "K/V heads must divide the query heads (tails: (B, n_kv_head, tokens, hs))");
   TORCH_CHECK(hs <= MAX_HS, "hs ", hs, " > ", MAX_HS, " channels a head may have here");
   TORCH_CHECK(n >= 1 && 0 <= n_k && n_k <= n && 0 <= n_v && n_v <= n, "token counts out of range");
   for (const auto& t : {kt, vt})
-    TORCH_CHECK(t.dim() == 3 && t.size(0) == BH && t.size(2) == hs && t.stride(2) == 1,
-                "tails: (B, nh, tokens, hs), rows contiguous");
+    TORCH_CHECK(t.dim() == 3 && t.size(2) == hs && t.stride(2) == 1,
+                "tails: (B, n_kv_head, tokens, hs), rows contiguous");
   TORCH_CHECK(kt.size(1) >= n - n_k && vt.size(1) >= n - n_v, "a tail is shorter than its tokens");
   if (n_k) {
     check(kq, ks, kl);
-    TORCH_CHECK(kq.size(0) == BH && n_k <= kq.size(1) && kq.size(2) * (8 / kbits) >= hs &&
+    TORCH_CHECK(kq.size(0) == BKV && n_k <= kq.size(1) && kq.size(2) * (8 / kbits) >= hs &&
                 kq.size(2) * (8 / kbits) <= MAX_HS + 8, "packed K disagrees");
   }
   if (n_v) {
     check(vq, vs, vl);
-    TORCH_CHECK(vq.size(0) == BH && n_v <= vq.size(1) && vq.size(2) * (8 / vbits) >= hs &&
+    TORCH_CHECK(vq.size(0) == BKV && n_v <= vq.size(1) && vq.size(2) * (8 / vbits) >= hs &&
                 vq.size(2) * (8 / vbits) <= MAX_HS + 8, "packed V disagrees");
   }
   auto out = apart ? torch::zeros({2, BH, hs}, qf.options()) : torch::zeros({BH, hs}, qf.options());
@@ -356,11 +360,12 @@ torch::Tensor attention(int64_t layer, torch::Tensor q, torch::Tensor rot, torch
     Scratch wk(hs, G), wv(hs, G);
     std::vector<float> sc(n);
     for (int64_t bh = b0; bh < b1; ++bh) {
+      const int64_t kv = bh / groups;  // the K/V head this query head reads
       const float* qq = qf.data_ptr<float>() + bh * hs;
       if (n_k)
-        score_any(kbits, qk.data_ptr<float>() + bh * hs, row_of(kq, ks, kl, bh, kchan, G, kbits), hs, n_k, sc.data(),
+        score_any(kbits, qk.data_ptr<float>() + bh * hs, row_of(kq, ks, kl, kv, kchan, G, kbits), hs, n_k, sc.data(),
                   wk);
-      const float* ktr = kt.data_ptr<float>() + bh * kt.stride(0);
+      const float* ktr = kt.data_ptr<float>() + kv * kt.stride(0);
       for (int64_t j = n_k; j < n; ++j) {
         const float* k = ktr + (j - n_k) * kt.stride(1);
         float d = 0.f;
@@ -373,9 +378,9 @@ torch::Tensor attention(int64_t layer, torch::Tensor q, torch::Tensor rot, torch
       for (int64_t j = 0; j < n; ++j) { sc[j] = std::exp(sc[j] - mx); total += sc[j]; }
       for (int64_t j = 0; j < n; ++j) sc[j] /= total;
       float* o = out.data_ptr<float>() + bh * hs;
-      if (n_v) weighted_any(vbits, sc.data(), row_of(vq, vs, vl, bh, vchan, G, vbits), hs, n_v, o, wv);
+      if (n_v) weighted_any(vbits, sc.data(), row_of(vq, vs, vl, kv, vchan, G, vbits), hs, n_v, o, wv);
       if (apart) o += BH * hs;  // the tail's share apart
-      const float* vtr = vt.data_ptr<float>() + bh * vt.stride(0);
+      const float* vtr = vt.data_ptr<float>() + kv * vt.stride(0);
       for (int64_t j = n_v; j < n; ++j) {
         const float* v = vtr + (j - n_v) * vt.stride(1);
         const float pj = sc[j];
@@ -389,16 +394,17 @@ torch::Tensor attention(int64_t layer, torch::Tensor q, torch::Tensor rot, torch
 }
 
 // One query per sequence and head over its first lens[b] tokens, each key and value row read through the block
-// table: out[b, h] = softmax_t(q . k_t) . v, k_t = pool[h, tab[b, t / bs] * bs + t % bs]; q is pre-scaled. In a
+// table: out[b, h] = softmax_t(q . k_t) . v, k_t = pool[h / groups, tab[b, t / bs] * bs + t % bs] (consecutive query
+// heads share a K/V head: groups = nh / the pool's heads); q is pre-scaled. In a
 // ragged batch every sequence has its own length (the keys a decode step's mask lets it see).
 template <typename T>
 void paged_impl(const float* q, const T* pk, const T* pv, const int64_t* tab, const int64_t* lens, float* out,
-                int64_t B, int64_t nh, int64_t width, int64_t bs, int64_t hs, int64_t slots) {
+                int64_t B, int64_t nh, int64_t width, int64_t bs, int64_t hs, int64_t slots, int64_t groups) {
   const int64_t most = *std::max_element(lens, lens + B);
   at::parallel_for(0, B * nh, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> sc(most), acc(hs);
     for (int64_t bh = b0; bh < b1; ++bh) {
-      const int64_t b = bh / nh, h = bh % nh, n = lens[b];
+      const int64_t b = bh / nh, h = (bh % nh) / groups, n = lens[b];  // h: the K/V head query head bh % nh reads
       const float* qq = q + bh * hs;
       const int64_t* row = tab + b * width;
       float mx = -std::numeric_limits<float>::infinity();
@@ -434,14 +440,16 @@ torch::Tensor paged(torch::Tensor q, torch::Tensor pool_k, torch::Tensor pool_v,
   const int64_t B = q.size(0), nh = q.size(1), hs = q.size(2), slots = pool_k.size(1), width = tab.size(1);
   TORCH_CHECK(lens.dtype() == torch::kLong && lens.is_contiguous() && lens.dim() == 1 && lens.size(0) == B,
               "lens: contiguous int64 (B,)");
-  TORCH_CHECK(pool_k.size(0) == nh && pool_k.size(2) == hs, "shapes disagree");
+  TORCH_CHECK(pool_k.size(0) >= 1 && nh % pool_k.size(0) == 0 && pool_k.size(2) == hs,
+              "shapes disagree (the pool's K/V heads must divide the query heads)");
+  const int64_t groups = nh / pool_k.size(0);
   const int64_t* ln = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(ln[b] >= 1 && ln[b] <= width * bs, "lens[", b, "] = ", ln[b], ": out of 1 .. ", width * bs);
   auto out = torch::empty({B, nh, hs}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pool_k.scalar_type(), "paged", [&] {
     paged_impl<scalar_t>(q.data_ptr<float>(), pool_k.data_ptr<scalar_t>(), pool_v.data_ptr<scalar_t>(),
-                         tab.data_ptr<int64_t>(), ln, out.data_ptr<float>(), B, nh, width, bs, hs, slots);
+                         tab.data_ptr<int64_t>(), ln, out.data_ptr<float>(), B, nh, width, bs, hs, slots, groups);
   });
   return out;
 }
