@@ -272,6 +272,9 @@ def _read_shards(folder: Path, expect, fmt: Format) -> tuple[Path, dict[str, tor
         shards = sorted(set(weight_map.values()))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{index}: not a shard index with a weight_map ({type(e).__name__})") from None
+    odd = next((v for v in shards if not isinstance(v, str)), None)
+    if odd is not None or not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: weight_map must name each tensor's shard file, got {odd!r:.60}")
     shapes, names = {}, {}
     for shard in shards:
         path = folder / shard
@@ -280,8 +283,13 @@ def _read_shards(folder: Path, expect, fmt: Format) -> tuple[Path, dict[str, tor
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
+                    if name in names:
+                        raise CheckpointError(f"{path}: tensor {name!r} is also in {names[name].name}: a tensor "
+                                              "lives in one shard")
                     shapes[name] = tuple(f.get_slice(name).get_shape())
                     names[name] = path
+        except CheckpointError:
+            raise
         except Exception as e:
             raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
     lost = sorted(k for k, v in weight_map.items() if names.get(k) != folder / v)
@@ -317,6 +325,9 @@ def load_state(module: nn.Module, state: dict[str, torch.Tensor], source: str = 
         if src.shape != target.shape:
             raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(src.shape)} but the config "
                                   f"implies {tuple(target.shape)}")
+        if src.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            raise CheckpointError(f"{source}: tensor {name!r} is {str(src.dtype).removeprefix('torch.')}: kvlab loads "
+                                  "float32, float16 or bfloat16 weights")
         if src.is_floating_point() and not torch.isfinite(src).all():
             bad = int((~torch.isfinite(src)).sum())
             raise CheckpointError(f"{source}: tensor {name!r} holds {bad} non-finite values (NaN/inf): the "

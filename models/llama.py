@@ -84,8 +84,8 @@ class LlamaConfig:
             raise ValueError(f"model_type {self.model_type!r}: this decoder computes {', '.join(MODEL_TYPES)}")
         for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
         if self.rms_norm_eps >= 1 or self.initializer_range >= 1:
             raise ValueError("rms_norm_eps and initializer_range must be below 1")
         self.rope_scaling = _rope_scaling(self.rope_scaling)
@@ -158,12 +158,25 @@ class LlamaConfig:
         if act != "silu":
             raise CheckpointError(f"{source}: hidden_act {act!r} is not SwiGLU's silu; kvlab's Llama MLP computes silu")
         params = d.get("rope_parameters") or {}
+        for name, value in (("rope_parameters", params), ("rope_scaling", d.get("rope_scaling") or {})):
+            if not isinstance(value, dict):
+                raise CheckpointError(f"{source}: {name} must be an object (or null), got {value!r:.60}")
+        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+            if name in d and not isinstance(d[name], bool):
+                raise CheckpointError(f"{source}: {name} must be true or false, got {d[name]!r:.60}")
+        if "num_key_value_heads" in d and d["num_key_value_heads"] is not None and (
+                isinstance(d["num_key_value_heads"], bool) or not isinstance(d["num_key_value_heads"], int)
+                or d["num_key_value_heads"] < 1):
+            raise CheckpointError(f"{source}: num_key_value_heads must be a positive integer (or absent: one per "
+                                  f"attention head), got {d['num_key_value_heads']!r:.60}")
         scaling = d.get("rope_scaling") or ({k: v for k, v in params.items() if k != "rope_theta"}
                                             if params.get("rope_type", "default") != "default" else None)
         theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
         n_positions = d.get("max_position_embeddings", 2048)
         window = d.get("sliding_window")
         window = window if window and (mt == "mistral" or d.get("use_sliding_window")) else None
+        if isinstance(window, int) and not isinstance(window, bool) and isinstance(n_positions, int):
+            n_positions = min(n_positions, window)  # past the window attention would need its own mask
         if d.get("partial_rotary_factor", 1.0) != 1.0:
             raise CheckpointError(f"{source}: partial_rotary_factor {d['partial_rotary_factor']}: kvlab rotates every "
                                   "channel of a head")
@@ -227,6 +240,10 @@ def _rope_scaling(scaling: dict | None) -> dict | None:
     missing = [k for k in need if k not in scaling]
     if missing:
         raise ValueError(f"rope_scaling of type llama3 needs {', '.join(missing)}")
+    for k in need:
+        v = scaling[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ValueError(f"rope_scaling's {k} must be a positive finite number, got {v!r:.60}")
     if not scaling["high_freq_factor"] > scaling["low_freq_factor"] > 0 or not scaling["factor"] > 0:
         raise ValueError("rope_scaling llama3 needs factor > 0 and high_freq_factor > low_freq_factor > 0")
     return {"rope_type": "llama3", **{k: scaling[k] for k in need}}
@@ -291,9 +308,13 @@ class Rope:
             self.cos, self.sin = self.cos.unsqueeze(1), self.sin.unsqueeze(1)
         self.key_pos, self.rule = None, None
 
-    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (..., hd) of any positions' angles, computed in fp32 (as HF does), in the model's dtype."""
-        angles = positions.float().unsqueeze(-1) * self.inv_freq  # (..., hd/2)
+    def at(self, positions: torch.Tensor, precise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (..., hd) of any positions' angles, computed in fp32 (as HF does; ``precise``: in fp64, so
+        that a rotation by a distance is the same whatever the two absolute positions), in the model's dtype."""
+        if precise:
+            angles = positions.double().unsqueeze(-1) * self.inv_freq.double()
+        else:
+            angles = positions.float().unsqueeze(-1) * self.inv_freq  # (..., hd/2)
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
@@ -309,8 +330,9 @@ def rotated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: R
     ``rope.key_pos``; each score rotated by the two positions' distance. Plain (``rope.rule`` None): the absolute
     distance. Re-positioned (sinks S, window W): a key's place in the window it is seen in, sinks first, then the
     window's keys in order, the query last; a window key's distance from its query is the absolute one, a sink's is
-    S + W - 1 - j once the window is full (StreamingLLM's positions within the cache). Positions are shifted so that
-    every angle stays within the window's span, however long the stream: distances are what a rotation depends on.
+    S + W - 1 - j once the window is full (StreamingLLM's positions within the cache). A decode step's positions are
+    shifted so that its angles stay within the window's span, and every angle is computed in fp64, so a rotation by
+    a distance is the same at any absolute position (the uncached reference's long forward included).
     ``mask`` True = may attend (None: every key up to each query's own position)."""
     groups = q.size(1) // k.size(1)
     if groups > 1:
@@ -318,15 +340,15 @@ def rotated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: R
     qp, kp = rope.pos, rope.key_pos
     if rope.rule is None:
         base = int(kp.min())  # the oldest key sits at 0
-        qr, kr = rotate(q, *rope.at(qp - base)), rotate(k, *rope.at(kp - base))
+        qr, kr = rotate(q, *rope.at(qp - base, True)), rotate(k, *rope.at(kp - base, True))
         att = qr @ kr.transpose(-2, -1)
     else:
         S, W = rope.rule
         base = max(0, int(qp[0]) - (S + W - 1))
         sink = kp < S  # (n,)
-        kr = rotate(k, *rope.at(torch.where(sink, kp, kp - base)))
-        q_window = rotate(q, *rope.at(qp - base))
-        q_sinks = rotate(q, *rope.at(qp.clamp(max=S + W - 1)))  # the query's place in the window it sees
+        kr = rotate(k, *rope.at(torch.where(sink, kp, kp - base), True))
+        q_window = rotate(q, *rope.at(qp - base, True))
+        q_sinks = rotate(q, *rope.at(qp.clamp(max=S + W - 1), True))  # the query's place in the window it sees
         att = torch.where(sink, q_sinks @ kr.transpose(-2, -1), q_window @ kr.transpose(-2, -1))
     att = att * (1.0 / math.sqrt(q.size(-1)))
     if mask is None:

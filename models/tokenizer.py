@@ -67,7 +67,8 @@ class FileTokenizer:
         except Exception as e:
             why = " ".join(str(e).split())[:120]
             raise ValueError(f"{self.source}: not a readable tokenizer.json ({why})") from None
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # one past its largest id (what a model's vocabulary must hold), not its count of tokens
+        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

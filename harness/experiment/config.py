@@ -286,6 +286,12 @@ def need(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def check_model(rc: RunConfig, mcfg) -> None:
     """What the cache kind's options need of the model's family, once its config is known (``needs_rotary``: keys
     stored before a rotation the model must have; compile=true's fused decode attention off the CPU: a K/V head per
@@ -294,7 +300,12 @@ def check_model(rc: RunConfig, mcfg) -> None:
     cls = cache_kind(rc.cache.kind)
     why = cls.needs_rotary(cls.parse_options(**rc.cache.options))
     need(why is None or mcfg.rotary, f"cache={rc.cache.kind} on model {rc.model.name} ({mcfg.family}): {why}")
-    need(not (rc.compile and cls.fuses_decode and mcfg.n_kv_head != mcfg.n_head and rc.device != "cpu"),
+    off_cpu = rc.device == "cuda" or (rc.device == "auto" and _cuda_available())
+    opts = cls.parse_options(**rc.cache.options)
+    need(getattr(opts, "group_score", "mean") == "mean" or mcfg.n_kv_head != mcfg.n_head,
+         f"cache.group_score={getattr(opts, 'group_score', None)} has no effect on model {rc.model.name}, whose every "
+         "query head has its own K/V head: leave it at mean (it combines the query heads that share one)")
+    need(not (rc.compile and cls.fuses_decode and mcfg.n_kv_head != mcfg.n_head and off_cpu),
          f"compile=true's decode attention for cache={rc.cache.kind} off the CPU reads one K/V head per query head, "
          f"and model {rc.model.name} shares each of its {mcfg.n_kv_head} K/V heads among "
          f"{mcfg.n_head // mcfg.n_kv_head} query heads: use device=cpu (its kernels read a group's K/V head for each "
@@ -367,7 +378,11 @@ def _check_sizes(rc: RunConfig) -> None:
     lengths = rc.prompt_lengths
     need(lengths in PROMPT_LENGTHS, f"prompt_lengths={lengths!r}: use one of {', '.join(PROMPT_LENGTHS)}")
     if lengths == "ragged" and rc.cache.kind in CACHE_KINDS:
-        why = CACHE_KINDS[rc.cache.kind].why_no_padding
+        cls = CACHE_KINDS[rc.cache.kind]
+        try:
+            why = cls.refuses_padding(cls.parse_options(**rc.cache.options))
+        except ValueError:  # bad options: refused where they are checked
+            why = cls.why_no_padding
         need(not why, f"prompt_lengths=ragged: cache kind {rc.cache.kind!r} does not run ragged batches ({why})")
         why = engine_cls.refuses_ragged()
         need(not why, f"prompt_lengths=ragged: engine={engine} {why}")

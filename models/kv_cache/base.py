@@ -221,6 +221,11 @@ class KVCache:
         return None
 
     @classmethod
+    def refuses_padding(cls, opts) -> str | None:
+        """Why the kind with these options runs no ragged batch (``why_no_padding``, or an option's reason)."""
+        return cls.why_no_padding or None
+
+    @classmethod
     def needs_rotary(cls, opts) -> str | None:
         """Why these options need a model with rotary positions (the kind stores keys before the rotation), in a
         few words; None: any model."""

@@ -123,10 +123,17 @@ class WindowKVCache(KVCache):
     def rotary_rule(self) -> tuple[int, int] | None:
         return (self.opts.sinks, self.opts.window) if self.prerope else None
 
+    @classmethod
+    def refuses_padding(cls, opts) -> str | None:
+        if opts.positions == "cache":
+            return ("with positions=cache each sequence's keys would need their own places in the cache; run the "
+                    "prompts one length at a time")
+        return super().refuses_padding(opts)
+
     def set_padding(self, pad) -> None:
-        if self.prerope:
-            raise ValueError("cache kind 'window' with positions=cache does not run ragged batches: each sequence's "
-                             "keys would need their own places in the cache; run the prompts one length at a time")
+        why = self.refuses_padding(self.opts)
+        if why:
+            raise ValueError(f"cache kind 'window' does not run ragged batches: {why}")
         super().set_padding(pad)
 
     # ---- where each position lives --------------------------------------------------------------------------

@@ -155,3 +155,28 @@ def test_keys_added_later_keep_the_ids_of_runs_made_before_them_at_their_old_mea
         assert config_id(OmegaConf.create(now)) == old, key
         other = {None: 4, "mean": "max", "absolute": "cache", False: True}[default]
         assert config_id(OmegaConf.create({**before, group: {**before[group], key: other}})) != old, key
+
+
+def test_what_a_kind_cannot_do_on_this_model_is_refused_before_anything_runs():
+    """check_model / validate on composed configs: group_score=max where no query heads share a K/V head, the
+    re-positioned window with ragged prompts, and the fused GQA step off the CPU are refused in one line; on the
+    CPU (device=auto here resolves to it) the fused GQA step is allowed."""
+    from hydra import compose, initialize_config_dir
+
+    from harness.experiment.config import ConfigError, check_model, read, register, validate
+
+    register()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        def rc(*overrides):
+            return read(compose(config_name="config", overrides=list(overrides)))
+
+        with pytest.raises(ConfigError, match="group_score=max has no effect on model tiny"):
+            check_model(rc("model=tiny", "cache=h2o", "cache.group_score=max"), preset_config("tiny"))
+        check_model(rc("model=tiny-gqa", "cache=h2o", "cache.group_score=max"), preset_config("tiny-gqa"))
+        with pytest.raises(ConfigError, match="does not run ragged batches \\(with positions=cache"):
+            validate(rc("model=tiny-gqa", "cache=window", "cache.positions=cache", "prompt_lengths=ragged",
+                        "batch=3"), 128, 16)
+        with pytest.raises(ConfigError, match="off the CPU reads one K/V head per query head"):
+            check_model(rc("model=tiny-gqa", "cache=quant", "compile=true", "device=cuda"), preset_config("tiny-gqa"))
+        if not torch.cuda.is_available():
+            check_model(rc("model=tiny-gqa", "cache=paged", "compile=true", "device=auto"), preset_config("tiny-gqa"))

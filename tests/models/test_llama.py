@@ -5,6 +5,7 @@ grouped-query and multi-query configs in both layouts; every cache kind on GQA a
 folder (``models.load_model``), sharded too."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -400,3 +401,76 @@ def test_quant_on_grouped_heads_keeps_its_error_bound_and_scales_per_kv_head(gro
         logits = decode_step(grouped, logits[:, -1:].argmax(-1), cache)[0]
     del cache.update  # the check's closure holds what was written: not the cache's bytes
     assert len(written[0]) == 13 and cache.nbytes == cache.formula_nbytes()
+
+
+@pytest.mark.parametrize("edit,says", [
+    (dict(rope_parameters="x"), "rope_parameters must be an object"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4,
+                        "original_max_position_embeddings": "x"}),
+     "rope_scaling's original_max_position_embeddings must be a positive finite number"),
+    (dict(rope_theta=float("inf")), "rope_theta must be a positive finite number"),
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false"),
+    (dict(num_key_value_heads=0), "num_key_value_heads must be a positive integer"),
+])
+def test_config_fields_of_the_wrong_kind_are_refused_naming_the_field(tmp_path, edit, says):
+    folder = write(randomized(config()), tmp_path / "m")
+    d = json.loads((folder / "config.json").read_text())
+    d.update(edit)
+    (folder / "config.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match=says.replace("(", r"\(")) as e:
+        load_model(folder)
+    assert str(e.value).startswith(str(folder / "config.json")) and "\n" not in str(e.value)
+
+
+def test_shards_that_repeat_a_tensor_or_name_no_file_and_weights_of_other_dtypes_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = write(randomized(config()), tmp_path / "s", shards=2)
+    index = json.loads((folder / hf.SHARD_INDEX).read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    extra = load_file(str(folder / first))
+    name = next(iter(extra))
+    second = sorted(set(index["weight_map"].values()))[1]
+    save_file({**load_file(str(folder / second)), name: extra[name]}, str(folder / second))
+    with pytest.raises(CheckpointError, match=f"tensor '{re.escape(name)}' is also in"):
+        load_model(folder)
+    index["weight_map"] = {k: 1 for k in index["weight_map"]}
+    (folder / hf.SHARD_INDEX).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="weight_map must name each tensor's shard file"):
+        load_model(folder)
+    one = write(randomized(config()), tmp_path / "f8")
+    state = load_file(str(one / hf.SAFETENSORS))
+    state["model.norm.weight"] = state["model.norm.weight"].to(torch.float8_e4m3fn)
+    save_file(state, str(one / hf.SAFETENSORS))
+    with pytest.raises(CheckpointError, match="'model.norm.weight' is float8_e4m3fn: kvlab loads float32, float16"):
+        load_model(one)
+
+
+def test_a_mistral_sliding_window_is_the_length_the_model_runs(tmp_path):
+    m = randomized(config(model_type="mistral"))
+    d = m.hf_config_dict()
+    d.update(sliding_window=16)
+    folder = tmp_path / "mis"
+    hf.write_folder(folder, m.state_dict(), d, fmt=m.hf_format)
+    cfg = read_config(folder)
+    assert cfg.n_positions == 16 == cfg.sliding_window
+    with pytest.raises(ValueError, match="sliding_window 16"):
+        load_model(folder)(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_the_repositioned_reference_stays_exact_on_long_streams_of_large_logits():
+    """Large weights (logits of tens) and a stream 13 times the trained length: the uncached reference of the
+    re-positioned window, one long forward, equals the cached steps within 1e-4 (its angles are computed in fp64,
+    so a rotation by a distance does not depend on how far along the stream it is)."""
+    torch.manual_seed(4)
+    m = Llama(LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96, n_positions=32,
+                          vocab_size=300)).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.normal_(1.0, 0.3) if name.endswith("norm.weight") else p.normal_(0.0, 0.3)
+    ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(5))
+    out = greedy(m, ids, 400, layout="window", window=8, sinks=0, positions="cache")
+    with torch.no_grad():
+        ref = m(torch.cat([ids, out.tokens], dim=1), window=8, sinks=0, positions="cache")[0, 11:-1]
+    assert out.logits.abs().max().item() > 10
+    assert torch.equal(ref.argmax(-1), out.tokens[0]) and (out.logits[0] - ref).abs().max().item() <= 1e-4
