@@ -318,7 +318,8 @@ def _timing_phases(s: _Sizes, new_tokens: int, context_lengths: list[int] | None
     Tg = s.prompt_len + new_tokens
     Tc = min(s.max_len, (max(context_lengths) + 1) if context_lengths else s.max_len)
     w = min(decode_weight_bytes(s.model, s.compute), 1 << 30)
-    return [("cache_memory", s.cache_at(1, Tg), s.forward(1, s.prompt_len, 1) + s.layer_kv(1, s.max_len)),
+    held = s.cls.held_tokens(s.max_len, s.max_len, s.cls.parse_options(**s.options))  # a window: its slots alone
+    return [("cache_memory", s.cache_at(1, Tg), s.forward(1, s.prompt_len, 1) + s.layer_kv(1, held)),
             ("step_times", s.cache_at(1, Tc) + s.snap(1, Tc), s.forward(1, Tc, 1) + s.layer_kv(1, Tc)),
             ("bandwidth_probe", 0, 2 * max(w, 256 << 20) + max(1, w // 4 // 1024) * 1024 * F32
              + 3 * 1024 * 1024 * F32)]
