@@ -1,7 +1,7 @@
 """Memory before allocation: the bytes a run will need at its peak, from its config alone, against what the machine
 (or the device) has free. Pure functions: no printing, no files, nothing built.
 
-    need = run_bytes(GPT2Config.preset("gpt2"), storage="fp32", compute="fp32", kind="prealloc", options={},
+    need = run_bytes(preset_config("gpt2"), storage="fp32", compute="fp32", kind="prealloc", options={},
                      max_len=1024, batch=64, batch_sizes=[1, 8, 32], ...)
     check(need, available_bytes(device))      # raises ConfigError in one line when it does not fit
     need.describe()                           # one line for people
@@ -62,7 +62,6 @@ from typing import Any
 from harness.common.errors import ConfigError
 from harness.core.engines import ENGINES
 from harness.core.measure import STAT_ROWS
-from models.gpt2 import GPT2Config
 from models.kv_cache import CACHE_KINDS, KVCache, as_dtype, cache_kind, kv_bytes
 from models.kv_cache.base import itemsize
 

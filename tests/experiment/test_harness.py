@@ -20,7 +20,6 @@ from harness.core.engines import HF_COUNTERPARTS, KvlabEngine, hf_refuses
 from harness.experiment.runner import batch_lengths, disjoint_texts, text_prompts
 from harness.analysis.papers import PAPERS
 from tests.helpers import REPO, TINY, run_py
-from models.gpt2 import GPT2Config
 from models.kv_cache import CACHE_KINDS, cache_kind, kv_bytes
 from models.tokenizer import Tokenizer
 
