@@ -52,7 +52,7 @@ from harness.experiment.invocation import (concurrent_runs, forget_invocation, i
                                 invocation_folders, mark_active, new_invocation, note_failure, note_started)
 from models import outliers
 from models.decoder import Decoder
-from models.families import build, load_model, preset_config, read_config
+from models.families import build, load_model, model_class, preset_config, read_config
 from models.kv_cache import as_dtype, cache_kind
 
 # the invocation's bookkeeping lives in harness.experiment.invocation; these names stay importable from here
@@ -281,7 +281,12 @@ def model_config(w: Weights, m: ModelChoice):
         return preset_config(m.preset)
     folder = Path(w.load_from)
     if folder.is_dir():
-        return read_config(folder)
+        cfg = read_config(folder)
+        preset = preset_config(m.preset)
+        if model_class(cfg) is not model_class(preset):  # the runs would be labelled as the other family's
+            raise ConfigError(f"model.weights={m.weights} holds a {cfg.family} checkpoint, and model={m.name} is a "
+                              f"{preset.family} preset: give model= a preset of its family (docs/models.md)")
+        return cfg
     if getattr(m, "build", None):
         raise ConfigError(f"model={m.name} needs its checkpoint folder {m.weights}, which is missing: build it with "
                           f"`{m.build}`")

@@ -180,3 +180,23 @@ def test_what_a_kind_cannot_do_on_this_model_is_refused_before_anything_runs():
             check_model(rc("model=tiny-gqa", "cache=quant", "compile=true", "device=cuda"), preset_config("tiny-gqa"))
         if not torch.cuda.is_available():
             check_model(rc("model=tiny-gqa", "cache=paged", "compile=true", "device=auto"), preset_config("tiny-gqa"))
+
+
+def test_a_checkpoint_of_another_family_than_the_preset_is_refused_naming_both(tmp_path):
+    """model=tiny (GPT-2) with a Llama folder would run a Llama model labelled as GPT-2's preset: refused in one line
+    before anything is built."""
+    from harness.experiment import weights
+    from harness.experiment.config import ConfigError
+    from harness.experiment.plan import ModelChoice
+    from harness.experiment.runner import model_config
+    from models import hf_checkpoint as hf
+
+    torch.manual_seed(1)
+    model = build(preset_config("tiny-gqa"))
+    folder = tmp_path / "llama"
+    hf.write_folder(folder, model.state_dict(), model.hf_config_dict(), fmt=model.hf_format)
+    m = ModelChoice(name="tiny", preset="tiny", weights=str(folder), seed=0)
+    with pytest.raises(ConfigError, match="holds a llama checkpoint, and model=tiny is a gpt2 preset"):
+        model_config(weights.resolve(m), m)
+    ok = ModelChoice(name="tiny-gqa", preset="tiny-gqa", weights=str(folder), seed=0)
+    assert model_config(weights.resolve(ok), ok).n_kv_head == 2
