@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from models.gpt2 import GPT2, GPT2Config
+from models.decoder import Decoder
 
 
 def check_scale(scale) -> float:
@@ -60,7 +60,7 @@ def _shown(x) -> str:
     return repr(x)
 
 
-def _channels(name: str, given, cfg: GPT2Config, g: torch.Generator) -> list[list[int]]:
+def _channels(name: str, given, cfg, g: torch.Generator) -> list[list[int]]:
     """``given`` (None, an int, one per K/V head, or n_layer lists of those) as n_layer lists of n_kv_head channels
     (GPT-2's K/V heads are its heads)."""
     L, H, hs = cfg.n_layer, cfg.n_kv_head, cfg.head_dim
@@ -85,7 +85,7 @@ def _channels(name: str, given, cfg: GPT2Config, g: torch.Generator) -> list[lis
     return out
 
 
-def choose(cfg: GPT2Config, scale=1.0, k_channels=None, v_channels=None, seed: int = 0) -> dict:
+def choose(cfg, scale=1.0, k_channels=None, v_channels=None, seed: int = 0) -> dict:
     """What ``inject`` would do to a model of ``cfg``, checked (ValueError in one line, naming the argument) and
     resolved, nothing built: {"scale": S, "k_channels": n_layer lists of n_head, "v_channels": the same}; at S = 1
     the channels are None (nothing is injected)."""
@@ -99,7 +99,7 @@ def choose(cfg: GPT2Config, scale=1.0, k_channels=None, v_channels=None, seed: i
 
 
 @torch.no_grad()
-def inject(model: GPT2, scale=1.0, k_channels=None, v_channels=None, seed: int = 0) -> dict:
+def inject(model: Decoder, scale=1.0, k_channels=None, v_channels=None, seed: int = 0) -> dict:
     """Give ``model`` one K and one V outlier channel per head in every layer, ``scale`` times their size, in place,
     without changing its function (the module's doc); returns what was done (``choose``). S = 1 leaves every
     parameter as it was, bit for bit."""
