@@ -264,6 +264,10 @@ PRESETS = {
                                            original_max_position_embeddings=8192)),
     # experiment=gqa's model: 8 query heads of 64, as many K/V heads (MHA) until model.n_kv_head says fewer
     "gqa-base": dict(n_layer=4, n_head=8, n_kv_head=8, n_embd=512, intermediate_size=1376, n_positions=2048),
+    # kvlab's trained Llama-family reference model (harness.train --family llama, model=mini-llama): 4 query heads of
+    # 64 channels (the GPT-2 mini's head size) over 2 K/V heads, the GPT-2 vocabulary, trained at 1,024 positions
+    "mini-llama": dict(n_layer=6, n_head=4, n_kv_head=2, n_embd=128, head_dim=64, intermediate_size=352,
+                       n_positions=1024, bos_token_id=50256, eos_token_id=50256),
     # for tests: tiny, grouped-query (4 query heads over 2 K/V heads), the GPT-2 vocabulary so text prompts work
     "tiny-gqa": dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=128, n_positions=128),
 }

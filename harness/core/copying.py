@@ -44,10 +44,17 @@ def distinct_ids(model) -> torch.Tensor:
     return torch.nonzero(log_count[index] == 0)[:, 0]  # each id's row occurs once
 
 
-def copy_sequences(ids: torch.Tensor, n: int, k: int, seed: int, after: int = 0) -> list[torch.Tensor]:
+def copy_sequences(ids: torch.Tensor, n: int, k: int, seed: int, after: int = 0,
+                   contiguous: bool = False) -> list[torch.Tensor]:
     """k sequences (1, after + 2n): n random ids from ``ids`` (seeded), then the same n again; with ``after``, behind
-    that many other random ids (drawn after every sequence's n, so the n are the same for any ``after``)."""
+    that many other random ids (drawn after every sequence's n, so the n are the same for any ``after``).
+    ``contiguous``: ``ids`` is a text's tokens, and each sequence is a passage of it at a seeded random place (its
+    first ``after`` tokens, then its last n twice), so the copied span is text the model's prior also predicts."""
     g = torch.Generator().manual_seed(seed)
+    if contiguous:
+        starts = torch.randint(0, len(ids) - after - n + 1, (k,), generator=g).tolist()
+        passages = [ids[s:s + after + n] for s in starts]
+        return [torch.cat([p, p[after:]]).unsqueeze(0) for p in passages]
     spans = [ids[torch.randint(0, len(ids), (n,), generator=g)] for _ in range(k)]
     before = [ids[torch.randint(0, len(ids), (after,), generator=g)] for _ in range(k)]
     return [torch.cat([b, s, s]).unsqueeze(0) for b, s in zip(before, spans)]
@@ -71,18 +78,24 @@ def _scored(pred: torch.Tensor, seq: torch.Tensor, n: int, skip_first: bool) -> 
 
 @torch.no_grad()
 def model_copy_accuracy(model, ids: torch.Tensor, n: int, k: int = 8, seed: int = 0, after: int = 0,
-                        batch: int = 2) -> CopyAccuracy:
+                        batch: int = 2, bos: int | None = None, contiguous: bool = False) -> CopyAccuracy:
     """How well ``model`` (a full, uncached forward: ``model(idx)`` -> logits) copies: top-1 accuracy on k random
     sequences of n ids from ``ids`` (``copy_sequences``), each followed by itself, behind ``after`` other random ids;
-    scored as training's targets are (``skip_first``), ``batch`` sequences a forward, in eval mode (restored)."""
-    x = torch.cat(copy_sequences(ids, n, k, seed, after))  # (k, after + 2n)
+    scored as training's targets are (``skip_first``), ``batch`` sequences a forward, in eval mode (restored). ``bos``:
+    a fixed first token put in front of every sequence (a model trained with one), not scored; ``contiguous``:
+    passages of the text ``ids`` (``copy_sequences``)."""
+    x = torch.cat(copy_sequences(ids, n, k, seed, after, contiguous))  # (k, after + 2n)
+    lead = 0 if bos is None else 1
+    if lead:
+        x = torch.cat([torch.full((k, 1), bos, dtype=x.dtype), x], 1)
     was_training = model.training
     model.eval()
     try:
-        pred = torch.cat([model(x[i:i + batch]).argmax(-1) for i in range(0, k, batch)])  # (k, after + 2n)
+        pred = torch.cat([model(x[i:i + batch]).argmax(-1) for i in range(0, k, batch)])  # (k, lead + after + 2n)
     finally:
         model.train(was_training)
-    return _scored(pred[:, after:after + 2 * n - 1], x[:, after:], n, skip_first=True)
+    at = lead + after
+    return _scored(pred[:, at:at + 2 * n - 1], x[:, at:], n, skip_first=True)
 
 
 class DepthPass(NamedTuple):

@@ -2,7 +2,8 @@
 
     python -m harness.train --out models/weights/mini            # the shipped checkpoint (DEFAULT_STEPS steps)
     python -m harness.train --out DIR [--steps N | --minutes M] [--seed S] [--threads T] [--restart]
-    python -m harness.train --evaluate DIR                       # the targets table of a checkpoint (no training)
+    python -m harness.train --evaluate DIR [--record]            # the targets table of a checkpoint (no training)
+    python -m harness.train --out DIR --family llama             # the Llama-family reference model (mini-llama)
     python -m harness.train --out DIR [--copy-phase F] [--copy-offsets F|none] [--mlp-off F] [--copy-share F]
                             [--placed-share F] [--curriculum LEN:SHARE,...|none] [--heads N]  # other recipes
 
@@ -42,10 +43,11 @@ import torch  # noqa: E402
 
 from harness.common.signals import Interrupted, stop_signals  # noqa: E402
 from harness.train.loop import train  # noqa: E402
-from harness.train.recipe import (BATCH, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CURRICULUM, DEFAULT_STEPS,  # noqa: E402
-                                  MAX_MINUTES, MAX_STEPS, MAX_THREADS, MINI_CONFIG, MLP_OFF, PLACED_SHARE, SEQ_LEN,
-                                  SHARE_FLAGS, TrainError, check_curriculum, parse_curriculum)
-from harness.train.targets import evaluate_folder  # noqa: E402
+from harness.train.recipe import (BATCH, BOS, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CURRICULUM,  # noqa: E402
+                                  DEFAULT_STEPS, FAMILY_PRESETS, MAX_MINUTES, MAX_STEPS, MAX_THREADS, MINI_CONFIG,
+                                  MLP_OFF, PLACED_SHARE, SEQ_LEN, SHARE_FLAGS, TrainError, check_curriculum,
+                                  parse_curriculum)
+from harness.train.targets import evaluate_folder, record_targets  # noqa: E402
 from models.gpt2 import GPT2Config  # noqa: E402
 
 
@@ -53,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m harness.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="checkpoint folder to write (resumed if it holds a partial run)")
     p.add_argument("--evaluate", metavar="DIR", help="print the targets table of the checkpoint in DIR (no training)")
+    p.add_argument("--record", action="store_true",
+                   help="with --evaluate: also write the targets measured now into DIR's kvlab_train record (a "
+                        "checkpoint kvlab trained)")
     p.add_argument("--minutes", type=float, default=None,
                    help=f"a wall-clock budget of the training loop instead of --steps (not reproducible; more than 0, "
                         f"at most {MAX_MINUTES:,})")
@@ -88,9 +93,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--curriculum", default=None, metavar="SPEC",
                    help="row lengths before the full rows: LEN:SHARE pairs of the budget, in order (default "
                         + ",".join(f"{n}:{share:g}" for n, share in CURRICULUM) + ", the shipped mini's), or none")
-    p.add_argument("--heads", type=int, default=MINI_CONFIG["n_head"],
-                   help=f"attention heads of the {MINI_CONFIG['n_embd']}-wide model (default {MINI_CONFIG['n_head']}, "
-                        "the shipped mini's; GPT-2's 64 channels a head; 4 gives 32, see docs/reference-model.md)")
+    p.add_argument("--family", default="gpt2", choices=sorted(FAMILY_PRESETS),
+                   help="the decoder family: gpt2 (the mini preset, model=mini) or llama (the mini-llama preset, "
+                        "model=mini-llama: rotary positions, 4 query heads over 2 K/V heads)")
+    p.add_argument("--bos", action=argparse.BooleanOptionalAction, default=BOS,
+                   help="put <|endoftext|> at position 0 of every row, where attention sinks form (default on, the "
+                        "shipped models'; --no-bos trains as the first mini was)")
+    p.add_argument("--heads", type=int, default=None,
+                   help=f"attention heads of the gpt2 family's {MINI_CONFIG['n_embd']}-wide model (default "
+                        f"{MINI_CONFIG['n_head']}, the shipped mini's; GPT-2's 64 channels a head; 4 gives 32, see "
+                        "docs/reference-model.md)")
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: interrupt after N steps
 
     def error(message):  # one line, exit 2 (argparse would print the usage first)
@@ -146,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         args = p.parse_args(argv)
         if not args.out and not args.evaluate:
             p.error("give --out DIR to train (or --evaluate DIR to measure a checkpoint)")
+        if args.record and not args.evaluate:
+            p.error("--record writes what --evaluate DIR measures: give --evaluate DIR with it")
         try:
             curriculum = True if args.curriculum is None else parse_curriculum(args.curriculum)
         except ValueError as e:
@@ -155,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                             if args.copy_offsets.strip().lower() == "none" else float(args.copy_offsets))
         except ValueError:
             p.error(f"--copy-offsets {args.copy_offsets!r}: give a share of the budget (e.g. {COPY_OFFSETS}) or none")
-        if args.heads < 1 or MINI_CONFIG["n_embd"] % args.heads:
+        if args.heads is not None and args.family != "gpt2":
+            p.error(f"--heads is the gpt2 family's; the {args.family} family's reference model is its preset's")
+        if args.heads is not None and (args.heads < 1 or MINI_CONFIG["n_embd"] % args.heads):
             p.error(f"--heads {args.heads} must divide the model's width {MINI_CONFIG['n_embd']} (e.g. 1, 2, 4, 8)")
         _check_numbers(p, args)
         if copy_offsets not in ("default", None) and not (math.isfinite(copy_offsets) and 0 <= copy_offsets
@@ -174,13 +190,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             torch.set_num_threads(args.threads or os.cpu_count() or 1)
             if args.evaluate:
-                print(evaluate_folder(args.evaluate)[1], flush=True)
+                r, table = evaluate_folder(args.evaluate)
+                print(table, flush=True)
+                if args.record:
+                    record_targets(args.evaluate, r)
+                    print(f"wrote the targets into {args.evaluate}/config.json (kvlab_train.targets)", flush=True)
                 return 0
             train(args.out, minutes=args.minutes, steps=args.steps, seed=args.seed, restart=args.restart,
                   stop_after=args.stop_after, save_dtype=args.save_dtype, command=command, threads=args.threads,
                   placed_share=args.placed_share, mlp_off=args.mlp_off, curriculum=curriculum,
                   copy_phase=args.copy_phase, copy_share=args.copy_share, copy_offsets=copy_offsets,
-                  **({} if args.heads == MINI_CONFIG["n_head"] else  # the default: train()'s own mini config
+                  family=args.family, bos=args.bos,
+                  **({} if args.heads in (None, MINI_CONFIG["n_head"]) else  # the default: train()'s own preset
                      {"config": GPT2Config(**{**MINI_CONFIG, "n_head": args.heads})}))
         except TrainError as e:
             print(f"error: {e}", file=sys.stderr)

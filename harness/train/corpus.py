@@ -79,8 +79,12 @@ def load_data() -> tuple[Tokenizer, torch.Tensor, torch.Tensor]:
     return tok, train, held
 
 
-def windows(stream: torch.Tensor, n_tokens: int | None = None, T: int = SEQ_LEN) -> torch.Tensor:
-    """Non-overlapping (N, T + 1) windows (inputs + next-token targets) from the start of a stream."""
+def windows(stream: torch.Tensor, n_tokens: int | None = None, T: int = SEQ_LEN, bos: bool = False) -> torch.Tensor:
+    """Non-overlapping (N, T + 1) windows (inputs + next-token targets) from the start of a stream; with ``bos``,
+    each is <|endoftext|> (the fixed first token, never a target) and T tokens of the stream."""
+    if bos:
+        w = windows(stream, n_tokens, T - 1)
+        return torch.cat([torch.full((len(w), 1), EOT, dtype=w.dtype), w], 1)
     n = (len(stream) - 1) // T
     if n_tokens is not None:
         n = min(n, max(1, n_tokens // T))
@@ -93,7 +97,7 @@ class TrainingData:
     ``seq_len``: the quick evaluation's window length; ``eval_tokens``: held-out tokens of the final evaluation's
     windows (None: the whole split)."""
 
-    def __init__(self, seq_len: int, eval_tokens: int | None):
+    def __init__(self, seq_len: int, eval_tokens: int | None, bos: bool = False):
         self.tok, self.train_stream, self.held_stream = load_data()
         self.vocab = torch.unique(self.train_stream)  # sorted ids the training split uses
         self.other = len(self.vocab)  # compact slot for every other id (inputs only; never a training target)
@@ -101,8 +105,8 @@ class TrainingData:
         self.remap[self.vocab] = torch.arange(len(self.vocab))
         self.ctrain = self.remap[self.train_stream]
         self.eot = int(self.remap[EOT])  # never part of a random span
-        self.held_wins = windows(self.held_stream, eval_tokens, T=seq_len)
-        self.quick_eval = self.remap[windows(self.held_stream, EVAL_TOKENS, T=seq_len)]
+        self.held_wins = windows(self.held_stream, eval_tokens, T=seq_len, bos=bos)
+        self.quick_eval = self.remap[windows(self.held_stream, EVAL_TOKENS, T=seq_len, bos=bos)]
         self.quick_tgt = self.quick_eval.clone()
         self.quick_tgt[:, 1:][self.quick_eval[:, 1:] == self.other] = IGNORE
         counts = torch.bincount(self.train_stream, minlength=Tokenizer.VOCAB_SIZE)

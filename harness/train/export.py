@@ -25,46 +25,60 @@ import torch
 
 from harness.common.ownership import atomic_write
 from harness.train.corpus import corpus_documents, split_documents
-from harness.train.model import hidden
-from harness.train.recipe import EOT, FREE_DIM, HELDOUT_TEXT, LOG_FIELDS
-from models.gpt2 import GPT2, GPT2Config
+from harness.train.model import has_norm_bias, hidden
+from harness.train.recipe import BOS_KEY, EOT, FREE_DIM, HELDOUT_TEXT, LOG_FIELDS
+from models.decoder import Decoder
+from models.families import build
 from models.hf_checkpoint import to_safetensors
 
 
-def export_full(compact: GPT2, cfg: GPT2Config, vocab: torch.Tensor, unseen_mass: float, train_len: int,
-                save_dtype: torch.dtype, probe: torch.Tensor) -> tuple[GPT2, dict]:
-    """The full-vocabulary GPT2 from the compact one (see the module docstring), its values rounded to ``save_dtype``
-    so the model in memory is exactly the one that is saved."""
-    full = GPT2(cfg)
+def export_full(compact: Decoder, cfg, vocab: torch.Tensor, unseen_mass: float, train_len: int,
+                save_dtype: torch.dtype, probe: torch.Tensor) -> tuple[Decoder, dict]:
+    """The full-vocabulary model of ``compact``'s family (see the module docstring), its values rounded to
+    ``save_dtype`` so the model in memory is exactly the one that is saved."""
+    full = build(cfg)
+    emb = full.get_input_embeddings().weight
+    emb_name = next(name for name, p in full.named_parameters() if p is emb)
     ours, theirs = full.state_dict(), compact.state_dict()
     with torch.no_grad():
         for name, t in ours.items():
-            if name not in ("transformer.wte.weight", "lm_head.weight"):
+            if name not in (emb_name, "lm_head.weight"):
                 t.copy_(theirs[name])
-        ln_f = full.transformer.ln_f
-        gamma = torch.where(ln_f.weight.abs() >= 1e-2, ln_f.weight, torch.where(ln_f.weight < 0, -1e-2, 1e-2))
-        ln_f.weight.copy_(gamma)  # 1/gamma stays finite (|gamma| >= 0.01)
-        n_unused = cfg.vocab_size - len(vocab)
-        used = compact.transformer.wte.weight[: len(vocab)]
-        # the constant logit c that gives the unused ids `unseen_mass` of the probability at a typical position
-        compact.eval()
-        h = compact.transformer.ln_f(hidden(compact, probe))
-        lse = float(torch.logsumexp((h @ used.t()).float(), dim=-1).median())
-        compact.train()
-        c = lse + math.log(unseen_mass / (1 - unseen_mass)) - math.log(max(n_unused, 1))
-        # unused rows k / gamma, as long as a typical used row; their logit is k * sum(beta / gamma), made c through
-        # beta[FREE_DIM]: no used row reads that dimension (held at 0 in training), so their logits do not move
-        k = -float(used.norm(dim=1).median()) / float((1 / gamma).norm())
-        rest = float((ln_f.bias / gamma).sum() - ln_f.bias[FREE_DIM] / gamma[FREE_DIM])
-        ln_f.bias[FREE_DIM] = (c / k - rest) * gamma[FREE_DIM]
-        wte = full.transformer.wte.weight
-        wte.copy_((k / gamma).expand_as(wte))
-        wte[vocab] = used
-        wpe = full.transformer.wpe.weight
-        wpe[train_len:] = wpe[train_len - 1]
+        if has_norm_bias(full):
+            info = _constant_logit(compact, full, cfg, vocab, unseen_mass, train_len, probe)
+        else:  # the unused rows are zero (logit 0); the compact model's other-id slot was exactly their mass
+            emb.zero_()
+            emb[vocab] = compact.get_input_embeddings().weight[: len(vocab)]
+            info = {"unused_rows_logit": 0.0}
         for p in full.parameters():
             p.copy_(p.to(save_dtype).to(p.dtype))
-    return full, {"unused_rows_logit": c, "unused_rows_mass": unseen_mass, "unused_rows_k": k}
+    return full, info
+
+
+def _constant_logit(compact, full, cfg, vocab, unseen_mass: float, train_len: int, probe: torch.Tensor) -> dict:
+    """GPT-2's export: every unused row k / gamma, one constant logit c through beta[FREE_DIM] (module docstring)."""
+    ln_f = full.transformer.ln_f
+    gamma = torch.where(ln_f.weight.abs() >= 1e-2, ln_f.weight, torch.where(ln_f.weight < 0, -1e-2, 1e-2))
+    ln_f.weight.copy_(gamma)  # 1/gamma stays finite (|gamma| >= 0.01)
+    n_unused = cfg.vocab_size - len(vocab)
+    used = compact.transformer.wte.weight[: len(vocab)]
+    # the constant logit c that gives the unused ids `unseen_mass` of the probability at a typical position
+    compact.eval()
+    h = compact.final_norm(hidden(compact, probe))
+    lse = float(torch.logsumexp((h @ used.t()).float(), dim=-1).median())
+    compact.train()
+    c = lse + math.log(unseen_mass / (1 - unseen_mass)) - math.log(max(n_unused, 1))
+    # unused rows k / gamma, as long as a typical used row; their logit is k * sum(beta / gamma), made c through
+    # beta[FREE_DIM]: no used row reads that dimension (held at 0 in training), so their logits do not move
+    k = -float(used.norm(dim=1).median()) / float((1 / gamma).norm())
+    rest = float((ln_f.bias / gamma).sum() - ln_f.bias[FREE_DIM] / gamma[FREE_DIM])
+    ln_f.bias[FREE_DIM] = (c / k - rest) * gamma[FREE_DIM]
+    wte = full.transformer.wte.weight
+    wte.copy_((k / gamma).expand_as(wte))
+    wte[vocab] = used
+    wpe = full.transformer.wpe.weight
+    wpe[train_len:] = wpe[train_len - 1]
+    return {"unused_rows_logit": c, "unused_rows_mass": unseen_mass, "unused_rows_k": k}
 
 
 def write_heldout_text(folder: Path) -> Path:
@@ -77,13 +91,14 @@ def write_heldout_text(folder: Path) -> Path:
     return path
 
 
-def write_checkpoint(folder: Path, model: GPT2, dtype: torch.dtype, meta: dict | None = None,
-                     log_rows: list[dict] | None = None) -> None:
+def write_checkpoint(folder: Path, model: Decoder, dtype: torch.dtype, meta: dict | None = None,
+                     log_rows: list[dict] | None = None, bos: bool = False) -> None:
     """model.safetensors, train_log.csv, heldout.txt, then config.json (last: a folder with config.json is
     complete)."""
     folder.mkdir(parents=True, exist_ok=True)
     write_heldout_text(folder)
-    atomic_write(folder / "model.safetensors", to_safetensors(model.state_dict(), dtype))  # HF names and layouts
+    state = to_safetensors(model.state_dict(), dtype, model.hf_format)  # HF names and layouts
+    atomic_write(folder / "model.safetensors", state)
     if log_rows is not None:
         buf = io.StringIO()
         w = csv.DictWriter(buf, fieldnames=LOG_FIELDS,
@@ -94,6 +109,8 @@ def write_checkpoint(folder: Path, model: GPT2, dtype: torch.dtype, meta: dict |
     cfg = model.hf_config_dict()
     cfg.update(bos_token_id=EOT, eos_token_id=EOT, tie_word_embeddings=True,
                torch_dtype={torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(dtype, "float32"))
+    if bos:  # trained with <|endoftext|> at position 0 of every row: runs put it in front of every sequence
+        cfg[BOS_KEY] = True
     if meta is not None:
         cfg["kvlab_train"] = meta
     atomic_write(folder / "config.json", (json.dumps(cfg, indent=2) + "\n").encode())

@@ -39,15 +39,17 @@ from harness.common.signals import Interrupted, Stop, blocked, signal_name
 from harness.core.copying import model_copy_accuracy
 from harness.train.corpus import TrainingData
 from harness.train.export import export_full, finished, write_checkpoint
-from harness.train.model import (attention_only_at, compact_model, hidden, lr_at, make_optimizer, mlps_left_out,
-                                 position_offsets)
-from harness.train.recipe import (BATCH, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CORPUS, DEFAULT_STEPS, EVAL_LEN,
-                                  FREE_DIM, HELDOUT_AT, HELDOUT_EVERY, IGNORE, INIT_STD, MIN_LR_FRAC, MINI_CONFIG,
-                                  MLP_OFF, OURS, PEAK_LR, PLACED_SHARE, QUICK_COPY, QUICK_FAR, SEQ_LEN, SPAN_MIN,
-                                  STATE, WARMUP_FRAC, WEIGHT_DECAY, TrainError, check_settings, curriculum_setting)
-from harness.train.rows import make_batch, twice_rows
-from harness.train.targets import evaluate, nll, prompts_nll, targets_table
-from models.gpt2 import GPT2, GPT2Config
+from harness.train.model import (attention_only_at, compact_model, hidden, lr_at, make_optimizer, mlp_output,
+                                 mlps_left_out, pin_embedding, row_positions)
+from harness.train.recipe import (BATCH, BOS, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CORPUS, DEFAULT_STEPS, EOT,
+                                  EVAL_LEN, FAMILY_PRESETS, HELDOUT_AT, HELDOUT_EVERY, IGNORE, INIT_STD, MIN_LR_FRAC,
+                                  MLP_OFF, OURS, PEAK_LR, PLACED_SHARE, QUICK_COPY, QUICK_FAR, SEQ_LEN, SINK_FROM,
+                                  SPAN_MIN, STATE, WARMUP_FRAC, WEIGHT_DECAY, TrainError, check_settings,
+                                  curriculum_setting)
+from harness.train.rows import make_batch, twice_rows, with_bos
+from harness.train.targets import attention_on_first, evaluate, nll, prompts_nll, targets_table
+from models.decoder import Decoder
+from models.families import preset_config
 
 
 class _Progress:
@@ -166,18 +168,20 @@ class _Run:
     """One training run's moving parts: the compact model, its optimiser, the data generator, the step, the wall
     clock trained and the log. ``save`` writes them whole to train_state.pt; ``resume`` reads them back."""
 
-    def __init__(self, folder: Path, cfg: GPT2Config, data: TrainingData, settings: dict, status: _Progress):
+    def __init__(self, folder: Path, cfg, data: TrainingData, settings: dict, status: _Progress):
         self.folder, self.cfg, self.data, self.settings, self.status = folder, cfg, data, settings, status
         self.steps, self.minutes = settings["steps"], settings["minutes"]
         self.budget = self.steps if self.steps is not None else self.minutes * 60.0
         torch.manual_seed(settings["seed"])
-        self.model = compact_model(cfg, len(data.vocab) + 1, settings["init_std"])
+        self.model = compact_model(cfg, len(data.vocab) + 1, settings["init_std"], n_full=cfg.vocab_size)
+        self.bos = data.eot if settings.get("bos") else None  # the fixed first token (compact id), or None
         with torch.no_grad():
-            self.model.transformer.wte.weight[:, FREE_DIM] = 0.0
             if settings.get("mlp_off"):  # the MLPs join adding nothing, so joining does not change the model
-                for b in self.model.transformer.h:
-                    b.mlp.c_proj.weight.zero_()
-                    b.mlp.c_proj.bias.zero_()
+                for b in self.model.blocks:
+                    out = mlp_output(b)
+                    out.weight.zero_()
+                    if out.bias is not None:
+                        out.bias.zero_()
         self.opt = make_optimizer(self.model, settings["peak_lr"])
         self.gen = torch.Generator().manual_seed(settings["seed"])
         self.step, self.elapsed, self.log_rows, self.loss_ema = 0, 0.0, [], None
@@ -226,28 +230,32 @@ class _Run:
         for g in self.opt.param_groups:
             g["lr"] = lr
         rows, seq_len = self.shape()
+        bos = self.bos is not None
         if self.frac() < s.get("copy_phase", 0.0):  # --copy-phase: every row a span shown twice among random ids
-            x, y = twice_rows(rows, seq_len, len(d.vocab), d.eot, self.gen)
-            starts = None  # --copy-offsets: rows read the position embeddings from a random start
+            x, y = twice_rows(rows, seq_len - bos, len(d.vocab), d.eot, self.gen)
+            starts = None  # --copy-offsets: rows read their positions from a random start
             if self.frac() >= s.get("copy_offsets", 1.0) and seq_len < self.cfg.n_positions:
                 starts = torch.randint(0, self.cfg.n_positions - seq_len + 1, (rows, 1), generator=self.gen)
-            with mlps_left_out(self.model, self.attention_only()), position_offsets(self.model, starts):
-                h = hidden(self.model, x)  # (rows, seq_len, C)
+            if bos:
+                x, y = with_bos(x, y, self.bos)
+            with mlps_left_out(self.model, self.attention_only()):
+                h = hidden(self.model, x, row_positions(rows, seq_len, starts, bos))  # (rows, seq_len, C)
             trained = y != IGNORE  # ~a fifth of the positions: only they go through the vocabulary projection
-            logits = self.model.lm_head(self.model.transformer.ln_f(h[trained]))  # (n, vocab)
+            logits = self.model.head(h[trained])  # (n, vocab)
             loss = F.cross_entropy(logits, y[trained])
         else:
-            x, y = make_batch(d.ctrain, rows, seq_len, s["copy_share"], len(d.vocab), d.eot, self.gen,
+            x, y = make_batch(d.ctrain, rows, seq_len - bos, s["copy_share"], len(d.vocab), d.eot, self.gen,
                               s.get("placed_share", 0.0))
+            if bos:
+                x, y = with_bos(x, y, self.bos)
             with mlps_left_out(self.model, self.attention_only()):
-                logits = self.model(x)
+                logits = self.model.head(hidden(self.model, x))  # the model's forward, at positions 0..T-1
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
-        with torch.no_grad():
-            self.model.transformer.wte.weight[:, FREE_DIM] = 0.0
+        pin_embedding(self.model)
         self.step += 1
         self.loss_ema = loss.item() if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss.item()
         return loss.item(), lr
@@ -266,13 +274,16 @@ class _Run:
                                                reduction="sum"))
             k, n = QUICK_COPY
             n, ids = min(n, self.settings["seq_len"] // 2), d.copy_ids(full=False)
-            copy = model_copy_accuracy(model, ids, n, k=k).second
-            after = min(QUICK_FAR, self.cfg.n_positions - 2 * n)
-            far = round(model_copy_accuracy(model, ids, n, k=k, after=after).second, 4) if after > 0 else ""
+            copy = model_copy_accuracy(model, ids, n, k=k, bos=self.bos).second
+            after = min(QUICK_FAR, self.cfg.n_positions - 2 * n - (self.bos is not None))
+            far = round(model_copy_accuracy(model, ids, n, k=k, after=after, bos=self.bos).second, 4) if after > 0 \
+                else ""
+            sink = max(max(layer) for layer in attention_on_first(  # queries past half a short row
+                model, d.quick_eval[:2, :-1], from_pos=min(SINK_FROM, self.settings["seq_len"] // 2)))
         model.train()
         row = dict(step=self.step, elapsed_s=round(self.elapsed, 2), train_loss=loss if loss == "" else round(loss, 4),
                    lr=lr, heldout_nll=round(total / int((d.quick_tgt[:, 1:] != IGNORE).sum()), 4),
-                   copy_acc=round(copy, 4), copy_far_acc=far)
+                   copy_acc=round(copy, 4), copy_far_acc=far, sink_max=round(sink, 4))
         self.log_rows.append(row)
         return row
 
@@ -311,7 +322,9 @@ def _loop(run: _Run, status: _Progress, stop_after: int | None, eval_every: int,
             if row:
                 bar.write(f"step {run.step} ({run.elapsed:.0f} s): train loss {run.loss_ema:.3f}, held-out NLL "
                           f"{row['heldout_nll']:.3f} (training vocabulary), copy accuracy {row['copy_acc']:.3f}, behind "
-                          f"{QUICK_FAR}: {row['copy_far_acc']}" + (" (attention only)" if run.attention_only() else ""))
+                          f"{QUICK_FAR}: {row['copy_far_acc']}, most attention a head puts on position 0: "
+                          f"{row['sink_max']}" +
+                          (" (attention only)" if run.attention_only() else ""))
         status.step = run.step
         if Stop.signum is not None:  # a stop signal arrived during this step: save it whole, then stop
             run.save()
@@ -328,13 +341,13 @@ def _loop(run: _Run, status: _Progress, stop_after: int | None, eval_every: int,
 # ---- train ----------------------------------------------------------------------------------------------------------
 
 def train(out: str | os.PathLike, minutes: float | None = None, steps: int | None = None, seed: int = 0,
-          restart: bool = False, config: GPT2Config | None = None, stop_after: int | None = None,
+          restart: bool = False, config=None, stop_after: int | None = None,
           save_dtype: str = "fp16", batch: int = BATCH, seq_len: int = SEQ_LEN, eval_every: int | None = None,
           eval_tokens: int | None = None, progress: bool = True, command: str | None = None,
           copy_share: float = COPY_SHARE, init_std: float = INIT_STD, peak_lr: float = PEAK_LR,
           curriculum=True, threads: int | None = None, placed_share: float = PLACED_SHARE,
-          mlp_off: float = MLP_OFF, copy_phase: float = COPY_PHASE, copy_offsets: float | None | str = "default"
-          ) -> dict:
+          mlp_off: float = MLP_OFF, copy_phase: float = COPY_PHASE, copy_offsets: float | None | str = "default",
+          family: str = "gpt2", bos: bool = BOS) -> dict:
     """Train (or resume, or report) the run in ``out``; returns its ``kvlab_train`` record (``done`` False when
     ``stop_after`` interrupted it). The budget is ``minutes`` of wall clock or ``steps`` (deterministic), not both;
     neither: DEFAULT_STEPS. ``config``, ``batch``, ``seq_len``, ``eval_every``, ``eval_tokens`` (the final held-out
@@ -352,7 +365,11 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
                   **({"mlp_off": mlp_off} if mlp_off else {}),
                   **({"copy_phase": copy_phase} if copy_phase else {}),
                   **({"copy_offsets": copy_offsets} if copy_offsets is not None else {}),
+                  **({"bos": True} if bos else {}),
                   curriculum=curriculum_setting(curriculum))  # in the resume check
+    if family not in FAMILY_PRESETS:
+        raise TrainError(f"--family {family!r}: use one of {', '.join(FAMILY_PRESETS)}")
+    config = config or preset_config(FAMILY_PRESETS[family])
     try:
         return _train(Path(out), minutes, steps, seed, restart, config, stop_after, save_dtype, recipe, eval_every,
                       eval_tokens, progress, command, status, threads)
@@ -371,7 +388,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
 def _train(folder: Path, minutes, steps, seed, restart, config, stop_after, save_dtype, recipe: dict, eval_every,
            eval_tokens, progress, command, status: _Progress, threads: int | None = None) -> dict:
     """The recipe: check the settings and --out, report a finished run, resume or start one, train, finish."""
-    cfg = config or GPT2Config(**MINI_CONFIG)
+    cfg = config
     if steps is None and minutes is None:
         steps = DEFAULT_STEPS
     check_settings(minutes, steps, stop_after, save_dtype, recipe["batch"], recipe["seq_len"], recipe["copy_share"],
@@ -379,7 +396,8 @@ def _train(folder: Path, minutes, steps, seed, restart, config, stop_after, save
                    recipe.get("mlp_off", 0.0), recipe["curriculum"], recipe.get("copy_phase", 0.0),
                    recipe.get("copy_offsets"))
     _check_out(folder)
-    settings = dict(minutes=minutes, steps=steps, seed=seed, save_dtype=save_dtype, **recipe, config=asdict(cfg))
+    settings = dict(minutes=minutes, steps=steps, seed=seed, save_dtype=save_dtype, **recipe, family=cfg.family,
+                    config=asdict(cfg))
     say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
     if not restart and (meta := finished(folder)) is not None:
         say(f"{folder}: already trained ({meta.get('steps')} steps, held-out NLL {meta.get('heldout_nll'):.3f}, "
@@ -388,7 +406,7 @@ def _train(folder: Path, minutes, steps, seed, restart, config, stop_after, save
     _check_writable(folder)
     state = _read_state(folder, settings, restart, status)
     torch.set_num_threads(threads or os.cpu_count() or 1)
-    data = TrainingData(recipe["seq_len"], eval_tokens)
+    data = TrainingData(recipe["seq_len"], eval_tokens, bos=recipe.get("bos", False))
     run = _Run(folder, cfg, data, settings, status)
     if state is not None:
         run.resume(state)
@@ -434,7 +452,7 @@ def _finish(run: _Run, status: _Progress, save_dtype: str, command: str | None, 
                              lr=lr_at(1.0, s["peak_lr"]), heldout_nll=meta["heldout_nll"],
                              copy_acc=targets["copy50_acc"] if targets else ""))
     with blocked():  # the checkpoint and the state's removal, both or neither
-        write_checkpoint(run.folder, full, dtype, meta, run.log_rows)
+        write_checkpoint(run.folder, full, dtype, meta, run.log_rows, bos=bool(s.get("bos")))
         (run.folder / STATE).unlink(missing_ok=True)
         status.complete = True
     say(f"{run.folder}: held-out NLL {meta['heldout_nll']:.3f} nats/token (full 50,257-way softmax, "
@@ -447,7 +465,7 @@ def _finish(run: _Run, status: _Progress, save_dtype: str, command: str | None, 
     return meta
 
 
-def _record(run: _Run, full: GPT2, unused_info: dict, command: str | None) -> dict:
+def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) -> dict:
     """The ``kvlab_train`` record: corpus, mix, budget, NLLs and (for a model of EVAL_LEN positions trained on
     whole sequences) every target, measured on the saved values."""
     d, s = run.data, run.settings
@@ -483,6 +501,8 @@ def _record(run: _Run, full: GPT2, unused_info: dict, command: str | None) -> di
                 weight_decay=WEIGHT_DECAY, seed=s["seed"], save_dtype=s["save_dtype"],
                 heldout_nll=round(held_nll, 4), heldout_tokens=int(d.held_wins[:, 1:].numel()),
                 prompts_nll=round(prompts_nll(full, d.tok), 4), **{k: round(v, 6) for k, v in unused_info.items()},
-                targets=evaluate(full, d.held_stream, d.copy_ids(full=True), seed=s["seed"]) if full_len else None,
+                **({"bos": True} if s.get("bos") else {}), family=s["family"],
+                targets=evaluate(full, d.held_stream, d.copy_ids(full=True), seed=s["seed"],
+                                 bos=EOT if s.get("bos") else None) if full_len else None,
                 targets_command="python -m harness.train --evaluate DIR",
                 torch_version=torch.__version__, command=command or f"python -m harness.train --out {run.folder}")

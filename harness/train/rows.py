@@ -1,4 +1,5 @@
-"""The rows training is made of, each (inputs, targets) with IGNORE where nothing is trained on: KJV text windows
+"""The rows training is made of, each (inputs, targets) with IGNORE where nothing is trained on (``with_bos`` puts the
+fixed first token in front of any of them): KJV text windows
 (``text_rows``), a random span repeated from position 0 (``copy_rows``), a span shown twice at a random place of a
 text window (``placed_rows``) or among random ids (``twice_rows``, the copy phase's), and one batch of the mix
 (``make_batch``). Copying a span it has seen is what the copy rows reward, and only a circuit that looks back (an
@@ -114,3 +115,10 @@ def make_batch(stream: torch.Tensor, batch: int, seq_len: int, copy_share: float
         px, py = placed_rows(stream, n_placed, seq_len, n_ids, skip, gen, span_min)
         x, y = torch.cat([px, x]), torch.cat([py, y])
     return x, y
+
+
+def with_bos(x: torch.Tensor, y: torch.Tensor, bos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (inputs, targets), each (rows, L), behind the fixed first token ``bos``: (rows, L + 1) each. The first
+    token's own target (the row's first token, which nothing before it announces) is not trained on."""
+    first = torch.full((x.size(0), 1), bos, dtype=x.dtype)
+    return torch.cat([first, x], 1), torch.cat([torch.full_like(first, IGNORE), y], 1)

@@ -14,24 +14,31 @@ against the layer's output).
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from harness.common.ownership import atomic_write
 from harness.core.copying import distinct_rows, model_copy_accuracy
 from harness.train.corpus import TrainingData, windows
 from harness.train.export import finished
-from harness.train.recipe import (COPY_FROM, COPY_K, COPY_LENGTHS, EVAL_LEN, EVAL_TOKENS, LATE, PROMPTS,
-                                  SINK_WINDOWS, TARGETS, TrainError)
-from models.gpt2 import GPT2, CheckpointError
+from harness.train.recipe import (BOS_KEY, COPY_FROM, COPY_K, COPY_LENGTHS, EOT, EVAL_LEN, EVAL_TOKENS, LATE, NEAR,
+                                  PROMPTS, SINK_FROM, SINK_WINDOWS, TARGETS, TrainError)
+from models import attention
+from models.decoder import Decoder
+from models.families import MODEL_CLASSES, load_model
+from models.hf_checkpoint import CheckpointError
 from models.tokenizer import Tokenizer
 
 
 @torch.no_grad()
-def nll(model: GPT2, wins: torch.Tensor, batch: int = 8, ignore_index: int = -100) -> float:
+def nll(model: Decoder, wins: torch.Tensor, batch: int = 8, ignore_index: int = -100) -> float:
     """Mean next-token NLL (nats) of ``model`` over (N, T + 1) windows, with the model's own full softmax."""
     was_training = model.training
     model.eval()
@@ -49,7 +56,7 @@ def nll(model: GPT2, wins: torch.Tensor, batch: int = 8, ignore_index: int = -10
 
 
 @torch.no_grad()
-def prompts_nll(model: GPT2, tok: Tokenizer) -> float:
+def prompts_nll(model: Decoder, tok: Tokenizer) -> float:
     """Mean NLL (nats/token) of every line of harness/prompts.txt, each line its own sequence."""
     was_training = model.training
     model.eval()
@@ -67,7 +74,7 @@ def prompts_nll(model: GPT2, tok: Tokenizer) -> float:
 
 
 @torch.no_grad()
-def position_nll(model: GPT2, wins: torch.Tensor, batch: int = 2, start: int = 0, **attention) -> torch.Tensor:
+def position_nll(model: Decoder, wins: torch.Tensor, batch: int = 2, start: int = 0, **attention) -> torch.Tensor:
     """(T - start,) mean NLL at each position from ``start`` on over (N, T + 1) windows, full softmax;
     ``attention``: window=, sinks=. Positions before ``start`` still run through every layer (they are the later
     ones' context); only their vocabulary projection, the costly part, is skipped. The projection is made once per
@@ -97,8 +104,8 @@ def position_nll(model: GPT2, wins: torch.Tensor, batch: int = 2, start: int = 0
 
 
 @torch.no_grad()
-def attention_io(model: GPT2, idx: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer: (the attention's input, its output) in a full forward of ``idx`` (B, T)."""
+def attention_io(model, idx: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer of a GPT-2: (the attention's input, its output) in a full forward of ``idx`` (B, T) (the probes')."""
     seen: dict[int, tuple] = {}
     hooks = [block.attn.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(i, (args[0], out)))
              for i, block in enumerate(model.transformer.h)]
@@ -110,62 +117,129 @@ def attention_io(model: GPT2, idx: torch.Tensor) -> dict[int, tuple[torch.Tensor
     return seen
 
 
-@torch.no_grad()
-def attention_on_first(model: GPT2, idx: torch.Tensor, from_pos: int = 64) -> list[float]:
-    """Per layer: the share of attention that queries at positions >= from_pos put on position 0 (mean over heads,
-    queries and sequences), from ``attention_probs``."""
-    return [float(att[:, :, from_pos:, 0].mean()) for att in attention_probs(model, idx)]
+@contextmanager
+def _recorded_attention(store: list):
+    """Inside: every uncached attention of a model of any family also appends its probabilities (B, nh, T, T) to
+    ``store``, computed from the q and k the layer handed to attention (rotated already, for a rotary family) and
+    checked against the layer's attention output, so they are the ones the model used."""
+    real = attention.attend
+    modules = {sys.modules[cls.__module__] for cls in MODEL_CLASSES.values()}
+
+    def recording(q, k, v, cache=None, layer=0, mask=None):
+        y = real(q, k, v, cache, layer, mask)
+        if cache is None and mask is None:
+            groups = q.size(1) // k.size(1)
+            kk, vv = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            T = q.size(2)
+            att = (q @ kk.transpose(-1, -2)) / math.sqrt(q.size(-1))
+            att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+            torch.testing.assert_close(att @ vv, y, atol=1e-3, rtol=1e-3)  # the attention the model computed
+            store.append(att)
+        return y
+
+    for m in modules:
+        m.attend = recording
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.attend = real
 
 
 @torch.no_grad()
-def attention_probs(model: GPT2, idx: torch.Tensor) -> list[torch.Tensor]:
-    """Per layer: the causal attention probabilities (B, nh, T, T) of a full forward of ``idx``, recomputed from
-    each layer's own input and c_attn, and checked against the layer's output, so they are the ones the model
-    used."""
-    seen = attention_io(model, idx)
-    probs = []
-    for i, block in enumerate(model.transformer.h):
-        x, out = seen[i]
-        B, T, C = x.shape
-        nh = block.attn.n_head
-        q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in block.attn.c_attn(x).split(C, dim=2))
-        att = (q @ k.transpose(-1, -2)) / math.sqrt(C // nh)  # (B, nh, T, T)
-        att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
-        y = block.attn.c_proj((att @ v).transpose(1, 2).reshape(B, T, C))
-        torch.testing.assert_close(y, out, atol=1e-3, rtol=1e-3)  # the same attention the model computed
-        probs.append(att)
-    return probs
+def attention_probs(model: Decoder, idx: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer: the causal attention probabilities (B, nh, T, T) of a full forward of ``idx``, as the model used
+    them (``_recorded_attention``)."""
+    store: list[torch.Tensor] = []
+    with _recorded_attention(store):
+        model(idx)
+    if len(store) != model.config.n_layer:
+        raise RuntimeError(f"recorded {len(store)} layers' attention of {model.config.n_layer}")
+    return store
 
 
-def evaluate(model: GPT2, held: torch.Tensor, ids: torch.Tensor, seed: int = 0) -> dict:
-    """Every target (see TARGETS) of a full-vocabulary model, plus ``attention_on_position_0`` (per layer): on whole
-    EVAL_LEN-token windows of the held-out stream ``held``; copies of random sequences of tokens from ``ids``."""
+@torch.no_grad()
+def attention_on_first(model: Decoder, idx: torch.Tensor, from_pos: int = SINK_FROM) -> list[list[float]]:
+    """Per layer and head: the share of attention that queries at positions >= from_pos put on position 0 (mean
+    over queries and sequences)."""
+    return [att[:, :, from_pos:, 0].mean(dim=(0, 2)).tolist() for att in attention_probs(model, idx)]
+
+
+def chapters(held: torch.Tensor, least: int, most: int, bos: int | None) -> list[torch.Tensor]:
+    """The held-out stream's chapters (split at <|endoftext|>) of at least ``least`` tokens, each behind ``bos`` if
+    given and cut to ``most`` tokens in all: (1, n) each."""
+    out, start, lead = [], 0, int(bos is not None)
+    for end in (held == EOT).nonzero().flatten().tolist():
+        doc, start = held[start:end], end + 1
+        if len(doc) >= least:
+            out.append((torch.cat([held.new_full((1,), bos), doc]) if lead else doc)[:most].unsqueeze(0))
+    return out
+
+
+def context_used(model: Decoder, held: torch.Tensor, bos: int | None) -> tuple[float, int]:
+    """What a model's own-document context buys on the same tokens: over the held-out chapters of at least LATE +
+    NEAR tokens, the NLL of each token at chapter position >= LATE (up to EVAL_LEN) predicted from the last NEAR tokens
+    (the one before it included) and the sequence's first token (``window=NEAR, sinks=1``: the fixed first token,
+    or the chapter's first) minus predicted from the whole chapter before it; the same tokens at the same positions.
+    (gain, tokens)."""
+    lead = bos is not None
+    near_total, all_total, n = 0.0, 0.0, 0
+    for doc in chapters(held, LATE + NEAR, EVAL_LEN + 1, bos):
+        w = doc  # (1, L): inputs doc[:-1], targets doc[1:]
+        start = LATE - 1 + lead  # the input position whose target is the chapter's token LATE
+        full = position_nll(model, w, batch=1, start=start)
+        near = position_nll(model, w, batch=1, start=start, window=NEAR, sinks=1)
+        all_total, near_total, n = all_total + float(full.sum()), near_total + float(near.sum()), n + full.numel()
+    return (near_total - all_total) / max(n, 1), n
+
+
+def evaluate(model: Decoder, held: torch.Tensor, ids: torch.Tensor, seed: int = 0, bos: int | None = None) -> dict:
+    """Every target (see TARGETS) of a full-vocabulary model, plus ``attention_on_position_0`` (per layer, per head):
+    on whole EVAL_LEN-token windows of the held-out stream ``held``; copies of random sequences of tokens from
+    ``ids``, of the ids the held-out text uses, and of passages of the held-out text. ``bos``: the fixed first token
+    the model was trained with, put in front of every sequence (never scored)."""
     if model.config.n_positions < EVAL_LEN:
         raise TrainError(f"the targets need {EVAL_LEN:,} positions; this model has {model.config.n_positions:,}")
     model.eval()
-    wins = windows(held, T=EVAL_LEN)  # (N, EVAL_LEN + 1)
+    lead = bos is not None
+    wins = windows(held, T=EVAL_LEN, bos=lead)  # (N, EVAL_LEN + 1)
     full = position_nll(model, wins)
 
     r = dict(heldout_nll=float(full.mean()), nll_0_127=float(full[:128].mean()),
              nll_512_1023=float(full[LATE:].mean()))
     r["context_gain"] = r["nll_0_127"] - r["nll_512_1023"]
+    r["context_used"], r["context_used_tokens"] = context_used(model, held, bos)
     # the same tokens with and without the LATE tokens before them: what context buys, apart from the text's own
     # difficulty at each position (context_gain compares different tokens)
-    alone = position_nll(model, wins[:, LATE:])
+    tail = wins[:, LATE:] if not lead else torch.cat([wins[:, :1], wins[:, LATE:]], 1)
+    alone = position_nll(model, tail)[lead:]
     r["context_gain_same_tokens"] = float(alone[:128].mean() - full[LATE:LATE + 128].mean())
     r["context_gain_same_tokens_512"] = float(alone.mean() - full[LATE:].mean())
     for sinks, key in ((0, "window64_cost"), (1, "window64_sink1_cost"), (4, "window64_sink4_cost")):
         late = position_nll(model, wins, start=LATE, window=64, sinks=sinks)
         r[key] = float(late.mean()) - r["nll_512_1023"]
-    for n in COPY_LENGTHS:
-        copy = model_copy_accuracy(model, ids, n, k=COPY_K, seed=seed + n)
-        r[f"copy{n}_first"], r[f"copy{n}_acc"] = copy.first, copy.second
-    n, afters = COPY_FROM  # can it copy from anywhere, or only from near the start?
-    for o in afters:
-        r[f"copy{n}_after{o}"] = model_copy_accuracy(model, ids, n, k=COPY_K, seed=seed + n + o, after=o).second
-    r["attention_on_position_0"] = attention_on_first(model, wins[:SINK_WINDOWS, :-1])
-    r = {k: (round(v, 4) if isinstance(v, float) else [round(s, 4) for s in v]) for k, v in r.items()}
+    r["window64_sink_ratio"] = r["window64_cost"] / max(r["window64_sink1_cost"], 1e-3)
+    text_ids = torch.unique(held[held != EOT])  # the ids the held-out text uses, each as likely
+    for suffix, pool in (("", ids), ("_text", text_ids)):
+        for n in COPY_LENGTHS:
+            copy = model_copy_accuracy(model, pool, n, k=COPY_K, seed=seed + n, bos=bos)
+            r[f"copy{n}{suffix}"] = copy.second
+            if not suffix:
+                r[f"copy{n}_first"], r[f"copy{n}_acc"] = copy.first, copy.second
+                del r[f"copy{n}"]
+        n, afters = COPY_FROM  # can it copy from anywhere, or only from near the start?
+        for o in afters if not suffix else afters[-1:]:
+            r[f"copy{n}_after{o}{suffix}"] = model_copy_accuracy(model, pool, n, k=COPY_K, seed=seed + n + o,
+                                                                 after=o, bos=bos).second
+    text = held[held != EOT]  # passages of the held-out text itself: its own prior competes with the copy
+    r["copy500_passage"] = model_copy_accuracy(model, text, 500, k=COPY_K, seed=seed, bos=bos, contiguous=True).second
+    shares = attention_on_first(model, wins[:SINK_WINDOWS, :-1])
+    r["attention_on_position_0"] = shares
+    r["sink_head_max"] = max(max(layer) for layer in shares)
+    r = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+    r["attention_on_position_0"] = [[round(h, 4) for h in layer] for layer in shares]
     r["heldout_windows"] = len(wins)
+    r["bos"] = lead
     r["met"] = {key: meets(r[key], bound) for key, _, bound in TARGETS if bound is not None}
     return r
 
@@ -180,12 +254,13 @@ def targets_table(r: dict) -> str:
     """The targets as one plain-text table: what, value, bound, met."""
     rows = [("target", "value", "bound", "met")]
     for key, what, bound in TARGETS:
-        rows.append((what, f"{r[key]:+.3f}" if "cost" in key or "gain" in key else f"{r[key]:.3f}",
+        rows.append((what, f"{r[key]:+.3f}" if any(w in key for w in ("cost", "gain", "used")) else f"{r[key]:.3f}",
                      f"{bound[0]} {bound[1]}" if bound else "reported",
                      ("yes" if r["met"][key] else "NO") if bound else ""))
-    for layer, share in enumerate(r["attention_on_position_0"]):
-        rows.append((f"layer {layer}: share of attention on position 0 (queries >= 64)", f"{share:.3f}",
-                     "reported", ""))
+    for layer, shares in enumerate(r["attention_on_position_0"]):
+        shares = shares if isinstance(shares, list) else [shares]  # a record from before the per-head shares
+        rows.append((f"layer {layer}: share of attention on position 0 per head (queries >= {SINK_FROM})",
+                     " ".join(f"{h:.3f}" for h in shares), "reported", ""))
     widths = [max(len(row[c]) for row in rows) for c in range(4)]
     lines = ["  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
@@ -204,10 +279,23 @@ def evaluate_folder(folder: str | os.PathLike) -> tuple[dict, str]:
     if not (folder / "config.json").is_file():
         raise TrainError(f"--evaluate {folder}: no config.json there; give a checkpoint folder")
     try:
-        model = GPT2.from_pretrained(folder).eval()
+        model = load_model(folder).eval()
     except CheckpointError as e:
         raise TrainError(f"--evaluate {folder}: {e}") from None
     data = TrainingData(EVAL_LEN, EVAL_TOKENS)
     seed = (finished(folder) or {}).get("seed", 0)
-    r = evaluate(model, data.held_stream, data.copy_ids(full=True), seed=seed)
+    bos = EOT if json.loads((folder / "config.json").read_text()).get(BOS_KEY) is True else None
+    r = evaluate(model, data.held_stream, data.copy_ids(full=True), seed=seed, bos=bos)
     return r, targets_table(r)
+
+
+def record_targets(folder: str | os.PathLike, r: dict) -> None:
+    """``--evaluate DIR --record``: write the targets measured now into DIR's ``kvlab_train`` record (only a folder
+    kvlab's training wrote: its config.json carries that record), so the record says what the code measures today."""
+    path = Path(folder) / "config.json"
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(cfg.get("kvlab_train"), dict):
+        raise TrainError(f"--record {folder}: its config.json has no kvlab_train record (kvlab did not train it); "
+                         "kvlab writes only into checkpoints it trained")
+    cfg["kvlab_train"]["targets"] = r
+    atomic_write(path, (json.dumps(cfg, indent=2) + "\n").encode())

@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     idx = torch.tensor(ids[:n * a.texts]).view(a.texts, n)
     pairs = keys_values(model, idx)
     with torch.no_grad():
-        sinks = attention_on_first(model, idx)
+        sinks = [sum(heads) / len(heads) for heads in attention_on_first(model, idx)]  # mean over heads
     rot = hadamard(pairs[0][0].shape[-1])
     print(f"{a.weights}: {a.texts} texts x {n} tokens, head_dim {pairs[0][0].shape[-1]}" + (
         "" if chosen["k_channels"] is None else f", outliers x{a.outliers:g} (K channels {chosen['k_channels']}, V "

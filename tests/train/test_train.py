@@ -17,6 +17,7 @@ from harness.train import __main__ as cli
 from harness.train import corpus, loop, rows, targets
 from harness.train import model as M
 from harness.train import recipe as R
+from models.families import build, preset_config
 from models.gpt2 import GPT2, GPT2Config
 from models.tokenizer import Tokenizer
 from tests.helpers import REPO
@@ -75,9 +76,11 @@ def test_training_lowers_the_full_softmax_heldout_nll(tiny_run):
     # the reported number is the saved model's, with the full softmax
     tok, _, held = corpus.load_data()
     loaded = GPT2.from_pretrained(out)
-    assert targets.nll(loaded, corpus.windows(held, 1024, T=32)) == pytest.approx(rec["heldout_nll"], abs=1e-3)
+    wins = corpus.windows(held, 1024, T=32, bos=True)  # behind the fixed first token, as the model was trained
+    assert (wins[:, 0] == R.EOT).all() and targets.nll(loaded, wins) == pytest.approx(rec["heldout_nll"], abs=1e-3)
     rows = (out / "train_log.csv").read_text().splitlines()
-    assert rows[0] == "step,elapsed_s,train_loss,lr,heldout_nll,copy_acc,copy_far_acc" and len(rows) >= 6
+    assert rows[0] == "step,elapsed_s,train_loss,lr,heldout_nll,copy_acc,copy_far_acc,sink_max" and len(rows) >= 6
+    assert all(0 <= float(r.split(",")[7]) <= 1 for r in rows[1:-1])  # a head's share on position 0, every quick row
     assert all(0 <= float(r.split(",")[6]) <= 1 for r in rows[1:-1])  # copy behind other tokens, on every quick row
     first, last = float(rows[1].split(",")[4]), float(rows[-2].split(",")[4])
     assert last < first - 1  # quick held-out NLL along the way went down
@@ -96,6 +99,25 @@ def test_unused_vocabulary_rows_get_one_small_constant_logit(tiny_run):
     assert float(u.std()) < 1e-3 and float(u.mean()) == pytest.approx(meta["unused_rows_logit"], abs=1e-2)
     mass = torch.softmax(logits, -1)[..., unused].sum(-1)
     assert float(mass.max()) < 0.05
+
+
+def test_a_llama_family_run_writes_a_checkpoint_transformers_reads(tmp_path):
+    """--family llama: the same recipe trains a rotary, grouped-query model into an HF Llama folder (the fixed first
+    token recorded), which transformers' LlamaForCausalLM reads with our logits; training lowered its NLL."""
+    from transformers import LlamaForCausalLM
+
+    from models.llama import LlamaConfig
+
+    cfg = LlamaConfig(n_layer=1, n_head=4, n_kv_head=2, n_embd=32, head_dim=16, intermediate_size=64, n_positions=64,
+                      bos_token_id=R.EOT, eos_token_id=R.EOT)
+    meta = loop.train(tmp_path / "run", steps=30, eval_every=10, family="llama", **{**FAST, "config": cfg})
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["model_type"] == "llama" and saved["num_key_value_heads"] == 2 and saved[R.BOS_KEY] is True
+    assert meta["family"] == "llama" and meta["bos"] is True and meta["heldout_nll"] < math.log(50257) - 0.5
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "run", dtype=torch.float32).eval()
+    idx = torch.tensor([[R.EOT] + Tokenizer().encode("And God said, Let there be light")])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, meta["_model"](idx), atol=1e-4, rtol=1e-4)
 
 
 def test_finished_folder_is_reported_not_retrained(tiny_run):
@@ -342,47 +364,89 @@ def test_a_copy_phase_trains_on_twice_rows_only_then_on_the_mix(tmp_path, monkey
         loop.train(tmp_path / "other", steps=8, **{**FAST, "copy_phase": 1.0})
 
 
-real_twice, real_mix, real_offsets = rows.twice_rows, rows.make_batch, M.position_offsets
+real_twice, real_mix, real_positions = rows.twice_rows, rows.make_batch, M.row_positions
 
 
 def test_copy_offsets_move_the_copy_phases_rows_to_random_positions_from_their_share_on(tmp_path, monkeypatch):
     """--copy-offsets 0.25 with --copy-phase 0.5 of 8 steps: steps 1-2 read positions from 0, steps 3-4 from a
-    random start per row that keeps the row inside n_positions; a share outside [0, copy phase) is refused."""
+    random start per row that keeps the row inside n_positions, the fixed first token at position 0; a share outside
+    [0, copy phase) is refused."""
     seen = []
 
-    def spy(model, starts):
-        seen.append(None if starts is None else starts.flatten().tolist())
-        return real_offsets(model, starts)
+    def spy(n, length, starts, bos):
+        pos = real_positions(n, length, starts, bos)
+        seen.append(None if starts is None else pos)
+        return pos
 
-    monkeypatch.setattr(loop, "position_offsets", spy)
+    monkeypatch.setattr(loop, "row_positions", spy)
     meta = loop.train(tmp_path / "run", steps=8, eval_every=4, **{**FAST, "copy_phase": 0.5, "copy_offsets": 0.25})
     assert seen[:2] == [None, None] and len(seen) == 4
-    starts = [v for row in seen[2:] for v in row]
-    assert len(starts) == 2 * 8 * 32 // 32 and len(set(starts)) > 1
-    assert all(0 <= v <= SMALL.n_positions - 32 for v in starts)
+    for pos in seen[2:]:
+        assert pos.shape == (8, 32) and (pos[:, 0] == 0).all()  # the first token stays at 0
+        assert (pos[:, 1:].diff(dim=1) == 1).all() and int(pos.max()) <= SMALL.n_positions - 1
+    starts = [int(p[r, 1]) - 1 for p in seen[2:] for r in range(len(p))]
+    assert len(set(starts)) > 1 and min(starts) >= 0
     assert meta["copy_offsets"] == 0.25 and "random start" in meta["mix"]
     with pytest.raises(R.TrainError, match=r"--copy-offsets must lie in \[0, --copy-phase 0.5\)"):
         loop.train(tmp_path / "other", steps=8, **{**FAST, "copy_phase": 0.5, "copy_offsets": 0.5})
 
 
-def test_position_offsets_read_each_rows_positions_from_its_start(tiny_model):
-    """Inside position_offsets, row r's forward equals the plain forward of a model whose position embeddings are
-    shifted by that row's start; outside, nothing changed."""
-    import copy
-
+def test_hidden_reads_each_rows_positions(tiny_model):
+    """hidden(model, x, pos) is the forward at those positions: at 0..T-1 the model's own forward; a GPT-2 row read
+    from start s equals the forward of a model whose position table is shifted by s (position_offsets, the probes'
+    tool); the fixed first token keeps position 0 (row_positions)."""
     x = torch.randint(0, 1000, (2, 10), generator=torch.Generator().manual_seed(0))
-    starts = torch.tensor([[0], [7]])
-    with torch.no_grad(), M.position_offsets(tiny_model, starts):
-        got = tiny_model(x)
-    for r, s in enumerate(starts.flatten().tolist()):
-        shifted = copy.deepcopy(tiny_model)
-        with torch.no_grad():
-            shifted.transformer.wpe.weight[: -s or None] = tiny_model.transformer.wpe.weight[s:]
-            want = shifted(x[r:r + 1])
-        assert torch.allclose(got[r:r + 1], want, atol=1e-5), s
-    assert not tiny_model.transformer.wpe._forward_pre_hooks
     with torch.no_grad():
-        assert not torch.allclose(tiny_model(x)[1], got[1], atol=1e-3)  # the shift did move row 1
+        torch.testing.assert_close(tiny_model.head(M.hidden(tiny_model, x)), tiny_model(x), atol=1e-5, rtol=1e-5)
+        starts = torch.tensor([[0], [7]])
+        got = tiny_model.head(M.hidden(tiny_model, x, M.row_positions(2, 10, starts, bos=False)))
+        with M.position_offsets(tiny_model, starts):
+            want = tiny_model(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got[1], tiny_model(x)[1], atol=1e-3)  # the shift did move row 1
+    pos = M.row_positions(2, 10, starts, bos=True)
+    assert pos[:, 0].tolist() == [0, 0] and pos[1, 1:].tolist() == list(range(8, 17))
+
+
+def test_a_rotary_models_hidden_states_move_only_with_the_first_tokens_distance():
+    """Llama: one offset for a whole row leaves the hidden states as they were (rotary positions are relative); the
+    fixed first token kept at 0 while the rest move changes them (its distance changed)."""
+    torch.manual_seed(0)
+    model = M.compact_model(preset_config("tiny-gqa"), 500)
+    x = torch.randint(0, 499, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = M.hidden(model, x)
+        torch.testing.assert_close(M.hidden(model, x, torch.arange(12) + 30), base, atol=1e-4, rtol=1e-4)
+        moved = M.hidden(model, x, M.row_positions(1, 12, torch.tensor([[30]]), bos=True))
+    assert not torch.allclose(moved[:, 1:], base[:, 1:], atol=1e-3)
+
+
+def test_with_bos_puts_the_first_token_at_position_0_and_never_trains_on_it():
+    x, y = rows.text_rows(corpus.load_data()[1], 3, 7, torch.Generator().manual_seed(0))
+    bx, by = rows.with_bos(x, y, 50256)
+    assert bx.shape == by.shape == (3, 8) and (bx[:, 0] == 50256).all() and (by[:, 0] == R.IGNORE).all()
+    assert torch.equal(bx[:, 1:], x) and torch.equal(by[:, 1:], y)
+
+
+def test_every_training_row_starts_with_the_fixed_first_token(tmp_path, monkeypatch):
+    """With bos (the default) every row of every batch, copy phase and mix alike, is <|endoftext|> (compact id) at
+    position 0, its target not trained on; without it no row is; the record and config.json say which."""
+    seen = []
+    real_head = M.hidden
+
+    def spy(model, x, pos=None):
+        seen.append(x[:, 0].clone())
+        return real_head(model, x, pos)
+
+    monkeypatch.setattr(loop, "hidden", spy)
+    data = corpus.TrainingData(32, 1024)
+    for bos in (True, False):
+        seen.clear()
+        meta = loop.train(tmp_path / f"run{bos}", steps=4, eval_every=2, bos=bos, **{**FAST, "copy_phase": 0.5})
+        firsts = torch.cat(seen)
+        assert len(seen) == 4 and ((firsts == data.eot).all() if bos else (firsts != data.eot).any())
+        cfg = json.loads((tmp_path / f"run{bos}" / "config.json").read_text())
+        assert cfg.get(R.BOS_KEY, False) is bos and meta.get("bos", False) is bos
 
 
 class _Copier(torch.nn.Module):
@@ -452,6 +516,33 @@ def test_the_recipe_teaches_a_tiny_model_to_copy_in_seconds():
     assert second > 10 * chance, (first, second)  # chance: 1/64
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gqa"])
+def test_attention_probs_are_the_ones_each_family_used(preset):
+    """attention_probs records every layer's causal attention (per query head, GQA included) from the q and k the
+    layer handed to attention, checked against its output; the model's own attention is restored afterwards."""
+    from models import attention as A
+
+    torch.manual_seed(0)
+    model = build(preset_config(preset)).eval()
+    x = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(1))
+    probs = targets.attention_probs(model, x)
+    assert len(probs) == model.config.n_layer
+    for att in probs:
+        assert att.shape == (2, model.config.n_head, 24, 24)
+        torch.testing.assert_close(att.sum(-1), torch.ones(2, model.config.n_head, 24))
+        assert float(att.triu(1).abs().max()) == 0.0  # causal
+    shares = targets.attention_on_first(model, x, from_pos=8)
+    assert [len(layer) for layer in shares] == [model.config.n_head] * model.config.n_layer
+    assert shares[0][0] == pytest.approx(float(probs[0][:, 0, 8:, 0].mean()), abs=1e-6)
+    assert sys.modules[type(model).__module__].attend is A.attend
+
+
+def test_chapters_are_the_held_out_documents_behind_the_first_token():
+    held = torch.tensor([1, 2, 3, R.EOT, 4, 5, 6, 7, 8, R.EOT, 9, R.EOT])
+    assert [c.tolist() for c in targets.chapters(held, 3, 10, None)] == [[[1, 2, 3]], [[4, 5, 6, 7, 8]]]
+    assert [c.tolist() for c in targets.chapters(held, 4, 4, R.EOT)] == [[[R.EOT, 4, 5, 6]]]
+
+
 def test_late_positions_nll_is_the_full_runs_tail(tiny_model):
     """position_nll(start=s) skips the vocabulary projection of positions before s, not their attention."""
     wins = torch.randint(0, tiny_model.config.vocab_size, (3, 41), generator=torch.Generator().manual_seed(0))
@@ -464,7 +555,7 @@ def test_late_positions_nll_is_the_full_runs_tail(tiny_model):
 
 def test_targets_table_names_every_target_and_what_it_missed():
     r = {key: 0.5 for key, _, _ in R.TARGETS}
-    r.update(attention_on_position_0=[0.25, 0.75], heldout_windows=3)
+    r.update(attention_on_position_0=[[0.25, 0.5], [0.75, 0.0]], heldout_windows=3)
     r["met"] = {key: targets.meets(r[key], bound) for key, _, bound in R.TARGETS if bound is not None}
     table = targets.targets_table(r).splitlines()
     assert len(table) == 2 + len(R.TARGETS) + 2 + 1
@@ -505,6 +596,7 @@ def test_the_shipped_mini_was_made_by_the_default_recipe():
     assert (rec["init_std"], rec["peak_lr"], rec["batch"], rec["seq_len"]) == (R.INIT_STD, R.PEAK_LR, R.BATCH,
                                                                                R.SEQ_LEN)
     assert {k: cfg[k] for k in R.MINI_CONFIG} == R.MINI_CONFIG
+    assert rec.get("bos", False) is cfg.get(R.BOS_KEY, False)  # the record and what runs read agree
 
 
 @pytest.fixture(scope="module")
@@ -522,9 +614,11 @@ def test_shipped_mini_records_the_targets_it_has(mini_targets):
         assert r[key] == pytest.approx(rec["targets"][key], abs=2e-3), key
     assert rec["targets"]["met"] == r["met"]
     assert r["copy50_first"] < r["copy50_acc"] and r["copy500_first"] < r["copy500_acc"]
-    shares = r["attention_on_position_0"]
-    assert len(shares) == 6 and all(0 <= s <= 1 for s in shares)
-    assert shares == pytest.approx(rec["targets"]["attention_on_position_0"], abs=2e-3)
+    shares = r["attention_on_position_0"]  # per layer, per head
+    assert len(shares) == 6 and all(len(layer) == 2 and all(0 <= h <= 1 for h in layer) for layer in shares)
+    assert r["sink_head_max"] == max(max(layer) for layer in shares)
+    for got, recorded in zip(shares, rec["targets"]["attention_on_position_0"]):
+        assert got == pytest.approx(recorded, abs=2e-3)
 
 
 @pytest.mark.slow
@@ -717,6 +811,38 @@ def test_heads_option_trains_mini_with_that_many_heads(tmp_path, monkeypatch):
                                                                        R.MINI_CONFIG["n_layer"], 32)
     assert default is None  # not passed: train() builds GPT2Config(**MINI_CONFIG)
     assert GPT2Config(**R.MINI_CONFIG).head_dim == 64
+
+
+def test_family_option_trains_the_familys_preset_and_heads_is_gpt2s(tmp_path, monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(loop, "_train", lambda folder, minutes, steps, seed, restart, config, *a, **k:
+                        seen.append(config) or {})
+    assert cli.main(["--out", str(tmp_path / "a"), "--steps", "1", "--family", "llama"]) == 0
+    assert seen[0] == preset_config("mini-llama") and (seen[0].n_head, seen[0].n_kv_head) == (4, 2)
+    assert cli.main(["--out", str(tmp_path / "b"), "--steps", "1", "--family", "llama", "--heads", "4"]) == 2
+    assert "--heads is the gpt2 family's" in capsys.readouterr().err
+
+
+def test_a_llama_export_is_the_compact_softmax_with_unused_ids_at_logit_0():
+    """Without a norm bias (RMSNorm) the unused ids' rows are zero and the compact model's other-id slot carries
+    their mass (ln of how many): the exported model's log-probabilities of the used ids equal the compact model's."""
+    from harness.train.export import export_full
+
+    torch.manual_seed(0)
+    full_cfg = preset_config("tiny-gqa")
+    vocab = torch.tensor(sorted(torch.randperm(50000, generator=torch.Generator().manual_seed(2))[:300].tolist()))
+    compact = M.compact_model(full_cfg, len(vocab) + 1, n_full=full_cfg.vocab_size)
+    full, info = export_full(compact, full_cfg, vocab, 0.01, 64, torch.float32, None)
+    assert info["unused_rows_logit"] == 0.0
+    x = torch.randint(0, len(vocab), (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = full(vocab[x]).log_softmax(-1)
+        theirs = compact(x).log_softmax(-1)
+    torch.testing.assert_close(ours[..., vocab], theirs[..., :-1], atol=1e-4, rtol=1e-4)
+    unused = torch.ones(full_cfg.vocab_size, dtype=torch.bool)
+    unused[vocab] = False
+    with torch.no_grad():
+        assert float(full(vocab[x])[..., unused].abs().max()) == 0.0
 
 
 def test_copy_offsets_default_to_the_recipes_inside_a_long_enough_copy_phase(tmp_path, monkeypatch):
