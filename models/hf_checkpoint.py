@@ -173,6 +173,26 @@ def read_config(folder: str | os.PathLike) -> dict:
         raise CheckpointError(f"{cfg_file}: cannot be read ({e.strerror or type(e).__name__})") from None
 
 
+FIRST_TOKEN_KEY = "kvlab_bos"  # config.json: true when every training row began with the model's bos_token_id
+
+
+def first_token(folder: str | os.PathLike) -> int | None:
+    """The token a checkpoint was trained to see first in every sequence (its config.json says ``kvlab_bos: true``:
+    kvlab's own reference models), which every sequence a run feeds it then starts with; None for any other
+    checkpoint. A ``kvlab_bos`` that is not true/false, or true without a bos_token_id, is refused in one line."""
+    d = read_config(folder)
+    flag = d.get(FIRST_TOKEN_KEY, False)
+    if not isinstance(flag, bool):
+        raise CheckpointError(f"{Path(folder) / CONFIG}: {FIRST_TOKEN_KEY} must be true or false, got {flag!r:.60}")
+    if not flag:
+        return None
+    bos = d.get("bos_token_id")
+    if isinstance(bos, bool) or not isinstance(bos, int) or bos < 0:
+        raise CheckpointError(f"{Path(folder) / CONFIG}: {FIRST_TOKEN_KEY} is true but bos_token_id is {bos!r:.60}; "
+                              "give the id of the token every sequence starts with")
+    return bos
+
+
 def check_shapes(expect, shapes: dict[str, tuple], source: str | os.PathLike, asked_by: str = CONFIG,
                  fmt: Format = GPT2_FORMAT) -> None:
     """Every parameter ``expect`` implies (``expect.param_shapes()``: our names and layouts) is among a checkpoint's
@@ -378,6 +398,6 @@ def _replace(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
-__all__ = ["CONFIG", "CONV1D", "FORMATS", "GPT2_FORMAT", "MASK_BUFFERS", "PYTORCH_BIN", "SAFETENSORS", "SHARD_INDEX",
+__all__ = ["CONFIG", "CONV1D", "FIRST_TOKEN_KEY", "FORMATS", "GPT2_FORMAT", "MASK_BUFFERS", "PYTORCH_BIN", "SAFETENSORS", "SHARD_INDEX",
            "CheckpointError", "Format", "check_shapes", "from_hf", "load_state", "read_config", "read_weights",
            "resolve", "to_hf", "to_safetensors", "write_folder"]

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from harness.analysis import depth, plots
+from harness.analysis import depth, plots, stream
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,11 @@ FIGURES: tuple[Figure, ...] = (
            "where the source sits, 0% the start; y: the context's length), a heatmap per setting beside fp32 full "
            "attention's. A window of W slots loses the sources more than W tokens back; the spans are asked newest "
            "first, so the oldest are also asked last.", by=("retrieval",)),
+    Figure("stream", "text_positions", stream.stream_plot,
+           "Streaming past the trained length (StreamingLLM's Figure 3): text NLL against position through a window "
+           "that re-positions its keys within the cache (cache.positions=cache), per number of sinks, and dense "
+           "attention at absolute positions (dashed; past the positions the model was trained for it degrades). "
+           "Mean over 128-token buckets and the texts.", by=("text_drift",), when=stream.streamed),
     Figure("cache_bytes", "runs", plots.cache_bytes_plot,
            "Cache bytes: measured vs the formula, and bytes per cached token.", by=("memory",)),
     Figure("memory", "memory", plots.memory_plot,

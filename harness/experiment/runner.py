@@ -428,6 +428,21 @@ def batch_lengths(batch: int, prompt_len: int, kind: str, seed: int) -> list[int
     return [prompt_len] + torch.randint(1, prompt_len + 1, (batch - 1,), generator=g).tolist()
 
 
+def first_token_of(w: Weights | None) -> int | None:
+    """The token a checkpoint folder was trained to see first (``models.hf_checkpoint.first_token``), or None."""
+    if w is None or w.random or not Path(w.load_from).is_dir():
+        return None
+    from models.hf_checkpoint import first_token
+
+    return first_token(w.load_from)
+
+
+def led(seq: torch.Tensor, first: int) -> torch.Tensor:
+    """``seq`` (1, L) or (L,) as the same number of tokens starting with ``first``: it, then seq's first L - 1."""
+    lead = seq.new_full(seq.shape[:-1] + (1,), first)
+    return torch.cat([lead, seq[..., :-1]], -1)
+
+
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (1, length), generator=g) for _ in range(n)]
@@ -611,13 +626,17 @@ def load(plan: Plan) -> dict:
         prompts = random_prompts(rc.n_prompts, rc.prompt_len, mcfg.vocab_size, rc.seed)
         texts = random_prompts(n_texts, text_len, mcfg.vocab_size, rc.seed) if ref32 is not None else None
         served = random_prompts(rc.batch, rc.prompt_len, mcfg.vocab_size, rc.seed)
+    bos = first_token_of(w)
+    if bos is not None:  # trained with it at position 0: every sequence starts with it, at the length asked
+        prompts, served = [led(p, bos) for p in prompts], [led(p, bos) for p in served]
+        texts = texts and [led(t, bos) for t in texts]
     lengths = batch_lengths(rc.batch, rc.prompt_len, rc.prompt_lengths, rc.seed)
     served = [p[0, :n] for p, n in zip(served, lengths)]  # (n,) each
     prompts = [p.to(device) for p in prompts]
     texts = texts and [t.to(device) for t in texts]
     return dict(mcfg=mcfg, max_len=max_len, contexts=contexts, model32=model32, model=model, engine=engine,
                 spec=spec, ref32=ref32, prompts=prompts, texts=texts, served=served, compiled=compiled,
-                outliers=injected, tokenizer=tok)
+                outliers=injected, tokenizer=tok, first_token=bos)
 
 
 def resolved_record(plan: Plan, loaded: dict) -> dict:
@@ -632,7 +651,8 @@ def resolved_record(plan: Plan, loaded: dict) -> dict:
         n_layer=mcfg.n_layer, n_head=mcfg.n_head, n_kv_head=mcfg.n_kv_head, model_family=mcfg.family,
         n_embd=mcfg.n_embd, n_params=model.num_params(),
         outlier_k_channels=channels["k_channels"], outlier_v_channels=channels["v_channels"],
-        prompt_tokenizer=None if loaded["tokenizer"] is None else getattr(loaded["tokenizer"], "source", "gpt2"))),
+        prompt_tokenizer=None if loaded["tokenizer"] is None else getattr(loaded["tokenizer"], "source", "gpt2"),
+        first_token=loaded["first_token"])),
         max_len=loaded["max_len"], context_lengths=",".join(map(str, loaded["contexts"])))
 
 
@@ -645,7 +665,7 @@ def context(plan: Plan, loaded: dict, rec: dict, progress: bool) -> measurements
         texts=loaded["texts"], served=loaded["served"], contexts=loaded["contexts"], repeats=rc.repeats,
         warmup=rc.warmup, seed=rc.seed, compiled=loaded["compiled"], progress=progress,
         peak_reset=measure.reset_peak_memory(plan.device), record=rec,
-        decode=None if loaded["tokenizer"] is None else loaded["tokenizer"].decode)
+        decode=None if loaded["tokenizer"] is None else loaded["tokenizer"].decode, first_token=loaded["first_token"])
 
 
 def measure_run(plan: Plan, loaded: dict, rec: dict, progress: bool = True) -> dict:

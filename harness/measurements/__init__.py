@@ -57,6 +57,7 @@ class Context:
     record: dict = field(default_factory=dict)
     tables: dict = field(default_factory=dict)
     decode: Any = None  # token ids -> text, for the record's sample (None: GPT-2's tokenizer)
+    first_token: int | None = None  # the token every sequence starts with (a model trained with it first), or None
 
     def options(self, cls: type[Measurement]):
         """``cls.Options`` from the run's option values (``option_values``), defaults where unset."""

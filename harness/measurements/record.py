@@ -98,6 +98,9 @@ class Resolved:
                                          "model.outliers.v_channels takes it; null: none (outlier_scale 1)")
     prompt_tokenizer: str | None = key("what made the text prompts: gpt2 (GPT-2's tokenizer), or the checkpoint's "
                                        "tokenizer.json; null: random token ids (prompts=random)")
+    first_token: int | None = key("the token every prompt, text and retrieval sequence of the run starts with: the "
+                                  "checkpoint was trained with it at position 0 (config.json's kvlab_bos), so "
+                                  "cache.sinks=1 keeps exactly it; null: none", "token id")
 
 
 @dataclass(frozen=True)

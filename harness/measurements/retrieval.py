@@ -159,15 +159,16 @@ class Retrieval(Measurement):
         import pandas as pd
 
         ctx = self.ctx
-        n = min(self.opts.retrieval_n, ctx.max_len // 2)
+        lead = int(ctx.first_token is not None)  # a model trained with a fixed first token sees it first
+        n = min(self.opts.retrieval_n, (ctx.max_len - lead) // 2)
         ids = copying.distinct_ids(ctx.engine.model)
+        if lead:
+            ids = ids[ids != ctx.first_token]
         ref_engine = ctx.ref32 if ctx.ref32 is not None else ctx.engine
         accs, refs, firsts, rows = [], [], [], []
         for i, seq in enumerate(copying.copy_sequences(ids, n, self.opts.retrieval_k, ctx.seed)):
             seq = seq.to(ctx.device)
-            ours, _ = measure.text_pass(ctx.engine, ctx.spec, seq, n)  # (2n - 1, vocab)
-            measure.check_finite(ours, "the retrieval pass")
-            ref = ref_engine.forward(seq)[0, :-1].float()  # fp32 full attention, uncached
+            ours, ref = self._pass(ctx, ref_engine, seq, n, "the retrieval pass")  # (2n - 1, vocab) each
             (a, f), (r, _) = copying.copy_accuracy(ours, seq, n), copying.copy_accuracy(ref, seq, n)
             accs.append(a), refs.append(r), firsts.append(f)
             target = seq[0, n:].cpu()  # the second copy, predicted by rows n - 1 .. 2n - 2
@@ -199,9 +200,7 @@ class Retrieval(Measurement):
         for L in lengths:
             for i, p in enumerate(copying.depth_sequences(ids, L, D, self.opts.retrieval_k, ctx.seed)):
                 seq = p.seq.to(ctx.device)
-                ours, _ = measure.text_pass(ctx.engine, ctx.spec, seq, L)  # row t - 1 predicted token t
-                measure.check_finite(ours, "the retrieval depth pass")
-                ref = ref_engine.forward(seq)[0, :-1].float()
+                ours, ref = self._pass(ctx, ref_engine, seq, L, "the retrieval depth pass")  # row t - 1: token t
                 at, target = [t - 1 for t in p.positions], seq[0, p.positions].cpu()
                 hit, hit_ref = ((x[at].argmax(-1).cpu() == target).int().tolist() for x in (ours, ref))
                 sid = measure.text_id(seq)
@@ -209,6 +208,23 @@ class Retrieval(Measurement):
                               buckets=D, distance=t - 1 - s, seq_id=sid, correct=c, correct_ref=c_ref)
                          for t, s, c, c_ref in zip(p.positions, p.sources, hit, hit_ref)]
         return pd.DataFrame(rows, columns=list(DEPTH_COLUMNS))
+
+    @staticmethod
+    def _pass(ctx, ref_engine, seq, prefill: int, what: str):
+        """One sequence (1, T) through the run's cache (its first ``prefill`` tokens prefilled, the rest decoded)
+        and through fp32 full attention: the logits that predicted its tokens 1 .. T - 1, (T - 1, vocab) each. A
+        model trained with a fixed first token gets it in front (``ctx.first_token``); its own row is dropped."""
+        import torch
+
+        from harness.core import measure
+
+        lead = int(ctx.first_token is not None)
+        if lead:
+            seq = torch.cat([seq.new_full((1, 1), ctx.first_token), seq], 1)
+        ours, _ = measure.text_pass(ctx.engine, ctx.spec, seq, prefill + lead)
+        measure.check_finite(ours, what)
+        ref = ref_engine.forward(seq)[0, :-1].float()  # fp32 full attention, uncached
+        return ours[lead:], ref[lead:]
 
     @classmethod
     def summary(cls, r, tables):

@@ -151,6 +151,16 @@ def _restored(handler):
     return signal.SIG_DFL if handler is _stopped_while_starting else handler
 
 
+def _evaluate(folder: str, record: bool) -> int:
+    """``--evaluate DIR [--record]``: the targets table of a checkpoint, and with --record into its record."""
+    r, table = evaluate_folder(folder)
+    print(table, flush=True)
+    if record:
+        record_targets(folder, r)
+        print(f"wrote the targets into {folder}/config.json (kvlab_train.targets)", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     argv = sys.argv[1:] if argv is None else argv
@@ -190,12 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             torch.set_num_threads(args.threads or os.cpu_count() or 1)
             if args.evaluate:
-                r, table = evaluate_folder(args.evaluate)
-                print(table, flush=True)
-                if args.record:
-                    record_targets(args.evaluate, r)
-                    print(f"wrote the targets into {args.evaluate}/config.json (kvlab_train.targets)", flush=True)
-                return 0
+                return _evaluate(args.evaluate, args.record)
             train(args.out, minutes=args.minutes, steps=args.steps, seed=args.seed, restart=args.restart,
                   stop_after=args.stop_after, save_dtype=args.save_dtype, command=command, threads=args.threads,
                   placed_share=args.placed_share, mlp_off=args.mlp_off, curriculum=curriculum,

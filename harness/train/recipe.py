@@ -31,6 +31,7 @@ import math
 from pathlib import Path
 
 from models.gpt2 import PRESETS
+from models.hf_checkpoint import FIRST_TOKEN_KEY
 from models.tokenizer import Tokenizer
 
 
@@ -52,7 +53,7 @@ PROMPTS = Path(__file__).resolve().parent.parent / "prompts.txt"  # harness/prom
 MINI_CONFIG = dict(PRESETS["mini"])
 FAMILY_PRESETS = {"gpt2": "mini", "llama": "mini-llama"}  # --family: the preset each family's reference model has
 BOS = True  # every row starts with <|endoftext|> at position 0 (a fixed first token: where attention sinks form)
-BOS_KEY = "kvlab_bos"  # config.json: true when the model was trained so; runs then put it in front of every sequence
+BOS_KEY = FIRST_TOKEN_KEY  # config.json: true when trained so; runs then put the token in front of every sequence
 DEFAULT_STEPS = 3200  # the shipped recipe's budget (see docs/reference-model.md)
 SEQ_LEN = 1024
 BATCH = 8

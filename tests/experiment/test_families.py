@@ -200,3 +200,36 @@ def test_a_checkpoint_of_another_family_than_the_preset_is_refused_naming_both(t
         model_config(weights.resolve(m), m)
     ok = ModelChoice(name="tiny-gqa", preset="tiny-gqa", weights=str(folder), seed=0)
     assert model_config(weights.resolve(ok), ok).n_kv_head == 2
+
+
+def test_a_checkpoint_trained_with_a_first_token_gets_it_in_front_of_every_sequence(tmp_path):
+    """config.json's kvlab_bos: every prompt, text and retrieval sequence of a run starts with bos_token_id (the
+    sequence keeps its length), recorded as first_token; a checkpoint without it gets none; a bad flag is one line."""
+    from models import hf_checkpoint as hf
+
+    torch.manual_seed(3)
+    model = build(preset_config("tiny-gqa"))
+    folder = tmp_path / "ckpt"
+    hf.write_folder(folder, model.state_dict(), {**model.hf_config_dict(), "bos_token_id": 50256, hf.FIRST_TOKEN_KEY:
+                                                 True}, fmt=model.hf_format)
+    assert hf.first_token(folder) == 50256
+    run_dir = tmp_path / "run"
+    p = run_py(["model=tiny-gqa", f"model.weights={folder}", "measurements=[equivalence,retrieval]", "max_len=64",
+                "retrieval_n=40", *QUICK, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rec = json.loads((run_dir / "results.json").read_text())
+    assert rec["first_token"] == 50256 and rec["sample_prompt"].startswith("<|endoftext|>")
+    assert rec["retrieval_n"] == 31 and rec["tokens_identical"] is True  # 1 + 2 x 31 tokens fit in max_len 64
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, hf.FIRST_TOKEN_KEY: "yes"}))
+    with pytest.raises(hf.CheckpointError, match="kvlab_bos must be true or false"):
+        hf.first_token(folder)
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != hf.FIRST_TOKEN_KEY}))
+    assert hf.first_token(folder) is None
+
+
+def test_led_keeps_a_sequences_length_and_puts_the_first_token_in_front():
+    from harness.experiment.runner import led
+
+    assert led(torch.tensor([[5, 6, 7]]), 9).tolist() == [[9, 5, 6]]
+    assert led(torch.tensor([5, 6, 7]), 9).tolist() == [9, 5, 6]

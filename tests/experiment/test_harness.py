@@ -25,18 +25,19 @@ from models.tokenizer import Tokenizer
 
 GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml"))
           for g in ("model", "engine", "cache", "dtype", "device", "tracking", "experiment")}
-PINNED = (*PAPERS, "gqa")  # experiments that pin their model (and kind): composed and validated on their own
+# experiments that pin their model (and kind): composed and validated on their own
+PINNED = (*PAPERS, "gqa", "streaming")
 
 
 def test_groups_hold_what_users_sweep():
     assert set(GROUPS["model"]) == {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "mini", "tiny", "smollm2-135m",
-                                    "qwen2.5-0.5b", "llama-3.2-1b", "tiny-gqa", "gqa-base"}
+                                    "qwen2.5-0.5b", "llama-3.2-1b", "tiny-gqa", "gqa-base", "mini-llama"}
     assert set(GROUPS["cache"]) == set(CACHE_KINDS)  # one YAML per registered kind
     assert set(GROUPS["engine"]) == {"kvlab", "hf"}
     assert set(GROUPS["dtype"]) == {"fp32", "fp16", "bf16"}
     assert set(GROUPS["device"]) == {"cpu", "cuda", "auto"}
     assert set(GROUPS["tracking"]) == {"offline", "online", "disabled"}
-    assert set(GROUPS["experiment"]) == {"quick", "seed_protocol", "long", "bench", "gqa", *PAPERS}
+    assert set(GROUPS["experiment"]) == {"quick", "seed_protocol", "long", "bench", "gqa", "streaming", *PAPERS}
 
 
 # one model of each family and number of positions is crossed with every cache kind and experiment; the others,
@@ -84,6 +85,24 @@ def test_every_group_combination_composes_and_validates():
     # (each paper preset pins its model and kind: tests/analysis/test_findings.py composes and validates its whole grid)
     assert checked == len(CROSSED_MODELS) * len(CACHE_KINDS) * (len(GROUPS["experiment"]) - len(PINNED))
     assert all(seen[g] == set(turns[g]) for g in seen)
+
+
+def test_experiment_streaming_composes_a_stream_8x_the_trained_length_for_each_number_of_sinks():
+    """experiment=streaming: mini-llama, a window re-positioned within the cache, sinks 0, 1 and 4; each validates
+    with max_len and the drift text 8 x the 1,024 trained positions (the kind streams; GPT-2 would be refused)."""
+    from harness.experiment.config import check_model, read
+
+    register()
+    sweep = (REPO / "conf" / "experiment" / "streaming.yaml").read_text()
+    assert "cache.sinks: 0,1,4" in sweep
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        for sinks in (0, 1, 4):
+            cfg = compose(config_name="config", overrides=["experiment=streaming", f"cache.sinks={sinks}"])
+            assert cfg.model.name == "mini-llama" and cfg.cache.kind == "window" and cfg.cache.positions == "cache"
+            mcfg = preset_config(cfg.model.preset)
+            check_model(read(cfg), mcfg)
+            max_len, _ = validate(cfg, mcfg.n_positions, mcfg.head_dim)
+            assert max_len == cfg.drift_text_len == 8 * mcfg.n_positions
 
 
 def test_each_cache_yaml_is_its_kinds_defaults_and_options_are_typed():
