@@ -287,6 +287,35 @@ def make(runs: pd.DataFrame, frames: dict[str, pd.DataFrame] | None = None) -> M
     return Made(preset_of(runs), claim_rows(runs, frames), sweep_findings(runs, frames))
 
 
+def by_claim(claims: list[ClaimRow]) -> tuple[list[str], list[list[ClaimRow]]]:
+    """(the models, each claim's rows in that order): a sweep of one model has one row a claim and no model names;
+    one of several (``claim_rows`` made a row per claim and model) a column group per model."""
+    models = list(dict.fromkeys(r.model for r in claims if r.model))
+    if not models:
+        return [], [[r] for r in claims]
+    groups: dict[str, list[ClaimRow]] = {}
+    for r in claims:
+        groups.setdefault(r.claim, []).append(r)
+    return models, list(groups.values())
+
+
+def _claims_markdown(made: Made) -> list[str]:
+    """The claims table: the paper's columns, then kvlab's number, n and verdict (a group of three per model)."""
+    models, rows = by_claim(made.claims)
+    ours = [(f"kvlab ({m})", f"n ({m})", f"verdict ({m})") for m in models] or [("kvlab", "n", "verdict")]
+    head = ["claim", "source", "paper's words", "paper's setting", "paper", "kvlab's setting",
+            *(h for group in ours for h in group), "runs"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for group in rows:
+        r = group[0]
+        cells = [r.claim, _source(r), r.quote, r.paper_setting, r.paper_number, r.our_setting]
+        for g in group:
+            cells += [g.our_number, g.n or "—", verdict_text(g)]
+        cells.append(", ".join(name for g in group for name in g.runs))
+        out.append("| " + " | ".join(_md(x) for x in cells) + " |")
+    return out
+
+
 def markdown(made: Made) -> str:
     """findings.md: the claims table (paper presets) and the sweep's findings, each naming its runs."""
     out = ["# Findings", ""]
@@ -300,13 +329,9 @@ def markdown(made: Made) -> str:
                 f"experiment/{made.preset}.yaml); \"not judged\" says which setting the runs differ in, or why they "
                 "cannot show the effect. Rows marked \"kvlab's own check\" have no paper number behind them, and "
                 "\"by construction\" rows are true by how the cache works: neither counts as a paper's claim "
-                "holding.", "",
-                "| claim | source | paper's words | paper's setting | paper | kvlab's setting | kvlab | n | verdict "
-                "| runs |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
-        out += ["| " + " | ".join(_md(x) for x in (r.claim, _source(r), r.quote, r.paper_setting, r.paper_number,
-                                                      r.our_setting, r.our_number, r.n or "—", verdict_text(r),
-                                                      ", ".join(r.runs))) + " |" for r in made.claims]
+                "holding." + (" The sweep ran several models: each claim is judged on each model's runs alone, a "
+                              "column group per model." if by_claim(made.claims)[0] else ""), "",
+                *_claims_markdown(made)]
         out.append("")
     if made.sentences:
         out += ["## What this sweep found", ""]
@@ -323,14 +348,22 @@ def html_section(made: Made) -> str:
     parts = ["<h2>Findings</h2>"]
     if made.claims:
         metric = papers.METRICS[made.claims[0].metric]
-        head = "".join(f"<th>{h}</th>" for h in ("claim", "source", "paper's words", "paper's setting", "paper",
-                                                  "kvlab's setting", "kvlab", "n", "verdict"))
-        body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in (r.claim, _source(r), r.quote,
-                                                                         r.paper_setting, r.paper_number,
-                                                                         r.our_setting, r.our_number, r.n or "—"))
-            + f"<td style='color:{'#070' if r.holds else '#c00' if r.holds is False else '#666'}'>"
-            f"<b>{verdict_text(r)}</b></td></tr>" for r in made.claims)
+        models, rows = by_claim(made.claims)
+        ours = [h for m in models for h in (f"kvlab ({m})", f"n ({m})", f"verdict ({m})")] or ["kvlab", "n",
+                                                                                                 "verdict"]
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in ("claim", "source", "paper's words", "paper's setting",
+                                                               "paper", "kvlab's setting", *ours))
+
+        def cell(x) -> str:
+            return f"<td>{html.escape(str(x))}</td>"
+
+        def judged(r: ClaimRow) -> str:
+            return (cell(r.our_number) + cell(r.n or "—") + f"<td style='color:"
+                    f"{'#070' if r.holds else '#c00' if r.holds is False else '#666'}'><b>{verdict_text(r)}</b></td>")
+
+        body = "".join("<tr>" + "".join(cell(x) for x in (g[0].claim, _source(g[0]), g[0].quote, g[0].paper_setting,
+                                                          g[0].paper_number, g[0].our_setting))
+                       + "".join(judged(r) for r in g) + "</tr>" for g in rows)
         parts.append(f"<p>Text claims decided by {html.escape(metric.label)}; brackets: 95% intervals "
                      f"({html.escape(INTERVAL_HOW)}).</p><table class='t findings'><tr>{head}</tr>{body}</table>")
     if made.sentences:

@@ -68,6 +68,7 @@ class ClaimRow:
     runs: tuple[str, ...]
     not_judged: str = ""  # why there is no verdict: a setting the runs differ in, or a control that cannot show it
     n: str = ""  # the units each interval resampled: "40 texts"
+    model: str = ""  # the model whose runs it read, when the sweep ran several (a column each in findings.md)
 
     @property
     def holds(self) -> bool | None:
@@ -750,7 +751,11 @@ def claim_rows(runs: pd.DataFrame, positions: dict[str, pd.DataFrame] | None = N
     if preset_name is None:
         return []
     ok = ok_runs(runs)
-    return [claim_row(c, preset_name, ok, positions) for c in PAPERS[preset_name]]
+    models = list(dict.fromkeys(ok[KEYS.model].dropna())) if KEYS.model in ok else []
+    if len(models) < 2:
+        return [claim_row(c, preset_name, ok, positions) for c in PAPERS[preset_name]]
+    return [dataclasses.replace(claim_row(c, preset_name, ok[ok[KEYS.model] == m], positions), model=m)
+            for c in PAPERS[preset_name] for m in models]  # each claim on each model's runs alone
 
 
 NOT_JUDGED = "not judged"

@@ -439,6 +439,29 @@ def test_markdown_and_html_carry_the_claims_and_the_sentences():
     assert findings.html_section(made).count("<b>not judged</b>") == 3
 
 
+def test_a_sweep_of_two_models_judges_each_claim_on_each_models_runs_a_column_group_each():
+    """experiment=paper_h2o model=mini,mini-llama: every claim once per model, read from that model's runs alone
+    (the mini's pattern holds, mini-llama's fails the first claim); findings.md has a kvlab / n / verdict column
+    per model and one row per claim."""
+    mini = h2o_sweep(both=0.2, local=0.6, heavy=1.0)
+    llama = h2o_sweep(both=0.7, local=0.6, heavy=0.3, acc=(0.01, 0.1, 0.2), model="mini-llama")
+    llama["run_name"] = "llama-" + llama["run_name"]
+    runs = pd.concat([mini, llama], ignore_index=True)
+    rows = judged(runs)
+    assert [r.model for r in rows] == ["mini", "mini-llama"] * len(papers.PAPERS["paper_h2o"])
+    assert verdicts(rows[0::2]) == [HOLDS, FAILS, HOLDS] and verdicts(rows[1::2]) == [FAILS, HOLDS, FAILS]
+    assert all(name.startswith("llama-") for r in rows[1::2] for name in r.runs)
+    assert not any(name.startswith("llama-") for r in rows[0::2] for name in r.runs)
+    md = findings.markdown(findings.make(runs, positions_of(runs)))
+    head = next(line for line in md.splitlines() if line.startswith("| claim |"))
+    assert "| kvlab (mini) | n (mini) | verdict (mini) | kvlab (mini-llama) | n (mini-llama) | verdict (mini-llama) |" \
+        in head
+    table = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| claim |")]
+    assert len(table) == len(papers.PAPERS["paper_h2o"]) and "column group per model" in md
+    page = findings.html_section(findings.make(runs, positions_of(runs)))
+    assert page.count("<tr>") == 1 + len(papers.PAPERS["paper_h2o"]) and "verdict (mini-llama)" in page
+
+
 @pytest.mark.parametrize("status", ["failed", "interrupted"])
 def test_runs_that_are_not_ok_are_never_read_as_findings(status):
     runs = h2o_sweep(0.2, 0.6, 1.0)
