@@ -45,8 +45,8 @@ from harness.common.signals import Interrupted, stop_signals  # noqa: E402
 from harness.train.loop import train  # noqa: E402
 from harness.train.recipe import (BATCH, BOS, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CURRICULUM,  # noqa: E402
                                   DEFAULT_STEPS, FAMILY_PRESETS, MAX_MINUTES, MAX_STEPS, MAX_THREADS, MINI_CONFIG,
-                                  MLP_OFF, PLACED_SHARE, SEQ_LEN, SHARE_FLAGS, TrainError, check_curriculum,
-                                  parse_curriculum)
+                                  MLP_OFF, PLACED_SHARE, SEQ_LEN, SHARE_FLAGS, WEIGHT_DECAY, TrainError,
+                                  check_curriculum, parse_curriculum)
 from harness.train.targets import evaluate_folder, record_targets  # noqa: E402
 from models.gpt2 import GPT2Config  # noqa: E402
 
@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bos", action=argparse.BooleanOptionalAction, default=BOS,
                    help="put <|endoftext|> at position 0 of every row, where attention sinks form (default on, the "
                         "shipped models'; --no-bos trains as the first mini was)")
+    p.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY,
+                   help=f"AdamW's weight decay on the matrices (default {WEIGHT_DECAY}, the shipped models'; more "
+                        "gives more attention sinks in the literature: 0 .. 1)")
     p.add_argument("--heads", type=int, default=None,
                    help=f"attention heads of the gpt2 family's {MINI_CONFIG['n_embd']}-wide model (default "
                         f"{MINI_CONFIG['n_head']}, the shipped mini's; GPT-2's 64 channels a head; 4 gives 32, see "
@@ -141,6 +144,8 @@ def _check_numbers(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
         value = getattr(args, name)
         if not (math.isfinite(value) and lo <= value and (value <= hi if closed else value < hi)):
             p.error(f"--{name.replace('_', '-')} {value:g}: give a share in [{lo:g}, {hi:g}{']' if closed else ')'}")
+    if not (math.isfinite(args.weight_decay) and 0 <= args.weight_decay <= 1):
+        p.error(f"--weight-decay {args.weight_decay:g}: give a number in [0, 1]")
     if args.stop_after is not None and not 1 <= args.stop_after <= MAX_STEPS:
         p.error(f"--stop-after {args.stop_after}: give 1 .. {MAX_STEPS:,}")
 
@@ -205,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                   stop_after=args.stop_after, save_dtype=args.save_dtype, command=command, threads=args.threads,
                   placed_share=args.placed_share, mlp_off=args.mlp_off, curriculum=curriculum,
                   copy_phase=args.copy_phase, copy_share=args.copy_share, copy_offsets=copy_offsets,
-                  family=args.family, bos=args.bos,
+                  family=args.family, bos=args.bos, weight_decay=args.weight_decay,
                   **({} if args.heads in (None, MINI_CONFIG["n_head"]) else  # the default: train()'s own preset
                      {"config": GPT2Config(**{**MINI_CONFIG, "n_head": args.heads})}))
         except TrainError as e:

@@ -182,7 +182,7 @@ class _Run:
                     out.weight.zero_()
                     if out.bias is not None:
                         out.bias.zero_()
-        self.opt = make_optimizer(self.model, settings["peak_lr"])
+        self.opt = make_optimizer(self.model, settings["peak_lr"], settings.get("weight_decay", WEIGHT_DECAY))
         self.gen = torch.Generator().manual_seed(settings["seed"])
         self.step, self.elapsed, self.log_rows, self.loss_ema = 0, 0.0, [], None
 
@@ -347,7 +347,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
           copy_share: float = COPY_SHARE, init_std: float = INIT_STD, peak_lr: float = PEAK_LR,
           curriculum=True, threads: int | None = None, placed_share: float = PLACED_SHARE,
           mlp_off: float = MLP_OFF, copy_phase: float = COPY_PHASE, copy_offsets: float | None | str = "default",
-          family: str = "gpt2", bos: bool = BOS) -> dict:
+          family: str = "gpt2", bos: bool = BOS, weight_decay: float = WEIGHT_DECAY) -> dict:
     """Train (or resume, or report) the run in ``out``; returns its ``kvlab_train`` record (``done`` False when
     ``stop_after`` interrupted it). The budget is ``minutes`` of wall clock or ``steps`` (deterministic), not both;
     neither: DEFAULT_STEPS. ``config``, ``batch``, ``seq_len``, ``eval_every``, ``eval_tokens`` (the final held-out
@@ -366,6 +366,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
                   **({"copy_phase": copy_phase} if copy_phase else {}),
                   **({"copy_offsets": copy_offsets} if copy_offsets is not None else {}),
                   **({"bos": True} if bos else {}),
+                  **({"weight_decay": weight_decay} if weight_decay != WEIGHT_DECAY else {}),
                   curriculum=curriculum_setting(curriculum))  # in the resume check
     if family not in FAMILY_PRESETS:
         raise TrainError(f"--family {family!r}: use one of {', '.join(FAMILY_PRESETS)}")
@@ -498,7 +499,7 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
                 **({"copy_offsets": s["copy_offsets"]} if s.get("copy_offsets") is not None else {}),
                 curriculum=[[n, share] for n, share in s["curriculum"] or () if n < s["seq_len"]] or None,
                 init_std=s["init_std"], peak_lr=s["peak_lr"], warmup_frac=WARMUP_FRAC, min_lr_frac=MIN_LR_FRAC,
-                weight_decay=WEIGHT_DECAY, seed=s["seed"], save_dtype=s["save_dtype"],
+                weight_decay=s.get("weight_decay", WEIGHT_DECAY), seed=s["seed"], save_dtype=s["save_dtype"],
                 heldout_nll=round(held_nll, 4), heldout_tokens=int(d.held_wins[:, 1:].numel()),
                 prompts_nll=round(prompts_nll(full, d.tok), 4), **{k: round(v, 6) for k, v in unused_info.items()},
                 **({"bos": True} if s.get("bos") else {}), family=s["family"],

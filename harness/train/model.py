@@ -67,11 +67,11 @@ def lr_at(frac: float, peak: float = PEAK_LR) -> float:
     return peak * (MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-def make_optimizer(model: Decoder, lr: float = PEAK_LR) -> torch.optim.AdamW:
-    """AdamW (0.9, 0.95), weight decay WEIGHT_DECAY on the matrices only."""
+def make_optimizer(model: Decoder, lr: float = PEAK_LR, weight_decay: float = WEIGHT_DECAY) -> torch.optim.AdamW:
+    """AdamW (0.9, 0.95), ``weight_decay`` on the matrices only."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
 
 

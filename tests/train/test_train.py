@@ -252,6 +252,10 @@ def test_an_attention_only_phase_leaves_the_mlps_untrained_until_it_ends(tmp_pat
     (["--copy-phase", "0.2", "--copy-offsets", "0.3"], "--copy-offsets 0.3: give a share in [0, --copy-phase 0.2)"),
     (["--heads", "3"], "--heads 3 must divide the model's width 128"),
     (["--heads", "0"], "--heads 0 must divide the model's width 128"),
+    (["--weight-decay", "2"], "--weight-decay 2: give a number in [0, 1]"),
+    (["--weight-decay", "nan"], "--weight-decay nan: give a number in [0, 1]"),
+    (["--evaluate", "x", "--record", "--out", "y", "--steps", "0"], "--steps 0"),
+    (["--record"], "--record writes what --evaluate DIR measures"),
     ([], "--out"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, args, why):
@@ -821,6 +825,20 @@ def test_family_option_trains_the_familys_preset_and_heads_is_gpt2s(tmp_path, mo
     assert seen[0] == preset_config("mini-llama") and (seen[0].n_head, seen[0].n_kv_head) == (4, 2)
     assert cli.main(["--out", str(tmp_path / "b"), "--steps", "1", "--family", "llama", "--heads", "4"]) == 2
     assert "--heads is the gpt2 family's" in capsys.readouterr().err
+
+
+def test_weight_decay_reaches_the_optimiser_and_the_record(tmp_path, monkeypatch):
+    """--weight-decay 0.5 (Gu et al.'s arm for more sinks): the matrices' AdamW group decays by it, the record and
+    the resume check say so; the default is the recipe's and leaves the settings as they were."""
+    seen = []
+    real = M.make_optimizer
+    monkeypatch.setattr(loop, "make_optimizer", lambda model, lr, wd: seen.append(wd) or real(model, lr, wd))
+    meta = loop.train(tmp_path / "a", steps=2, weight_decay=0.5, **FAST)
+    assert seen == [0.5] and meta["weight_decay"] == 0.5
+    state = dict(loop.train(tmp_path / "b", steps=2, stop_after=1, **FAST))
+    assert seen[-1] == R.WEIGHT_DECAY and not state["done"]
+    saved = torch.load(tmp_path / "b" / R.STATE, weights_only=True)["settings"]
+    assert "weight_decay" not in saved  # a default run's settings are those runs had before the flag
 
 
 def test_a_llama_export_is_the_compact_softmax_with_unused_ids_at_logit_0():
