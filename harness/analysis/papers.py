@@ -133,10 +133,12 @@ TEXT = ("drift_text_len", "prompts", TRAINED)  # a claim read from drift on the 
 COPY = ("retrieval_n", TRAINED)  # a claim read from copying random sequences
 # options of a preset's cache kind that its claims are not about, and why; every other option the preset sets (or
 # links to another: v_bits: ${cache.k_bits}) or sweeps (tests/analysis/test_findings.py holds each preset to this)
-GPT2_KEYS = "the mini is GPT-2: its keys carry no rotation to quantise before"
+GPT2_KEYS = ("the papers quantise the keys attention reads (after any rotation): k_pre_rope stays off, and GPT-2's "
+             "keys carry no rotation at all")
 NOT_ABOUT = {
     "paper_streamingllm": {"cache.window": "set by the budget: the budget less the sinks",
-                           "cache.positions": "the mini is GPT-2: its learned positions cannot be re-positioned"},
+                           "cache.positions": "absolute on both models: GPT-2's learned positions cannot be "
+                                              "re-positioned (experiment=streaming re-positions on mini-llama)"},
     "paper_rotation": {"cache.v_bits": "V is not quantised (quantize k)", "cache.v_axis": "V is not quantised "
                                                                                           "(quantize k)",
                        "cache.tail": "K is grouped per token, whose tail is the residual whatever tail says",
@@ -144,7 +146,6 @@ NOT_ABOUT = {
     "paper_kv_types": {"cache.tail": "K and V are grouped per token, whose tail is the residual whatever tail says",
                        "cache.k_pre_rope": GPT2_KEYS},
     "paper_kivi": {"cache.k_pre_rope": GPT2_KEYS},
-    "paper_h2o": {"cache.group_score": "the mini is multi-head: each K/V head has one query head, nothing to group"},
 }
 
 
@@ -751,11 +752,20 @@ def claim_rows(runs: pd.DataFrame, positions: dict[str, pd.DataFrame] | None = N
     if preset_name is None:
         return []
     ok = ok_runs(runs)
-    models = list(dict.fromkeys(ok[KEYS.model].dropna())) if KEYS.model in ok else []
+    base = ok[KEYS.model].map(base_model) if KEYS.model in ok else pd.Series(dtype=object)
+    models = list(dict.fromkeys(base.dropna()))
     if len(models) < 2:
         return [claim_row(c, preset_name, ok, positions) for c in PAPERS[preset_name]]
-    return [dataclasses.replace(claim_row(c, preset_name, ok[ok[KEYS.model] == m], positions), model=m)
+    return [dataclasses.replace(claim_row(c, preset_name, ok[base == m], positions), model=m)
             for c in PAPERS[preset_name] for m in models]  # each claim on each model's runs alone
+
+
+OUTLIERS_MARK = " · outliers x"  # how a run's model label names injected outlier channels (runner.model_label)
+
+
+def base_model(label):
+    """The model a run's label names, without its injected outliers (an arm some presets sweep, not a model)."""
+    return label.split(OUTLIERS_MARK)[0] if isinstance(label, str) else label
 
 
 NOT_JUDGED = "not judged"

@@ -462,6 +462,18 @@ def test_a_sweep_of_two_models_judges_each_claim_on_each_models_runs_a_column_gr
     assert page.count("<tr>") == 1 + len(papers.PAPERS["paper_h2o"]) and "verdict (mini-llama)" in page
 
 
+def test_injected_outliers_are_an_arm_of_a_models_runs_not_another_model():
+    """A run's label names injected outlier channels (runner.model_label); the claims read them as the model's."""
+    from types import SimpleNamespace
+
+    from harness.experiment.runner import model_label
+
+    label = model_label(SimpleNamespace(weights="random", name="mini-llama", preset="mini-llama", n_kv_head=None,
+                                        outliers=SimpleNamespace(scale=20.0)))
+    assert papers.OUTLIERS_MARK in label and papers.base_model(label) == "mini-llama"
+    assert papers.base_model("mini") == "mini"
+
+
 @pytest.mark.parametrize("status", ["failed", "interrupted"])
 def test_runs_that_are_not_ok_are_never_read_as_findings(status):
     runs = h2o_sweep(0.2, 0.6, 1.0)

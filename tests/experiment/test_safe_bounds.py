@@ -487,6 +487,7 @@ def test_remeasure_mini_without_a_python_is_one_line(tmp_path):  # remeasure-min
         ({"ONLY": "kv_bits nosuch"}, [str(out)], "remeasure-mini: ONLY names 'nosuch', which is no sweep here: give "
                                                  "some of dtype kv_bits "),
         ({}, [str(out), "more"], "remeasure-mini: usage: scripts/remeasure-mini [OUT] (one folder; got 2 arguments)"),
+        ({"MODELS": "mini gpt2"}, [str(out)], "remeasure-mini: MODELS names 'gpt2': give some of mini mini-llama"),
     ]:
         p = subprocess.run([script, *argv], env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
         assert p.returncode == 2 and one_line(p.stderr).startswith(says), p.stderr
@@ -524,7 +525,8 @@ def test_remeasure_mini_help_is_its_usage_and_runs_nothing(tmp_path, flag):  # r
     p = subprocess.run([str(REPO / "scripts" / "remeasure-mini"), flag], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 0 and p.stderr == "", p.stderr
-    assert p.stdout.startswith("usage: scripts/remeasure-mini [-h] [OUT]\nThe sweeps behind every model=mini figure")
+    assert p.stdout.startswith("usage: scripts/remeasure-mini [-h] [OUT]\nThe sweeps behind every figure of the "
+                               "reference models")
     assert "OUT defaults to outputs/remeasure-mini" in p.stdout and " quanto4 quanto2 " in p.stdout
     assert not log.exists() and not (REPO / flag).exists() and not (tmp_path / flag).exists()
 
@@ -591,12 +593,13 @@ def _quanto_sweeps() -> dict[str, list[str]]:
     import shlex
 
     text = (REPO / "scripts" / "remeasure-mini").read_text()
-    q = shlex.split(next(line for line in text.splitlines() if line.startswith("Q=")).split("#")[0][2:])[0]
+    lines = [line.strip() for line in text.splitlines()]
+    q = shlex.split(next(line for line in lines if line.startswith("Q=")).split("#")[0][2:])[0]
     sweeps = {}
-    for line in text.splitlines():
-        if line.startswith("sweep quanto"):
+    for line in lines:
+        if line.startswith("sweep $M/quanto"):
             name, *args = shlex.split(line)[1:]
-            sweeps[name] = [q if a == "$Q" else a for a in args if a != "-m"]
+            sweeps[name.removeprefix("$M/")] = [q if a == "$Q" else a for a in args if a != "-m"]
     return sweeps
 
 
@@ -607,18 +610,22 @@ def test_remeasure_mini_quanto_sweeps_run_one_layout_on_both_engines():  # remea
 
     from harness.experiment.config import ConfigError, cache_options, register, validate
 
+    from models.families import preset_config
+
     sweeps = _quanto_sweeps()
     assert set(sweeps) == {"quanto4", "quanto2"}
     mini = GPT2Config.preset("mini")
     register()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        for name, overrides in sweeps.items():
-            assert "engine=kvlab,hf" in overrides, name
+        for (name, overrides), model in ((s, m) for s in sweeps.items() for m in ("mini", "mini-llama")):
+            assert "engine=kvlab,hf" in overrides and "model=$M" in overrides, name
+            geometry = preset_config(model)
             runs = {}
             for engine in ("kvlab", "hf"):
                 cfg = compose(config_name="config", overrides=[
-                    f"engine={engine}" if o == "engine=kvlab,hf" else o for o in overrides])
-                validate(cfg, mini.n_positions, mini.head_dim)  # ConfigError: the sweep would fail
+                    f"engine={engine}" if o == "engine=kvlab,hf" else f"model={model}" if o == "model=$M" else o
+                    for o in overrides])
+                validate(cfg, geometry.n_positions, geometry.head_dim)  # ConfigError: the sweep would fail
                 runs[engine] = cache_options(cfg.cache)
             assert runs["kvlab"] == runs["hf"] and runs["hf"]["k_axis"] == "token", (name, runs)
         assert runs["hf"]["k_bits"] == runs["hf"]["v_bits"] == 2  # quanto2
