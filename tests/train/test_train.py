@@ -17,13 +17,12 @@ from harness.train import __main__ as cli
 from harness.train import corpus, loop, rows, targets
 from harness.train import model as M
 from harness.train import recipe as R
-from models.families import build, preset_config
+from models.families import build, load_model, preset_config, read_config
 from models.gpt2 import GPT2, GPT2Config
 from models.tokenizer import Tokenizer
 from tests.helpers import REPO
 from tests.helpers.house import imports
 
-MINI = REPO / "models" / "weights" / "mini"
 SMALL = GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64)
 # text from the first step (no copy phase, no attention-only phase: their own tests set them)
 FAST = dict(config=SMALL, batch=8, seq_len=32, eval_tokens=1024, progress=False, copy_phase=0.0, mlp_off=0.0)
@@ -569,29 +568,45 @@ def test_targets_table_names_every_target_and_what_it_missed():
     assert "copy50_acc" in table[-1] and "heldout_nll" not in table[-1]
 
 
+def _shipped() -> list:
+    """The reference checkpoints that ship: every folder of models/weights that kvlab's training wrote."""
+    return sorted(p.name for p in (REPO / "models" / "weights").iterdir()
+                  if (p / "config.json").is_file() and "kvlab_train" in json.loads((p / "config.json").read_text()))
+
+
+SHIPPED = _shipped()
+
+
+def test_the_reference_models_ship():
+    assert "mini" in SHIPPED, "build it: python -m harness.train --out models/weights/mini"
+
+
 @pytest.mark.slow
-def test_shipped_mini_checkpoint_is_good_with_the_full_vocabulary():
-    assert (MINI / "model.safetensors").is_file(), "build it: python -m harness.train --out models/weights/mini"
-    assert (MINI / "model.safetensors").stat().st_size < 60 * 2**20
-    model = GPT2.from_pretrained(MINI).eval()
+@pytest.mark.parametrize("name", SHIPPED)
+def test_a_shipped_checkpoint_is_good_with_the_full_vocabulary(name):
+    folder = REPO / "models" / "weights" / name
+    assert (folder / "model.safetensors").stat().st_size < 60 * 2**20
+    model = load_model(folder).eval()
     assert model.config.vocab_size == 50257 and model.config.n_positions == 1024
-    rec = json.loads((MINI / "config.json").read_text())["kvlab_train"]
+    assert type(model.config) is type(preset_config(name))  # the family its model=NAME preset says
+    rec = json.loads((folder / "config.json").read_text())["kvlab_train"]
     assert rec["done"] and rec["heldout_nll"] <= 5.0 and rec["minutes"] <= 150 and rec["seq_len"] == 1024
-    assert rec["command"].startswith("python -m harness.train ") and "--steps" in rec["command"]
+    assert rec["command"].startswith("python -m harness.train ") and rec["save_dtype"] == "fp16"
     _, _, held = corpus.load_data()
-    wins = corpus.windows(held, 4096, T=128)
+    wins = corpus.windows(held, 4096, T=128, bos=bool(rec.get("bos")))
     assert wins[:, 1:].numel() >= 4000
     assert targets.nll(model, wins) <= 5.0  # full 50,257-way softmax of the loaded checkpoint
-    header = (MINI / "train_log.csv").read_text().splitlines()[0].split(",")
+    header = (folder / "train_log.csv").read_text().splitlines()[0].split(",")
     assert header == R.LOG_FIELDS[:len(header)] and "copy_acc" in header  # runs before copy_far_acc lack it
-    assert (MINI / "heldout.txt").read_text().splitlines() == [corpus.corpus_documents()[i] for i in
-                                                               corpus.split_documents(corpus.corpus_documents())[1]]
+    assert (folder / "heldout.txt").read_text().splitlines() == [
+        corpus.corpus_documents()[i] for i in corpus.split_documents(corpus.corpus_documents())[1]]
 
 
-def test_the_shipped_mini_was_made_by_the_default_recipe():
-    """python -m harness.train --out models/weights/mini (the defaults) is the recipe of the shipped checkpoint: its
-    record's settings are the module's defaults, and its geometry is the mini preset's."""
-    cfg = json.loads((MINI / "config.json").read_text())
+@pytest.mark.parametrize("name", SHIPPED)
+def test_a_shipped_checkpoint_was_made_by_the_default_recipe(name):
+    """python -m harness.train --out models/weights/NAME [--family F] (the defaults) is the recipe of the shipped
+    checkpoint: its record's settings are the module's defaults, and its geometry is its preset's."""
+    cfg = json.loads((REPO / "models" / "weights" / name / "config.json").read_text())
     rec = cfg["kvlab_train"]
     assert rec["steps"] == R.DEFAULT_STEPS and rec["seed"] == 0
     assert (rec["copy_phase"], rec["copy_offsets"], rec["mlp_off"]) == (R.COPY_PHASE, R.COPY_OFFSETS, R.MLP_OFF)
@@ -599,27 +614,30 @@ def test_the_shipped_mini_was_made_by_the_default_recipe():
     assert rec["curriculum"] == [list(c) for c in R.CURRICULUM]
     assert (rec["init_std"], rec["peak_lr"], rec["batch"], rec["seq_len"]) == (R.INIT_STD, R.PEAK_LR, R.BATCH,
                                                                                R.SEQ_LEN)
-    assert {k: cfg[k] for k in R.MINI_CONFIG} == R.MINI_CONFIG
+    assert read_config(REPO / "models" / "weights" / name) == preset_config(name)
+    assert R.FAMILY_PRESETS[rec.get("family", "gpt2")] == name  # the preset its --family trains
     assert rec.get("bos", False) is cfg.get(R.BOS_KEY, False)  # the record and what runs read agree
 
 
-@pytest.fixture(scope="module")
-def mini_targets():
-    """Every target of the shipped checkpoint, computed now (nothing here is a recorded number), and its record."""
-    r, table = targets.evaluate_folder(MINI)
-    return r, table, json.loads((MINI / "config.json").read_text())["kvlab_train"]
+@pytest.fixture(scope="module", params=SHIPPED)
+def shipped_targets(request):
+    """Every target of a shipped checkpoint, computed now (nothing here is a recorded number), and its record."""
+    folder = REPO / "models" / "weights" / request.param
+    r, table = targets.evaluate_folder(folder)
+    return request.param, r, table, json.loads((folder / "config.json").read_text())["kvlab_train"]
 
 
 @pytest.mark.slow
-def test_shipped_mini_records_the_targets_it_has(mini_targets):
+def test_a_shipped_checkpoint_records_the_targets_it_has(shipped_targets):
     """The figures in the checkpoint's kvlab_train (and so in the docs) are the ones measured now."""
-    r, _, rec = mini_targets
+    name, r, _, rec = shipped_targets
     for key, _, bound in R.TARGETS:
         assert r[key] == pytest.approx(rec["targets"][key], abs=2e-3), key
     assert rec["targets"]["met"] == r["met"]
     assert r["copy50_first"] < r["copy50_acc"] and r["copy500_first"] < r["copy500_acc"]
     shares = r["attention_on_position_0"]  # per layer, per head
-    assert len(shares) == 6 and all(len(layer) == 2 and all(0 <= h <= 1 for h in layer) for layer in shares)
+    n_head = preset_config(name).n_head
+    assert len(shares) == 6 and all(len(layer) == n_head and all(0 <= h <= 1 for h in layer) for layer in shares)
     assert r["sink_head_max"] == max(max(layer) for layer in shares)
     for got, recorded in zip(shares, rec["targets"]["attention_on_position_0"]):
         assert got == pytest.approx(recorded, abs=2e-3)
@@ -627,13 +645,13 @@ def test_shipped_mini_records_the_targets_it_has(mini_targets):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("key", [key for key, _, bound in R.TARGETS if bound is not None])
-def test_shipped_mini_meets_its_target(mini_targets, key, request):
+def test_a_shipped_checkpoint_meets_its_target(shipped_targets, key, request):
     """Each target, measured now against its bound. A target the shipped model's record says it misses is an
     expected failure, strictly: when the model starts meeting it, this fails until the record says so."""
-    r, table, rec = mini_targets
+    name, r, table, rec = shipped_targets
     bound = next(b for k, _, b in R.TARGETS if k == key)
     if not rec["targets"]["met"].get(key, False):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=f"the shipped mini misses {key} (its kvlab_train "
+        request.applymarker(pytest.mark.xfail(strict=True, reason=f"the shipped {name} misses {key} (its kvlab_train "
                                                                  "says so; docs/reference-model.md)"))
     assert targets.meets(r[key], bound), f"{key} = {r[key]} misses {bound}\n{table}"
 
