@@ -186,10 +186,10 @@ def first_token(folder: str | os.PathLike) -> int | None:
         raise CheckpointError(f"{Path(folder) / CONFIG}: {FIRST_TOKEN_KEY} must be true or false, got {flag!r:.60}")
     if not flag:
         return None
-    bos = d.get("bos_token_id")
-    if isinstance(bos, bool) or not isinstance(bos, int) or bos < 0:
+    bos, vocab = d.get("bos_token_id"), d.get("vocab_size")
+    if isinstance(bos, bool) or not isinstance(bos, int) or bos < 0 or (isinstance(vocab, int) and bos >= vocab):
         raise CheckpointError(f"{Path(folder) / CONFIG}: {FIRST_TOKEN_KEY} is true but bos_token_id is {bos!r:.60}; "
-                              "give the id of the token every sequence starts with")
+                              f"give the id of the token every sequence starts with (0 .. vocab_size - 1)")
     return bos
 
 

@@ -428,12 +428,17 @@ def batch_lengths(batch: int, prompt_len: int, kind: str, seed: int) -> list[int
     return [prompt_len] + torch.randint(1, prompt_len + 1, (batch - 1,), generator=g).tolist()
 
 
-def first_token_of(w: Weights | None) -> int | None:
-    """The token a checkpoint folder was trained to see first (``models.hf_checkpoint.first_token``), or None."""
-    if w is None or w.random or not Path(w.load_from).is_dir():
-        return None
+def first_token_of(w: Weights | None, preset: str | None = None) -> int | None:
+    """The token a checkpoint folder was trained to see first (``models.hf_checkpoint.first_token``), or None. A
+    random init of a reference model's preset (its untrained control) gets the token its shipped checkpoint was
+    trained with, so the two read the same sequences."""
     from models.hf_checkpoint import first_token
 
+    if w is not None and w.random and preset is not None:
+        shipped = weights.REPO / "models" / "weights" / preset
+        return first_token(shipped) if (shipped / "config.json").is_file() else None
+    if w is None or w.random or not Path(w.load_from).is_dir():
+        return None
     return first_token(w.load_from)
 
 
@@ -626,7 +631,7 @@ def load(plan: Plan) -> dict:
         prompts = random_prompts(rc.n_prompts, rc.prompt_len, mcfg.vocab_size, rc.seed)
         texts = random_prompts(n_texts, text_len, mcfg.vocab_size, rc.seed) if ref32 is not None else None
         served = random_prompts(rc.batch, rc.prompt_len, mcfg.vocab_size, rc.seed)
-    bos = first_token_of(w)
+    bos = first_token_of(w, rc.model.preset)
     if bos is not None:  # trained with it at position 0: every sequence starts with it, at the length asked
         prompts, served = [led(p, bos) for p in prompts], [led(p, bos) for p in served]
         texts = texts and [led(t, bos) for t in texts]

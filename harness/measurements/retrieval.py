@@ -161,6 +161,8 @@ class Retrieval(Measurement):
         ctx = self.ctx
         lead = int(ctx.first_token is not None)  # a model trained with a fixed first token sees it first
         n = min(self.opts.retrieval_n, (ctx.max_len - lead) // 2)
+        if lead:  # the depth lengths were checked against max_len // 2: the first token takes one position more
+            self._check_depth(self.opts, n)
         ids = copying.distinct_ids(ctx.engine.model)
         if lead:
             ids = ids[ids != ctx.first_token]

@@ -47,7 +47,7 @@ from harness.train.recipe import (BATCH, BOS, COPY_OFFSETS, COPY_PHASE, COPY_SHA
                                   DEFAULT_STEPS, FAMILY_PRESETS, MAX_MINUTES, MAX_STEPS, MAX_THREADS, MINI_CONFIG,
                                   MLP_OFF, PLACED_SHARE, SEQ_LEN, SHARE_FLAGS, WEIGHT_DECAY, TrainError,
                                   check_curriculum, parse_curriculum)
-from harness.train.targets import evaluate_folder, record_targets  # noqa: E402
+from harness.train.targets import check_recordable, evaluate_folder, record_targets  # noqa: E402
 from models.gpt2 import GPT2Config  # noqa: E402
 
 
@@ -97,8 +97,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the decoder family: gpt2 (the mini preset, model=mini) or llama (the mini-llama preset, "
                         "model=mini-llama: rotary positions, 4 query heads over 2 K/V heads)")
     p.add_argument("--bos", action=argparse.BooleanOptionalAction, default=BOS,
-                   help="put <|endoftext|> at position 0 of every row, where attention sinks form (default on, the "
-                        "shipped models'; --no-bos trains as the first mini was)")
+                   help="put <|endoftext|> at position 0 of every row, where attention sinks form (default on; "
+                        "--no-bos trains as the first mini was)")
     p.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY,
                    help=f"AdamW's weight decay on the matrices (default {WEIGHT_DECAY}, the shipped models'; more "
                         "gives more attention sinks in the literature: 0 .. 1)")
@@ -158,6 +158,8 @@ def _restored(handler):
 
 def _evaluate(folder: str, record: bool) -> int:
     """``--evaluate DIR [--record]``: the targets table of a checkpoint, and with --record into its record."""
+    if record:
+        check_recordable(folder)  # before minutes of measuring
     r, table = evaluate_folder(folder)
     print(table, flush=True)
     if record:

@@ -81,7 +81,9 @@ def load_data() -> tuple[Tokenizer, torch.Tensor, torch.Tensor]:
 
 def windows(stream: torch.Tensor, n_tokens: int | None = None, T: int = SEQ_LEN, bos: bool = False) -> torch.Tensor:
     """Non-overlapping (N, T + 1) windows (inputs + next-token targets) from the start of a stream; with ``bos``,
-    each is <|endoftext|> (the fixed first token, never a target) and T tokens of the stream."""
+    each is <|endoftext|> (the fixed first token, never a target) and T tokens of the stream, consecutive windows
+    sharing one token as without it: the first target, predicted from the first token alone, is the window before's
+    last and is not scored (``skip`` 1 in ``targets.nll``, ``[1:]`` of ``targets.position_nll``)."""
     if bos:
         w = windows(stream, n_tokens, T - 1)
         return torch.cat([torch.full((len(w), 1), EOT, dtype=w.dtype), w], 1)
@@ -109,6 +111,8 @@ class TrainingData:
         self.quick_eval = self.remap[windows(self.held_stream, EVAL_TOKENS, T=seq_len, bos=bos)]
         self.quick_tgt = self.quick_eval.clone()
         self.quick_tgt[:, 1:][self.quick_eval[:, 1:] == self.other] = IGNORE
+        self.lead = int(bos)  # targets behind the fixed first token alone: not scored (the last window's last one)
+        self.quick_tgt[:, 1:1 + self.lead] = IGNORE
         counts = torch.bincount(self.train_stream, minlength=Tokenizer.VOCAB_SIZE)
         once = (counts == 1).sum().item() / len(self.train_stream)
         self.unseen_mass = float(min(max(once, 1e-5), 0.05))  # Good-Turing

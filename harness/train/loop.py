@@ -446,6 +446,8 @@ def _finish(run: _Run, status: _Progress, save_dtype: str, command: str | None, 
     d, s, seq_len = run.data, run.settings, run.settings["seq_len"]
     dtype = torch.float16 if save_dtype == "fp16" else torch.float32
     probe = d.remap[d.train_stream[: 8 * seq_len]].view(8, seq_len)
+    if run.bos is not None:  # the hidden states the model sees in use: behind its first token
+        probe = with_bos(probe[:, :-1], probe[:, :-1], run.bos)[0]
     full, unused_info = export_full(run.model, run.cfg, d.vocab, d.unseen_mass, seq_len, dtype, probe)
     meta = _record(run, full, unused_info, command)
     targets = meta.get("targets")
@@ -470,7 +472,8 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
     """The ``kvlab_train`` record: corpus, mix, budget, NLLs and (for a model of EVAL_LEN positions trained on
     whole sequences) every target, measured on the saved values."""
     d, s = run.data, run.settings
-    held_nll = nll(full, d.held_wins)
+    held_nll = nll(full, d.held_wins, skip=d.lead)
+    bos = EOT if s.get("bos") else None
     full_len = s["seq_len"] >= EVAL_LEN and run.cfg.n_positions >= EVAL_LEN
     mix = (f"{s['copy_share']:.0%} of each batch's rows: a random span of the training split's ids (uniform, without "
            f"<|endoftext|>; log-uniform length {SPAN_MIN}..{s['seq_len'] // 2}) repeated to fill the row, the first "
@@ -500,10 +503,10 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
                 curriculum=[[n, share] for n, share in s["curriculum"] or () if n < s["seq_len"]] or None,
                 init_std=s["init_std"], peak_lr=s["peak_lr"], warmup_frac=WARMUP_FRAC, min_lr_frac=MIN_LR_FRAC,
                 weight_decay=s.get("weight_decay", WEIGHT_DECAY), seed=s["seed"], save_dtype=s["save_dtype"],
-                heldout_nll=round(held_nll, 4), heldout_tokens=int(d.held_wins[:, 1:].numel()),
-                prompts_nll=round(prompts_nll(full, d.tok), 4), **{k: round(v, 6) for k, v in unused_info.items()},
+                heldout_nll=round(held_nll, 4), heldout_tokens=int(d.held_wins[:, 1 + d.lead:].numel()),
+                prompts_nll=round(prompts_nll(full, d.tok, bos), 4), **{k: round(v, 6) for k, v in unused_info.items()},
                 **({"bos": True} if s.get("bos") else {}), family=s["family"],
-                targets=evaluate(full, d.held_stream, d.copy_ids(full=True), seed=s["seed"],
-                                 bos=EOT if s.get("bos") else None) if full_len else None,
+                targets=evaluate(full, d.held_stream, d.copy_ids(full=True), seed=s["seed"], bos=bos)
+                if full_len else None,
                 targets_command="python -m harness.train --evaluate DIR",
                 torch_version=torch.__version__, command=command or f"python -m harness.train --out {run.folder}")

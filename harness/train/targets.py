@@ -28,25 +28,27 @@ from harness.common.ownership import atomic_write
 from harness.core.copying import distinct_rows, model_copy_accuracy
 from harness.train.corpus import TrainingData, windows
 from harness.train.export import finished
-from harness.train.recipe import (BOS_KEY, COPY_FROM, COPY_K, COPY_LENGTHS, EOT, EVAL_LEN, EVAL_TOKENS, LATE, NEAR,
+from harness.train.recipe import (COPY_FROM, COPY_K, COPY_LENGTHS, EOT, EVAL_LEN, EVAL_TOKENS, LATE, NEAR,
                                   PROMPTS, SINK_FROM, SINK_WINDOWS, TARGETS, TrainError)
 from models import attention
 from models.decoder import Decoder
 from models.families import MODEL_CLASSES, load_model
-from models.hf_checkpoint import CheckpointError
+from models.hf_checkpoint import CheckpointError, first_token
 from models.tokenizer import Tokenizer
 
 
 @torch.no_grad()
-def nll(model: Decoder, wins: torch.Tensor, batch: int = 8, ignore_index: int = -100) -> float:
-    """Mean next-token NLL (nats) of ``model`` over (N, T + 1) windows, with the model's own full softmax."""
+def nll(model: Decoder, wins: torch.Tensor, batch: int = 8, ignore_index: int = -100, skip: int = 0) -> float:
+    """Mean next-token NLL (nats) of ``model`` over (N, T + 1) windows, with the model's own full softmax; the first
+    ``skip`` targets of each window are not scored (1 behind a fixed first token: ``corpus.windows``)."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for i in range(0, len(wins), batch):
         w = wins[i:i + batch]
         logits = model(w[:, :-1])
-        tgt = w[:, 1:]
+        tgt = w[:, 1:].clone()
+        tgt[:, :skip] = ignore_index
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tgt.reshape(-1),
                                ignore_index=ignore_index, reduction="sum")
         total += float(loss)
@@ -56,18 +58,21 @@ def nll(model: Decoder, wins: torch.Tensor, batch: int = 8, ignore_index: int = 
 
 
 @torch.no_grad()
-def prompts_nll(model: Decoder, tok: Tokenizer) -> float:
-    """Mean NLL (nats/token) of every line of harness/prompts.txt, each line its own sequence."""
+def prompts_nll(model: Decoder, tok: Tokenizer, bos: int | None = None) -> float:
+    """Mean NLL (nats/token) of every line of harness/prompts.txt, each line its own sequence (behind ``bos``, the
+    fixed first token, if given: the line's first token, which nothing before it announces, is not scored either
+    way)."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
+    lead = [] if bos is None else [bos]
     for line in PROMPTS.read_text(encoding="utf-8").splitlines():
-        ids = tok.encode(line.strip())[: model.config.n_positions]
+        ids = tok.encode(line.strip())[: model.config.n_positions - len(lead)]
         if len(ids) < 2:
             continue
-        x = torch.tensor([ids])
-        logits = model(x[:, :-1])
-        total += float(F.cross_entropy(logits[0].float(), x[0, 1:], reduction="sum"))
+        x = torch.tensor([lead + ids])
+        logits = model(x[:, :-1])[0, len(lead):]  # the predictions of the line's tokens 1 ..
+        total += float(F.cross_entropy(logits.float(), x[0, 1 + len(lead):], reduction="sum"))
         count += len(ids) - 1
     model.train(was_training)
     return total / max(count, 1)
@@ -118,10 +123,11 @@ def attention_io(model, idx: torch.Tensor) -> dict[int, tuple[torch.Tensor, torc
 
 
 @contextmanager
-def _recorded_attention(store: list):
+def _recorded_attention(store: list, keep=None):
     """Inside: every uncached attention of a model of any family also appends its probabilities (B, nh, T, T) to
-    ``store``, computed from the q and k the layer handed to attention (rotated already, for a rotary family) and
-    checked against the layer's attention output, so they are the ones the model used."""
+    ``store`` (or ``keep(probabilities)``, so a long sequence's T x T matrices are not all held at once), computed
+    from the q and k the layer handed to attention (rotated already, for a rotary family) and checked against the
+    layer's attention output, so they are the ones the model used."""
     real = attention.attend
     modules = {sys.modules[cls.__module__] for cls in MODEL_CLASSES.values()}
 
@@ -134,7 +140,7 @@ def _recorded_attention(store: list):
             att = (q @ kk.transpose(-1, -2)) / math.sqrt(q.size(-1))
             att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
             torch.testing.assert_close(att @ vv, y, atol=1e-3, rtol=1e-3)  # the attention the model computed
-            store.append(att)
+            store.append(att if keep is None else keep(att))
         return y
 
     for m in modules:
@@ -147,11 +153,11 @@ def _recorded_attention(store: list):
 
 
 @torch.no_grad()
-def attention_probs(model: Decoder, idx: torch.Tensor) -> list[torch.Tensor]:
+def attention_probs(model: Decoder, idx: torch.Tensor, keep=None) -> list[torch.Tensor]:
     """Per layer: the causal attention probabilities (B, nh, T, T) of a full forward of ``idx``, as the model used
-    them (``_recorded_attention``)."""
+    them (``_recorded_attention``), or ``keep`` of them."""
     store: list[torch.Tensor] = []
-    with _recorded_attention(store):
+    with _recorded_attention(store, keep):
         model(idx)
     if len(store) != model.config.n_layer:
         raise RuntimeError(f"recorded {len(store)} layers' attention of {model.config.n_layer}")
@@ -162,29 +168,31 @@ def attention_probs(model: Decoder, idx: torch.Tensor) -> list[torch.Tensor]:
 def attention_on_first(model: Decoder, idx: torch.Tensor, from_pos: int = SINK_FROM) -> list[list[float]]:
     """Per layer and head: the share of attention that queries at positions >= from_pos put on position 0 (mean
     over queries and sequences)."""
-    return [att[:, :, from_pos:, 0].mean(dim=(0, 2)).tolist() for att in attention_probs(model, idx)]
+    shares = attention_probs(model, idx, keep=lambda att: att[:, :, from_pos:, 0].mean(dim=(0, 2)))
+    return [s.tolist() for s in shares]
 
 
 def chapters(held: torch.Tensor, least: int, most: int, bos: int | None) -> list[torch.Tensor]:
-    """The held-out stream's chapters (split at <|endoftext|>) of at least ``least`` tokens, each behind ``bos`` if
-    given and cut to ``most`` tokens in all: (1, n) each."""
-    out, start, lead = [], 0, int(bos is not None)
+    """The held-out stream's chapters (split at <|endoftext|>) of at least ``least`` tokens, each cut to its first
+    ``most`` and put behind ``bos`` if given: (1, n) each."""
+    out, start = [], 0
     for end in (held == EOT).nonzero().flatten().tolist():
         doc, start = held[start:end], end + 1
         if len(doc) >= least:
-            out.append((torch.cat([held.new_full((1,), bos), doc]) if lead else doc)[:most].unsqueeze(0))
+            doc = doc[:most]
+            out.append((doc if bos is None else torch.cat([held.new_full((1,), bos), doc])).unsqueeze(0))
     return out
 
 
 def context_used(model: Decoder, held: torch.Tensor, bos: int | None) -> tuple[float, int]:
     """What a model's own-document context buys on the same tokens: over the held-out chapters of at least LATE +
-    NEAR tokens, the NLL of each token at chapter position >= LATE (up to EVAL_LEN) predicted from the last NEAR tokens
+    NEAR tokens, the NLL of each token at chapter positions LATE .. EVAL_LEN - 1 predicted from the last NEAR tokens
     (the one before it included) and the sequence's first token (``window=NEAR, sinks=1``: the fixed first token,
     or the chapter's first) minus predicted from the whole chapter before it; the same tokens at the same positions.
     (gain, tokens)."""
     lead = bos is not None
     near_total, all_total, n = 0.0, 0.0, 0
-    for doc in chapters(held, LATE + NEAR, EVAL_LEN + 1, bos):
+    for doc in chapters(held, LATE + NEAR, EVAL_LEN, bos):
         w = doc  # (1, L): inputs doc[:-1], targets doc[1:]
         start = LATE - 1 + lead  # the input position whose target is the chapter's token LATE
         full = position_nll(model, w, batch=1, start=start)
@@ -203,10 +211,11 @@ def evaluate(model: Decoder, held: torch.Tensor, ids: torch.Tensor, seed: int = 
     model.eval()
     lead = bos is not None
     wins = windows(held, T=EVAL_LEN, bos=lead)  # (N, EVAL_LEN + 1)
-    full = position_nll(model, wins)
+    full = position_nll(model, wins)  # behind the first token: its own prediction (position 0) is not scored
 
-    r = dict(heldout_nll=float(full.mean()), nll_0_127=float(full[:128].mean()),
+    r = dict(heldout_nll=float(full[lead:].mean()), nll_0_127=float(full[lead:128].mean()),
              nll_512_1023=float(full[LATE:].mean()))
+    r["heldout_tokens"] = int(len(wins) * (len(full) - lead))
     r["context_gain"] = r["nll_0_127"] - r["nll_512_1023"]
     r["context_used"], r["context_used_tokens"] = context_used(model, held, bos)
     # the same tokens with and without the LATE tokens before them: what context buys, apart from the text's own
@@ -274,28 +283,43 @@ def targets_table(r: dict) -> str:
 
 
 def evaluate_folder(folder: str | os.PathLike) -> tuple[dict, str]:
-    """``--evaluate DIR``: every target of the checkpoint in DIR, measured now: (figures, the table)."""
+    """``--evaluate DIR``: every target of the checkpoint in DIR, measured now, and its prompts.txt NLL (behind the
+    first token it was trained with, if any: config.json's kvlab_bos): (figures, the table)."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise TrainError(f"--evaluate {folder}: no config.json there; give a checkpoint folder")
     try:
         model = load_model(folder).eval()
+        bos = first_token(folder)
     except CheckpointError as e:
         raise TrainError(f"--evaluate {folder}: {e}") from None
     data = TrainingData(EVAL_LEN, EVAL_TOKENS)
     seed = (finished(folder) or {}).get("seed", 0)
-    bos = EOT if json.loads((folder / "config.json").read_text()).get(BOS_KEY) is True else None
     r = evaluate(model, data.held_stream, data.copy_ids(full=True), seed=seed, bos=bos)
+    r["prompts_nll"] = round(prompts_nll(model, data.tok, bos), 4)
     return r, targets_table(r)
 
 
-def record_targets(folder: str | os.PathLike, r: dict) -> None:
-    """``--evaluate DIR --record``: write the targets measured now into DIR's ``kvlab_train`` record (only a folder
-    kvlab's training wrote: its config.json carries that record), so the record says what the code measures today."""
+def check_recordable(folder: str | os.PathLike) -> dict:
+    """The config.json of a checkpoint kvlab trained (it carries a ``kvlab_train`` record); refused (TrainError, one
+    line) for any other, before anything is measured: kvlab writes only into checkpoints it trained."""
     path = Path(folder) / "config.json"
-    cfg = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(cfg.get("kvlab_train"), dict):
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise TrainError(f"--record {folder}: cannot read its config.json ({type(e).__name__}); give a checkpoint "
+                         "folder kvlab trained") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("kvlab_train"), dict):
         raise TrainError(f"--record {folder}: its config.json has no kvlab_train record (kvlab did not train it); "
                          "kvlab writes only into checkpoints it trained")
-    cfg["kvlab_train"]["targets"] = r
-    atomic_write(path, (json.dumps(cfg, indent=2) + "\n").encode())
+    return cfg
+
+
+def record_targets(folder: str | os.PathLike, r: dict) -> None:
+    """``--evaluate DIR --record``: write what was measured now into DIR's ``kvlab_train`` record (its targets, and
+    the held-out and prompts NLLs they include), so the record says what the code measures today."""
+    cfg = check_recordable(folder)
+    rec = cfg["kvlab_train"]
+    rec["targets"] = {k: v for k, v in r.items() if k != "prompts_nll"}
+    rec.update(heldout_nll=r["heldout_nll"], heldout_tokens=r["heldout_tokens"], prompts_nll=r["prompts_nll"])
+    atomic_write(Path(folder) / "config.json", (json.dumps(cfg, indent=2) + "\n").encode())

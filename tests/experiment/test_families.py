@@ -224,6 +224,9 @@ def test_a_checkpoint_trained_with_a_first_token_gets_it_in_front_of_every_seque
     (folder / "config.json").write_text(json.dumps({**cfg, hf.FIRST_TOKEN_KEY: "yes"}))
     with pytest.raises(hf.CheckpointError, match="kvlab_bos must be true or false"):
         hf.first_token(folder)
+    (folder / "config.json").write_text(json.dumps({**cfg, "bos_token_id": cfg["vocab_size"]}))
+    with pytest.raises(hf.CheckpointError, match=r"bos_token_id is 50257; give .* \(0 .. vocab_size - 1\)"):
+        hf.first_token(folder)
     (folder / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != hf.FIRST_TOKEN_KEY}))
     assert hf.first_token(folder) is None
 

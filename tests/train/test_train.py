@@ -76,7 +76,9 @@ def test_training_lowers_the_full_softmax_heldout_nll(tiny_run):
     tok, _, held = corpus.load_data()
     loaded = GPT2.from_pretrained(out)
     wins = corpus.windows(held, 1024, T=32, bos=True)  # behind the fixed first token, as the model was trained
-    assert (wins[:, 0] == R.EOT).all() and targets.nll(loaded, wins) == pytest.approx(rec["heldout_nll"], abs=1e-3)
+    assert (wins[:, 0] == R.EOT).all()
+    assert targets.nll(loaded, wins, skip=1) == pytest.approx(rec["heldout_nll"], abs=1e-3)
+    assert rec["heldout_tokens"] == wins[:, 2:].numel()  # the first target, behind the first token alone, unscored
     rows = (out / "train_log.csv").read_text().splitlines()
     assert rows[0] == "step,elapsed_s,train_loss,lr,heldout_nll,copy_acc,copy_far_acc,sink_max" and len(rows) >= 6
     assert all(0 <= float(r.split(",")[7]) <= 1 for r in rows[1:-1])  # a head's share on position 0, every quick row
@@ -424,6 +426,17 @@ def test_a_rotary_models_hidden_states_move_only_with_the_first_tokens_distance(
     assert not torch.allclose(moved[:, 1:], base[:, 1:], atol=1e-3)
 
 
+def test_windows_behind_the_first_token_score_each_stream_token_once():
+    """corpus.windows(bos=True): the first token, then T tokens; consecutive windows share one token, and without
+    each window's first target (predicted from the first token alone) every stream token is a target once."""
+    stream = torch.arange(1000, 1100)
+    wins = corpus.windows(stream, T=8, bos=True)
+    assert (wins[:, 0] == R.EOT).all() and wins.shape[1] == 9
+    scored = wins[:, 2:].flatten().tolist()
+    assert scored == list(range(1001, 1001 + len(scored)))  # contiguous, none twice
+    assert corpus.windows(stream, T=8)[:, 1:].flatten().tolist() == list(range(1001, 1001 + 8 * 12))
+
+
 def test_with_bos_puts_the_first_token_at_position_0_and_never_trains_on_it():
     x, y = rows.text_rows(corpus.load_data()[1], 3, 7, torch.Generator().manual_seed(0))
     bx, by = rows.with_bos(x, y, 50256)
@@ -543,7 +556,7 @@ def test_attention_probs_are_the_ones_each_family_used(preset):
 def test_chapters_are_the_held_out_documents_behind_the_first_token():
     held = torch.tensor([1, 2, 3, R.EOT, 4, 5, 6, 7, 8, R.EOT, 9, R.EOT])
     assert [c.tolist() for c in targets.chapters(held, 3, 10, None)] == [[[1, 2, 3]], [[4, 5, 6, 7, 8]]]
-    assert [c.tolist() for c in targets.chapters(held, 4, 4, R.EOT)] == [[[R.EOT, 4, 5, 6]]]
+    assert [c.tolist() for c in targets.chapters(held, 4, 3, R.EOT)] == [[[R.EOT, 4, 5, 6]]]  # cut, then behind it
 
 
 def test_late_positions_nll_is_the_full_runs_tail(tiny_model):
