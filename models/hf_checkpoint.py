@@ -398,6 +398,6 @@ def _replace(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
-__all__ = ["CONFIG", "CONV1D", "FIRST_TOKEN_KEY", "FORMATS", "GPT2_FORMAT", "MASK_BUFFERS", "PYTORCH_BIN", "SAFETENSORS", "SHARD_INDEX",
-           "CheckpointError", "Format", "check_shapes", "from_hf", "load_state", "read_config", "read_weights",
-           "resolve", "to_hf", "to_safetensors", "write_folder"]
+__all__ = ["CONFIG", "CONV1D", "FIRST_TOKEN_KEY", "FORMATS", "GPT2_FORMAT", "MASK_BUFFERS", "PYTORCH_BIN",
+           "SAFETENSORS", "SHARD_INDEX", "CheckpointError", "Format", "check_shapes", "first_token", "from_hf",
+           "load_state", "read_config", "read_weights", "resolve", "to_hf", "to_safetensors", "write_folder"]
