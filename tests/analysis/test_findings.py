@@ -226,7 +226,8 @@ def test_streamingllm_claims_as_the_paper_states_them():
     """Table 1: the window collapses (ΔNLL over ln 2) and 4 sinks restore it; §4.4: 1 and 2 sinks fall short of 4,
     and 8 close no more than 10% of the gap 4 close; the copy row is true by construction, never a verdict."""
     rows = judged(streaming_sweep([2.0, 0.6, 0.5, 0.4, 0.39]))
-    assert verdicts(rows) == [HOLDS, HOLDS, HOLDS, HOLDS, papers.CONSTRUCTION]
+    assert verdicts(rows) == [HOLDS, HOLDS, HOLDS, HOLDS, papers.CONSTRUCTION, "not judged"]
+    assert "not trained with a token fixed at position 0" in rows[5].not_judged  # the first mini's case
     assert rows[0].metric == "nll" and rows[4].holds is None and rows[4].kind == papers.CONSTRUCTION
     est = float(rows[0].our_number.split()[1])  # "ΔNLL +2.004 [+1.690, +2.350] (perplexity ×7.42) ..."
     ppl = float(rows[0].our_number.split("(perplexity ×")[1].split(")")[0])
@@ -245,6 +246,18 @@ def test_a_window_that_does_not_collapse_has_nothing_for_sinks_to_restore():
     rows = judged(streaming_sweep([0.0, 0.0, 0.0, 0.0, 0.0]))
     assert verdicts(rows)[:4] == [FAILS, "not judged", "not judged", "not judged"]
     assert "4 sinks do not clearly lower the window's ΔNLL" in rows[2].not_judged
+
+
+def test_one_sink_is_enough_for_a_model_trained_with_a_first_token():
+    """StreamingLLM's pre-trained sink token, on a model trained with one (first_token recorded): 4 sinks add about
+    nothing to what the one sink closes (holds); when 3 more close 60% of that gap, it does not hold; when the one
+    sink buys nothing there is no gap, and no verdict."""
+    one = judged(streaming_sweep([2.0, 0.4, 0.45, 0.4, 0.39], first_token=50256))[5]
+    assert one.verdict == HOLDS and one.claim == "a model trained with a sink token needs only that one sink"
+    assert one.runs == ("s1", "s4", "s0") and "(1 sink " in one.our_number
+    assert judged(streaming_sweep([2.0, 1.0, 0.5, 0.4, 0.39], first_token=50256))[5].verdict == FAILS
+    flat = judged(streaming_sweep([0.3, 0.3, 0.3, 0.3, 0.3], first_token=50256))[5]
+    assert flat.verdict is None and "the one sink does not clearly lower" in flat.not_judged
 
 
 KV_TYPE_KL = (("k", 8, 2e-4), ("v", 8, 5e-4), ("kv", 8, 6e-4), ("k", 4, 3e-3), ("v", 4, 1e-3))
@@ -517,6 +530,7 @@ def preset_grid(preset: str, *overrides: str) -> pd.DataFrame:
                             retrieval_n=min(cfg.retrieval_n, max_len // 2), drift_delta_nll=1.0 / (i + 1),
                             drift_kl=1e-3 * (i + 1), drift_kl_p99=1e-2 * (i + 1), retrieval_acc=0.1,
                             retrieval_acc_ref=0.2, retrieval_first_copy_acc=0.0, text_nll=3.5 + 0.01 * i,
+                            first_token=50256,  # a reference model trained with it first (issue 48's)
                             text_nll_fp32=3.5, step_ms_cached_at_max_context=2.0 + i, max_context_len=960))
     return frame(*rows)
 
