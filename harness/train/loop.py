@@ -273,7 +273,7 @@ class _Run:
                                                d.quick_tgt[i:i + 8, 1:].reshape(-1), ignore_index=IGNORE,
                                                reduction="sum"))
             k, n = QUICK_COPY
-            n, ids = min(n, self.settings["seq_len"] // 2), d.copy_ids(full=False)
+            n, ids = min(n, (self.settings["seq_len"] - (self.bos is not None)) // 2), d.copy_ids(full=False)
             copy = model_copy_accuracy(model, ids, n, k=k, bos=self.bos).second
             after = min(QUICK_FAR, self.cfg.n_positions - 2 * n - (self.bos is not None))
             far = round(model_copy_accuracy(model, ids, n, k=k, after=after, bos=self.bos).second, 4) if after > 0 \
