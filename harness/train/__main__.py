@@ -51,6 +51,23 @@ from harness.train.targets import check_recordable, evaluate_folder, record_targ
 from models.gpt2 import GPT2Config  # noqa: E402
 
 
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    """The model's flags: its family, the first token, weight decay, heads."""
+    p.add_argument("--family", default="gpt2", choices=sorted(FAMILY_PRESETS),
+                   help="the decoder family: gpt2 (the mini preset, model=mini) or llama (the mini-llama preset, "
+                        "model=mini-llama: rotary positions, 4 query heads over 2 K/V heads)")
+    p.add_argument("--bos", action=argparse.BooleanOptionalAction, default=BOS,
+                   help="put <|endoftext|> at position 0 of every row, where attention sinks form (default on; "
+                        "--no-bos trains as the first mini was)")
+    p.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY,
+                   help=f"AdamW's weight decay on the matrices (default {WEIGHT_DECAY}, the shipped models'; more "
+                        "gives more attention sinks in the literature: 0 .. 1)")
+    p.add_argument("--heads", type=int, default=None,
+                   help=f"attention heads of the gpt2 family's {MINI_CONFIG['n_embd']}-wide model (default "
+                        f"{MINI_CONFIG['n_head']}, the shipped mini's; GPT-2's 64 channels a head; 4 gives 32, see "
+                        "docs/reference-model.md)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m harness.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="checkpoint folder to write (resumed if it holds a partial run)")
@@ -93,19 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--curriculum", default=None, metavar="SPEC",
                    help="row lengths before the full rows: LEN:SHARE pairs of the budget, in order (default "
                         + ",".join(f"{n}:{share:g}" for n, share in CURRICULUM) + ", the shipped mini's), or none")
-    p.add_argument("--family", default="gpt2", choices=sorted(FAMILY_PRESETS),
-                   help="the decoder family: gpt2 (the mini preset, model=mini) or llama (the mini-llama preset, "
-                        "model=mini-llama: rotary positions, 4 query heads over 2 K/V heads)")
-    p.add_argument("--bos", action=argparse.BooleanOptionalAction, default=BOS,
-                   help="put <|endoftext|> at position 0 of every row, where attention sinks form (default on; "
-                        "--no-bos trains as the first mini was)")
-    p.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY,
-                   help=f"AdamW's weight decay on the matrices (default {WEIGHT_DECAY}, the shipped models'; more "
-                        "gives more attention sinks in the literature: 0 .. 1)")
-    p.add_argument("--heads", type=int, default=None,
-                   help=f"attention heads of the gpt2 family's {MINI_CONFIG['n_embd']}-wide model (default "
-                        f"{MINI_CONFIG['n_head']}, the shipped mini's; GPT-2's 64 channels a head; 4 gives 32, see "
-                        "docs/reference-model.md)")
+    _model_flags(p)
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: interrupt after N steps
 
     def error(message):  # one line, exit 2 (argparse would print the usage first)

@@ -257,7 +257,10 @@ def conformance(tmp_path_factory):
               "hf": ["-m", f"cache={','.join(HF_KINDS)}", "dtype=fp32", "engine=hf"],
               "hf16": ["-m", "cache=concat", "dtype=fp16", "dtype.compute=fp16", "engine=hf"],
               "hf_quant": ["-m", "cache=quant", "cache.k_bits=4", "cache.v_bits=4", "cache.k_axis=token",
-                           "engine=hf"]}
+                           "engine=hf"],
+              # a re-positioned window streaming past a rotary model's 128 positions (the report's stream figure)
+              "stream": ["-m", "model=tiny-gqa", "cache=window", "cache.positions=cache", "cache.sinks=0,1",
+                         "max_len=256", "drift_text_len=256"]}
     out = {}
     for name, args in sweeps.items():
         own = {a.split("=")[0] for a in args if "=" in a}  # what this sweep sets itself
@@ -283,7 +286,7 @@ def _runs(folders) -> list[tuple[Path, dict]]:
 @pytest.mark.slow
 def test_every_measurement_runs_on_every_kind_and_engine_where_it_applies(conformance):
     runs = _runs(conformance.values())
-    assert len(runs) == len(CACHE_KINDS) + len(FULL_ATTENTION) + 4 + len(HF_KINDS) + 1 + 1 + 1
+    assert len(runs) == len(CACHE_KINDS) + len(FULL_ATTENTION) + 4 + len(HF_KINDS) + 1 + 1 + 1 + 2
     ran = {name: set() for name in MEASUREMENTS}
     for folder, r in runs:
         assert r["status"] == "ok", (folder, r.get("error"))
@@ -312,7 +315,7 @@ def test_every_measurement_runs_on_every_kind_and_engine_where_it_applies(confor
 @pytest.mark.slow
 def test_every_figure_draws_from_a_sweep(conformance):
     drawn = set()
-    for name in ("kvlab", "kvlab16", "budgets", "hf", "hf16", "hf_quant"):
+    for name in ("kvlab", "kvlab16", "budgets", "hf", "hf16", "hf_quant", "stream"):
         rep = conformance[name] / "report"
         drawn |= {p.stem for p in rep.glob("*.png") if p.stat().st_size > 0}
         assert (rep / "report.html").is_file()
