@@ -210,6 +210,9 @@ class KVCache:
     # True (with fuses_decode): attend_decode also takes a ragged batch's decode step (padding, ended sequences),
     # handed the step's mask over the keys ``update`` would return; False: such steps take update + attention
     fuses_ragged: ClassVar[bool] = False
+    # True: the kind's storage grows with the tokens written (nothing is allocated ahead of them); False: a
+    # one-sequence cache holds, from when it is built, what it will hold at max_len (a pooled kind draws on its pool)
+    grows: ClassVar[bool] = False
     # the options whose larger values hold more bytes: what a memory refusal names to lower (0 for one of them
     # means "not set", and is never suggested)
     sized_by: ClassVar[tuple[str, ...]] = ()

@@ -12,6 +12,7 @@ from models.kv_cache.base import KVCache, register
 class ConcatKVCache(KVCache):
     kind = "concat"
     description = "layout A: torch.cat per step (grows with the sequence, copies the history every step)"
+    grows = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
