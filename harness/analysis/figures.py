@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from harness.analysis import depth, plots, stream
+from harness.analysis import depth, plots, server, stream
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,18 @@ FIGURES: tuple[Figure, ...] = (
            "Cost model: cached step time vs context, measured (dots) and fitted per run (lines).", by=("step_time",)),
     Figure("batches", "batches", plots.batch_plot,
            "Decode throughput vs batch size, and the K/V bytes a step reads against the weights.", by=("batches",)),
+    Figure("server_rate", "runs", server.rate_plot,
+           "Continuous batching under one K/V budget (experiment=serving): output tokens/s and the p99 latencies "
+           "against the request rate, a line per cache kind; bars: 95% t-intervals over the workload seeds. As in "
+           "vLLM's Figure 12, a kind that fits more requests in the budget keeps its latency down to a higher rate.",
+           by=("server",), when=server.served),
+    Figure("server_memory", "runs", server.memory_plot,
+           "What the K/V budget holds, per kind, at the heaviest load: the share of the bytes held that hold tokens "
+           "(over time), and the most bytes held and holding tokens (vLLM's Figure 2: a reserving kind holds slots "
+           "for tokens a request may never make).", by=("server",), when=server.served),
+    Figure("server_running", "timeline", server.running_plot,
+           "Requests running at once over the server's time, a line per cache kind, a panel per request rate "
+           "(seed 0): the budget caps how many run together.", by=("server",)),
     Figure("serving", "runs", plots.serving_plot,
            "A served batch per run: generated tokens/s vs batch size, and KV waste (held slots holding no token).",
            by=("serving",), when=_served),

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from harness.measurements import KEYS
-from harness.analysis import intervals, papers
+from harness.analysis import intervals, papers, server
 from harness.analysis.papers import (ClaimRow, claim_rows, names, num, ok_runs, preset_of,
                                      value, verdict_text)
 from harness.analysis.plots import as_written, is_full_attention, pareto_front, with_reference_at_zero
@@ -42,7 +42,7 @@ class Finding:
 
     text: str
     runs: tuple[str, ...]
-    kind: str  # "frontier" | "axis" | "surprise"
+    kind: str  # "frontier" | "axis" | "surprise" | "serving"
 
 
 # ---- what every sweep found --------------------------------------------------------------------------------------
@@ -247,7 +247,8 @@ def sweep_findings(runs: pd.DataFrame, frames: dict | None = None) -> list[Findi
     if runs is None or not len(runs) or KEYS.status not in runs:
         return []
     ok = with_reference_at_zero(ok_runs(runs), [k for k, _, _ in QUALITY[:2]])  # as the Pareto figure draws it
-    return frontier_findings(ok, frames) + axis_findings(ok, frames) + surprise_findings(runs, ok)
+    served = [Finding(text, runs_, "serving") for text, runs_ in server.findings(runs)]
+    return frontier_findings(ok, frames) + axis_findings(ok, frames) + surprise_findings(runs, ok) + served
 
 
 # ---- as text -----------------------------------------------------------------------------------------------------

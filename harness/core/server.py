@@ -71,6 +71,28 @@ class Served:
         return len(self.request.prompt) + max(len(self.tokens) - 1, 0)
 
 
+def least_budget(cls, opts, n_layer: int, n_kv_head: int, head_dim: int, dtype, tokens: int) -> int:
+    """The bytes one request of ``tokens`` tokens (prompt and output) may come to hold with kind ``cls``: the least
+    budget that serves it (a pooled kind: its blocks)."""
+    if cls.pooled:
+        bs = opts.block_size
+        return math.ceil(tokens / bs) * 2 * n_layer * n_kv_head * bs * head_dim * torch.empty(0, dtype=dtype).itemsize
+    return cls.nbytes_formula(n_layer, n_kv_head, head_dim, tokens, 1, dtype, tokens, opts)
+
+
+def refuses_serving(cls, opts, prefix_caching: bool) -> str | None:
+    """Why kind ``cls`` with these options cannot serve here (None: it can)."""
+    why = refuses_joining(cls, opts)
+    if why:
+        return why
+    if prefix_caching and not cls.pooled:
+        return (f"serve.prefix_caching=true shares the blocks of a common prefix, which needs a pooled kind "
+                f"(cache=paged), not cache={cls.kind}")
+    if cls.pooled and getattr(opts, "blocks", 0):
+        return "cache.blocks is the server's to set from serve.kv_budget: leave it at 0"
+    return None
+
+
 class _Memory:
     """The budget's bookkeeping for one kind: who fits, what a step needs, what is held and what holds tokens."""
 
@@ -98,7 +120,7 @@ class _Memory:
     def most(self, prompt: int) -> int:
         """What one request of ``prompt`` tokens may come to hold: the least budget that serves it alone."""
         n = min(prompt + self.max_tokens, self.max_len)
-        return self.formula(n, n)
+        return least_budget(self.cls, self.opts, *self.geometry, self.dtype, n)
 
     def after_prefill(self, s: Served) -> None:
         pass
@@ -253,23 +275,16 @@ class _Pooled(_Memory):
         cached = sum(self.bs for b in self.prefixes.values() if b not in shared)
         return kv_bytes(*self.geometry, sum(shared.values()) + cached, 1, self.dtype)
 
-    def most(self, prompt: int) -> int:
-        return self.blocks(min(prompt + self.max_tokens, self.max_len)) * self.block_bytes
 
 
 def memory_for(engine, spec, budget: int, max_tokens: int, max_len: int, prefix_caching: bool = False) -> _Memory:
     """The bookkeeping of ``spec``'s kind under ``budget`` bytes (refusing, in one line, a kind that cannot serve)."""
-    why = refuses_joining(spec.cls, spec.opts)
+    why = refuses_serving(spec.cls, spec.opts, prefix_caching)
     if why:
         raise ValueError(why)
-    if prefix_caching and not spec.cls.pooled:
-        raise ValueError(f"serve.prefix_caching=true shares the blocks of a common prefix, which needs a pooled kind "
-                         f"(cache=paged), not cache={spec.kind}")
     probe = spec.new(engine, 1)
     args = (engine, spec, budget, max_tokens, max_len, probe)
     if spec.cls.pooled:
-        if "blocks" in spec.options and spec.options["blocks"]:
-            raise ValueError("cache.blocks is the server's to set from serve.kv_budget: leave it at 0")
         return _Pooled(*args, prefix_caching=prefix_caching)
     return _Growing(*args) if spec.cls.grows else _Reserving(*args)
 
@@ -402,7 +417,7 @@ class Server:
 class Workload:
     """A seeded stream of chat-like requests: Poisson arrivals at ``rate`` requests/s (inf: all at once), prompt and
     output lengths log-normal around their medians (``sigma``: the spread of their logarithms), clipped to
-    [1, most]; each prompt a window of ``text`` ids at a random place, after a ``system`` prompt shared by all."""
+    [1, most] (prompts to [prompt_least, most]); each prompt a window of ``text`` ids at a random place, after a ``system`` prompt shared by all."""
 
     requests: int = 64
     rate: float = 4.0
@@ -412,11 +427,12 @@ class Workload:
     output_most: int = 128
     sigma: float = 0.8
     seed: int = 0
+    prompt_least: int = 1  # a kind that needs longer prompts (a SnapKV window) raises the floor
 
 
-def _lengths(g: torch.Generator, n: int, median: int, most: int, sigma: float) -> list[int]:
+def _lengths(g: torch.Generator, n: int, median: int, most: int, sigma: float, least: int = 1) -> list[int]:
     z = torch.randn(n, generator=g, dtype=torch.float64)
-    return [int(min(max(round(median * math.exp(sigma * float(x))), 1), most)) for x in z]
+    return [int(min(max(round(median * math.exp(sigma * float(x))), least), most)) for x in z]
 
 
 def make_requests(w: Workload, text: list[int], system: list[int] = ()) -> list[Request]:
@@ -427,7 +443,7 @@ def make_requests(w: Workload, text: list[int], system: list[int] = ()) -> list[
     g = torch.Generator().manual_seed(w.seed)
     gaps = ([0.0] * w.requests if math.isinf(w.rate) else
             (torch.empty(w.requests, dtype=torch.float64).exponential_(w.rate, generator=g)).tolist())
-    prompts = _lengths(g, w.requests, w.prompt_median, w.prompt_most, w.sigma)
+    prompts = _lengths(g, w.requests, w.prompt_median, w.prompt_most, w.sigma, min(w.prompt_least, w.prompt_most))
     outputs = _lengths(g, w.requests, w.output_median, w.output_most, w.sigma)
     starts = torch.randint(0, len(text) - w.prompt_most, (w.requests,), generator=g).tolist()
     out, t = [], 0.0
@@ -450,10 +466,10 @@ def alone(engine, spec, served: list[Served], device: torch.device) -> list[bool
 
 
 def _quantiles(seconds: list[float], name: str) -> dict:
-    """serve_<name>_ms_{mean,median,p90,p99} of durations given in seconds (None where there are none)."""
+    """server_<name>_ms_{mean,median,p90,p99} of durations given in seconds (None where there are none)."""
     import numpy as np
 
-    keys = [f"serve_{name}_ms_{q}" for q in ("mean", "median", "p90", "p99")]
+    keys = [f"server_{name}_ms_{q}" for q in ("mean", "median", "p90", "p99")]
     if not seconds:
         return dict.fromkeys(keys)
     a = np.asarray(seconds) * 1e3
@@ -491,18 +507,20 @@ def summary(log: ServeLog, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
     out_tokens = sum(r["output_tokens"] for r in rows)
     good = [r for r in rows if r["ttft_ms"] <= slo_ttft_ms and (r["tpot_ms"] is None or r["tpot_ms"] <= slo_tpot_ms)]
     itl = [(t - s.times[i - 1]) for s in log.served for i, t in enumerate(s.times) if i]
-    rec = dict(serve_requests=len(rows), serve_duration_s=span, serve_busy_s=log.wall_s,
-               serve_requests_per_s=len(rows) / span, serve_output_tokens_per_s=out_tokens / span,
-               serve_goodput=len(good) / span, serve_slo_met=len(good) / len(rows),
-               serve_preemptions=sum(r["preemptions"] for r in rows),
-               serve_peak_running=max((t["running"] for t in log.timeline), default=0),
-               serve_mean_running=_time_mean(log.timeline, "running"),
-               serve_kv_used_peak=max((t["kv_used_bytes"] for t in log.timeline), default=0),
-               serve_kv_held_peak=max((t["kv_held_bytes"] for t in log.timeline), default=0),
-               serve_cached_tokens=sum(r["cached_tokens"] for r in rows),
-               serve_prefilled_tokens=sum(r["prefilled_tokens"] for r in rows))
+    rec = dict(server_requests=len(rows), server_duration_s=span, server_busy_s=log.wall_s,
+               server_requests_per_s=len(rows) / span, server_output_tokens_per_s=out_tokens / span,
+               server_goodput=len(good) / span, server_slo_met=len(good) / len(rows),
+               server_preemptions=sum(r["preemptions"] for r in rows),
+               server_peak_running=max((t["running"] for t in log.timeline), default=0),
+               server_mean_running=_time_mean(log.timeline, "running"),
+               server_kv_used_peak=max((t["kv_used_bytes"] for t in log.timeline), default=0),
+               server_kv_held_peak=max((t["kv_held_bytes"] for t in log.timeline), default=0),
+               server_cached_tokens=sum(r["cached_tokens"] for r in rows),
+               server_prefilled_tokens=sum(r["prefilled_tokens"] for r in rows))
+    # vLLM's (and Orca's) normalized latency: the mean of every request's end-to-end latency over its output length
+    rec["server_normalized_latency_ms"] = sum(r["e2e_ms"] / r["output_tokens"] for r in rows) / len(rows)
     used, held = _time_mean(log.timeline, "kv_used_bytes"), _time_mean(log.timeline, "kv_held_bytes")
-    rec["serve_kv_token_share"] = used / held if held else None
+    rec["server_kv_token_share"] = used / held if held else None
     for name, seconds in (("ttft", [r["ttft_ms"] / 1e3 for r in rows]),
                           ("tpot", [r["tpot_ms"] / 1e3 for r in rows if r["tpot_ms"] is not None]),
                           ("itl", itl), ("e2e", [r["e2e_ms"] / 1e3 for r in rows])):

@@ -131,10 +131,15 @@ class BaseConfig:
 def _with_options(base: type) -> type:
     """The whole config's schema: ``base`` plus every registered measurement's options, as top-level keys
     (``python run.py drift_text_len=256``), typed and defaulted as each measurement declares them."""
-    from harness.measurements import options
+    import typing
 
-    fields = [(f.name, f.type, dataclasses.field(default=f.default, default_factory=f.default_factory))
-              for _, f in options()]
+    from harness.measurements import MEASUREMENTS, options
+
+    def typed(name, f):  # the field's type itself (a node of options, such as serve, is a dataclass)
+        return typing.get_type_hints(MEASUREMENTS[name].Options)[f.name]
+
+    fields = [(f.name, typed(name, f), dataclasses.field(default=f.default, default_factory=f.default_factory))
+              for name, f in options()]
     return dataclasses.make_dataclass("KvlabConfig", fields, bases=(base,))
 
 
@@ -175,6 +180,14 @@ LATER_KEYS = {("model", "n_kv_head"): None, ("cache", "group_score"): "mean", ("
               ("cache", "k_pre_rope"): False}
 
 
+def later_nodes() -> dict:
+    """Top-level nodes of options added after runs were recorded, at their defaults (what runs without them
+    measured): ``serve`` (the continuous-batching server, off while serve.requests is 0)."""
+    from harness.measurements.server import ServeOptions
+
+    return {"serve": dataclasses.asdict(ServeOptions())}
+
+
 def config_id(cfg) -> str:
     """12 hex digits that name what a run measures: a hash of its resolved config without tracking and resume (and
     without ``measurements`` when it is null, all of them, without ``model.outliers`` at scale 1, the model as
@@ -189,6 +202,9 @@ def config_id(cfg) -> str:
     model = plain.get("model")
     if isinstance(model, dict) and isinstance(model.get("outliers"), dict) and model["outliers"].get("scale") == 1:
         plain["model"] = {k: v for k, v in model.items() if k != "outliers"}
+    for name, default in later_nodes().items():  # a node of options added later, all at its defaults
+        if plain.get(name) == default:
+            del plain[name]
     for (group, key), default in LATER_KEYS.items():  # at the value that means "as before": left out of the hash
         node = plain.get(group)
         if isinstance(node, dict) and key in node and node[key] == default and type(node[key]) is type(default):

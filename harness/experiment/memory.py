@@ -159,7 +159,7 @@ def run_bytes(model, *, storage="fp32", compute="fp32", kind: str = "prealloc",
               context_lengths: list[int] | None = None, n_prompts: int = 4, new_tokens: int = 32,
               prompt_len: int = 32, drift_text_len: int = 128, engine: str = "kvlab", device: str = "cpu",
               compile: bool = False, keep_fp32: bool | None = None, retrieval_n: int | None = None,
-              measurements: list[str] | None = None) -> RunBytes:
+              measurements: list[str] | None = None, serve: dict | None = None) -> RunBytes:
     """The bytes a run of ``model`` needs at its peak on ``device`` ("cpu" or "cuda"), from plain values only.
 
     ``storage`` / ``compute``: the K/V and model dtypes (names or torch dtypes; compute "auto" resolves as the run
@@ -177,7 +177,8 @@ def run_bytes(model, *, storage="fp32", compute="fp32", kind: str = "prealloc",
                 batch_context=batch_context, context_lengths=None if context_lengths is None
                 else list(context_lengths), n_prompts=n_prompts, new_tokens=new_tokens, prompt_len=prompt_len,
                 drift_text_len=drift_text_len, engine=engine, device=device, compile=compile, keep_fp32=keep_fp32,
-                retrieval_n=retrieval_n, measurements=None if measurements is None else list(measurements))
+                retrieval_n=retrieval_n, measurements=None if measurements is None else list(measurements),
+                serve=None if serve is None else dict(serve))
     if engine not in ENGINES:
         raise ConfigError(f"engine={engine!r}: use one of {', '.join(ENGINES)}")
     device = str(device).split(":")[0]
@@ -202,6 +203,8 @@ def run_bytes(model, *, storage="fp32", compute="fp32", kind: str = "prealloc",
         Lr = 2 * min(_positive("retrieval_n", retrieval_n), s.max_len // 2)
         phases.append(("retrieval", s.cache_at(1, Lr, cap=Lr),
                        s.forward(1, Lr, Lr, F32) + 3 * Lr * model.vocab_size * F32))
+    if serve is not None:
+        phases += _server_phase(s, serve)
     if measurements is not None:  # only the phases of the measurements the run makes
         whose = phase_of()
         phases = [p for p in phases if p[0] == "setup" or whose.get(p[0].split("(")[0], set()) & set(measurements)]
@@ -348,6 +351,22 @@ def _serve_phase(s: _Sizes, B: int, n: int) -> tuple[str, int, int]:
                (full, 2 * kept + s.forward(1, Ts, Ts, F32))]
     cache_s, meas_s = max(moments, key=sum)
     return (f"serve_batch(batch={B})", cache_s, meas_s)
+
+
+def _server_phase(s: _Sizes, serve: dict) -> list:
+    """The continuous-batching server: its K/V budget held whole, beside a prefill of the longest request, a step
+    of the largest running batch (each layer's K/V of the batch gathered in the compute dtype) and the check of a
+    request alone."""
+    from harness.measurements.server import budget_bytes, serve_options
+
+    o = serve_options(serve)
+    if not o.requests:
+        return []
+    budget, B, P = budget_bytes(o.kv_budget), o.max_batch, o.system_prompt + o.prompt_most + o.max_tokens + 1
+    gathered = 2 * budget * itemsize(s.compute) // (itemsize(s.storage) * max(s.model.n_layer, 1))
+    transient = (max(s.forward(1, P, 1), s.forward(B, 1, 1) + gathered)
+                 + s.cache_at(1, P, cap=P) + s.layer_kv(1, P))
+    return [("serve_continuous", budget, transient)]
 
 
 def cache_fills(*, kind: str, options: dict | None = None, max_len: int, contexts: list[int] | None = None,

@@ -403,15 +403,42 @@ def text_prompts(path: Path, n: int, length: int, tokenizer) -> list[torch.Tenso
     return prompts
 
 
+def file_stream(path: Path, n: int, tokenizer) -> list[int]:
+    """The file's paragraphs as one stream of token ids, tokenized until it holds ``n`` (or the whole file)."""
+    stream: list[int] = []
+    for p in file_paragraphs(path):
+        if len(stream) >= n:
+            break
+        stream += tokenizer.encode(p + "\n\n")
+    return stream
+
+
+def serve_stream(rc: RunConfig, path: Path | None, tokenizer, vocab_size: int) -> list[int] | None:
+    """The running text the server's workload draws its prompts from (None when the run serves no requests): the
+    prompts file's tokens (up to 50,000), or seeded random ids with prompts=random."""
+    from harness.measurements.server import serve_options
+
+    if "server" not in measurements.chosen(rc.measurements):
+        return None
+    s = serve_options(rc.option("serve"))
+    if not s.requests:
+        return None
+    need = s.system_prompt + s.prompt_most + 1
+    if path is None:
+        g = torch.Generator().manual_seed(rc.seed)
+        return torch.randint(0, vocab_size, (max(need, 50_000),), generator=g).tolist()
+    stream = file_stream(path, 50_000, tokenizer)
+    if len(stream) < need:
+        raise ConfigError(f"prompts_file {path} holds {len(stream):,} tokens; the server's prompts (serve.system_prompt "
+                          f"+ serve.prompt_most) need {need:,}: give a longer file or lower them")
+    return stream
+
+
 def disjoint_texts(path: Path, n: int, length: int, tokenizer) -> list[torch.Tensor]:
     """``n`` texts of exactly ``length`` tokens that share no token: consecutive spans of the file's paragraphs, in
     order (drift is scored on these, so that no text is scored twice and texts can be resampled as independent
     units). Only as many paragraphs are tokenized as the texts need; a file too short for them is one line."""
-    stream: list[int] = []
-    for p in file_paragraphs(path):
-        if len(stream) >= n * length:
-            break
-        stream += tokenizer.encode(p + "\n\n")
+    stream = file_stream(path, n * length, tokenizer)
     if len(stream) < n * length:
         raise ConfigError(f"prompts_file {path} holds {len(stream):,} tokens, and {n} disjoint texts of "
                           f"{length:,} tokens (drift_texts, or n_prompts, x the drift text's length) need "
@@ -553,6 +580,7 @@ def plan_run(rc: RunConfig, w: Weights | None = None) -> Plan:
         prompt_tokenizer(w, mcfg, rc.model.name)
     if mcfg is not None:
         check_outliers(rc.model.outliers, mcfg)
+        check_server(rc, mcfg, max_len, storage)
         check_memory(rc, mcfg, max_len, contexts, storage, compute, device)
     return Plan(rc, w, mcfg, max_len, contexts, device, storage, compute, path,
                 input_ids(path, rc.model.seed, w))
@@ -576,6 +604,33 @@ def prompt_tokenizer(w: Weights, mcfg, model_name: str):
     return tok
 
 
+def check_server(rc: RunConfig, mcfg, max_len: int, storage) -> None:
+    """A run that serves requests (``serve.requests`` > 0): a kind that cannot serve, or a K/V budget too small for
+    its longest possible request, is refused in one line before anything is built."""
+    from harness.core.server import least_budget, refuses_serving
+    from harness.measurements.server import budget_bytes, serve_options
+
+    if "server" not in measurements.chosen(rc.measurements):
+        return
+    s = serve_options(rc.option("serve"))
+    if not s.requests:
+        return
+    cls = measure.cache_kind(rc.cache.kind)
+    opts = cls.parse_options(**dict(rc.cache.options))
+    why = refuses_serving(cls, opts, s.prefix_caching)
+    if why:
+        raise ConfigError(why)
+    if s.system_prompt + s.prompt_most + 1 < cls.min_prompt(opts):
+        raise ConfigError(f"cache={rc.cache.kind} takes prompts of at least {cls.min_prompt(opts)} tokens, and the "
+                          f"server's are at most {s.system_prompt + s.prompt_most + 1}: raise serve.prompt_most")
+    n = min(s.system_prompt + s.prompt_most + s.max_tokens + 1, max_len)
+    need = least_budget(cls, opts, mcfg.n_layer, mcfg.n_kv_head, mcfg.head_dim, storage, n)
+    if budget_bytes(s.kv_budget) < need:
+        raise ConfigError(f"serve.kv_budget={s.kv_budget} is too small for one request: the longest (serve."
+                          f"system_prompt + serve.prompt_most + serve.max_tokens + a first token = {n} tokens) holds "
+                          f"up to {need:,} B with cache={rc.cache.kind}; give serve.kv_budget >= {need:,}")
+
+
 def check_memory(rc: RunConfig, mcfg, max_len: int, contexts: list[int], storage, compute,
                  device) -> None:
     """The run's peak bytes (weights, caches, the measurements' largest tensors) against what is free: refused in
@@ -589,7 +644,7 @@ def check_memory(rc: RunConfig, mcfg, max_len: int, contexts: list[int], storage
                             new_tokens=rc.new_tokens, prompt_len=rc.prompt_len,
                             drift_text_len=rc.option("drift_text_len"), engine=rc.engine.name, device=device.type,
                             compile=rc.compile, retrieval_n=rc.option("retrieval_n"),
-                            measurements=measurements.chosen(rc.measurements))
+                            measurements=measurements.chosen(rc.measurements), serve=rc.option("serve"))
     memory.check(need, memory.available_bytes(device),
                  where="this machine" if device.type == "cpu" else f"GPU {device}")
 
@@ -631,6 +686,7 @@ def load(plan: Plan) -> dict:
         prompts = random_prompts(rc.n_prompts, rc.prompt_len, mcfg.vocab_size, rc.seed)
         texts = random_prompts(n_texts, text_len, mcfg.vocab_size, rc.seed) if ref32 is not None else None
         served = random_prompts(rc.batch, rc.prompt_len, mcfg.vocab_size, rc.seed)
+    stream = serve_stream(rc, plan.prompts_path, tok, mcfg.vocab_size)
     bos = first_token_of(w, rc.model.preset)
     if bos is not None:  # trained with it at position 0: every sequence starts with it, at the length asked
         prompts, served = [led(p, bos) for p in prompts], [led(p, bos) for p in served]
@@ -641,7 +697,7 @@ def load(plan: Plan) -> dict:
     texts = texts and [t.to(device) for t in texts]
     return dict(mcfg=mcfg, max_len=max_len, contexts=contexts, model32=model32, model=model, engine=engine,
                 spec=spec, ref32=ref32, prompts=prompts, texts=texts, served=served, compiled=compiled,
-                outliers=injected, tokenizer=tok, first_token=bos)
+                outliers=injected, tokenizer=tok, first_token=bos, stream=stream)
 
 
 def resolved_record(plan: Plan, loaded: dict) -> dict:
@@ -670,7 +726,8 @@ def context(plan: Plan, loaded: dict, rec: dict, progress: bool) -> measurements
         texts=loaded["texts"], served=loaded["served"], contexts=loaded["contexts"], repeats=rc.repeats,
         warmup=rc.warmup, seed=rc.seed, compiled=loaded["compiled"], progress=progress,
         peak_reset=measure.reset_peak_memory(plan.device), record=rec,
-        decode=None if loaded["tokenizer"] is None else loaded["tokenizer"].decode, first_token=loaded["first_token"])
+        decode=None if loaded["tokenizer"] is None else loaded["tokenizer"].decode, first_token=loaded["first_token"],
+        stream=loaded.get("stream"))
 
 
 def measure_run(plan: Plan, loaded: dict, rec: dict, progress: bool = True) -> dict:

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from harness.measurements.base import (MEASUREMENTS, Measurement, NoOptions, Panel, Table, conforms, hints,
                                        key, option, register, type_name)
 from harness.measurements import (equivalence, generation_drift, text_drift, retrieval, memory,  # noqa: E402,F401
-                                  step_time, peak_memory, bandwidth, batches, compile, serving)
+                                  step_time, peak_memory, bandwidth, batches, compile, serving, server)
 
 __all__ = ["MEASUREMENTS", "Context", "Measurement", "NoOptions", "Panel", "Table", "key", "option",
            "register", "measure", "chosen", "run_on", "tables", "table", "history_keys", "panels",
@@ -58,6 +58,7 @@ class Context:
     tables: dict = field(default_factory=dict)
     decode: Any = None  # token ids -> text, for the record's sample (None: GPT-2's tokenizer)
     first_token: int | None = None  # the token every sequence starts with (a model trained with it first), or None
+    stream: list | None = None  # token ids of running text (the server's workload draws its prompts from it)
 
     def options(self, cls: type[Measurement]):
         """``cls.Options`` from the run's option values (``option_values``), defaults where unset."""
@@ -310,7 +311,7 @@ def results_doc() -> str:
 
 # the columns that say which run a row belongs to, first in every table a run writes and a loader reads
 IDENTITY_COLUMNS = ("run_name", "group", "status", "model", "cache", "cache_label", "dtype", "device", "engine",
-                    "serve_batch", "prompt_lengths")
+                    "serve_batch", "prompt_lengths", "seed", "server_rate", "server_kv_budget")
 
 
 def declared_names() -> frozenset[str]:

@@ -57,6 +57,8 @@ def option(default: Any, meaning: str) -> Any:
     """An ``Options`` field: a top-level config key (``python run.py <name>=...``) with its default and meaning."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=dict(meaning=meaning))
+    if dataclasses.is_dataclass(default):  # a node of options (``serve.rate``): each config its own copy
+        return field(default_factory=lambda: dataclasses.replace(default), metadata=dict(meaning=meaning))
     return field(default=default, metadata=dict(meaning=meaning))
 
 

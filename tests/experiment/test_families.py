@@ -145,7 +145,7 @@ def test_keys_added_later_keep_the_ids_of_runs_made_before_them_at_their_old_mea
     mean, positions absolute or k_pre_rope false as it was before those keys existed, and differs otherwise."""
     from omegaconf import OmegaConf
 
-    from harness.experiment.config import LATER_KEYS, config_id
+    from harness.experiment.config import LATER_KEYS, config_id, later_nodes
 
     before = {"model": {"name": "tiny", "preset": "tiny", "weights": "random", "seed": 0},
               "cache": {"kind": "h2o", "budget": 8, "recent": 2}, "dtype": {"storage": "fp32"}}
@@ -155,6 +155,9 @@ def test_keys_added_later_keep_the_ids_of_runs_made_before_them_at_their_old_mea
         assert config_id(OmegaConf.create(now)) == old, key
         other = {None: 4, "mean": "max", "absolute": "cache", False: True}[default]
         assert config_id(OmegaConf.create({**before, group: {**before[group], key: other}})) != old, key
+    for name, default in later_nodes().items():  # a node added later (serve), at its defaults
+        assert config_id(OmegaConf.create({**before, name: default})) == old, name
+        assert config_id(OmegaConf.create({**before, name: {**default, "requests": 8}})) != old, name
 
 
 def test_what_a_kind_cannot_do_on_this_model_is_refused_before_anything_runs():

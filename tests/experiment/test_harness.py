@@ -26,7 +26,7 @@ from models.tokenizer import Tokenizer
 GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml"))
           for g in ("model", "engine", "cache", "dtype", "device", "tracking", "experiment")}
 # experiments that pin their model (and kind): composed and validated on their own
-PINNED = (*PAPERS, "gqa", "streaming")
+PINNED = (*PAPERS, "gqa", "streaming", "serving")
 
 
 def test_groups_hold_what_users_sweep():
@@ -37,7 +37,8 @@ def test_groups_hold_what_users_sweep():
     assert set(GROUPS["dtype"]) == {"fp32", "fp16", "bf16"}
     assert set(GROUPS["device"]) == {"cpu", "cuda", "auto"}
     assert set(GROUPS["tracking"]) == {"offline", "online", "disabled"}
-    assert set(GROUPS["experiment"]) == {"quick", "seed_protocol", "long", "bench", "gqa", "streaming", *PAPERS}
+    assert set(GROUPS["experiment"]) == {"quick", "seed_protocol", "long", "bench", "gqa", "streaming", "serving",
+                                         *PAPERS}
 
 
 # one model of each family and number of positions is crossed with every cache kind and experiment; the others,
@@ -85,6 +86,30 @@ def test_every_group_combination_composes_and_validates():
     # (each paper preset pins its model and kind: tests/analysis/test_findings.py composes and validates its whole grid)
     assert checked == len(CROSSED_MODELS) * len(CACHE_KINDS) * (len(GROUPS["experiment"]) - len(PINNED))
     assert all(seen[g] == set(turns[g]) for g in seen)
+
+
+def test_experiment_serving_composes_every_kind_rate_and_seed_and_its_budget_serves_each_kind():
+    """experiment=serving: on the mini, every swept kind, rate and seed composes, validates and passes the server's
+    own check (the kind can serve; the K/V budget holds its longest request), before anything is built."""
+    import torch
+
+    from harness.experiment.config import check_measurements, read
+    from harness.experiment.runner import check_server
+
+    register()
+    sweep = (REPO / "conf" / "experiment" / "serving.yaml").read_text()
+    for line in ("cache: prealloc,paged,quant", "serve.rate: 4,16,inf", "seed: 0,1,2"):
+        assert line in sweep
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        for cache, rate, seed in itertools.product(("prealloc", "paged", "quant"), ("4", "16", "inf"), (0, 1, 2)):
+            cfg = compose(config_name="config", overrides=["experiment=serving", f"cache={cache}",
+                                                           f"serve.rate={rate}", f"seed={seed}"])
+            mcfg = preset_config(cfg.model.preset)
+            max_len, _ = validate(cfg, mcfg.n_positions)
+            rc = read(cfg)
+            check_measurements(rc, max_len)
+            check_server(rc, mcfg, max_len, torch.float32)
+            assert rc.option("serve")["requests"] > 0 and rc.measurements == ("server",)
 
 
 def test_experiment_streaming_composes_a_stream_8x_the_trained_length_for_each_number_of_sinks():

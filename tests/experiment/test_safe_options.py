@@ -290,6 +290,7 @@ def _old_id(cfg):
              for k in keys}
     plain["model"].pop("outliers")  # at scale 1 not hashed: its configs had no model.outliers
     plain["model"].pop("n_kv_head")  # at null not hashed: nor model.n_kv_head
+    plain.pop("serve")  # at its defaults (serve.requests 0) not hashed: nor the server's node
     return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

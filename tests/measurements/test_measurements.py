@@ -242,6 +242,9 @@ HF_KINDS = ["concat", "prealloc"]
 
 # the every-kind sweep evicts: 40 + 8 tokens against window S4+W32 (36 slots) and budgets of 32
 EVERY_KIND = ["prompt_len=40", "new_tokens=8", "max_len=128", "drift_text_len=48"]
+# and every kind serves a few requests continuously (the server measurement; serve.requests is 0 elsewhere)
+SERVED = ["serve.requests=4", "serve.kv_budget=400KB", "serve.max_tokens=8", "serve.prompt_most=24",
+          "serve.prompt_median=10", "serve.output_median=4", "serve.rate=inf"]
 FULL_ATTENTION = [k for k, cls in CACHE_KINDS.items() if cls.full_attention(cls.Options())]
 
 
@@ -251,7 +254,7 @@ def conformance(tmp_path_factory):
     that each drifts somewhere), two budgets of an evicting kind and a window, and one compiled run: the runs and
     their sweep reports."""
     tmp = tmp_path_factory.mktemp("conformance")
-    sweeps = {"kvlab": ["-m", f"cache={KVLAB_KINDS}", "dtype=fp32", "engine=kvlab", *EVERY_KIND],
+    sweeps = {"kvlab": ["-m", f"cache={KVLAB_KINDS}", "dtype=fp32", "engine=kvlab", *EVERY_KIND, *SERVED],
               "kvlab16": ["-m", f"cache={','.join(FULL_ATTENTION)}", "dtype=fp16", "engine=kvlab"],
               "budgets": ["-m", "cache=h2o,window", "cache.budget=16,24", "engine=kvlab", *EVERY_KIND],
               "hf": ["-m", f"cache={','.join(HF_KINDS)}", "dtype=fp32", "engine=hf"],
@@ -309,6 +312,7 @@ def test_every_measurement_runs_on_every_kind_and_engine_where_it_applies(confor
         assert {("concat", "hf"), ("quant", "hf")} <= ran[name], name  # HF in fp16, and its lossy QuantizedCache
     assert ran["compile"] == {("prealloc", "kvlab")}
     assert {k for k, e in ran["retrieval"] if e == "kvlab"} == set(CACHE_KINDS)
+    assert ran["server"] == {(k, "kvlab") for k in CACHE_KINDS}  # every kind serves (each request checked)
     assert [name for name in MEASUREMENTS if not ran[name]] == []  # a measurement registered later runs here too
 
 

@@ -1,0 +1,239 @@
+"""The server's figures and comparisons (``experiment=serving``): continuous batching per cache kind under one K/V
+budget, at several request rates, over several workload seeds.
+
+    server_points(runs)              one row per ok server run: kind, rate, seed, budget and its figures
+    server_compare(runs, a, b, key)  per rate and budget: the ratio a / b of ``key`` paired by seed, its mean and a
+                                     95% t-interval over the seeds (n = seeds both ran)
+    rate_plot(runs)                  throughput and p99 latency against request rate, a line per kind (vLLM's
+                                     Figure 12 shape); bars: 95% t-intervals over seeds
+    memory_plot(runs)                K/V bytes holding tokens vs held, per kind (vLLM's Figure 2)
+    running_plot(timeline)           requests running over time, a line per kind, a panel per rate (seed 0)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+from harness.analysis.plots import _message_figure, _ok, plt
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+ALL_AT_ONCE = "all at once"
+POINT_COLUMNS = ["kind", "rate", "seed", "budget", "requests_per_s", "tokens_per_s", "ttft_p99", "e2e_p99",
+                 "normalized", "peak_running", "mean_running", "token_share", "held_peak", "used_peak", "preemptions"]
+POINT_KEYS = {"requests_per_s": "server_requests_per_s", "tokens_per_s": "server_output_tokens_per_s",
+        "ttft_p99": "server_ttft_ms_p99", "e2e_p99": "server_e2e_ms_p99", "normalized": "server_normalized_latency_ms",
+        "peak_running": "server_peak_running",
+        "mean_running": "server_mean_running", "token_share": "server_kv_token_share",
+        "held_peak": "server_kv_held_peak", "used_peak": "server_kv_used_peak", "preemptions": "server_preemptions"}
+
+
+def served(runs: pd.DataFrame) -> bool:
+    """Whether any ok run served requests (the figures' ``when``)."""
+    return "server_requests" in runs and _ok(runs)["server_requests"].notna().any()
+
+
+def _rate(x) -> float:
+    return math.inf if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
+
+
+def server_points(runs: pd.DataFrame) -> pd.DataFrame:
+    df = _ok(runs)
+    if "server_requests" not in df:
+        return pd.DataFrame(columns=POINT_COLUMNS)
+    df = df[df["server_requests"].notna()]
+    out = pd.DataFrame({"kind": df["cache_label"].astype(str), "rate": [_rate(x) for x in df["server_rate"]],
+                        "seed": df["seed"] if "seed" in df else 0, "budget": df["server_kv_budget"]})
+    for col, key in POINT_KEYS.items():  # a key a run of an earlier kvlab did not record: NaN
+        out[col] = df[key].astype(float).to_numpy() if key in df else np.nan
+    return out.reset_index(drop=True)[POINT_COLUMNS]
+
+
+# Student's t, two-sided 95%: the 0.975 quantile by degrees of freedom (standard tables; past 30, interpolated
+# in 1/df towards the normal's 1.960)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
+        21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042}
+
+
+def t975(df: int) -> float:
+    if df in T975:
+        return T975[df]
+    return 1.960 + (T975[30] - 1.960) * 30 / df
+
+
+def t_interval(values) -> tuple[float, float, float, int]:
+    """Mean and 95% t-interval of ``values`` (NaN bounds with one value)."""
+    a = np.asarray([v for v in values if np.isfinite(v)], dtype=float)
+    n = len(a)
+    if n == 0:
+        return math.nan, math.nan, math.nan, 0
+    m = float(a.mean())
+    if n < 2:
+        return m, math.nan, math.nan, n
+    h = t975(n - 1) * float(a.std(ddof=1)) / math.sqrt(n)
+    return m, m - h, m + h, n
+
+
+def server_compare(runs: pd.DataFrame, a: str, b: str, key: str) -> pd.DataFrame:
+    """Per (rate, budget): ``key`` of kind ``a`` over kind ``b`` (cache labels), paired by seed: the geometric mean of
+    the ratios and its 95% t-interval (made on their logarithms), and n."""
+    p = server_points(runs)
+    rows = []
+    for (rate, budget), sub in p.groupby(["rate", "budget"], sort=True):
+        x = sub[sub["kind"] == a].set_index("seed")[key]
+        y = sub[sub["kind"] == b].set_index("seed")[key]
+        both = x.index.intersection(y.index)
+        logs = [math.log(float(x[s]) / float(y[s])) for s in both if float(y[s]) > 0 and float(x[s]) > 0]
+        m, lo, hi, n = (math.exp(v) if i < 3 and math.isfinite(v) else v for i, v in enumerate(t_interval(logs)))
+        rows.append(dict(rate=rate, budget=budget, a=a, b=b, key=key, ratio=m, low=lo, high=hi, n=n))
+    return pd.DataFrame(rows, columns=["rate", "budget", "a", "b", "key", "ratio", "low", "high", "n"])
+
+
+def _x(rates: list[float]) -> dict[float, int]:
+    """Where each rate sits on the x axis: evenly, in order, "all at once" last."""
+    return {r: i for i, r in enumerate(sorted(rates))}
+
+
+def _rate_label(r: float) -> str:
+    return ALL_AT_ONCE if math.isinf(r) else f"{r:g}/s"
+
+
+def rate_plot(runs: pd.DataFrame) -> Figure:
+    p = server_points(runs)
+    if p.empty:
+        return _message_figure("no ok run served requests (serve.requests > 0)")
+    xs = _x(sorted(set(p["rate"])))
+    panels = (("tokens_per_s", "output tokens / s"), ("normalized", "normalized latency (ms / output token)"),
+              ("e2e_p99", "p99 arrival to last token (ms)"), ("ttft_p99", "p99 time to first token (ms)"))
+    fig, grid = plt.subplots(2, 2, figsize=(12, 7.5), layout="constrained")
+    axes = grid.ravel()
+    for ax, (col, label) in zip(axes, panels):
+        for kind, sub in p.groupby("kind", sort=False):
+            stats = [(xs[r], *t_interval(s[col])[:3]) for r, s in sub.groupby("rate")]
+            x, m, lo, hi = (np.array(v, dtype=float) for v in zip(*stats))
+            err = np.vstack([m - np.where(np.isnan(lo), m, lo), np.where(np.isnan(hi), m, hi) - m])
+            ax.errorbar(x, m, yerr=err, marker="o", capsize=3, label=kind)
+        ax.set_xticks(list(xs.values()), [_rate_label(r) for r in xs])
+        ax.set_xlabel("request rate (Poisson arrivals)")
+        ax.set_ylabel(label)
+        if col != "tokens_per_s":
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=8)
+    budget = ", ".join(f"{b / 1e6:g} MB" for b in sorted(set(p["budget"])))
+    fig.suptitle(f"Continuous batching under a K/V budget of {budget}: throughput and tail latency per cache kind")
+    return fig
+
+
+def memory_plot(runs: pd.DataFrame) -> Figure:
+    p = server_points(runs)
+    if p.empty:
+        return _message_figure("no ok run served requests (serve.requests > 0)")
+    top = p[p["rate"] == max(p["rate"])]  # the heaviest load: memory is what limits
+    kinds = list(dict.fromkeys(top["kind"]))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
+    share = [100 * t_interval(top[top["kind"] == k]["token_share"])[0] for k in kinds]
+    axes[0].bar(kinds, share, color="tab:green", label="holding tokens")
+    axes[0].bar(kinds, [100 - s for s in share], bottom=share, color="tab:grey", label="held, holding no token")
+    axes[0].set_ylabel("share of the K/V bytes held, over time (%)")
+    axes[0].legend(fontsize=8)
+    held = [t_interval(top[top["kind"] == k]["held_peak"])[0] / 1e6 for k in kinds]
+    used = [t_interval(top[top["kind"] == k]["used_peak"])[0] / 1e6 for k in kinds]
+    w = 0.38
+    pos = np.arange(len(kinds))
+    axes[1].bar(pos - w / 2, held, w, label="most held")
+    axes[1].bar(pos + w / 2, used, w, label="most holding tokens")
+    axes[1].set_xticks(pos, kinds)
+    axes[1].set_ylabel("K/V MB")
+    axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    rate = max(top["rate"])
+    fig.suptitle(f"What the K/V budget holds, per kind (rate {_rate_label(rate)}, mean over seeds)")
+    return fig
+
+
+def running_plot(timeline: pd.DataFrame) -> Figure:
+    df = _ok(timeline)
+    if df.empty or "running" not in df:
+        return _message_figure("no ok run served requests (serve.requests > 0)")
+    df = df.assign(rate=[_rate(x) for x in df["server_rate"]])
+    if "seed" in df and df["seed"].notna().any():
+        df = df[df["seed"] == df["seed"].min()]
+    rates = sorted(set(df["rate"]))
+    fig, axes = plt.subplots(1, len(rates), figsize=(5.5 * len(rates), 3.8), squeeze=False, layout="constrained")
+    for ax, rate in zip(axes[0], rates):
+        for kind, sub in df[df["rate"] == rate].groupby("cache_label", sort=False):
+            ax.step(sub["time_s"], sub["running"], where="post", label=str(kind), lw=1.2)
+        ax.set_title(f"rate {_rate_label(rate)}", fontsize=10)
+        ax.set_xlabel("server time (s)")
+        ax.set_ylabel("requests running")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle("Requests running at once under the K/V budget (seed 0)")
+    return fig
+
+
+# ---- findings -------------------------------------------------------------------------------------------------
+
+VLLM_THROUGHPUT = ("vLLM (Kwon et al., SOSP 2023, arXiv 2309.06180, abstract): \"vLLM improves the throughput of "
+                   "popular LLMs by 2-4× with the same level of latency compared to the state-of-the-art systems, "
+                   "such as FasterTransformer and Orca.\"")
+VLLM_MEMORY = ("vLLM (§1): \"only 20.4% - 38.2% of the KV cache memory is used to store the actual token states in "
+               "the existing systems\" (Figure 2 gives vLLM's own share as 96.3).")
+BASELINE = "prealloc"  # the reserving kind every other is compared with
+HOW = "geometric mean of the per-seed ratios, 95% t-interval over the seeds on their logarithms"
+
+
+def _interval(m: float, lo: float, hi: float, n: int) -> str:
+    if n < 2 or not math.isfinite(lo):
+        return f"{m:.2f}× (n = {n}: no interval)"
+    return f"{m:.2f}× [{lo:.2f}, {hi:.2f}] (n = {n} seeds)"
+
+
+def _against(lo: float, hi: float, n: int, low: float = 2.0, high: float = 4.0) -> str:
+    """Where an interval of a ratio lies against vLLM's 2-4×."""
+    if n < 2 or not math.isfinite(lo):
+        return "inconclusive (one seed)"
+    if lo >= low and hi <= high:
+        return "within vLLM's 2-4×"
+    if hi < low:
+        return "below vLLM's 2-4×"
+    if lo > high:
+        return "above vLLM's 2-4×"
+    return "inconclusive against vLLM's 2-4× (the interval crosses its bounds)"
+
+
+def findings(runs: pd.DataFrame) -> list[tuple[str, tuple[str, ...]]]:
+    """Sentences about a sweep's server runs, each with the runs it reads: every kind against the reserving
+    baseline (prealloc), at each rate and budget, for concurrency and throughput; and what the budget held."""
+    p = server_points(runs)
+    if p.empty or BASELINE not in set(p["kind"]):
+        return []
+    ok = _ok(runs)
+    names = tuple(ok.loc[ok["server_requests"].notna(), "run_name"].astype(str))
+    out = []
+    for kind in [k for k in dict.fromkeys(p["kind"]) if k != BASELINE]:
+        for key, what in (("peak_running", "requests running at once (peak)"),
+                          ("tokens_per_s", "output tokens/s")):
+            cmp = server_compare(runs, kind, BASELINE, key)
+            parts = [f"at {_rate_label(r.rate)}: {_interval(r.ratio, r.low, r.high, r.n)}"
+                     + (f", {_against(r.low, r.high, r.n)}" if key == "tokens_per_s" else "")
+                     for r in cmp.itertuples() if r.n]
+            if parts:
+                budget = ", ".join(f"{b / 1e6:g} MB" for b in sorted(set(cmp["budget"])))
+                out.append((f"{kind} over {BASELINE} under {budget}, {what}: " + "; ".join(parts)
+                            + f" ({HOW}).", names))
+    share = p.groupby("kind", sort=False)["token_share"].agg(["mean", "min", "max"])
+    held = "; ".join(f"{k} {100 * r['mean']:.1f}% (runs {100 * r['min']:.1f}-{100 * r['max']:.1f}%)"
+                     for k, r in share.iterrows())
+    out.append((f"K/V bytes holding tokens over bytes held, over time: {held}. {VLLM_MEMORY}", names))
+    models = ", ".join(dict.fromkeys(ok.loc[ok["server_requests"].notna(), "model"].astype(str)))
+    out.append((f"Throughput against the paper: {VLLM_THROUGHPUT} Here: model {models} on this machine's "
+                f"{'GPU' if (ok['device'] == 'cuda').any() else 'CPU'}; the ratio that bears on the claim is the "
+                "throughput where the baseline is saturated (the highest rate).", names))
+    return out

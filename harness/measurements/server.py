@@ -1,0 +1,232 @@
+"""Server: continuous batching under a KV budget (``harness.core.server``): a seeded stream of chat-like requests
+served first come, first served; throughput, latency percentiles, goodput, concurrency, memory, pre-emptions; every
+request checked against its own run alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from harness.measurements.base import Measurement, Table, key, option, register
+
+
+@dataclass
+class ServeOptions:
+    """``serve.*``: the workload and the server (``python run.py experiment=serving serve.rate=8``)."""
+
+    requests: int = 0  # requests served; 0: not measured
+    rate: float = 4.0  # Poisson arrivals, requests/s; inf: all at once
+    kv_budget: str = "16MB"  # bytes the K/V may take (an integer, or a size: 512KB, 16MB, 1GiB)
+    prefix_caching: bool = False  # share the blocks of a common prefix (cache=paged)
+    max_batch: int = 32  # requests running at once, at most
+    max_tokens: int = 128  # tokens a request may generate (what a reserving kind reserves for); outputs stop sooner
+    prompt_median: int = 64  # prompt tokens: log-normal around this median ...
+    prompt_most: int = 256  # ... clipped to [1, this]
+    output_median: int = 32  # output tokens: log-normal around this median, clipped to [1, max_tokens]
+    sigma: float = 0.8  # the spread of the lengths' logarithms
+    system_prompt: int = 0  # tokens of a system prompt every request starts with (the text's first)
+    slo_ttft_ms: float = 2000.0  # goodput counts a request that met both bounds
+    slo_tpot_ms: float = 200.0
+
+
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def budget_bytes(value) -> int:
+    """serve.kv_budget as bytes: an integer, or a number and a unit (B, KB, MB, GB, KiB, MiB, GiB)."""
+    text = str(value).strip().replace("_", "")
+    number = text.rstrip("BbKkMmGgIi ")
+    unit = text[len(number):].strip().upper()
+    try:
+        n = float(number) * UNITS[unit]
+    except (ValueError, KeyError):
+        raise ValueError(f"serve.kv_budget={value!r}: give bytes as an integer or a size such as 512KB, 16MB or "
+                         "1GiB") from None
+    if not math.isfinite(n) or n < 1:
+        raise ValueError(f"serve.kv_budget={value!r}: give a positive size, e.g. 16MB")
+    return int(n)
+
+
+def serve_options(value) -> ServeOptions:
+    """The ``serve`` node (a dict from the config, or ServeOptions) as ServeOptions; unknown names refused."""
+    if isinstance(value, ServeOptions):
+        return value
+    names = {f.name for f in dataclasses.fields(ServeOptions)}
+    unknown = sorted(set(value or {}) - names)
+    if unknown:
+        raise ValueError(f"serve has no option {unknown[0]!r}: its options are {', '.join(sorted(names))}")
+    return ServeOptions(**dict(value or {}))
+
+
+def check_serve(s: ServeOptions, max_len: int) -> None:
+    """Refuse, in one line, a workload or server that cannot run (before anything is built)."""
+    if isinstance(s.requests, bool) or not isinstance(s.requests, int) or s.requests < 0:
+        raise ValueError(f"serve.requests={s.requests!r}: give an integer >= 0 (0: not measured)")
+    if not s.requests:  # not measured: the rest is the workload's, checked when it is asked for
+        return
+    for name in ("max_batch", "max_tokens", "prompt_median", "prompt_most", "output_median"):
+        v = getattr(s, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"serve.{name}={v!r}: give an integer >= 1")
+    if s.requests > 100_000:
+        raise ValueError(f"serve.requests={s.requests:,} is over kvlab's cap of 100,000 per run")
+    if not s.rate > 0:
+        raise ValueError(f"serve.rate={s.rate}: give requests per second > 0 (inf: all at once)")
+    if s.system_prompt < 0 or s.sigma < 0:
+        raise ValueError("serve.system_prompt and serve.sigma must be >= 0")
+    longest = s.system_prompt + s.prompt_most + s.max_tokens + 1  # and a model's fixed first token
+    if longest > max_len:
+        raise ValueError(f"serve.system_prompt + serve.prompt_most + serve.max_tokens + 1 (a first token) = {longest} "
+                         f"is more than max_len={max_len}: lower them")
+    budget_bytes(s.kv_budget)
+
+
+@register
+class Server(Measurement):
+    name = "server"
+    about = ("continuous batching of serve.requests chat-like requests under serve.kv_budget: throughput, TTFT, "
+             "TPOT, ITL, goodput, concurrency, KV held vs used, pre-emptions, each request checked")
+    stage = "continuous batching"
+    memory_phases = ("serve_continuous",)
+
+    @dataclass(frozen=True)
+    class Options:
+        serve: ServeOptions = option(ServeOptions(), "the server and its workload (serve.requests > 0 measures; "
+                                                     "harness.measurements.server.ServeOptions)")
+
+    @dataclass(frozen=True)
+    class Result:
+        server_kv_budget: int = key("the K/V budget the server ran under", "B")
+        server_rate: float | None = key("the requests' mean arrival rate (null: all at once)", "requests/s")
+        server_requests: int = key("requests served", "requests")
+        server_duration_s: float = key("first arrival to last token", "s")
+        server_busy_s: float = key("of it, time spent computing (prefills and steps)", "s")
+        server_requests_per_s: float = key("requests finished per second", "requests/s", shown="report")
+        server_output_tokens_per_s: float = key("tokens generated per second", "tokens/s", shown="report")
+        server_goodput: float = key("requests per second that met both SLO bounds", "requests/s")
+        server_slo_met: float = key("the share of requests within serve.slo_ttft_ms and serve.slo_tpot_ms",
+                                    "fraction")
+        server_preemptions: int = key("pre-emptions (recompute)", "")
+        server_peak_running: int = key("most requests running at once", "requests", shown="report")
+        server_mean_running: float = key("requests running, on average over time", "requests")
+        server_kv_used_peak: int = key("most K/V bytes that held tokens", "B")
+        server_kv_held_peak: int = key("most K/V bytes the server held (reserved, grown or pool blocks taken)", "B")
+        server_kv_token_share: float | None = key("K/V bytes holding tokens over bytes held, over time", "fraction",
+                                                  shown="report")
+        server_cached_tokens: int = key("prompt tokens found in the prefix cache (not computed again)", "tokens")
+        server_prefilled_tokens: int = key("tokens the prefills computed, re-admissions included", "tokens")
+        server_ttft_ms_mean: float = key("time to first token, mean", "ms")
+        server_ttft_ms_median: float = key("time to first token, median", "ms")
+        server_ttft_ms_p90: float = key("time to first token, 90th percentile", "ms")
+        server_ttft_ms_p99: float = key("time to first token, 99th percentile", "ms", shown="report")
+        server_tpot_ms_mean: float | None = key("time per output token after the first, mean", "ms")
+        server_tpot_ms_median: float | None = key("time per output token, median", "ms")
+        server_tpot_ms_p90: float | None = key("time per output token, 90th percentile", "ms")
+        server_tpot_ms_p99: float | None = key("time per output token, 99th percentile", "ms")
+        server_itl_ms_mean: float | None = key("inter-token latency, mean", "ms")
+        server_itl_ms_median: float | None = key("inter-token latency, median", "ms")
+        server_itl_ms_p90: float | None = key("inter-token latency, 90th percentile", "ms")
+        server_itl_ms_p99: float | None = key("inter-token latency, 99th percentile", "ms")
+        server_e2e_ms_mean: float = key("arrival to last token, mean", "ms")
+        server_e2e_ms_median: float = key("arrival to last token, median", "ms")
+        server_e2e_ms_p90: float = key("arrival to last token, 90th percentile", "ms")
+        server_e2e_ms_p99: float = key("arrival to last token, 99th percentile", "ms", shown="report")
+        server_normalized_latency_ms: float = key("mean over requests of arrival-to-last-token latency over its "
+                                                  "output tokens (vLLM's normalized latency)", "ms/token",
+                                                  shown="report")
+        server_requests_identical: int = key("requests whose tokens equal their own run alone (same kind)",
+                                             "requests")
+
+    tables = (
+        Table("requests", "requests.csv", on=("request_id",),
+              columns=("request_id", "arrival_s", "admitted_s", "first_token_s", "finish_s", "prompt_tokens",
+                       "output_tokens", "preemptions", "cached_tokens", "prefilled_tokens", "ttft_ms", "tpot_ms",
+                       "e2e_ms", "identical"),
+              meaning="one row per served request"),
+        Table("tokens", "tokens.csv", on=("request_id", "index"), columns=("request_id", "index", "time_s", "itl_ms"),
+              meaning="one row per generated token: when, and the gap since the request's previous token"),
+        Table("timeline", "timeline.csv", on=("step",),
+              columns=("step", "time_s", "running", "waiting", "arrived", "kv_used_bytes", "kv_held_bytes"),
+              meaning="the server after every iteration: requests running and waiting, K/V bytes used and held"))
+
+    @classmethod
+    def check(cls, opts, max_len):
+        from harness.common.errors import ConfigError
+
+        try:
+            check_serve(serve_options(opts.serve), max_len)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def skip(self):
+        s = serve_options(self.opts.serve)
+        if not s.requests:
+            return "serve.requests is 0 (e.g. experiment=serving, or serve.requests=64)"
+        if getattr(self.ctx.engine, "name", "") != "kvlab":
+            return f"engine={self.ctx.engine.name} has no continuous batching here: kvlab's server runs engine=kvlab"
+        return None
+
+    def run(self):
+        import pandas as pd
+        import torch
+        from tqdm.auto import tqdm
+
+        from harness.core import server as S
+
+        ctx, s = self.ctx, serve_options(self.opts.serve)
+        memory = S.memory_for(ctx.engine, ctx.spec, budget_bytes(s.kv_budget), s.max_tokens, ctx.max_len,
+                              prefix_caching=s.prefix_caching)
+        requests = workload(s, ctx.stream, ctx.first_token, ctx.seed, ctx.spec.cls.min_prompt(ctx.spec.opts))
+        S.check_budget(memory, requests)
+        bar = tqdm(total=len(requests), desc="serving", unit="request", leave=False, disable=not ctx.progress)
+        with bar:
+            log = S.Server(ctx.engine, memory, s.max_batch, ctx.device, progress=bar).run(requests)
+        same = S.alone(ctx.engine, ctx.spec, log.served, ctx.device)
+        rec = S.summary(log, s.slo_ttft_ms, s.slo_tpot_ms)
+        rows = pd.DataFrame(S.request_rows(log.served))
+        rows["identical"] = same
+        timeline = pd.DataFrame([dict(step=i, **t) for i, t in enumerate(log.timeline)])
+        result = self.Result(server_kv_budget=memory.budget, server_rate=None if math.isinf(s.rate) else s.rate,
+                             server_requests_identical=int(sum(same)), **rec)
+        return result, {"requests": rows, "tokens": pd.DataFrame(S.token_rows(log.served)), "timeline": timeline}
+
+    @classmethod
+    def not_equivalent(cls, r, tol):
+        n, same = r.get("server_requests"), r.get("server_requests_identical")
+        if n is None or same is None or same == n:
+            return []
+        return [f"{n - same} of {n} served requests differ from their own run alone"]
+
+    @classmethod
+    def summary(cls, r, tables):
+        if r.get("server_requests") is None:
+            return []
+        rate = "all at once" if r["server_rate"] is None else f"{r['server_rate']:g}/s"
+        return [f"  server            {r['server_requests']} requests ({rate}) under {r['server_kv_budget']:,} B: "
+                f"{r['server_output_tokens_per_s']:,.0f} tokens/s, {r['server_requests_per_s']:.2f} requests/s · "
+                f"TTFT p50/p99 {r['server_ttft_ms_median']:,.0f}/{r['server_ttft_ms_p99']:,.0f} ms · up to "
+                f"{r['server_peak_running']} running · {r['server_preemptions']} pre-emptions · K/V holding tokens "
+                f"{_share(r['server_kv_token_share'])} · each = its run alone: {r['server_requests_identical']} of "
+                f"{r['server_requests']}"]
+
+
+def _share(x) -> str:
+    return "—" if x is None else f"{x:.1%}"
+
+
+def workload(s: ServeOptions, stream: list[int] | None, first_token: int | None, seed: int, least: int = 1):
+    """The run's requests: the seeded workload over the text stream (the system prompt its first tokens; a model
+    trained with a first token sees it before everything); every prompt at least ``least`` tokens in all (what the
+    kind takes: a SnapKV window)."""
+    from harness.core import server as S
+
+    if not stream:
+        raise ValueError("the server's workload needs text: the run read none (prompts=file)")
+    system = stream[:s.system_prompt]
+    text = stream[s.system_prompt:]
+    lead = [] if first_token is None else [first_token]
+    w = S.Workload(requests=s.requests, rate=s.rate, prompt_median=s.prompt_median, prompt_most=s.prompt_most,
+                   output_median=s.output_median, output_most=s.max_tokens, sigma=s.sigma, seed=seed,
+                   prompt_least=max(least - len(lead) - len(system), 1))
+    return S.make_requests(w, text, system=lead + system)

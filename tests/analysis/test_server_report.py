@@ -1,0 +1,167 @@
+"""The server measurement in a run (``serve.*``), its tables, its refusals, and the sweep's server figures and
+findings (``harness.analysis.server``)."""
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from harness.analysis import server as A
+from harness.measurements.server import budget_bytes, check_serve, serve_options
+from tests.helpers import TINY, run_py
+
+SERVE = ["measurements=[server]", "serve.requests=4", "serve.kv_budget=300KB", "serve.max_tokens=16",
+         "serve.prompt_most=40", "serve.prompt_median=16", "serve.output_median=8", "tracking=disabled"]
+
+
+@pytest.fixture(scope="module")
+def served_sweep(tmp_path_factory):
+    """A small sweep: prealloc and paged at two rates over two seeds, on the tiny model."""
+    tmp = tmp_path_factory.mktemp("serve")
+    proc = run_py(["-m", *TINY, *SERVE, "cache=prealloc,paged", "serve.rate=20,inf", "seed=0,1",
+                   f"hydra.sweep.dir={tmp / 'sweep'}"], tmp)
+    return tmp / "sweep", proc
+
+
+def test_a_served_run_records_every_request_and_token_and_checks_each(served_sweep):
+    sweep, proc = served_sweep
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    folders = [d for d in sweep.iterdir() if (d / "results.json").is_file()]
+    assert len(folders) == 8
+    for d in folders:
+        rec = json.loads((d / "results.json").read_text())
+        assert rec["status"] == "ok"
+        requests = pd.read_csv(d / "requests.csv")
+        tokens = pd.read_csv(d / "tokens.csv")
+        assert len(requests) == rec["server_requests"] == 4
+        assert requests["identical"].all() and rec["server_requests_identical"] == 4
+        assert len(tokens) == requests["output_tokens"].sum()  # a row per token made
+        assert (requests["first_token_s"] >= requests["arrival_s"]).all()
+        # the record's percentiles are the table's
+        assert rec["server_ttft_ms_p99"] == pytest.approx(np.percentile(requests["ttft_ms"], 99))
+        timeline = pd.read_csv(d / "timeline.csv")
+        assert (timeline["kv_held_bytes"] <= rec["server_kv_budget"]).all()
+        assert rec["server_kv_budget"] == 300_000 and rec["server_rate"] in (20.0, None)
+
+
+def test_the_sweep_report_draws_the_server_figures_and_says_what_paging_bought(served_sweep):
+    sweep, proc = served_sweep
+    report = sweep / "report"
+    for stem in ("server_rate", "server_memory", "server_running"):
+        assert (report / f"{stem}.png").stat().st_size > 10_000, stem
+    text = (report / "findings.md").read_text()
+    assert "paged(block_size=16) over prealloc under 0.3 MB, requests running at once (peak)" in text
+    assert "2-4×" in text and "20.4% - 38.2%" in text
+
+
+def _refused(proc, out) -> str:
+    """A refused run: exit 1, one line saying why, a failed record and none of the server's tables."""
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.startswith("kvlab: run ")]
+    assert len(said) == 1
+    assert json.loads((out / "results.json").read_text())["status"] == "failed"
+    assert not (out / "requests.csv").exists() and not (out / "timeline.csv").exists()
+    return said[0]
+
+
+def test_a_budget_too_small_for_one_request_is_refused_before_anything_runs(tmp_path):
+    out = tmp_path / "run"
+    line = _refused(run_py([*TINY, *SERVE, "serve.kv_budget=2KB", f"hydra.run.dir={out}"], tmp_path), out)
+    assert "too small for one request" in line and line.endswith("give serve.kv_budget >= 58,368")
+
+
+def test_a_budget_beyond_the_machine_is_refused_before_anything_runs(tmp_path):
+    out = tmp_path / "run"
+    assert "free" in _refused(run_py([*TINY, *SERVE, "serve.kv_budget=900GB", f"hydra.run.dir={out}"], tmp_path), out)
+
+
+@pytest.mark.parametrize("bad,why", [({"kv_budget": "lots"}, "give bytes as an integer or a size"),
+                                     ({"kv_budget": "0"}, "positive size"),
+                                     ({"rate": 0.0}, "requests per second > 0"),
+                                     ({"max_tokens": 5000}, "is more than max_len"),
+                                     ({"max_batch": 0}, "serve.max_batch=0: give an integer >= 1")])
+def test_bad_serve_options_are_refused_in_one_line(bad, why):
+    with pytest.raises(ValueError, match=why):
+        check_serve(serve_options({"requests": 4, **bad}), 1024)
+    check_serve(serve_options({"requests": 0, **bad}), 1024)  # not serving: nothing of it is read
+
+
+def test_a_kind_that_cannot_serve_is_refused_before_anything_runs():
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from harness.common.errors import ConfigError
+    from harness.experiment.config import read, register
+    from harness.experiment.runner import check_server
+    from models.families import preset_config
+    from tests.helpers import REPO
+
+    register()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        def check(*overrides):
+            cfg = compose(config_name="config", overrides=["model=tiny-gqa", "measurements=[server]",
+                                                           "serve.requests=4", *overrides])
+            check_server(read(cfg), preset_config("tiny-gqa"), 128, torch.float32)
+
+        check("cache=paged", "serve.prefix_caching=true", "serve.max_tokens=16", "serve.prompt_most=32")
+        for overrides, why in ((["cache=prealloc", "serve.prefix_caching=true"], "needs a pooled kind"),
+                               (["cache=paged", "cache.blocks=40"], "leave it at 0"),
+                               (["cache=window", "cache.positions=cache"], "stores keys before the rotary rotation")):
+            with pytest.raises(ConfigError, match=why):
+                check(*overrides, "serve.max_tokens=16", "serve.prompt_most=32")
+
+
+def test_sizes_read_as_bytes():
+    assert [budget_bytes(x) for x in ("16MB", "512KB", "1GiB", "2_000", 64, "1.5 MB")] == [
+        16_000_000, 512_000, 2**30, 2000, 64, 1_500_000]
+    with pytest.raises(ValueError, match="serve has no option 'rates'"):
+        serve_options({"rates": 3})
+
+
+def _runs(rows):
+    base = dict(status="ok", model="m", device="cpu", server_requests=10, server_kv_budget=10**6)
+    cols = {k: k for k in A.POINT_KEYS.values()}
+    out = []
+    for i, (kind, rate, seed, tps, peak) in enumerate(rows):
+        r = {**base, "run_name": f"r{i}", "cache_label": kind, "server_rate": rate, "seed": seed}
+        r.update({c: 1.0 for c in cols})
+        r.update(server_output_tokens_per_s=tps, server_peak_running=peak, server_kv_token_share=0.5)
+        out.append(r)
+    return pd.DataFrame(out)
+
+
+def test_the_comparison_pairs_seeds_and_makes_its_interval_on_log_ratios():
+    runs = _runs([("prealloc", None, 0, 100.0, 4), ("paged", None, 0, 200.0, 8),
+                  ("prealloc", None, 1, 100.0, 4), ("paged", None, 1, 300.0, 10),
+                  ("prealloc", None, 2, 50.0, 4), ("paged", None, 2, 150.0, 8),
+                  ("paged", None, 3, 999.0, 99)])  # seed 3 has no baseline: left out
+    cmp = A.server_compare(runs, "paged", "prealloc", "tokens_per_s")
+    (row,) = cmp.itertuples()
+    logs = np.log([2.0, 3.0, 3.0])
+    h = 4.303 * logs.std(ddof=1) / math.sqrt(3)
+    assert row.n == 3 and math.isinf(row.rate)
+    assert row.ratio == pytest.approx(math.exp(logs.mean()))
+    assert (row.low, row.high) == pytest.approx((math.exp(logs.mean() - h), math.exp(logs.mean() + h)))
+    text = " ".join(t for t, _ in A.findings(runs))
+    assert f"{math.exp(logs.mean()):.2f}×" in text and "n = 3 seeds" in text
+
+
+def test_a_verdict_against_the_papers_range_is_inconclusive_when_the_interval_crosses_it():
+    assert A._against(2.1, 3.9, 3) == "within vLLM's 2-4×"
+    assert A._against(1.2, 1.8, 3) == "below vLLM's 2-4×"
+    assert A._against(1.5, 2.5, 3).startswith("inconclusive")
+    assert A._against(2.5, math.nan, 1).startswith("inconclusive")
+
+
+def test_the_figures_draw_a_line_per_kind():
+    runs = _runs([("prealloc", 4.0, 0, 100.0, 4), ("paged", 4.0, 0, 200.0, 8), ("prealloc", None, 0, 90.0, 4),
+                  ("paged", None, 0, 180.0, 8)])
+    fig = A.rate_plot(runs)
+    assert len(fig.axes[0].lines) >= 2
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["4/s", A.ALL_AT_ONCE]
+    timeline = pd.DataFrame([dict(status="ok", cache_label=k, server_rate=None, seed=0, time_s=t, running=n)
+                             for k in ("prealloc", "paged") for t, n in ((0.0, 1), (1.0, 3))])
+    assert len(A.running_plot(timeline).axes[0].lines) == 2
+    assert A.served(runs) and not A.served(runs.assign(server_requests=np.nan))
