@@ -51,6 +51,25 @@ def server_points(runs: pd.DataFrame) -> pd.DataFrame:
                         "seed": df["seed"] if "seed" in df else 0, "budget": df["server_kv_budget"]})
     for col, key in POINT_KEYS.items():  # a key a run of an earlier kvlab did not record: NaN
         out[col] = df[key].astype(float).to_numpy() if key in df else np.nan
+    out = out.reset_index(drop=True)[POINT_COLUMNS]
+    return pd.concat([out, _peer_points(df)], ignore_index=True) if "server_hf_requests_per_s" in df else out
+
+
+PEER = "HF continuous batching"
+PEER_KEYS = {"requests_per_s": "server_hf_requests_per_s", "tokens_per_s": "server_hf_output_tokens_per_s",
+             "ttft_p99": "server_hf_ttft_ms_p99", "e2e_p99": "server_hf_e2e_ms_p99",
+             "normalized": "server_hf_normalized_latency_ms", "peak_running": "server_hf_peak_running",
+             "held_peak": "server_hf_kv_held"}
+
+
+def _peer_points(df: pd.DataFrame) -> pd.DataFrame:
+    """The peer's figures (serve.peer=hf, in the paged runs) as points of a kind of their own."""
+    df = df[df["server_hf_requests_per_s"].notna()]
+    out = pd.DataFrame({"kind": PEER, "rate": [_rate(x) for x in df["server_rate"]],
+                        "seed": df["seed"] if "seed" in df else 0, "budget": df["server_kv_budget"]})
+    for col in POINT_COLUMNS[4:]:
+        key = PEER_KEYS.get(col)
+        out[col] = df[key].astype(float).to_numpy() if key in df else np.nan
     return out.reset_index(drop=True)[POINT_COLUMNS]
 
 

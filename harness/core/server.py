@@ -513,19 +513,25 @@ def summary(log: ServeLog, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
                server_preemptions=sum(r["preemptions"] for r in rows),
                server_peak_running=max((t["running"] for t in log.timeline), default=0),
                server_mean_running=_time_mean(log.timeline, "running"),
-               server_kv_used_peak=max((t["kv_used_bytes"] for t in log.timeline), default=0),
+               server_kv_used_peak=_peak(log.timeline, "kv_used_bytes"),
                server_kv_held_peak=max((t["kv_held_bytes"] for t in log.timeline), default=0),
                server_cached_tokens=sum(r["cached_tokens"] for r in rows),
                server_prefilled_tokens=sum(r["prefilled_tokens"] for r in rows))
     # vLLM's (and Orca's) normalized latency: the mean of every request's end-to-end latency over its output length
     rec["server_normalized_latency_ms"] = sum(r["e2e_ms"] / r["output_tokens"] for r in rows) / len(rows)
     used, held = _time_mean(log.timeline, "kv_used_bytes"), _time_mean(log.timeline, "kv_held_bytes")
-    rec["server_kv_token_share"] = used / held if held else None
+    rec["server_kv_token_share"] = used / held if held and math.isfinite(used) else None
     for name, seconds in (("ttft", [r["ttft_ms"] / 1e3 for r in rows]),
                           ("tpot", [r["tpot_ms"] / 1e3 for r in rows if r["tpot_ms"] is not None]),
                           ("itl", itl), ("e2e", [r["e2e_ms"] / 1e3 for r in rows])):
         rec.update(_quantiles(seconds, name))
     return rec
+
+
+def _peak(timeline: list[dict], key: str) -> int | None:
+    """A timeline column's largest value (None where it was not observed: NaN)."""
+    values = [t[key] for t in timeline if math.isfinite(t[key])]
+    return int(max(values)) if values else None
 
 
 def _time_mean(timeline: list[dict], key: str) -> float:

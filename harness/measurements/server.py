@@ -28,6 +28,7 @@ class ServeOptions:
     system_prompt: int = 0  # tokens of a system prompt every request starts with (the text's first)
     slo_ttft_ms: float = 2000.0  # goodput counts a request that met both bounds
     slo_tpot_ms: float = 200.0
+    peer: str = ""  # hf: a run of cache=paged also serves the same requests through transformers' continuous batching
 
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -73,6 +74,9 @@ def check_serve(s: ServeOptions, max_len: int) -> None:
         raise ValueError(f"serve.requests={s.requests:,} is over kvlab's cap of 100,000 per run")
     if not s.rate > 0:
         raise ValueError(f"serve.rate={s.rate}: give requests per second > 0 (inf: all at once)")
+    if s.peer not in ("", "hf"):
+        raise ValueError(f"serve.peer={s.peer!r}: give hf (transformers' continuous batching beside kvlab's) or leave "
+                         "it empty")
     if s.system_prompt < 0 or s.sigma < 0:
         raise ValueError("serve.system_prompt and serve.sigma must be >= 0")
     longest = s.system_prompt + s.prompt_most + s.max_tokens + 1  # and a model's fixed first token
@@ -110,7 +114,7 @@ class Server(Measurement):
         server_preemptions: int = key("pre-emptions (recompute)", "")
         server_peak_running: int = key("most requests running at once", "requests", shown="report")
         server_mean_running: float = key("requests running, on average over time", "requests")
-        server_kv_used_peak: int = key("most K/V bytes that held tokens", "B")
+        server_kv_used_peak: int | None = key("most K/V bytes that held tokens", "B")
         server_kv_held_peak: int = key("most K/V bytes the server held (reserved, grown or pool blocks taken)", "B")
         server_kv_token_share: float | None = key("K/V bytes holding tokens over bytes held, over time", "fraction",
                                                   shown="report")
@@ -137,6 +141,17 @@ class Server(Measurement):
                                                   shown="report")
         server_requests_identical: int = key("requests whose tokens equal their own run alone (same kind)",
                                              "requests")
+        server_hf_output_tokens_per_s: float | None = key("the peer (serve.peer=hf: transformers' continuous "
+                                                          "batching, same requests and budget): tokens/s; null: "
+                                                          "not run", "tokens/s")
+        server_hf_requests_per_s: float | None = key("the peer: requests finished per second", "requests/s")
+        server_hf_ttft_ms_p99: float | None = key("the peer: time to first token, 99th percentile", "ms")
+        server_hf_e2e_ms_p99: float | None = key("the peer: arrival to last token, 99th percentile", "ms")
+        server_hf_normalized_latency_ms: float | None = key("the peer: normalized latency", "ms/token")
+        server_hf_peak_running: int | None = key("the peer: most requests between first and last token at once",
+                                                 "requests")
+        server_hf_kv_held: int | None = key("the peer: bytes of its block pool (allocated whole)", "B")
+        server_hf_requests_identical: int | None = key("the peer: requests whose tokens equal kvlab's", "requests")
 
     tables = (
         Table("requests", "requests.csv", on=("request_id",),
@@ -187,9 +202,32 @@ class Server(Measurement):
         rows = pd.DataFrame(S.request_rows(log.served))
         rows["identical"] = same
         timeline = pd.DataFrame([dict(step=i, **t) for i, t in enumerate(log.timeline)])
+        peer = dict.fromkeys(k for k in self.keys() if k.startswith("server_hf_"))  # null: the peer did not run
+        if s.peer == "hf" and ctx.spec.cls.pooled:
+            peer.update(self.peer(s, requests, log, memory.budget))
         result = self.Result(server_kv_budget=memory.budget, server_rate=None if math.isinf(s.rate) else s.rate,
-                             server_requests_identical=int(sum(same)), **rec)
+                             server_requests_identical=int(sum(same)), **rec, **peer)
         return result, {"requests": rows, "tokens": pd.DataFrame(S.token_rows(log.served)), "timeline": timeline}
+
+    def peer(self, s: ServeOptions, requests, log, budget: int) -> dict:
+        """The same requests through transformers' continuous batching on the same weights, pages of the run's
+        block size, the same budget: its figures as server_hf_* keys."""
+        from harness.core import server as S
+        from harness.core.engines import HFEngine
+        from harness.core.hf_server import serve_hf
+
+        hf = HFEngine(self.ctx.engine.model)
+        longest = max(len(r.prompt) for r in requests)
+        theirs = serve_hf(hf, requests, budget, page_size=self.ctx.spec.opts.block_size,
+                          max_batch_tokens=longest + s.max_batch, prefix_caching=s.prefix_caching)
+        rec = S.summary(theirs, s.slo_ttft_ms, s.slo_tpot_ms)
+        same = sum(a.tokens == b.tokens for a, b in zip(theirs.served, log.served))
+        return dict(server_hf_output_tokens_per_s=rec["server_output_tokens_per_s"],
+                    server_hf_requests_per_s=rec["server_requests_per_s"],
+                    server_hf_ttft_ms_p99=rec["server_ttft_ms_p99"], server_hf_e2e_ms_p99=rec["server_e2e_ms_p99"],
+                    server_hf_normalized_latency_ms=rec["server_normalized_latency_ms"],
+                    server_hf_peak_running=rec["server_peak_running"],
+                    server_hf_kv_held=theirs.timeline[0]["kv_held_bytes"], server_hf_requests_identical=int(same))
 
     @classmethod
     def not_equivalent(cls, r, tol):

@@ -56,6 +56,16 @@ def test_the_sweep_report_draws_the_server_figures_and_says_what_paging_bought(s
     assert "2-4×" in text and "20.4% - 38.2%" in text
 
 
+def test_serve_peer_hf_serves_the_same_requests_through_transformers_beside_a_paged_run(tmp_path):
+    out = tmp_path / "run"
+    proc = run_py([*TINY, *SERVE, "cache=paged", "serve.peer=hf", f"hydra.run.dir={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads((out / "results.json").read_text())
+    assert rec["server_hf_requests_identical"] == rec["server_requests"] == 4
+    assert rec["server_hf_output_tokens_per_s"] > 0 and 0 < rec["server_hf_kv_held"] <= rec["server_kv_budget"]
+    assert "ContinuousBatchingLogger" not in proc.stderr
+
+
 def _refused(proc, out) -> str:
     """A refused run: exit 1, one line saying why, a failed record and none of the server's tables."""
     assert proc.returncode == 1 and "Traceback" not in proc.stderr

@@ -146,3 +146,23 @@ def test_the_summary_is_what_the_requests_times_say():
     assert rec["server_slo_met"] == pytest.approx(1 / 3) and rec["server_goodput"] == pytest.approx(1 / 1.4)
     assert rec["server_mean_running"] == pytest.approx((1 * 1.0 + 3 * 0.4) / 1.4)
     assert rec["server_kv_token_share"] == pytest.approx((10 + 30 * 0.4) / (20 + 40 * 0.4))
+
+
+def test_the_hf_peer_serves_the_same_requests_to_the_same_tokens_within_the_budget(engine, text, tiny_model):
+    from harness.core.engines import HFEngine
+    from harness.core.hf_server import block_bytes, serve_hf
+
+    requests = S.make_requests(S.Workload(requests=5, rate=50.0, prompt_median=16, prompt_most=40,
+                                          output_median=8, output_most=16), text)
+    ours, _ = serve(engine, "paged", {"block_size": 16}, requests, budget=300_000)
+    hf = HFEngine(tiny_model)
+    theirs = serve_hf(hf, requests, 300_000, page_size=16, max_batch_tokens=128)
+    assert [s.tokens for s in theirs.served] == [s.tokens for s in ours.served]
+    held = theirs.timeline[0]["kv_held_bytes"]
+    assert held == (300_000 // block_bytes(hf.model.config, 16, torch.float32)) * block_bytes(
+        hf.model.config, 16, torch.float32) and 0 < held <= 300_000
+    for s in theirs.served:  # its times are the wall clock's, from the replay's start
+        assert s.request.arrival_s <= s.first_token_s <= s.finish_s and len(s.times) == s.request.output_tokens
+    rec = S.summary(theirs, 1000, 100)
+    assert rec["server_kv_token_share"] is None and rec["server_kv_used_peak"] is None  # not observable
+    assert rec["server_peak_running"] >= 1
