@@ -24,13 +24,17 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 ALL_AT_ONCE = "all at once"
+PREFIX = " + prefix cache"  # a kind's label when its runs shared prompt blocks (serve.prefix_caching)
 POINT_COLUMNS = ["kind", "rate", "seed", "budget", "requests_per_s", "tokens_per_s", "ttft_p99", "e2e_p99",
-                 "normalized", "peak_running", "mean_running", "token_share", "held_peak", "used_peak", "preemptions"]
+                 "normalized", "ttft_median", "prefilled", "peak_running", "mean_running", "token_share",
+                 "held_peak", "used_peak", "preemptions"]
 POINT_KEYS = {"requests_per_s": "server_requests_per_s", "tokens_per_s": "server_output_tokens_per_s",
-        "ttft_p99": "server_ttft_ms_p99", "e2e_p99": "server_e2e_ms_p99", "normalized": "server_normalized_latency_ms",
-        "peak_running": "server_peak_running",
-        "mean_running": "server_mean_running", "token_share": "server_kv_token_share",
-        "held_peak": "server_kv_held_peak", "used_peak": "server_kv_used_peak", "preemptions": "server_preemptions"}
+              "ttft_p99": "server_ttft_ms_p99", "e2e_p99": "server_e2e_ms_p99",
+              "normalized": "server_normalized_latency_ms", "ttft_median": "server_ttft_ms_median",
+              "prefilled": "server_prefilled_tokens", "peak_running": "server_peak_running",
+              "mean_running": "server_mean_running", "token_share": "server_kv_token_share",
+              "held_peak": "server_kv_held_peak", "used_peak": "server_kv_used_peak",
+              "preemptions": "server_preemptions"}
 
 
 def served(runs: pd.DataFrame) -> bool:
@@ -47,7 +51,9 @@ def server_points(runs: pd.DataFrame) -> pd.DataFrame:
     if "server_requests" not in df:
         return pd.DataFrame(columns=POINT_COLUMNS)
     df = df[df["server_requests"].notna()]
-    out = pd.DataFrame({"kind": df["cache_label"].astype(str), "rate": [_rate(x) for x in df["server_rate"]],
+    shared = df["server_prefix_caching"].fillna(False).astype(bool) if "server_prefix_caching" in df else False
+    kinds = df["cache_label"].astype(str) + np.where(shared, PREFIX, "")
+    out = pd.DataFrame({"kind": kinds, "rate": [_rate(x) for x in df["server_rate"]],
                         "seed": df["seed"] if "seed" in df else 0, "budget": df["server_kv_budget"]})
     for col, key in POINT_KEYS.items():  # a key a run of an earlier kvlab did not record: NaN
         out[col] = df[key].astype(float).to_numpy() if key in df else np.nan
@@ -231,12 +237,14 @@ def findings(runs: pd.DataFrame) -> list[tuple[str, tuple[str, ...]]]:
     """Sentences about a sweep's server runs, each with the runs it reads: every kind against the reserving
     baseline (prealloc), at each rate and budget, for concurrency and throughput; and what the budget held."""
     p = server_points(runs)
-    if p.empty or BASELINE not in set(p["kind"]):
+    if p.empty:
         return []
     ok = _ok(runs)
     names = tuple(ok.loc[ok["server_requests"].notna(), "run_name"].astype(str))
-    out = []
-    for kind in [k for k in dict.fromkeys(p["kind"]) if k != BASELINE]:
+    out = _prefix_findings(runs, p, names)
+    if BASELINE not in set(p["kind"]):
+        return out
+    for kind in [k for k in dict.fromkeys(p["kind"]) if k != BASELINE and not k.endswith(PREFIX)]:
         for key, what in (("peak_running", "requests running at once (peak)"),
                           ("tokens_per_s", "output tokens/s")):
             cmp = server_compare(runs, kind, BASELINE, key)
@@ -255,4 +263,24 @@ def findings(runs: pd.DataFrame) -> list[tuple[str, tuple[str, ...]]]:
     out.append((f"Throughput against the paper: {VLLM_THROUGHPUT} Here: model {models} on this machine's "
                 f"{'GPU' if (ok['device'] == 'cuda').any() else 'CPU'}; the ratio that bears on the claim is the "
                 "throughput where the baseline is saturated (the highest rate).", names))
+    return out
+
+
+def _prefix_findings(runs: pd.DataFrame, p: pd.DataFrame, names: tuple) -> list[tuple[str, tuple[str, ...]]]:
+    """What sharing prompt blocks bought: each kind with its prefix cache against itself without, paired by seed
+    and rate: tokens the prefills computed, median and p99 time to first token, the most bytes held."""
+    out = []
+    for kind in [k for k in dict.fromkeys(p["kind"]) if k.endswith(PREFIX)]:
+        base = kind[:-len(PREFIX)]
+        if base not in set(p["kind"]):
+            continue
+        parts = []
+        for key, what in (("prefilled", "tokens prefilled"), ("ttft_median", "median TTFT"),
+                          ("ttft_p99", "p99 TTFT"), ("held_peak", "most K/V bytes held")):
+            cmp = server_compare(runs, kind, base, key)
+            parts += [f"{what} at {_rate_label(r.rate)} {_interval(r.ratio, r.low, r.high, r.n)}"
+                      for r in cmp.itertuples() if r.n]
+        if parts:
+            out.append((f"{kind} over {base} (the same requests, a shared system prompt): " + "; ".join(parts)
+                        + f" ({HOW}; below 1× is a saving).", names))
     return out

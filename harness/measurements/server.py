@@ -102,6 +102,9 @@ class Server(Measurement):
     @dataclass(frozen=True)
     class Result:
         server_kv_budget: int = key("the K/V budget the server ran under", "B")
+        server_prefix_caching: bool = key("whether whole prompt blocks were shared across requests (serve."
+                                          "prefix_caching)")
+        server_system_prompt: int = key("tokens of the system prompt every request started with", "tokens")
         server_rate: float | None = key("the requests' mean arrival rate (null: all at once)", "requests/s")
         server_requests: int = key("requests served", "requests")
         server_duration_s: float = key("first arrival to last token", "s")
@@ -205,7 +208,8 @@ class Server(Measurement):
         peer = dict.fromkeys(k for k in self.keys() if k.startswith("server_hf_"))  # null: the peer did not run
         if s.peer == "hf" and ctx.spec.cls.pooled:
             peer.update(self.peer(s, requests, log, memory.budget))
-        result = self.Result(server_kv_budget=memory.budget, server_rate=None if math.isinf(s.rate) else s.rate,
+        result = self.Result(server_kv_budget=memory.budget, server_prefix_caching=bool(s.prefix_caching),
+                             server_system_prompt=s.system_prompt, server_rate=None if math.isinf(s.rate) else s.rate,
                              server_requests_identical=int(sum(same)), **rec, **peer)
         return result, {"requests": rows, "tokens": pd.DataFrame(S.token_rows(log.served)), "timeline": timeline}
 

@@ -130,8 +130,8 @@ def test_sizes_read_as_bytes():
         serve_options({"rates": 3})
 
 
-def _runs(rows):
-    base = dict(status="ok", model="m", device="cpu", server_requests=10, server_kv_budget=10**6)
+def _runs(rows, **extra):
+    base = dict(status="ok", model="m", device="cpu", server_requests=10, server_kv_budget=10**6, **extra)
     cols = {k: k for k in A.POINT_KEYS.values()}
     out = []
     for i, (kind, rate, seed, tps, peak) in enumerate(rows):
@@ -175,3 +175,14 @@ def test_the_figures_draw_a_line_per_kind():
                              for k in ("prealloc", "paged") for t, n in ((0.0, 1), (1.0, 3))])
     assert len(A.running_plot(timeline).axes[0].lines) == 2
     assert A.served(runs) and not A.served(runs.assign(server_requests=np.nan))
+
+
+def test_a_prefix_cache_is_compared_with_the_same_kind_without_it():
+    plain = _runs([("paged(block_size=16)", 16.0, seed, 100.0, 8) for seed in (0, 1, 2)], server_prefix_caching=False)
+    shared = _runs([("paged(block_size=16)", 16.0, seed, 100.0, 8) for seed in (0, 1, 2)], server_prefix_caching=True)
+    plain["server_prefilled_tokens"] = [1000.0, 1200.0, 900.0]
+    shared["server_prefilled_tokens"] = [500.0, 600.0, 450.0]
+    runs = pd.concat([plain, shared.assign(run_name=[f"s{i}" for i in range(3)])], ignore_index=True)
+    assert set(A.server_points(runs)["kind"]) == {"paged(block_size=16)", "paged(block_size=16)" + A.PREFIX}
+    (text,) = [t for t, _ in A.findings(runs) if "prefix cache over" in t]
+    assert "tokens prefilled at 16/s 0.50× [0.50, 0.50] (n = 3 seeds)" in text

@@ -26,7 +26,7 @@ from models.tokenizer import Tokenizer
 GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml"))
           for g in ("model", "engine", "cache", "dtype", "device", "tracking", "experiment")}
 # experiments that pin their model (and kind): composed and validated on their own
-PINNED = (*PAPERS, "gqa", "streaming", "serving")
+PINNED = (*PAPERS, "gqa", "streaming", "serving", "serving_prefix")
 
 
 def test_groups_hold_what_users_sweep():
@@ -38,7 +38,7 @@ def test_groups_hold_what_users_sweep():
     assert set(GROUPS["device"]) == {"cpu", "cuda", "auto"}
     assert set(GROUPS["tracking"]) == {"offline", "online", "disabled"}
     assert set(GROUPS["experiment"]) == {"quick", "seed_protocol", "long", "bench", "gqa", "streaming", "serving",
-                                         *PAPERS}
+                                         "serving_prefix", *PAPERS}
 
 
 # one model of each family and number of positions is crossed with every cache kind and experiment; the others,
@@ -110,6 +110,15 @@ def test_experiment_serving_composes_every_kind_rate_and_seed_and_its_budget_ser
             check_measurements(rc, max_len)
             check_server(rc, mcfg, max_len, torch.float32)
             assert rc.option("serve")["requests"] > 0 and rc.measurements == ("server",)
+        for shared, seed in itertools.product(("false", "true"), (0, 1, 2)):  # experiment=serving_prefix
+            cfg = compose(config_name="config", overrides=["experiment=serving_prefix",
+                                                           f"serve.prefix_caching={shared}", f"seed={seed}"])
+            mcfg = preset_config(cfg.model.preset)
+            max_len, _ = validate(cfg, mcfg.n_positions)
+            rc = read(cfg)
+            check_measurements(rc, max_len)
+            check_server(rc, mcfg, max_len, torch.float32)
+            assert rc.cache.kind == "paged" and rc.option("serve")["system_prompt"] == 128
 
 
 def test_experiment_streaming_composes_a_stream_8x_the_trained_length_for_each_number_of_sinks():
