@@ -623,11 +623,26 @@ def check_server(rc: RunConfig, mcfg, max_len: int, storage) -> None:
     if s.system_prompt + s.prompt_most + 1 < cls.min_prompt(opts):
         raise ConfigError(f"cache={rc.cache.kind} takes prompts of at least {cls.min_prompt(opts)} tokens, and the "
                           f"server's are at most {s.system_prompt + s.prompt_most + 1}: raise serve.prompt_most")
-    n = min(s.system_prompt + s.prompt_most + s.max_tokens + 1, max_len)
+    longest = s.prompt_most
+    if s.trace:  # its rows, read and checked now: a bad trace is refused before anything is built
+        from harness.measurements.server import read_trace
+
+        try:
+            rows = read_trace(s.trace, max_len - s.system_prompt - 1, s.max_tokens, mcfg.vocab_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        lengths = [len(p) if isinstance(p, tuple) else p for _, p, _ in rows]
+        longest = max(lengths)
+        short = [i + 1 for i, (_, p, _) in enumerate(rows) if isinstance(p, tuple)
+                 and len(p) + s.system_prompt + 1 < cls.min_prompt(opts)]
+        if short:
+            raise ConfigError(f"serve.trace={s.trace} row {short[0]}: cache={rc.cache.kind} takes prompts of at least "
+                              f"{cls.min_prompt(opts)} tokens; give longer prompt_ids")
+    n = min(s.system_prompt + longest + s.max_tokens + 1, max_len)
     need = least_budget(cls, opts, mcfg.n_layer, mcfg.n_kv_head, mcfg.head_dim, storage, n)
     if budget_bytes(s.kv_budget) < need:
         raise ConfigError(f"serve.kv_budget={s.kv_budget} is too small for one request: the longest (serve."
-                          f"system_prompt + serve.prompt_most + serve.max_tokens + a first token = {n} tokens) holds "
+                          f"system_prompt + the longest prompt + serve.max_tokens + a first token = {n} tokens) holds "
                           f"up to {need:,} B with cache={rc.cache.kind}; give serve.kv_budget >= {need:,}")
 
 

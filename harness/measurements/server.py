@@ -29,6 +29,8 @@ class ServeOptions:
     slo_ttft_ms: float = 2000.0  # goodput counts a request that met both bounds
     slo_tpot_ms: float = 200.0
     peer: str = ""  # hf: a run of cache=paged also serves the same requests through transformers' continuous batching
+    trace: str = ""  # a CSV of requests instead of the drawn workload: arrival_s, output_tokens, and prompt_tokens
+    # (its text drawn from the run's, seeded) or prompt_ids (space-separated token ids)
 
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -195,7 +197,8 @@ class Server(Measurement):
         ctx, s = self.ctx, serve_options(self.opts.serve)
         memory = S.memory_for(ctx.engine, ctx.spec, budget_bytes(s.kv_budget), s.max_tokens, ctx.max_len,
                               prefix_caching=s.prefix_caching)
-        requests = workload(s, ctx.stream, ctx.first_token, ctx.seed, ctx.spec.cls.min_prompt(ctx.spec.opts))
+        requests = workload(s, ctx.stream, ctx.first_token, ctx.seed, ctx.spec.cls.min_prompt(ctx.spec.opts),
+                            ctx.max_len)
         S.check_budget(memory, requests)
         bar = tqdm(total=len(requests), desc="serving", unit="request", leave=False, disable=not ctx.progress)
         with bar:
@@ -257,7 +260,72 @@ def _share(x) -> str:
     return "—" if x is None else f"{x:.1%}"
 
 
-def workload(s: ServeOptions, stream: list[int] | None, first_token: int | None, seed: int, least: int = 1):
+TRACE_MAX_BYTES = 64 * 2**20  # a trace file read at most this large
+
+
+def read_trace(path: str, max_len: int, max_tokens: int, vocab: int | None = None) -> list[tuple]:
+    """serve.trace's requests as (arrival_s, prompt: int count or tuple of ids, output_tokens), checked: refused in
+    one line (ValueError) for a missing or oversized file, a missing column, or a value out of range."""
+    import os
+
+    import pandas as pd
+
+    if not os.path.isfile(path):
+        raise ValueError(f"serve.trace={path}: no such file; give a CSV with arrival_s, output_tokens and "
+                         "prompt_tokens or prompt_ids")
+    if os.path.getsize(path) > TRACE_MAX_BYTES:
+        raise ValueError(f"serve.trace={path} is over {TRACE_MAX_BYTES:,} bytes: give a shorter trace")
+    try:
+        df = pd.read_csv(path, dtype={"prompt_ids": str})
+    except (ValueError, UnicodeDecodeError, pd.errors.ParserError) as e:
+        raise ValueError(f"serve.trace={path}: not a CSV kvlab can read ({type(e).__name__})") from None
+    given = [c for c in ("prompt_tokens", "prompt_ids") if c in df]
+    missing = [c for c in ("arrival_s", "output_tokens") if c not in df] + ([] if given else ["prompt_tokens"])
+    if missing or df.empty or len(df) > 100_000:
+        raise ValueError(f"serve.trace={path}: needs columns arrival_s, output_tokens and prompt_tokens (or "
+                         f"prompt_ids), 1 to 100,000 rows; {'missing ' + ', '.join(missing) if missing else 'rows'}")
+    out = []
+    for i, row in enumerate(df.itertuples(index=False)):
+        ids = getattr(row, "prompt_ids", None)
+        count = getattr(row, "prompt_tokens", None)
+        try:  # a row gives its prompt's ids, or how many tokens it has
+            prompt = (tuple(int(t) for t in ids.split()) if isinstance(ids, str) and ids.strip()
+                      else int(count))
+        except (TypeError, ValueError):
+            raise ValueError(f"serve.trace={path} row {i + 1}: give prompt_tokens (a count) or prompt_ids "
+                             "(space-separated token ids)") from None
+        n = len(prompt) if isinstance(prompt, tuple) else prompt
+        arrival, out_n = float(row.arrival_s), int(row.output_tokens)
+        bad_ids = isinstance(prompt, tuple) and vocab is not None and any(not 0 <= t < vocab for t in prompt)
+        if not (math.isfinite(arrival) and arrival >= 0) or not 1 <= out_n <= max_tokens or n < 1 or bad_ids \
+                or n + out_n + 1 > max_len:
+            raise ValueError(f"serve.trace={path} row {i + 1}: arrival_s >= 0, 1 <= output_tokens <= serve."
+                             f"max_tokens ({max_tokens}), a prompt of at least 1 token (ids below {vocab}), and prompt "
+                             f"+ output + 1 <= max_len ({max_len}); got arrival {arrival}, {n} prompt tokens, "
+                             f"{out_n} output")
+        out.append((arrival, prompt, out_n))
+    return out
+
+
+def traced(rows: list[tuple], stream: list[int], seed: int, lead: list[int], least: int = 1):
+    """Requests from a trace's rows; a prompt given as a count takes that many tokens of the text at a seeded place."""
+    import torch
+
+    from harness.core.server import Request
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, (arrival, prompt, n_out) in enumerate(rows):
+        if isinstance(prompt, int):
+            n = max(prompt, least)
+            start = int(torch.randint(0, max(len(stream) - n, 1), (1,), generator=g))
+            prompt = tuple(stream[start:start + n])
+        out.append(Request(i, arrival, tuple(lead) + tuple(prompt), n_out))
+    return out
+
+
+def workload(s: ServeOptions, stream: list[int] | None, first_token: int | None, seed: int, least: int = 1,
+             max_len: int | None = None):
     """The run's requests: the seeded workload over the text stream (the system prompt its first tokens; a model
     trained with a first token sees it before everything); every prompt at least ``least`` tokens in all (what the
     kind takes: a SnapKV window)."""
@@ -268,6 +336,9 @@ def workload(s: ServeOptions, stream: list[int] | None, first_token: int | None,
     system = stream[:s.system_prompt]
     text = stream[s.system_prompt:]
     lead = [] if first_token is None else [first_token]
+    if s.trace:
+        rows = read_trace(s.trace, (max_len or 10**9) - len(lead) - len(system), s.max_tokens)
+        return traced(rows, text, seed, lead + system, max(least - len(lead) - len(system), 1))
     w = S.Workload(requests=s.requests, rate=s.rate, prompt_median=s.prompt_median, prompt_most=s.prompt_most,
                    output_median=s.output_median, output_most=s.max_tokens, sigma=s.sigma, seed=seed,
                    prompt_least=max(least - len(lead) - len(system), 1))

@@ -186,3 +186,35 @@ def test_a_prefix_cache_is_compared_with_the_same_kind_without_it():
     assert set(A.server_points(runs)["kind"]) == {"paged(block_size=16)", "paged(block_size=16)" + A.PREFIX}
     (text,) = [t for t, _ in A.findings(runs) if "prefix cache over" in t]
     assert "tokens prefilled at 16/s 0.50× [0.50, 0.50] (n = 3 seeds)" in text
+
+
+def test_a_trace_file_gives_the_requests_their_times_prompts_and_lengths(tmp_path):
+    from harness.measurements.server import read_trace, traced
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrival_s,prompt_tokens,prompt_ids,output_tokens\n0.0,12,,5\n0.25,,7 8 9,3\n1.5,30,,8\n")
+    rows = read_trace(str(trace), 128, 8, vocab=50257)
+    assert rows == [(0.0, 12, 5), (0.25, (7, 8, 9), 3), (1.5, 30, 8)]
+    out = run_py([*TINY, *SERVE, f"serve.trace={trace}", "cache=paged", f"hydra.run.dir={tmp_path / 'run'}"],
+                 tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    req = pd.read_csv(tmp_path / "run" / "requests.csv")
+    assert req["arrival_s"].tolist() == [0.0, 0.25, 1.5] and req["output_tokens"].tolist() == [5, 3, 8]
+    assert req["prompt_tokens"].tolist() == [12, 3, 30] and req["identical"].all()
+    requests = traced([(0.0, (7, 8, 9), 2)], list(range(100)), 0, [50256])
+    assert requests[0].prompt == (50256, 7, 8, 9)
+
+
+@pytest.mark.parametrize("text,why", [("arrival_s,output_tokens\n0,4\n", "missing prompt_tokens"),
+                                      ("arrival_s,prompt_tokens,output_tokens\n-1,4,4\n", "row 1"),
+                                      ("arrival_s,prompt_tokens,output_tokens\n0,4,99\n", "output_tokens <= serve"),
+                                      ("arrival_s,prompt_ids,output_tokens\n0,99999999,4\n", "ids below 50257")])
+def test_a_bad_trace_is_refused_in_one_line(tmp_path, text, why):
+    from harness.measurements.server import read_trace
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text(text)
+    with pytest.raises(ValueError, match=why):
+        read_trace(str(trace), 128, 8, vocab=50257)
+    with pytest.raises(ValueError, match="no such file"):
+        read_trace(str(tmp_path / "none.csv"), 128, 8)
