@@ -429,8 +429,8 @@ def serve_stream(rc: RunConfig, path: Path | None, tokenizer, vocab_size: int) -
         return torch.randint(0, vocab_size, (max(need, 50_000),), generator=g).tolist()
     stream = file_stream(path, 50_000, tokenizer)
     if len(stream) < need:
-        raise ConfigError(f"prompts_file {path} holds {len(stream):,} tokens; the server's prompts (serve.system_prompt "
-                          f"+ serve.prompt_most) need {need:,}: give a longer file or lower them")
+        raise ConfigError(f"prompts_file {path} holds {len(stream):,} tokens; the server's prompts (serve."
+                          f"system_prompt + serve.prompt_most) need {need:,}: give a longer file or lower them")
     return stream
 
 
