@@ -240,8 +240,17 @@ def findings(runs: pd.DataFrame) -> list[tuple[str, tuple[str, ...]]]:
     if p.empty:
         return []
     ok = _ok(runs)
-    names = tuple(ok.loc[ok["server_requests"].notna(), "run_name"].astype(str))
-    out = _prefix_findings(runs, p, names)
+    ok = ok[ok["server_requests"].notna()]
+    names = tuple(ok["run_name"].astype(str))
+    shared = ok["server_prefix_caching"].fillna(False).astype(bool) if "server_prefix_caching" in ok else False
+    labels = ok["cache_label"].astype(str) + np.where(shared, PREFIX, "")
+
+    def of(*kinds):  # the runs a sentence about these kinds reads (the peer's are the paged runs it ran beside)
+        peer = ok["server_hf_requests_per_s"].notna() if "server_hf_requests_per_s" in ok else False
+        mask = labels.isin(kinds) | ((PEER in kinds) & peer)
+        return tuple(ok.loc[mask, "run_name"].astype(str))
+
+    out = _prefix_findings(runs, p, of)
     if BASELINE not in set(p["kind"]):
         return out
     for kind in [k for k in dict.fromkeys(p["kind"]) if k != BASELINE and not k.endswith(PREFIX)]:
@@ -255,7 +264,7 @@ def findings(runs: pd.DataFrame) -> list[tuple[str, tuple[str, ...]]]:
             if parts:
                 budget = ", ".join(f"{b / 1e6:g} MB" for b in sorted(set(cmp["budget"])))
                 out.append((f"{kind} over {BASELINE} under {budget}, {what}: " + "; ".join(parts)
-                            + f" ({HOW}).", names))
+                            + f" ({HOW}).", of(kind, BASELINE)))
     share = p[p["token_share"].notna()].groupby("kind", sort=False)["token_share"].agg(["mean", "min", "max"])
     held = "; ".join(f"{k} {100 * r['mean']:.1f}% (runs {100 * r['min']:.1f}-{100 * r['max']:.1f}%)"
                      for k, r in share.iterrows())
@@ -269,7 +278,7 @@ def findings(runs: pd.DataFrame) -> list[tuple[str, tuple[str, ...]]]:
     return out
 
 
-def _prefix_findings(runs: pd.DataFrame, p: pd.DataFrame, names: tuple) -> list[tuple[str, tuple[str, ...]]]:
+def _prefix_findings(runs: pd.DataFrame, p: pd.DataFrame, of) -> list[tuple[str, tuple[str, ...]]]:
     """What sharing prompt blocks bought: each kind with its prefix cache against itself without, paired by seed
     and rate: tokens the prefills computed, median and p99 time to first token, and the most requests running at
     once (the budget is full either way: the blocks a shared prefix saves hold more requests)."""
@@ -286,5 +295,5 @@ def _prefix_findings(runs: pd.DataFrame, p: pd.DataFrame, names: tuple) -> list[
                       for r in cmp.itertuples() if r.n]
         if parts:
             out.append((f"{kind} over {base} (the same requests, a shared system prompt): " + "; ".join(parts)
-                        + f" ({HOW}; below 1× is a saving, above 1× more running).", names))
+                        + f" ({HOW}; below 1× is a saving, above 1× more running).", of(kind, base)))
     return out
