@@ -111,8 +111,9 @@ def server_compare(runs: pd.DataFrame, a: str, b: str, key: str) -> pd.DataFrame
     p = server_points(runs)
     rows = []
     for (rate, budget), sub in p.groupby(["rate", "budget"], sort=True):
-        x = sub[sub["kind"] == a].set_index("seed")[key]
-        y = sub[sub["kind"] == b].set_index("seed")[key]
+        # a seed that several runs of a kind share (a sweep over another axis too): their mean
+        x = sub[sub["kind"] == a].groupby("seed")[key].mean()
+        y = sub[sub["kind"] == b].groupby("seed")[key].mean()
         both = x.index.intersection(y.index)
         logs = [math.log(float(x[s]) / float(y[s])) for s in both if float(y[s]) > 0 and float(x[s]) > 0]
         m, lo, hi, n = (math.exp(v) if i < 3 and math.isfinite(v) else v for i, v in enumerate(t_interval(logs)))
@@ -192,8 +193,11 @@ def running_plot(timeline: pd.DataFrame) -> Figure:
         df = df[df["seed"] == df["seed"].min()]
     rates = sorted(set(df["rate"]))
     fig, axes = plt.subplots(1, len(rates), figsize=(5.5 * len(rates), 3.8), squeeze=False, layout="constrained")
+    shared = df["server_prefix_caching"].fillna(False).astype(bool) if "server_prefix_caching" in df else False
+    df = df.assign(kind=df["cache_label"].astype(str) + np.where(shared, PREFIX, ""))
     for ax, rate in zip(axes[0], rates):
-        for kind, sub in df[df["rate"] == rate].groupby("cache_label", sort=False):
+        for kind, sub in df[df["rate"] == rate].groupby(["kind", "run_name"], sort=False):
+            kind = kind[0]
             ax.step(sub["time_s"], sub["running"], where="post", label=str(kind), lw=1.2)
         ax.set_title(f"rate {_rate_label(rate)}", fontsize=10)
         ax.set_xlabel("server time (s)")

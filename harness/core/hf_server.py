@@ -11,11 +11,15 @@ hold tokens are not observable from outside, so they are not reported.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
 from harness.core.server import Request, ServeLog, Served
+
+
+STALL_S = 600.0  # no request finished for this long: its worker is gone
 
 
 def block_bytes(config, page_size: int, dtype) -> int:
@@ -40,7 +44,10 @@ def _manager(model, budget: int, page_size: int, max_batch_tokens: int, prefix_c
 
 def _timeline(served: list[Served], held: int) -> list[dict]:
     """Running and waiting requests at every event (arrival, first token, last token), from the requests' times."""
-    events = sorted([(s.request.arrival_s, 0, 1) for s in served] + [(s.first_token_s, 1, 1) for s in served]
+    def first(s):  # a reset request's first known time stands in for its start
+        return next(t for t in s.times if math.isfinite(t))
+
+    events = sorted([(s.request.arrival_s, 0, 1) for s in served] + [(first(s), 1, 1) for s in served]
                     + [(s.finish_s, 2, -1) for s in served])
     running = waiting = arrived = 0
     rows = []
@@ -71,8 +78,12 @@ def serve_hf(engine, requests: list[Request], budget: int, page_size: int = 16, 
     manager.start()
     try:
         t0, i, done = time.perf_counter(), 0, 0
+        progressed = t0
         while done < len(order):
             now = time.perf_counter() - t0
+            if time.perf_counter() - progressed > STALL_S:
+                raise RuntimeError(f"engine=hf's continuous batching made no progress for {STALL_S:.0f} s ({done} of "
+                                   f"{len(order)} requests done): its worker stopped")
             while i < len(order) and order[i].arrival_s <= now:
                 r = order[i]
                 manager.add_request(list(r.prompt), request_id=str(r.request_id), max_new_tokens=r.output_tokens,
@@ -87,10 +98,15 @@ def serve_hf(engine, requests: list[Request], budget: int, page_size: int = 16, 
                 raise RuntimeError(f"engine=hf's continuous batching failed request {out.request_id}: {out.error}")
             s = served[int(out.request_id)]
             s.tokens = list(out.generated_tokens)
-            s.times = [ts - t0 for ts in out.timestamps]
+            seen = [ts - t0 for ts in out.timestamps]
+            # a request it pre-empted ("soft reset") keeps its tokens but times only those made after the reset:
+            # its earlier times are unknown (NaN), not guessed
+            s.times = [float("nan")] * (len(s.tokens) - len(seen)) + seen
+            s.preemptions = int(len(seen) < len(s.tokens))
             s.first_token_s, s.finish_s = s.times[0], s.times[-1]
             s.prefilled_tokens = len(s.request.prompt)
             done += 1
+            progressed = time.perf_counter()
             if progress is not None:
                 progress.update(1)
     finally:

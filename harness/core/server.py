@@ -159,16 +159,19 @@ class _Reserving(_Memory):
 class _Growing(_Memory):
     """Its cache holds exactly its tokens (concat): room is taken as they come, so a step may pre-empt."""
 
+    def growth(self, running) -> int:
+        """Bytes the running requests' next step adds."""
+        return sum(self.formula(s.length + 1, s.length + 1) - self.formula(s.length, s.length) for s in running)
+
     def fits(self, s: Served, running) -> bool:
-        n = len(s.context) + 1  # its prefill, and the first step after it
-        return self.held(running) + self.formula(n, n) <= self.budget
+        n = len(s.context) + 1  # its prefill and the first step after it, beside the running requests' next step
+        return self.held(running) + self.growth(running) + self.formula(n, n) <= self.budget
 
     def open(self, s: Served):
         return self.spec.new(self.engine, self.max_len)
 
     def room_for_step(self, running) -> bool:
-        grow = sum(self.formula(s.length + 1, s.length + 1) - self.formula(s.length, s.length) for s in running)
-        return self.held(running) + grow <= self.budget
+        return self.held(running) + self.growth(running) <= self.budget
 
     def close(self, s: Served) -> None:
         s.cache = None
@@ -192,7 +195,9 @@ class _Pooled(_Memory):
                                            **{**self.spec.options, "blocks": n_blocks})
         self.pool = self.first.pool
         self.prefix_caching = prefix_caching
-        self.prefixes: dict[tuple, int] = {}  # a prompt's first k whole blocks (their tokens) -> the k-th block
+        # a prompt's k-th whole block, keyed by a hash chained over its blocks: key -> (block, parent key, tokens);
+        # a hit checks the block's tokens and its parent's key, so a hash collision cannot share a wrong block
+        self.prefixes: dict[int, tuple[int, int, tuple]] = {}
 
     def blocks(self, n: int) -> int:
         return math.ceil(n / self.bs)
@@ -202,21 +207,33 @@ class _Pooled(_Memory):
         prefill)."""
         if not self.prefix_caching:
             return []
-        ctx, found = s.context, []
-        for k in range(1, (len(ctx) - 1) // self.bs + 1):
-            block = self.prefixes.get(tuple(ctx[:k * self.bs]))
-            if block is None:
-                break
-            found.append(block)
-        return found
+        return [block for block, _ in self._walk(s.context, (len(s.context) - 1) // self.bs)]
+
+    def _walk(self, tokens, n: int):
+        """(block, key) of the first ``n`` whole blocks of ``tokens`` found in the prefix cache, in order."""
+        parent = 0
+        for k in range(n):
+            piece = tuple(tokens[k * self.bs:(k + 1) * self.bs])
+            key = hash((parent, piece))
+            entry = self.prefixes.get(key)
+            if entry is None or entry[1] != parent or entry[2] != piece:
+                return
+            yield entry[0], key
+            parent = key
 
     def _spare(self, keep: set) -> int:
         """Blocks only the prefix cache holds (it can give them up), but those in ``keep``."""
-        return sum(1 for b in self.prefixes.values() if self.pool.refs[b] == 1 and b not in keep)
+        return sum(1 for b, _, _ in self.prefixes.values() if self.pool.refs[b] == 1 and b not in keep)
+
+    def step_need(self, running) -> int:
+        """Blocks the running requests' next step takes: one for each whose last block is full."""
+        return sum(1 for s in running if s.length % self.bs == 0)
 
     def fits(self, s: Served, running) -> bool:
+        """Its blocks (less those found in the prefix cache) beside the running requests' next step: admitting it
+        never pre-empts an older request (vLLM admits only where the running batch's step is provided for)."""
         hits = self._hits(s)
-        want = self.blocks(len(s.context) + 1) - len(hits)
+        want = self.blocks(len(s.context) + 1) - len(hits) + self.step_need(running)
         return want <= len(self.pool.free) + self._spare(set(hits))
 
     def _make_room(self, want: int, keep: set = frozenset()) -> None:
@@ -224,7 +241,7 @@ class _Pooled(_Memory):
         for key in list(self.prefixes):
             if len(self.pool.free) >= want:
                 return
-            block = self.prefixes[key]
+            block = self.prefixes[key][0]
             if self.pool.refs[block] == 1 and block not in keep:
                 del self.prefixes[key]
                 self.pool.release([block])
@@ -237,8 +254,7 @@ class _Pooled(_Memory):
             self.pool.share(hits)
             cache.tables[0] = list(hits)
             cache.pos = len(hits) * self.bs
-            for i in range(1, len(hits) + 1):  # used now: the least recently used are given up first
-                key = tuple(s.context[:i * self.bs])
+            for _, key in list(self._walk(s.context, len(hits))):  # used now: the least recently used go first
                 self.prefixes[key] = self.prefixes.pop(key)
         return cache
 
@@ -246,15 +262,20 @@ class _Pooled(_Memory):
         """Its prompt's whole blocks join the prefix cache (the cache holds a share of each)."""
         if not self.prefix_caching:
             return
-        table = s.cache.tables[0]
-        for k in range(1, len(s.request.prompt) // self.bs + 1):
-            key = tuple(s.request.prompt[:k * self.bs])
-            if key not in self.prefixes:
-                self.prefixes[key] = table[k - 1]
-                self.pool.share([table[k - 1]])
+        table, prompt, parent = s.cache.tables[0], s.request.prompt, 0
+        for k in range(len(prompt) // self.bs):
+            piece = tuple(prompt[k * self.bs:(k + 1) * self.bs])
+            key = hash((parent, piece))
+            entry = self.prefixes.get(key)
+            if entry is None:
+                self.prefixes[key] = (table[k], parent, piece)
+                self.pool.share([table[k]])
+            elif entry[1] != parent or entry[2] != piece:  # another chain under this key: keep the cached one
+                return
+            parent = key
 
     def room_for_step(self, running) -> bool:
-        want = sum(1 for s in running if s.length % self.bs == 0)  # a sequence whose last block is full
+        want = self.step_need(running)
         self._make_room(want)
         return want <= len(self.pool.free)
 
@@ -267,13 +288,13 @@ class _Pooled(_Memory):
         return self.pool.used * self.block_bytes
 
     def used(self, running) -> int:
-        # tokens at the storage dtype (block rounding is not a token); a shared block counts once
+        # the running requests' tokens at the storage dtype (block rounding is not a token; a shared block counts
+        # once); blocks only the prefix cache holds are held, not holding a running request's tokens
         shared = {}
         for s in running:
             for i, b in enumerate(s.cache.tables[0] if s.cache is not None else []):
                 shared[b] = max(shared.get(b, 0), min(self.bs, s.length - i * self.bs))
-        cached = sum(self.bs for b in self.prefixes.values() if b not in shared)
-        return kv_bytes(*self.geometry, sum(shared.values()) + cached, 1, self.dtype)
+        return kv_bytes(*self.geometry, sum(shared.values()), 1, self.dtype)
 
 
 
@@ -305,7 +326,7 @@ class ServeLog:
 
     served: list[Served]
     timeline: list[dict]
-    wall_s: float  # time the serving took here (the clock less the idle waits for arrivals)
+    wall_s: float  # wall time the serving took here (idle waits for arrivals skipped, not slept)
 
 
 class Server:
@@ -314,30 +335,31 @@ class Server:
     def __init__(self, engine, memory: _Memory, max_batch: int, device: torch.device, progress=None):
         self.engine, self.memory, self.max_batch, self.device = engine, memory, max_batch, device
         self.progress = progress
-        self.clock = 0.0
         self.waiting: deque[Served] = deque()
         self.running: list[Served] = []
         self.timeline: list[dict] = []
+        self._t0, self._skipped, self._apart = time.perf_counter(), 0.0, 0.0
+
+    @property
+    def clock(self) -> float:
+        """Server time: the wall time since the run began (the scheduler's work included), plus the idle waits
+        skipped to the next arrival, less what only the measurement does (its timeline)."""
+        return time.perf_counter() - self._t0 + self._skipped - self._apart
 
     def _timed(self, fn):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        t0 = time.perf_counter()
         out = fn()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # the clock is read after the device is done
             torch.cuda.synchronize(self.device)
-        dt = time.perf_counter() - t0
-        self.busy += dt
-        self.clock += dt
         return out
 
     def _emit(self, s: Served, token: int) -> None:
+        now = self.clock
         s.tokens.append(token)
-        s.times.append(self.clock)
+        s.times.append(now)
         if s.first_token_s is None:
-            s.first_token_s = self.clock
+            s.first_token_s = now
         if s.done:
-            s.finish_s = self.clock
+            s.finish_s = now
             self.memory.close(s)
             if self.progress is not None:
                 self.progress.update(1)
@@ -383,23 +405,25 @@ class Server:
         self.running = [s for s in run if not s.done]
 
     def _note(self, arrived: int) -> None:
-        m = self.memory
+        t0, m = time.perf_counter(), self.memory
         self.timeline.append(dict(time_s=self.clock, running=len(self.running), waiting=len(self.waiting),
                                   arrived=arrived, kv_used_bytes=m.used(self.running),
                                   kv_held_bytes=m.held(self.running)))
+        self._apart += time.perf_counter() - t0  # the measurement's, not the server's
 
     def run(self, requests: list[Request]) -> ServeLog:
         check_budget(self.memory, requests)
         pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.request_id)))
         served = [Served(r) for r in pending]
         queue = deque(served)
-        self.busy, arrived = 0.0, 0
+        arrived = 0
+        self._t0, self._skipped, self._apart = time.perf_counter(), 0.0, 0.0
         while queue or self.waiting or self.running:
             while queue and queue[0].request.arrival_s <= self.clock:
                 self.waiting.append(queue.popleft())
                 arrived += 1
             if not self.waiting and not self.running:
-                self.clock = queue[0].request.arrival_s  # idle until the next arrival
+                self._skipped += max(queue[0].request.arrival_s - self.clock, 0.0)  # idle until the next arrival
                 continue
             self._admit()
             if self.waiting and not self.running:
@@ -408,7 +432,8 @@ class Server:
             if self.running:
                 self._step()
             self._note(arrived)
-        return ServeLog(sorted(served, key=lambda s: s.request.request_id), self.timeline, self.busy)
+        busy = time.perf_counter() - self._t0 - self._apart
+        return ServeLog(sorted(served, key=lambda s: s.request.request_id), self.timeline, busy)
 
 
 # ---- the workload ---------------------------------------------------------------------------------------------
@@ -483,19 +508,21 @@ def request_rows(served: list[Served]) -> list[dict]:
     for s in served:
         r = s.request
         n = len(s.tokens)
+        known = s.times and math.isfinite(s.times[0])  # a peer's request reset mid-way lost its first times
         rows.append(dict(request_id=r.request_id, arrival_s=r.arrival_s, admitted_s=s.admitted_s,
-                         first_token_s=s.first_token_s, finish_s=s.finish_s, prompt_tokens=len(r.prompt),
-                         output_tokens=n, preemptions=s.preemptions, cached_tokens=s.cached_tokens,
-                         prefilled_tokens=s.prefilled_tokens, ttft_ms=(s.first_token_s - r.arrival_s) * 1e3,
-                         tpot_ms=(s.finish_s - s.first_token_s) / (n - 1) * 1e3 if n > 1 else None,
+                         first_token_s=s.first_token_s if known else None, finish_s=s.finish_s,
+                         prompt_tokens=len(r.prompt), output_tokens=n, preemptions=s.preemptions,
+                         cached_tokens=s.cached_tokens, prefilled_tokens=s.prefilled_tokens,
+                         ttft_ms=(s.first_token_s - r.arrival_s) * 1e3 if known else None,
+                         tpot_ms=(s.finish_s - s.first_token_s) / (n - 1) * 1e3 if known and n > 1 else None,
                          e2e_ms=(s.finish_s - r.arrival_s) * 1e3))
     return rows
 
 
 def token_rows(served: list[Served]) -> list[dict]:
     """One row per token made (tokens.csv): when, and the gap since the request's previous token."""
-    return [dict(request_id=s.request.request_id, index=i, time_s=t,
-                 itl_ms=None if i == 0 else (t - s.times[i - 1]) * 1e3)
+    return [dict(request_id=s.request.request_id, index=i, time_s=t if math.isfinite(t) else None,
+                 itl_ms=(t - s.times[i - 1]) * 1e3 if i and math.isfinite(t - s.times[i - 1]) else None)
             for s in served for i, t in enumerate(s.times)]
 
 
@@ -505,8 +532,10 @@ def summary(log: ServeLog, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
     start = min(s.request.arrival_s for s in log.served)
     span = max(s.finish_s for s in log.served) - start
     out_tokens = sum(r["output_tokens"] for r in rows)
-    good = [r for r in rows if r["ttft_ms"] <= slo_ttft_ms and (r["tpot_ms"] is None or r["tpot_ms"] <= slo_tpot_ms)]
-    itl = [(t - s.times[i - 1]) for s in log.served for i, t in enumerate(s.times) if i]
+    good = [r for r in rows if r["ttft_ms"] is not None and r["ttft_ms"] <= slo_ttft_ms
+            and (r["tpot_ms"] is None or r["tpot_ms"] <= slo_tpot_ms)]  # an unknown TTFT is not within the SLO
+    itl = [(t - s.times[i - 1]) for s in log.served for i, t in enumerate(s.times)
+           if i and math.isfinite(t - s.times[i - 1])]
     rec = dict(server_requests=len(rows), server_duration_s=span, server_busy_s=log.wall_s,
                server_requests_per_s=len(rows) / span, server_output_tokens_per_s=out_tokens / span,
                server_goodput=len(good) / span, server_slo_met=len(good) / len(rows),
@@ -521,7 +550,7 @@ def summary(log: ServeLog, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
     rec["server_normalized_latency_ms"] = sum(r["e2e_ms"] / r["output_tokens"] for r in rows) / len(rows)
     used, held = _time_mean(log.timeline, "kv_used_bytes"), _time_mean(log.timeline, "kv_held_bytes")
     rec["server_kv_token_share"] = used / held if held and math.isfinite(used) else None
-    for name, seconds in (("ttft", [r["ttft_ms"] / 1e3 for r in rows]),
+    for name, seconds in (("ttft", [r["ttft_ms"] / 1e3 for r in rows if r["ttft_ms"] is not None]),
                           ("tpot", [r["tpot_ms"] / 1e3 for r in rows if r["tpot_ms"] is not None]),
                           ("itl", itl), ("e2e", [r["e2e_ms"] / 1e3 for r in rows])):
         rec.update(_quantiles(seconds, name))

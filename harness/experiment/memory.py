@@ -366,7 +366,8 @@ def _server_phase(s: _Sizes, serve: dict) -> list:
     gathered = 2 * budget * itemsize(s.compute) // (itemsize(s.storage) * max(s.model.n_layer, 1))
     transient = (max(s.forward(1, P, 1), s.forward(B, 1, 1) + gathered)
                  + s.cache_at(1, P, cap=P) + s.layer_kv(1, P))
-    return [("serve_continuous", budget, transient)]
+    held = budget * (2 if o.peer == "hf" else 1)  # the peer's pool beside kvlab's, each the budget
+    return [("serve_continuous", held, transient)]
 
 
 def cache_fills(*, kind: str, options: dict | None = None, max_len: int, contexts: list[int] | None = None,

@@ -72,6 +72,12 @@ def check_serve(s: ServeOptions, max_len: int) -> None:
         v = getattr(s, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"serve.{name}={v!r}: give an integer >= 1")
+    for name in ("rate", "sigma", "slo_ttft_ms", "slo_tpot_ms"):
+        v = getattr(s, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+            raise ValueError(f"serve.{name}={v!r}: give a number")
+    if isinstance(s.system_prompt, bool) or not isinstance(s.system_prompt, int):
+        raise ValueError(f"serve.system_prompt={s.system_prompt!r}: give an integer >= 0 (tokens)")
     if s.requests > 100_000:
         raise ValueError(f"serve.requests={s.requests:,} is over kvlab's cap of 100,000 per run")
     if not s.rate > 0:
@@ -157,6 +163,8 @@ class Server(Measurement):
                                                  "requests")
         server_hf_kv_held: int | None = key("the peer: bytes of its block pool (allocated whole)", "B")
         server_hf_requests_identical: int | None = key("the peer: requests whose tokens equal kvlab's", "requests")
+        server_hf_resets: int | None = key("the peer: requests it pre-empted (their times before it are unknown, "
+                                           "so they count in no TTFT and in no SLO)", "requests")
 
     tables = (
         Table("requests", "requests.csv", on=("request_id",),
@@ -234,7 +242,8 @@ class Server(Measurement):
                     server_hf_ttft_ms_p99=rec["server_ttft_ms_p99"], server_hf_e2e_ms_p99=rec["server_e2e_ms_p99"],
                     server_hf_normalized_latency_ms=rec["server_normalized_latency_ms"],
                     server_hf_peak_running=rec["server_peak_running"],
-                    server_hf_kv_held=theirs.timeline[0]["kv_held_bytes"], server_hf_requests_identical=int(same))
+                    server_hf_kv_held=theirs.timeline[0]["kv_held_bytes"], server_hf_requests_identical=int(same),
+                    server_hf_resets=sum(s.preemptions for s in theirs.served))
 
     @classmethod
     def not_equivalent(cls, r, tol):
@@ -288,14 +297,15 @@ def read_trace(path: str, max_len: int, max_tokens: int, vocab: int | None = Non
     for i, row in enumerate(df.itertuples(index=False)):
         ids = getattr(row, "prompt_ids", None)
         count = getattr(row, "prompt_tokens", None)
-        try:  # a row gives its prompt's ids, or how many tokens it has
+        try:  # a row gives its prompt's ids, or how many tokens it has; whole numbers only
             prompt = (tuple(int(t) for t in ids.split()) if isinstance(ids, str) and ids.strip()
-                      else int(count))
+                      else _whole(count))
+            arrival, out_n = float(row.arrival_s), _whole(row.output_tokens)
         except (TypeError, ValueError):
-            raise ValueError(f"serve.trace={path} row {i + 1}: give prompt_tokens (a count) or prompt_ids "
-                             "(space-separated token ids)") from None
+            raise ValueError(f"serve.trace={path} row {i + 1}: give arrival_s (seconds), output_tokens (a whole "
+                             "number) and prompt_tokens (a whole number) or prompt_ids (space-separated token "
+                             "ids)") from None
         n = len(prompt) if isinstance(prompt, tuple) else prompt
-        arrival, out_n = float(row.arrival_s), int(row.output_tokens)
         bad_ids = isinstance(prompt, tuple) and vocab is not None and any(not 0 <= t < vocab for t in prompt)
         if not (math.isfinite(arrival) and arrival >= 0) or not 1 <= out_n <= max_tokens or n < 1 or bad_ids \
                 or n + out_n + 1 > max_len:
@@ -305,6 +315,14 @@ def read_trace(path: str, max_len: int, max_tokens: int, vocab: int | None = Non
                              f"{out_n} output")
         out.append((arrival, prompt, out_n))
     return out
+
+
+def _whole(x) -> int:
+    """A whole number from a CSV cell (2 or 2.0), else ValueError (2.7, empty, text)."""
+    v = float(x)
+    if not math.isfinite(v) or v != int(v):
+        raise ValueError(x)
+    return int(v)
 
 
 def traced(rows: list[tuple], stream: list[int], seed: int, lead: list[int], least: int = 1):
@@ -318,7 +336,10 @@ def traced(rows: list[tuple], stream: list[int], seed: int, lead: list[int], lea
     for i, (arrival, prompt, n_out) in enumerate(rows):
         if isinstance(prompt, int):
             n = max(prompt, least)
-            start = int(torch.randint(0, max(len(stream) - n, 1), (1,), generator=g))
+            if n > len(stream):
+                raise ValueError(f"serve.trace row {i + 1} asks for {n:,} prompt tokens; the run's text has "
+                                 f"{len(stream):,}")
+            start = int(torch.randint(0, len(stream) - n + 1, (1,), generator=g))
             prompt = tuple(stream[start:start + n])
         out.append(Request(i, arrival, tuple(lead) + tuple(prompt), n_out))
     return out

@@ -171,9 +171,14 @@ def test_the_figures_draw_a_line_per_kind():
     fig = A.rate_plot(runs)
     assert len(fig.axes[0].lines) >= 2
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["4/s", A.ALL_AT_ONCE]
-    timeline = pd.DataFrame([dict(status="ok", cache_label=k, server_rate=None, seed=0, time_s=t, running=n)
-                             for k in ("prealloc", "paged") for t, n in ((0.0, 1), (1.0, 3))])
-    assert len(A.running_plot(timeline).axes[0].lines) == 2
+    timeline = pd.DataFrame([dict(status="ok", cache_label=k, run_name=k, server_rate=None, seed=0, time_s=t,
+                                  running=n, server_prefix_caching=shared)
+                             for k, shared in (("prealloc", False), ("paged", False), ("paged", True))
+                             for t, n in ((0.0, 1), (1.0, 3))])
+    timeline.loc[timeline["server_prefix_caching"], "run_name"] = "paged-shared"
+    ax = A.running_plot(timeline).axes[0]
+    assert len(ax.lines) == 3  # a line per run: the prefix-cache run apart from the one without
+    assert sorted(line.get_label() for line in ax.lines) == ["paged", "paged" + A.PREFIX, "prealloc"]
     assert A.served(runs) and not A.served(runs.assign(server_requests=np.nan))
 
 
@@ -218,3 +223,21 @@ def test_a_bad_trace_is_refused_in_one_line(tmp_path, text, why):
         read_trace(str(trace), 128, 8, vocab=50257)
     with pytest.raises(ValueError, match="no such file"):
         read_trace(str(tmp_path / "none.csv"), 128, 8)
+
+
+def test_a_request_whose_first_times_are_unknown_counts_in_no_ttft_and_no_slo():
+    from harness.core import server as S
+
+    def done(i, times):
+        s = S.Served(S.Request(i, 0.0, (1, 2), len(times)), admitted_s=0.0, tokens=[0] * len(times),
+                     times=list(times))
+        s.first_token_s, s.finish_s = times[0], times[-1]
+        return s
+
+    served = [done(0, [0.1, 0.2]), done(1, [math.nan, 0.3, 0.5])]  # the peer reset request 1 after its first token
+    rec = S.summary(S.ServeLog(served, [dict(time_s=0.0, running=1, kv_used_bytes=1, kv_held_bytes=2)], 0.5),
+                    slo_ttft_ms=1000, slo_tpot_ms=1000)
+    assert rec["server_ttft_ms_mean"] == pytest.approx(100) and rec["server_slo_met"] == pytest.approx(0.5)
+    assert rec["server_itl_ms_mean"] == pytest.approx(np.mean([100, 200]))  # the unknown gap is no ITL
+    rows = S.request_rows(served)
+    assert rows[1]["ttft_ms"] is None and rows[1]["tpot_ms"] is None and rows[1]["e2e_ms"] == pytest.approx(500)
