@@ -16,46 +16,6 @@ SERVE = ["measurements=[server]", "serve.requests=4", "serve.kv_budget=300KB", "
          "serve.prompt_most=40", "serve.prompt_median=16", "serve.output_median=8", "tracking=disabled"]
 
 
-@pytest.fixture(scope="module")
-def served_sweep(tmp_path_factory):
-    """A small sweep: prealloc and paged at two rates over two seeds, on the tiny model."""
-    tmp = tmp_path_factory.mktemp("serve")
-    proc = run_py(["-m", *TINY, *SERVE, "cache=prealloc,paged", "serve.rate=20,inf", "seed=0,1",
-                   f"hydra.sweep.dir={tmp / 'sweep'}"], tmp)
-    return tmp / "sweep", proc
-
-
-def test_a_served_run_records_every_request_and_token_and_checks_each(served_sweep):
-    sweep, proc = served_sweep
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    folders = [d for d in sweep.iterdir() if (d / "results.json").is_file()]
-    assert len(folders) == 8
-    for d in folders:
-        rec = json.loads((d / "results.json").read_text())
-        assert rec["status"] == "ok"
-        requests = pd.read_csv(d / "requests.csv")
-        tokens = pd.read_csv(d / "tokens.csv")
-        assert len(requests) == rec["server_requests"] == 4
-        assert requests["identical"].all() and rec["server_requests_identical"] == 4
-        assert len(tokens) == requests["output_tokens"].sum()  # a row per token made
-        assert (requests["first_token_s"] >= requests["arrival_s"]).all()
-        # the record's percentiles are the table's
-        assert rec["server_ttft_ms_p99"] == pytest.approx(np.percentile(requests["ttft_ms"], 99))
-        timeline = pd.read_csv(d / "timeline.csv")
-        assert (timeline["kv_held_bytes"] <= rec["server_kv_budget"]).all()
-        assert rec["server_kv_budget"] == 300_000 and rec["server_rate"] in (20.0, None)
-
-
-def test_the_sweep_report_draws_the_server_figures_and_says_what_paging_bought(served_sweep):
-    sweep, proc = served_sweep
-    report = sweep / "report"
-    for stem in ("server_rate", "server_memory", "server_running"):
-        assert (report / f"{stem}.png").stat().st_size > 10_000, stem
-    text = (report / "findings.md").read_text()
-    assert "paged(block_size=16) over prealloc under 0.3 MB, requests running at once (peak)" in text
-    assert "2-4×" in text and "20.4% - 38.2%" in text
-
-
 def test_serve_peer_hf_serves_the_same_requests_through_transformers_beside_a_paged_run(tmp_path):
     out = tmp_path / "run"
     proc = run_py([*TINY, *SERVE, "cache=paged", "serve.peer=hf", f"hydra.run.dir={out}"], tmp_path)

@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -314,6 +315,24 @@ def test_every_measurement_runs_on_every_kind_and_engine_where_it_applies(confor
     assert {k for k, e in ran["retrieval"] if e == "kvlab"} == set(CACHE_KINDS)
     assert ran["server"] == {(k, "kvlab") for k in CACHE_KINDS}  # every kind serves (each request checked)
     assert [name for name in MEASUREMENTS if not ran[name]] == []  # a measurement registered later runs here too
+
+
+@pytest.mark.slow
+def test_every_kind_serves_requests_each_equal_to_its_run_alone(conformance):
+    """The every-kind sweep serves 4 requests on each kind (serve.*): requests.csv, tokens.csv and timeline.csv
+    agree with the record, the budget is never exceeded, and the sweep's findings compare each kind with prealloc."""
+    for folder, r in _runs([conformance["kvlab"]]):
+        requests = pd.read_csv(folder / "requests.csv")
+        tokens = pd.read_csv(folder / "tokens.csv")
+        timeline = pd.read_csv(folder / "timeline.csv")
+        assert len(requests) == r["server_requests"] == r["server_requests_identical"] == 4, r["cache"]
+        assert requests["identical"].all() and len(tokens) == requests["output_tokens"].sum()
+        assert r["server_ttft_ms_p99"] == pytest.approx(np.percentile(requests["ttft_ms"], 99))
+        assert (timeline["kv_held_bytes"] <= r["server_kv_budget"]).all()
+        assert (timeline["kv_used_bytes"] <= timeline["kv_held_bytes"]).all()
+    text = (conformance["kvlab"] / "report" / "findings.md").read_text()
+    assert "paged(block_size=16) over prealloc under 0.4 MB, requests running at once (peak)" in text
+    assert "(n = 1: no interval)" in text and "20.4% - 38.2%" in text
 
 
 @pytest.mark.slow
