@@ -16,6 +16,7 @@ SERVE = ["measurements=[server]", "serve.requests=4", "serve.kv_budget=300KB", "
          "serve.prompt_most=40", "serve.prompt_median=16", "serve.output_median=8", "tracking=disabled"]
 
 
+@pytest.mark.slow
 def test_serve_peer_hf_serves_the_same_requests_through_transformers_beside_a_paged_run(tmp_path):
     out = tmp_path / "run"
     proc = run_py([*TINY, *SERVE, "cache=paged", "serve.peer=hf", f"hydra.run.dir={out}"], tmp_path)
@@ -36,12 +37,14 @@ def _refused(proc, out) -> str:
     return said[0]
 
 
+@pytest.mark.slow
 def test_a_budget_too_small_for_one_request_is_refused_before_anything_runs(tmp_path):
     out = tmp_path / "run"
     line = _refused(run_py([*TINY, *SERVE, "serve.kv_budget=2KB", f"hydra.run.dir={out}"], tmp_path), out)
     assert "too small for one request" in line and line.endswith("give serve.kv_budget >= 58,368")
 
 
+@pytest.mark.slow
 def test_a_budget_beyond_the_machine_is_refused_before_anything_runs(tmp_path):
     out = tmp_path / "run"
     assert "free" in _refused(run_py([*TINY, *SERVE, "serve.kv_budget=900GB", f"hydra.run.dir={out}"], tmp_path), out)
@@ -153,6 +156,7 @@ def test_a_prefix_cache_is_compared_with_the_same_kind_without_it():
     assert "tokens prefilled at 16/s 0.50× [0.50, 0.50] (n = 3 seeds)" in text
 
 
+@pytest.mark.slow
 def test_a_trace_file_gives_the_requests_their_times_prompts_and_lengths(tmp_path):
     from harness.measurements.server import read_trace, traced
 

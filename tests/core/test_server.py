@@ -32,6 +32,7 @@ def serve(engine, kind, opts, requests, budget=110_000, max_tokens=30, max_batch
     return S.Server(engine, memory, max_batch, CPU).run(requests), memory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,opts", [("prealloc", {}), ("concat", {}), ("paged", {"block_size": 4}),
                                        ("quant", {"k_bits": 8, "v_bits": 8, "group_size": 8}),
                                        ("h2o", {"budget": 16, "recent": 4}), ("window", {"window": 16, "sinks": 2})])
@@ -47,6 +48,7 @@ def test_every_request_gets_the_tokens_it_gets_alone_and_the_budget_holds(engine
         assert sum(s.preemptions for s in log.served) > 0
 
 
+@pytest.mark.slow
 def test_a_preempted_request_resumes_from_its_prompt_and_tokens(engine, text):
     requests = S.make_requests(WORK, text)
     log, _ = serve(engine, "paged", {"block_size": 4}, requests, budget=100_000)
@@ -85,6 +87,7 @@ def test_paging_runs_more_requests_at_once_than_reserving_at_the_same_budget(eng
     assert peaks["paged"] > peaks["prealloc"]
 
 
+@pytest.mark.slow
 def test_a_shared_system_prompt_is_prefilled_once_and_held_once(engine, text):
     system = text[1000:1032]  # 8 blocks of 4
     requests = S.make_requests(S.Workload(requests=8, rate=math.inf, prompt_median=10, prompt_most=20,
@@ -148,6 +151,7 @@ def test_the_summary_is_what_the_requests_times_say():
     assert rec["server_kv_token_share"] == pytest.approx((10 + 30 * 0.4) / (20 + 40 * 0.4))
 
 
+@pytest.mark.slow
 def test_the_hf_peer_serves_the_same_requests_to_the_same_tokens_within_the_budget(engine, text, tiny_model):
     from harness.core.engines import HFEngine
     from harness.core.hf_server import block_bytes, serve_hf

@@ -52,6 +52,7 @@ def serve(model, kind, opts, prompts, max_len=64, shared_pool=False):
     return logits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,opts", KINDS)
 def test_each_request_of_a_running_batch_gets_what_it_gets_alone(tiny_model, kind, opts):
     cls = CACHE_KINDS[kind]
@@ -124,6 +125,7 @@ def test_kinds_that_store_keys_before_the_rotation_cannot_join():
             pass
 
 
+@pytest.mark.slow
 def test_grouped_query_attention_joins_too():
     torch.manual_seed(0)
     model = Llama(LlamaConfig.preset("tiny-gqa")).eval()
