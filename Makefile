@@ -32,22 +32,11 @@ XDIST   := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 # those tests are skipped and say why, unless KVLAB_REQUIRE_SLURM=1 (CI), where they fail
 SLURM_DIR ?= /tmp/kvlab-slurm
 
-# the Slurm tests mostly wait on their jobs: they run in a pytest of their own beside the workers (their log is
-# printed after the workers' summary), so the wait overlaps the other tests' work; WORKERS=0 (everything serially)
-# or ARGS (a selection) runs one pytest
-SLURM_TESTS := tests/experiment/test_slurm.py
 test: $(STAMP)
 	@conf=$$(scripts/slurm-up $(SLURM_DIR) 2> $(SLURM_DIR).log | sed -n 's/^SLURM_CONF=//p'); \
 	if [ -n "$$conf" ]; then echo "make test: Slurm is up (SLURM_CONF=$$conf; scripts/slurm-down $(SLURM_DIR) stops it)"; \
 	else echo "make test: Slurm did not come up ($$(tail -n 1 $(SLURM_DIR).log)); its tests will say so"; fi; \
-	export SLURM_CONF=$${conf:-$$SLURM_CONF} HF_HUB_OFFLINE=1; \
-	if [ "$(WORKERS)" = 0 ] || [ -n "$(strip $(ARGS))" ]; then exec $(PY) -m pytest $(XDIST) $(ARGS); fi; \
-	$(PY) -m pytest -p no:cacheprovider $(SLURM_TESTS) $(ARGS) > $(SLURM_DIR).tests.log 2>&1 & slurm=$$!; \
-	$(PY) -m pytest $(XDIST) --ignore=$(SLURM_TESTS) $(ARGS); rest=$$?; \
-	wait $$slurm; s=$$?; echo "== the Slurm tests ($(SLURM_TESTS)), beside the others:"; cat $(SLURM_DIR).tests.log; \
-	if [ $$rest -ne 0 ] && [ $$rest -ne 5 ]; then exit $$rest; fi; \
-	if [ $$s -ne 0 ] && [ $$s -ne 5 ]; then exit $$s; fi; \
-	[ $$rest -eq 0 ] || [ $$s -eq 0 ]
+	SLURM_CONF=$${conf:-$$SLURM_CONF} HF_HUB_OFFLINE=1 $(PY) -m pytest $(XDIST) $(ARGS)
 
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(XDIST) -m "not slow" $(ARGS)

@@ -244,7 +244,7 @@ HF_KINDS = ["concat", "prealloc"]
 # the every-kind sweep evicts: 40 + 8 tokens against window S4+W32 (36 slots) and budgets of 32
 EVERY_KIND = ["prompt_len=40", "new_tokens=8", "max_len=128", "drift_text_len=48"]
 # and every kind serves a few requests continuously (the server measurement; serve.requests is 0 elsewhere)
-SERVED = ["serve.requests=4", "serve.kv_budget=400KB", "serve.max_tokens=8", "serve.prompt_most=24",
+SERVED = ["serve.requests=3", "serve.kv_budget=400KB", "serve.max_tokens=6", "serve.prompt_most=24",
           "serve.prompt_median=10", "serve.output_median=4", "serve.rate=inf"]
 FULL_ATTENTION = [k for k, cls in CACHE_KINDS.items() if cls.full_attention(cls.Options())]
 
@@ -319,13 +319,13 @@ def test_every_measurement_runs_on_every_kind_and_engine_where_it_applies(confor
 
 @pytest.mark.slow
 def test_every_kind_serves_requests_each_equal_to_its_run_alone(conformance):
-    """The every-kind sweep serves 4 requests on each kind (serve.*): requests.csv, tokens.csv and timeline.csv
+    """The every-kind sweep serves 3 requests on each kind (serve.*): requests.csv, tokens.csv and timeline.csv
     agree with the record, the budget is never exceeded, and the sweep's findings compare each kind with prealloc."""
     for folder, r in _runs([conformance["kvlab"]]):
         requests = pd.read_csv(folder / "requests.csv")
         tokens = pd.read_csv(folder / "tokens.csv")
         timeline = pd.read_csv(folder / "timeline.csv")
-        assert len(requests) == r["server_requests"] == r["server_requests_identical"] == 4, r["cache"]
+        assert len(requests) == r["server_requests"] == r["server_requests_identical"] == 3, r["cache"]
         assert requests["identical"].all() and len(tokens) == requests["output_tokens"].sum()
         assert r["server_ttft_ms_p99"] == pytest.approx(np.percentile(requests["ttft_ms"], 99))
         assert (timeline["kv_held_bytes"] <= r["server_kv_budget"]).all()
