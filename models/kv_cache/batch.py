@@ -53,6 +53,17 @@ def _check(caches) -> None:
             raise ValueError(why)
 
 
+def _pad_to_longest(step, caches) -> None:
+    """The step's slots: the longest sequence's length, each shorter one left-padded to it (its own positions and
+    masks, as ``set_padding`` gives a ragged batch), and room for no more than the fullest cache takes."""
+    lengths = [c.pos for c in caches]
+    step.pos = max(lengths)
+    pad = torch.tensor([step.pos - n for n in lengths], device=caches[0].device)
+    step.pad = pad if bool(pad.any()) else None
+    step.pad_min = int(pad.min())
+    step.max_len = min(c.max_len - c.pos for c in caches) + step.pos
+
+
 class RaggedStep:
     """The running batch's cache for one decode step (T = 1): sequence b is its own one-sequence cache; the step's
     keys are each cache's keys, right-filled to the longest with empty slots (position -1, never attended)."""
@@ -70,12 +81,7 @@ class RaggedStep:
         self.reference = first.reference
         self.device, self.dtype, self.n_layer = first.device, first.dtype, first.n_layer
         self.batch = len(caches)
-        lengths = [c.pos for c in caches]
-        self.pos = max(lengths)
-        pad = torch.tensor([self.pos - n for n in lengths], device=self.device)
-        self.pad = pad if bool(pad.any()) else None
-        self.pad_min = int(pad.min())
-        self.max_len = min(c.max_len - c.pos for c in caches) + self.pos
+        _pad_to_longest(self, caches)
         self._keys: list[int] = []
 
     def key_positions(self, t: int) -> torch.Tensor:
@@ -115,12 +121,7 @@ def _paged_step(caches: list[PagedKVCache]) -> PagedKVCache:
                         dtype=first.dtype, device=first.device, pool=first.pool, block_size=first.opts.block_size,
                         blocks=first.opts.blocks)
     step.tables = [c.tables[0] for c in caches]  # the same lists: blocks taken now land in each sequence's table
-    lengths = [c.pos for c in caches]
-    step.pos = max(lengths)
-    pad = torch.tensor([step.pos - n for n in lengths], device=first.device)
-    step.pad = pad if bool(pad.any()) else None
-    step.pad_min = int(pad.min())
-    step.max_len = min(c.max_len - c.pos for c in caches) + step.pos
+    _pad_to_longest(step, caches)
     step.fused = first.fused
     return step
 

@@ -100,24 +100,21 @@ def test_experiment_serving_composes_every_kind_rate_and_seed_and_its_budget_ser
     sweep = (REPO / "conf" / "experiment" / "serving.yaml").read_text()
     for line in ("cache: prealloc,paged,quant", "serve.rate: 4,16,inf", "seed: 0,1,2"):
         assert line in sweep
+    def checked(*overrides):  # composed, validated and checked by the server as a run would be
+        cfg = compose(config_name="config", overrides=list(overrides))
+        mcfg = preset_config(cfg.model.preset)
+        max_len, _ = validate(cfg, mcfg.n_positions)
+        rc = read(cfg)
+        check_measurements(rc, max_len)
+        check_server(rc, mcfg, max_len, torch.float32)
+        assert rc.option("serve")["requests"] > 0 and rc.measurements == ("server",)
+        return rc
+
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         for cache, rate, seed in itertools.product(("prealloc", "paged", "quant"), ("4", "16", "inf"), (0, 1, 2)):
-            cfg = compose(config_name="config", overrides=["experiment=serving", f"cache={cache}",
-                                                           f"serve.rate={rate}", f"seed={seed}"])
-            mcfg = preset_config(cfg.model.preset)
-            max_len, _ = validate(cfg, mcfg.n_positions)
-            rc = read(cfg)
-            check_measurements(rc, max_len)
-            check_server(rc, mcfg, max_len, torch.float32)
-            assert rc.option("serve")["requests"] > 0 and rc.measurements == ("server",)
+            checked("experiment=serving", f"cache={cache}", f"serve.rate={rate}", f"seed={seed}")
         for shared, seed in itertools.product(("false", "true"), (0, 1, 2)):  # experiment=serving_prefix
-            cfg = compose(config_name="config", overrides=["experiment=serving_prefix",
-                                                           f"serve.prefix_caching={shared}", f"seed={seed}"])
-            mcfg = preset_config(cfg.model.preset)
-            max_len, _ = validate(cfg, mcfg.n_positions)
-            rc = read(cfg)
-            check_measurements(rc, max_len)
-            check_server(rc, mcfg, max_len, torch.float32)
+            rc = checked("experiment=serving_prefix", f"serve.prefix_caching={shared}", f"seed={seed}")
             assert rc.cache.kind == "paged" and rc.option("serve")["system_prompt"] == 128
 
 
