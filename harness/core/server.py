@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from models.generate import decode_step
-from models.kv_cache import PagedKVCache, kv_bytes
+from models.kv_cache import kv_bytes
 from models.kv_cache.batch import joined, refuses_joining
 
 

@@ -197,7 +197,6 @@ class Server(Measurement):
 
     def run(self):
         import pandas as pd
-        import torch
         from tqdm.auto import tqdm
 
         from harness.core import server as S
