@@ -29,6 +29,7 @@ import torch
 
 from models.generate import decode_step
 from models.kv_cache import kv_bytes
+from models.kv_cache.base import itemsize
 from models.kv_cache.batch import joined, refuses_joining
 
 
@@ -76,7 +77,7 @@ def least_budget(cls, opts, n_layer: int, n_kv_head: int, head_dim: int, dtype, 
     budget that serves it (a pooled kind: its blocks)."""
     if cls.pooled:
         bs = opts.block_size
-        return math.ceil(tokens / bs) * 2 * n_layer * n_kv_head * bs * head_dim * torch.empty(0, dtype=dtype).itemsize
+        return math.ceil(tokens / bs) * 2 * n_layer * n_kv_head * bs * head_dim * itemsize(dtype)
     return cls.nbytes_formula(n_layer, n_kv_head, head_dim, tokens, 1, dtype, tokens, opts)
 
 
@@ -346,7 +347,8 @@ class Server:
         skipped to the next arrival, less what only the measurement does (its timeline)."""
         return time.perf_counter() - self._t0 + self._skipped - self._apart
 
-    def _timed(self, fn):
+    def _synced(self, fn):
+        """``fn()``, its device work finished before the clock is read."""
         out = fn()
         if self.device.type == "cuda":  # the clock is read after the device is done
             torch.cuda.synchronize(self.device)
@@ -375,7 +377,7 @@ class Server:
             ctx = torch.tensor([s.context[start:]], device=self.device)
             s.cached_tokens += start
             s.prefilled_tokens += ctx.shape[1]
-            logits = self._timed(lambda: self.engine.prefill(ctx, s.cache, last_only=True))
+            logits = self._synced(lambda: self.engine.prefill(ctx, s.cache, last_only=True))
             self.memory.after_prefill(s)
             self._emit(s, int(logits[0, -1].argmax()))
             if not s.done:
@@ -399,7 +401,7 @@ class Server:
             with joined([s.cache for s in run]) as batch:
                 return decode_step(self.engine.model, last, batch)[0][:, -1]
 
-        logits = self._timed(step)
+        logits = self._synced(step)
         for s, token in zip(run, logits.argmax(-1).tolist()):
             self._emit(s, token)
         self.running = [s for s in run if not s.done]
