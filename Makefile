@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run sweep test test-fast bench docs clean
+.PHONY: setup run sweep test test-fast bench docs clean llamacpp
 
 setup: $(STAMP)
 
@@ -17,6 +17,20 @@ $(STAMP): requirements.txt
 	$(PY) -c "from harness.core.engines import prepare_quanto; prepare_quanto()"
 	$(PY) -c "from models.kv_cache.kernels import main; main()"
 	touch $(STAMP)
+
+# llama.cpp, the peer engine (engine=llamacpp): llama-cpp-python built from source with this machine's compiler
+# (CPU only, -march=native; about 4 minutes on 2 cores, docs/testing.md), once; `make test` builds it first,
+# `make run` does not need it
+LLAMACPP := $(VENV)/.llamacpp
+
+llamacpp: $(LLAMACPP)
+
+$(LLAMACPP): requirements-llamacpp.txt $(STAMP)
+	@echo "building llama-cpp-python from source (once; log: $(VENV)/llamacpp.log)"
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+		$(PY) -m pip install -r requirements-llamacpp.txt > $(VENV)/llamacpp.log 2>&1 || { tail -n 40 $(VENV)/llamacpp.log; exit 1; }
+	$(PY) -c "from harness.core.llamacpp import available; assert available()"
+	touch $(LLAMACPP)
 
 run: $(STAMP)
 	$(PY) run.py $(ARGS)
@@ -32,13 +46,13 @@ XDIST   := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 # those tests are skipped and say why, unless KVLAB_REQUIRE_SLURM=1 (CI), where they fail
 SLURM_DIR ?= /tmp/kvlab-slurm
 
-test: $(STAMP)
+test: $(STAMP) $(LLAMACPP)
 	@conf=$$(scripts/slurm-up $(SLURM_DIR) 2> $(SLURM_DIR).log | sed -n 's/^SLURM_CONF=//p'); \
 	if [ -n "$$conf" ]; then echo "make test: Slurm is up (SLURM_CONF=$$conf; scripts/slurm-down $(SLURM_DIR) stops it)"; \
 	else echo "make test: Slurm did not come up ($$(tail -n 1 $(SLURM_DIR).log)); its tests will say so"; fi; \
 	SLURM_CONF=$${conf:-$$SLURM_CONF} HF_HUB_OFFLINE=1 $(PY) -m pytest $(XDIST) $(ARGS)
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(LLAMACPP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(XDIST) -m "not slow" $(ARGS)
 
 # docs/results.md from the measurements' declarations (a test fails when it is stale)

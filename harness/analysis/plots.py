@@ -717,7 +717,10 @@ def equivalence_grid(runs: pd.DataFrame) -> Figure:
     tol = equivalence_tolerance(df)
     norm = tolerance_norm(tol)
 
-    fig, ax = plt.subplots(figsize=(1.5 * len(cells) + 3.5, 0.9 * len(models) + 2.2), layout="constrained")
+    # the rotated cache/dtype labels take their length in height: a single model's row stays readable under them
+    labels_in = 0.085 * max(len(c) for c in cells)
+    fig, ax = plt.subplots(figsize=(max(1.5 * len(cells) + 3.5, 10), max(0.9 * len(models), 1.2) + 2.2 + labels_in),
+                           layout="constrained")
     # an exact zero (log colours need positive values) is as calm as the scale's floor
     sns.heatmap(diff.clip(lower=norm.vmin), annot=annot, fmt="", norm=norm, cmap=tolerance_cmap(), linewidths=0.5,
                 ax=ax, cbar_kws={"label": "max |Δlogit| (logit units)", "extend": "both"})

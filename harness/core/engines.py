@@ -20,7 +20,13 @@ What an engine does (``Engine``):
 
 What it can do, asked from the class before anything is built (validation, the memory estimate):
     refuses(kind, opts, head_dim=None) / refuses_ragged() / refuses_compile(kind) / refuses_storage(storage,
-    compute)                                 why not (one line), or None (head_dim: the model's, once known)
+    compute) / refuses_options(options, storage, config)
+                                             why not (one line), or None (head_dim: the model's, once known;
+                                             ``options``: the engine's typed Options; config: the model's, or None)
+    build(model, options, storage, compile)  the engine for a run: its options and the run's storage dtype
+    drifts_at_fp32                           its kernels are not kvlab's: even an exact fp32 run of it measures
+                                             drift against kvlab's fp32
+    logit_tol                                the least equivalence tolerance its own kernels need (0: the run's)
     holds_weight_copy                        it keeps its own copy of the weights beside kvlab's model
     runs_references                          its forward takes a kind's reference (``window``/``sinks``, ``keep``),
                                              so it can be a run's fp32 reference; else kvlab's fp32 model is
@@ -44,6 +50,8 @@ from models.decoder import Decoder
 from models.hf_checkpoint import to_hf
 from models.kv_cache import CACHE_KINDS, PreallocKVCache, cache_kind
 from models.kv_cache.base import itemsize
+
+from harness.core.llamacpp import LlamaCppEngine
 
 
 def _dynamic_cache(config, max_len: int, opts):
@@ -237,6 +245,7 @@ class Engine(Protocol):
     name: str
     holds_weight_copy: bool
     runs_references: bool
+    drifts_at_fp32: bool
     Options: type
     model: Any
 
@@ -251,6 +260,12 @@ class Engine(Protocol):
 
     @classmethod
     def refuses_storage(cls, storage: str, compute: str) -> str | None: ...
+
+    @classmethod
+    def refuses_options(cls, options, storage: str, config=None) -> str | None: ...
+
+    @classmethod
+    def build(cls, model, options, storage: str, compile: bool = False) -> "Engine": ...
 
     def forward(self, ids: torch.Tensor, **ref) -> torch.Tensor: ...
 
@@ -300,6 +315,8 @@ class KvlabEngine:
     name = "kvlab"
     holds_weight_copy = False
     runs_references = True
+    drifts_at_fp32 = False  # it is the fp32 reference
+    logit_tol = 0.0  # its cached and uncached logits are held to the run's equivalence_tol alone
     Options = KvlabOptions
 
     @classmethod
@@ -322,6 +339,14 @@ class KvlabEngine:
     @classmethod
     def refuses_storage(cls, storage: str, compute: str) -> str | None:
         return None  # any storage dtype beside any compute dtype
+
+    @classmethod
+    def refuses_options(cls, options, storage: str, config=None) -> str | None:
+        return None
+
+    @classmethod
+    def build(cls, model, options, storage: str, compile: bool = False) -> "KvlabEngine":
+        return cls(model, compile=compile)
 
     def storage(self, spec, prefilled: int = 0):
         return spec.cls
@@ -488,6 +513,8 @@ class HFEngine:
     name = "hf"
     holds_weight_copy = True  # the HF model holds its own copy of the weights
     runs_references = False  # its forward is full attention alone
+    drifts_at_fp32 = False  # its fp32 is ours within the equivalence tolerance (tests/core/test_engines.py)
+    logit_tol = 0.0
     Options = HFOptions
 
     @classmethod
@@ -501,6 +528,14 @@ class HFEngine:
     @classmethod
     def refuses_compile(cls, kind: str) -> str | None:
         return "compile=true compiles kvlab's decode step: use engine=kvlab, not engine=hf"
+
+    @classmethod
+    def refuses_options(cls, options, storage: str, config=None) -> str | None:
+        return None
+
+    @classmethod
+    def build(cls, model, options, storage: str, compile: bool = False) -> "HFEngine":
+        return cls(model)
 
     @classmethod
     def refuses_storage(cls, storage: str, compute: str) -> str | None:
@@ -635,4 +670,5 @@ class HFEngine:
                            lambda nxt: self.decode(nxt, cache)[:, -1], n)
 
 
-ENGINES: dict[str, type] = {"kvlab": KvlabEngine, "hf": HFEngine}  # name -> a class of the Engine protocol
+# name -> a class of the Engine protocol
+ENGINES: dict[str, type] = {"kvlab": KvlabEngine, "hf": HFEngine, "llamacpp": LlamaCppEngine}

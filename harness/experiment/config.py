@@ -92,7 +92,7 @@ class TrackingConfig:
 
 @dataclass
 class EngineConfig:
-    name: str = "kvlab"  # kvlab (our GPT-2 and caches) | hf (transformers' GPT2LMHeadModel and caches, same weights)
+    name: str = "kvlab"  # kvlab (our models and caches) | hf (transformers, same weights) | llamacpp (llama.cpp, GGUF)
 
 
 def engine_schema(name: str, cls) -> type:
@@ -308,11 +308,18 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def engine_options(rc: RunConfig):
+    """The run's engine options, as its engine's typed ``Options``."""
+    cls = ENGINES[rc.engine.name].Options
+    return cls(**{f.name: rc.engine.options[f.name] for f in dataclasses.fields(cls) if f.name in rc.engine.options})
+
+
 def check_model(rc: RunConfig, mcfg) -> None:
     """What the cache kind's options need of the model's family, once its config is known (``needs_rotary``: keys
     stored before a rotation the model must have; compile=true's fused decode attention off the CPU: a K/V head per
-    query head),
-    refused in one line naming the option."""
+    query head; what the engine needs of the model), refused in one line naming the option."""
+    why = ENGINES[rc.engine.name].refuses_options(engine_options(rc), rc.dtype.storage, mcfg)
+    need(not why, f"engine={rc.engine.name} on model {rc.model.name}: {why}")
     cls = cache_kind(rc.cache.kind)
     why = cls.needs_rotary(cls.parse_options(**rc.cache.options))
     need(why is None or mcfg.rotary, f"cache={rc.cache.kind} on model {rc.model.name} ({mcfg.family}): {why}")
@@ -359,6 +366,8 @@ def _check_choices(rc: RunConfig, head_dim: int | None = None) -> None:
     engine_cls = ENGINES[engine]
     why = engine_cls.refuses(kind, cache_kind(kind).parse_options(**options), head_dim)
     need(not why, f"engine={engine} cache={kind}: {why}")
+    why = engine_cls.refuses_options(engine_options(rc), rc.dtype.storage)
+    need(not why, f"engine={engine}: {why}")
     need(rc.tracking.mode in ("offline", "online", "disabled"),
          f"tracking.mode={rc.tracking.mode!r}: use offline, online or disabled")
     need(rc.prompts in ("file", "random"), f"prompts={rc.prompts!r}: use file or random")

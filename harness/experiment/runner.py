@@ -45,7 +45,7 @@ from harness.experiment import tracking
 from harness.experiment.tracking import default_group, wandb_id
 from harness.experiment import weights
 from harness.experiment.weights import Weights
-from harness.experiment.config import check_model, check_outliers, dtype_label, read, validate
+from harness.experiment.config import check_model, check_outliers, dtype_label, engine_options, read, validate
 from harness.experiment.plan import CacheChoice, ModelChoice, OutliersChoice, Plan, RunConfig
 from harness.core.engines import ENGINES, KvlabEngine
 from harness.experiment.invocation import (concurrent_runs, forget_invocation, invocation, invocation_failures,
@@ -680,10 +680,11 @@ def load(plan: Plan) -> dict:
     model32 = model32.to(device)
     model = model32 if compute == torch.float32 else copy.deepcopy(model32).to(compute)
     compiled = rc.compile  # validation has refused it on an engine that cannot compile
-    engine = ENGINES[rc.engine.name](model, **({"compile": True} if compiled else {}))
+    engine = ENGINES[rc.engine.name].build(model, engine_options(rc), rc.dtype.storage, compile=compiled)
     spec = measure.CacheSpec(rc.cache.kind, dict(rc.cache.options), storage)
     # drift (against FP32 full attention) is measured for every run that is not that reference itself
-    plain_fp32 = storage == compute == torch.float32 and spec.cls.full_attention(spec.opts)
+    plain_fp32 = (storage == compute == torch.float32 and spec.cls.full_attention(spec.opts)
+                  and not engine.drifts_at_fp32)
     ref32 = None if plain_fp32 else (engine if compute == torch.float32 and engine.runs_references
                                      else KvlabEngine(model32))  # the reference is always kvlab's fp32
     # drift on text: drift_texts (default n_prompts) disjoint spans of the prompts file, each at least a prompt and
@@ -764,13 +765,16 @@ def measure_run(plan: Plan, loaded: dict, rec: dict, progress: bool = True) -> d
 def verdict(options: dict, rec: dict) -> tuple[str, str | None]:
     """``("ok", None)``, or ``("not_equivalent", why)`` for an exact kind whose storage and compute are fp32 and
     whose cached tokens differ from its reference's, or whose max |dlogit| exceeds ``equivalence_tol`` (of
-    ``options``: the measurements' options by name, ``RunConfig.options``): a failure, never "ok". Each measurement
+    ``options``: the measurements' options by name, ``RunConfig.options``; at least the engine's ``logit_tol``): a
+    failure, never "ok". Each measurement
     says what of its own results fails it (``not_equivalent``). Reduced precision and lossy kinds are findings, not
     verdicts."""
     exact32 = rec.get("cache_exact") and rec.get("storage_dtype") == rec.get("compute_dtype") == "float32"
     if not exact32:
         return "ok", None
     tol = float(options.get("equivalence_tol", 1e-4))
+    engine = ENGINES.get(rec.get("engine"))
+    tol = max(tol, getattr(engine, "logit_tol", 0.0))  # a peer's own kernels: its batched and one-token logits
     why = [w for m in measurements.MEASUREMENTS.values() for w in m.not_equivalent(rec, tol)]
     if not why:
         return "ok", None

@@ -6,6 +6,7 @@
     python -m harness.bench --kinds --cache prealloc --cache quant:k_bits=8,v_bits=8 --cache window:window=256
     python -m harness.bench --prefix             # prefix reuse: time to first token with and without a snapshot
     python -m harness.bench --paged --model mini # a ragged batch served: KV waste per layout, step time, tokens
+    python -m harness.bench --peers              # ours (eager, compiled) vs HF vs llama.cpp (harness/tools/bench_peers.py)
 
 Ours vs HF: for each context length and each kind transformers has a counterpart of (concat: DynamicCache, prealloc:
 StaticCache, quant at its defaults, 4 bits, groups of 32: QuantizedCache with optimum-quanto) both caches are
@@ -54,6 +55,7 @@ import pandas as pd
 import torch
 
 from harness.core.engines import ENGINES, HF_COUNTERPARTS, HFEngine, KvlabEngine
+from harness.tools.turns import prompt_and_token, time_in_turns
 from harness.core import measure
 from harness.experiment import memory
 from harness.core.measure import CacheSpec
@@ -69,39 +71,6 @@ DEFAULT_KINDS = ["concat", "prealloc", "quant:k_bits=8,v_bits=8", "quant:k_bits=
                  "snapkv:budget=256,window=32", "knorm:budget=256", "random:budget=256"]
 
 
-def _prompt_and_token(vocab: int, ctx: int, seed: int, batch: int = 1,
-                      device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    prompt, token = torch.randint(0, vocab, (batch, ctx), generator=g), torch.randint(0, vocab, (batch, 1), generator=g)
-    return prompt.to(device), token.to(device)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_in_turns(runners: list[tuple], token: torch.Tensor, repeats: int, warmup: int) -> dict[str, list[float]]:
-    """``runners``: (label, engine, prefilled cache). Each repeat times one decode step of each in turn, starting one
-    further along every repeat, and puts each cache back (``checkpoint``), so every step runs at the same context.
-    Returns label -> seconds per step (after ``warmup`` repeats)."""
-    backs = [engine.checkpoint(cache) for _, engine, cache in runners]
-    times: dict[str, list[float]] = {label: [] for label, _, _ in runners}
-    for r in range(warmup + repeats):
-        for i in range(len(runners)):
-            j = (r + i) % len(runners)
-            label, engine, cache = runners[j]
-            _sync(token.device)
-            t0 = time.perf_counter()
-            engine.decode(token, cache)
-            _sync(token.device)
-            dt = time.perf_counter() - t0
-            backs[j]()
-            if r >= warmup:
-                times[label].append(dt)
-    return times
-
-
 def _counterpart_options(kind: str, head_dim: int | None = None) -> dict:
     """The options of ``kind`` both engines run in the HF comparison (``harness.core.engines.counterpart_options``: the
     kind's defaults HF does not honour replaced by what it does, for the model's ``head_dim``)."""
@@ -114,7 +83,7 @@ def time_steps(engines, layout: str, ctx: int, repeats: int, warmup: int, seed: 
                options: dict | None = None) -> dict[str, list[float]]:
     """Per-engine decode-step times (seconds) at context ``ctx``; engines alternate within each repeat. ``options``:
     the cache kind's, the same for every engine."""
-    prompt, token = _prompt_and_token(engines[0].model.config.vocab_size, ctx, seed)
+    prompt, token = prompt_and_token(engines[0].model.config.vocab_size, ctx, seed)
     runners = []
     for e in engines:
         cache = e.new_cache(layout, max_len=ctx + 1, **(options or {}))
@@ -147,7 +116,7 @@ def time_kinds(engine, specs: list[CacheSpec], ctx: int, max_len: int, repeats: 
     """Decode-step times (seconds) of each cache at context ``ctx`` for ``batch`` sequences, kinds taking turns
     within each repeat, and the bytes each holds there."""
     device = next(engine.model.parameters()).device
-    prompt, token = _prompt_and_token(engine.model.config.vocab_size, ctx, seed, batch, device)
+    prompt, token = prompt_and_token(engine.model.config.vocab_size, ctx, seed, batch, device)
     runners = []
     for spec in specs:
         cache = spec.new(engine, max_len, batch)
@@ -455,6 +424,11 @@ def bench_bytes(args: argparse.Namespace, cfg, batch: int | None = None) -> dict
             c = memory.cache_bytes(cfg, s.kind, s.options, dtype, n_pos, B, ctx + 1, prefilled=ctx)
             out["cache"] += c + _snapshot_bytes(s, c)
         out["transients"] = _forward_bytes(cfg, B, ctx, ctx, isz)
+    elif args.peers:  # four engines' prealloc caches at the deepest context, batch 8, with their checkpoints; three
+        ctx = max(args.contexts)  # more copies of the weights (HF's, llama.cpp's, an fp16 model)
+        out["weights"] += 3 * P * memory.F32
+        out["cache"] = 4 * 2 * memory.cache_bytes(cfg, "prealloc", {}, "fp32", ctx + 1, B, ctx + 1)
+        out["transients"] = _forward_bytes(cfg, B, ctx, ctx, memory.F32)
     else:  # ours vs HF: batch 1, fp32, every kind transformers has a counterpart of, in both engines
         ctx = max(args.contexts)
         out["weights"] += P * memory.F32 if ENGINES["hf"].holds_weight_copy else 0
@@ -494,7 +468,7 @@ def check_memory(args: argparse.Namespace, cfg, device: torch.device) -> str | N
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if _needs(args, cfg, device, mid)[where] <= budget else (lo, mid - 1)
             fits = f"--batch <= {lo} would fit, or "
-        mode = "--paged" if args.paged else "--prefix" if args.prefix else "--kinds" if args.kinds else "ours vs HF"
+        mode = next((f"--{m}" for m in ("paged", "prefix", "kinds", "peers") if getattr(args, m)), "ours vs HF")
         name = "this machine" if where == "cpu" else torch.cuda.get_device_name(device)
         return (f"the benchmark ({mode}, --model {args.model}, {args.dtype}, batch {args.batch}) needs about "
                 f"{memory.size(needed)} (weights {memory.size(need['weights'])}, caches {memory.size(need['cache'])}, "
@@ -553,10 +527,13 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> to
     """Refuse, in one line each (exit 2), what the benchmark cannot honour, before anything is built: every count
     bounded (``MAX_*``), then the memory it would need against what is free (``check_memory``); fill in the
     defaults. Returns the device to run on."""
-    modes = [m for m in ("kinds", "prefix", "paged") if getattr(args, m)]
+    modes = [m for m in ("kinds", "prefix", "paged", "peers") if getattr(args, m)]
     if len(modes) > 1:
-        ap.error(f"{' and '.join('--' + m for m in modes)}: give one of --kinds, --prefix, --paged (or none: ours vs "
-                 "HF)")
+        ap.error(f"{' and '.join('--' + m for m in modes)}: give one of --kinds, --prefix, --paged, --peers (or "
+                 "none: ours vs HF)")
+    if args.peers and (args.batch is not None or args.dtype != "fp32" or args.compile):
+        ap.error("--peers runs its own grid (fp32 and fp16, batch 1 and 8, ours eager and compiled): give only "
+                 "--contexts, --repeats, --warmup, --seed and --model")
     for flag, value, mode in (("--prefixes", args.prefixes, "prefix"), ("--suffix", args.suffix, "prefix"),
                               ("--prompt-max", args.prompt_max, "paged"), ("--output-max", args.output_max, "paged")):
         if value is not None and not getattr(args, mode):
@@ -569,11 +546,11 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> to
     args.prompt_max = 512 if args.prompt_max is None else args.prompt_max
     args.output_max = 256 if args.output_max is None else args.output_max
     if args.batch is None:
-        args.batch = 16 if args.paged else 1
+        args.batch = 16 if args.paged else 8 if args.peers else 1
     if args.batch < 1:
         ap.error(f"--batch must be >= 1 (got {args.batch})")
     _bounded(ap, "--batch", args.batch, 1, MAX_BATCH, "sequences decoded or requests served together")
-    if args.batch != 1 and not (args.kinds or args.paged):
+    if args.batch != 1 and not (args.kinds or args.paged or args.peers):
         ap.error("--batch is for --kinds or --paged; the HF comparison and --prefix run one sequence")
     if args.compile and not (args.kinds or args.paged):
         ap.error("--compile is for --kinds or --paged (the compiled decode step beside the eager kinds)")
@@ -582,7 +559,8 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> to
     device = _device(ap, args)
     if (args.dtype != "fp32" or device.type != "cpu") and not args.kinds:
         ap.error("--dtype and --device are for --kinds; the HF comparison, --prefix and --paged run fp32 on the CPU")
-    args.contexts = args.contexts or ([32, 128, 512, 960] if args.kinds else [32, 512])
+    args.contexts = args.contexts or ([32, 128, 512, 960] if args.kinds else [128, 512, 960] if args.peers
+                                      else [32, 512])
     if args.repeats < 1 or args.warmup < 0:
         ap.error(f"--repeats must be >= 1 and --warmup >= 0 (got {args.repeats}, {args.warmup})")
     _bounded(ap, "--repeats", args.repeats, 1, MAX_REPEATS, "timed steps per point")
@@ -623,6 +601,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prefixes", type=int, nargs="+", default=None, help="with --prefix (default 16 64 256 512)")
     ap.add_argument("--suffix", type=int, default=None, help="with --prefix: each request's own tokens (default 16)")
     ap.add_argument("--paged", action="store_true", help="a ragged batch served on each layout: KV waste, step time")
+    ap.add_argument("--peers", action="store_true",
+                    help="ours (eager, compiled) vs HF vs llama.cpp: fp32 and fp16, batch 1 and 8, as ratios")
     ap.add_argument("--batch", type=int, default=None,
                     help="with --kinds: sequences decoded together (default 1); with --paged: requests served "
                          "together (default 16)")
@@ -646,4 +626,8 @@ def main(argv=None) -> None:
     print(f"model {args.model} (seeded random init, seed {args.seed}), {args.dtype}, batch {args.batch}, "
           f"{args.device}, torch {torch.__version__}, {where}; median of {args.repeats} steps after {args.warmup} "
           "warm-up")
+    if args.peers:
+        from harness.tools.bench_peers import bench_peers
+
+        return bench_peers(args, model)
     (bench_prefix if args.prefix else bench_kinds if args.kinds else bench_hf)(args, model)

@@ -192,12 +192,15 @@ def context_used(model: Decoder, held: torch.Tensor, bos: int | None) -> tuple[f
     (gain, tokens)."""
     lead = bos is not None
     near_total, all_total, n = 0.0, 0.0, 0
-    for doc in chapters(held, LATE + NEAR, EVAL_LEN, bos):
-        w = doc  # (1, L): inputs doc[:-1], targets doc[1:]
-        start = LATE - 1 + lead  # the input position whose target is the chapter's token LATE
-        full = position_nll(model, w, batch=1, start=start)
-        near = position_nll(model, w, batch=1, start=start, window=NEAR, sinks=1)
-        all_total, near_total, n = all_total + float(full.sum()), near_total + float(near.sum()), n + full.numel()
+    start = LATE - 1 + lead  # the input position whose target is the chapter's token LATE
+    by_length: dict[int, list[torch.Tensor]] = {}
+    for doc in chapters(held, LATE + NEAR, EVAL_LEN, bos):  # (1, L) each: inputs doc[:-1], targets doc[1:]
+        by_length.setdefault(doc.shape[1], []).append(doc)
+    for docs in by_length.values():  # the chapters of one length (most are cut to EVAL_LEN) in batches
+        w = torch.cat(docs)
+        full = position_nll(model, w, batch=4, start=start) * len(w)  # sums over the chapters, per position
+        near = position_nll(model, w, batch=4, start=start, window=NEAR, sinks=1) * len(w)
+        all_total, near_total, n = all_total + float(full.sum()), near_total + float(near.sum()), n + full.numel() * len(w)
     return (near_total - all_total) / max(n, 1), n
 
 

@@ -33,7 +33,7 @@ def test_groups_hold_what_users_sweep():
     assert set(GROUPS["model"]) == {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "mini", "tiny", "smollm2-135m",
                                     "qwen2.5-0.5b", "llama-3.2-1b", "tiny-gqa", "gqa-base", "mini-llama"}
     assert set(GROUPS["cache"]) == set(CACHE_KINDS)  # one YAML per registered kind
-    assert set(GROUPS["engine"]) == {"kvlab", "hf"}
+    assert set(GROUPS["engine"]) == {"kvlab", "hf", "llamacpp"}
     assert set(GROUPS["dtype"]) == {"fp32", "fp16", "bf16"}
     assert set(GROUPS["device"]) == {"cpu", "cuda", "auto"}
     assert set(GROUPS["tracking"]) == {"offline", "online", "disabled"}

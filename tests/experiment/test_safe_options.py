@@ -171,7 +171,7 @@ def test_kvlab_runs_every_option_of_every_kind():
     for kind, cls in CACHE_KINDS.items():
         for example in cls.examples:
             assert KvlabEngine.refuses(kind, cls.parse_options(**example), 32) is None
-    assert set(ENGINES) == {"kvlab", "hf"}
+    assert set(ENGINES) == {"kvlab", "hf", "llamacpp"}
 
 
 # ---- options with no effect at the run's max_len or head size --------------------------------------------------------

@@ -78,10 +78,12 @@ def case_ids(path: Path) -> list[str]:
 
 
 # The files handed out first under `-n 2 --dist loadfile` (tests/conftest.py keeps this order), in this order: the Slurm
-# tests (mostly waiting on the scheduler and a job's time limit, so the other worker's files fill that time), then the
+# tests (mostly waiting on the scheduler and a job's time limit, so the other worker's files fill that time), the
+# shipped checkpoints' targets (their evaluation takes every core: the Slurm worker leaves one idle), then the
 # others longest first by their wall time (2026-12-05, `-n 2`). A worker takes the next whole file when it is free:
 # a long file left for the end keeps one worker busy while the other has nothing left. Every other file follows.
-LONGEST_FIRST = ("experiment/test_slurm.py", "experiment/test_safe_runs.py", "experiment/test_resume.py",
+LONGEST_FIRST = ("experiment/test_slurm.py", "train/test_shipped.py", "experiment/test_safe_runs.py",
+                 "experiment/test_resume.py",
                  "train/test_train.py", "measurements/test_measurements.py", "models/test_generate.py",
                  "experiment/test_harness.py", "experiment/test_safe_second_pass.py", "models/test_compile.py",
                  "models/test_cache_kinds.py", "models/test_llama.py", "experiment/test_families.py",

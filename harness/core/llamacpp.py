@@ -1,0 +1,312 @@
+"""llama.cpp as a peer engine (``engine=llamacpp``): the run's model converted to GGUF by kvlab (``models.gguf``, f32
+for fp32 compute, f16 for fp16) and run through llama.cpp's own CPU kernels (llama-cpp-python, built from source by
+``make llamacpp``), behind the same engine protocol as ours and HF's, so the same measurements run on it.
+
+Its cache is llama.cpp's: one preallocated K/V buffer per context (``cache=prealloc`` or ``concat``: both are full
+attention; llama.cpp has no other layout), K and V stored as ``engine.type_k`` / ``engine.type_v``: ``auto`` (the run's
+``dtype.storage``: f32 or f16) or one of llama.cpp's quantised types (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl: blocks of
+32 values with an f16 scale, and an f16 minimum for the _1 types). A quantised V needs llama.cpp's flash attention,
+which this engine then turns on (it is off otherwise, as llama.cpp's exact path). Batches run as that many llama.cpp
+sequences of one length in one context. What llama.cpp cannot do is refused in one line."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from models.decoder import Decoder
+from models.generate import GreedyOutput, greedy_loop, greedy_uncached, model_dtype
+from models.gguf import gguf_refuses, model_digest, write_gguf
+from models.kv_cache import cache_kind
+
+# llama.cpp's K/V types: ggml type id, (values, bytes) per block
+CACHE_TYPES: dict[str, tuple[int, int, int]] = {
+    "f32": (0, 1, 4), "f16": (1, 1, 2), "q8_0": (8, 32, 34), "q4_0": (2, 32, 18), "q4_1": (3, 32, 20),
+    "q5_0": (6, 32, 22), "q5_1": (7, 32, 24), "iq4_nl": (20, 32, 18),
+}
+FULL_ATTENTION = ("prealloc", "concat")
+GGUF_CACHE_ENV = "KVLAB_GGUF_CACHE"  # where converted models are kept (default: the system's temp folder)
+CTX_PAD = 256  # llama.cpp rounds a context's cells up to a multiple of this (per sequence, here)
+BUILD = "make llamacpp (builds llama-cpp-python from source with this machine's compiler; docs/testing.md)"
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise RuntimeError(f"engine=llamacpp needs llama-cpp-python: {BUILD}") from e
+    from llama_cpp import _logger
+
+    _logger.set_verbose(False)  # llama.cpp's own log: its errors only (a run's log is kvlab's)
+    return llama_cpp
+
+
+def available() -> bool:
+    try:
+        _llama_cpp()
+    except RuntimeError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class LlamaCppOptions:
+    type_k: str = "auto"  # llama.cpp's K type: auto (the run's dtype.storage: f32 or f16), q8_0, q4_0, q4_1, q5_0, ...
+    type_v: str = "auto"  # its V type, the same choices (a quantised V turns on llama.cpp's flash attention)
+    threads: int = 0  # llama.cpp's threads; 0: as many as torch uses (kvlab's own thread count)
+
+
+def cache_type(name: str, storage: str) -> str:
+    """A type option resolved against the run's storage dtype (auto: f32 for fp32, f16 for fp16)."""
+    return {"fp32": "f32", "fp16": "f16"}.get(storage, storage) if name == "auto" else name
+
+
+def refuses_types(opts: LlamaCppOptions, storage: str, head_dim: int | None) -> str | None:
+    """Why llama.cpp cannot store K/V as asked (one line), or None."""
+    for which in ("type_k", "type_v"):
+        name = cache_type(getattr(opts, which), storage)
+        if name not in CACHE_TYPES:
+            return (f"engine.{which}={getattr(opts, which)}: llama.cpp stores K/V as auto (the dtype.storage) or one "
+                    f"of {', '.join(CACHE_TYPES)}" + (f" (dtype.storage={storage} has no llama.cpp type)"
+                                                      if getattr(opts, which) == "auto" else ""))
+        block = CACHE_TYPES[name][1]
+        if head_dim is not None and head_dim % block:
+            return f"engine.{which}={name} quantises blocks of {block} values: the head size {head_dim} is not a multiple"
+    if not isinstance(opts.threads, int) or opts.threads < 0:
+        return f"engine.threads={opts.threads!r}: give 0 (as many as torch uses) or a positive count"
+    return None
+
+
+def cells(max_len: int) -> int:
+    """The K/V cells llama.cpp allocates for a sequence of up to ``max_len`` tokens."""
+    return -(-max_len // CTX_PAD) * CTX_PAD
+
+
+@dataclass(frozen=True)
+class LlamaCppStorage:
+    """The bytes llama.cpp's K/V buffer holds: every cell of the context (``cells(max_len)`` per sequence, all
+    allocated up front), K and V each n_layer x n_kv_head x head_dim values per cell, in blocks of its type."""
+
+    type_k: str
+    type_v: str
+
+    def held_tokens(self, max_len: int, n_tokens: int, opts) -> int:
+        return cells(max_len)
+
+    def _per_cell(self, n_layer, n_kv_head, head_dim) -> float:
+        n = n_layer * n_kv_head * head_dim
+        return sum(n / CACHE_TYPES[t][1] * CACHE_TYPES[t][2] for t in (self.type_k, self.type_v))
+
+    def nbytes_formula(self, n_layer, n_kv_head, head_dim, max_len, batch, dtype, n_tokens, opts) -> int:
+        return int(batch * cells(max_len) * self._per_cell(n_layer, n_kv_head, head_dim))
+
+    def bytes_per_token(self, n_layer, n_kv_head, head_dim, dtype, opts) -> float:
+        return self._per_cell(n_layer, n_kv_head, head_dim)
+
+
+_CONVERT = threading.Lock()
+
+
+def gguf_for(model: Decoder) -> Path:
+    """The model as a GGUF file (f32 or f16 as its dtype), converted once per weights and kept by their digest
+    in ``$KVLAB_GGUF_CACHE`` (default: a kvlab-gguf folder in the system's temp folder)."""
+    dtype = {torch.float32: "f32", torch.float16: "f16"}[model_dtype(model)]
+    folder = Path(os.environ.get(GGUF_CACHE_ENV) or Path(tempfile.gettempdir()) / "kvlab-gguf")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"kvlab-{model_digest(model)}-{dtype}.gguf"
+    with _CONVERT:
+        if not path.is_file():
+            write_gguf(model, path, dtype)
+    return path
+
+
+class LlamaCppCache:
+    """A llama.cpp context: its K/V buffer of ``max_len`` cells per sequence and how many each holds (``n``)."""
+
+    def __init__(self, engine: "LlamaCppEngine", max_len: int, batch: int):
+        lc = engine.lc
+        params = lc.llama_context_default_params()
+        params.n_ctx, params.n_seq_max = cells(max_len) * batch, batch
+        params.n_batch = params.n_ubatch = max(max_len * batch, 1)
+        params.n_threads = params.n_threads_batch = engine.threads
+        params.type_k, params.type_v = CACHE_TYPES[engine.type_k][0], CACHE_TYPES[engine.type_v][0]
+        params.flash_attn_type = 1 if CACHE_TYPES[engine.type_v][1] > 1 else 0  # a quantised V needs it
+        params.no_perf = False
+        from llama_cpp._internals import LlamaBatch, LlamaContext
+
+        self.ctx = LlamaContext(model=engine.llm, params=params, verbose=False)
+        self.batch = LlamaBatch(n_tokens=max_len * batch, embd=0, n_seq_max=batch, verbose=False)
+        self.max_len, self.B, self.n, self.vocab = max_len, batch, 0, engine.vocab
+        self.lc = lc
+
+    def run(self, ids: torch.Tensor, all_logits: bool) -> torch.Tensor:
+        """Feed ``ids`` (B, T) after what the cache holds; logits (B, T or 1, vocab) in float32."""
+        B, T = ids.shape
+        if B != self.B:
+            raise ValueError(f"this llama.cpp cache holds {self.B} sequences, not {B}")
+        if self.n + T > self.max_len:
+            raise ValueError(f"the llama.cpp cache holds {self.max_len} tokens per sequence: {self.n} + {T} is more")
+        b, rows = self.batch.batch, ids.to("cpu", torch.int64).tolist()
+        b.n_tokens = B * T
+        for s, row in enumerate(rows):
+            for t, tok in enumerate(row):
+                i = s * T + t
+                b.token[i], b.pos[i], b.n_seq_id[i] = tok, self.n + t, 1
+                b.seq_id[i][0] = s
+                b.logits[i] = all_logits or t == T - 1
+        self.ctx.decode(self.batch)
+        self.n += T
+        kept = T if all_logits else 1
+        out = np.ctypeslib.as_array(self.ctx.get_logits(), shape=(B * kept, self.vocab))
+        return torch.from_numpy(out.copy()).view(B, kept, self.vocab)
+
+    def forget_from(self, n: int) -> None:
+        for s in range(self.B):
+            self.lc.llama_memory_seq_rm(self.ctx.memory, s, n, -1)
+        self.n = n
+
+    def close(self) -> None:
+        self.batch.close()
+        self.ctx.close()
+
+
+class LlamaCppEngine:
+    """llama.cpp running the same weights as one of our models (``gguf_for``), through its own CPU kernels."""
+
+    name = "llamacpp"
+    holds_weight_copy = True  # llama.cpp holds the converted weights beside kvlab's model
+    runs_references = False  # its forward is full attention alone
+    drifts_at_fp32 = True  # llama.cpp's kernels, not ours: its fp32 drifts from kvlab's (GPT-2's GELU is a table)
+    # its cached steps against its own one-batch forward: llama.cpp computes GELU from an f16 table and picks other
+    # matmul kernels for a batch than for one token (1.0e-3 on the mini's 4 prompts x 32 tokens; docs/engine.md)
+    logit_tol = 5e-3
+    Options = LlamaCppOptions
+
+    @classmethod
+    def refuses(cls, kind: str, opts, head_dim: int | None = None) -> str | None:
+        if kind not in FULL_ATTENTION:
+            return (f"llama.cpp has no {kind} cache: its one layout is a preallocated K/V buffer (cache=prealloc or "
+                    "concat), quantised by engine.type_k / engine.type_v")
+        return None
+
+    @classmethod
+    def refuses_ragged(cls) -> str | None:
+        return "runs batches of one prompt length here; use engine=kvlab"
+
+    @classmethod
+    def refuses_compile(cls, kind: str) -> str | None:
+        return "compile=true compiles kvlab's decode step: use engine=kvlab, not engine=llamacpp"
+
+    @classmethod
+    def refuses_storage(cls, storage: str, compute: str) -> str | None:
+        if compute not in ("fp32", "fp16"):
+            return (f"llama.cpp runs the weights converted to f32 or f16: dtype.compute={compute} has no GGUF here; "
+                    "use dtype.compute=fp32 or fp16")
+        return None
+
+    @classmethod
+    def refuses_options(cls, options, storage: str, config=None) -> str | None:
+        """The K/V types against the storage dtype and head size, the model's conversion, and llama.cpp itself."""
+        why = refuses_types(options, storage, None if config is None else config.head_dim)
+        why = why or (gguf_refuses(config) if config is not None else None)
+        if why is None and not available():
+            why = f"llama-cpp-python is not installed: {BUILD}"
+        return why
+
+    @classmethod
+    def build(cls, model, options, storage: str, compile: bool = False) -> "LlamaCppEngine":
+        return cls(model, options.type_k, options.type_v, options.threads, storage=storage)
+
+    def __init__(self, model: Decoder, type_k: str = "auto", type_v: str = "auto", threads: int = 0,
+                 storage: str | None = None):
+        self.lc = _llama_cpp()
+        storage = storage or {torch.float32: "fp32", torch.float16: "fp16"}.get(model_dtype(model), "fp32")
+        why = self.refuses_options(LlamaCppOptions(type_k, type_v, threads), storage, model.config)
+        if why:
+            raise ValueError(f"engine=llamacpp: {why}")
+        self.type_k, self.type_v = cache_type(type_k, storage), cache_type(type_v, storage)
+        self.threads = threads or torch.get_num_threads()
+        self.model, self.vocab = model, model.config.vocab_size
+        self.head_dim = model.config.head_dim
+        self.path = gguf_for(model)
+        self._scratch: dict[tuple[int, int], LlamaCppCache] = {}
+        from llama_cpp._internals import LlamaModel
+
+        params = self.lc.llama_model_default_params()
+        self.llm = LlamaModel(path_model=str(self.path), params=params, verbose=False)
+        if self.llm.n_vocab() != self.vocab:
+            raise RuntimeError(f"llama.cpp read {self.llm.n_vocab()} vocabulary rows from {self.path}, not {self.vocab}")
+
+    def storage(self, spec, prefilled: int = 0):
+        return LlamaCppStorage(self.type_k, self.type_v)
+
+    def keys_read(self, kind: str, ctx: int, max_len: int) -> int | None:
+        return None
+
+    def forward(self, ids: torch.Tensor, **ref) -> torch.Tensor:
+        """An uncached forward: the whole of ``ids`` fed in one batch to an emptied context (one kept per shape, so
+        a forward times llama.cpp's compute, not its allocations)."""
+        return self._uncached(ids, True, ref)
+
+    def forward_last(self, ids: torch.Tensor, **ref) -> torch.Tensor:
+        return self._uncached(ids, False, ref)
+
+    def _uncached(self, ids: torch.Tensor, every: bool, ref: dict) -> torch.Tensor:
+        if ref:
+            raise ValueError(f"llama.cpp has no uncached reference with {ref}: it runs full attention only")
+        shape = (cells(ids.shape[1]), ids.shape[0])
+        if shape not in self._scratch:
+            self._scratch[shape] = LlamaCppCache(self, shape[0], shape[1])
+        cache = self._scratch[shape]
+        cache.forget_from(0)
+        return cache.run(ids, every).to(ids.device)
+
+    def new_cache(self, kind: str, max_len: int, batch: int = 1, dtype=None, **options):
+        why = self.refuses(kind, cache_kind(kind).parse_options(**options), self.head_dim)
+        if why:
+            raise ValueError(why)
+        return LlamaCppCache(self, max_len, batch)
+
+    def prefill(self, ids: torch.Tensor, cache: LlamaCppCache, last_only: bool = False, pad=None) -> torch.Tensor:
+        if pad is not None:
+            raise ValueError("the llama.cpp engine runs batches of one prompt length here: ragged ones run on kvlab")
+        return cache.run(ids, not last_only).to(ids.device)
+
+    def decode(self, token: torch.Tensor, cache: LlamaCppCache) -> torch.Tensor:
+        if token.shape[1] != 1:
+            raise ValueError(f"a decode step feeds one token per sequence, not {token.shape[1]}")
+        return cache.run(token, False).to(token.device)
+
+    def checkpoint(self, cache: LlamaCppCache):
+        n = cache.n
+        return lambda: cache.forget_from(n)
+
+    def rewind(self, cache: LlamaCppCache, n: int = 1) -> None:
+        cache.forget_from(max(cache.n - n, 0))
+
+    def reset(self, cache: LlamaCppCache) -> None:
+        cache.forget_from(0)
+
+    def nbytes(self, cache: LlamaCppCache) -> int:
+        """Bytes of llama.cpp's K/V buffer: its allocated cells (llama.cpp's own count) times the bytes per cell."""
+        cells = self.lc.llama_n_ctx(cache.ctx.ctx)
+        cfg = self.model.config
+        per = LlamaCppStorage(self.type_k, self.type_v)._per_cell(cfg.n_layer, cfg.n_kv_head, cfg.head_dim)
+        return int(cells * per)
+
+    def greedy(self, prompt: torch.Tensor, n: int, layout: str | None = None, cache_dtype=None,
+               **options) -> GreedyOutput:
+        if layout is None:
+            return greedy_uncached(lambda ctx: self.forward_last(ctx, **options), prompt, n)
+        cache = self.new_cache(layout, prompt.shape[1] + n, prompt.shape[0], cache_dtype, **options)
+        try:
+            return greedy_loop(lambda: self.prefill(prompt, cache, last_only=True)[:, -1],
+                               lambda nxt: self.decode(nxt, cache)[:, -1], n)
+        finally:
+            cache.close()

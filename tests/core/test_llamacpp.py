@@ -1,0 +1,138 @@
+"""engine=llamacpp (harness/core/llamacpp.py): llama.cpp running kvlab's GGUF conversion of the same weights gives
+kvlab's fp32 greedy tokens and logits (GPT-2 within llama.cpp's GELU table, Llama within 1e-4), its cache steps
+back exactly, its batches are their sequences run alone, its bytes are its allocated cells' by its own count, its
+quantised K/V types move the logits in the order of their bits, and what it cannot do is refused in one line.
+llama-cpp-python is built by `make llamacpp` (which `make test` runs first): without it these tests fail and say so."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from harness.core import llamacpp as L
+from harness.core.engines import KvlabEngine
+from models.families import build, preset_config
+from models.gpt2 import GPT2, GPT2Config
+from tests.helpers import run_py
+
+
+
+def test_llama_cpp_is_built():
+    assert L.available(), f"llama-cpp-python is missing: {L.BUILD}"
+
+
+def tiny(family: str):
+    torch.manual_seed(0)
+    if family == "gpt2":
+        return GPT2(GPT2Config.preset("tiny")).eval()
+    return build(preset_config("tiny-gqa")).eval()
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def pair(request, tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv(L.GGUF_CACHE_ENV, str(tmp_path_factory.mktemp("gguf")))
+    model = tiny(request.param)
+    yield request.param, model, L.LlamaCppEngine(model, threads=1), KvlabEngine(model)
+    mp.undo()
+
+
+TOL = {"gpt2": 5e-3, "llama": 1e-4}  # GPT-2's GELU is an f16 table in llama.cpp; Llama's path is f32 throughout
+
+
+def prompts(model, B=2, T=12, seed=1):
+    return torch.randint(0, model.config.vocab_size - 1, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_greedy_tokens_and_logits_are_kvlabs_fp32(pair):
+    family, model, ours, ref = pair
+    p = prompts(model)
+    got, want = ours.greedy(p, 12, "prealloc"), ref.greedy(p, 12, "prealloc")
+    assert torch.equal(got.tokens, want.tokens)
+    assert (got.logits - want.logits).abs().max() < TOL[family]
+    torch.testing.assert_close(ours.forward(p), ref.forward(p), atol=TOL[family], rtol=0)
+    assert torch.equal(ours.greedy(p, 12, None).tokens, got.tokens)  # uncached: one batch per step
+
+
+def test_a_checkpoint_and_a_rewind_put_the_cache_back_exactly(pair):
+    _, model, ours, _ = pair
+    p = prompts(model, B=1)
+    cache = ours.new_cache("prealloc", 64)
+    ours.prefill(p, cache)
+    back = ours.checkpoint(cache)
+    first = ours.decode(p[:, :1], cache)
+    ours.decode(p[:, 1:2], cache)
+    back()
+    assert cache.n == p.shape[1] and torch.equal(ours.decode(p[:, :1], cache), first)
+    ours.rewind(cache, 1)
+    assert torch.equal(ours.decode(p[:, :1], cache), first)
+    ours.reset(cache)
+    assert cache.n == 0 and torch.equal(ours.prefill(p, cache, last_only=True), ours.forward_last(p))
+    cache.close()
+
+
+def test_a_batch_is_its_sequences_run_alone(pair):
+    family, model, ours, _ = pair
+    p = prompts(model, B=3, seed=4)
+    together = ours.greedy(p, 8, "prealloc")
+    for b in range(3):
+        alone = ours.greedy(p[b:b + 1], 8, "prealloc")
+        assert torch.equal(alone.tokens[0], together.tokens[b])
+        assert (alone.logits[0] - together.logits[b]).abs().max() < TOL[family]
+
+
+@pytest.mark.parametrize("max_len, batch", [(64, 1), (300, 2)])
+def test_bytes_are_the_allocated_cells_by_llama_cpps_own_count(pair, max_len, batch):
+    _, model, ours, _ = pair
+    cache = ours.new_cache("prealloc", max_len, batch)
+    cfg = model.config
+    formula = ours.storage(None).nbytes_formula(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, max_len, batch, "fp32", 0,
+                                                None)
+    assert ours.nbytes(cache) == formula == batch * L.cells(max_len) * 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * 4
+    cache.close()
+
+
+def test_quantised_types_move_the_logits_in_the_order_of_their_bits(tmp_path, monkeypatch):
+    monkeypatch.setenv(L.GGUF_CACHE_ENV, str(tmp_path))
+    torch.manual_seed(0)
+    model = build(dataclasses.replace(preset_config("tiny-gqa"), head_dim=32)).eval()  # one block of 32 per head
+    p = prompts(model, B=1, T=40)
+    ref = KvlabEngine(model).forward(p)
+    err = {}
+    for t in ("q8_0", "q5_0", "q4_0"):
+        eng = L.LlamaCppEngine(model, type_k=t, type_v=t, threads=1)
+        cache = eng.new_cache("prealloc", 64)
+        eng.prefill(p[:, :8], cache)
+        steps = torch.cat([eng.decode(p[:, i:i + 1], cache) for i in range(8, 40)], 1)
+        err[t] = float((steps - ref[:, 8:40]).abs().mean())
+        per_cell = L.LlamaCppStorage(t, t).bytes_per_token(2, 2, 32, "fp32", None)
+        assert per_cell == 2 * 2 * 2 * 32 / 32 * L.CACHE_TYPES[t][2]  # layers x K,V x heads x one block
+    assert 0 < err["q8_0"] < err["q5_0"] < err["q4_0"]
+
+
+@pytest.mark.parametrize("args, why", [
+    (["cache=window"], "engine=llamacpp cache=window: llama.cpp has no window cache"),
+    (["engine.type_k=q3_k"], "engine.type_k=q3_k: llama.cpp stores K/V as auto (the dtype.storage) or one of f32"),
+    (["engine.type_v=q8_0", "model=tiny-gqa"], "engine.type_v=q8_0 quantises blocks of 32 values: the head size 16"),
+    ([], None),
+    (["dtype=bf16"], "dtype.storage=bf16 has no llama.cpp type"),
+    (["model=qwen2.5-0.5b", "model.weights=random"], "no GGUF conversion for model_type 'qwen2' here"),
+])
+def test_what_it_cannot_run_is_refused_in_one_line(tmp_path, args, why):
+    small = ["model=tiny", "engine=llamacpp", "n_prompts=1", "new_tokens=4", "prompt_len=4", "repeats=1", "warmup=0",
+             "context_lengths=[8]", "max_len=32", "tracking=disabled", "measurements=[equivalence]",
+             f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = run_py([*small, *args], tmp_path, extra_env={L.GGUF_CACHE_ENV: str(tmp_path / "gguf")})
+    if why is None:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rec = json.loads((tmp_path / "run" / "results.json").read_text())
+        assert rec["status"] == "ok" and rec["engine"] == "llamacpp" and rec["tokens_identical"] is True
+        return
+    assert proc.returncode != 0
+    line = next(ln for ln in proc.stderr.splitlines() if why in ln)
+    assert "Traceback" not in proc.stderr and line.startswith("kvlab")
+    rec = json.loads((tmp_path / "run" / "results.json").read_text())  # the refusal recorded, nothing measured
+    assert rec["status"] != "ok" and why in rec["error"] and "tokens_identical" not in rec

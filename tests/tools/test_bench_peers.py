@@ -1,0 +1,40 @@
+"""``python -m harness.bench --peers``: every engine's decode step (ours eager and compiled, HF, llama.cpp) on the
+same weights, in one run, for both dtypes and both batches, each as a ratio to llama.cpp's; the goal line judges the
+ratio it printed; a grid option it does not take is refused in one line."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from harness.core import llamacpp as L
+from harness.tools import bench_peers
+from harness.tools.bench import main
+
+
+def test_peers_times_every_engine_for_every_dtype_batch_and_depth(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv(L.GGUF_CACHE_ENV, str(tmp_path))
+    results = main(["--model", "tiny", "--peers", "--contexts", "24", "--repeats", "2", "--warmup", "0"])
+    out = capsys.readouterr().out
+    assert set(results) == {(d, b, c) for d in bench_peers.PEER_DTYPES for b in bench_peers.PEER_BATCHES
+                            for c in (24,)}
+    for ms in results.values():
+        assert set(ms) == {"kvlab", "kvlab compiled", "hf", "llamacpp"} and all(v > 0 for v in ms.values())
+    row = next(ln for ln in out.splitlines() if re.match(r"fp32\s+1\s+24\s", ln))
+    ms = results[("fp32", 1, 24)]
+    ratios = [float(x) for x in re.findall(r"\(\s*([\d.]+)x\)", row)]
+    assert ratios == pytest.approx([round(ms[k] / ms["llamacpp"], 2) for k in ("kvlab", "kvlab compiled", "hf",
+                                                                                  "llamacpp")], abs=0.006)
+    goal = next(ln for ln in out.splitlines() if ln.startswith("goal:"))
+    best = min(ms["kvlab"], ms["kvlab compiled"]) / ms["llamacpp"]
+    assert f"{best:.2f}x" in goal and ("met" in goal) == (best <= bench_peers.GOAL)
+
+
+@pytest.mark.parametrize("argv", [["--batch", "2"], ["--dtype", "fp16"], ["--compile"], ["--kinds"]])
+def test_peers_refuses_what_its_grid_sets_in_one_line(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "tiny", "--peers", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "--peers runs its own grid" in err or "give one of --kinds, --prefix, --paged, --peers" in err
