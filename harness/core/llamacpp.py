@@ -31,6 +31,33 @@ CACHE_TYPES: dict[str, tuple[int, int, int]] = {
     "q5_0": (6, 32, 22), "q5_1": (7, 32, 24), "iq4_nl": (20, 32, 18),
 }
 FULL_ATTENTION = ("prealloc", "concat")
+# cache=quant where llama.cpp stores the same thing: blocks of 32 values along a token's channels, a scale per block
+# (symmetric: q8_0, q4_0) or a scale and a minimum (asymmetric: q4_1), at the widths cache=quant has (its 2 bits:
+# no llama.cpp type; llama.cpp's 5-bit types: engine.type_k / type_v)
+QUANT_TYPES = {("symmetric", 8): "q8_0", ("symmetric", 4): "q4_0", ("asymmetric", 4): "q4_1"}
+
+
+def quant_types(opts) -> tuple[str | None, str | None] | str:
+    """cache=quant's options as llama.cpp's (K type, V type), None for the one left in the storage dtype
+    (``quantize=k`` or ``v``); or why llama.cpp stores no such thing (one line)."""
+    fixed = {"group_size": 32, "residual": 0, "k_axis": "token", "v_axis": "token", "rotate": "none",
+             "k_pre_rope": False}
+    for name, want in fixed.items():
+        if getattr(opts, name) != want:
+            return (f"llama.cpp's K/V types are blocks of 32 values per token, nothing kept in full precision, "
+                    f"nothing rotated: cache.{name}={getattr(opts, name)} (give {want}), or use engine=kvlab")
+    types = []
+    for which in ("k", "v"):
+        if opts.quantize not in ("kv", which):
+            types.append(None)
+            continue
+        bits = getattr(opts, f"{which}_bits")
+        name = QUANT_TYPES.get((opts.scheme, bits))
+        if name is None:
+            have = ", ".join(f"{sc} {b} bits" for sc, b in QUANT_TYPES)
+            return f"llama.cpp has no {opts.scheme} {bits}-bit K/V type (it has {have}): use engine=kvlab"
+        types.append(name)
+    return types[0], types[1]
 GGUF_CACHE_ENV = "KVLAB_GGUF_CACHE"  # where converted models are kept (default: the system's temp folder)
 CTX_PAD = 256  # llama.cpp rounds a context's cells up to a multiple of this (per sequence, here)
 BUILD = "make llamacpp (builds llama-cpp-python from source with this machine's compiler; docs/testing.md)"
@@ -129,14 +156,16 @@ def gguf_for(model: Decoder) -> Path:
 class LlamaCppCache:
     """A llama.cpp context: its K/V buffer of ``max_len`` cells per sequence and how many each holds (``n``)."""
 
-    def __init__(self, engine: "LlamaCppEngine", max_len: int, batch: int):
+    def __init__(self, engine: "LlamaCppEngine", max_len: int, batch: int, type_k: str | None = None,
+                 type_v: str | None = None):
         lc = engine.lc
+        self.type_k, self.type_v = type_k or engine.type_k, type_v or engine.type_v
         params = lc.llama_context_default_params()
         params.n_ctx, params.n_seq_max = cells(max_len) * batch, batch
         params.n_batch = params.n_ubatch = max(max_len * batch, 1)
         params.n_threads = params.n_threads_batch = engine.threads
-        params.type_k, params.type_v = CACHE_TYPES[engine.type_k][0], CACHE_TYPES[engine.type_v][0]
-        params.flash_attn_type = 1 if CACHE_TYPES[engine.type_v][1] > 1 else 0  # a quantised V needs it
+        params.type_k, params.type_v = CACHE_TYPES[self.type_k][0], CACHE_TYPES[self.type_v][0]
+        params.flash_attn_type = 1 if CACHE_TYPES[self.type_v][1] > 1 else 0  # a quantised V needs it
         params.no_perf = False
         from llama_cpp._internals import LlamaBatch, LlamaContext
 
@@ -190,10 +219,24 @@ class LlamaCppEngine:
 
     @classmethod
     def refuses(cls, kind: str, opts, head_dim: int | None = None) -> str | None:
+        if kind == "quant":
+            types = quant_types(opts)
+            return types if isinstance(types, str) else None
         if kind not in FULL_ATTENTION:
             return (f"llama.cpp has no {kind} cache: its one layout is a preallocated K/V buffer (cache=prealloc or "
-                    "concat), quantised by engine.type_k / engine.type_v")
+                    "concat), quantised by engine.type_k / engine.type_v, or cache=quant in llama.cpp's blocks")
         return None
+
+    def types_for(self, kind: str, opts) -> tuple[str, str]:
+        """The (K, V) types a cache of ``kind`` stores here: cache=quant's as llama.cpp's (the other one in the
+        engine's own type), else the engine's."""
+        if kind != "quant":
+            return self.type_k, self.type_v
+        if (self.options.type_k, self.options.type_v) != ("auto", "auto"):
+            raise ValueError("give llama.cpp's K/V types once: cache=quant's options or engine.type_k / type_v, "
+                             "not both")
+        k, v = quant_types(opts)
+        return k or self.type_k, v or self.type_v
 
     @classmethod
     def refuses_ragged(cls) -> str | None:
@@ -231,6 +274,7 @@ class LlamaCppEngine:
         if why:
             raise ValueError(f"engine=llamacpp: {why}")
         self.type_k, self.type_v = cache_type(type_k, storage), cache_type(type_v, storage)
+        self.options = LlamaCppOptions(type_k, type_v, threads)
         self.threads = threads or torch.get_num_threads()
         self.model, self.vocab = model, model.config.vocab_size
         self.head_dim = model.config.head_dim
@@ -244,7 +288,7 @@ class LlamaCppEngine:
             raise RuntimeError(f"llama.cpp read {self.llm.n_vocab()} vocabulary rows from {self.path}, not {self.vocab}")
 
     def storage(self, spec, prefilled: int = 0):
-        return LlamaCppStorage(self.type_k, self.type_v)
+        return LlamaCppStorage(*self.types_for(spec.kind, spec.opts))
 
     def keys_read(self, kind: str, ctx: int, max_len: int) -> int | None:
         return None
@@ -268,10 +312,11 @@ class LlamaCppEngine:
         return cache.run(ids, every).to(ids.device)
 
     def new_cache(self, kind: str, max_len: int, batch: int = 1, dtype=None, **options):
-        why = self.refuses(kind, cache_kind(kind).parse_options(**options), self.head_dim)
+        opts = cache_kind(kind).parse_options(**options)
+        why = self.refuses(kind, opts, self.head_dim)
         if why:
             raise ValueError(why)
-        return LlamaCppCache(self, max_len, batch)
+        return LlamaCppCache(self, max_len, batch, *self.types_for(kind, opts))
 
     def prefill(self, ids: torch.Tensor, cache: LlamaCppCache, last_only: bool = False, pad=None) -> torch.Tensor:
         if pad is not None:
@@ -297,7 +342,7 @@ class LlamaCppEngine:
         """Bytes of llama.cpp's K/V buffer: its allocated cells (llama.cpp's own count) times the bytes per cell."""
         cells = self.lc.llama_n_ctx(cache.ctx.ctx)
         cfg = self.model.config
-        per = LlamaCppStorage(self.type_k, self.type_v)._per_cell(cfg.n_layer, cfg.n_kv_head, cfg.head_dim)
+        per = LlamaCppStorage(cache.type_k, cache.type_v)._per_cell(cfg.n_layer, cfg.n_kv_head, cfg.head_dim)
         return int(cells * per)
 
     def greedy(self, prompt: torch.Tensor, n: int, layout: str | None = None, cache_dtype=None,

@@ -89,7 +89,9 @@ def test_bytes_are_the_allocated_cells_by_llama_cpps_own_count(pair, max_len, ba
     _, model, ours, _ = pair
     cache = ours.new_cache("prealloc", max_len, batch)
     cfg = model.config
-    formula = ours.storage(None).nbytes_formula(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, max_len, batch, "fp32", 0,
+    from harness.core.measure import CacheSpec
+
+    formula = ours.storage(CacheSpec("prealloc")).nbytes_formula(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, max_len, batch, "fp32", 0,
                                                 None)
     assert ours.nbytes(cache) == formula == batch * L.cells(max_len) * 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * 4
     cache.close()
@@ -136,3 +138,50 @@ def test_what_it_cannot_run_is_refused_in_one_line(tmp_path, args, why):
     assert "Traceback" not in proc.stderr and line.startswith("kvlab")
     rec = json.loads((tmp_path / "run" / "results.json").read_text())  # the refusal recorded, nothing measured
     assert rec["status"] != "ok" and why in rec["error"] and "tokens_identical" not in rec
+
+
+@pytest.mark.parametrize("opts, types", [
+    (dict(k_bits=8, v_bits=8, quantize="k"), ("q8_0", "f32")),
+    (dict(k_bits=4, v_bits=4, quantize="v"), ("f32", "q4_0")),
+    (dict(k_bits=4, v_bits=4, scheme="asymmetric"), ("q4_1", "q4_1")),
+    (dict(k_bits=4, v_bits=8), ("q4_0", "q8_0")),
+])
+def test_cache_quant_runs_as_llama_cpps_own_type_of_the_same_scheme(tmp_path, monkeypatch, opts, types):
+    """cache=quant in llama.cpp's layout (blocks of 32 per token, symmetric unless said) is llama.cpp's type of the
+    same bits and scheme: the same bytes per token as ours, and logits as close to fp32 as ours are."""
+    monkeypatch.setenv(L.GGUF_CACHE_ENV, str(tmp_path))
+    torch.manual_seed(0)
+    model = build(dataclasses.replace(preset_config("tiny-gqa"), head_dim=32)).eval()
+    opts = {**dict(group_size=32, residual=0, k_axis="token", v_axis="token", scheme="symmetric"), **opts}
+    eng, ours = L.LlamaCppEngine(model, threads=1), KvlabEngine(model)
+    cache = eng.new_cache("quant", 64, 1, None, **opts)
+    assert (cache.type_k, cache.type_v) == types
+    from harness.core.measure import CacheSpec
+
+    spec = CacheSpec("quant", opts)
+    cfg = model.config
+    theirs = eng.storage(spec).bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, "fp32", spec.opts)
+    mine = spec.cls.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, torch.float32, spec.opts)
+    assert theirs == mine  # one f16 scale (and minimum) per 32 values, as llama.cpp's blocks
+    p = prompts(model, B=1, T=40)
+    ref = ours.forward(p)[:, 8:40]
+    eng.prefill(p[:, :8], cache)
+    got = torch.cat([eng.decode(p[:, i:i + 1], cache) for i in range(8, 40)], 1)
+    mine_cache = ours.new_cache("quant", 64, 1, None, **opts)
+    ours.prefill(p[:, :8], mine_cache)
+    want = torch.cat([ours.decode(p[:, i:i + 1], mine_cache) for i in range(8, 40)], 1)
+    err_theirs, err_mine = float((got - ref).abs().mean()), float((want - ref).abs().mean())
+    assert 0 < err_theirs < 3 * err_mine and 0 < err_mine < 3 * err_theirs
+
+
+@pytest.mark.parametrize("opts, why", [
+    (dict(k_axis="channel"), "cache.k_axis=channel (give token)"),
+    (dict(residual=16, k_axis="token"), "cache.residual=16 (give 0)"),
+    (dict(k_bits=2, v_bits=2, k_axis="token"), "llama.cpp has no asymmetric 2-bit K/V type"),
+    (dict(k_bits=8, v_bits=8, k_axis="token"), "llama.cpp has no asymmetric 8-bit K/V type"),
+])
+def test_cache_quant_llama_cpp_has_no_type_for_is_refused_in_one_line(opts, why):
+    from models.kv_cache import cache_kind
+
+    msg = L.LlamaCppEngine.refuses("quant", cache_kind("quant").parse_options(**opts), 64)
+    assert why in msg and "\n" not in msg
