@@ -2,12 +2,13 @@
 for fp32 compute, f16 for fp16) and run through llama.cpp's own CPU kernels (llama-cpp-python, built from source by
 ``make llamacpp``), behind the same engine protocol as ours and HF's, so the same measurements run on it.
 
-Its cache is llama.cpp's: one preallocated K/V buffer per context (``cache=prealloc`` or ``concat``: both are full
-attention; llama.cpp has no other layout), K and V stored as ``engine.type_k`` / ``engine.type_v``: ``auto`` (the run's
-``dtype.storage``: f32 or f16) or one of llama.cpp's quantised types (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl: blocks of
-32 values with an f16 scale, and an f16 minimum for the _1 types). A quantised V needs llama.cpp's flash attention,
-which this engine then turns on (it is off otherwise, as llama.cpp's exact path). Batches run as that many llama.cpp
-sequences of one length in one context. What llama.cpp cannot do is refused in one line."""
+Its cache is llama.cpp's: one preallocated K/V buffer per context (``cache=prealloc``; llama.cpp has no growing
+layout, so ``concat`` is refused rather than recorded as run), K and V stored as ``engine.type_k`` /
+``engine.type_v``: ``auto`` (the run's ``dtype.storage``: f32 or f16) or one of llama.cpp's quantised types (q8_0,
+q4_0, q4_1, q5_0, q5_1, iq4_nl: blocks of 32 values with an f16 scale, and an f16 minimum for the _1 types). A
+quantised V needs llama.cpp's flash attention, which this engine then turns on (it is off otherwise, as llama.cpp's
+exact path). Batches run as that many llama.cpp sequences of one length in one context. What llama.cpp cannot do is
+refused in one line."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ CACHE_TYPES: dict[str, tuple[int, int, int]] = {
     "f32": (0, 1, 4), "f16": (1, 1, 2), "q8_0": (8, 32, 34), "q4_0": (2, 32, 18), "q4_1": (3, 32, 20),
     "q5_0": (6, 32, 22), "q5_1": (7, 32, 24), "iq4_nl": (20, 32, 18),
 }
-FULL_ATTENTION = ("prealloc", "concat")
+LAYOUTS = ("prealloc",)  # llama.cpp's one layout: every cell allocated up front
 # cache=quant where llama.cpp stores the same thing: blocks of 32 values along a token's channels, a scale per block
 # (symmetric: q8_0, q4_0) or a scale and a minimum (asymmetric: q4_1), at the widths cache=quant has (its 2 bits:
 # no llama.cpp type; llama.cpp's 5-bit types: engine.type_k / type_v)
@@ -104,7 +105,8 @@ def refuses_types(opts: LlamaCppOptions, storage: str, head_dim: int | None) -> 
                                                       if getattr(opts, which) == "auto" else ""))
         block = CACHE_TYPES[name][1]
         if head_dim is not None and head_dim % block:
-            return f"engine.{which}={name} quantises blocks of {block} values: the head size {head_dim} is not a multiple"
+            return (f"engine.{which}={name} quantises blocks of {block} values: the head size {head_dim} is not a "
+                    "multiple")
     if not isinstance(opts.threads, int) or opts.threads < 0:
         return f"engine.threads={opts.threads!r}: give 0 (as many as torch uses) or a positive count"
     return None
@@ -222,9 +224,9 @@ class LlamaCppEngine:
         if kind == "quant":
             types = quant_types(opts)
             return types if isinstance(types, str) else None
-        if kind not in FULL_ATTENTION:
-            return (f"llama.cpp has no {kind} cache: its one layout is a preallocated K/V buffer (cache=prealloc or "
-                    "concat), quantised by engine.type_k / engine.type_v, or cache=quant in llama.cpp's blocks")
+        if kind not in LAYOUTS:
+            return (f"llama.cpp has no {kind} cache: its one layout is a K/V buffer allocated up front "
+                    "(cache=prealloc), stored as engine.type_k / engine.type_v, or cache=quant in llama.cpp's blocks")
         return None
 
     def types_for(self, kind: str, opts) -> tuple[str, str]:
@@ -285,7 +287,8 @@ class LlamaCppEngine:
         params = self.lc.llama_model_default_params()
         self.llm = LlamaModel(path_model=str(self.path), params=params, verbose=False)
         if self.llm.n_vocab() != self.vocab:
-            raise RuntimeError(f"llama.cpp read {self.llm.n_vocab()} vocabulary rows from {self.path}, not {self.vocab}")
+            raise RuntimeError(f"llama.cpp read {self.llm.n_vocab()} vocabulary rows from {self.path}, not "
+                               f"{self.vocab}")
 
     def storage(self, spec, prefilled: int = 0):
         return LlamaCppStorage(*self.types_for(spec.kind, spec.opts))

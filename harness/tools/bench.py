@@ -6,7 +6,7 @@
     python -m harness.bench --kinds --cache prealloc --cache quant:k_bits=8,v_bits=8 --cache window:window=256
     python -m harness.bench --prefix             # prefix reuse: time to first token with and without a snapshot
     python -m harness.bench --paged --model mini # a ragged batch served: KV waste per layout, step time, tokens
-    python -m harness.bench --peers              # ours (eager, compiled) vs HF vs llama.cpp (harness/tools/bench_peers.py)
+    python -m harness.bench --peers              # ours (eager, compiled) vs HF vs llama.cpp: harness/tools/bench_peers
 
 Ours vs HF: for each context length and each kind transformers has a counterpart of (concat: DynamicCache, prealloc:
 StaticCache, quant at its defaults, 4 bits, groups of 32: QuantizedCache with optimum-quanto) both caches are

@@ -200,7 +200,8 @@ def context_used(model: Decoder, held: torch.Tensor, bos: int | None) -> tuple[f
         w = torch.cat(docs)
         full = position_nll(model, w, batch=4, start=start) * len(w)  # sums over the chapters, per position
         near = position_nll(model, w, batch=4, start=start, window=NEAR, sinks=1) * len(w)
-        all_total, near_total, n = all_total + float(full.sum()), near_total + float(near.sum()), n + full.numel() * len(w)
+        all_total, near_total = all_total + float(full.sum()), near_total + float(near.sum())
+        n += full.numel() * len(w)
     return (near_total - all_total) / max(n, 1), n
 
 

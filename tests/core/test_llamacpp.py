@@ -91,9 +91,10 @@ def test_bytes_are_the_allocated_cells_by_llama_cpps_own_count(pair, max_len, ba
     cfg = model.config
     from harness.core.measure import CacheSpec
 
-    formula = ours.storage(CacheSpec("prealloc")).nbytes_formula(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, max_len, batch, "fp32", 0,
-                                                None)
-    assert ours.nbytes(cache) == formula == batch * L.cells(max_len) * 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * 4
+    store = ours.storage(CacheSpec("prealloc"))
+    formula = store.nbytes_formula(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, max_len, batch, "fp32", 0, None)
+    per_cell = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * 4  # K and V, f32
+    assert ours.nbytes(cache) == formula == batch * L.cells(max_len) * per_cell
     cache.close()
 
 
@@ -117,6 +118,7 @@ def test_quantised_types_move_the_logits_in_the_order_of_their_bits(tmp_path, mo
 
 @pytest.mark.parametrize("args, why", [
     (["cache=window"], "engine=llamacpp cache=window: llama.cpp has no window cache"),
+    (["cache=concat"], "llama.cpp has no concat cache: its one layout is a K/V buffer allocated up front"),
     (["engine.type_k=q3_k"], "engine.type_k=q3_k: llama.cpp stores K/V as auto (the dtype.storage) or one of f32"),
     (["engine.type_v=q8_0", "model=tiny-gqa"], "engine.type_v=q8_0 quantises blocks of 32 values: the head size 16"),
     ([], None),
