@@ -195,7 +195,8 @@ def claim_setting(preset_name: str, claim: Claim) -> dict:
     """The setting ``claim`` is about, key (as on the command line) -> value: its preset's cache kind, dtype,
     engine and cache options, and the keys of ``claim.about``."""
     p = preset(preset_name)
-    out = {k: p.fixed[k] for k in ("cache", *(k for k in p.fixed if k.startswith("cache.")), *GROUPS[1:])}
+    groups = [k for k in GROUPS[1:] if k not in p.swept]  # a group the preset sweeps (engine) is an arm, a column
+    out = {k: p.fixed[k] for k in ("cache", *(k for k in p.fixed if k.startswith("cache.")), *groups)}
     for k in claim.about:
         if k == TRAINED:
             out[k] = "pretrained"
@@ -784,6 +785,9 @@ def claim_rows(runs: pd.DataFrame, positions: dict[str, pd.DataFrame] | None = N
         return []
     ok = ok_runs(runs)
     base = ok[KEYS.model].map(base_model) if KEYS.model in ok else pd.Series(dtype=object)
+    engines = ok[KEYS.engine].fillna("kvlab") if KEYS.engine in ok else pd.Series("kvlab", index=ok.index)
+    if engines.nunique() > 1:  # each engine's runs are a column group of their own: "mini, engine llamacpp"
+        base = base + engines.map(lambda e: "" if e == "kvlab" else f"{ENGINE_MARK}{e}")
     models = list(dict.fromkeys(base.dropna()))
     if len(models) < 2:
         return [claim_row(c, preset_name, ok, positions) for c in PAPERS[preset_name]]
@@ -792,6 +796,7 @@ def claim_rows(runs: pd.DataFrame, positions: dict[str, pd.DataFrame] | None = N
 
 
 OUTLIERS_MARK = " · outliers x"  # how a run's model label names injected outlier channels (runner.model_label)
+ENGINE_MARK = ", engine "  # a column group's label for a peer engine's runs of a model (claim_rows)
 
 
 def base_model(label):

@@ -475,6 +475,23 @@ def test_a_sweep_of_two_models_judges_each_claim_on_each_models_runs_a_column_gr
     assert page.count("<tr>") == 1 + len(papers.PAPERS["paper_h2o"]) and "verdict (mini-llama)" in page
 
 
+def test_a_swept_engine_is_a_column_group_of_its_own_judged_on_its_runs_alone():
+    """experiment=paper_kv_types sweeps engine=kvlab,llamacpp: each claim once per engine, read from that engine's
+    runs alone (the preset's engine is then an arm, not a setting the runs must have)."""
+    assert "engine" in papers.preset("paper_kv_types").swept
+    ours = kv_types_sweep()
+    flipped = tuple((q, b, kl if q != "k" else kl * 10) for q, b, kl in KV_TYPE_KL)  # K the more sensitive
+    theirs = kv_types_sweep(flipped, engine="llamacpp")
+    theirs["run_name"] = "lc-" + theirs["run_name"]
+    rows = judged(pd.concat([ours, theirs], ignore_index=True))
+    n = len(papers.PAPERS["paper_kv_types"])
+    assert [r.model for r in rows] == ["mini", "mini" + papers.ENGINE_MARK + "llamacpp"] * n
+    assert verdicts(rows[0::2]) == verdicts(judged(ours)) and not any(r.not_judged for r in rows)
+    assert verdicts(rows[1::2])[0] != verdicts(rows[0::2])[0]  # its own runs decide its column
+    assert all(name.startswith("lc-") for r in rows[1::2] for name in r.runs)
+    assert not any(name.startswith("lc-") for r in rows[0::2] for name in r.runs)
+
+
 def test_injected_outliers_are_an_arm_of_a_models_runs_not_another_model():
     """A run's label names injected outlier channels (runner.model_label); the claims read them as the model's."""
     from types import SimpleNamespace
