@@ -272,11 +272,11 @@ class LlamaCppEngine:
                  storage: str | None = None):
         self.lc = _llama_cpp()
         storage = storage or {torch.float32: "fp32", torch.float16: "fp16"}.get(model_dtype(model), "fp32")
-        why = self.refuses_options(LlamaCppOptions(type_k, type_v, threads), storage, model.config)
+        self.options = LlamaCppOptions(type_k, type_v, threads)
+        why = self.refuses_options(self.options, storage, model.config)
         if why:
             raise ValueError(f"engine=llamacpp: {why}")
         self.type_k, self.type_v = cache_type(type_k, storage), cache_type(type_v, storage)
-        self.options = LlamaCppOptions(type_k, type_v, threads)
         self.threads = threads or torch.get_num_threads()
         self.model, self.vocab = model, model.config.vocab_size
         self.head_dim = model.config.head_dim
@@ -345,7 +345,8 @@ class LlamaCppEngine:
         """Bytes of llama.cpp's K/V buffer: its allocated cells (llama.cpp's own count) times the bytes per cell."""
         cells = self.lc.llama_n_ctx(cache.ctx.ctx)
         cfg = self.model.config
-        per = LlamaCppStorage(cache.type_k, cache.type_v)._per_cell(cfg.n_layer, cfg.n_kv_head, cfg.head_dim)
+        per = LlamaCppStorage(cache.type_k, cache.type_v).bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim,
+                                                                          None, None)
         return int(cells * per)
 
     def greedy(self, prompt: torch.Tensor, n: int, layout: str | None = None, cache_dtype=None,

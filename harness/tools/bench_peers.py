@@ -66,7 +66,6 @@ def bench_peers(args, model) -> dict:
         print(f"bench: llama.cpp is not built here, so its column is empty: {BUILD}", file=sys.stderr)
     probe = measure.bandwidth_probe(torch.device("cpu"), measure.weight_bytes(model))["probe_gbps"]
     print(f"bandwidth probe {probe:.1f} GB/s; ms per decode step (median), each engine / llama.cpp's in brackets")
-    labels = [label for label, _ in peer_engines(model, torch.float32)] if available() else None
     results: dict = {}
     for dname in PEER_DTYPES:
         engines = peer_engines(model, torch.float32 if dname == "fp32" else torch.float16)
