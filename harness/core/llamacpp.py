@@ -61,6 +61,10 @@ def quant_types(opts) -> tuple[str | None, str | None] | str:
     return types[0], types[1]
 GGUF_CACHE_ENV = "KVLAB_GGUF_CACHE"  # where converted models are kept (default: the system's temp folder)
 CTX_PAD = 256  # llama.cpp rounds a context's cells up to a multiple of this (per sequence, here)
+# the most tokens llama.cpp computes at once (its n_ubatch): a longer batch (a prefill, a batch of prompts) runs in
+# micro-batches of this many, each over the cells before it, so its compute buffer is bounded by this, not by the
+# whole context (llama.cpp's own default; the logits agree with one micro-batch's, tests/core/test_llamacpp.py)
+UBATCH = 512
 BUILD = "make llamacpp (builds llama-cpp-python from source with this machine's compiler; docs/testing.md)"
 
 
@@ -164,7 +168,8 @@ class LlamaCppCache:
         self.type_k, self.type_v = type_k or engine.type_k, type_v or engine.type_v
         params = lc.llama_context_default_params()
         params.n_ctx, params.n_seq_max = cells(max_len) * batch, batch
-        params.n_batch = params.n_ubatch = max(max_len * batch, 1)
+        params.n_batch = max(max_len * batch, 1)  # a whole prefill is one llama_decode call
+        params.n_ubatch = min(params.n_batch, UBATCH)
         params.n_threads = params.n_threads_batch = engine.threads
         params.type_k, params.type_v = CACHE_TYPES[self.type_k][0], CACHE_TYPES[self.type_v][0]
         params.flash_attn_type = 1 if CACHE_TYPES[self.type_v][1] > 1 else 0  # a quantised V needs it

@@ -84,6 +84,19 @@ def test_a_batch_is_its_sequences_run_alone(pair):
         assert (alone.logits[0] - together.logits[b]).abs().max() < TOL[family]
 
 
+def test_a_prefill_longer_than_a_micro_batch_gives_the_same_logits(pair, monkeypatch):
+    """llama.cpp computes at most UBATCH tokens at once: a prefill of two sequences longer than that runs in several
+    micro-batches, each over the cells before it, and agrees with kvlab's fp32 at every position."""
+    family, model, _, ref = pair
+    monkeypatch.setattr(L, "UBATCH", 16)
+    small = L.LlamaCppEngine(model, threads=1)
+    p = prompts(model, B=2, T=40, seed=7)
+    cache = small.new_cache("prealloc", 48, 2)
+    assert small.lc.llama_n_ubatch(cache.ctx.ctx) == 16
+    torch.testing.assert_close(small.prefill(p, cache), ref.forward(p), atol=TOL[family], rtol=0)
+    cache.close()
+
+
 @pytest.mark.parametrize("max_len, batch", [(64, 1), (300, 2)])
 def test_bytes_are_the_allocated_cells_by_llama_cpps_own_count(pair, max_len, batch):
     _, model, ours, _ = pair
