@@ -24,6 +24,9 @@ What it can do, asked from the class before anything is built (validation, the m
                                              why not (one line), or None (head_dim: the model's, once known;
                                              ``options``: the engine's typed Options; config: the model's, or None)
     build(model, options, storage, compile)  the engine for a run: its options and the run's storage dtype
+    stores(kind, opts, options, storage)     what its cache of ``kind`` stores where the kind's own storage does not
+                                             say (llama.cpp's K/V types), as (K type, V type) or None, and whether
+                                             it is the storage dtype's, so an exact kind stays exact
     drifts_at_fp32                           its kernels are not kvlab's: even an exact fp32 run of it measures
                                              drift against kvlab's fp32
     logit_tol                                the least equivalence tolerance its own kernels need (0: the run's)
@@ -267,6 +270,9 @@ class Engine(Protocol):
     @classmethod
     def build(cls, model, options, storage: str, compile: bool = False) -> "Engine": ...
 
+    @classmethod
+    def stores(cls, kind: str, opts, options, storage: str) -> tuple[tuple[str, str] | None, bool]: ...
+
     def forward(self, ids: torch.Tensor, **ref) -> torch.Tensor: ...
 
     def forward_last(self, ids: torch.Tensor, **ref) -> torch.Tensor: ...
@@ -317,6 +323,10 @@ class KvlabEngine:
     runs_references = True
     drifts_at_fp32 = False  # it is the fp32 reference
     logit_tol = 0.0  # its cached and uncached logits are held to the run's equivalence_tol alone
+
+    @classmethod
+    def stores(cls, kind: str, opts, options, storage: str) -> tuple[tuple[str, str] | None, bool]:
+        return None, True  # the kind's own storage
     Options = KvlabOptions
 
     @classmethod
@@ -515,6 +525,10 @@ class HFEngine:
     runs_references = False  # its forward is full attention alone
     drifts_at_fp32 = False  # its fp32 is ours within the equivalence tolerance (tests/core/test_engines.py)
     logit_tol = 0.0
+
+    @classmethod
+    def stores(cls, kind: str, opts, options, storage: str) -> tuple[tuple[str, str] | None, bool]:
+        return None, True  # the kind's counterpart, in the storage dtype
     Options = HFOptions
 
     @classmethod

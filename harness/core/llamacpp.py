@@ -12,7 +12,9 @@ refused in one line."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -68,15 +70,28 @@ UBATCH = 512
 BUILD = "make llamacpp (builds llama-cpp-python from source with this machine's compiler; docs/testing.md)"
 
 
+GGML_ERROR, GGML_CONT = 4, 5  # ggml.h's ggml_log_level: an error, and the rest of the message before
+_LOG: dict = {"level": 0, "callback": None}
+
+
 def _llama_cpp():
     try:
         import llama_cpp
     except ImportError as e:
         raise RuntimeError(f"engine=llamacpp needs llama-cpp-python: {BUILD}") from e
-    from llama_cpp import _logger
-
-    _logger.set_verbose(False)  # llama.cpp's own log: its errors only (a run's log is kvlab's)
+    if _LOG["callback"] is None:  # llama.cpp's own log: its errors only (a run's log is kvlab's)
+        _LOG["callback"] = llama_cpp.llama_log_callback(_log_errors)  # kept: llama.cpp holds only the pointer
+        llama_cpp.llama_log_set(_LOG["callback"], ctypes.c_void_p(0))
     return llama_cpp
+
+
+def _log_errors(level: int, text: bytes, user_data) -> None:
+    """llama.cpp's log callback: errors to stderr, nothing else (llama-cpp-python's own reads ggml's levels one
+    off, so llama.cpp's warnings would print as errors)."""
+    if level != GGML_CONT:
+        _LOG["level"] = level
+    if _LOG["level"] == GGML_ERROR:
+        sys.stderr.write(text.decode("utf-8", "replace"))
 
 
 def available() -> bool:
@@ -234,16 +249,30 @@ class LlamaCppEngine:
                     "(cache=prealloc), stored as engine.type_k / engine.type_v, or cache=quant in llama.cpp's blocks")
         return None
 
-    def types_for(self, kind: str, opts) -> tuple[str, str]:
-        """The (K, V) types a cache of ``kind`` stores here: cache=quant's as llama.cpp's (the other one in the
-        engine's own type), else the engine's."""
+    @staticmethod
+    def stored_types(kind: str, opts, options: LlamaCppOptions, storage: str) -> tuple[str, str]:
+        """The (K, V) types a cache of ``kind`` stores: cache=quant's as llama.cpp's (the other one in the
+        engine's own type), else the engine's (``auto``: the storage dtype's)."""
+        own = cache_type(options.type_k, storage), cache_type(options.type_v, storage)
         if kind != "quant":
-            return self.type_k, self.type_v
-        if (self.options.type_k, self.options.type_v) != ("auto", "auto"):
+            return own
+        if (options.type_k, options.type_v) != ("auto", "auto"):
             raise ValueError("give llama.cpp's K/V types once: cache=quant's options or engine.type_k / type_v, "
                              "not both")
-        k, v = quant_types(opts)
-        return k or self.type_k, v or self.type_v
+        types = quant_types(opts)
+        if isinstance(types, str):
+            raise ValueError(types)
+        return types[0] or own[0], types[1] or own[1]
+
+    @classmethod
+    def stores(cls, kind: str, opts, options: LlamaCppOptions, storage: str) -> tuple[tuple[str, str] | None, bool]:
+        """llama.cpp's K and V types for this cache, and whether both are the storage dtype's (a quantised type,
+        or f16 under fp32 storage, makes the run lossy: its label says the types and it is not held exact)."""
+        types = cls.stored_types(kind, opts, options, storage)
+        return types, all(t == cache_type("auto", storage) for t in types)
+
+    def types_for(self, kind: str, opts) -> tuple[str, str]:
+        return self.stored_types(kind, opts, self.options, self.storage_dtype)
 
     @classmethod
     def refuses_ragged(cls) -> str | None:
@@ -282,6 +311,7 @@ class LlamaCppEngine:
         if why:
             raise ValueError(f"engine=llamacpp: {why}")
         self.type_k, self.type_v = cache_type(type_k, storage), cache_type(type_v, storage)
+        self.storage_dtype = storage
         self.threads = threads or torch.get_num_threads()
         self.model, self.vocab = model, model.config.vocab_size
         self.head_dim = model.config.head_dim

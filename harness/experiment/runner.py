@@ -518,7 +518,7 @@ def config_record(rc: RunConfig) -> dict:
     return dict(
         model=model_label(rc.model), preset=rc.model.preset if rc.model.weights in ("random", "auto") else None,
         model_seed=rc.model.seed, outlier_scale=rc.model.outliers.scale, engine=rc.engine.name, cache=rc.cache.kind,
-        **cache_record(rc.cache, rc.engine.name),
+        **cache_record(rc.cache, rc.engine.name, engine_options(rc), rc.dtype.storage),
         dtype=dtype_label(rc.dtype.storage, rc.dtype.compute),
         device_requested=rc.device, experiment=rc.experiment, n_prompts=rc.n_prompts,
         new_tokens=rc.new_tokens, prompt_len=rc.prompt_len, max_len=rc.max_len, batch=rc.batch,
@@ -538,16 +538,23 @@ def asked_measurements(names) -> str:
         return ",".join(map(str, names or []))
 
 
-def cache_record(cache: CacheChoice, engine: str = "kvlab") -> dict:
+def cache_record(cache: CacheChoice, engine: str = "kvlab", engine_opts=None, storage: str = "fp32") -> dict:
     """The cache's label, whether it is exact, and its options as ``cache_<option>`` columns. On another engine
     than kvlab's the label says which (``prealloc · hf``), so its runs are their own series in every table and
-    plot. The options are the resolved ones (a window's ``budget`` sets its ``window``)."""
+    plot, and what that engine stores where the kind does not say (``prealloc · llamacpp K f32 V q4_0``, and
+    ``engine_type_k`` / ``engine_type_v``): a kind is exact there only in the storage dtype's types. The options
+    are the resolved ones (a window's ``budget`` sets its ``window``)."""
     options = dict(cache.options)
+    cls_engine = ENGINES.get(engine)
     try:
         cls = cache_kind(cache.kind)
         opts = cls.parse_options(**options)
-        head = dict(cache_label=cls.label(opts) + ("" if engine == "kvlab" else f" · {engine}"),
-                    cache_exact=cls.exact)
+        types, lossless = (None, True) if cls_engine is None else cls_engine.stores(
+            cache.kind, opts, engine_opts or cls_engine.Options(), storage)
+        suffix = "" if engine == "kvlab" else f" · {engine}" + ("" if lossless else " K {} V {}".format(*types))
+        head = dict(cache_label=cls.label(opts) + suffix, cache_exact=cls.exact and lossless)
+        if types is not None:
+            head.update(engine_type_k=types[0], engine_type_v=types[1])
         options = {k: getattr(opts, k, v) for k, v in options.items()}
     except ValueError:  # recorded as given; the run fails on it with its own message
         head = dict(cache_label=str(cache.kind), cache_exact=None)

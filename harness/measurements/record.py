@@ -47,10 +47,14 @@ class Setting:
     model_seed: int = key("seed of the random init")
     outlier_scale: float | None = key("model.outliers.scale: the factor one K and one V channel per head were "
                                       "given, the model's function kept (1: the weights as loaded, nothing injected)")
-    engine: str = key("kvlab | hf")
+    engine: str = key("kvlab | hf | llamacpp")
     cache: str = key("the cache kind")
     cache_label: str = key("kind + options (+ · engine when not kvlab): how runs are told apart")
-    cache_exact: bool | None = key("the kind is exact (must equal its reference)")
+    cache_exact: bool | None = key("the kind is exact (must equal its reference): on llama.cpp, only in the "
+                                   "storage dtype's K/V types")
+    engine_type_k: str | None = key("the K type llama.cpp stores (engine=llamacpp: f32, f16, q8_0, q4_0, ...; "
+                                    "cache=quant's as llama.cpp's); null on the other engines")
+    engine_type_v: str | None = key("the V type llama.cpp stores, the same way")
     dtype: str = key("the dtype label: storage, or storage/compute")
     device_requested: str = key("cpu | cuda | auto, as asked")
     experiment: str = key("the experiment preset")

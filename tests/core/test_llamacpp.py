@@ -24,6 +24,16 @@ def test_llama_cpp_is_built():
     assert L.available(), f"llama-cpp-python is missing: {L.BUILD}"
 
 
+def test_llama_cpps_log_says_its_errors_and_nothing_else(capsys):
+    """llama.cpp's warnings (e.g. a context padded past the model's trained length) stay out of a run's output;
+    an error, and the rest of its message, reach stderr."""
+    L._llama_cpp()
+    for level, text in ((3, b"context overflow warning\n"), (2, b"info\n"), (4, b"failed to "), (5, b"decode\n"),
+                        (3, b"again a warning\n")):
+        L._log_errors(level, text, None)
+    assert capsys.readouterr().err == "failed to decode\n"
+
+
 def tiny(family: str):
     torch.manual_seed(0)
     if family == "gpt2":
@@ -200,3 +210,25 @@ def test_cache_quant_llama_cpp_has_no_type_for_is_refused_in_one_line(opts, why)
 
     msg = L.LlamaCppEngine.refuses("quant", cache_kind("quant").parse_options(**opts), 64)
     assert why in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("kind, options, engine, storage, label, exact", [
+    ("prealloc", {}, {}, "fp32", "prealloc · llamacpp", True),
+    ("prealloc", {}, {}, "fp16", "prealloc · llamacpp", True),
+    ("prealloc", {}, dict(type_v="q4_0"), "fp32", "prealloc · llamacpp K f32 V q4_0", False),
+    ("prealloc", {}, dict(type_k="f16"), "fp32", "prealloc · llamacpp K f16 V f32", False),  # f16 under fp32
+    ("quant", dict(k_bits=8, v_bits=8, quantize="k", group_size=32, residual=0, k_axis="token",
+                   scheme="symmetric"), {}, "fp32", " · llamacpp K q8_0 V f32", False),
+])
+def test_a_run_says_which_k_v_types_llama_cpp_stored(kind, options, engine, storage, label, exact):
+    """Two llama.cpp runs that differ in engine.type_k / type_v are told apart by their label and their
+    engine_type_k / engine_type_v, and a kind is held exact there only in the storage dtype's types (a lossy run
+    that called itself exact would be judged against a reference it cannot meet, or worse, pass as exact)."""
+    from harness.experiment.plan import CacheChoice
+    from harness.experiment.runner import cache_record
+
+    rec = cache_record(CacheChoice(kind, options), "llamacpp", L.LlamaCppOptions(**engine), storage)
+    assert rec["cache_label"].endswith(label) and rec["cache_exact"] is exact
+    types = rec["cache_label"].split(" K ")[-1].split(" V ") if " K " in label else [L.cache_type("auto", storage)] * 2
+    assert [rec["engine_type_k"], rec["engine_type_v"]] == types
+    assert "engine_type_k" not in cache_record(CacheChoice(kind, options), "kvlab", None, storage)
