@@ -262,6 +262,8 @@ def conformance(tmp_path_factory):
               "hf16": ["-m", "cache=concat", "dtype=fp16", "dtype.compute=fp16", "engine=hf"],
               "hf_quant": ["-m", "cache=quant", "cache.k_bits=4", "cache.v_bits=4", "cache.k_axis=token",
                            "engine=hf"],
+              # llama.cpp's K/V buffer in the storage dtype (exact) and with a q4_0 V (lossy)
+              "llamacpp": ["-m", "cache=prealloc", "engine=llamacpp", "engine.type_v=auto,q4_0"],
               # a re-positioned window streaming past a rotary model's 128 positions (the report's stream figure)
               "stream": ["-m", "model=tiny-gqa", "cache=window", "cache.positions=cache", "cache.sinks=0,1",
                          "max_len=256", "drift_text_len=256"]}
@@ -290,7 +292,7 @@ def _runs(folders) -> list[tuple[Path, dict]]:
 @pytest.mark.slow
 def test_every_measurement_runs_on_every_kind_and_engine_where_it_applies(conformance):
     runs = _runs(conformance.values())
-    assert len(runs) == len(CACHE_KINDS) + len(FULL_ATTENTION) + 4 + len(HF_KINDS) + 1 + 1 + 1 + 2
+    assert len(runs) == len(CACHE_KINDS) + len(FULL_ATTENTION) + 4 + len(HF_KINDS) + 1 + 1 + 1 + 2 + 2
     ran = {name: set() for name in MEASUREMENTS}
     for folder, r in runs:
         assert r["status"] == "ok", (folder, r.get("error"))
@@ -307,10 +309,14 @@ def test_every_measurement_runs_on_every_kind_and_engine_where_it_applies(confor
                 cols = pd.read_csv(f).columns
                 assert set(t["columns"]) <= set(cols) and set(measurements.IDENTITY_COLUMNS) <= set(cols)
     for name in ("equivalence", "memory", "step_time", "peak_memory", "bandwidth", "batches", "serving"):
-        assert ran[name] == {(k, "kvlab") for k in CACHE_KINDS} | {(k, "hf") for k in HF_KINDS + ["quant"]}, name
+        assert ran[name] == ({(k, "kvlab") for k in CACHE_KINDS} | {(k, "hf") for k in HF_KINDS + ["quant"]}
+                             | {("prealloc", "llamacpp")}), name
     for name in ("generation_drift", "text_drift"):  # every kind: in fp32, or in fp16 where fp32 is its reference
         assert {k for k, e in ran[name] if e == "kvlab"} == set(CACHE_KINDS), name
         assert {("concat", "hf"), ("quant", "hf")} <= ran[name], name  # HF in fp16, and its lossy QuantizedCache
+        assert ("prealloc", "llamacpp") in ran[name], name  # llama.cpp's kernels drift from kvlab's fp32
+    served = {(r["cache_label"], r["cache_exact"]) for _, r in _runs([conformance["llamacpp"]])}
+    assert served == {("prealloc · llamacpp", True), ("prealloc · llamacpp K f32 V q4_0", False)}
     assert ran["compile"] == {("prealloc", "kvlab")}
     assert {k for k, e in ran["retrieval"] if e == "kvlab"} == set(CACHE_KINDS)
     assert ran["server"] == {(k, "kvlab") for k in CACHE_KINDS}  # every kind serves (each request checked)
