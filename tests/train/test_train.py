@@ -853,3 +853,18 @@ def test_the_package_loads_nothing_before_its_command_line_can_catch_a_signal():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('harness.train.')))")
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr[-2000:]
+
+
+def test_the_output_embeddings_distinct_rows_are_found_again_once_it_changes():
+    """An evaluation asks for the output embedding's distinct rows dozens of times and finds them once; a change to
+    the weight in place (a training step), or another model, finds them again."""
+    torch.manual_seed(0)
+    model = GPT2(SMALL)
+    first = targets.output_rows(model)
+    assert targets.output_rows(model) is first
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    again = targets.output_rows(model)
+    assert again is not first and torch.equal(again[0], torch.unique(model.lm_head.weight.float(), dim=0))
+    other = GPT2(SMALL)
+    assert not torch.equal(targets.output_rows(other)[0], again[0])
