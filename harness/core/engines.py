@@ -324,10 +324,11 @@ class KvlabEngine:
     drifts_at_fp32 = False  # it is the fp32 reference
     logit_tol = 0.0  # its cached and uncached logits are held to the run's equivalence_tol alone
 
+    Options = KvlabOptions
+
     @classmethod
     def stores(cls, kind: str, opts, options, storage: str) -> tuple[tuple[str, str] | None, bool]:
         return None, True  # the kind's own storage
-    Options = KvlabOptions
 
     @classmethod
     def refuses(cls, kind: str, opts, head_dim: int | None = None) -> str | None:
@@ -526,10 +527,11 @@ class HFEngine:
     drifts_at_fp32 = False  # its fp32 is ours within the equivalence tolerance (tests/core/test_engines.py)
     logit_tol = 0.0
 
+    Options = HFOptions
+
     @classmethod
     def stores(cls, kind: str, opts, options, storage: str) -> tuple[tuple[str, str] | None, bool]:
         return None, True  # the kind's counterpart, in the storage dtype
-    Options = HFOptions
 
     @classmethod
     def refuses(cls, kind: str, opts, head_dim: int | None = None) -> str | None:

@@ -61,6 +61,8 @@ def quant_types(opts) -> tuple[str | None, str | None] | str:
             return f"llama.cpp has no {opts.scheme} {bits}-bit K/V type (it has {have}): use engine=kvlab"
         types.append(name)
     return types[0], types[1]
+
+
 GGUF_CACHE_ENV = "KVLAB_GGUF_CACHE"  # where converted models are kept (default: the system's temp folder)
 CTX_PAD = 256  # llama.cpp rounds a context's cells up to a multiple of this (per sequence, here)
 # the most tokens llama.cpp computes at once (its n_ubatch): a longer batch (a prefill, a batch of prompts) runs in
@@ -68,8 +70,6 @@ CTX_PAD = 256  # llama.cpp rounds a context's cells up to a multiple of this (pe
 # whole context (llama.cpp's own default; the logits agree with one micro-batch's, tests/core/test_llamacpp.py)
 UBATCH = 512
 BUILD = "make llamacpp (builds llama-cpp-python from source with this machine's compiler; docs/testing.md)"
-
-
 GGML_ERROR, GGML_CONT = 4, 5  # ggml.h's ggml_log_level: an error, and the rest of the message before
 _LOG: dict = {"level": 0, "callback": None}
 
