@@ -14,6 +14,7 @@ retrieval measurement, training's copy targets and quick checks, and the researc
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -34,6 +35,22 @@ def distinct_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     over every id is logsumexp over the distinct rows' logits plus the log of their counts."""
     rows, index, counts = torch.unique(weight.detach().float(), dim=0, return_inverse=True, return_counts=True)
     return rows, counts.float().log(), index
+
+
+_ROWS: dict = {}
+
+
+def output_rows(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``distinct_rows`` of the model's output embedding (``model.lm_head``), plus each row's first id: found once
+    per state of the weight (kept for the last one asked about: an evaluation asks dozens of times; a training step
+    changes the weight, and so the key)."""
+    w = model.lm_head.weight
+    state = (w.data_ptr(), w._version, w.dtype)  # the same tensor, unchanged in place and not given new data
+    if "ref" not in _ROWS or _ROWS["ref"]() is not w or _ROWS["state"] != state:
+        rows, log_count, index = distinct_rows(w)
+        first = torch.full((len(rows),), len(index)).scatter_reduce_(0, index, torch.arange(len(index)), "amin")
+        _ROWS.update(ref=weakref.ref(w), state=state, rows=(rows, log_count, index, first))
+    return _ROWS["rows"]
 
 
 def distinct_ids(model) -> torch.Tensor:
@@ -88,14 +105,36 @@ def model_copy_accuracy(model, ids: torch.Tensor, n: int, k: int = 8, seed: int 
     lead = 0 if bos is None else 1
     if lead:
         x = torch.cat([torch.full((k, 1), bos, dtype=x.dtype), x], 1)
+    at = lead + after
     was_training = model.training
     model.eval()
     try:
-        pred = torch.cat([model(x[i:i + batch]).argmax(-1) for i in range(0, k, batch)])  # (k, lead + after + 2n)
+        pred = torch.cat([_top1(model, x[i:i + batch], at, at + 2 * n - 1) for i in range(0, k, batch)])
     finally:
         model.train(was_training)
-    at = lead + after
-    return _scored(pred[:, at:at + 2 * n - 1], x[:, at:], n, skip_first=True)
+    return _scored(pred, x[:, at:], n, skip_first=True)
+
+
+def _top1(model, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """The top-1 ids ``model`` predicts at input positions lo .. hi - 1 of ``x`` (b, T). A kvlab model's output
+    projection is made only there, and once per distinct row of its output embedding (``output_rows``; the first of
+    the ids sharing the top row, as argmax over every id would take); any other model: its full logits."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return model(x).argmax(-1)[:, lo:hi]
+    hidden = {}
+
+    def keep(mod, args):  # the final hidden states of the scored positions; the full projection is not needed
+        hidden["h"] = args[0][:, lo:hi]
+        return (args[0][:, :0],)
+
+    skip = head.register_forward_pre_hook(keep)
+    try:
+        model(x)
+    finally:
+        skip.remove()
+    rows, _, _, first = output_rows(model)
+    return first[(hidden.pop("h").float() @ rows.t()).argmax(-1)]
 
 
 class DepthPass(NamedTuple):

@@ -519,7 +519,7 @@ def config_record(rc: RunConfig) -> dict:
         model=model_label(rc.model), preset=rc.model.preset if rc.model.weights in ("random", "auto") else None,
         model_seed=rc.model.seed, outlier_scale=rc.model.outliers.scale, engine=rc.engine.name, cache=rc.cache.kind,
         **cache_record(rc.cache, rc.engine.name, engine_options(rc), rc.dtype.storage),
-        dtype=dtype_label(rc.dtype.storage, rc.dtype.compute),
+        engine_threads=engine_threads(rc), dtype=dtype_label(rc.dtype.storage, rc.dtype.compute),
         device_requested=rc.device, experiment=rc.experiment, n_prompts=rc.n_prompts,
         new_tokens=rc.new_tokens, prompt_len=rc.prompt_len, max_len=rc.max_len, batch=rc.batch,
         compile=rc.compile,
@@ -536,6 +536,16 @@ def asked_measurements(names) -> str:
         return ",".join(measurements.chosen(names))
     except ValueError:
         return ",".join(map(str, names or []))
+
+
+def engine_threads(rc: RunConfig) -> int | None:
+    """The threads an engine with its own thread count computes with (llama.cpp's ``engine.threads``; 0 is torch's
+    count), or None for the engines that compute in torch (its count is the fingerprint's ``threads``)."""
+    try:
+        threads = getattr(engine_options(rc), "threads", None)
+    except (TypeError, KeyError):  # an engine the config does not know: the run fails on it with its own message
+        return None
+    return None if threads is None else threads or torch.get_num_threads()
 
 
 def cache_record(cache: CacheChoice, engine: str = "kvlab", engine_opts=None, storage: str = "fp32") -> dict:

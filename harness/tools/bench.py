@@ -401,7 +401,7 @@ def bench_bytes(args: argparse.Namespace, cfg, batch: int | None = None) -> dict
     --paged; cold, warm, reuse and the snapshot with --prefix; two engines' with the HF comparison) and the largest
     forward's transients (``_forward_bytes``). ``batch`` replaces ``args.batch`` (to search what would fit)."""
     B = args.batch if batch is None else batch
-    dtype = DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype or "fp32"]
     isz = itemsize(dtype)
     P = memory.param_count(cfg)
     n_pos = cfg.n_positions
@@ -448,7 +448,7 @@ def _needs(args: argparse.Namespace, cfg, device: torch.device, batch: int | Non
     need = bench_bytes(args, cfg, batch)
     if device.type == "cpu":
         return {"cpu": sum(need.values())}
-    on_gpu = memory.param_count(cfg) * itemsize(DTYPES[args.dtype]) + need["cache"] + need["transients"]
+    on_gpu = memory.param_count(cfg) * itemsize(DTYPES[args.dtype or "fp32"]) + need["cache"] + need["transients"]
     return {"cpu": need["weights"], "gpu": on_gpu}
 
 
@@ -531,9 +531,12 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> to
     if len(modes) > 1:
         ap.error(f"{' and '.join('--' + m for m in modes)}: give one of --kinds, --prefix, --paged, --peers (or "
                  "none: ours vs HF)")
-    if args.peers and (args.batch is not None or args.dtype != "fp32" or args.compile):
-        ap.error("--peers runs its own grid (fp32 and fp16, batch 1 and 8, ours eager and compiled): give only "
-                 "--contexts, --repeats, --warmup, --seed and --model")
+    if args.peers and args.compile:
+        ap.error("--peers times ours eager and compiled already: drop --compile")
+    if args.peers:  # its grid: fp32 and fp16 and batches 1 and 8, or only the --dtype and --batch given
+        args.peer_dtypes, args.peer_batches = [args.dtype] if args.dtype else None, args.batch
+        args.dtype = "fp32"  # the model is built in fp32; each dtype's engines are converted from it
+    args.dtype = args.dtype or "fp32"
     for flag, value, mode in (("--prefixes", args.prefixes, "prefix"), ("--suffix", args.suffix, "prefix"),
                               ("--prompt-max", args.prompt_max, "paged"), ("--output-max", args.output_max, "paged")):
         if value is not None and not getattr(args, mode):
@@ -557,8 +560,10 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> to
     if not 0 <= args.seed < MAX_SEED:
         ap.error(f"--seed {args.seed}: use an integer 0 <= seed < 2**63")
     device = _device(ap, args)
-    if (args.dtype != "fp32" or device.type != "cpu") and not args.kinds:
-        ap.error("--dtype and --device are for --kinds; the HF comparison, --prefix and --paged run fp32 on the CPU")
+    if device.type != "cpu" and not args.kinds:
+        ap.error("--device is for --kinds; the HF comparison, --prefix, --paged and --peers run on the CPU")
+    if args.dtype != "fp32" and not args.kinds:
+        ap.error("--dtype is for --kinds and --peers; the HF comparison, --prefix and --paged run fp32")
     args.contexts = args.contexts or ([32, 128, 512, 960] if args.kinds else [128, 512, 960] if args.peers
                                       else [32, 512])
     if args.repeats < 1 or args.warmup < 0:
@@ -602,11 +607,14 @@ def main(argv=None) -> None:
     ap.add_argument("--suffix", type=int, default=None, help="with --prefix: each request's own tokens (default 16)")
     ap.add_argument("--paged", action="store_true", help="a ragged batch served on each layout: KV waste, step time")
     ap.add_argument("--peers", action="store_true",
-                    help="ours (eager, compiled) vs HF vs llama.cpp: fp32 and fp16, batch 1 and 8, as ratios")
+                    help="ours (eager, compiled) vs HF vs llama.cpp: fp32 and fp16, batch 1 and 8 (or the --dtype "
+                         "and --batch given), as ratios")
     ap.add_argument("--batch", type=int, default=None,
                     help="with --kinds: sequences decoded together (default 1); with --paged: requests served "
-                         "together (default 16)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="the model's and its caches' dtype")
+                         "together (default 16); with --peers: only this batch's rows (default both 1 and 8)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="the model's and its caches' dtype (default fp32; with --peers: only this dtype's rows, "
+                         "default both fp32 and fp16)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (or cuda:N)")
     ap.add_argument("--compile", action="store_true",
                     help="with --kinds or --paged: the kinds our engine compiles decode compiled (compile=true); "
@@ -623,7 +631,8 @@ def main(argv=None) -> None:
               f"{torch.get_num_threads()} threads")
         return bench_paged(args, model)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
-    print(f"model {args.model} (seeded random init, seed {args.seed}), {args.dtype}, batch {args.batch}, "
+    grid = "the grid of --peers" if args.peers else f"{args.dtype}, batch {args.batch}"
+    print(f"model {args.model} (seeded random init, seed {args.seed}), {grid}, "
           f"{args.device}, torch {torch.__version__}, {where}; median of {args.repeats} steps after {args.warmup} "
           "warm-up")
     if args.peers:

@@ -18,7 +18,6 @@ import json
 import math
 import os
 import sys
-import weakref
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.common.ownership import atomic_write
-from harness.core.copying import distinct_rows, model_copy_accuracy
+from harness.core.copying import model_copy_accuracy, output_rows
 from harness.train.corpus import TrainingData, windows
 from harness.train.export import finished
 from harness.train.recipe import (COPY_FROM, COPY_K, COPY_LENGTHS, EOT, EVAL_LEN, EVAL_TOKENS, LATE, NEAR,
@@ -79,19 +78,6 @@ def prompts_nll(model: Decoder, tok: Tokenizer, bos: int | None = None) -> float
     return total / max(count, 1)
 
 
-_ROWS: dict = {}
-
-
-def output_rows(model: Decoder) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``distinct_rows`` of the model's output embedding, found once per state of its weight (kept for the last
-    one asked about: an evaluation asks dozens of times; a training step changes the weight, and so the key)."""
-    w = model.lm_head.weight
-    state = (w.data_ptr(), w._version, w.dtype)  # the same tensor, unchanged in place and not given new data
-    if "ref" not in _ROWS or _ROWS["ref"]() is not w or _ROWS["state"] != state:
-        _ROWS.update(ref=weakref.ref(w), state=state, rows=distinct_rows(w))
-    return _ROWS["rows"]
-
-
 @torch.no_grad()
 def position_nll(model: Decoder, wins: torch.Tensor, batch: int = 2, start: int = 0, **attention) -> torch.Tensor:
     """(T - start,) mean NLL at each position from ``start`` on over (N, T + 1) windows, full softmax;
@@ -100,7 +86,7 @@ def position_nll(model: Decoder, wins: torch.Tensor, batch: int = 2, start: int 
     distinct row of the output embedding (``harness.core.copying.distinct_rows``): the same softmax, at a fifth of
     the cost for a checkpoint whose unused ids share one row."""
     total = torch.zeros(wins.size(1) - 1 - start, dtype=torch.float64)
-    rows, log_count, index = output_rows(model)
+    rows, log_count, index, _ = output_rows(model)
     hidden = {}
 
     def keep(mod, args):  # the final hidden states; the full projection itself is not needed

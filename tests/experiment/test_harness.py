@@ -489,7 +489,8 @@ def test_bench_kinds_times_a_batch_and_checks_the_kind_targets_it_measured(tiny_
     (["--kinds", "--batch", "0"], "--batch must be >= 1"),
     (["--compile"], "--compile is for --kinds"),
     (["--kinds", "--device", "tpu"], "is not a device"),
-    (["--dtype", "fp16"], "--dtype and --device are for --kinds"),
+    (["--dtype", "fp16"], "--dtype is for --kinds and --peers"),
+    (["--device", "cuda"], "no CUDA device"),
 ])
 def test_bench_refuses_options_it_cannot_honour_in_one_line(capsys, argv, says):
     from harness.tools.bench import main

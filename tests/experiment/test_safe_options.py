@@ -322,3 +322,15 @@ def test_compile_with_a_tail_the_stored_bytes_do_not_hold_is_refused():
         validate(bad, 64)
     for ok in (["cache.tail=group"], ["cache.tail=residual", "cache.k_axis=token"]):
         validate(compose_cfg(["model=tiny", "cache=quant", "compile=true", *ok]), 64)
+
+
+@pytest.mark.parametrize("overrides, threads", [(["engine=llamacpp", "engine.threads=3"], 3),
+                                                (["engine=llamacpp"], "torch"), (["engine=hf"], None), ([], None)])
+def test_the_record_says_how_many_threads_llama_cpp_computed_with(overrides, threads):
+    """engine.threads is llama.cpp's own count, which can differ from torch's (the fingerprint's threads); the
+    record says which it was (0 asks for torch's count), and nothing on the engines that compute in torch."""
+    from harness.experiment.config import read
+    from harness.experiment.runner import config_record
+
+    rec = config_record(read(compose_cfg(["model=tiny", *overrides, "tracking=disabled"])))
+    assert rec["engine_threads"] == (torch.get_num_threads() if threads == "torch" else threads)

@@ -315,8 +315,10 @@ def test_every_measurement_runs_on_every_kind_and_engine_where_it_applies(confor
         assert {k for k, e in ran[name] if e == "kvlab"} == set(CACHE_KINDS), name
         assert {("concat", "hf"), ("quant", "hf")} <= ran[name], name  # HF in fp16, and its lossy QuantizedCache
         assert ("prealloc", "llamacpp") in ran[name], name  # llama.cpp's kernels drift from kvlab's fp32
-    served = {(r["cache_label"], r["cache_exact"]) for _, r in _runs([conformance["llamacpp"]])}
-    assert served == {("prealloc · llamacpp", True), ("prealloc · llamacpp K f32 V q4_0", False)}
+    served = {(r["cache_label"], r["cache_exact"], r["engine_threads"] == r["threads"])
+              for _, r in _runs([conformance["llamacpp"]])}  # engine.threads=0: as many as torch's
+    assert served == {("prealloc · llamacpp", True, True), ("prealloc · llamacpp K f32 V q4_0", False, True)}
+    assert {r["engine_threads"] for _, r in runs if r["engine"] != "llamacpp"} == {None}
     assert ran["compile"] == {("prealloc", "kvlab")}
     assert {k for k, e in ran["retrieval"] if e == "kvlab"} == set(CACHE_KINDS)
     assert ran["server"] == {(k, "kvlab") for k in CACHE_KINDS}  # every kind serves (each request checked)

@@ -1,6 +1,6 @@
 """``python -m harness.bench --peers``: every engine's decode step (ours eager and compiled, HF, llama.cpp) on the
-same weights, in one run, for both dtypes and both batches, each as a ratio to llama.cpp's; the goal line judges the
-ratio it printed; a grid option it does not take is refused in one line."""
+same weights, in one run, for both dtypes and both batches (or the one --dtype and --batch given), each as a ratio to
+llama.cpp's; the goal line judges the ratio it printed; an option it cannot honour is refused in one line."""
 
 from __future__ import annotations
 
@@ -31,10 +31,23 @@ def test_peers_times_every_engine_for_every_dtype_batch_and_depth(capsys, tmp_pa
     assert f"{best:.2f}x" in goal and ("met" in goal) == (best <= bench_peers.GOAL)
 
 
-@pytest.mark.parametrize("argv", [["--batch", "2"], ["--dtype", "fp16"], ["--compile"], ["--kinds"]])
-def test_peers_refuses_what_its_grid_sets_in_one_line(capsys, argv):
+def test_peers_times_only_the_dtype_and_batch_given(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv(L.GGUF_CACHE_ENV, str(tmp_path))
+    results = main(["--model", "tiny", "--peers", "--dtype", "fp16", "--batch", "2", "--contexts", "16", "24",
+                    "--repeats", "1", "--warmup", "0"])
+    out = capsys.readouterr().out
+    assert set(results) == {("fp16", 2, 16), ("fp16", 2, 24)}
+    assert [ln.split()[:3] for ln in out.splitlines() if re.match(r"fp(16|32)\s", ln)] == [
+        ["fp16", "2", "16"], ["fp16", "2", "24"]]
+    goal = next(ln for ln in out.splitlines() if ln.startswith("goal:"))
+    assert "not judged" in goal and "fp32, batch 1, depth 24" in goal
+
+
+@pytest.mark.parametrize("argv", [["--compile"], ["--kinds"], ["--device", "cuda"]])
+def test_peers_refuses_what_it_cannot_honour_in_one_line(capsys, argv):
     with pytest.raises(SystemExit) as e:
         main(["--model", "tiny", "--peers", *argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1
-    assert "--peers runs its own grid" in err or "give one of --kinds, --prefix, --paged, --peers" in err
+    assert any(s in err for s in ("drop --compile", "give one of --kinds, --prefix, --paged, --peers",
+                                  "sees no CUDA device", "run on the CPU"))

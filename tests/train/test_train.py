@@ -503,6 +503,26 @@ def test_heldout_nll_over_distinct_rows_is_the_full_softmax(tiny_model):
     assert torch.allclose(got, want.view(3, -1).double().mean(0), atol=1e-5)
 
 
+@pytest.mark.parametrize("after", [0, 9])
+def test_copy_accuracy_projects_only_the_scored_span_and_picks_what_argmax_over_every_id_would(tiny_model, after):
+    """model_copy_accuracy projects a kvlab model's hidden states only at the copied span, once per distinct output
+    row: the top-1 ids are the full logits' argmax (the first of the ids sharing a row, as argmax over all takes)."""
+    import copy
+
+    m = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        m.transformer.wte.weight[300:] = m.transformer.wte.weight[299]  # 49,958 ids share one row
+    x = torch.randint(0, 400, (3, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = m(x).argmax(-1)[:, after:after + 25]
+        got = copying._top1(m, x, after, after + 25)
+    assert torch.equal(got, want) and int(got.max()) <= 299  # an id of the shared row: its first, 299
+    assert copying.output_rows(m)[3][copying.output_rows(m)[2][350]] == 299
+    ids = torch.arange(250, 400)  # draws from the shared row too: each scored as argmax over every id scores it
+    full = copying.model_copy_accuracy(torch.nn.Sequential(m), ids, 12, k=4, after=after)  # no lm_head: full logits
+    assert copying.model_copy_accuracy(m, ids, 12, k=4, after=after) == full
+
+
 @pytest.mark.slow
 def test_the_recipe_teaches_a_tiny_model_to_copy_in_seconds():
     """Repeated random spans (the recipe's copy rows, initialisation, optimiser and schedule) make a 2-layer model
@@ -860,11 +880,11 @@ def test_the_output_embeddings_distinct_rows_are_found_again_once_it_changes():
     the weight in place (a training step), or another model, finds them again."""
     torch.manual_seed(0)
     model = GPT2(SMALL)
-    first = targets.output_rows(model)
-    assert targets.output_rows(model) is first
+    first = copying.output_rows(model)
+    assert copying.output_rows(model) is first
     with torch.no_grad():
         model.lm_head.weight.mul_(2)
-    again = targets.output_rows(model)
+    again = copying.output_rows(model)
     assert again is not first and torch.equal(again[0], torch.unique(model.lm_head.weight.float(), dim=0))
     other = GPT2(SMALL)
-    assert not torch.equal(targets.output_rows(other)[0], again[0])
+    assert not torch.equal(copying.output_rows(other)[0], again[0])
