@@ -161,55 +161,6 @@ def test_hf_refuses_what_it_has_no_counterpart_of(engines):
         hf.new_cache("quant", max_len=16, window=4)
 
 
-@pytest.mark.slow
-def test_hf_is_a_peer_in_the_grid(tmp_path):
-    """`-m engine=kvlab,hf cache=concat,prealloc,quant/token`: six comparable runs, measured the same way, told
-    apart by their engine in every table (quant with K per token on both: the one layout quanto runs)."""
-    import json
-
-    from tests.helpers import TINY, run_py
-
-    sweep, kinds = tmp_path / "sweep", ("concat", "prealloc", "quant")
-    proc = run_py(["-m", "engine=kvlab,hf", "cache=concat,prealloc,quant/token", *TINY, "batch_sizes=[1,2]",
-                   "batch_context=8", "tracking=disabled", f"hydra.sweep.dir={sweep}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    runs = [json.loads(p.read_text()) for p in sweep.glob("*/results.json")]
-    got = {(r["engine"], r["cache"]): r for r in runs}
-    assert set(got) == {(e, c) for e in ("kvlab", "hf") for c in kinds}
-    for (engine, cache), r in got.items():
-        assert r["status"] == "ok" and r["nbytes_match"] and r["nbytes_curve_match"], r
-        assert r["tokens_identical"] or cache == "quant", r
-        label = "quant k4/v4 g32 K/token" if cache == "quant" else cache
-        assert cache != "quant" or (r["cache_k_axis"], r["cache_v_axis"], r["cache_quantize"]) == ("token", "token",
-                                                                                                  "kv")
-        assert r["cache_label"] == (label if engine == "kvlab" else f"{label} · hf")
-    for e in ("kvlab", "hf"):  # same weights, same bytes: HF's exact caches hold what ours hold
-        assert got[(e, "concat")]["cache_nbytes"] == got[("kvlab", "concat")]["cache_nbytes"]
-        assert got[(e, "prealloc")]["cache_nbytes"] == got[("kvlab", "prealloc")]["cache_nbytes"]
-    for e in ("kvlab", "hf"):  # both quantised caches drift off fp32, and a token costs less than in fp32
-        q = got[(e, "quant")]
-        assert q["drift_kl"] > 0 and q["bytes_per_token"] < got[(e, "concat")]["bytes_per_token"] / 2
-    import pandas as pd
-
-    steps = pd.read_csv(sweep / "report" / "steps.csv")
-    assert set(steps.engine) == {"kvlab", "hf"} and steps.cache_label.nunique() == 6
-    # ours / HF from this one sweep: every (cache, context) at batch 1 from steps.csv, and batch 2 from batches.csv
-    ratios = pd.read_csv(sweep / "report" / "engine_ratios.csv")
-    settings = ("concat", "prealloc", "quant k4/v4 g32 K/token")  # each kind with its options
-    assert set(zip(ratios.cache, ratios.context_len, ratios.batch)) == {
-        (c, t, 1) for c in settings for t in (8, 32)} | {(c, 8, 2) for c in settings}
-    cached = steps[steps["mode"] == "cached"].set_index(["cache_label", "context_len"]).ms_median
-    for _, r in ratios[ratios.batch == 1].iterrows():
-        assert r.ours_over_hf == pytest.approx(cached[r.cache, r.context_len] / cached[f"{r.cache} · hf",
-                                                                                      r.context_len])
-    assert "ours / HF cached decode-step time" in proc.stdout
-    batches = pd.read_csv(sweep / "report" / "batches.csv")
-    for _, g in batches.groupby("run_name"):
-        g = g.set_index("batch")
-        assert g.loc[2, "kv_bytes"] == 2 * g.loc[1, "kv_bytes"] and g.loc[2, "weight_bytes"] == g.loc[1, "weight_bytes"]
-        assert g.loc[2, "tokens_per_s"] == pytest.approx(2 / (g.loc[2, "ms_median"] * 1e-3))
-
-
 def test_bytes_read_count_what_each_engines_cache_hands_attention(engines):
     """HF's StaticCache returns all max_len slots to attention every step (masked): a step reads them all; its
     DynamicCache and our kinds read the ctx + 1 tokens held."""

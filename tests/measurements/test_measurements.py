@@ -258,12 +258,13 @@ def conformance(tmp_path_factory):
     sweeps = {"kvlab": ["-m", f"cache={KVLAB_KINDS}", "dtype=fp32", "engine=kvlab", *EVERY_KIND, *SERVED],
               "kvlab16": ["-m", f"cache={','.join(FULL_ATTENTION)}", "dtype=fp16", "engine=kvlab"],
               "budgets": ["-m", "cache=h2o,window", "cache.budget=16,24", "engine=kvlab", *EVERY_KIND],
-              "hf": ["-m", f"cache={','.join(HF_KINDS)}", "dtype=fp32", "engine=hf"],
+              # HF's exact caches and its QuantizedCache (4 bits, K per token: the layout quanto runs), beside ours
+              "hf": ["-m", "engine=kvlab,hf", f"cache={','.join(HF_KINDS)},quant/token", "dtype=fp32"],
               "hf16": ["-m", "cache=concat", "dtype=fp16", "dtype.compute=fp16", "engine=hf"],
-              "hf_quant": ["-m", "cache=quant", "cache.k_bits=4", "cache.v_bits=4", "cache.k_axis=token",
-                           "engine=hf"],
-              # llama.cpp's K/V buffer in the storage dtype (exact) and with a q4_0 V (lossy)
-              "llamacpp": ["-m", "cache=prealloc", "engine=llamacpp", "engine.type_v=auto,q4_0"],
+              # llama.cpp's K/V buffer in the storage dtype (exact) and with a q4_0 V (lossy); no test reads its
+              # report, so it draws none (a report takes longer than both runs)
+              "llamacpp": ["-m", "cache=prealloc", "engine=llamacpp", "engine.type_v=auto,q4_0",
+                           "~hydra.callbacks.report"],
               # a re-positioned window streaming past a rotary model's 128 positions (the report's stream figure)
               "stream": ["-m", "model=tiny-gqa", "cache=window", "cache.positions=cache", "cache.sinks=0,1",
                          "max_len=256", "drift_text_len=256"]}
@@ -274,6 +275,7 @@ def conformance(tmp_path_factory):
         proc = run_py([*args, *small, f"hydra.sweep.dir={tmp / name}"], tmp)
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[name] = tmp / name
+        (tmp / f"{name}.stdout").write_text(proc.stdout)  # what the sweep printed
     proc = run_py([*SMALL, "compile=true", "cache=prealloc", f"hydra.run.dir={tmp / 'compiled'}"], tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out["compiled"] = tmp / "compiled"
@@ -292,7 +294,7 @@ def _runs(folders) -> list[tuple[Path, dict]]:
 @pytest.mark.slow
 def test_every_measurement_runs_on_every_kind_and_engine_where_it_applies(conformance):
     runs = _runs(conformance.values())
-    assert len(runs) == len(CACHE_KINDS) + len(FULL_ATTENTION) + 4 + len(HF_KINDS) + 1 + 1 + 1 + 2 + 2
+    assert len(runs) == len(CACHE_KINDS) + len(FULL_ATTENTION) + 4 + 2 * (len(HF_KINDS) + 1) + 1 + 1 + 2 + 2
     ran = {name: set() for name in MEASUREMENTS}
     for folder, r in runs:
         assert r["status"] == "ok", (folder, r.get("error"))
@@ -326,6 +328,44 @@ def test_every_measurement_runs_on_every_kind_and_engine_where_it_applies(confor
 
 
 @pytest.mark.slow
+def test_hf_is_a_peer_in_the_grid(conformance):
+    """`-m engine=kvlab,hf cache=concat,prealloc,quant/token`: six comparable runs, measured the same way, told
+    apart by their engine in every table (quant with K per token on both: the one layout quanto runs)."""
+    sweep, kinds = conformance["hf"], ("concat", "prealloc", "quant")
+    got = {(r["engine"], r["cache"]): r for _, r in _runs([sweep])}
+    assert set(got) == {(e, c) for e in ("kvlab", "hf") for c in kinds}
+    for (engine, cache), r in got.items():
+        assert r["status"] == "ok" and r["nbytes_match"] and r["nbytes_curve_match"], r
+        assert r["tokens_identical"] or cache == "quant", r
+        label = "quant k4/v4 g32 K/token" if cache == "quant" else cache
+        assert cache != "quant" or (r["cache_k_axis"], r["cache_v_axis"], r["cache_quantize"]) == ("token", "token",
+                                                                                                  "kv")
+        assert r["cache_label"] == (label if engine == "kvlab" else f"{label} · hf")
+    for e in ("kvlab", "hf"):  # same weights, same bytes: HF's exact caches hold what ours hold
+        assert got[(e, "concat")]["cache_nbytes"] == got[("kvlab", "concat")]["cache_nbytes"]
+        assert got[(e, "prealloc")]["cache_nbytes"] == got[("kvlab", "prealloc")]["cache_nbytes"]
+    for e in ("kvlab", "hf"):  # both quantised caches drift off fp32, and a token costs less than in fp32
+        q = got[(e, "quant")]
+        assert q["drift_kl"] > 0 and q["bytes_per_token"] < got[(e, "concat")]["bytes_per_token"] / 2
+    steps = pd.read_csv(sweep / "report" / "steps.csv")
+    assert set(steps.engine) == {"kvlab", "hf"} and steps.cache_label.nunique() == 6
+    # ours / HF from this one sweep: every (cache, context) at batch 1 from steps.csv, and batch 2 from batches.csv
+    ratios = pd.read_csv(sweep / "report" / "engine_ratios.csv")
+    settings = ("concat", "prealloc", "quant k4/v4 g32 K/token")  # each kind with its options
+    assert set(zip(ratios.cache, ratios.context_len, ratios.batch)) == {(c, 8, b) for c in settings for b in (1, 2)}
+    cached = steps[steps["mode"] == "cached"].set_index(["cache_label", "context_len"]).ms_median
+    for _, r in ratios[ratios.batch == 1].iterrows():
+        assert r.ours_over_hf == pytest.approx(cached[r.cache, r.context_len] / cached[f"{r.cache} · hf",
+                                                                                      r.context_len])
+    assert "ours / HF cached decode-step time" in (sweep.parent / "hf.stdout").read_text()
+    batches = pd.read_csv(sweep / "report" / "batches.csv")
+    for _, g in batches.groupby("run_name"):
+        g = g.set_index("batch")
+        assert g.loc[2, "kv_bytes"] == 2 * g.loc[1, "kv_bytes"] and g.loc[2, "weight_bytes"] == g.loc[1, "weight_bytes"]
+        assert g.loc[2, "tokens_per_s"] == pytest.approx(2 / (g.loc[2, "ms_median"] * 1e-3))
+
+
+@pytest.mark.slow
 def test_every_kind_serves_requests_each_equal_to_its_run_alone(conformance):
     """The every-kind sweep serves 3 requests on each kind (serve.*): requests.csv, tokens.csv and timeline.csv
     agree with the record, the budget is never exceeded, and the sweep's findings compare each kind with prealloc."""
@@ -346,7 +386,7 @@ def test_every_kind_serves_requests_each_equal_to_its_run_alone(conformance):
 @pytest.mark.slow
 def test_every_figure_draws_from_a_sweep(conformance):
     drawn = set()
-    for name in ("kvlab", "kvlab16", "budgets", "hf", "hf16", "hf_quant", "stream"):
+    for name in ("kvlab", "kvlab16", "budgets", "hf", "hf16", "stream"):
         rep = conformance[name] / "report"
         drawn |= {p.stem for p in rep.glob("*.png") if p.stat().st_size > 0}
         assert (rep / "report.html").is_file()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from harness.core import llamacpp as L
 from harness.tools import bench_peers
@@ -31,12 +32,21 @@ def test_peers_times_every_engine_for_every_dtype_batch_and_depth(capsys, tmp_pa
     assert f"{best:.2f}x" in goal and ("met" in goal) == (best <= bench_peers.GOAL)
 
 
-def test_peers_times_only_the_dtype_and_batch_given(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv(L.GGUF_CACHE_ENV, str(tmp_path))
+def test_peers_times_only_the_dtype_and_batch_given(capsys, monkeypatch):
+    from harness.core.engines import KvlabEngine
+
+    made = []  # the grid's logic alone: four eager engines stand in for the peers (no compile, no GGUF)
+
+    def engines(model, dtype):
+        made.append(dtype)
+        m = model.to(dtype)
+        return [(label, KvlabEngine(m)) for label in ("kvlab", "kvlab compiled", "hf", "llamacpp")]
+
+    monkeypatch.setattr(bench_peers, "peer_engines", engines)
     results = main(["--model", "tiny", "--peers", "--dtype", "fp16", "--batch", "2", "--contexts", "16", "24",
                     "--repeats", "1", "--warmup", "0"])
     out = capsys.readouterr().out
-    assert set(results) == {("fp16", 2, 16), ("fp16", 2, 24)}
+    assert set(results) == {("fp16", 2, 16), ("fp16", 2, 24)} and made == [torch.float16]
     assert [ln.split()[:3] for ln in out.splitlines() if re.match(r"fp(16|32)\s", ln)] == [
         ["fp16", "2", "16"], ["fp16", "2", "24"]]
     goal = next(ln for ln in out.splitlines() if ln.startswith("goal:"))
