@@ -632,7 +632,7 @@ def test_the_curriculum_trains_short_rows_first_with_the_same_tokens_per_step():
     assert run.shape() == (8, 128)
 
 
-PROBES = ("context_probe", "copy_from_probe", "copy_probe", "decode_attention_probe", "eviction_probe",
+PROBES = ("context_probe", "copy_from_probe", "copy_probe", "decode_attention_probe", "eviction_probe", "gemv_probe",
           "induction_probe", "induction_toy", "kv_stats", "sink_probe")
 
 
