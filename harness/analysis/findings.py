@@ -42,7 +42,7 @@ class Finding:
 
     text: str
     runs: tuple[str, ...]
-    kind: str  # "frontier" | "axis" | "surprise" | "serving"
+    kind: str  # "frontier" | "axis" | "paired" | "surprise" | "serving"
 
 
 # ---- what every sweep found --------------------------------------------------------------------------------------
@@ -60,7 +60,8 @@ def _label(row: pd.Series) -> str:
 
 
 # the per-position metric behind each quality key, for its interval (harness.analysis.papers.METRICS)
-QUALITY_METRIC = {KEYS.drift_kl_p99: "kl_p99", KEYS.drift_delta_nll: "nll", KEYS.retrieval_acc: "copy"}
+QUALITY_METRIC = {KEYS.drift_kl_p99: "kl_p99", KEYS.drift_delta_nll: "nll", KEYS.retrieval_acc: "copy",
+                  KEYS.drift_kl: "kl"}
 
 
 def _rows_of(frames: dict | None, ok: pd.DataFrame) -> papers.Runs | None:
@@ -159,6 +160,54 @@ def axis_findings(ok: pd.DataFrame, frames: dict | None = None) -> list[Finding]
     return out
 
 
+def paired_findings(ok: pd.DataFrame, frames: dict | None = None) -> list[Finding]:
+    """An axis of two values whose runs pair one to one on every other swept axis, in two pairs or more (kvlab's
+    blocks against llama.cpp's types at each of K alone, V alone and both): per pair, the second value's run over
+    the first's in mean KL (else text ΔNLL), paired over the texts both scored, with its 95% interval. (With one run
+    per value, ``axis_findings`` already says so.)"""
+    key = next((k for k in (KEYS.drift_kl, KEYS.drift_delta_nll) if k in ok and ok[k].notna().any()), None)
+    at = _rows_of(frames, ok)
+    if key is None or at is None:
+        return []
+    axes, out = _axes(ok), []
+    splits = {c: frozenset(frozenset(i) for i in ok.groupby(ok[c].map(as_written), sort=False).groups.values())
+              for c in axes}
+    for col in axes:
+        values = sorted(ok[col].dropna().map(as_written).unique(), key=_order)
+        others = [c for c in axes if c != col and splits[c] != splits[col]]
+        if len(values) != 2 or not others:
+            continue
+        pairs = _pairs(ok[ok[key].notna()], col, values, others)
+        said = []
+        for label, (a, b) in pairs:
+            got = _versus(at, b, a, key)
+            if got is not None:
+                iv, how = got
+                said.append(f"{label} {iv.estimate:.3g}× [{iv.lo:.3g}, {iv.hi:.3g}]" if how == "ratio" else
+                            f"{label} {num(iv.estimate, True)} [{num(iv.lo, True)}, {num(iv.hi, True)}]")
+        if len(said) >= 2:
+            name = "mean KL" if key == KEYS.drift_kl else "text ΔNLL"
+            how = "over" if key == KEYS.drift_kl else "minus"
+            out.append(Finding(
+                f"{_axis_name(col)} {values[1]} {how} {values[0]}, run for run at the same "
+                f"{', '.join(_axis_name(c) for c in others)}: {name} " + "; ".join(said)
+                + f" (each a paired 95% interval over the {iv.n} texts both scored).",
+                names(*[r for _, pair in pairs for r in pair]), "paired"))
+    return out
+
+
+def _pairs(ok: pd.DataFrame, col: str, values: list, others: list[str]) -> list[tuple[str, tuple]]:
+    """[(the other axes' values, (the run at values[0], the run at values[1]))] where exactly one run of each value
+    has them."""
+    keyed = ok.assign(_at=ok[others].apply(lambda r: tuple(_short(v) for v in r.fillna("—")), axis=1))
+    out = []
+    for at, g in keyed.groupby("_at"):
+        rows = [g[g[col].map(as_written) == v] for v in values]
+        if all(len(r) == 1 for r in rows):
+            out.append(("/".join(at), (rows[0].iloc[0], rows[1].iloc[0])))
+    return out
+
+
 def _axis_part(sub: pd.DataFrame, col: str, key: str, name: str, better: str, at=None) -> str:
     """"<metric> <value> <median> (<ratio>× <best value>'s), ..." for one axis, or "" where fewer than two values
     have the metric. With one run per value and per-position rows (``at``), the comparison with the best value is
@@ -248,7 +297,8 @@ def sweep_findings(runs: pd.DataFrame, frames: dict | None = None) -> list[Findi
         return []
     ok = with_reference_at_zero(ok_runs(runs), [k for k, _, _ in QUALITY[:2]])  # as the Pareto figure draws it
     served = [Finding(text, runs_, "serving") for text, runs_ in server.findings(runs)]
-    return frontier_findings(ok, frames) + axis_findings(ok, frames) + surprise_findings(runs, ok) + served
+    return (frontier_findings(ok, frames) + axis_findings(ok, frames) + paired_findings(ok, frames)
+            + surprise_findings(runs, ok) + served)
 
 
 # ---- as text -----------------------------------------------------------------------------------------------------

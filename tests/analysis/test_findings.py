@@ -84,6 +84,27 @@ def test_an_axis_that_follows_another_is_said_once():
     assert len(axis) == 1 and axis[0].text.startswith("cache.sinks:") and "cache.window varied with it" in axis[0].text
 
 
+def test_two_engines_are_set_run_for_run_against_each_other_with_paired_intervals():
+    """kvlab's blocks and llama.cpp's types at K alone, V alone and both (paper_kv_types on both engines): one
+    sentence, each pair (the same cache.quantize) as a ratio of mean KL with a paired interval over the texts: K
+    costs 1.4x on llama.cpp (wholly above 1), V the same (an interval around 1)."""
+    kl = {"k": 1e-4, "v": 3e-5, "kv": 1.3e-4}
+    runs = frame(*[run(f"{e}-{q}", engine=e, cache_quantize=q, drift_kl=kl[q] * (1.4 if (e, q) == ("llamacpp", "k")
+                                                                                  else 1.0))
+                   for e in ("kvlab", "llamacpp") for q in kl])
+    (paired,) = texts(sweep_findings(runs, positions_of(runs)), "paired")
+    assert paired.text.startswith("engine llamacpp over kvlab, run for run at the same cache.quantize: mean KL k ")
+    got = {}
+    for part in paired.text.split(": mean KL ")[1].split(" (each")[0].split("; "):
+        q, est, lo, hi = part.replace("× [", " ").replace(",", "").replace("]", "").split()
+        got[q] = (float(est), float(lo), float(hi))
+    assert set(got) == set(kl) and f"over the {N_TEXTS} texts both scored" in paired.text
+    assert got["k"][0] == pytest.approx(1.4, rel=0.02) and got["k"][1] > 1.3
+    assert got["v"][1] <= 1.0 <= got["v"][2] and got["kv"][1] <= 1.0 <= got["kv"][2]  # (3 digits: may print 1)
+    assert sorted(paired.runs) == sorted(runs.run_name)
+    assert texts(sweep_findings(runs), "paired") == []  # no per-position rows: no interval, so no sentence
+
+
 def test_what_contradicts_a_kinds_promise_is_said_with_its_runs():
     runs = frame(
         run("broken", "concat", status="not_equivalent", max_abs_logit_diff=0.25),
