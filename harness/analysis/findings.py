@@ -23,6 +23,8 @@ Pure: DataFrames in, dataclasses and text out; no writing, no printing.
 from __future__ import annotations
 
 import html
+import math
+import numbers
 from dataclasses import dataclass
 
 import pandas as pd
@@ -169,31 +171,42 @@ def paired_findings(ok: pd.DataFrame, frames: dict | None = None) -> list[Findin
     at = _rows_of(frames, ok)
     if key is None or at is None:
         return []
-    axes, out = _axes(ok), []
-    splits = {c: frozenset(frozenset(i) for i in ok.groupby(ok[c].map(as_written), sort=False).groups.values())
-              for c in axes}
+    exact = ok[KEYS.cache_exact].eq(True) if KEYS.cache_exact in ok else pd.Series(False, index=ok.index)
+    drifted = ok[ok[key].notna() & (ok[key] != 0) & ~exact]  # an exact run drifts by nothing: no ratio to take
+    axes, out, seen = _axes(drifted), [], set()
+    splits = {c: frozenset(frozenset(i) for i in drifted.groupby(drifted[c].map(as_written), sort=False)
+                           .groups.values()) for c in axes}
+    axes = [c for c in axes if not (splits[c] in seen or seen.add(splits[c]))]  # axes that move together: the first
     for col in axes:
-        values = sorted(ok[col].dropna().map(as_written).unique(), key=_order)
-        others = [c for c in axes if c != col and splits[c] != splits[col]]
+        values = sorted(drifted[col].dropna().map(as_written).unique(), key=_order)
+        others = [c for c in axes if c != col]
         if len(values) != 2 or not others:
             continue
-        pairs = _pairs(ok[ok[key].notna()], col, values, others)
-        said = []
-        for label, (a, b) in pairs:
-            got = _versus(at, b, a, key)
-            if got is not None:
-                iv, how = got
-                said.append(f"{label} {iv.estimate:.3g}× [{iv.lo:.3g}, {iv.hi:.3g}]" if how == "ratio" else
-                            f"{label} {num(iv.estimate, True)} [{num(iv.lo, True)}, {num(iv.hi, True)}]")
+        said, used, n = _paired_parts(at, _pairs(drifted, col, values, others), key)
         if len(said) >= 2:
-            name = "mean KL" if key == KEYS.drift_kl else "text ΔNLL"
-            how = "over" if key == KEYS.drift_kl else "minus"
+            name, how = ("mean KL", "over") if key == KEYS.drift_kl else ("text ΔNLL", "minus")
+            texts = f"{min(n)}" if min(n) == max(n) else f"{min(n)}-{max(n)}"
             out.append(Finding(
                 f"{_axis_name(col)} {values[1]} {how} {values[0]}, run for run at the same "
                 f"{', '.join(_axis_name(c) for c in others)}: {name} " + "; ".join(said)
-                + f" (each a paired 95% interval over the {iv.n} texts both scored).",
-                names(*[r for _, pair in pairs for r in pair]), "paired"))
+                + f" (each a paired 95% interval over the {texts} texts both scored).", names(*used), "paired"))
     return out
+
+
+def _paired_parts(at: papers.Runs, pairs: list, key: str) -> tuple[list[str], list, list[int]]:
+    """Each pair's "<label> <ratio>× [lo, hi]" (ΔNLL: a difference), the runs behind them and each one's texts;
+    a pair whose figure or interval is not finite says nothing."""
+    said, used, n = [], [], []
+    for label, (a, b) in pairs:
+        got = _versus(at, b, a, key)
+        if got is None or not all(math.isfinite(x) for x in (got[0].estimate, got[0].lo, got[0].hi)):
+            continue
+        iv, how = got
+        said.append(f"{label} {iv.estimate:.3g}× [{iv.lo:.3g}, {iv.hi:.3g}]" if how == "ratio" else
+                    f"{label} {num(iv.estimate, True)} [{num(iv.lo, True)}, {num(iv.hi, True)}]")
+        used += [a, b]
+        n.append(iv.n)
+    return said, used, n
 
 
 def _pairs(ok: pd.DataFrame, col: str, values: list, others: list[str]) -> list[tuple[str, tuple]]:
@@ -236,8 +249,8 @@ def _axis_part(sub: pd.DataFrame, col: str, key: str, name: str, better: str, at
 
 
 def _order(value) -> tuple:
-    """Numbers in their order, then text in its own (an axis may mix them)."""
-    return (0, value, "") if isinstance(value, (int, float)) and not isinstance(value, bool) else (1, 0, str(value))
+    """Numbers in their order (numpy's too), then text in its own (an axis may mix them)."""
+    return (0, value, "") if isinstance(value, numbers.Real) and not isinstance(value, bool) else (1, 0, str(value))
 
 
 def _short(value) -> str:

@@ -48,7 +48,8 @@ def output_rows(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
     state = (w.data_ptr(), w._version, w.dtype)  # the same tensor, unchanged in place and not given new data
     if "ref" not in _ROWS or _ROWS["ref"]() is not w or _ROWS["state"] != state:
         rows, log_count, index = distinct_rows(w)
-        first = torch.full((len(rows),), len(index)).scatter_reduce_(0, index, torch.arange(len(index)), "amin")
+        ids = torch.arange(len(index), device=index.device)
+        first = torch.full((len(rows),), len(index), device=index.device).scatter_reduce_(0, index, ids, "amin")
         _ROWS.update(ref=weakref.ref(w), state=state, rows=(rows, log_count, index, first))
     return _ROWS["rows"]
 
@@ -117,22 +118,28 @@ def model_copy_accuracy(model, ids: torch.Tensor, n: int, k: int = 8, seed: int 
 
 def _top1(model, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """The top-1 ids ``model`` predicts at input positions lo .. hi - 1 of ``x`` (b, T). A kvlab model's output
-    projection is made only there, and once per distinct row of its output embedding (``output_rows``; the first of
-    the ids sharing the top row, as argmax over every id would take); any other model: its full logits."""
+    projection (``lm_head``) is made only there: once per distinct row of its output embedding when it is a plain
+    bias-free projection (``output_rows``; the first of the ids sharing the top row, as argmax over every id would
+    take), or as the model makes it, hooks and all (the compact training model adds to one logit in a hook); any
+    other model: its full logits."""
     head = getattr(model, "lm_head", None)
-    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+    if not isinstance(head, torch.nn.Module):
         return model(x).argmax(-1)[:, lo:hi]
+    plain = (isinstance(head, torch.nn.Linear) and head.bias is None and not head._forward_hooks
+             and not head._forward_pre_hooks)
     hidden = {}
 
-    def keep(mod, args):  # the final hidden states of the scored positions; the full projection is not needed
+    def keep(mod, args):  # the final hidden states of the scored positions only
         hidden["h"] = args[0][:, lo:hi]
-        return (args[0][:, :0],)
+        return (args[0][:, :0] if plain else hidden["h"],)  # plain: the projection is made below
 
     skip = head.register_forward_pre_hook(keep)
     try:
-        model(x)
+        logits = model(x)
     finally:
         skip.remove()
+    if not plain:
+        return logits.argmax(-1)
     rows, _, _, first = output_rows(model)
     return first[(hidden.pop("h").float() @ rows.t()).argmax(-1)]
 

@@ -545,7 +545,9 @@ def engine_threads(rc: RunConfig) -> int | None:
         threads = getattr(engine_options(rc), "threads", None)
     except (TypeError, KeyError):  # an engine the config does not know: the run fails on it with its own message
         return None
-    return None if threads is None else threads or torch.get_num_threads()
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:  # refused: the run says why
+        return None
+    return threads or torch.get_num_threads()
 
 
 def cache_record(cache: CacheChoice, engine: str = "kvlab", engine_opts=None, storage: str = "fp32") -> dict:

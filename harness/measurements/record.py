@@ -55,9 +55,9 @@ class Setting:
     engine_type_k: str | None = key("the K type llama.cpp stores (engine=llamacpp: f32, f16, q8_0, q4_0, ...; "
                                     "cache=quant's as llama.cpp's); null on the other engines")
     engine_type_v: str | None = key("the V type llama.cpp stores, the same way")
-    engine_threads: int | None = key("the threads llama.cpp computes with (engine.threads; 0 asks for torch's "
-                                     "count); null on the engines that compute in torch (their count is threads)",
-                                     "threads")
+    engine_threads: int | None = key("the threads llama.cpp computes with (engine.threads, or torch's count where "
+                                     "that is 0); null on the engines that compute in torch (their count is "
+                                     "threads)", "threads")
     dtype: str = key("the dtype label: storage, or storage/compute")
     device_requested: str = key("cpu | cuda | auto, as asked")
     experiment: str = key("the experiment preset")

@@ -523,6 +523,20 @@ def _check_lengths(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -
             ap.error(f"context {ctx} + 1 decode token exceeds n_positions {cfg.n_positions} of {args.model}")
 
 
+def _peer_grid(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--peers' grid: fp32 and fp16, batches 1 and 8, or only the --dtype (fp32 or fp16) and --batch given
+    (``peer_dtypes``, ``peer_batches``: None for the whole axis). The model is built in fp32 and each dtype's engines
+    are converted from it."""
+    if args.compile:
+        ap.error("--peers times ours eager and compiled already: drop --compile")
+    given = None
+    if args.dtype is not None:
+        given = {torch.float32: "fp32", torch.float16: "fp16"}.get(DTYPES[args.dtype])
+        if given is None:
+            ap.error(f"--peers times fp32 and fp16: give --dtype fp32 or fp16, or neither for both (got {args.dtype})")
+    args.peer_dtypes, args.peer_batches, args.dtype = [given] if given else None, args.batch, "fp32"
+
+
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> torch.device:
     """Refuse, in one line each (exit 2), what the benchmark cannot honour, before anything is built: every count
     bounded (``MAX_*``), then the memory it would need against what is free (``check_memory``); fill in the
@@ -531,11 +545,8 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> to
     if len(modes) > 1:
         ap.error(f"{' and '.join('--' + m for m in modes)}: give one of --kinds, --prefix, --paged, --peers (or "
                  "none: ours vs HF)")
-    if args.peers and args.compile:
-        ap.error("--peers times ours eager and compiled already: drop --compile")
-    if args.peers:  # its grid: fp32 and fp16 and batches 1 and 8, or only the --dtype and --batch given
-        args.peer_dtypes, args.peer_batches = [args.dtype] if args.dtype else None, args.batch
-        args.dtype = "fp32"  # the model is built in fp32; each dtype's engines are converted from it
+    if args.peers:
+        _peer_grid(ap, args)
     args.dtype = args.dtype or "fp32"
     for flag, value, mode in (("--prefixes", args.prefixes, "prefix"), ("--suffix", args.suffix, "prefix"),
                               ("--prompt-max", args.prompt_max, "paged"), ("--output-max", args.output_max, "paged")):
@@ -631,7 +642,12 @@ def main(argv=None) -> None:
               f"{torch.get_num_threads()} threads")
         return bench_paged(args, model)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
-    grid = "the grid of --peers" if args.peers else f"{args.dtype}, batch {args.batch}"
+    grid = f"{args.dtype}, batch {args.batch}"
+    if args.peers:
+        from harness.tools.bench_peers import PEER_BATCHES, PEER_DTYPES
+
+        grid = (f"{' and '.join(args.peer_dtypes or PEER_DTYPES)}, batch "
+                f"{args.peer_batches or ' and '.join(map(str, PEER_BATCHES))}")
     print(f"model {args.model} (seeded random init, seed {args.seed}), {grid}, "
           f"{args.device}, torch {torch.__version__}, {where}; median of {args.repeats} steps after {args.warmup} "
           "warm-up")

@@ -1,9 +1,10 @@
 """Where a GPT-2-small decode step's projection time goes: each of its weight shapes as one row vector times the
-weight (``F.linear``, batch 1), in the two memory layouts a weight can have (out, in)-major, nn.Linear's own, and
+weight (``F.linear``, batch 1), in the two memory layouts a weight can have ((out, in)-major, nn.Linear's own, and
 (in, out)-major, what ``Decoder.store_weights_input_major`` gives every projection), with the bias added by the
 product or after it; ms per product (median of ``--repeats``, every variant in turns within a repeat) and the GB/s
 that streaming the weight once takes. Then one whole decode step at depth ``--depth`` of the model as built (input-
-major) against the same weights laid out output-major. What docs/engine.md's "Where our eager step goes" follows up.
+major) against the same block weights laid out output-major (the tied embedding / output projection stays as
+built in both). What docs/engine.md's "Where our eager step goes" follows up.
 
     .venv/bin/python scripts/probes/gemv_probe.py [--repeats 200] [--depth 960] [--steps 30]
 """
@@ -42,7 +43,8 @@ def variants(out: int, inp: int, g: torch.Generator) -> dict:
     w_out = torch.randn(out, inp, generator=g)  # (out, in)-major: each output's weights contiguous
     w_in = w_out.t().contiguous().t()  # the same values, (in, out)-major
     b = torch.randn(out, generator=g)
-    return {"out-major, bias in": lambda: F.linear(x, w_out, b), "out-major, bias after": lambda: F.linear(x, w_out) + b,
+    return {"out-major, bias in": lambda: F.linear(x, w_out, b),
+            "out-major, bias after": lambda: F.linear(x, w_out) + b,
             "in-major, bias in": lambda: F.linear(x, w_in, b), "in-major, bias after": lambda: F.linear(x, w_in) + b}
 
 
@@ -61,7 +63,8 @@ def in_turns(fns: dict, repeats: int) -> dict[str, float]:
 
 
 def output_major(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` with every projection weight laid out (out, in)-major, nn.Linear's own layout."""
+    """A copy of ``model`` with every block's projection weights laid out (out, in)-major, nn.Linear's own layout
+    (the tied embedding / output projection as built)."""
     m = copy.deepcopy(model)
     for module in m.modules():
         if isinstance(module, nn.Linear) and module is not m.lm_head:

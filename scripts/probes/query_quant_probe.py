@@ -3,9 +3,10 @@ product of a q8_0 K row with the query first quantises the query to q8_0 blocks 
 kvlab's quant cache dequantises K and multiplies by the query in full precision. This probe quantises, inside every
 attention of a full forward, K alone to llama.cpp's symmetric blocks (per token, groups of 32 channels: what
 ``cache=quant cache.scheme=symmetric cache.k_axis=token cache.quantize=k`` stores, each token's K on its own), then
-K and the query both (the query in q8_0 blocks whatever K's bits: what llama.cpp does for q4_0 rows too), and scores each against the fp32 forward on the same texts: mean KL (fp32 || arm) over every
-position, and the second arm over the first with a paired bootstrap interval over the texts
-(``harness.analysis.intervals``). What docs/papers.md's "kvlab's blocks beside llama.cpp's own q8_0" reads.
+K and the query both (the query in q8_0 blocks whatever K's bits: what llama.cpp does for q4_0 rows too), and
+scores each against the fp32 forward on the same texts: mean KL (fp32 || arm) over every position, and the second
+arm over the first with a paired bootstrap interval over the texts (``harness.analysis.intervals``). What
+docs/papers.md's "kvlab's blocks beside llama.cpp's own q8_0" reads.
 
     .venv/bin/python scripts/probes/query_quant_probe.py [--weights models/weights/mini-llama] [--texts 30]
         [--length 512] [--bits 8]
@@ -91,7 +92,9 @@ def main(argv=None) -> None:
     texts = texts if bos is None else [led(t, bos) for t in texts]
     arms = {arm: kl_rows(model, texts, arm, a.bits) for arm in ("K", "K and query")}
     for arm, rows in arms.items():
-        print(f"{arm} (K in q{a.bits}_0 blocks{', the query in q8_0' if arm != 'K' else ''}): mean KL {rows.kl.mean():.3g} over {len(texts)} texts of {a.length}")
+        query = ", the query in q8_0" if arm != "K" else ""
+        print(f"{arm} (K in q{a.bits}_0 blocks{query}): mean KL {rows.kl.mean():.3g} over {len(texts)} texts of "
+              f"{a.length}")
     iv = intervals.compare(arms["K and query"], arms["K"], "kl", "mean", "ratio", unit="text")
     print(f"K and query over K alone: {iv.estimate:.3g}x [{iv.lo:.3g}, {iv.hi:.3g}] (paired 95% bootstrap over "
           f"{iv.n} texts)")

@@ -103,6 +103,19 @@ def test_two_engines_are_set_run_for_run_against_each_other_with_paired_interval
     assert got["v"][1] <= 1.0 <= got["v"][2] and got["kv"][1] <= 1.0 <= got["kv"][2]  # (3 digits: may print 1)
     assert sorted(paired.runs) == sorted(runs.run_name)
     assert texts(sweep_findings(runs), "paired") == []  # no per-position rows: no interval, so no sentence
+    # both bit widths, V's following K's (paper_kv_types whole): one sentence per axis that moves on its own, and
+    # each pair at the same quantize and bits; exact runs (no drift to take a ratio of) say nothing
+    kl8 = {q: v / 100 for q, v in kl.items()}
+    runs = frame(*[run(f"{e}-{q}-{b}", engine=e, cache_quantize=q, cache_k_bits=b, cache_v_bits=b,
+                       drift_kl=(kl if b == 4 else kl8)[q] * (1.4 if (e, q) == ("llamacpp", "k") else 1.0))
+                   for e in ("kvlab", "llamacpp") for q in kl for b in (8, 4)],
+                 *[run(f"{e}-exact", "prealloc", engine=e, cache_quantize="none", cache_k_bits=16, cache_v_bits=16,
+                       drift_kl=0.0) for e in ("kvlab", "llamacpp")])
+    found = texts(sweep_findings(runs, positions_of(runs)), "paired")
+    (engine,) = [f for f in found if f.text.startswith("engine ")]
+    assert "at the same cache.k_bits, cache.quantize: mean KL" in engine.text and "v_bits" not in engine.text
+    assert engine.text.count("× [") == 6 and "exact" not in " ".join(engine.runs)
+    assert not any(f.text.startswith("cache.v_bits") for f in found)
 
 
 def test_what_contradicts_a_kinds_promise_is_said_with_its_runs():

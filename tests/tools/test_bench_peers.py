@@ -51,13 +51,14 @@ def test_peers_times_only_the_dtype_and_batch_given(capsys, monkeypatch):
         ["fp16", "2", "16"], ["fp16", "2", "24"]]
     goal = next(ln for ln in out.splitlines() if ln.startswith("goal:"))
     assert "not judged" in goal and "fp32, batch 1, depth 24" in goal
+    assert "fp16, batch 2," in out.splitlines()[0]  # the header names the grid timed
 
 
-@pytest.mark.parametrize("argv", [["--compile"], ["--kinds"], ["--device", "cuda"]])
+@pytest.mark.parametrize("argv", [["--compile"], ["--kinds"], ["--dtype", "bf16"]])
 def test_peers_refuses_what_it_cannot_honour_in_one_line(capsys, argv):
     with pytest.raises(SystemExit) as e:
         main(["--model", "tiny", "--peers", *argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1
     assert any(s in err for s in ("drop --compile", "give one of --kinds, --prefix, --paged, --peers",
-                                  "sees no CUDA device", "run on the CPU"))
+                                  "give --dtype fp32 or fp16, or neither for both (got bf16)"))

@@ -521,6 +521,12 @@ def test_copy_accuracy_projects_only_the_scored_span_and_picks_what_argmax_over_
     ids = torch.arange(250, 400)  # draws from the shared row too: each scored as argmax over every id scores it
     full = copying.model_copy_accuracy(torch.nn.Sequential(m), ids, 12, k=4, after=after)  # no lm_head: full logits
     assert copying.model_copy_accuracy(m, ids, 12, k=4, after=after) == full
+    torch.manual_seed(0)  # the compact Llama-family training model raises one logit in a hook on its lm_head
+    hooked = M.compact_model(preset_config("tiny-gqa"), 500, n_full=50257).eval()
+    with torch.no_grad():
+        hooked.lm_head.weight[-1] = 0  # the "other ids" slot: a zero row whose logit only the hook raises
+        want = hooked(x).argmax(-1)[:, after:after + 25]
+    assert (want == 499).any() and torch.equal(copying._top1(hooked, x, after, after + 25), want)
 
 
 @pytest.mark.slow
