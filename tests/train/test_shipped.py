@@ -64,7 +64,8 @@ def test_a_shipped_checkpoint_was_made_by_the_default_recipe(name):
                                                                                R.SEQ_LEN)
     assert read_config(REPO / "models" / "weights" / name) == preset_config(name)
     assert R.FAMILY_PRESETS[rec.get("family", "gpt2")] == name  # the preset its --family trains
-    assert rec.get("bos", False) is cfg.get(R.BOS_KEY, False)  # the record and what runs read agree
+    assert rec["bos"] is R.BOS and cfg[R.BOS_KEY] is R.BOS  # trained with the first token, and runs read it
+    assert rec["weight_decay"] == R.WEIGHT_DECAY
 
 
 @pytest.fixture(scope="module", params=SHIPPED)
