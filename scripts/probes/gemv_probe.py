@@ -1,10 +1,13 @@
 """Where a GPT-2-small decode step's projection time goes: each of its weight shapes as one row vector times the
 weight (``F.linear``, batch 1), in the two memory layouts a weight can have ((out, in)-major, nn.Linear's own, and
-(in, out)-major, what ``Decoder.store_weights_input_major`` gives every projection), with the bias added by the
+(in, out)-major, what ``Decoder.store_weights_input_major`` gives a weight that widens), with the bias added by the
 product or after it; ms per product (median of ``--repeats``, every variant in turns within a repeat) and the GB/s
-that streaming the weight once takes. Then one whole decode step at depth ``--depth`` of the model as built (input-
-major) against the same block weights laid out output-major (the tied embedding / output projection stays as
-built in both). What docs/engine.md's "Where our eager step goes" follows up.
+that streaming the weight once takes. Then one whole decode step at depth ``--depth``: the model as built
+(``store_weights_input_major``: (in, out)-major where a weight has at least as many outputs as inputs, the MLP's
+down projection (out, in)-major), a copy with every block weight (in, out)-major (the layout before 2026-12-06), one
+with every block weight (out, in)-major, and a plain copy of the model as built (the same layout in fresh memory:
+how much placement alone moves a step). The tied embedding / output projection stays as built in each. What
+docs/engine.md's "Where our eager step goes" follows up.
 
     .venv/bin/python scripts/probes/gemv_probe.py [--repeats 200] [--depth 960] [--steps 30]
 """
@@ -62,21 +65,34 @@ def in_turns(fns: dict, repeats: int) -> dict[str, float]:
     return {n: statistics.median(t) * 1e3 for n, t in times.items()}
 
 
-def output_major(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` with every block's projection weights laid out (out, in)-major, nn.Linear's own layout
-    (the tied embedding / output projection as built)."""
+def output_major(model: nn.Module, only: str | None = None) -> nn.Module:
+    """A copy of ``model`` with every block's projection weights (or only those whose name ends with ``only``) laid
+    out (out, in)-major, nn.Linear's own layout (the tied embedding / output projection as built)."""
     m = copy.deepcopy(model)
-    for module in m.modules():
-        if isinstance(module, nn.Linear) and module is not m.lm_head:
+    for name, module in m.named_modules():
+        if isinstance(module, nn.Linear) and module is not m.lm_head and (only is None or name.endswith(only)):
             module.weight = nn.Parameter(module.weight.detach().contiguous())
     return m
 
 
+def input_major(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every block's projection weights laid out (in, out)-major (before 2026-12-06, what
+    ``store_weights_input_major`` did to every weight, the narrowing ones too)."""
+    m = copy.deepcopy(model)
+    for module in m.modules():
+        if isinstance(module, nn.Linear) and module is not m.lm_head:
+            module.weight = nn.Parameter(module.weight.detach().t().contiguous().t())
+    return m
+
+
 def step_times(depth: int, steps: int) -> dict[str, float]:
-    """Median ms of one decode step at ``depth`` (batch 1, prealloc), the model as built against output-major."""
+    """Median ms of one decode step at ``depth`` (batch 1, prealloc), the model as built against output-major
+    blocks and against output-major MLP down projections alone."""
     torch.manual_seed(0)
     built = GPT2(GPT2Config()).eval()
-    engines = {"as built (in-major)": KvlabEngine(built), "out-major": KvlabEngine(output_major(built))}
+    engines = {"as built": KvlabEngine(built), "every block weight in-major": KvlabEngine(input_major(built)),
+               "every block weight out-major": KvlabEngine(output_major(built)),
+               "as built, copied": KvlabEngine(output_major(built, "mlp.c_proj"))}
     prompt, token = prompt_and_token(built.config.vocab_size, depth, 0)
     fns = {}
     for name, e in engines.items():
@@ -110,7 +126,7 @@ def main(argv=None) -> None:
             print(f"{name:<12} ({out:>5} x {inp:>4}): " + "  ".join(f"{v} {t:.3f} ms ({gb / t * 1e3:.1f} GB/s)"
                                                                     for v, t in ms.items()))
     steps = step_times(a.depth, a.steps)
-    base = steps["as built (in-major)"]
+    base = steps["as built"]
     print(f"whole decode step at depth {a.depth} (median of {a.steps}): " + "  ".join(
         f"{n} {t:.2f} ms ({t / base:.2f}x)" for n, t in steps.items()))
 
