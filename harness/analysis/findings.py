@@ -134,6 +134,11 @@ def _axis_name(col: str) -> str:
     return f"cache.{col[len('cache_'):]}" if col.startswith("cache_") else col
 
 
+def _split(runs: pd.DataFrame, col: str) -> frozenset:
+    """How ``col``'s values split the runs (sets of row labels): two axes that split them alike move together."""
+    return frozenset(frozenset(idx) for idx in runs.groupby(runs[col].map(as_written), sort=False).groups.values())
+
+
 def axis_findings(ok: pd.DataFrame, frames: dict | None = None) -> list[Finding]:
     """A sentence per swept axis: each value's median over its runs, for the quality keys that vary and the step
     time, as a multiple of the best value's. An axis that splits the runs exactly as an earlier one does (a window
@@ -144,7 +149,7 @@ def axis_findings(ok: pd.DataFrame, frames: dict | None = None) -> list[Finding]
     metrics = [(k, n, b) for k, n, b in (*QUALITY, STEP) if k in ok and ok[k].dropna().nunique() >= 2]
     for col in _axes(ok):
         sub = ok[ok[col].notna()]
-        split = frozenset(frozenset(idx) for idx in sub.groupby(sub[col].map(as_written), sort=False).groups.values())
+        split = _split(sub, col)
         if split in said:
             said[split][1].append(_axis_name(col))
             continue
@@ -174,8 +179,7 @@ def paired_findings(ok: pd.DataFrame, frames: dict | None = None) -> list[Findin
     exact = ok[KEYS.cache_exact].eq(True) if KEYS.cache_exact in ok else pd.Series(False, index=ok.index)
     drifted = ok[ok[key].notna() & (ok[key] != 0) & ~exact]  # an exact run drifts by nothing: no ratio to take
     axes, out, seen = _axes(drifted), [], set()
-    splits = {c: frozenset(frozenset(i) for i in drifted.groupby(drifted[c].map(as_written), sort=False)
-                           .groups.values()) for c in axes}
+    splits = {c: _split(drifted, c) for c in axes}
     axes = [c for c in axes if not (splits[c] in seen or seen.add(splits[c]))]  # axes that move together: the first
     for col in axes:
         values = sorted(drifted[col].dropna().map(as_written).unique(), key=_order)
