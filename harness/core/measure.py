@@ -310,16 +310,52 @@ def text_pass(engine, spec: CacheSpec, seq: torch.Tensor, T: int) -> tuple[torch
     """Teacher-forced text through a cache, as inference runs: prefill ``seq[:, :T]``, then the rest one decode step
     at a time. Returns the logits (L - 1, vocab) that predicted tokens 1 .. L - 1 and, per layer, the (K, V, key
     positions) attention read at the last step (empty for caches that are not ours)."""
-    L = seq.shape[1]
+    logits, seen = text_pass_rows(engine, spec, seq, T)
+    return logits[0], seen
+
+
+def text_pass_rows(engine, spec: CacheSpec, seqs: torch.Tensor, T: int) -> tuple[torch.Tensor, dict]:
+    """``text_pass`` of B texts of one length (B, L) at once, each a row of one batched cache: prefill ``seqs[:, :T]``
+    together, then one decode step of every row at a time (every kind keeps its rows apart: the conformance suite
+    holds each row to its text passed alone). Returns the logits (B, L - 1, vocab) and what ``text_pass`` records,
+    for the whole batch."""
+    B, L = seqs.shape
     T = max(1, min(T, L - 1))
     seen: dict = {}
-    cache = spec.new(engine, L)
+    cache = spec.new(engine, L, B)
     if hasattr(cache, "key_positions"):
         recorded(cache, seen)
-    logits = [engine.prefill(seq[:, :T], cache)[0]]  # (T, vocab)
+    first = engine.prefill(seqs[:, :T], cache)  # (B, T, vocab)
+    logits = torch.empty(B, L - 1, first.shape[-1], dtype=torch.float32, device=first.device)  # filled in place
+    logits[:, :T] = first
+    del first
     for i in range(T, L - 1):
-        logits.append(engine.decode(seq[:, i:i + 1], cache)[0])  # (1, vocab)
-    return torch.cat(logits).float(), seen
+        logits[:, i] = engine.decode(seqs[:, i:i + 1], cache)[:, -1]
+    return logits, seen
+
+
+TEXT_ROWS_BYTES = 1 << 30  # the most one batch of texts' float32 logits may take (text_drift, retrieval)
+
+
+def text_rows(length: int, vocab: int, texts: int | None = None) -> int:
+    """How many texts of ``length`` tokens ``text_drift`` passes at once: as many as keep their float32 logits
+    within ``TEXT_ROWS_BYTES`` (at least one; at most ``texts``)."""
+    rows = max(1, TEXT_ROWS_BYTES // (4 * vocab * max(length, 1)))
+    return rows if texts is None else max(1, min(rows, texts))
+
+
+def text_batches(texts: list[torch.Tensor], vocab: int, most: int | None = None) -> list[list[int]]:
+    """The texts' indices in the batches ``text_drift`` passes together: texts of one length, in order, at most
+    ``text_rows`` at once (and at most ``most``)."""
+    groups: list[list[int]] = []
+    for i, seq in enumerate(texts):
+        rows = text_rows(seq.shape[1], vocab, most)
+        last = groups[-1] if groups else None
+        if last and texts[last[0]].shape[1] == seq.shape[1] and len(last) < rows:
+            last.append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def kv_errors(seen: dict, ref: dict) -> pd.DataFrame:
@@ -356,6 +392,22 @@ def first_layer_over(layers: pd.DataFrame, tol: float = LAYER_TOL) -> int | None
     return None if over.empty else int(over.layer.min())
 
 
+def _text_stats(ours: torch.Tensor, ref: torch.Tensor, target: torch.Tensor, out: tuple) -> None:
+    """Append one text's per-position KL(ref || ours), NLLs, Δp on ref's top token and same-top-1 to ``out`` (five
+    lists), in float64 over the vocabulary, ``STAT_ROWS`` positions at a time."""
+    kl, nll, nll_ref, dp, same = out
+    for a in range(0, len(target), STAT_ROWS):
+        rows = slice(a, a + STAT_ROWS)
+        lp, lr = ours[rows].double().log_softmax(-1), ref[rows].double().log_softmax(-1)
+        t = target[rows, None]
+        kl.append((lr.exp() * (lr - lp)).sum(-1).clamp_min(0))
+        nll.append(-lp.gather(-1, t)[:, 0])
+        nll_ref.append(-lr.gather(-1, t)[:, 0])
+        top = lr.argmax(-1, keepdim=True)
+        dp.append(lp.gather(-1, top)[:, 0].exp() - lr.gather(-1, top)[:, 0].exp())
+        same.append((lp.argmax(-1) == top[:, 0]).double())
+
+
 def text_drift(engine, ref32, spec: CacheSpec, texts: list[torch.Tensor], T: int,
                progress: bool = False) -> tuple[dict, dict[str, pd.DataFrame]]:
     """Drift on real text, teacher-forced, against FP32 with the exact full-attention cache on the same tokens:
@@ -370,25 +422,24 @@ def text_drift(engine, ref32, spec: CacheSpec, texts: list[torch.Tensor], T: int
     ref_spec = CacheSpec(full_attention_kind(), {}, torch.float32)  # the reference: the whole text in one forward
     # (exact attention needs no decode steps to be what inference computes: equivalence checks that within 1e-4)
     kl, nll, nll_ref, dp, same, layers, decoded, which = [], [], [], [], [], [], [], []
-    for i, seq in enumerate(tqdm(texts, desc=f"text drift ({spec.label})", disable=not progress)):
-        ours, seen = text_pass(engine, spec, seq, T)
-        decoded.append(torch.arange(ours.shape[0]) >= max(1, min(T, seq.shape[1] - 1)))  # rows after the prefill
-        ref, seen_ref = text_pass(ref32, ref_spec, seq, seq.shape[1] - 1)  # fp32 full attention: one forward
-        check_finite(ours, "the cached text pass")
-        ref = ref.to(ours.device)
-        target = seq[0, 1:].to(ours.device)
-        which.append((i, text_id(seq), len(target)))
-        for a in range(0, len(target), STAT_ROWS):  # float64 over the vocabulary, a bounded number of rows at once
-            rows = slice(a, a + STAT_ROWS)
-            lp, lr = ours[rows].double().log_softmax(-1), ref[rows].double().log_softmax(-1)
-            t = target[rows, None]
-            kl.append((lr.exp() * (lr - lp)).sum(-1).clamp_min(0))
-            nll.append(-lp.gather(-1, t)[:, 0])
-            nll_ref.append(-lr.gather(-1, t)[:, 0])
-            top = lr.argmax(-1, keepdim=True)
-            dp.append(lp.gather(-1, top)[:, 0].exp() - lr.gather(-1, top)[:, 0].exp())
-            same.append((lp.argmax(-1) == top[:, 0]).double())
+    vocab = getattr(getattr(engine.model, "config", None), "vocab_size", None) or 50257
+    bar = tqdm(total=len(texts), desc=f"text drift ({spec.label})", disable=not progress)
+    for group in text_batches(texts, vocab):  # several texts at once: one decode step serves them all
+        seqs = torch.cat([texts[i] for i in group])
+        ours_rows, seen = text_pass_rows(engine, spec, seqs, T)
+        check_finite(ours_rows, "the cached text pass")
+        ref_rows, seen_ref = text_pass_rows(ref32, ref_spec, seqs, seqs.shape[1] - 1)  # fp32: one forward
+        ref_rows = ref_rows.to(ours_rows.device)
+        for row, i in enumerate(group):
+            seq, ours, ref = texts[i], ours_rows[row], ref_rows[row]
+            decoded.append(torch.arange(ours.shape[0]) >= max(1, min(T, seq.shape[1] - 1)))  # after the prefill
+            target = seq[0, 1:].to(ours.device)
+            which.append((i, text_id(seq), len(target)))
+            _text_stats(ours, ref, target, (kl, nll, nll_ref, dp, same))
         layers.append(kv_errors(seen, seen_ref))
+        del ours_rows, ref_rows
+        bar.update(len(group))
+    bar.close()
     kl, nll, nll_ref = torch.cat(kl).cpu(), torch.cat(nll).cpu(), torch.cat(nll_ref).cpu()
     decoded = torch.cat(decoded)
     dp, same = torch.cat(dp).cpu(), torch.cat(same).cpu()

@@ -24,9 +24,10 @@ its whole pool):
   reference's; the teacher-forced forward's full logits (T, V) in fp32 and the logit statistics over n steps
   (6 (n, V) fp32 tensors, 5 float64 ones for the KL).
 - text_drift (every run but plain fp32 on an exact full-attention kind), L = min(max_len, max(drift_text_len,
-  prompt_len + 1)): both text passes' caches, the K/V recorded per layer (fp32), both passes' logits (L - 1,
-  V) in fp32 as a list and concatenated (4 of them), and 7 float64 tensors of min(STAT_ROWS, L - 1) rows over
-  the vocabulary.
+  prompt_len + 1)), its texts passed B = ``text_rows`` at a time (B x (L - 1) x V fp32 logits within 1 GiB, at
+  most drift_texts, or n_prompts): both text passes' caches of B rows, the K/V recorded per layer (fp32), the
+  reference's forward over (B, L - 1), both passes' logits (B, L - 1, V) in fp32 and the reference's prefill
+  copied into its own (3 of them), and 7 float64 tensors of min(STAT_ROWS, L - 1) rows over the vocabulary.
 - cache_memory / step_times (batch 1): cache(1, ctx + 1) (twice if the kind's ``checkpoint`` snapshots), the
   uncached forward over the longest timed context.
 - bandwidth_probe: its copy buffers 2 x max(min(w, 1 GiB), 256 MiB) and its matrix min(w, 1 GiB), w the decode
@@ -37,9 +38,10 @@ its whole pool):
   repeat's is held, the prefill, the decode (with the B x n x V fp32 logits it keeps), and the check (those
   logits stacked: twice, plus a (prompt_len + n, V) reference forward).
 - compiled_equivalence (compile=true): two caches of batch 1.
-- retrieval (``retrieval_n``: tokens per sequence, None: not measured), L = 2 min(retrieval_n, max_len // 2):
-  a cache of L tokens, its pass's logits (L - 1, V) as a list and concatenated, and the fp32 reference's
-  forward over L tokens keeping every position's logits.
+- retrieval (``retrieval_n``: tokens per sequence, None: not measured), L = 2 min(retrieval_n, max_len // 2),
+  its sequences passed B = ``text_rows`` at a time (at most ``retrieval_k``): a cache of B x L tokens, its pass's
+  logits (B, L - 1, V) as a list and concatenated, and the fp32 reference's forward over (B, L) keeping every
+  position's logits.
 - a forward of (B, T) tokens keeping r positions' logits: activations B x T x 12d in the compute dtype,
   attention scores B x nh x T x T in fp32 (what SDPA's math fallback holds; the fused kernels torch picks for
   kvlab's shapes, CPU and CUDA, hold none: this is the conservative part), masks 3 x B x T x T bools, logits
@@ -61,7 +63,7 @@ from typing import Any
 
 from harness.common.errors import ConfigError
 from harness.core.engines import ENGINES
-from harness.core.measure import STAT_ROWS
+from harness.core.measure import STAT_ROWS, text_rows
 from models.kv_cache import CACHE_KINDS, KVCache, as_dtype, cache_kind, kv_bytes
 from models.kv_cache.base import itemsize
 
@@ -159,7 +161,8 @@ def run_bytes(model, *, storage="fp32", compute="fp32", kind: str = "prealloc",
               context_lengths: list[int] | None = None, n_prompts: int = 4, new_tokens: int = 32,
               prompt_len: int = 32, drift_text_len: int = 128, engine: str = "kvlab", device: str = "cpu",
               compile: bool = False, keep_fp32: bool | None = None, retrieval_n: int | None = None,
-              measurements: list[str] | None = None, serve: dict | None = None) -> RunBytes:
+              measurements: list[str] | None = None, serve: dict | None = None, drift_texts: int | None = None,
+              retrieval_k: int | None = None) -> RunBytes:
     """The bytes a run of ``model`` needs at its peak on ``device`` ("cpu" or "cuda"), from plain values only.
 
     ``storage`` / ``compute``: the K/V and model dtypes (names or torch dtypes; compute "auto" resolves as the run
@@ -178,7 +181,7 @@ def run_bytes(model, *, storage="fp32", compute="fp32", kind: str = "prealloc",
                 else list(context_lengths), n_prompts=n_prompts, new_tokens=new_tokens, prompt_len=prompt_len,
                 drift_text_len=drift_text_len, engine=engine, device=device, compile=compile, keep_fp32=keep_fp32,
                 retrieval_n=retrieval_n, measurements=None if measurements is None else list(measurements),
-                serve=None if serve is None else dict(serve))
+                serve=None if serve is None else dict(serve), drift_texts=drift_texts, retrieval_k=retrieval_k)
     if engine not in ENGINES:
         raise ConfigError(f"engine={engine!r}: use one of {', '.join(ENGINES)}")
     device = str(device).split(":")[0]
@@ -192,7 +195,7 @@ def run_bytes(model, *, storage="fp32", compute="fp32", kind: str = "prealloc",
     for b in batch_sizes or []:
         _positive("batch_sizes entry", b)
     weights, copies, setup = _weights(s, engine, device, keep_fp32)
-    phases = [("setup", 0, setup), *_generation_phases(s, n_prompts, new_tokens, drift_text_len),
+    phases = [("setup", 0, setup), *_generation_phases(s, n_prompts, new_tokens, drift_text_len, drift_texts),
               *_timing_phases(s, new_tokens, context_lengths), *_batch_phases(s, batch_sizes, batch_context),
               _serve_phase(s, batch, new_tokens)]
     if compile:
@@ -200,9 +203,7 @@ def run_bytes(model, *, storage="fp32", compute="fp32", kind: str = "prealloc",
         phases.append(("compiled_equivalence", 2 * s.cache_at(1, Tg),
                        s.forward(1, prompt_len, 1) + s.layer_kv(1, Tg)))
     if retrieval_n:
-        Lr = 2 * min(_positive("retrieval_n", retrieval_n), s.max_len // 2)
-        phases.append(("retrieval", s.cache_at(1, Lr, cap=Lr),
-                       s.forward(1, Lr, Lr, F32) + 3 * Lr * model.vocab_size * F32))
+        phases.append(_retrieval_phase(s, retrieval_n, retrieval_k))
     if serve is not None:
         phases += _server_phase(s, serve)
     if measurements is not None:  # only the phases of the measurements the run makes
@@ -297,8 +298,10 @@ def _weights(s: _Sizes, engine: str, device: str, keep_fp32: bool | None) -> tup
     return weights, copies, max(0, deep - weights, build - weights)
 
 
-def _generation_phases(s: _Sizes, n_prompts: int, new_tokens: int, drift_text_len: int) -> list:
-    """The generation checks (batch 1) and, for a run that is not its own fp32 reference, drift on text."""
+def _generation_phases(s: _Sizes, n_prompts: int, new_tokens: int, drift_text_len: int,
+                       drift_texts: int | None = None) -> list:
+    """The generation checks (batch 1) and, for a run that is not its own fp32 reference, drift on text (its texts
+    passed ``text_rows`` at a time)."""
     V, n, Tg = s.model.vocab_size, new_tokens, s.prompt_len + new_tokens
     phases = [("generation", s.cache_at(1, Tg, cap=Tg) + s.ref_cache(Tg),
                s.forward(1, Tg, Tg, F32) + n * V * (6 * F32 + 5 * F64))]
@@ -306,13 +309,21 @@ def _generation_phases(s: _Sizes, n_prompts: int, new_tokens: int, drift_text_le
                   and s.cls.full_attention(s.cls.parse_options(**s.options)))
     if not plain_fp32:
         Lt = min(s.max_len, max(drift_text_len, s.prompt_len + 1))
+        texts = drift_texts or n_prompts
+        B = text_rows(Lt, V, texts)
         R = min(STAT_ROWS, Lt - 1)
         m = s.model
-        seen = 2 * kv_bytes(m.n_layer, m.n_kv_head, m.head_dim, Lt, 1, "fp32")
-        T = min(s.prompt_len, Lt - 1)
-        meas = s.forward(1, T, T, F32) + 4 * (Lt - 1) * V * F32 + 7 * R * V * F64 + seen + n_prompts * Lt * I64
-        phases.append(("text_drift", s.cache_at(1, Lt, cap=Lt) + s.ref_cache(Lt), meas))
+        seen = 2 * kv_bytes(m.n_layer, m.n_kv_head, m.head_dim, Lt, B, "fp32")
+        meas = s.forward(B, Lt - 1, 0, F32) + 3 * B * (Lt - 1) * V * F32 + 7 * R * V * F64 + seen + texts * Lt * I64
+        phases.append(("text_drift", s.cache_at(B, Lt, cap=Lt) + B * s.ref_cache(Lt), meas))
     return phases
+
+
+def _retrieval_phase(s: _Sizes, retrieval_n: int, retrieval_k: int | None) -> tuple:
+    """Retrieval's sequences of twice retrieval_n tokens, ``text_rows`` at a time (at most retrieval_k)."""
+    Lr = 2 * min(_positive("retrieval_n", retrieval_n), s.max_len // 2)
+    B = text_rows(Lr, s.model.vocab_size, retrieval_k)
+    return ("retrieval", s.cache_at(B, Lr, cap=Lr), s.forward(B, Lr, Lr, F32) + 3 * B * Lr * s.model.vocab_size * F32)
 
 
 def _timing_phases(s: _Sizes, new_tokens: int, context_lengths: list[int] | None) -> list:

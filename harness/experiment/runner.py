@@ -678,7 +678,8 @@ def check_memory(rc: RunConfig, mcfg, max_len: int, contexts: list[int], storage
                             new_tokens=rc.new_tokens, prompt_len=rc.prompt_len,
                             drift_text_len=rc.option("drift_text_len"), engine=rc.engine.name, device=device.type,
                             compile=rc.compile, retrieval_n=rc.option("retrieval_n"),
-                            measurements=measurements.chosen(rc.measurements), serve=rc.option("serve"))
+                            measurements=measurements.chosen(rc.measurements), serve=rc.option("serve"),
+                            drift_texts=rc.option("drift_texts"), retrieval_k=rc.option("retrieval_k"))
     memory.check(need, memory.available_bytes(device),
                  where="this machine" if device.type == "cpu" else f"GPU {device}")
 

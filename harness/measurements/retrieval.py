@@ -168,9 +168,9 @@ class Retrieval(Measurement):
             ids = ids[ids != ctx.first_token]
         ref_engine = ctx.ref32 if ctx.ref32 is not None else ctx.engine
         accs, refs, firsts, rows = [], [], [], []
-        for i, seq in enumerate(copying.copy_sequences(ids, n, self.opts.retrieval_k, ctx.seed)):
-            seq = seq.to(ctx.device)
-            ours, ref = self._pass(ctx, ref_engine, seq, n, "the retrieval pass")  # (2n - 1, vocab) each
+        seqs = [seq.to(ctx.device) for seq in copying.copy_sequences(ids, n, self.opts.retrieval_k, ctx.seed)]
+        for i, (seq, (ours, ref)) in enumerate(zip(seqs, self._passes(ctx, ref_engine, seqs, n,
+                                                                      "the retrieval pass"))):  # (2n - 1, vocab)
             (a, f), (r, _) = copying.copy_accuracy(ours, seq, n), copying.copy_accuracy(ref, seq, n)
             accs.append(a), refs.append(r), firsts.append(f)
             target = seq[0, n:].cpu()  # the second copy, predicted by rows n - 1 .. 2n - 2
@@ -200,9 +200,10 @@ class Retrieval(Measurement):
 
         ctx, D, rows = self.ctx, self.opts.retrieval_depth_buckets, []
         for L in lengths:
-            for i, p in enumerate(copying.depth_sequences(ids, L, D, self.opts.retrieval_k, ctx.seed)):
-                seq = p.seq.to(ctx.device)
-                ours, ref = self._pass(ctx, ref_engine, seq, L, "the retrieval depth pass")  # row t - 1: token t
+            made = copying.depth_sequences(ids, L, D, self.opts.retrieval_k, ctx.seed)
+            seqs = [p.seq.to(ctx.device) for p in made]
+            passes = self._passes(ctx, ref_engine, seqs, L, "the retrieval depth pass")  # row t - 1: token t
+            for i, (p, seq, (ours, ref)) in enumerate(zip(made, seqs, passes)):
                 at, target = [t - 1 for t in p.positions], seq[0, p.positions].cpu()
                 hit, hit_ref = ((x[at].argmax(-1).cpu() == target).int().tolist() for x in (ours, ref))
                 sid = measure.text_id(seq)
@@ -212,21 +213,26 @@ class Retrieval(Measurement):
         return pd.DataFrame(rows, columns=list(DEPTH_COLUMNS))
 
     @staticmethod
-    def _pass(ctx, ref_engine, seq, prefill: int, what: str):
-        """One sequence (1, T) through the run's cache (its first ``prefill`` tokens prefilled, the rest decoded)
-        and through fp32 full attention: the logits that predicted its tokens 1 .. T - 1, (T - 1, vocab) each. A
-        model trained with a fixed first token gets it in front (``ctx.first_token``); its own row is dropped."""
+    def _passes(ctx, ref_engine, seqs: list, prefill: int, what: str):
+        """Each sequence (1, T) through the run's cache (its first ``prefill`` tokens prefilled, the rest decoded)
+        and through fp32 full attention, several at once as the rows of one cache (``measure.text_pass_rows``):
+        per sequence, in order, the logits that predicted its tokens 1 .. T - 1, (T - 1, vocab) each. A model
+        trained with a fixed first token gets it in front (``ctx.first_token``); its own row is dropped."""
         import torch
 
         from harness.core import measure
 
         lead = int(ctx.first_token is not None)
         if lead:
-            seq = torch.cat([seq.new_full((1, 1), ctx.first_token), seq], 1)
-        ours, _ = measure.text_pass(ctx.engine, ctx.spec, seq, prefill + lead)
-        measure.check_finite(ours, what)
-        ref = ref_engine.forward(seq)[0, :-1].float()  # fp32 full attention, uncached
-        return ours[lead:], ref[lead:]
+            seqs = [torch.cat([seq.new_full((1, 1), ctx.first_token), seq], 1) for seq in seqs]
+        vocab = getattr(getattr(ctx.engine.model, "config", None), "vocab_size", None) or 50257
+        for group in measure.text_batches(seqs, vocab):
+            rows = torch.cat([seqs[i] for i in group])
+            ours, _ = measure.text_pass_rows(ctx.engine, ctx.spec, rows, prefill + lead)
+            measure.check_finite(ours, what)
+            ref = ref_engine.forward(rows)[:, :-1].float()  # fp32 full attention, uncached
+            for b in range(len(group)):
+                yield ours[b, lead:], ref[b, lead:]
 
     @classmethod
     def summary(cls, r, tables):

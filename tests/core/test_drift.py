@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from harness import measurements
 from harness.core import measure
 from harness.core.engines import KvlabEngine
+from models.kv_cache import CACHE_KINDS
+from tests.helpers.caches import CASES
 
 TEXT = [torch.tensor([[464, 3290, 318, 257, 1332, 286, 262, 6801, 13, 198, 464, 2068, 7586, 21831, 18045, 625,
                        262, 16931, 3290, 13, 632, 373, 257, 3223, 290, 30367, 1755, 13, 383, 2344, 340, 19228,
@@ -209,3 +211,31 @@ def test_statistics_do_not_depend_on_how_many_rows_are_held_at_once(tiny_model, 
     for key, value in whole.items():
         if isinstance(value, float):
             assert blocks[key] == pytest.approx(value, rel=1e-9, abs=1e-15), key
+
+
+@pytest.mark.parametrize("kind,opts", CASES)
+def test_texts_passed_together_each_get_what_they_get_alone(tiny_model, kind, opts):
+    """text_drift passes several texts of one length as the rows of one batched cache (``text_pass_rows``): every
+    kind keeps its rows apart, so each row's logits are its text's passed alone (within float32 rounding), and so
+    are the K/V it read."""
+    e = KvlabEngine(tiny_model)
+    g = torch.Generator().manual_seed(1)
+    texts = [torch.randint(0, 50257, (1, 29), generator=g) for _ in range(3)]
+    s = spec(kind, **opts)
+    T = max(6, CACHE_KINDS[kind].min_prompt(CACHE_KINDS[kind].parse_options(**opts)))
+    rows, seen = measure.text_pass_rows(e, s, torch.cat(texts), T)
+    for b, text in enumerate(texts):
+        alone, seen_alone = measure.text_pass(e, s, text, T)
+        assert (rows[b] - alone).abs().max().item() <= 1e-4, f"text {b} of 3"
+        for layer, (k, v, _) in seen_alone.items():  # a quantiser's rounding may flip on float32's last bits
+            for got, want in ((seen[layer][0][b:b + 1], k), (seen[layer][1][b:b + 1], v)):
+                assert got.shape == want.shape and (got - want).norm() <= 1e-3 * want.norm(), (layer, b)
+
+
+def test_text_drift_passes_texts_of_one_length_together_within_its_memory_bound(monkeypatch):
+    texts = [torch.zeros(1, n, dtype=torch.long) for n in (10, 10, 10, 10, 7, 10)]
+    monkeypatch.setattr(measure, "TEXT_ROWS_BYTES", 4 * 100 * 10 * 3)  # three texts of 10 tokens at vocab 100
+    assert measure.text_batches(texts, vocab=100) == [[0, 1, 2], [3], [4], [5]]
+    assert measure.text_batches(texts, vocab=100, most=2) == [[0, 1], [2, 3], [4], [5]]
+    monkeypatch.setattr(measure, "TEXT_ROWS_BYTES", 1)  # less than one text's logits: still one at a time
+    assert measure.text_batches(texts, vocab=100) == [[i] for i in range(6)]

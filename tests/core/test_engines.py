@@ -269,3 +269,18 @@ def measure_spec(kind, opts):
     from harness.core.measure import CacheSpec
 
     return CacheSpec(kind, opts)
+
+
+@pytest.mark.parametrize("kind,options", [("concat", {}), ("quant", TOKEN)])
+def test_hf_texts_passed_together_each_get_what_they_get_alone(engines, kind, options):
+    """text_drift passes texts of one length as the rows of one cache: HF's caches (its QuantizedCache too) keep the
+    rows apart."""
+    from harness.core import measure
+
+    _, hf = engines
+    texts = torch.randint(0, 50257, (3, 21), generator=torch.Generator().manual_seed(2))
+    spec = measure.CacheSpec(kind, options, torch.float32)
+    rows, _ = measure.text_pass_rows(hf, spec, texts, 7)
+    for b in range(3):
+        alone, _ = measure.text_pass(hf, spec, texts[b:b + 1], 7)
+        assert (rows[b] - alone).abs().max().item() <= 1e-4, b

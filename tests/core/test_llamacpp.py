@@ -232,3 +232,19 @@ def test_a_run_says_which_k_v_types_llama_cpp_stored(kind, options, engine, stor
     types = rec["cache_label"].split(" K ")[-1].split(" V ") if " K " in label else [L.cache_type("auto", storage)] * 2
     assert [rec["engine_type_k"], rec["engine_type_v"]] == types
     assert "engine_type_k" not in cache_record(CacheChoice(kind, options), "kvlab", None, storage)
+
+
+def test_texts_passed_together_each_get_what_they_get_alone(pair):
+    """text_drift passes texts of one length as the rows of one cache: llama.cpp's sequences (a q4_0 V too, where
+    the head size is a multiple of its blocks of 32: the GPT-2) keep the rows apart."""
+    from harness.core import measure
+
+    family, model, _, _ = pair
+    texts = prompts(model, B=3, T=20, seed=5)
+    spec = measure.CacheSpec("prealloc", {}, torch.float32)
+    for type_v in ("auto", "q4_0") if family == "gpt2" else ("auto",):
+        engine = L.LlamaCppEngine(model, type_v=type_v, threads=1)
+        rows, _ = measure.text_pass_rows(engine, spec, texts, 6)
+        for b in range(3):
+            alone, _ = measure.text_pass(engine, spec, texts[b:b + 1], 6)
+            assert (rows[b] - alone).abs().max().item() <= TOL[family], (type_v, b)

@@ -131,6 +131,10 @@ def test_the_estimate_grows_with_what_the_run_holds():
     assert run_bytes(gpt2, batch=64).total > base.total
     assert run_bytes(gpt2, batch_sizes=[1, 64, 256]).total > base.total
     assert run_bytes(gpt2, engine="hf").total > base.total
+    # drift on text and retrieval pass several texts at once (harness.core.measure.text_rows): more texts, more bytes
+    quant = dict(kind="quant", options={"k_bits": 4}, drift_text_len=512)
+    assert run_bytes(gpt2, **quant, drift_texts=8).total > run_bytes(gpt2, **quant, drift_texts=1).total
+    assert run_bytes(gpt2, retrieval_n=256, retrieval_k=8).total > run_bytes(gpt2, retrieval_n=256, retrieval_k=1).total
     # a reduced-precision run keeps the fp32 model and its copy; on a CUDA device its cache is half the bytes
     half = run_bytes(gpt2, storage="fp16", compute="auto", device="cuda", batch=64)
     assert dict(half.weights_copies) == {"fp32 model": gpt2_bytes(4), "fp16 copy": gpt2_bytes(2)}
