@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from tests.helpers import zygote
 
 REPO = Path(__file__).resolve().parent.parent.parent
 # small and quick: what every run.py test runs
@@ -50,7 +49,8 @@ def run_py(args, tmp_path, extra_env=None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
     for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
         env[var] = str(Path(tmp_path) / var.lower())
-    return zygote.run(list(args), env, timeout=600)  # forked from a warm process where nothing differs but W&B's
+    return subprocess.run([sys.executable, "run.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
 
 
 def one_line(err: str) -> str:
