@@ -76,6 +76,11 @@ class CacheSpec:
     def new(self, engine, max_len: int, batch: int = 1):
         return engine.new_cache(self.kind, max_len, batch, self.dtype, **self.options)
 
+    def rows_at_once(self) -> int | None:
+        """How many texts may share one cache of this spec (``text_batches``' ``most``): one where the options fix
+        a pool of blocks that the run's checks sized for one sequence (``cache.blocks``), else no bound."""
+        return 1 if self.cls.fixed_pool(self.cls.parse_options(**self.options)) else None
+
     def greedy(self, engine, prompt: torch.Tensor, n: int):
         return engine.greedy(prompt, n, layout=self.kind, cache_dtype=self.dtype, **self.options)
 
@@ -174,11 +179,14 @@ def watched_cache(cache, first: list[str]):
 
 
 def check_finite(logits: torch.Tensor, what: str, where=None) -> None:
-    """Raise ``NonFiniteError`` naming the first step of ``logits`` (n, vocab) that holds NaN or inf, and, when
-    ``where()`` can tell, where in the model they first appear."""
+    """Raise ``NonFiniteError`` naming the first step of ``logits`` (n, vocab), or the row and step of (B, n, vocab),
+    that holds NaN or inf, and, when ``where()`` can tell, where in the model they first appear."""
     bad = ~torch.isfinite(logits.reshape(-1, logits.shape[-1])).all(-1)
     if bad.any():
         step = int(torch.nonzero(bad)[0])
+        if logits.dim() == 3 and logits.shape[0] > 1:  # several texts' rows: which one, and where in it
+            row, step = divmod(step, logits.shape[1])
+            what = f"{what} (its row {row} of {logits.shape[0]})"
         place = where() if where is not None else None
         raise NonFiniteError(f"non-finite logits (NaN/inf) in {what} at step {step}"
                              + (f"; first non-finite values in {place}" if place else ""))
@@ -424,10 +432,10 @@ def text_drift(engine, ref32, spec: CacheSpec, texts: list[torch.Tensor], T: int
     kl, nll, nll_ref, dp, same, layers, decoded, which = [], [], [], [], [], [], [], []
     vocab = getattr(getattr(engine.model, "config", None), "vocab_size", None) or 50257
     bar = tqdm(total=len(texts), desc=f"text drift ({spec.label})", disable=not progress)
-    for group in text_batches(texts, vocab):  # several texts at once: one decode step serves them all
+    for group in text_batches(texts, vocab, spec.rows_at_once()):  # one decode step serves several texts
         seqs = torch.cat([texts[i] for i in group])
         ours_rows, seen = text_pass_rows(engine, spec, seqs, T)
-        check_finite(ours_rows, "the cached text pass")
+        check_finite(ours_rows, f"the cached text pass of texts {group[0]}..{group[-1]}")
         ref_rows, seen_ref = text_pass_rows(ref32, ref_spec, seqs, seqs.shape[1] - 1)  # fp32: one forward
         ref_rows = ref_rows.to(ours_rows.device)
         for row, i in enumerate(group):
@@ -437,7 +445,7 @@ def text_drift(engine, ref32, spec: CacheSpec, texts: list[torch.Tensor], T: int
             which.append((i, text_id(seq), len(target)))
             _text_stats(ours, ref, target, (kl, nll, nll_ref, dp, same))
         layers.append(kv_errors(seen, seen_ref))
-        del ours_rows, ref_rows
+        del ours_rows, ref_rows, ours, ref, seen, seen_ref  # the next batch's passes need their room
         bar.update(len(group))
     bar.close()
     kl, nll, nll_ref = torch.cat(kl).cpu(), torch.cat(nll).cpu(), torch.cat(nll_ref).cpu()

@@ -40,8 +40,8 @@ its whole pool):
 - compiled_equivalence (compile=true): two caches of batch 1.
 - retrieval (``retrieval_n``: tokens per sequence, None: not measured), L = 2 min(retrieval_n, max_len // 2),
   its sequences passed B = ``text_rows`` at a time (at most ``retrieval_k``): a cache of B x L tokens, its pass's
-  logits (B, L - 1, V) as a list and concatenated, and the fp32 reference's forward over (B, L) keeping every
-  position's logits.
+  logits (B, L - 1, V) in one buffer, and the fp32 reference's forward over (B, L) keeping every position's
+  logits.
 - a forward of (B, T) tokens keeping r positions' logits: activations B x T x 12d in the compute dtype,
   attention scores B x nh x T x T in fp32 (what SDPA's math fallback holds; the fused kernels torch picks for
   kvlab's shapes, CPU and CUDA, hold none: this is the conservative part), masks 3 x B x T x T bools, logits
@@ -392,7 +392,8 @@ def cache_fills(*, kind: str, options: dict | None = None, max_len: int, context
 
     - generation: each prompt's cached greedy generation, P + N - 1 tokens (the last token is not fed back);
     - text_drift (a run that is not its own fp32 reference): L - 1 tokens, L = min(max_len, max(drift_text_len,
-      P + 1)); retrieval: 2n - 1 tokens, n = min(retrieval_n, max_len // 2);
+      P + 1)); retrieval: 2n - 1 tokens, n = min(retrieval_n, max_len // 2); one sequence each where the options
+      fix a pool of blocks (``CacheSpec.rows_at_once``: several texts share a cache only where it grows with them);
     - cache_memory: P + N - 1; step_times: the longest timed context + 1 (and the prefill of P, for TTFT);
     - batch_throughput: B sequences of min(batch_context, max_len - 1) + 1 per batch size B; serve_batch: ``batch``
       sequences of at most P + N - 1 (a ragged batch's padding takes no slot of a pooled kind);

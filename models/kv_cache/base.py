@@ -332,6 +332,12 @@ class KVCache:
         ``blocks`` blocks is checked here."""
 
     @classmethod
+    def fixed_pool(cls, opts) -> bool:
+        """Whether these options fix the storage a cache holds whatever its batch (a paged pool of ``blocks``
+        blocks): then a cache sized for one sequence does not hold several."""
+        return False
+
+    @classmethod
     def min_prompt(cls, opts) -> int:
         """The fewest prompt tokens the kind takes (a SnapKV window needs as many); a shorter prompt is refused."""
         return 1

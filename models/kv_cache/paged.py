@@ -158,6 +158,10 @@ class PagedKVCache(KVCache):
                              "blocks=0: every sequence can reach max_len)")
 
     @classmethod
+    def fixed_pool(cls, opts) -> bool:
+        return bool(opts.blocks)
+
+    @classmethod
     def label(cls, opts) -> str:
         return f"paged(block_size={opts.block_size})"
 

@@ -232,6 +232,19 @@ def test_texts_passed_together_each_get_what_they_get_alone(tiny_model, kind, op
                 assert got.shape == want.shape and (got - want).norm() <= 1e-3 * want.norm(), (layer, b)
 
 
+def test_a_fixed_pool_passes_one_text_at_a_time_and_any_other_kind_several(tiny_model):
+    """A paged pool of cache.blocks blocks is sized (and checked) for one sequence: its texts go one by one, and
+    the drift is what the unbounded pool's batched passes give."""
+    assert spec("paged", block_size=4, blocks=8).rows_at_once() == 1
+    assert spec("paged", block_size=4).rows_at_once() is None and spec("quant").rows_at_once() is None
+    e = KvlabEngine(tiny_model)
+    g = torch.Generator().manual_seed(3)
+    texts = [torch.randint(0, 50257, (1, 25), generator=g) for _ in range(3)]
+    fixed, _ = measure.text_drift(e, e, spec("paged", torch.float16, block_size=4, blocks=8), texts, T=6)
+    grows, _ = measure.text_drift(e, e, spec("paged", torch.float16, block_size=4), texts, T=6)
+    assert fixed["drift_kl"] > 0 and fixed["drift_kl"] == pytest.approx(grows["drift_kl"], rel=1e-3)
+
+
 def test_text_drift_passes_texts_of_one_length_together_within_its_memory_bound(monkeypatch):
     texts = [torch.zeros(1, n, dtype=torch.long) for n in (10, 10, 10, 10, 7, 10)]
     monkeypatch.setattr(measure, "TEXT_ROWS_BYTES", 4 * 100 * 10 * 3)  # three texts of 10 tokens at vocab 100

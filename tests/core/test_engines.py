@@ -271,7 +271,7 @@ def measure_spec(kind, opts):
     return CacheSpec(kind, opts)
 
 
-@pytest.mark.parametrize("kind,options", [("concat", {}), ("quant", TOKEN)])
+@pytest.mark.parametrize("kind,options", [("concat", {}), ("prealloc", {}), ("quant", TOKEN)])
 def test_hf_texts_passed_together_each_get_what_they_get_alone(engines, kind, options):
     """text_drift passes texts of one length as the rows of one cache: HF's caches (its QuantizedCache too) keep the
     rows apart."""
