@@ -352,6 +352,11 @@ def text_rows(length: int, vocab: int, texts: int | None = None) -> int:
     return rows if texts is None else max(1, min(rows, texts))
 
 
+def engine_vocab(engine) -> int:
+    """The vocabulary an engine's logits span (its model's config; GPT-2's where the model does not say)."""
+    return getattr(getattr(engine.model, "config", None), "vocab_size", None) or 50257
+
+
 def text_batches(texts: list[torch.Tensor], vocab: int, most: int | None = None) -> list[list[int]]:
     """The texts' indices in the batches ``text_drift`` passes together: texts of one length, in order, at most
     ``text_rows`` at once (and at most ``most``)."""
@@ -430,7 +435,7 @@ def text_drift(engine, ref32, spec: CacheSpec, texts: list[torch.Tensor], T: int
     ref_spec = CacheSpec(full_attention_kind(), {}, torch.float32)  # the reference: the whole text in one forward
     # (exact attention needs no decode steps to be what inference computes: equivalence checks that within 1e-4)
     kl, nll, nll_ref, dp, same, layers, decoded, which = [], [], [], [], [], [], [], []
-    vocab = getattr(getattr(engine.model, "config", None), "vocab_size", None) or 50257
+    vocab = engine_vocab(engine)
     bar = tqdm(total=len(texts), desc=f"text drift ({spec.label})", disable=not progress)
     for group in text_batches(texts, vocab, spec.rows_at_once()):  # one decode step serves several texts
         seqs = torch.cat([texts[i] for i in group])

@@ -225,8 +225,7 @@ class Retrieval(Measurement):
         lead = int(ctx.first_token is not None)
         if lead:
             seqs = [torch.cat([seq.new_full((1, 1), ctx.first_token), seq], 1) for seq in seqs]
-        vocab = getattr(getattr(ctx.engine.model, "config", None), "vocab_size", None) or 50257
-        for group in measure.text_batches(seqs, vocab, ctx.spec.rows_at_once()):
+        for group in measure.text_batches(seqs, measure.engine_vocab(ctx.engine), ctx.spec.rows_at_once()):
             rows = torch.cat([seqs[i] for i in group])
             ours, _ = measure.text_pass_rows(ctx.engine, ctx.spec, rows, prefill + lead)
             measure.check_finite(ours, what)
