@@ -23,8 +23,8 @@ its whole pool):
 - generation (batch 1, T = prompt_len + new_tokens, n = new_tokens): the generation's cache and the fp32
   reference's; the teacher-forced forward's full logits (T, V) in fp32 and the logit statistics over n steps
   (6 (n, V) fp32 tensors, 5 float64 ones for the KL).
-- text_drift (every run but plain fp32 on an exact full-attention kind), L = min(max_len, max(drift_text_len,
-  prompt_len + 1)), its texts passed B = ``text_rows`` at a time (B x (L - 1) x V fp32 logits within 1 GiB, at
+- text_drift (every run but plain fp32 on an exact full-attention kind, on an engine whose fp32 is kvlab's:
+  llama.cpp's fp32 run measures it), L = min(max_len, max(drift_text_len, prompt_len + 1)), its texts passed B = ``text_rows`` at a time (B x (L - 1) x V fp32 logits within 1 GiB, at
   most drift_texts, or n_prompts): both text passes' caches of B rows, the K/V recorded per layer (fp32), the
   reference's forward over (B, L - 1), both passes' logits (B, L - 1, V) in fp32 and the reference's prefill
   copied into its own (3 of them), and 7 float64 tensors of min(STAT_ROWS, L - 1) rows over the vocabulary.
@@ -306,7 +306,7 @@ def _generation_phases(s: _Sizes, n_prompts: int, new_tokens: int, drift_text_le
     phases = [("generation", s.cache_at(1, Tg, cap=Tg) + s.ref_cache(Tg),
                s.forward(1, Tg, Tg, F32) + n * V * (6 * F32 + 5 * F64))]
     plain_fp32 = (not s.reduced and s.storage == as_dtype("fp32")
-                  and s.cls.full_attention(s.cls.parse_options(**s.options)))
+                  and s.cls.full_attention(s.cls.parse_options(**s.options)) and not ENGINES[s.engine].drifts_at_fp32)
     if not plain_fp32:
         Lt = min(s.max_len, max(drift_text_len, s.prompt_len + 1))
         texts = drift_texts or n_prompts

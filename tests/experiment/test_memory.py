@@ -131,6 +131,9 @@ def test_the_estimate_grows_with_what_the_run_holds():
     assert run_bytes(gpt2, batch=64).total > base.total
     assert run_bytes(gpt2, batch_sizes=[1, 64, 256]).total > base.total
     assert run_bytes(gpt2, engine="hf").total > base.total
+    # llama.cpp's fp32 is not kvlab's: its exact fp32 run measures text drift, and the estimate counts it
+    phases = {engine: {p[0] for p in run_bytes(gpt2, engine=engine).phases} for engine in ("kvlab", "llamacpp")}
+    assert "text_drift" in phases["llamacpp"] and "text_drift" not in phases["kvlab"]
     # drift on text and retrieval pass several texts at once (harness.core.measure.text_rows): more texts, more bytes
     quant = dict(kind="quant", options={"k_bits": 4}, drift_text_len=512)
     assert run_bytes(gpt2, **quant, drift_texts=8).total > run_bytes(gpt2, **quant, drift_texts=1).total
