@@ -25,9 +25,10 @@ its whole pool):
   (6 (n, V) fp32 tensors, 5 float64 ones for the KL).
 - text_drift (every run but plain fp32 on an exact full-attention kind, on an engine whose fp32 is kvlab's:
   llama.cpp's fp32 run measures it), L = min(max_len, max(drift_text_len, prompt_len + 1)), its texts passed
-  B = ``text_rows`` at a time (B x (L - 1) x V fp32 logits within 1 GiB, at most drift_texts, or n_prompts): both text passes' caches of B rows, the K/V recorded per layer (fp32), the
-  reference's forward over (B, L - 1), both passes' logits (B, L - 1, V) in fp32 and the reference's prefill
-  copied into its own (3 of them), and 7 float64 tensors of min(STAT_ROWS, L - 1) rows over the vocabulary.
+  B = ``text_rows`` at a time (B x (L - 1) x V fp32 logits within 1 GiB, at most drift_texts, or n_prompts):
+  both text passes' caches of B rows, the K/V recorded per layer (fp32), the reference's forward over (B, L - 1),
+  both passes' logits (B, L - 1, V) in fp32 and the reference's prefill copied into its own (3 of them), and 7
+  float64 tensors of min(STAT_ROWS, L - 1) rows over the vocabulary.
 - cache_memory / step_times (batch 1): cache(1, ctx + 1) (twice if the kind's ``checkpoint`` snapshots), the
   uncached forward over the longest timed context.
 - bandwidth_probe: its copy buffers 2 x max(min(w, 1 GiB), 256 MiB) and its matrix min(w, 1 GiB), w the decode
