@@ -30,7 +30,7 @@ from harness.experiment import records
 from harness.analysis import results
 from harness.experiment import tracking
 from harness.analysis import wandb_report as wrep
-from tests.helpers import REPO, TINY, run_py
+from tests.helpers import QUICK, REPO, run_py
 
 CASES = [
     ("report-out-foreign-files",
@@ -455,7 +455,7 @@ def test_a_real_sweep_reports_safely(tmp_path):
     --out at one of its runs is refused with the run's CSVs unchanged; a report folder holding a user's file is
     refused and left as it was."""
     s = tmp_path / "s"
-    proc = run_py(["-m", "cache=concat,prealloc", *TINY, "tracking=disabled", f"hydra.sweep.dir={s}"], tmp_path)
+    proc = run_py(["-m", "cache=concat,prealloc", *QUICK, "tracking=disabled", f"hydra.sweep.dir={s}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (s / "report" / "report.html").is_file() and not ownership.foreign(s / "report")
     run = next(p for p in sorted(s.iterdir()) if (p / "results.json").is_file())

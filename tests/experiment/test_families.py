@@ -10,9 +10,10 @@ import torch
 
 from harness.tools.kvcalc import kv_cache_bytes, kv_geometry
 from models.families import build, preset_config
-from tests.helpers import REPO, run_py
+from tests.helpers import NO_REPORT, REPO, run_py
 
-QUICK = ["n_prompts=2", "new_tokens=8", "prompt_len=6", "repeats=2", "warmup=1", "context_lengths=[8,32]",
+# the tiny run's settings without its model (each test names its own)
+SHORT = ["n_prompts=2", "new_tokens=8", "prompt_len=6", "repeats=2", "warmup=1", "context_lengths=[8,32]",
          "tracking=disabled"]
 
 
@@ -23,8 +24,8 @@ def records(sweep):
 @pytest.mark.slow
 def test_a_gqa_sweep_on_both_engines_is_exact_and_holds_the_bytes_kvcalc_says(tmp_path):
     sweep = tmp_path / "sweep"
-    p = run_py(["-m", "model=tiny-gqa", "engine=kvlab,hf", "cache=prealloc", "max_len=64", *QUICK,
-                f"hydra.sweep.dir={sweep}"], tmp_path)
+    p = run_py(["-m", "model=tiny-gqa", "engine=kvlab,hf", "cache=prealloc", "max_len=64", *SHORT,
+                "measurements=[equivalence,memory]", f"hydra.sweep.dir={sweep}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     runs = records(sweep)
     assert sorted(r["engine"] for r in runs.values()) == ["hf", "kvlab"]
@@ -51,7 +52,7 @@ def test_a_checkpoint_with_its_own_tokenizer_reads_the_prompts_file_with_it(tmp_
     folder = tmp_path / "ckpt"
     hf.write_folder(folder, model.state_dict(), model.hf_config_dict(), fmt=model.hf_format)
     refused = tmp_path / "refused"
-    p = run_py(["model=tiny-gqa", f"model.weights={folder}", *QUICK, f"hydra.run.dir={refused}"], tmp_path)
+    p = run_py(["model=tiny-gqa", f"model.weights={folder}", *SHORT, f"hydra.run.dir={refused}"], tmp_path)
     assert p.returncode == 1 and "GPT-2's 50,257-token vocabulary, but model tiny-gqa has vocab_size 300" in (
         json.loads((refused / "results.json").read_text())["error"] if (refused / "results.json").exists()
         else p.stderr)
@@ -61,7 +62,7 @@ def test_a_checkpoint_with_its_own_tokenizer_reads_the_prompts_file_with_it(tmp_
         vocab_size=300, special_tokens=["[UNK]"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(folder / "tokenizer.json"))
     run_dir = tmp_path / "run"
-    p = run_py(["model=tiny-gqa", f"model.weights={folder}", "measurements=[equivalence]", *QUICK,
+    p = run_py(["model=tiny-gqa", f"model.weights={folder}", "measurements=[equivalence]", *SHORT,
                 f"hydra.run.dir={run_dir}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     rec = json.loads((run_dir / "results.json").read_text())
@@ -80,7 +81,7 @@ def test_a_llama_checkpoint_folder_runs_by_model_weights(tmp_path):
     hf.write_folder(folder, model.state_dict(), model.hf_config_dict(), fmt=model.hf_format)
     run_dir = tmp_path / "run"
     p = run_py(["model=tiny-gqa", f"model.weights={folder}", "cache=concat", "measurements=[equivalence,memory]",
-                *QUICK, f"hydra.run.dir={run_dir}"], tmp_path)
+                *SHORT, f"hydra.run.dir={run_dir}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     rec = json.loads((run_dir / "results.json").read_text())
     assert rec["status"] == "ok" and rec["model_family"] == "llama" and rec["weights_source"] == str(folder)
@@ -101,14 +102,14 @@ def test_a_repositioned_window_runs_8x_past_the_trained_length_and_gpt2_refuses_
     run_dir = tmp_path / "stream"
     p = run_py(["model=tiny-gqa", "cache=window", "cache.positions=cache", "cache.window=32", "cache.sinks=4",
                 "max_len=1024", "drift_text_len=1024", "drift_texts=1", "prompts_file=models/weights/mini/heldout.txt",
-                "measurements=[equivalence,text_drift,memory]", *QUICK, f"hydra.run.dir={run_dir}"], tmp_path)
+                "measurements=[equivalence,text_drift,memory]", *SHORT, f"hydra.run.dir={run_dir}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     rec = json.loads((run_dir / "results.json").read_text())
     assert rec["status"] == "ok" and rec["tokens_identical"] is True and rec["max_len"] == 1024
     assert rec["cache_nbytes"] == rec["predicted_nbytes"] == 2 * 2 * 2 * 16 * 36 * 4  # 36 slots at any length
     assert math.isfinite(rec["text_nll"]) and math.isfinite(rec["drift_delta_nll"])
     g2 = tmp_path / "gpt2"
-    p = run_py(["model=tiny", "cache=window", "cache.positions=cache", *QUICK, f"hydra.run.dir={g2}"], tmp_path)
+    p = run_py(["model=tiny", "cache=window", "cache.positions=cache", *SHORT, f"hydra.run.dir={g2}"], tmp_path)
     rec = json.loads((g2 / "results.json").read_text())
     assert p.returncode == 1 and "positions=cache re-positions keys by their place in the cache, which needs " \
                                   "rotary positions" in rec["error"]
@@ -120,7 +121,7 @@ def test_experiment_gqa_measures_bytes_halving_with_the_kv_heads_and_refuses_hea
     last. model.n_kv_head is refused in one line on GPT-2, on a checkpoint, and where it does not divide the heads."""
     sweep = tmp_path / "gqa"
     p = run_py(["experiment=gqa", "repeats=2", "warmup=1", "context_lengths=[64]", "n_prompts=1", "new_tokens=4",
-                "tracking=disabled", f"hydra.sweep.dir={sweep}"], tmp_path)
+                "tracking=disabled", NO_REPORT, f"hydra.sweep.dir={sweep}"], tmp_path)  # its report is not read
     assert p.returncode == 0, p.stderr[-3000:]
     runs = sorted(records(sweep).values(), key=lambda r: -r["n_kv_head"])
     assert [r["n_kv_head"] for r in runs] == [8, 4, 2, 1] and all(r["n_head"] == 8 for r in runs)
@@ -134,7 +135,7 @@ def test_experiment_gqa_measures_bytes_halving_with_the_kv_heads_and_refuses_hea
                  "loads a checkpoint whose heads are its own")]
     for i, (args, says) in enumerate(refusals):
         run_dir = tmp_path / f"refused-{i}"
-        p = run_py([*args, *QUICK, f"hydra.run.dir={run_dir}"], tmp_path)
+        p = run_py([*args, *SHORT, f"hydra.run.dir={run_dir}"], tmp_path)
         rec = json.loads((run_dir / "results.json").read_text())
         assert p.returncode == 1 and says in rec["error"], rec["error"]
         assert "Traceback" not in p.stderr
@@ -218,7 +219,7 @@ def test_a_checkpoint_trained_with_a_first_token_gets_it_in_front_of_every_seque
     assert hf.first_token(folder) == 50256
     run_dir = tmp_path / "run"
     p = run_py(["model=tiny-gqa", f"model.weights={folder}", "measurements=[equivalence,retrieval]", "max_len=64",
-                "retrieval_n=40", *QUICK, f"hydra.run.dir={run_dir}"], tmp_path)
+                "retrieval_n=40", *SHORT, f"hydra.run.dir={run_dir}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     rec = json.loads((run_dir / "results.json").read_text())
     assert rec["first_token"] == 50256 and rec["sample_prompt"].startswith("<|endoftext|>")

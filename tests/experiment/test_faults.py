@@ -21,7 +21,7 @@ from models.generate import decode_step, greedy, new_cache, prefill
 from models.gpt2 import GPT2, CheckpointError
 from models.kv_cache import kv_bytes, make_cache
 from models.tokenizer import Tokenizer
-from tests.helpers import REPO, TINY, case_ids, run_py
+from tests.helpers import NO_REPORT, QUICK, REPO, TINY, case_ids, run_py
 from tests.helpers.checkpoints import edit_config, edit_weights, hf_checkpoint, nan_weight
 
 # ---- config values: refused before any work -------------------------------------------------------------------
@@ -437,7 +437,7 @@ def test_ctrl_c_mid_run_leaves_a_clear_record_and_nothing_half_written(tmp_path)
 def test_online_tracking_without_a_key_falls_back_to_offline(tmp_path):
     out = tmp_path / "run"
     env = {"WANDB_API_KEY": "", "WANDB_BASE_URL": "http://127.0.0.1:9"}
-    proc = run_py([*TINY, "tracking=online", f"hydra.run.dir={out}"], tmp_path, {**env, "WANDB_MODE": ""})
+    proc = run_py([*QUICK, "tracking=online", f"hydra.run.dir={out}"], tmp_path, {**env, "WANDB_MODE": ""})
     assert proc.returncode == 0 and "logging offline instead" in proc.stderr
     assert len(list((out / "wandb").glob("offline-run-*"))) == 1
 
@@ -446,8 +446,9 @@ def test_online_tracking_without_a_key_falls_back_to_offline(tmp_path):
 def test_the_report_builds_from_whatever_is_readable(tmp_path):
     from harness.analysis.report import build_report
 
-    proc = run_py(["-m", "cache=concat,prealloc", *TINY, "tracking=disabled", f"hydra.sweep.dir={tmp_path / 's'}"],
-                  tmp_path)
+    # the measurements whose tables it spoils; no sweep report: the test builds its own from the folder
+    proc = run_py(["-m", "cache=concat,prealloc", *TINY, "measurements=[equivalence,memory,step_time]",
+                   "tracking=disabled", NO_REPORT, f"hydra.sweep.dir={tmp_path / 's'}"], tmp_path)
     assert proc.returncode == 0
     runs = sorted(p for p in (tmp_path / "s").iterdir() if (p / "results.json").exists())
     (runs[0] / "steps.csv").write_bytes(b"\x00\xff" * 50)  # binary

@@ -19,7 +19,7 @@ from models.families import preset_config
 from harness.core.engines import HF_COUNTERPARTS, KvlabEngine, hf_refuses
 from harness.experiment.runner import batch_lengths, disjoint_texts, text_prompts
 from harness.analysis.papers import PAPERS
-from tests.helpers import REPO, TINY, run_py
+from tests.helpers import NO_REPORT, REPO, TINY, run_py
 from models.kv_cache import CACHE_KINDS, cache_kind, kv_bytes
 from models.tokenizer import Tokenizer
 
@@ -329,7 +329,9 @@ def test_sweep_writes_complete_runs_offline_without_network(tiny_sweep):
 @pytest.mark.slow
 def test_a_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = run_py(["-m", "max_len=1000,64", "tracking=disabled", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path)
+    # equivalence and step times (steps.csv), what it reads; no sweep report: it reads none
+    proc = run_py(["-m", "max_len=1000,64", "tracking=disabled", *TINY, "measurements=[equivalence,step_time]",
+                   NO_REPORT, f"hydra.sweep.dir={sweep}"], tmp_path)
     assert proc.returncode != 0
     runs = {r["max_len"]: r for r in results(sweep).values()}
     assert runs[64]["status"] == "ok" and runs[64]["tokens_identical"]
@@ -363,7 +365,7 @@ def test_a_run_on_a_checkpoint_folder(tmp_path):
                              bos_token_id=0, eos_token_id=0)).save_pretrained(ckpt)
     out = tmp_path / "run"
     proc = run_py([*TINY, f"model.weights={ckpt}", "model.name=my-ckpt", "prompts=random", "tracking=disabled",
-                   f"hydra.run.dir={out}"], tmp_path)
+                   "measurements=[equivalence,memory]", f"hydra.run.dir={out}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads((out / "results.json").read_text())
     assert r["status"] == "ok" and r["weights"] == "pretrained" and r["model"] == "my-ckpt"
@@ -381,7 +383,7 @@ def test_a_ragged_batch_is_served_on_every_layout_with_its_waste(tmp_path):
     sequence equals its own reference, and the waste is what each layout's slots give, worked out here."""
     sweep = tmp_path / "sweep"
     proc = run_py(["-m", "cache=concat,prealloc,paged", "batch=5", "prompt_lengths=ragged", "tracking=disabled",
-                   *TINY, f"hydra.sweep.dir={sweep}"], tmp_path)
+                   *TINY, "measurements=[serving]", f"hydra.sweep.dir={sweep}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = {r["cache"]: r for r in results(sweep).values()}
     prompt_len, new = int(TINY[3].split("=")[1]), int(TINY[2].split("=")[1])

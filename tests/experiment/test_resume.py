@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from harness.experiment.config import slug
-from tests.helpers import REPO, TINY, run_py
+from tests.helpers import NO_REPORT, QUICK, REPO, TINY, run_py
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,8 @@ def test_a_killed_sweep_resumes_into_its_folder(tmp_path):
 
 def test_resume_false_measures_again_and_failed_runs_are_redone(tmp_path):
     sweep = tmp_path / "sweep"
-    args = ["-m", "max_len=64,1000", *TINY, "tracking=disabled", f"hydra.sweep.dir={sweep}"]
+    args = ["-m", "max_len=64,1000", *QUICK, "tracking=disabled", NO_REPORT,  # it reads the records alone
+            f"hydra.sweep.dir={sweep}"]
     first = run_py(args, tmp_path)
     assert first.returncode == 1  # max_len 1000 > 128
     before = records(sweep)
@@ -81,8 +82,8 @@ def test_resume_false_measures_again_and_failed_runs_are_redone(tmp_path):
 
 def test_two_sweeps_into_one_folder_stay_apart(tmp_path):
     sweep = tmp_path / "sweep"
-    a = run_py(["-m", "cache=concat,prealloc", *TINY, "tracking=disabled", f"hydra.sweep.dir={sweep}"], tmp_path)
-    b = run_py(["-m", "cache=quant", "dtype=fp16", *TINY, "tracking=disabled", f"hydra.sweep.dir={sweep}"],
+    a = run_py(["-m", "cache=concat,prealloc", *QUICK, "tracking=disabled", f"hydra.sweep.dir={sweep}"], tmp_path)
+    b = run_py(["-m", "cache=quant", "dtype=fp16", *QUICK, "tracking=disabled", f"hydra.sweep.dir={sweep}"],
                tmp_path)
     assert a.returncode == b.returncode == 0
     runs = records(sweep)
@@ -93,7 +94,7 @@ def test_two_sweeps_into_one_folder_stay_apart(tmp_path):
 
 
 def test_the_exit_code_comes_from_the_files(tmp_path):
-    ok = run_py([*TINY, "tracking=disabled", f"hydra.run.dir={tmp_path / 'ok'}"], tmp_path)
+    ok = run_py([*QUICK, "tracking=disabled", f"hydra.run.dir={tmp_path / 'ok'}"], tmp_path)
     assert ok.returncode == 0
     bad = run_py([*TINY, "max_len=1000", "tracking=disabled", f"hydra.run.dir={tmp_path / 'bad'}"], tmp_path)
     assert bad.returncode == 1 and "kvlab: not ok:" in bad.stderr and "max_len=1000" in bad.stderr
@@ -101,7 +102,7 @@ def test_the_exit_code_comes_from_the_files(tmp_path):
 
 def test_submitit_local_launcher_runs_the_sweep(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = run_py(["-m", "hydra/launcher=submitit_local", "max_len=64,1000", *TINY, "tracking=disabled",
+    proc = run_py(["-m", "hydra/launcher=submitit_local", "max_len=64,1000", *QUICK, "tracking=disabled",
                    f"hydra.sweep.dir={sweep}"], tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]  # one of the two runs is impossible: the exit code says so
     runs = records(sweep)
@@ -113,7 +114,7 @@ def test_submitit_local_launcher_runs_the_sweep(tmp_path):
 def test_config_values_cannot_steer_files_out_of_place(tmp_path):
     assert slug("../../x") == "x" and slug("org/ckpt") == "org-ckpt" and "/" not in slug("a/../../b")
     sweep = tmp_path / "deep" / "sweep"
-    proc = run_py(["-m", "model.name=../../escaped", *TINY, "tracking=disabled", f"hydra.sweep.dir={sweep}"],
+    proc = run_py(["-m", "model.name=../../escaped", *QUICK, "tracking=disabled", f"hydra.sweep.dir={sweep}"],
                   tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (record,) = records(sweep).values()
@@ -125,7 +126,7 @@ def test_config_values_cannot_steer_files_out_of_place(tmp_path):
 def test_an_api_key_never_reaches_a_file_or_the_console(tmp_path):
     secret = "kvlab0secret0key0" + "7" * 23  # a 40-character W&B-style key
     out = tmp_path / "run"
-    proc = run_py([*TINY, "tracking=offline", f"hydra.run.dir={out}"], tmp_path, {"WANDB_API_KEY": secret})
+    proc = run_py([*QUICK, "tracking=offline", f"hydra.run.dir={out}"], tmp_path, {"WANDB_API_KEY": secret})
     assert proc.returncode == 0
     assert secret not in proc.stdout + proc.stderr
     for f in out.rglob("*"):
@@ -135,7 +136,7 @@ def test_an_api_key_never_reaches_a_file_or_the_console(tmp_path):
 
 def test_nested_job_folders_count_for_the_exit_code(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = run_py(["-m", "max_len=64,1000", *TINY, "tracking=disabled", f"hydra.sweep.dir={sweep}",
+    proc = run_py(["-m", "max_len=64,1000", *QUICK, "tracking=disabled", f"hydra.sweep.dir={sweep}",
                    "hydra.sweep.subdir=${cache.kind}/${kvlab_id:}"], tmp_path)
     assert proc.returncode == 1 and "max_len=1000" in proc.stderr
     assert len(list(sweep.glob("*/*/results.json"))) == 2
@@ -164,7 +165,7 @@ def test_a_finished_run_on_other_weights_is_measured_again(tmp_path):
     """The identity hashes model.weights as asked (auto); a finished run whose weights came from elsewhere than they
     would now (an offline fallback, then the hub answers) is measured again, not mixed into the sweep."""
     out = tmp_path / "run"
-    args = [*TINY, "prompts=random", "tracking=disabled", f"hydra.run.dir={out}"]
+    args = [*QUICK, "prompts=random", "tracking=disabled", f"hydra.run.dir={out}"]
     assert run_py(args, tmp_path).returncode == 0
     record = json.loads((out / "results.json").read_text())
     record["weights_source"] = "openai-community/gpt2"  # as if measured on the real checkpoint

@@ -15,7 +15,7 @@ import pytest
 
 from harness.experiment import runner as experiment
 from harness.common import ownership
-from tests.helpers import REPO, TINY, run_py
+from tests.helpers import QUICK, REPO, TINY, run_py
 
 CASES = [
     ("run-dir-foreign-files", "a run folder holding files kvlab did not write is refused in one line; every file "
@@ -63,6 +63,10 @@ CASES = [
 ]
 
 FAST = [*TINY, "tracking=disabled"]
+# FAST measuring equivalence alone: for the tests that read no other measurement's keys or tables
+QUICK_FAST = [*QUICK, "tracking=disabled"]
+# FAST measuring equivalence and step times alone: for the tests that read steps.csv (and no other table)
+STEPS = [*FAST, "measurements=[equivalence,step_time]"]
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -126,10 +130,10 @@ def test_the_repository_itself_is_never_a_run_folder(tmp_path):
 @pytest.mark.slow
 def test_a_refused_config_changes_nothing_in_a_finished_runs_folder(tmp_path):
     out = tmp_path / "run"
-    assert run_py([*TINY, "tracking=offline", f"hydra.run.dir={out}"], tmp_path).returncode == 0
+    assert run_py([*QUICK, "tracking=offline", f"hydra.run.dir={out}"], tmp_path).returncode == 0
     before = snapshot(out)
     for bad in (["new_tokens=0"], ["repeats=0"], ["equivalence_tol=0"]):
-        proc = run_py([*TINY, *bad, "tracking=offline", f"hydra.run.dir={out}"], tmp_path)
+        proc = run_py([*QUICK, *bad, "tracking=offline", f"hydra.run.dir={out}"], tmp_path)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert "left as it was" in proc.stderr
         assert snapshot(out) == before  # results, tables, W&B files and .hydra/ all as they were
@@ -139,9 +143,9 @@ def test_a_refused_config_changes_nothing_in_a_finished_runs_folder(tmp_path):
 @pytest.mark.slow
 def test_a_run_folder_of_an_earlier_kvlab_is_adopted_and_resumed(tmp_path):
     out = tmp_path / "run"
-    assert run_py([*FAST, f"hydra.run.dir={out}"], tmp_path).returncode == 0
+    assert run_py([*QUICK_FAST, f"hydra.run.dir={out}"], tmp_path).returncode == 0
     (out / ownership.MANIFEST).unlink()  # as an earlier kvlab left it
-    again = run_py([*FAST, f"hydra.run.dir={out}"], tmp_path)
+    again = run_py([*QUICK_FAST, f"hydra.run.dir={out}"], tmp_path)
     assert again.returncode == 0 and "is complete" in again.stdout
     assert "results.json" in ownership.owned(out)
 
@@ -202,7 +206,7 @@ def test_bad_input_after_a_finished_run_leaves_it_as_it_was(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The tide came in over the flats.\n")
     out = tmp_path / "run"
-    args = [*FAST, f"prompts_file={prompts}", f"hydra.run.dir={out}"]
+    args = [*QUICK_FAST, f"prompts_file={prompts}", f"hydra.run.dir={out}"]
     assert run_py(args, tmp_path).returncode == 0
     before = snapshot(out)
     prompts.write_bytes(b"\x00\xff\xfe" * 100)  # binary now
@@ -212,7 +216,7 @@ def test_bad_input_after_a_finished_run_leaves_it_as_it_was(tmp_path):
 
     ckpt = hf_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "run-ckpt"
-    args = [*FAST, f"model.weights={ckpt}", "prompts=random", f"hydra.run.dir={out}"]
+    args = [*QUICK_FAST, f"model.weights={ckpt}", "prompts=random", f"hydra.run.dir={out}"]
     assert run_py(args, tmp_path).returncode == 0
     before = snapshot(out)
     edit_weights(ckpt, nan_weight)
@@ -223,18 +227,18 @@ def test_bad_input_after_a_finished_run_leaves_it_as_it_was(tmp_path):
 @pytest.mark.slow
 def test_a_report_folder_or_another_configs_run_is_never_replaced(tmp_path):
     sweep = tmp_path / "sweep"
-    assert run_py(["-m", "cache=concat,prealloc", *FAST, f"hydra.sweep.dir={sweep}"], tmp_path).returncode == 0
+    assert run_py(["-m", "cache=concat,prealloc", *STEPS, f"hydra.sweep.dir={sweep}"], tmp_path).returncode == 0
     report = snapshot(sweep / "report")
-    proc = run_py([*FAST, f"hydra.run.dir={sweep / 'report'}"], tmp_path)
+    proc = run_py([*STEPS, f"hydra.run.dir={sweep / 'report'}"], tmp_path)
     assert proc.returncode == 1 and "is a sweep report folder" in proc.stderr
     assert snapshot(sweep / "report") == report
     (concat,) = [p for p in sweep.iterdir() if "concat" in p.name]
     before = snapshot(concat)
-    proc = run_py([*FAST, "cache=prealloc", f"hydra.run.dir={concat}"], tmp_path)
+    proc = run_py([*STEPS, "cache=prealloc", f"hydra.run.dir={concat}"], tmp_path)
     assert proc.returncode == 1 and "holds a finished run of another config" in proc.stderr
     assert snapshot(concat) == before
     (concat / "steps.csv").unlink()  # a finished run missing a file: measured again
-    again = run_py([*FAST, "cache=concat", f"hydra.run.dir={concat}"], tmp_path)
+    again = run_py([*STEPS, "cache=concat", f"hydra.run.dir={concat}"], tmp_path)
     assert again.returncode == 0 and "is complete" not in again.stdout and (concat / "steps.csv").exists()
 
 
@@ -249,7 +253,7 @@ def write(*a, **k):
     return _write(*a, **k)
 t.write_run_files = write
 """
-    proc = run_patched(patch, [*FAST, f"hydra.run.dir={out}"], tmp_path)
+    proc = run_patched(patch, [*STEPS, f"hydra.run.dir={out}"], tmp_path)
     assert proc.returncode == 143 and "Traceback" not in proc.stderr
     assert "SIGTERM arrived as run run wrote its results: they are complete" in proc.stderr
     record = json.loads((out / "results.json").read_text())
@@ -266,7 +270,7 @@ def test_a_lock_whose_pid_is_another_process_now_is_taken_over(tmp_path):
 @pytest.mark.slow
 def test_a_users_file_inside_a_runs_own_subfolders_is_kept(tmp_path):
     out = tmp_path / "run"
-    args = [*TINY, "tracking=offline", f"hydra.run.dir={out}"]
+    args = [*QUICK, "tracking=offline", f"hydra.run.dir={out}"]
     assert run_py(args, tmp_path).returncode == 0
     for sub in (".hydra", "wandb"):
         (out / sub / "mynotes.txt").write_text("mine")
@@ -294,7 +298,7 @@ p.PreallocKVCache.update = update
 @pytest.mark.parametrize("delta,width", [(0.05, 1), (100.0, 32)], ids=["small-error", "tokens-differ"])
 def test_an_exact_kind_that_is_not_equivalent_is_a_failure(tmp_path, delta, width):
     out = tmp_path / "run"
-    proc = run_patched(BROKEN_K.format(delta=delta, width=width), [*FAST, "model=mini", f"hydra.run.dir={out}"],
+    proc = run_patched(BROKEN_K.format(delta=delta, width=width), [*STEPS, "model=mini", f"hydra.run.dir={out}"],
                        tmp_path)  # a trained model: its tokens follow its attention
     record = json.loads((out / "results.json").read_text())
     assert proc.returncode == 1, proc.stderr[-2000:]
@@ -328,7 +332,9 @@ def boom(*a, **k):
     raise RuntimeError("the served batch broke")
 m.serve_batch = boom
 """
-    proc = run_patched(patch, [*FAST, f"hydra.run.dir={out}"], tmp_path)
+    # the measurements it reads; the served batch, which fails, is measured after the other two
+    args = [*FAST, "measurements=[equivalence,memory,serving]", f"hydra.run.dir={out}"]
+    proc = run_patched(patch, args, tmp_path)
     record = json.loads((out / "results.json").read_text())
     assert proc.returncode == 1 and record["status"] == "failed" and "served batch broke" in record["error"]
     assert record["failed_stage"] == "served batch" and "failed in served batch" in proc.stderr
@@ -426,7 +432,7 @@ def test_a_changed_prompts_file_or_checkpoint_is_measured_again(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("In the beginning was the word.\nAnd the word was with the cache.\n")
     out = tmp_path / "run"
-    args = [*FAST, f"prompts_file={prompts}", f"hydra.run.dir={out}"]
+    args = [*QUICK_FAST, f"prompts_file={prompts}", f"hydra.run.dir={out}"]
     assert run_py(args, tmp_path).returncode == 0
     assert "is complete" in run_py(args, tmp_path).stdout
     prompts.write_text("Another text entirely, for another measurement.\n")
@@ -435,7 +441,7 @@ def test_a_changed_prompts_file_or_checkpoint_is_measured_again(tmp_path):
 
     ckpt = hf_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "run-ckpt"
-    args = [*FAST, f"model.weights={ckpt}", "prompts=random", f"hydra.run.dir={out}"]
+    args = [*QUICK_FAST, f"model.weights={ckpt}", "prompts=random", f"hydra.run.dir={out}"]
     assert run_py(args, tmp_path).returncode == 0
 
     def scaled(state):

@@ -18,7 +18,7 @@ from harness.common import ownership
 from harness.analysis import report
 from harness.analysis import results
 from harness.experiment.config import ConfigError
-from tests.helpers import TINY, run_py
+from tests.helpers import NO_REPORT, QUICK, TINY, run_py
 
 CASES = [
     ("adopt-copied-record", "a folder holding a results.json copied from another run folder plus the user's own "
@@ -80,6 +80,9 @@ CASES = [
 ]
 
 FAST = [*TINY, "tracking=disabled"]
+# the finished run's command: equivalence and step times alone, for the tests below read (and replace) its steps.csv
+# and run.log, and no other measurement's keys or tables
+FINISHED = [*FAST, "measurements=[equivalence,step_time]"]
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -91,7 +94,7 @@ def finished(tmp_path_factory) -> Path:
     """A finished tiny run, made once for this file (treat as read-only: copy it to change it)."""
     tmp = tmp_path_factory.mktemp("finished")
     out = tmp / "run"
-    proc = run_py([*FAST, f"hydra.run.dir={out}"], tmp)
+    proc = run_py([*FINISHED, f"hydra.run.dir={out}"], tmp)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out
 
@@ -128,7 +131,7 @@ def test_a_copied_record_is_refused_and_resume_false_overwrites_nothing(finished
     shutil.copy(finished / "results.json", out / "results.json")
     (out / "steps.csv").write_text("my,own\n1,2\n")
     before = snapshot(out)
-    proc = run_py([*FAST, "resume=false", f"hydra.run.dir={out}"], tmp_path)
+    proc = run_py([*FINISHED, "resume=false", f"hydra.run.dir={out}"], tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "written for another folder" in proc.stderr and "holds files kvlab did not write" in proc.stderr
     assert snapshot(out) == before
@@ -203,8 +206,9 @@ def test_a_sweep_into_a_folder_with_the_users_manifest_is_refused(tmp_path):
 @pytest.mark.slow
 def test_a_second_sweep_never_takes_the_first_ones_run(tmp_path):
     sweep = tmp_path / "sweep"
-    a = run_py(["-m", "cache=concat,prealloc", *FAST, f"hydra.sweep.dir={sweep}"], tmp_path)
-    b = run_py(["-m", "cache=prealloc", *FAST, f"hydra.sweep.dir={sweep}"], tmp_path)
+    quick = [*QUICK, "tracking=disabled", NO_REPORT]  # the test builds the first sweep's report itself, below
+    a = run_py(["-m", "cache=concat,prealloc", *quick, f"hydra.sweep.dir={sweep}"], tmp_path)
+    b = run_py(["-m", "cache=prealloc", *quick, f"hydra.sweep.dir={sweep}"], tmp_path)
     assert a.returncode == b.returncode == 0 and "is complete" in b.stdout
     records = {f.parent.name: json.loads(f.read_text()) for f in sweep.glob("*/results.json")}
     first = {r["invocation"] for r in records.values() if len(r["invocations"].split()) == 1}

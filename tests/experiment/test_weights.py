@@ -72,7 +72,8 @@ def test_a_run_with_auto_weights_records_the_hub_checkpoint(tmp_path, checkpoint
     try:
         out = tmp_path / "run"
         run_py(["model=gpt2", "prompts=random", "n_prompts=1", "new_tokens=4", "prompt_len=4", "repeats=1",
-                       "warmup=0", "context_lengths=[8]", "dtype=fp16", "tracking=disabled", f"hydra.run.dir={out}"],
+                       "warmup=0", "context_lengths=[8]", "dtype=fp16", "measurements=[equivalence]",
+                       "tracking=disabled", f"hydra.run.dir={out}"],
                       tmp_path, dict(HF_HUB_OFFLINE="0", HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"),
                                      KVLAB_HUB_TIMEOUT="2"))
     finally:

@@ -1,5 +1,6 @@
 """What the tests share that is not a fixture (the fixtures live in tests/conftest.py): the repository's root, the
-tiny run every run.py test makes, running run.py offline, a network tripwire, and reading a test file's ``CASES``.
+tiny run every run.py test makes (and its quicker forms), running run.py offline, a network tripwire, and reading a
+test file's ``CASES``.
 The modules beside this one hold what tests of one kind share: ``caches`` (the model layer's cache kinds and
 prompts), ``checkpoints`` (tiny HF checkpoints and faults in them), ``fake_hub`` (a stand-in HF hub),
 ``wandb_runs`` (reading an offline W&B run) and ``house`` (the project's import graph). A test file imports what it
@@ -19,6 +20,12 @@ REPO = Path(__file__).resolve().parent.parent.parent
 # small and quick: what every run.py test runs
 TINY = ["model=tiny", "n_prompts=2", "new_tokens=8", "prompt_len=6", "repeats=2", "warmup=1",
         "context_lengths=[8,32]"]
+# the tiny run measuring equivalence alone (a second and more less than every measurement): for the tests of a
+# run's folder, record, resume and exit code, which read no other measurement's keys or tables. The list is part of
+# a run's identity, so a test that runs one command twice gives both the same list.
+QUICK = [*TINY, "measurements=[equivalence]"]
+# on a sweep's command line: no sweep report (seconds of tables and figures), for the tests that never read it
+NO_REPORT = "~hydra.callbacks.report"
 
 
 class Tripwire:
