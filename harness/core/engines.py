@@ -17,11 +17,13 @@ What an engine does (``Engine``):
     storage(spec, prefilled)                 what knows the bytes its cache of ``spec`` holds (``nbytes_formula``,
                                              ``bytes_per_token``, ``held_tokens``): the kind's class, or its own
     keys_read(kind, ctx, max_len)            keys a decode step at context ``ctx`` attends over (None: the kind's)
+    rotation(spec)                           which of K and V the engine itself rotates before storing (llama.cpp's
+                                             Hadamard: kv, k, v or none); None where it does nothing of its own
 
 What it can do, asked from the class before anything is built (validation, the memory estimate):
-    refuses(kind, opts, head_dim=None) / refuses_ragged() / refuses_compile(kind) / refuses_storage(storage,
-    compute) / refuses_options(options, storage, config)
-                                             why not (one line), or None (head_dim: the model's, once known;
+    refuses(kind, opts, head_dim=None, rotary=None) / refuses_ragged() / refuses_compile(kind) /
+    refuses_storage(storage, compute) / refuses_options(options, storage, config)
+                                             why not (one line), or None (head_dim, rotary: the model's, once known;
                                              ``options``: the engine's typed Options; config: the model's, or None)
     build(model, options, storage, compile)  the engine for a run: its options and the run's storage dtype
     stores(kind, opts, options, storage)     what its cache of ``kind`` stores where the kind's own storage does not
@@ -253,7 +255,7 @@ class Engine(Protocol):
     model: Any
 
     @classmethod
-    def refuses(cls, kind: str, opts, head_dim: int | None = None) -> str | None: ...
+    def refuses(cls, kind: str, opts, head_dim: int | None = None, rotary: bool | None = None) -> str | None: ...
 
     @classmethod
     def refuses_ragged(cls) -> str | None: ...
@@ -298,6 +300,8 @@ class Engine(Protocol):
 
     def keys_read(self, kind: str, ctx: int, max_len: int) -> int | None: ...
 
+    def rotation(self, spec) -> str | None: ...
+
 
 @dataclass(frozen=True)
 class KvlabOptions:
@@ -331,7 +335,7 @@ class KvlabEngine:
         return None, True  # the kind's own storage
 
     @classmethod
-    def refuses(cls, kind: str, opts, head_dim: int | None = None) -> str | None:
+    def refuses(cls, kind: str, opts, head_dim: int | None = None, rotary: bool | None = None) -> str | None:
         return None  # every registered kind, every option (the kind's own checks refuse what it cannot do)
 
     @classmethod
@@ -364,6 +368,9 @@ class KvlabEngine:
 
     def keys_read(self, kind: str, ctx: int, max_len: int) -> int | None:
         return None  # what the kind's class says
+
+    def rotation(self, spec) -> str | None:
+        return None  # a rotation of ours is the kind's own option (cache.rotate)
 
     def compiles(self, kind: str) -> bool:
         """Whether this engine's decode steps on ``kind`` run compiled (compile=true and a kind it compiles)."""
@@ -534,7 +541,7 @@ class HFEngine:
         return None, True  # the kind's counterpart, in the storage dtype
 
     @classmethod
-    def refuses(cls, kind: str, opts, head_dim: int | None = None) -> str | None:
+    def refuses(cls, kind: str, opts, head_dim: int | None = None, rotary: bool | None = None) -> str | None:
         return hf_refuses(kind, opts, head_dim)
 
     @classmethod
@@ -598,6 +605,9 @@ class HFEngine:
     def keys_read(self, kind: str, ctx: int, max_len: int) -> int | None:
         """StaticCache hands attention all ``max_len`` slots every step (the unwritten ones masked)."""
         return max_len if kind == "prealloc" else None
+
+    def rotation(self, spec) -> str | None:
+        return None
 
     def storage(self, spec, prefilled: int = 0):
         """What knows this engine's bytes for ``spec`` (``held_tokens``, ``nbytes_formula``, ``bytes_per_token``):

@@ -8,7 +8,15 @@ layout, so ``concat`` is refused rather than recorded as run), K and V stored as
 q4_0, q4_1, q5_0, q5_1, iq4_nl: blocks of 32 values with an f16 scale, and an f16 minimum for the _1 types). A
 quantised V needs llama.cpp's flash attention, which this engine then turns on (it is off otherwise, as llama.cpp's
 exact path). Batches run as that many llama.cpp sequences of one length in one context. What llama.cpp cannot do is
-refused in one line."""
+refused in one line.
+
+Rotation: llama.cpp (since its pull request 21038) multiplies each head's K, V and query by a 64-channel Hadamard
+matrix before a quantised K or V is stored, by default, wherever the head size is a multiple of 64; the environment
+variable ``LLAMA_ATTN_ROT_DISABLE`` turns it off for a context created while it is set. kvlab sets it per context,
+so a run is what it says: under ``cache=quant``, ``cache.rotate`` decides (``none``: off; ``hadamard``: llama.cpp's
+rotation, which on a GPT-2 model of head size 64 stores K and V code for code as kvlab's ``rotate=hadamard``);
+otherwise ``engine.rotate`` does (``auto``: llama.cpp's default, ``none``: off). ``engine_rotation`` in results.json
+says which of K and V llama.cpp rotated."""
 
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ import os
 import sys
 import tempfile
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,12 +52,12 @@ QUANT_TYPES = {("symmetric", 8): "q8_0", ("symmetric", 4): "q4_0", ("asymmetric"
 def quant_types(opts) -> tuple[str | None, str | None] | str:
     """cache=quant's options as llama.cpp's (K type, V type), None for the one left in the storage dtype
     (``quantize=k`` or ``v``); or why llama.cpp stores no such thing (one line)."""
-    fixed = {"group_size": 32, "residual": 0, "k_axis": "token", "v_axis": "token", "rotate": "none",
-             "k_pre_rope": False}
+    fixed = {"group_size": 32, "residual": 0, "k_axis": "token", "v_axis": "token", "k_pre_rope": False}
     for name, want in fixed.items():
         if getattr(opts, name) != want:
             return (f"llama.cpp's K/V types are blocks of 32 values per token, nothing kept in full precision, "
-                    f"nothing rotated: cache.{name}={getattr(opts, name)} (give {want}), or use engine=kvlab")
+                    f"keys stored after their rotary rotation: cache.{name}={getattr(opts, name)} (give {want}), or "
+                    "use engine=kvlab")
     types = []
     for which in ("k", "v"):
         if opts.quantize not in ("kv", which):
@@ -63,6 +72,9 @@ def quant_types(opts) -> tuple[str | None, str | None] | str:
     return types[0], types[1]
 
 
+ROTATE_ENV = "LLAMA_ATTN_ROT_DISABLE"  # llama.cpp reads it when a context's K/V cache is made: set, no rotation
+ROTATE_BLOCK = 64  # llama.cpp rotates a quantised K or V where the head size is a multiple of this
+ROTATIONS = ("auto", "none")  # engine.rotate: llama.cpp's default, or off
 GGUF_CACHE_ENV = "KVLAB_GGUF_CACHE"  # where converted models are kept (default: the system's temp folder)
 CTX_PAD = 256  # llama.cpp rounds a context's cells up to a multiple of this (per sequence, here)
 # the most tokens llama.cpp computes at once (its n_ubatch): a longer batch (a prefill, a batch of prompts) runs in
@@ -107,6 +119,7 @@ class LlamaCppOptions:
     type_k: str = "auto"  # llama.cpp's K type: auto (the run's dtype.storage: f32 or f16), q8_0, q4_0, q4_1, q5_0, ...
     type_v: str = "auto"  # its V type, the same choices (a quantised V turns on llama.cpp's flash attention)
     threads: int = 0  # llama.cpp's threads; 0: as many as torch uses (kvlab's own thread count)
+    rotate: str = "auto"  # llama.cpp's Hadamard rotation of a quantised K/V: auto (its default), none (off)
 
 
 def cache_type(name: str, storage: str) -> str:
@@ -128,7 +141,50 @@ def refuses_types(opts: LlamaCppOptions, storage: str, head_dim: int | None) -> 
                     "multiple")
     if not isinstance(opts.threads, int) or opts.threads < 0:
         return f"engine.threads={opts.threads!r}: give 0 (as many as torch uses) or a positive count"
+    if opts.rotate not in ROTATIONS:
+        return (f"engine.rotate={opts.rotate!r}: give auto (llama.cpp's Hadamard rotation of a quantised K/V, its "
+                "default) or none (off)")
     return None
+
+
+def rotated(type_k: str, type_v: str, head_dim: int, allowed: bool) -> str:
+    """Which of K and V llama.cpp rotates before storing (its rule: a quantised type, the head size a multiple of
+    ``ROTATE_BLOCK``, not turned off): kv, k, v or none."""
+    on = [allowed and CACHE_TYPES[t][1] > 1 and head_dim % ROTATE_BLOCK == 0 for t in (type_k, type_v)]
+    return {(True, True): "kv", (True, False): "k", (False, True): "v"}.get(tuple(on), "none")
+
+
+def refuses_rotation(opts, head_dim: int | None, rotary: bool | None) -> str | None:
+    """Why cache=quant's rotate=hadamard is not kvlab's own rotation on llama.cpp (one line), or None: llama.cpp
+    rotates blocks of 64 channels in its own channel order, which is kvlab's only on a model without rotary
+    positions (a rotary model's GGUF interleaves each head's K channels) and of head size 64."""
+    if opts.rotate != "hadamard":
+        return None
+    if rotary:
+        return ("cache.rotate=hadamard: llama.cpp rotates K in its own channel order, which on a rotary model "
+                "interleaves each head's channels (models/gguf.py), so it is not kvlab's rotation: use "
+                "engine=kvlab, or cache.rotate=none")
+    if head_dim is not None and head_dim != ROTATE_BLOCK:
+        return (f"cache.rotate=hadamard: llama.cpp's rotation equals kvlab's at head size {ROTATE_BLOCK}, and this "
+                f"model's is {head_dim}: use engine=kvlab, or cache.rotate=none")
+    return None
+
+
+@contextmanager
+def rotation_set(allowed: bool):
+    """``ROTATE_ENV`` as ``allowed`` says while a context is made (llama.cpp reads it then), then as it was."""
+    before = os.environ.get(ROTATE_ENV)
+    if allowed:
+        os.environ.pop(ROTATE_ENV, None)
+    else:
+        os.environ[ROTATE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ROTATE_ENV, None)
+        else:
+            os.environ[ROTATE_ENV] = before
 
 
 def cells(max_len: int) -> int:
@@ -178,9 +234,10 @@ class LlamaCppCache:
     """A llama.cpp context: its K/V buffer of ``max_len`` cells per sequence and how many each holds (``n``)."""
 
     def __init__(self, engine: "LlamaCppEngine", max_len: int, batch: int, type_k: str | None = None,
-                 type_v: str | None = None):
+                 type_v: str | None = None, rotate: bool = True):
         lc = engine.lc
         self.type_k, self.type_v = type_k or engine.type_k, type_v or engine.type_v
+        self.rotated = rotated(self.type_k, self.type_v, engine.head_dim, rotate)  # what llama.cpp does with it
         params = lc.llama_context_default_params()
         params.n_ctx, params.n_seq_max = cells(max_len) * batch, batch
         params.n_batch = max(max_len * batch, 1)  # a whole prefill is one llama_decode call
@@ -191,7 +248,8 @@ class LlamaCppCache:
         params.no_perf = False
         from llama_cpp._internals import LlamaBatch, LlamaContext
 
-        self.ctx = LlamaContext(model=engine.llm, params=params, verbose=False)
+        with rotation_set(rotate):
+            self.ctx = LlamaContext(model=engine.llm, params=params, verbose=False)
         self.batch = LlamaBatch(n_tokens=max_len * batch, embd=0, n_seq_max=batch, verbose=False)
         self.max_len, self.B, self.n, self.vocab = max_len, batch, 0, engine.vocab
         self.lc = lc
@@ -240,10 +298,10 @@ class LlamaCppEngine:
     Options = LlamaCppOptions
 
     @classmethod
-    def refuses(cls, kind: str, opts, head_dim: int | None = None) -> str | None:
+    def refuses(cls, kind: str, opts, head_dim: int | None = None, rotary: bool | None = None) -> str | None:
         if kind == "quant":
             types = quant_types(opts)
-            return types if isinstance(types, str) else None
+            return types if isinstance(types, str) else refuses_rotation(opts, head_dim, rotary)
         if kind not in LAYOUTS:
             return (f"llama.cpp has no {kind} cache: its one layout is a K/V buffer allocated up front "
                     "(cache=prealloc), stored as engine.type_k / engine.type_v, or cache=quant in llama.cpp's blocks")
@@ -259,6 +317,9 @@ class LlamaCppEngine:
         if (options.type_k, options.type_v) != ("auto", "auto"):
             raise ValueError("give llama.cpp's K/V types once: cache=quant's options or engine.type_k / type_v, "
                              "not both")
+        if options.rotate != "auto":
+            raise ValueError(f"give llama.cpp's rotation once: under cache=quant it is cache.rotate (none or "
+                             f"hadamard), not engine.rotate={options.rotate}")
         types = quant_types(opts)
         if isinstance(types, str):
             raise ValueError(types)
@@ -273,6 +334,15 @@ class LlamaCppEngine:
 
     def types_for(self, kind: str, opts) -> tuple[str, str]:
         return self.stored_types(kind, opts, self.options, self.storage_dtype)
+
+    def rotates(self, kind: str, opts) -> bool:
+        """Whether llama.cpp may rotate this cache's quantised K/V: cache=quant's rotate=hadamard, else
+        engine.rotate=auto (llama.cpp's default)."""
+        return opts.rotate == "hadamard" if kind == "quant" else self.options.rotate == "auto"
+
+    def rotation(self, spec) -> str | None:
+        """Which of K and V llama.cpp rotates in a cache of ``spec`` (kv, k, v or none)."""
+        return rotated(*self.types_for(spec.kind, spec.opts), self.head_dim, self.rotates(spec.kind, spec.opts))
 
     @classmethod
     def refuses_ragged(cls) -> str | None:
@@ -300,13 +370,13 @@ class LlamaCppEngine:
 
     @classmethod
     def build(cls, model, options, storage: str, compile: bool = False) -> "LlamaCppEngine":
-        return cls(model, options.type_k, options.type_v, options.threads, storage=storage)
+        return cls(model, options.type_k, options.type_v, options.threads, storage=storage, rotate=options.rotate)
 
     def __init__(self, model: Decoder, type_k: str = "auto", type_v: str = "auto", threads: int = 0,
-                 storage: str | None = None):
+                 storage: str | None = None, rotate: str = "auto"):
         self.lc = _llama_cpp()
         storage = storage or {torch.float32: "fp32", torch.float16: "fp16"}.get(model_dtype(model), "fp32")
-        self.options = LlamaCppOptions(type_k, type_v, threads)
+        self.options = LlamaCppOptions(type_k, type_v, threads, rotate)
         why = self.refuses_options(self.options, storage, model.config)
         if why:
             raise ValueError(f"engine=llamacpp: {why}")
@@ -351,10 +421,10 @@ class LlamaCppEngine:
 
     def new_cache(self, kind: str, max_len: int, batch: int = 1, dtype=None, **options):
         opts = cache_kind(kind).parse_options(**options)
-        why = self.refuses(kind, opts, self.head_dim)
+        why = self.refuses(kind, opts, self.head_dim, self.model.config.rotary)
         if why:
             raise ValueError(why)
-        return LlamaCppCache(self, max_len, batch, *self.types_for(kind, opts))
+        return LlamaCppCache(self, max_len, batch, *self.types_for(kind, opts), rotate=self.rotates(kind, opts))
 
     def prefill(self, ids: torch.Tensor, cache: LlamaCppCache, last_only: bool = False, pad=None) -> torch.Tensor:
         if pad is not None:

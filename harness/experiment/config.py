@@ -321,6 +321,9 @@ def check_model(rc: RunConfig, mcfg) -> None:
     why = ENGINES[rc.engine.name].refuses_options(engine_options(rc), rc.dtype.storage, mcfg)
     need(not why, f"engine={rc.engine.name} on model {rc.model.name}: {why}")
     cls = cache_kind(rc.cache.kind)
+    why = ENGINES[rc.engine.name].refuses(rc.cache.kind, cls.parse_options(**rc.cache.options), mcfg.head_dim,
+                                          mcfg.rotary)
+    need(not why, f"engine={rc.engine.name} cache={rc.cache.kind}: {why}")  # as validate says it, the model known
     why = cls.needs_rotary(cls.parse_options(**rc.cache.options))
     need(why is None or mcfg.rotary, f"cache={rc.cache.kind} on model {rc.model.name} ({mcfg.family}): {why}")
     off_cpu = rc.device == "cuda" or (rc.device == "auto" and _cuda_available())

@@ -564,6 +564,8 @@ def cache_record(cache: CacheChoice, engine: str = "kvlab", engine_opts=None, st
         types, lossless = (None, True) if cls_engine is None else cls_engine.stores(
             cache.kind, opts, engine_opts or cls_engine.Options(), storage)
         suffix = "" if engine == "kvlab" else f" · {engine}" + ("" if lossless else " K {} V {}".format(*types))
+        if not lossless and cache.kind != "quant" and getattr(engine_opts, "rotate", "auto") == "none":
+            suffix += " unrotated"  # llama.cpp's default rotation turned off (engine.rotate=none)
         head = dict(cache_label=cls.label(opts) + suffix, cache_exact=cls.exact and lossless)
         if types is not None:
             head.update(engine_type_k=types[0], engine_type_v=types[1])
@@ -749,7 +751,7 @@ def resolved_record(plan: Plan, loaded: dict) -> dict:
         n_embd=mcfg.n_embd, n_params=model.num_params(),
         outlier_k_channels=channels["k_channels"], outlier_v_channels=channels["v_channels"],
         prompt_tokenizer=None if loaded["tokenizer"] is None else getattr(loaded["tokenizer"], "source", "gpt2"),
-        first_token=loaded["first_token"])),
+        engine_rotation=loaded["engine"].rotation(loaded["spec"]), first_token=loaded["first_token"])),
         max_len=loaded["max_len"], context_lengths=",".join(map(str, loaded["contexts"])))
 
 

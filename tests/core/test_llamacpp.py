@@ -147,6 +147,9 @@ def test_quantised_types_move_the_logits_in_the_order_of_their_bits(tmp_path, mo
     ([], None),
     (["dtype=bf16"], "dtype.storage=bf16 has no llama.cpp type"),
     (["model=qwen2.5-0.5b", "model.weights=random"], "no GGUF conversion for model_type 'qwen2' here"),
+    (["engine.rotate=hadamard"], "engine.rotate='hadamard': give auto (llama.cpp's Hadamard rotation"),
+    (["model=tiny-gqa", "cache=quant", "cache.scheme=symmetric", "cache.k_axis=token", "cache.group_size=16",
+      "cache.rotate=hadamard"], "cache.group_size=16 (give 32)"),
 ])
 def test_what_it_cannot_run_is_refused_in_one_line(tmp_path, args, why):
     small = ["model=tiny", "engine=llamacpp", "n_prompts=1", "new_tokens=4", "prompt_len=4", "repeats=1", "warmup=0",
@@ -157,6 +160,7 @@ def test_what_it_cannot_run_is_refused_in_one_line(tmp_path, args, why):
         assert proc.returncode == 0, proc.stderr[-2000:]
         rec = json.loads((tmp_path / "run" / "results.json").read_text())
         assert rec["status"] == "ok" and rec["engine"] == "llamacpp" and rec["tokens_identical"] is True
+        assert rec["engine_rotation"] == "none"  # nothing quantised: nothing rotated
         return
     assert proc.returncode != 0
     line = next(ln for ln in proc.stderr.splitlines() if why in ln)
@@ -219,6 +223,8 @@ def test_cache_quant_llama_cpp_has_no_type_for_is_refused_in_one_line(opts, why)
     ("prealloc", {}, dict(type_k="f16"), "fp32", "prealloc · llamacpp K f16 V f32", False),  # f16 under fp32
     ("quant", dict(k_bits=8, v_bits=8, quantize="k", group_size=32, residual=0, k_axis="token",
                    scheme="symmetric"), {}, "fp32", " · llamacpp K q8_0 V f32", False),
+    ("prealloc", {}, dict(type_k="q4_0", rotate="none"), "fp32", "prealloc · llamacpp K q4_0 V f32 unrotated",
+     False),  # llama.cpp's default rotation off: another series than the rotated one
 ])
 def test_a_run_says_which_k_v_types_llama_cpp_stored(kind, options, engine, storage, label, exact):
     """Two llama.cpp runs that differ in engine.type_k / type_v are told apart by their label and their
@@ -229,7 +235,8 @@ def test_a_run_says_which_k_v_types_llama_cpp_stored(kind, options, engine, stor
 
     rec = cache_record(CacheChoice(kind, options), "llamacpp", L.LlamaCppOptions(**engine), storage)
     assert rec["cache_label"].endswith(label) and rec["cache_exact"] is exact
-    types = rec["cache_label"].split(" K ")[-1].split(" V ") if " K " in label else [L.cache_type("auto", storage)] * 2
+    types = (rec["cache_label"].removesuffix(" unrotated").split(" K ")[-1].split(" V ") if " K " in label
+             else [L.cache_type("auto", storage)] * 2)
     assert [rec["engine_type_k"], rec["engine_type_v"]] == types
     assert "engine_type_k" not in cache_record(CacheChoice(kind, options), "kvlab", None, storage)
 
@@ -248,3 +255,118 @@ def test_texts_passed_together_each_get_what_they_get_alone(pair):
         for b in range(3):
             alone, _ = measure.text_pass(engine, spec, texts[b:b + 1], 6)
             assert (rows[b] - alone).abs().max().item() <= TOL[family], (type_v, b)
+
+
+def stored_k(engine, cache, n_layer: int) -> list[tuple[int, "np.ndarray"]]:
+    """llama.cpp's K rows of sequence 0 read back from its own state (``llama_state_seq_get_data``): per layer, its
+    ggml type and (cells, row bytes). The layout of this build: u32 magic, u32 version, u32 streams, u32 cells, each
+    cell (i32 position, u32 n_seq_id, that many i32 ids), u32 v_trans, u32 layers, each layer (i32 K type, u64 row
+    bytes, the rows)."""
+    import ctypes
+
+    import numpy as np
+
+    lc = engine.lc
+    size = lc.llama_state_seq_get_size(cache.ctx.ctx, 0)
+    buf = (ctypes.c_uint8 * size)()
+    written = lc.llama_state_seq_get_data(cache.ctx.ctx, buf, size, 0)
+    data = bytes(buf)[:written]
+    at = 8
+
+    def take(dtype, n=1):
+        nonlocal at
+        a = np.frombuffer(data, dtype=dtype, count=n, offset=at)
+        at += a.nbytes
+        return a
+
+    assert int(take(np.uint32)[0]) == 1  # one stream
+    n_cells = int(take(np.uint32)[0])
+    positions = []
+    for _ in range(n_cells):
+        positions.append(int(take(np.int32)[0]))
+        take(np.int32, int(take(np.uint32)[0]))
+    assert positions == list(range(n_cells)) and int(take(np.uint32, 2)[1]) == n_layer
+    layers = []
+    for _ in range(n_layer):
+        kind, row = int(take(np.int32)[0]), int(take(np.uint64)[0])
+        layers.append((kind, take(np.uint8, row * n_cells).reshape(n_cells, row)))
+    return layers
+
+
+def q4_0_blocks(rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's q4_0 rows (cells, bytes) as (f16 scales (cells, blocks), codes 0..15 (cells, channels)): a block
+    is an f16 scale and 16 bytes, value j of the block in the low nibble of byte j, value j + 16 in its high one."""
+    import numpy as np
+
+    blocks = rows.reshape(rows.shape[0], -1, 18)
+    scales = blocks[:, :, :2].copy().view(np.float16)[..., 0]
+    nibbles = blocks[:, :, 2:]
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows.shape[0], -1)
+    return torch.from_numpy(scales.astype(np.float32)), torch.from_numpy(codes.astype(np.int64))
+
+
+@pytest.mark.parametrize("kind, options, engine, rotation", [
+    ("quant", dict(rotate="none"), {}, "none"),
+    ("quant", dict(rotate="hadamard"), {}, "k"),
+    ("prealloc", {}, dict(type_k="q4_0"), "k"),  # llama.cpp's own default: rotated
+    ("prealloc", {}, dict(type_k="q4_0", rotate="none"), "none"),
+])
+def test_llama_cpp_stores_k_code_for_code_as_kvlabs_blocks_rotated_as_the_run_says(tmp_path, monkeypatch, kind,
+                                                                                   options, engine, rotation):
+    """llama.cpp rotates a quantised K by a 64-channel Hadamard matrix before storing it, by default. On a GPT-2
+    model of head size 64, the q4_0 K it stores (read back from its state) is kvlab's symmetric blocks code for code
+    and scale for scale: unrotated where the run says none (cache.rotate=none, engine.rotate=none), and kvlab's
+    rotate=hadamard where it says k; and not the other one's."""
+    from harness.core.measure import CacheSpec
+    from models.kv_cache.quant import unpack
+
+    monkeypatch.setenv(L.GGUF_CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(L.ROTATE_ENV, raising=False)
+    torch.manual_seed(0)
+    model = GPT2(dataclasses.replace(GPT2Config.preset("tiny"), n_embd=128)).eval()  # 2 heads of 64
+    cfg, quant = model.config, dict(scheme="symmetric", k_axis="token", group_size=32, residual=0, k_bits=4,
+                                    v_bits=4, quantize="k")
+    eng = L.LlamaCppEngine(model, threads=1, **engine)
+    opts = {**quant, **options} if kind == "quant" else {}
+    assert eng.rotation(CacheSpec(kind, opts)) == rotation
+    ids, fed = prompts(model, B=1, T=40), 8
+    cache = eng.new_cache(kind, 48, 1, None, **opts)
+    assert cache.rotated == rotation and L.ROTATE_ENV not in __import__("os").environ  # put back once made
+    eng.prefill(ids[:, :fed], cache)
+    for i in range(fed, 40):
+        eng.decode(ids[:, i:i + 1], cache)
+    layer_type, rows = stored_k(eng, cache, cfg.n_layer)[0]
+    cache.close()
+    assert layer_type == L.CACHE_TYPES["q4_0"][0]
+    scales, codes = q4_0_blocks(rows[:40])
+    ours = KvlabEngine(model)
+    mine = {}
+    for rot in ("none", "hadamard"):  # layer 0's K depends on the tokens alone: the same K on both engines
+        c = ours.new_cache("quant", 48, 1, None, **quant, rotate=rot)
+        ours.prefill(ids[:, :fed], c)
+        for i in range(fed, 40):
+            ours.decode(ids[:, i:i + 1], c)
+        n, hd = c.pos, cfg.head_dim
+        mine[rot] = (c.k_scale[0, 0, :, :n].float().permute(1, 0, 2).reshape(n, -1),
+                     unpack(c.k_q[0, 0, :, :n], 4, hd).permute(1, 0, 2).reshape(n, -1).long())
+    want, other = ("hadamard", "none") if rotation == "k" else ("none", "hadamard")
+    assert torch.equal(codes, mine[want][1]) and torch.equal(scales, mine[want][0])
+    assert (codes != mine[other][1]).float().mean() > 0.5  # the other rotation's codes are another thing
+
+
+@pytest.mark.parametrize("head_dim, rotary, why", [
+    (64, False, None),  # a GPT-2 model of head size 64: llama.cpp's rotation is kvlab's
+    (None, None, None),  # before the model is known
+    (128, False, "llama.cpp's rotation equals kvlab's at head size 64, and this model's is 128"),
+    (64, True, "llama.cpp rotates K in its own channel order, which on a rotary model interleaves"),
+])
+def test_cache_quant_rotate_hadamard_runs_on_llama_cpp_only_where_it_is_kvlabs_rotation(head_dim, rotary, why):
+    from models.kv_cache import cache_kind
+
+    opts = cache_kind("quant").parse_options(k_bits=4, v_bits=4, group_size=32, residual=0, k_axis="token",
+                                             scheme="symmetric", rotate="hadamard")
+    msg = L.LlamaCppEngine.refuses("quant", opts, head_dim, rotary)
+    assert msg is None if why is None else (why in msg and "\n" not in msg)
+    plain = cache_kind("quant").parse_options(k_bits=4, v_bits=4, group_size=32, residual=0, k_axis="token",
+                                              scheme="symmetric")
+    assert L.LlamaCppEngine.refuses("quant", plain, head_dim, rotary) is None  # unrotated blocks run anywhere
