@@ -221,6 +221,19 @@ def recorded(row: pd.Series, key: str):
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else as_written(v)
 
 
+def as_run(row: pd.Series, key: str, v):
+    """The setting ``key`` = ``v`` as a run of it records it: ``retrieval_n`` is clamped to what fits twice in the
+    run's max_len behind its first token, if any (a model trained with one copies 511 tokens of an asked 512 in
+    1,024 positions); every other setting as given."""
+    if key != "retrieval_n" or not isinstance(v, int):
+        return v
+    max_len, first = row.get("max_len"), row.get("first_token")
+    if max_len is None or (isinstance(max_len, float) and math.isnan(max_len)):
+        return v
+    lead = 0 if first is None or (isinstance(first, float) and math.isnan(first)) else 1
+    return min(v, (int(max_len) - lead) // 2)
+
+
 class Runs:
     """The ok runs of a preset's sweep as one claim reads them: only those of ``setting`` (``claim_setting``), and
     their per-position rows (``positions``: table name -> rows of every run, e.g. ``text_positions``), from which
@@ -248,7 +261,8 @@ class Runs:
                 return None
             sel = sel[sel[col].map(as_written) == value]
         rows = [r for _, r in sel.iterrows()]
-        diffs = [{k: recorded(r, k) for k, v in self.setting.items() if recorded(r, k) != v} for r in rows]
+        diffs = [{k: recorded(r, k) for k, v in self.setting.items() if recorded(r, k) != as_run(r, k, v)}
+                 for r in rows]
         for r, d in zip(rows, diffs):
             if not d:
                 return r

@@ -676,3 +676,19 @@ def test_the_kivi_command_with_other_groups_and_a_rotation_prints_no_verdict(tmp
     md = (sweep / "report" / findings.FILE).read_text()
     assert md.count("| not judged |") == len(papers.PAPERS["paper_kivi"]) and "| holds |" not in md
     assert "| does not hold |" not in md and "| inconclusive |" not in md
+
+
+@pytest.mark.parametrize("first_token, recorded, found", [
+    (50256, 511, True),  # 512 asked: 511 fit twice behind the first token in 1,024 positions
+    (None, 512, True),
+    (None, 511, False),  # without a first token 512 fit: 511 is another setting
+    (50256, 400, False),
+])
+def test_a_copy_claim_reads_runs_whose_sequences_were_clamped_behind_a_first_token(first_token, recorded, found):
+    """retrieval_n is recorded as run: on a model trained with a fixed first token, 512 asked of 1,024 positions is
+    511 copied; a claim about copies of 512 reads that run, and only that clamp."""
+    row = dict(cache_recent=0, retrieval_n=recorded, max_len=1024, first_token=first_token)
+    runs = papers.Runs(pd.DataFrame([row]), {"retrieval_n": 512})
+    got = runs.run(recent=0)
+    assert (got is not None and not runs.differ) is found
+    assert found or runs.differences() == f"the runs have retrieval_n {recorded}, the claim is about 512"
