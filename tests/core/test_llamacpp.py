@@ -305,14 +305,15 @@ def q4_0_blocks(rows) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(scales.astype(np.float32)), torch.from_numpy(codes.astype(np.int64))
 
 
-@pytest.mark.parametrize("kind, options, engine, rotation", [
-    ("quant", dict(rotate="none"), {}, "none"),
-    ("quant", dict(rotate="hadamard"), {}, "k"),
-    ("prealloc", {}, dict(type_k="q4_0"), "k"),  # llama.cpp's own default: rotated
-    ("prealloc", {}, dict(type_k="q4_0", rotate="none"), "none"),
+@pytest.mark.parametrize("kind, options, engine, n_head, rotation", [
+    ("quant", dict(rotate="none"), {}, 2, "none"),
+    ("quant", dict(rotate="hadamard"), {}, 2, "k"),
+    ("prealloc", {}, dict(type_k="q4_0"), 2, "k"),  # llama.cpp's own default: rotated
+    ("prealloc", {}, dict(type_k="q4_0", rotate="none"), 2, "none"),
+    ("prealloc", {}, dict(type_k="q4_0"), 4, "none"),  # heads of 32: llama.cpp rotates none of them
 ])
 def test_llama_cpp_stores_k_code_for_code_as_kvlabs_blocks_rotated_as_the_run_says(tmp_path, monkeypatch, kind,
-                                                                                   options, engine, rotation):
+                                                                                   options, engine, n_head, rotation):
     """llama.cpp rotates a quantised K by a 64-channel Hadamard matrix before storing it, by default. On a GPT-2
     model of head size 64, the q4_0 K it stores (read back from its state) is kvlab's symmetric blocks code for code
     and scale for scale: unrotated where the run says none (cache.rotate=none, engine.rotate=none), and kvlab's
@@ -323,7 +324,7 @@ def test_llama_cpp_stores_k_code_for_code_as_kvlabs_blocks_rotated_as_the_run_sa
     monkeypatch.setenv(L.GGUF_CACHE_ENV, str(tmp_path))
     monkeypatch.delenv(L.ROTATE_ENV, raising=False)
     torch.manual_seed(0)
-    model = GPT2(dataclasses.replace(GPT2Config.preset("tiny"), n_embd=128)).eval()  # 2 heads of 64
+    model = GPT2(dataclasses.replace(GPT2Config.preset("tiny"), n_embd=128, n_head=n_head)).eval()  # heads of 64, 32
     cfg, quant = model.config, dict(scheme="symmetric", k_axis="token", group_size=32, residual=0, k_bits=4,
                                     v_bits=4, quantize="k")
     eng = L.LlamaCppEngine(model, threads=1, **engine)
