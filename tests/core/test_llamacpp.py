@@ -18,6 +18,12 @@ from models.families import build, preset_config
 from models.gpt2 import GPT2, GPT2Config
 from tests.helpers import run_py
 
+# the bad inputs and faults of this file that docs/faults.md's table lists
+CASES = [
+    ("llamacpp-quant-rotated", "llama.cpp's quantised K is stored as the run says: unrotated under cache.rotate=none "
+                               "or engine.rotate=none, llama.cpp's Hadamard rotation under rotate=hadamard (GPT-2, "
+                               "head size 64) or engine.rotate=auto; engine_rotation says which"),
+]
 
 
 def test_llama_cpp_is_built():
