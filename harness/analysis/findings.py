@@ -177,7 +177,10 @@ def paired_findings(ok: pd.DataFrame, frames: dict | None = None) -> list[Findin
     if key is None or at is None:
         return []
     exact = ok[KEYS.cache_exact].eq(True) if KEYS.cache_exact in ok else pd.Series(False, index=ok.index)
-    drifted = ok[ok[key].notna() & (ok[key] != 0) & ~exact]  # an exact run drifts by nothing: no ratio to take
+    full = ok.apply(is_full_attention, axis=1).astype(bool) if len(ok) else exact
+    # an exact run of full attention drifts by nothing but rounding: no ratio to take; an exact evicting or windowed
+    # kind (exact against its own keep-mask) drifts from full attention, and pairs like any other
+    drifted = ok[ok[key].notna() & (ok[key] != 0) & ~(exact & full)]
     axes, out, seen = _axes(drifted), [], set()
     splits = {c: _split(drifted, c) for c in axes}
     axes = [c for c in axes if not (splits[c] in seen or seen.add(splits[c]))]  # axes that move together: the first

@@ -118,6 +118,21 @@ def test_two_engines_are_set_run_for_run_against_each_other_with_paired_interval
     assert not any(f.text.startswith("cache.v_bits") for f in found)
 
 
+
+def test_exact_evicting_runs_pair_like_lossy_ones():
+    """An evicting kind is exact against its own keep-mask yet drifts from full attention: H2O scored by the mean
+    and by the max over a K/V head's query heads, at each recent, is set run for run with paired intervals (an
+    exact run of full attention still says nothing)."""
+    kl = {0: 1.5, 102: 0.08}
+    runs = frame(*[run(f"{g}-{r}", "h2o", cache_group_score=g, cache_recent=r, cache_budget=205,
+                       drift_kl=kl[r] * (1.25 if (g, r) == ("max", 0) else 1.0))
+                   for g in ("mean", "max") for r in kl])
+    found = texts(sweep_findings(runs, positions_of(runs)), "paired")
+    (paired,) = [f for f in found if f.text.startswith("cache.group_score ")]
+    assert paired.text.startswith("cache.group_score mean over max, run for run at the same cache.recent: mean KL 0 ")
+    heavy = float(paired.text.split("mean KL 0 ")[1].split("×")[0])
+    assert paired.text.count("× [") == 2 and heavy == pytest.approx(0.8, rel=0.02)
+
 def test_what_contradicts_a_kinds_promise_is_said_with_its_runs():
     runs = frame(
         run("broken", "concat", status="not_equivalent", max_abs_logit_diff=0.25),
