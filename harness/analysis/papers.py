@@ -231,6 +231,8 @@ def as_run(row: pd.Series, key: str, v):
     if max_len is None or (isinstance(max_len, float) and math.isnan(max_len)):
         return v
     lead = 0 if first is None or (isinstance(first, float) and math.isnan(first)) else 1
+    if lead == 0 or v > int(max_len) // 2:  # clamped by max_len itself: another setting, which the claim names
+        return v
     return min(v, (int(max_len) - lead) // 2)
 
 

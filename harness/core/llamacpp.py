@@ -10,8 +10,8 @@ quantised V needs llama.cpp's flash attention, which this engine then turns on (
 exact path). Batches run as that many llama.cpp sequences of one length in one context. What llama.cpp cannot do is
 refused in one line.
 
-Rotation: llama.cpp (since its pull request 21038) multiplies each head's K, V and query by a 64-channel Hadamard
-matrix before a quantised K or V is stored, by default, wherever the head size is a multiple of 64; the environment
+Rotation: llama.cpp (since its pull request 21038) multiplies each head's K, V and query by a Hadamard matrix
+before a quantised K or V is stored, by default, wherever the head size is a multiple of 64; the environment
 variable ``LLAMA_ATTN_ROT_DISABLE`` turns it off for a context created while it is set. kvlab sets it per context,
 so a run is what it says: under ``cache=quant``, ``cache.rotate`` decides (``none``: off; ``hadamard``: llama.cpp's
 rotation, which on a GPT-2 model of head size 64 stores K and V code for code as kvlab's ``rotate=hadamard``);
@@ -335,6 +335,11 @@ class LlamaCppEngine:
     def types_for(self, kind: str, opts) -> tuple[str, str]:
         return self.stored_types(kind, opts, self.options, self.storage_dtype)
 
+    @staticmethod
+    def quantises(types: tuple[str, str]) -> bool:
+        """Some of the (K, V) types is one of llama.cpp's quantised ones (what its rotation can apply to)."""
+        return any(CACHE_TYPES[t][1] > 1 for t in types)
+
     def rotates(self, kind: str, opts) -> bool:
         """Whether llama.cpp may rotate this cache's quantised K/V: cache=quant's rotate=hadamard, else
         engine.rotate=auto (llama.cpp's default)."""
@@ -414,7 +419,7 @@ class LlamaCppEngine:
             raise ValueError(f"llama.cpp has no uncached reference with {ref}: it runs full attention only")
         shape = (cells(ids.shape[1]), ids.shape[0])
         if shape not in self._scratch:
-            self._scratch[shape] = LlamaCppCache(self, shape[0], shape[1])
+            self._scratch[shape] = LlamaCppCache(self, shape[0], shape[1], rotate=self.options.rotate == "auto")
         cache = self._scratch[shape]
         cache.forget_from(0)
         return cache.run(ids, every).to(ids.device)

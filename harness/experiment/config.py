@@ -177,7 +177,7 @@ def _in_order(key: str, value):
 # keys added after runs were recorded, with the value that measures what runs without them measured: a run at that
 # value keeps the id it had before the key existed (a resumed sweep confirms it instead of measuring it again)
 LATER_KEYS = {("model", "n_kv_head"): None, ("cache", "group_score"): "mean", ("cache", "positions"): "absolute",
-              ("cache", "k_pre_rope"): False}
+              ("cache", "k_pre_rope"): False, ("engine", "rotate"): "auto"}
 
 
 def later_nodes() -> dict:
@@ -321,9 +321,13 @@ def check_model(rc: RunConfig, mcfg) -> None:
     why = ENGINES[rc.engine.name].refuses_options(engine_options(rc), rc.dtype.storage, mcfg)
     need(not why, f"engine={rc.engine.name} on model {rc.model.name}: {why}")
     cls = cache_kind(rc.cache.kind)
-    why = ENGINES[rc.engine.name].refuses(rc.cache.kind, cls.parse_options(**rc.cache.options), mcfg.head_dim,
-                                          mcfg.rotary)
+    opts = cls.parse_options(**rc.cache.options)
+    why = ENGINES[rc.engine.name].refuses(rc.cache.kind, opts, mcfg.head_dim, mcfg.rotary)
     need(not why, f"engine={rc.engine.name} cache={rc.cache.kind}: {why}")  # as validate says it, the model known
+    try:  # what the engine stores for the kind, given once (llama.cpp: its K/V types and rotation)
+        ENGINES[rc.engine.name].stores(rc.cache.kind, opts, engine_options(rc), rc.dtype.storage)
+    except ValueError as e:
+        need(False, f"engine={rc.engine.name} cache={rc.cache.kind}: {e}")
     why = cls.needs_rotary(cls.parse_options(**rc.cache.options))
     need(why is None or mcfg.rotary, f"cache={rc.cache.kind} on model {rc.model.name} ({mcfg.family}): {why}")
     off_cpu = rc.device == "cuda" or (rc.device == "auto" and _cuda_available())

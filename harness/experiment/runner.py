@@ -564,8 +564,8 @@ def cache_record(cache: CacheChoice, engine: str = "kvlab", engine_opts=None, st
         types, lossless = (None, True) if cls_engine is None else cls_engine.stores(
             cache.kind, opts, engine_opts or cls_engine.Options(), storage)
         suffix = "" if engine == "kvlab" else f" · {engine}" + ("" if lossless else " K {} V {}".format(*types))
-        if not lossless and cache.kind != "quant" and getattr(engine_opts, "rotate", "auto") == "none":
-            suffix += " unrotated"  # llama.cpp's default rotation turned off (engine.rotate=none)
+        if getattr(engine_opts, "rotate", "auto") == "none" and cache.kind != "quant" and cls_engine.quantises(types):
+            suffix += " unrotated"  # llama.cpp's default rotation of a quantised K/V turned off (engine.rotate=none)
         head = dict(cache_label=cls.label(opts) + suffix, cache_exact=cls.exact and lossless)
         if types is not None:
             head.update(engine_type_k=types[0], engine_type_v=types[1])

@@ -105,8 +105,8 @@ class Resolved:
                                          "model.outliers.v_channels takes it; null: none (outlier_scale 1)")
     prompt_tokenizer: str | None = key("what made the text prompts: gpt2 (GPT-2's tokenizer), or the checkpoint's "
                                        "tokenizer.json; null: random token ids (prompts=random)")
-    engine_rotation: str | None = key("which of K and V llama.cpp rotated by its 64-channel Hadamard matrix before "
-                                      "storing them quantised (kv, k, v or none: cache.rotate under cache=quant, "
+    engine_rotation: str | None = key("which of K and V llama.cpp rotated by its Hadamard matrix before storing "
+                                      "them quantised (kv, k, v or none: cache.rotate under cache=quant, "
                                       "else engine.rotate; auto is llama.cpp's default); null on kvlab's and HF's "
                                       "engines (kvlab's own rotation is cache_rotate)")
     first_token: int | None = key("the token every prompt, text and retrieval sequence of the run starts with: the "

@@ -693,16 +693,18 @@ def test_the_kivi_command_with_other_groups_and_a_rotation_prints_no_verdict(tmp
     assert "| does not hold |" not in md and "| inconclusive |" not in md
 
 
-@pytest.mark.parametrize("first_token, recorded, found", [
-    (50256, 511, True),  # 512 asked: 511 fit twice behind the first token in 1,024 positions
-    (None, 512, True),
-    (None, 511, False),  # without a first token 512 fit: 511 is another setting
-    (50256, 400, False),
+@pytest.mark.parametrize("first_token, max_len, recorded, found", [
+    (50256, 1024, 511, True),  # 512 asked: 511 fit twice behind the first token in 1,024 positions
+    (None, 1024, 512, True),
+    (None, 1024, 511, False),  # without a first token 512 fit: 511 is another setting
+    (50256, 1024, 400, False),
+    (50256, 600, 299, False),  # clamped by a shorter max_len itself: another setting, not the first token's clamp
 ])
-def test_a_copy_claim_reads_runs_whose_sequences_were_clamped_behind_a_first_token(first_token, recorded, found):
+def test_a_copy_claim_reads_runs_whose_sequences_were_clamped_behind_a_first_token(first_token, max_len, recorded,
+                                                                                   found):
     """retrieval_n is recorded as run: on a model trained with a fixed first token, 512 asked of 1,024 positions is
     511 copied; a claim about copies of 512 reads that run, and only that clamp."""
-    row = dict(cache_recent=0, retrieval_n=recorded, max_len=1024, first_token=first_token)
+    row = dict(cache_recent=0, retrieval_n=recorded, max_len=max_len, first_token=first_token)
     runs = papers.Runs(pd.DataFrame([row]), {"retrieval_n": 512})
     got = runs.run(recent=0)
     assert (got is not None and not runs.differ) is found

@@ -154,6 +154,10 @@ def test_quantised_types_move_the_logits_in_the_order_of_their_bits(tmp_path, mo
     (["dtype=bf16"], "dtype.storage=bf16 has no llama.cpp type"),
     (["model=qwen2.5-0.5b", "model.weights=random"], "no GGUF conversion for model_type 'qwen2' here"),
     (["engine.rotate=hadamard"], "engine.rotate='hadamard': give auto (llama.cpp's Hadamard rotation"),
+    (["cache=quant", "cache.scheme=symmetric", "cache.k_axis=token", "cache.group_size=16", "engine.rotate=none"],
+     "cache.group_size=16 (give 32)"),
+    (["cache=quant", "cache.scheme=symmetric", "cache.k_axis=token", "cache.group_size=32", "engine.rotate=none"],
+     "give llama.cpp's rotation once: under cache=quant it is cache.rotate"),
     (["model=tiny-gqa", "cache=quant", "cache.scheme=symmetric", "cache.k_axis=token", "cache.group_size=16",
       "cache.rotate=hadamard"], "cache.group_size=16 (give 32)"),
 ])
@@ -231,6 +235,8 @@ def test_cache_quant_llama_cpp_has_no_type_for_is_refused_in_one_line(opts, why)
                    scheme="symmetric"), {}, "fp32", " · llamacpp K q8_0 V f32", False),
     ("prealloc", {}, dict(type_k="q4_0", rotate="none"), "fp32", "prealloc · llamacpp K q4_0 V f32 unrotated",
      False),  # llama.cpp's default rotation off: another series than the rotated one
+    ("prealloc", {}, dict(type_k="f16", rotate="none"), "fp32", "prealloc · llamacpp K f16 V f32", False),  # no
+    # quantised type: nothing llama.cpp would rotate, so nothing to say
 ])
 def test_a_run_says_which_k_v_types_llama_cpp_stored(kind, options, engine, storage, label, exact):
     """Two llama.cpp runs that differ in engine.type_k / type_v are told apart by their label and their
@@ -339,6 +345,8 @@ def test_llama_cpp_stores_k_code_for_code_as_kvlabs_blocks_rotated_as_the_run_sa
     ids, fed = prompts(model, B=1, T=40), 8
     cache = eng.new_cache(kind, 48, 1, None, **opts)
     assert cache.rotated == rotation and L.ROTATE_ENV not in __import__("os").environ  # put back once made
+    eng.forward(ids[:, :8])  # llama.cpp's own uncached forward (the equivalence reference) as engine.rotate says
+    assert {c.rotated for c in eng._scratch.values()} == {eng.rotation(CacheSpec("prealloc", {}))}
     eng.prefill(ids[:, :fed], cache)
     for i in range(fed, 40):
         eng.decode(ids[:, i:i + 1], cache)
