@@ -328,10 +328,9 @@ def check_model(rc: RunConfig, mcfg) -> None:
         ENGINES[rc.engine.name].stores(rc.cache.kind, opts, engine_options(rc), rc.dtype.storage)
     except ValueError as e:
         need(False, f"engine={rc.engine.name} cache={rc.cache.kind}: {e}")
-    why = cls.needs_rotary(cls.parse_options(**rc.cache.options))
+    why = cls.needs_rotary(opts)
     need(why is None or mcfg.rotary, f"cache={rc.cache.kind} on model {rc.model.name} ({mcfg.family}): {why}")
     off_cpu = rc.device == "cuda" or (rc.device == "auto" and _cuda_available())
-    opts = cls.parse_options(**rc.cache.options)
     need(getattr(opts, "group_score", "mean") == "mean" or mcfg.n_kv_head != mcfg.n_head,
          f"cache.group_score={getattr(opts, 'group_score', None)} has no effect on model {rc.model.name}, whose every "
          "query head has its own K/V head: leave it at mean (it combines the query heads that share one)")
