@@ -147,10 +147,15 @@ def refuses_types(opts: LlamaCppOptions, storage: str, head_dim: int | None) -> 
     return None
 
 
+def quantised(name: str) -> bool:
+    """One of llama.cpp's quantised types (blocks of values with a scale), not f32 or f16."""
+    return CACHE_TYPES[name][1] > 1
+
+
 def rotated(type_k: str, type_v: str, head_dim: int, allowed: bool) -> str:
     """Which of K and V llama.cpp rotates before storing (its rule: a quantised type, the head size a multiple of
     ``ROTATE_BLOCK``, not turned off): kv, k, v or none."""
-    on = [allowed and CACHE_TYPES[t][1] > 1 and head_dim % ROTATE_BLOCK == 0 for t in (type_k, type_v)]
+    on = [allowed and quantised(t) and head_dim % ROTATE_BLOCK == 0 for t in (type_k, type_v)]
     return {(True, True): "kv", (True, False): "k", (False, True): "v"}.get(tuple(on), "none")
 
 
@@ -244,7 +249,7 @@ class LlamaCppCache:
         params.n_ubatch = min(params.n_batch, UBATCH)
         params.n_threads = params.n_threads_batch = engine.threads
         params.type_k, params.type_v = CACHE_TYPES[self.type_k][0], CACHE_TYPES[self.type_v][0]
-        params.flash_attn_type = 1 if CACHE_TYPES[self.type_v][1] > 1 else 0  # a quantised V needs it
+        params.flash_attn_type = 1 if quantised(self.type_v) else 0  # a quantised V needs it
         params.no_perf = False
         from llama_cpp._internals import LlamaBatch, LlamaContext
 
@@ -338,7 +343,7 @@ class LlamaCppEngine:
     @staticmethod
     def quantises(types: tuple[str, str]) -> bool:
         """Some of the (K, V) types is one of llama.cpp's quantised ones (what its rotation can apply to)."""
-        return any(CACHE_TYPES[t][1] > 1 for t in types)
+        return any(quantised(t) for t in types)
 
     def rotates(self, kind: str, opts) -> bool:
         """Whether llama.cpp may rotate this cache's quantised K/V: cache=quant's rotate=hadamard, else

@@ -6,9 +6,12 @@ llama-cpp-python is built by `make llamacpp` (which `make test` runs first): wit
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
+import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -269,15 +272,11 @@ def test_texts_passed_together_each_get_what_they_get_alone(pair):
             assert (rows[b] - alone).abs().max().item() <= TOL[family], (type_v, b)
 
 
-def stored_k(engine, cache, n_layer: int) -> list[tuple[int, "np.ndarray"]]:
+def stored_k(engine, cache, n_layer: int) -> list[tuple[int, np.ndarray]]:
     """llama.cpp's K rows of sequence 0 read back from its own state (``llama_state_seq_get_data``): per layer, its
     ggml type and (cells, row bytes). The layout of this build: u32 magic, u32 version, u32 streams, u32 cells, each
     cell (i32 position, u32 n_seq_id, that many i32 ids), u32 v_trans, u32 layers, each layer (i32 K type, u64 row
     bytes, the rows)."""
-    import ctypes
-
-    import numpy as np
-
     lc = engine.lc
     size = lc.llama_state_seq_get_size(cache.ctx.ctx, 0)
     buf = (ctypes.c_uint8 * size)()
@@ -308,8 +307,6 @@ def stored_k(engine, cache, n_layer: int) -> list[tuple[int, "np.ndarray"]]:
 def q4_0_blocks(rows) -> tuple[torch.Tensor, torch.Tensor]:
     """llama.cpp's q4_0 rows (cells, bytes) as (f16 scales (cells, blocks), codes 0..15 (cells, channels)): a block
     is an f16 scale and 16 bytes, value j of the block in the low nibble of byte j, value j + 16 in its high one."""
-    import numpy as np
-
     blocks = rows.reshape(rows.shape[0], -1, 18)
     scales = blocks[:, :, :2].copy().view(np.float16)[..., 0]
     nibbles = blocks[:, :, 2:]
@@ -344,7 +341,7 @@ def test_llama_cpp_stores_k_code_for_code_as_kvlabs_blocks_rotated_as_the_run_sa
     assert eng.rotation(CacheSpec(kind, opts)) == rotation
     ids, fed = prompts(model, B=1, T=40), 8
     cache = eng.new_cache(kind, 48, 1, None, **opts)
-    assert cache.rotated == rotation and L.ROTATE_ENV not in __import__("os").environ  # put back once made
+    assert cache.rotated == rotation and L.ROTATE_ENV not in os.environ  # put back once made
     eng.forward(ids[:, :8])  # llama.cpp's own uncached forward (the equivalence reference) as engine.rotate says
     assert {c.rotated for c in eng._scratch.values()} == {eng.rotation(CacheSpec("prealloc", {}))}
     eng.prefill(ids[:, :fed], cache)
