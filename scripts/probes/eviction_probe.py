@@ -1,10 +1,12 @@
-"""Why the evicting kinds score as they do on the shipped mini: where each keeps its slots, and how far each drifts
-from fp32 full attention along a text.
+"""Why the evicting kinds score as they do on a shipped reference model: where each keeps its slots, and how far
+each drifts from fp32 full attention along a text.
 
     .venv/bin/python scripts/probes/eviction_probe.py                        # budget 128 (docs/cache-kinds.md reads it)
+    .venv/bin/python scripts/probes/eviction_probe.py --model mini-llama --texts 4
     .venv/bin/python scripts/probes/eviction_probe.py --budget 256 --texts 2 --cache window:budget=256,sinks=24
 
-Each held-out text of the mini (1,024 tokens) is teacher-forced through each cache after a 32-token prompt, as the
+Each held-out text of the model (1,024 tokens, led by the token the checkpoint was trained to see first, as a run's
+texts are) is teacher-forced through each cache after a 32-token prompt, as the
 text-drift measurement does. Printed per cache: where its kept positions lie after the last token (median, the
 share before position 256 and the share among the newest ``budget``), and the mean KL(fp32 full ‖ cache) in bands of
 positions. Kept positions are only had from an evicting kind (``kept_positions``); others print the KL alone.
@@ -26,11 +28,12 @@ import torch  # noqa: E402
 
 from harness.tools.bench import parse_kind  # noqa: E402
 from harness.core.engines import KvlabEngine  # noqa: E402
-from harness.experiment.runner import text_prompts  # noqa: E402
-from models.gpt2 import GPT2  # noqa: E402
+from harness.experiment.runner import led, text_prompts  # noqa: E402
+from models.families import load_model  # noqa: E402
+from models.hf_checkpoint import first_token  # noqa: E402
 from models.tokenizer import Tokenizer  # noqa: E402
 
-MINI = Path(__file__).resolve().parents[2] / "models" / "weights" / "mini"
+WEIGHTS = Path(__file__).resolve().parents[2] / "models" / "weights"
 BANDS = [(0, 128), (128, 256), (256, 512), (512, 768), (768, 1023)]
 PROMPT = 32
 
@@ -56,6 +59,7 @@ def where_kept(cache, budget: int, last: int) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="mini", choices=["mini", "mini-llama"], help="a shipped reference model")
     ap.add_argument("--budget", type=int, default=128)
     ap.add_argument("--texts", type=int, default=1, help="held-out texts of 1,024 tokens")
     ap.add_argument("--cache", action="append", metavar="KIND[:OPT=V,...]",
@@ -72,8 +76,13 @@ def main(argv=None) -> None:
     except ValueError as e:
         ap.error(str(e))
     torch.set_grad_enabled(False)
-    engine = KvlabEngine(GPT2.from_pretrained(MINI).float().eval())
-    texts = text_prompts(MINI / "heldout.txt", args.texts, 1024, Tokenizer())
+    folder = WEIGHTS / args.model
+    if not (folder / "config.json").is_file():
+        ap.error(f"no checkpoint in {folder}: build it with python -m harness.train --out {folder}")
+    engine = KvlabEngine(load_model(folder).float().eval())
+    first = first_token(folder)
+    texts = [t if first is None else led(t, first)
+             for t in text_prompts(folder / "heldout.txt", args.texts, 1024, Tokenizer())]
     for n, seq in enumerate(texts):
         ref = torch.log_softmax(engine.forward(seq)[0, :-1].float(), -1)
         print(f"text {n}: {seq.shape[1]} tokens, prompt {PROMPT}; KL(fp32 full || cache) by positions "
