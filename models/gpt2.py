@@ -137,6 +137,13 @@ class GPT2Config:
         yield "transformer.ln_f.weight", (C,)
         yield "transformer.ln_f.bias", (C,)
 
+    def buffer_shapes(self):
+        """(name, shape) of the tensors an HF GPT-2 checkpoint may carry that are not weights (each block's causal
+        mask and its masked_bias): what a checkpoint file may hold besides ``param_shapes``, and at most how big."""
+        for i in range(self.n_layer):
+            yield f"transformer.h.{i}.attn.bias", (1, 1, self.n_positions, self.n_positions)
+            yield f"transformer.h.{i}.attn.masked_bias", ()
+
     def num_params(self) -> int:
         """Parameters ``GPT2(self)`` holds (the tied lm_head once), from the config alone: V*C + P*C for the
         embeddings, 12*C^2 + 13*C per block, 2*C for ln_f. Equals ``GPT2(self).num_params()``."""

@@ -126,6 +126,13 @@ class LlamaConfig:
         if not self.tie_word_embeddings:
             yield "lm_head.weight", (V, C)
 
+    def buffer_shapes(self):
+        """(name, shape) of the tensors an HF checkpoint may carry that are not weights (older ones store the rotary
+        frequencies, per layer or once): what a checkpoint file may hold besides ``param_shapes``."""
+        yield "model.rotary_emb.inv_freq", (self.head_dim // 2,)
+        for i in range(self.n_layer):
+            yield f"model.layers.{i}.self_attn.rotary_emb.inv_freq", (self.head_dim // 2,)
+
     def num_params(self) -> int:
         """Parameters ``Llama(self)`` holds (a tied lm_head once), from the config alone."""
         return sum(math.prod(shape) for _, shape in self.param_shapes())
@@ -174,7 +181,12 @@ class LlamaConfig:
         theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
         n_positions = d.get("max_position_embeddings", 2048)
         window = d.get("sliding_window")
-        window = window if window and (mt == "mistral" or d.get("use_sliding_window")) else None
+        if mt == "mistral" or d.get("use_sliding_window"):  # a window the model attends through: checked first
+            if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+                raise CheckpointError(f"{source}: sliding_window must be a positive integer (the attention window, "
+                                      f"in tokens) or null (none), got {window!r:.60}")
+        else:
+            window = None
         if isinstance(window, int) and not isinstance(window, bool) and isinstance(n_positions, int):
             n_positions = min(n_positions, window)  # past the window attention would need its own mask
         if d.get("partial_rotary_factor", 1.0) != 1.0:

@@ -2,11 +2,14 @@
 vocab.bpe, GPT-2's own files). Only its data files are used; the BPE itself runs in HF ``tokenizers``. No network.
 
 A checkpoint folder with its own ``tokenizer.json`` (Llama, Qwen2, Mistral, SmolLM2 ship one) is read by
-``FileTokenizer``; ``for_checkpoint(folder)`` picks that or GPT-2's."""
+``FileTokenizer``; ``for_checkpoint(folder)`` picks that or GPT-2's. A tokenizer.json is read only from a regular file
+of at most ``models.hf_checkpoint.TOKENIZER_MAX`` bytes; anything else at that name (a folder, a device, a dangling
+link) is refused in one line, never replaced by GPT-2's tokenizer."""
 
 from __future__ import annotations
 
 import json
+import os
 from functools import lru_cache
 from importlib.util import find_spec
 from pathlib import Path
@@ -61,9 +64,17 @@ class FileTokenizer:
     def __init__(self, path):
         from tokenizers import Tokenizer as _Tok
 
+        from models.hf_checkpoint import TOKENIZER_MAX, CheckpointError, read_small
+
         self.source = str(path)
+        try:  # bounded and checked before a byte is parsed (``read_small``)
+            data = read_small(path, TOKENIZER_MAX, missing=f"{self.source}: not found")
+        except CheckpointError as e:
+            raise ValueError(f"{e}: the checkpoint has a {TOKENIZER_FILE} kvlab cannot read, and GPT-2's tokenizer is "
+                             f"no stand-in for it; put the model's own {TOKENIZER_FILE} there, or use prompts=random") \
+                from None
         try:
-            self._tok = _Tok.from_file(self.source)
+            self._tok = _Tok.from_str(data.decode("utf-8"))
         except Exception as e:
             why = " ".join(str(e).split())[:120]
             raise ValueError(f"{self.source}: not a readable tokenizer.json ({why})") from None
@@ -78,6 +89,7 @@ class FileTokenizer:
 
 
 def for_checkpoint(folder) -> Tokenizer | FileTokenizer:
-    """The tokenizer of a checkpoint folder: its own ``tokenizer.json`` where it has one, else GPT-2's."""
+    """The tokenizer of a checkpoint folder: its own ``tokenizer.json`` where it has one (anything at that name: what
+    is not a readable file is refused, never replaced by GPT-2's), else GPT-2's."""
     path = Path(folder) / TOKENIZER_FILE if folder is not None else None
-    return FileTokenizer(path) if path is not None and path.is_file() else Tokenizer()
+    return FileTokenizer(path) if path is not None and os.path.lexists(path) else Tokenizer()

@@ -120,8 +120,15 @@ def frontier_findings(ok: pd.DataFrame, frames: dict | None = None) -> list[Find
 
 def _with_interval(at, row, key) -> str:
     iv = _single(at, row, key)
-    return num(row[key], signed=True) if iv is None else f"{num(row[key], signed=True)} [{num(iv.lo, True)}, " \
-        f"{num(iv.hi, True)}; {iv.n} texts]"
+    if iv is None:
+        return num(row[key], signed=True)
+    if not iv.shown:
+        return f"{num(row[key], signed=True)} ({iv.missing}: no interval)"
+    return f"{num(row[key], signed=True)} [{num(iv.lo, True)}, {num(iv.hi, True)}; {iv.n} texts]"
+
+
+def _signed(x: float) -> str:
+    return num(x, True)
 
 
 def _axes(ok: pd.DataFrame) -> list[str]:
@@ -144,10 +151,23 @@ def axis_findings(ok: pd.DataFrame, frames: dict | None = None) -> list[Finding]
     time, as a multiple of the best value's. An axis that splits the runs exactly as an earlier one does (a window
     that is the budget less the sinks) is named in that one's sentence instead of getting its own. Where each
     value has one run and per-position rows (``frames``), each value is set against the best one with a paired 95%
-    interval over the texts (or sequences) both scored."""
+    interval over the texts (or sequences) both scored. A sweep of several models compares within each model, a
+    sentence per axis and model ("cache.k_bits (mini): ..."); the models themselves in one sentence, ``model``'s."""
+    base = ok[KEYS.model].map(papers.base_model) if KEYS.model in ok else pd.Series(dtype=object)
+    models = list(dict.fromkeys(base.dropna()))
+    if len(models) < 2:
+        return _axis_findings(ok, frames)
+    out = _axis_findings(ok, frames, only=KEYS.model)  # model against model: the one comparison across models
+    for m in models:
+        out += _axis_findings(ok[base == m], frames, model=m)
+    return out
+
+
+def _axis_findings(ok: pd.DataFrame, frames: dict | None = None, model: str = "", only: str = "") -> list[Finding]:
+    """``axis_findings`` on runs of one model (``model``: named in each sentence), or of the axis ``only``."""
     out, said = [], {}  # the runs' split by an axis -> [its sentence's index in out, the axes that follow it]
     metrics = [(k, n, b) for k, n, b in (*QUALITY, STEP) if k in ok and ok[k].dropna().nunique() >= 2]
-    for col in _axes(ok):
+    for col in [c for c in _axes(ok) if c == only or not only]:
         sub = ok[ok[col].notna()]
         split = _split(sub, col)
         if split in said:
@@ -158,9 +178,10 @@ def axis_findings(ok: pd.DataFrame, frames: dict | None = None) -> list[Finding]
         if parts:
             said[split] = [len(out), []]
             how = ("one run per value; [..]: a paired 95% interval against the best value's run" if
-                   any("] " in p for p in parts) else "median of each value's runs")
-            out.append(Finding(f"{_axis_name(col)}: " + "; ".join(parts) + f" ({how})",
-                               tuple(sub[KEYS.run_name].astype(str)), "axis"))
+                   any("] " in p for p in parts) else "one run per value, each against the best value's run" if
+                   any(": no interval)" in p for p in parts) else "median of each value's runs")
+            out.append(Finding(f"{_axis_name(col)}{f' ({model})' if model else ''}: " + "; ".join(parts)
+                               + f" ({how})", tuple(sub[KEYS.run_name].astype(str)), "axis"))
     for i, follow in said.values():
         f = out[i]
         out[i] = Finding(f.text + (f"; {', '.join(follow)} varied with it." if follow else "."), f.runs, f.kind)
@@ -193,10 +214,14 @@ def paired_findings(ok: pd.DataFrame, frames: dict | None = None) -> list[Findin
         if len(said) >= 2:
             name, how = ("mean KL", "over") if key == KEYS.drift_kl else ("text ΔNLL", "minus")
             texts = f"{min(n)}" if min(n) == max(n) else f"{min(n)}-{max(n)}"
+            least = intervals.MIN_SHOWN
+            tail = (f"each a paired 95% interval over the {texts} texts both scored" if min(n) >= least else
+                    f"paired over the {texts} texts both scored: fewer than {least}, so no interval" if max(n) < least
+                    else f"each a paired 95% interval over the {texts} texts both scored, none from fewer than {least}")
             out.append(Finding(
                 f"{_axis_name(col)} {values[1]} {how} {values[0]}, run for run at the same "
-                f"{', '.join(_axis_name(c) for c in others)}: {name} " + "; ".join(said)
-                + f" (each a paired 95% interval over the {texts} texts both scored).", names(*used), "paired"))
+                f"{', '.join(_axis_name(c) for c in others)}: {name} " + "; ".join(said) + f" ({tail}).",
+                names(*used), "paired"))
     return out
 
 
@@ -206,11 +231,11 @@ def _paired_parts(at: papers.Runs, pairs: list, key: str) -> tuple[list[str], li
     said, used, n = [], [], []
     for label, (a, b) in pairs:
         got = _versus(at, b, a, key)
-        if got is None or not all(math.isfinite(x) for x in (got[0].estimate, got[0].lo, got[0].hi)):
+        if got is None or not math.isfinite(got[0].estimate) or (got[0].n >= intervals.MIN_SHOWN and not all(
+                math.isfinite(x) for x in (got[0].lo, got[0].hi))):
             continue
         iv, how = got
-        said.append(f"{label} {iv.estimate:.3g}× [{iv.lo:.3g}, {iv.hi:.3g}]" if how == "ratio" else
-                    f"{label} {num(iv.estimate, True)} [{num(iv.lo, True)}, {num(iv.hi, True)}]")
+        said.append(f"{label} " + (iv.text(".3g", "×") if how == "ratio" else iv.text(_signed)))
         used += [a, b]
         n.append(iv.n)
     return said, used, n
@@ -231,7 +256,8 @@ def _pairs(ok: pd.DataFrame, col: str, values: list, others: list[str]) -> list[
 def _axis_part(sub: pd.DataFrame, col: str, key: str, name: str, better: str, at=None) -> str:
     """"<metric> <value> <median> (<ratio>× <best value>'s), ..." for one axis, or "" where fewer than two values
     have the metric. With one run per value and per-position rows (``at``), the comparison with the best value is
-    paired and carries its interval: "(1.31× [1.12, 1.52] 8's)", or for ΔNLL "(+0.031 [+0.012, +0.050] over 8's)"."""
+    paired and carries its interval: "(1.31× [1.12, 1.52] 8's)", or for ΔNLL "(+0.031 [+0.012, +0.050] over 8's)";
+    from one text, or with no spread, no interval: "(1.31× 8's; n = 1: no interval)"."""
     groups = sub.groupby(sub[col].map(as_written), sort=False)
     med = groups[key].median().dropna()
     med = med.iloc[sorted(range(len(med)), key=lambda i: _order(med.index[i]))]
@@ -245,10 +271,14 @@ def _axis_part(sub: pd.DataFrame, col: str, key: str, name: str, better: str, at
         if m == med[top]:
             return ""
         got = _versus(at, one[value].iloc[0], one[top].iloc[0], key) if single else None
-        if got is not None:
+        if got is not None and got[0].shown:
             iv, how = got
-            return (f" ({iv.estimate:.3g}× [{iv.lo:.3g}, {iv.hi:.3g}] {_short(top)}'s)" if how == "ratio" else
-                    f" ({num(iv.estimate, True)} [{num(iv.lo, True)}, {num(iv.hi, True)}] over {_short(top)}'s)")
+            return (f" ({iv.text('.3g', '×')} {_short(top)}'s)" if how == "ratio" else
+                    f" ({iv.text(_signed)} over {_short(top)}'s)")
+        if got is not None and math.isfinite(got[0].estimate):
+            iv, how = got
+            return (f" ({iv.estimate:.3g}× {_short(top)}'s; {iv.missing}: no interval)" if how == "ratio" else
+                    f" ({num(iv.estimate, True)} over {_short(top)}'s; {iv.missing}: no interval)")
         return f" ({m / med[top]:.3g}× {_short(top)}'s)" if med[top] else ""
 
     shown = [f"{_short(value)} {num(m)}" + against_top(value, m) for value, m in med.items()]
@@ -277,10 +307,11 @@ def surprise_findings(runs: pd.DataFrame, ok: pd.DataFrame) -> list[Finding]:
     if KEYS.cache_exact in ok and drift_keys:
         lossy = ok[(ok[KEYS.cache_exact].map(as_written) == False) & ok[drift_keys].notna().any(axis=1)]  # noqa: E712
         for _, r in lossy.iterrows():
-            if all(pd.isna(r[k]) or r[k] == 0 for k in drift_keys):
-                out.append(Finding(f"{_label(r)} is a lossy kind but moved nothing ({', '.join(drift_keys)} all 0): "
-                                   "check that it quantised or evicted at all in this setting.", names(r),
-                                   "surprise"))
+            measured = [k for k in drift_keys if pd.notna(r[k])]  # a figure never measured says nothing
+            if all(r[k] == 0 for k in measured):
+                out.append(Finding(f"{_label(r)} is a lossy kind but moved nothing ({', '.join(measured)} "
+                                   f"{'all ' * (len(measured) > 1)}0): check that it quantised or evicted at all in "
+                                   "this setting.", names(r), "surprise"))
     out += _slower_than_bytes(ok)
     return out
 
@@ -315,7 +346,7 @@ def sweep_findings(runs: pd.DataFrame, frames: dict | None = None) -> list[Findi
     ``frames`` holds the runs' per-position rows."""
     if runs is None or not len(runs) or KEYS.status not in runs:
         return []
-    ok = with_reference_at_zero(ok_runs(runs), [k for k, _, _ in QUALITY[:2]])  # as the Pareto figure draws it
+    ok = with_reference_at_zero(ok_runs(runs), [k for k, _, _ in QUALITY[:2]])
     served = [Finding(text, runs_, "serving") for text, runs_ in server.findings(runs)]
     return (frontier_findings(ok, frames) + axis_findings(ok, frames) + paired_findings(ok, frames)
             + surprise_findings(runs, ok) + served)
@@ -394,7 +425,9 @@ def markdown(made: Made) -> str:
         metric = papers.METRICS[made.claims[0].metric]
         out += [f"Claims checked by `experiment={made.preset}` (harness/analysis/papers.py says how each is tested). "
                 f"The text claims are decided by {metric.label}, the others shown beside it. Each figure in brackets "
-                f"is a 95% interval: {INTERVAL_HOW}; n is the number of units resampled. A verdict is \"holds\" or "
+                f"is a 95% interval: {INTERVAL_HOW}; n is the number of units resampled (from one unit, or with no "
+                f"spread, a figure has no interval; from fewer than {intervals.MIN_UNITS} a claim has no verdict: "
+                f"\"not judged: n = ...\"). A verdict is \"holds\" or "
                 "\"does not hold\" only when the interval lies wholly on one side of the claim's bound (or margin), "
                 "otherwise \"inconclusive\". Each verdict reads only runs of the setting its row states (conf/"
                 f"experiment/{made.preset}.yaml); \"not judged\" says which setting the runs differ in, or why they "

@@ -9,6 +9,13 @@ arms (a paired, cluster bootstrap): the interval says how much the figure would 
     iv = intervals.compare(a, b, "kl", how="ratio", unit="text_id")  # a, b: one run's text_positions rows each
     iv.lo, iv.hi, iv.n                                               # 95% interval, over iv.n texts
     intervals.verdict(iv, "<", 1.0)                                  # holds / does not hold / inconclusive
+    iv.text()                                                        # "+0.051 [+0.032, +0.070]"
+
+No verdict reads an interval from fewer than ``MIN_UNITS`` units (a percentile bootstrap over few units covers
+far less than 95%): ``verdict`` says inconclusive, and a claim "not judged: n = 4 (at least 10 texts needed)"
+(``harness.analysis.papers``). An interval over one unit has no width at all, and one of no width (every resample
+alike) says the units did not vary, not how far the figure could move: ``text`` prints the figure alone, ``+0.268
+(n = 1: no interval)``, and ``with_intervals`` leaves it out.
 
 ``unit`` is the column that names a unit: for kvlab's tables ``text_id`` (text_positions.csv) or ``seq_id``
 (retrieval_positions.csv), which name a text or sequence by its tokens, so that two runs pair only on the same tokens.
@@ -19,6 +26,7 @@ out.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -29,6 +37,14 @@ SEED = 0
 CHUNK = 200  # resamples held at once for a quantile (a resample is a weight per position)
 
 HOLDS, FAILS, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
+# the fewest units (texts or sequences) a verdict reads an interval from: a 95% percentile bootstrap of a mean over n
+# normal units covers the true mean in about 75% of draws at n = 3 and 90% at 10
+# (tests/analysis/test_intervals.py::test_few_units_cover_far_less_than_95_in_100), less on skewed data. Every paper
+# preset scores more (24 to 40 texts, H2O's 16 copied sequences; conf/experiment/paper_*.yaml)
+MIN_UNITS = 10
+# the fewest units an interval is printed from: over one unit a bootstrap has no width. Between MIN_SHOWN and
+# MIN_UNITS an interval is printed (it says how far the figure moves over the units there are) but no verdict reads it
+MIN_SHOWN = 2
 
 
 @dataclass(frozen=True)
@@ -76,7 +92,8 @@ RUN_KEYS = (("drift_kl", "kl"), ("drift_kl_p99", "kl_p99"), ("drift_delta_nll", 
 def with_intervals(runs: pd.DataFrame, positions: dict | None) -> pd.DataFrame:
     """``runs`` with a 95% interval on each run's quality figures over its own texts or sequences: ``<key>_lo`` and
     ``<key>_hi`` for drift_kl, drift_kl_p99, drift_delta_nll and retrieval_acc (NaN where a run has no per-position
-    rows). What the report's tables carry and its figures draw as error bars."""
+    rows, or its interval is none: fewer than ``MIN_SHOWN`` units, or no width). What the report's tables carry and
+    its figures draw as error bars."""
     out = runs.copy()
     if not len(out) or "run_name" not in out:
         return out
@@ -86,8 +103,8 @@ def with_intervals(runs: pd.DataFrame, positions: dict | None) -> pd.DataFrame:
             rows = rows_of(positions, run_name, METRICS[name])
             iv = None if rows is None else single(rows, METRICS[name].column, METRICS[name].stat,
                                                    unit=METRICS[name].unit)
-            lo.append(np.nan if iv is None else iv.lo)
-            hi.append(np.nan if iv is None else iv.hi)
+            lo.append(iv.lo if iv is not None and iv.shown else np.nan)
+            hi.append(iv.hi if iv is not None and iv.shown else np.nan)
         if not all(np.isnan(lo)):
             out[f"{key}_lo"], out[f"{key}_hi"] = lo, hi
     return out
@@ -110,9 +127,34 @@ class Interval:
         return (f"bootstrap over {self.n} units (the same units for both runs of a comparison), "
                 f"{self.n_boot:,} resamples, {100 * self.level:.0f}% percentile interval")
 
-    def text(self, fmt: str = "+.3g") -> str:
-        """'+0.051 [+0.032, +0.070]'."""
-        return f"{self.estimate:{fmt}} [{self.lo:{fmt}}, {self.hi:{fmt}}]"
+    @property
+    def enough(self) -> bool:
+        """Made from at least ``MIN_UNITS`` units: an interval a verdict may read."""
+        return self.n >= MIN_UNITS
+
+    @property
+    def shown(self) -> bool:
+        """Printed as an interval: from at least ``MIN_SHOWN`` units, finite, and of some width (a verdict reads it
+        only from ``MIN_UNITS``: ``enough``)."""
+        return self.n >= MIN_SHOWN and bool(np.isfinite(self.lo) and np.isfinite(self.hi)) and self.lo < self.hi
+
+    def text(self, fmt: "str | Callable[[float], str]" = "+.3g", suffix: str = "") -> str:
+        """'+0.051 [+0.032, +0.070]' (``suffix`` after the figure: '1.31× [1.12, 1.52]'); where it is no interval,
+        the figure alone and why: '+0.268 (n = 1: no interval)', '+0 (n = 24, no spread: no interval)'. ``fmt``:
+        a format spec or a function of a number."""
+        def f(x: float) -> str:
+            return fmt(x) if callable(fmt) else f"{x:{fmt}}"
+
+        if self.shown:
+            return f"{f(self.estimate)}{suffix} [{f(self.lo)}, {f(self.hi)}]"
+        return f"{f(self.estimate)}{suffix} ({self.missing}: no interval)"
+
+    @property
+    def missing(self) -> str:
+        """Why it is no interval (``shown`` false): 'n = 1', 'n = 24, no spread'."""
+        if self.n < MIN_SHOWN:
+            return f"n = {self.n}"
+        return f"n = {self.n}, " + ("no spread" if np.isfinite(self.lo) and np.isfinite(self.hi) else "not finite")
 
 
 class NotPaired(ValueError):
@@ -219,10 +261,10 @@ def paired(arms: dict[str, pd.DataFrame], column: str, fn, stat: str = "mean", u
 def verdict(iv: Interval, direction: str, bound: float = 0.0) -> str:
     """Whether the claim "the figure is ``direction`` ``bound``" (direction "<" or ">") holds: "holds" when the whole
     interval is on the claim's side of the bound, "does not hold" when the whole interval is on the other side (or
-    at the bound), otherwise "inconclusive" (the data cannot tell)."""
+    at the bound), otherwise "inconclusive" (the data cannot tell, as from fewer than ``MIN_UNITS`` units)."""
     if direction not in ("<", ">"):
         raise ValueError(f"direction={direction!r}: use < or >")
-    if not (np.isfinite(iv.lo) and np.isfinite(iv.hi)):
+    if not (iv.enough and np.isfinite(iv.lo) and np.isfinite(iv.hi)):
         return INCONCLUSIVE
     if direction == "<":
         return HOLDS if iv.hi < bound else FAILS if iv.lo >= bound else INCONCLUSIVE
@@ -232,8 +274,8 @@ def verdict(iv: Interval, direction: str, bound: float = 0.0) -> str:
 def verdict_within(iv: Interval, low: float, high: float) -> str:
     """Whether the claim "the figure lies between ``low`` and ``high``" (a margin: "about the same") holds: "holds"
     when the whole interval is inside, "does not hold" when the whole interval is outside, otherwise
-    "inconclusive"."""
-    if not (np.isfinite(iv.lo) and np.isfinite(iv.hi)):
+    "inconclusive" (as from fewer than ``MIN_UNITS`` units)."""
+    if not (iv.enough and np.isfinite(iv.lo) and np.isfinite(iv.hi)):
         return INCONCLUSIVE
     if low <= iv.lo and iv.hi <= high:
         return HOLDS

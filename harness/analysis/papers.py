@@ -371,6 +371,11 @@ def _iv(iv: intervals.Interval, m: Metric | None = None, fmt: str | None = None)
     return iv.text(fmt or (m.fmt if m else "+.3f"))
 
 
+def _ratio(iv: intervals.Interval) -> str:
+    """'1.67 [1.52, 1.83]×', or '1.67× (n = 1: no interval)'."""
+    return f"{iv.text('.3g')}×" if iv.shown else iv.text(".3g", "×")
+
+
 def all_of(*verdicts: str) -> str:
     """A claim made of parts: holds when every part holds, does not hold when any part does not, else
     inconclusive."""
@@ -555,7 +560,7 @@ def _kivi_axis(at, scale, which):
             continue
         ivs = [at.compare(a, b, m, how="ratio") for a, b in pairs]
         verdicts[R] = all_of(*(intervals.verdict(iv, "<", 1.0) for iv in ivs))
-        out.append(f"residual {R}: " + "; ".join(_iv(iv, fmt='.3g') + "×" for iv in ivs))
+        out.append(f"residual {R}: " + "; ".join(_ratio(iv) for iv in ivs))
         read += [x for p in pairs for x in p]
     what = ("K per channel / K per token (V per token)" if which == "k" else
             "V per token / V per channel (K per channel; K per token)")
@@ -584,7 +589,7 @@ def _h2o_both(at):
     budget, text = at.setting["cache.budget"], at.setting["drift_text_len"]
     return (f"a budget of {100 * budget / text:.0f}% of the text: both (recent {budget // 2}) against local (recent "
             f"{budget}) and heavy only (recent 0); ratio of {m.label}",
-            f"both / local {_iv(bl, fmt='.3g')}×; both / heavy {_iv(bh, fmt='.3g')}×" + _beside(at, both, local, heavy),
+            f"both / local {_ratio(bl)}; both / heavy {_ratio(bh)}" + _beside(at, both, local, heavy),
             all_of(intervals.verdict(bl, "<", 1.0), intervals.verdict(bh, "<", 1.0)), names(both, local, heavy))
 
 
@@ -595,7 +600,7 @@ def _h2o_heavy_text(at):
     m = metric_of(at)
     iv = at.compare(heavy, local, m, "ratio")
     return (f"heavy hitters alone against the newest tokens alone; ratio of {m.label}",
-            f"{_iv(iv, fmt='.3g')}×" + _beside(at, heavy, local), intervals.verdict(iv, "<", 1.0),
+            f"{_ratio(iv)}" + _beside(at, heavy, local), intervals.verdict(iv, "<", 1.0),
             names(heavy, local))
 
 
@@ -625,7 +630,7 @@ def _kv_types_k_more(at, bits=8):
     m = metric_of(at)
     iv = at.compare(k, v, m, "ratio")
     return (f"{bits}-bit: K alone / V alone, ratio of {m.label}",
-            f"{_iv(iv, fmt='.3g')}× ({_fig(at.single(k, m).estimate, m)} vs {_fig(at.single(v, m).estimate, m)})",
+            f"{_ratio(iv)} ({_fig(at.single(k, m).estimate, m)} vs {_fig(at.single(v, m).estimate, m)})",
             intervals.verdict(iv, ">", 1.0), names(k, v))
 
 
@@ -639,7 +644,7 @@ def _kv_types_both(at):
     m = metric_of(at)
     iv = at.compare(both, k, m, "ratio")
     return (f"8-bit: both / K alone, ratio of {m.label}, about the same within {BOTH_WITHIN}×",
-            f"{_iv(iv, fmt='.3g')}× (both {_fig(at.single(both, m).estimate, m)}, K alone "
+            f"{_ratio(iv)} (both {_fig(at.single(both, m).estimate, m)}, K alone "
             f"{_fig(at.single(k, m).estimate, m)}, V alone {_fig(at.single(v, m).estimate, m)})",
             intervals.verdict_within(iv, 1 / BOTH_WITHIN, BOTH_WITHIN), names(both, k, v))
 
@@ -655,7 +660,7 @@ def _rotation_helps(at, bits, scale):
     m = metric_of(at)
     iv = at.compare(rot, plain, m, "ratio")
     return (f"K alone, {bits}-bit, outlier scale {scale:g}: with / without rotate=hadamard, ratio of {m.label}",
-            f"{_iv(iv, fmt='.3g')}×" + _beside(at, rot, plain) + _ppl_text(rot, plain), intervals.verdict(iv, "<", 1.0),
+            f"{_ratio(iv)}" + _beside(at, rot, plain) + _ppl_text(rot, plain), intervals.verdict(iv, "<", 1.0),
             names(rot, plain))
 
 
@@ -768,8 +773,8 @@ def preset_of(runs: pd.DataFrame) -> str | None:
 def claim_row(claim: Claim, preset_name: str, ok: pd.DataFrame,
               positions: dict[str, pd.DataFrame] | None = None) -> ClaimRow:
     """One claim with kvlab's answer from the ok runs of its setting and their per-position rows; "not judged"
-    (``not_judged`` says why) when the runs it needs are of another setting, have no per-position rows, or its
-    control cannot show the effect."""
+    (``not_judged`` says why) when the runs it needs are of another setting, have no per-position rows, scored
+    fewer than ``intervals.MIN_UNITS`` texts (or sequences), or its control cannot show the effect."""
     row = ClaimRow(claim.claim, claim.source, claim.quote, claim.paper_setting, claim.paper_number, claim.kind,
                    PRESET_METRIC.get(preset_name, "kl"), "—", "—", None, ())
     try:
@@ -782,14 +787,23 @@ def claim_row(claim: Claim, preset_name: str, ok: pd.DataFrame,
     except (KeyError, TypeError, ValueError, ZeroDivisionError, OSError) as e:
         return dataclasses.replace(row, our_number=f"could not be read ({type(e).__name__}: {e})")
     ours = setting_text(setting) + ("" if phrase == "—" else f": {phrase}")
-    n = "; ".join(f"{k} {u}" for k, u in sorted(at.units))
-    why = [w for w in (at.differences(), verdict.why if isinstance(verdict, NotJudged) else "") if w]
+    n = "; ".join(f"{k} {u[:-1] if k == 1 else u}" for k, u in sorted(at.units))
+    few = too_few(at.units) if verdict is not None and claim.kind != CONSTRUCTION else ""
+    # from too few units, a control's reading (a collapse, a gap) is no more a reading than the verdict's
+    why = [w for w in (at.differences(), few or (verdict.why if isinstance(verdict, NotJudged) else "")) if w]
     if why and number.startswith("not in this sweep"):
         why.append("and some of its runs are not in this sweep")
     if why:
         return dataclasses.replace(row, our_setting=ours, our_number="not judged: " + "; ".join(why), runs=names,
                                    not_judged="; ".join(why), n=n)
     return dataclasses.replace(row, our_setting=ours, our_number=number, verdict=verdict, runs=names, n=n)
+
+
+def too_few(units: set[tuple[int, str]]) -> str:
+    """'n = 1 (at least 10 texts needed)' for the units an interval was made from that are fewer than
+    ``intervals.MIN_UNITS`` ("" when none are): no verdict reads such an interval."""
+    return "; ".join(f"n = {k} (at least {intervals.MIN_UNITS} {u} needed)" for k, u in sorted(units)
+                     if k < intervals.MIN_UNITS)
 
 
 def claim_rows(runs: pd.DataFrame, positions: dict[str, pd.DataFrame] | None = None) -> list[ClaimRow]:

@@ -894,13 +894,6 @@ def _pareto_axes() -> tuple[tuple, tuple]:
              (KEYS.step_ms_cached_at_max_context, "cached decode step at the longest context (ms)")))
 
 
-def _is_fp32_reference(row: pd.Series) -> bool:
-    """The run is fp32 full attention itself: a kind that is exactly full attention with these options (asked of
-    the kind's class), in fp32 storage and compute, on an engine that ran its equivalence check."""
-    return (row.get(KEYS.storage_dtype) == "float32" and row.get(KEYS.compute_dtype) == "float32"
-            and is_full_attention(row))
-
-
 def is_full_attention(row: pd.Series) -> bool:
     """The run's kind, with the options its ``cache_<name>`` columns record, is exactly full attention (asked of the
     kind's class), whatever its dtype."""
@@ -917,15 +910,27 @@ def is_full_attention(row: pd.Series) -> bool:
         return False
 
 
+OWN_REFERENCE = "its own fp32 reference"  # in <measurement>_skipped: why a drift measurement skipped fp32 full
+# attention itself (harness/measurements/text_drift.py and generation_drift.py, ``skip``)
+
+
 def with_reference_at_zero(df: pd.DataFrame, keys) -> pd.DataFrame:
-    """``df`` with the fp32 full-attention reference's missing ``keys`` (drift) set to 0: its drift measurements skip
-    it, and its equivalence check holds it to 0."""
+    """``df`` with the missing drift ``keys`` of each run that is its own fp32 reference set to 0: the measurement
+    that records the key skipped the run for that reason (``<measurement>_skipped``), and its equivalence check held
+    it to its reference. A run whose drift was not asked for, or skipped for any other reason, keeps no figure: never
+    measured is not 0."""
+    from harness.measurements import MEASUREMENTS
+
     df = df.copy()
     if not len(df):
         return df
-    reference = df.apply(_is_fp32_reference, axis=1).astype(bool)
     for key in (k for k in keys if k in df):
-        df.loc[reference & df[key].isna(), key] = 0.0
+        owner = next((m.name for m in MEASUREMENTS.values() if key in m.keys()), None)
+        col = f"{owner}_skipped"
+        if owner is None or col not in df:
+            continue
+        own = df[col].map(lambda why: isinstance(why, str) and OWN_REFERENCE in why).astype(bool)
+        df.loc[own & df[key].isna(), key] = 0.0
     return df
 
 
@@ -936,14 +941,15 @@ def pareto_points(runs: pd.DataFrame) -> pd.DataFrame:
     0, which its equivalence check holds it to. Empty when fewer than two settings have a quality and a cost."""
     if KEYS.status not in runs:
         return runs.iloc[0:0]
-    df = runs[runs[KEYS.status] == "ok"]  # the kind's name in cache (for _is_fp32_reference), not its label
+    df = runs[runs[KEYS.status] == "ok"]  # the kind's name in cache (swept_setting asks it), not its label
     quality_axes, cost_axes = _pareto_axes()
     quality = [q for q, _, _ in quality_axes if q in df]
     cost = [c for c, _ in cost_axes if c in df]
     if not quality or not cost:
         return df.iloc[0:0]
     df = df.assign(kind=df[KEYS.cache])  # the kind's name (swept_setting asks it), before _ok puts the label in cache
-    df = _ok(with_reference_at_zero(df, [q for q in quality if q != KEYS.retrieval_acc]))  # cache: the label (kind + options), so two settings of one kind are two points
+    # cache: the label (kind + options), so two settings of one kind are two points
+    df = _ok(with_reference_at_zero(df, [q for q in quality if q != KEYS.retrieval_acc]))
     df["point"] = df[KEYS.cache] + " · " + df[KEYS.dtype]
     df = df[df[quality].notna().any(axis=1) & df[cost].notna().any(axis=1)]
     return df if df["point"].nunique() >= 2 else df.iloc[0:0]

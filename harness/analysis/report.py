@@ -519,8 +519,15 @@ def print_summary(rep: dict) -> None:
               f"`python -m harness.wandb_report --from-spec {spec}`)")
     for _, r in failed.iterrows():
         print(f"kvlab: run {r['run_name']} {r['status']}: {r.get('error')}", file=sys.stderr)
-    for folder, why in rep.get("skipped", []):
+    skipped = rep.get("skipped", [])
+    for folder, why in skipped[:SKIPPED_SHOWN]:
         print(f"kvlab report: skipped {shown(folder)}{': ' if folder else ''}{shown(why)}", file=sys.stderr)
+    if len(skipped) > SKIPPED_SHOWN:  # the page lists every one
+        print(f"kvlab report: ... and {len(skipped) - SKIPPED_SHOWN:,} more skipped (each listed with why in "
+              f"{shown(rep['html'])})", file=sys.stderr)
+
+
+SKIPPED_SHOWN = 10  # skipped folders print_summary names one per line; the rest are a count (the page has them all)
 
 
 def _can_create(folder: Path, what: str) -> None:

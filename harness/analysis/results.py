@@ -128,14 +128,21 @@ def scan(path: str | Path, invocation: str | None = None) -> dict:
 
 def run_folders(path: str | Path, invocation: str | None = None) -> list[tuple[Path, dict]]:
     """(folder, record) of every finished run under ``path``, sorted by folder; warns about what
-    it skips: unreadable or foreign results.json files, and job folders without one."""
+    it skips: unreadable or foreign results.json files, and job folders without one (the first ``SKIPPED_WARNED``,
+    then one warning counting the rest: ``scan`` lists them all)."""
     found = scan(path, invocation)
-    for folder, why in found["skipped"]:
+    why_skipped = [(folder, why) for folder, why in found["skipped"]]
+    why_skipped += [(folder, f"no {RESULTS} (the run was interrupted or is still going)")
+                    for folder in found["interrupted"]]
+    for folder, why in why_skipped[:SKIPPED_WARNED]:
         warnings.warn(f"skipping {shown(folder)}: {why}", IncompleteRunWarning, stacklevel=2)
-    for folder in found["interrupted"]:
-        warnings.warn(f"skipping {shown(folder)}: no {RESULTS} (the run was interrupted or is still going)",
-                      IncompleteRunWarning, stacklevel=2)
+    if len(why_skipped) > SKIPPED_WARNED:
+        warnings.warn(f"skipping {len(why_skipped) - SKIPPED_WARNED:,} more folders under {shown(path)} "
+                      "(harness.analysis.results.scan lists each, and why)", IncompleteRunWarning, stacklevel=2)
     return found["runs"]
+
+
+SKIPPED_WARNED = 10  # skipped folders run_folders warns about one by one
 
 
 def _order(df: pd.DataFrame, first: list[str]) -> pd.DataFrame:

@@ -2,8 +2,9 @@
 budget, at several request rates, over several workload seeds.
 
     server_points(runs)              one row per ok server run: kind, rate, seed, budget and its figures
-    server_compare(runs, a, b, key)  per rate and budget: the ratio a / b of ``key`` paired by seed, its mean and a
-                                     95% t-interval over the seeds (n = seeds both ran)
+    server_compare(runs, a, b, key)  per workload, rate and budget: the ratio a / b of ``key`` paired by seed, its
+                                     mean and a 95% t-interval over the seeds (n = seeds both ran); runs of other
+                                     workloads (a trace against a drawn stream, other settings) never pair
     rate_plot(runs)                  throughput and p99 latency against request rate, a line per kind (vLLM's
                                      Figure 12 shape); bars: 95% t-intervals over seeds
     memory_plot(runs)                K/V bytes holding tokens vs held, per kind (vLLM's Figure 2)
@@ -25,8 +26,8 @@ if TYPE_CHECKING:
 
 ALL_AT_ONCE = "all at once"
 PREFIX = " + prefix cache"  # a kind's label when its runs shared prompt blocks (serve.prefix_caching)
-POINT_COLUMNS = ["kind", "rate", "seed", "budget", "requests_per_s", "tokens_per_s", "ttft_p99", "e2e_p99",
-                 "normalized", "ttft_median", "prefilled", "peak_running", "mean_running", "token_share",
+POINT_COLUMNS = ["kind", "series", "workload", "rate", "seed", "budget", "requests_per_s", "tokens_per_s", "ttft_p99",
+                 "e2e_p99", "normalized", "ttft_median", "prefilled", "peak_running", "mean_running", "token_share",
                  "held_peak", "used_peak", "preemptions"]
 POINT_KEYS = {"requests_per_s": "server_requests_per_s", "tokens_per_s": "server_output_tokens_per_s",
               "ttft_p99": "server_ttft_ms_p99", "e2e_p99": "server_e2e_ms_p99",
@@ -46,19 +47,52 @@ def _rate(x) -> float:
     return math.inf if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
 
 
+def _workloads(df: pd.DataFrame) -> list[str]:
+    """Each run's workload id (``server_workload_id``: the trace or drawn distribution and the server's settings);
+    "" for a run of an earlier kvlab that did not record it."""
+    if "server_workload_id" not in df:
+        return [""] * len(df)
+    return ["" if not isinstance(w, str) else w for w in df["server_workload_id"]]
+
+
+def _workload_names(df: pd.DataFrame) -> list[str]:
+    """Each run's workload for people: a trace by its file, a drawn workload by its id."""
+    traces = df["server_trace"] if "server_trace" in df else [None] * len(df)
+    return [f"trace {str(t).rsplit('/', 1)[-1]}" if isinstance(t, str) and t else f"workload {w or 'not recorded'}"
+            for w, t in zip(_workloads(df), traces)]
+
+
 def server_points(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per ok server run (and one per peer beside it): ``kind``, ``series`` (what a figure draws a line
+    for: the kind, and where the runs served more than one workload, which one, so no line joins two workloads),
+    ``workload`` (its id), rate, seed, budget and the figures."""
     df = _ok(runs)
     if "server_requests" not in df:
         return pd.DataFrame(columns=POINT_COLUMNS)
     df = df[df["server_requests"].notna()]
     shared = df["server_prefix_caching"].fillna(False).astype(bool) if "server_prefix_caching" in df else False
     kinds = df["cache_label"].astype(str) + np.where(shared, PREFIX, "")
-    out = pd.DataFrame({"kind": kinds, "rate": [_rate(x) for x in df["server_rate"]],
-                        "seed": df["seed"] if "seed" in df else 0, "budget": df["server_kv_budget"]})
-    for col, key in POINT_KEYS.items():  # a key a run of an earlier kvlab did not record: NaN
+    out = _points(df, list(kinds), POINT_KEYS)
+    if "server_hf_requests_per_s" in df:
+        ran = df["server_hf_requests_per_s"].notna()
+        out = pd.concat([out, _points(df[ran], [PEER] * int(ran.sum()), PEER_KEYS)], ignore_index=True)
+    if out["workload"].nunique() > 1:
+        out["series"] = out["kind"] + " · " + out["series"]
+    else:
+        out["series"] = out["kind"]
+    return out[POINT_COLUMNS]
+
+
+def _points(df: pd.DataFrame, kinds: list[str], keys: dict) -> pd.DataFrame:
+    """Rows of ``server_points`` from ``df``'s runs: the figures ``keys`` names (a key a run of an earlier kvlab did
+    not record, or the peer does not observe: NaN); ``series`` holds the workload's name for now."""
+    out = pd.DataFrame({"kind": kinds, "series": _workload_names(df), "workload": _workloads(df),
+                        "rate": [_rate(x) for x in df["server_rate"]], "seed": df["seed"] if "seed" in df else 0,
+                        "budget": df["server_kv_budget"]}).reset_index(drop=True)
+    for col in POINT_COLUMNS[6:]:
+        key = keys.get(col)
         out[col] = df[key].astype(float).to_numpy() if key in df else np.nan
-    out = out.reset_index(drop=True)[POINT_COLUMNS]
-    return pd.concat([out, _peer_points(df)], ignore_index=True) if "server_hf_requests_per_s" in df else out
+    return out
 
 
 PEER = "HF continuous batching"
@@ -66,17 +100,6 @@ PEER_KEYS = {"requests_per_s": "server_hf_requests_per_s", "tokens_per_s": "serv
              "ttft_p99": "server_hf_ttft_ms_p99", "e2e_p99": "server_hf_e2e_ms_p99",
              "normalized": "server_hf_normalized_latency_ms", "peak_running": "server_hf_peak_running",
              "held_peak": "server_hf_kv_held"}
-
-
-def _peer_points(df: pd.DataFrame) -> pd.DataFrame:
-    """The peer's figures (serve.peer=hf, in the paged runs) as points of a kind of their own."""
-    df = df[df["server_hf_requests_per_s"].notna()]
-    out = pd.DataFrame({"kind": PEER, "rate": [_rate(x) for x in df["server_rate"]],
-                        "seed": df["seed"] if "seed" in df else 0, "budget": df["server_kv_budget"]})
-    for col in POINT_COLUMNS[4:]:
-        key = PEER_KEYS.get(col)
-        out[col] = df[key].astype(float).to_numpy() if key in df else np.nan
-    return out.reset_index(drop=True)[POINT_COLUMNS]
 
 
 # Student's t, two-sided 95%: the 0.975 quantile by degrees of freedom (standard tables; past 30, interpolated
@@ -106,19 +129,39 @@ def t_interval(values) -> tuple[float, float, float, int]:
 
 
 def server_compare(runs: pd.DataFrame, a: str, b: str, key: str) -> pd.DataFrame:
-    """Per (rate, budget): ``key`` of kind ``a`` over kind ``b`` (cache labels), paired by seed: the geometric mean of
-    the ratios and its 95% t-interval (made on their logarithms), and n."""
+    """Per (workload, rate, budget): ``key`` of kind ``a`` over kind ``b`` (cache labels), paired by seed: the
+    geometric mean of the ratios and its 95% t-interval (made on their logarithms), and n. Runs pair only on equal
+    workloads (``server_workload_id``): a traced run never pairs with a drawn one, nor runs of other settings."""
     p = server_points(runs)
     rows = []
-    for (rate, budget), sub in p.groupby(["rate", "budget"], sort=True):
+    for (workload, rate, budget), sub in p.groupby(["workload", "rate", "budget"], sort=True):
         # a seed that several runs of a kind share (a sweep over another axis too): their mean
         x = sub[sub["kind"] == a].groupby("seed")[key].mean()
         y = sub[sub["kind"] == b].groupby("seed")[key].mean()
         both = x.index.intersection(y.index)
         logs = [math.log(float(x[s]) / float(y[s])) for s in both if float(y[s]) > 0 and float(x[s]) > 0]
         m, lo, hi, n = (math.exp(v) if i < 3 and math.isfinite(v) else v for i, v in enumerate(t_interval(logs)))
-        rows.append(dict(rate=rate, budget=budget, a=a, b=b, key=key, ratio=m, low=lo, high=hi, n=n))
-    return pd.DataFrame(rows, columns=["rate", "budget", "a", "b", "key", "ratio", "low", "high", "n"])
+        rows.append(dict(workload=workload, rate=rate, budget=budget, a=a, b=b, key=key, ratio=m, low=lo, high=hi,
+                         n=n))
+    return pd.DataFrame(rows, columns=["workload", "rate", "budget", "a", "b", "key", "ratio", "low", "high", "n"])
+
+
+def unpaired(runs: pd.DataFrame, a: str, b: str) -> str | None:
+    """A line when kinds ``a`` and ``b`` both served but on no common workload: "not paired: different workloads"
+    and what each ran (None when some of their runs pair)."""
+    p = server_points(runs)
+    wa, wb = set(p.loc[p["kind"] == a, "workload"]), set(p.loc[p["kind"] == b, "workload"])
+    if not wa or not wb or wa & wb:
+        return None
+    ok = _ok(runs)
+    words = {}
+    if "server_workload" in ok and "server_workload_id" in ok:
+        words = dict(zip(ok["server_workload_id"].astype(str), ok["server_workload"].astype(str)))
+
+    def say(ids):
+        return "; or ".join(words.get(w, "not recorded (an earlier kvlab)") for w in sorted(ids))
+
+    return f"{a} over {b}: not paired: different workloads ({a}: {say(wa)}. {b}: {say(wb)})."
 
 
 def _x(rates: list[float]) -> dict[float, int]:
@@ -140,13 +183,13 @@ def rate_plot(runs: pd.DataFrame) -> Figure:
     fig, grid = plt.subplots(2, 2, figsize=(12, 7.5), layout="constrained")
     axes = grid.ravel()
     for ax, (col, label) in zip(axes, panels):
-        for kind, sub in p.groupby("kind", sort=False):
+        for kind, sub in p.groupby("series", sort=False):  # a kind, and its workload where there are several
             stats = [(xs[r], *t_interval(s[col])[:3]) for r, s in sub.groupby("rate")]
             x, m, lo, hi = (np.array(v, dtype=float) for v in zip(*stats))
             err = np.vstack([m - np.where(np.isnan(lo), m, lo), np.where(np.isnan(hi), m, hi) - m])
             ax.errorbar(x, m, yerr=err, marker="o", capsize=3, label=kind)
         ax.set_xticks(list(xs.values()), [_rate_label(r) for r in xs])
-        ax.set_xlabel("request rate (Poisson arrivals)")
+        ax.set_xlabel("request rate (Poisson arrivals; a trace's, measured from its arrivals)")
         ax.set_ylabel(label)
         if col != "tokens_per_s":
             ax.set_yscale("log")
@@ -161,7 +204,8 @@ def memory_plot(runs: pd.DataFrame) -> Figure:
     if p.empty:
         return _message_figure("no ok run served requests (serve.requests > 0)")
     top = p[p["rate"] == max(p["rate"])]  # the heaviest load: memory is what limits
-    kinds = list(dict.fromkeys(top["kind"]))
+    kinds = list(dict.fromkeys(top["series"]))  # a kind, and its workload where there are several
+    top = top.assign(kind=top["series"])
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
     share = [100 * t_interval(top[top["kind"] == k]["token_share"])[0] for k in kinds]
     axes[0].bar(kinds, share, color="tab:green", label="holding tokens")
@@ -258,18 +302,23 @@ def findings(runs: pd.DataFrame) -> list[tuple[str, tuple[str, ...]]]:
     if BASELINE not in set(p["kind"]):
         return out
     for kind in [k for k in dict.fromkeys(p["kind"]) if k != BASELINE and not k.endswith(PREFIX)]:
+        said = False
         for key, what in (("peak_running", "requests running at once (peak)"),
                           ("tokens_per_s", "output tokens/s")):
             cmp = server_compare(runs, kind, BASELINE, key)
-            top = cmp["rate"].max() if len(cmp) else None  # the heaviest load: where the claim is judged
-            parts = [f"at {_rate_label(r.rate)}: {_interval(r.ratio, r.low, r.high, r.n)}"
-                     + (f", {_against(r.low, r.high, r.n)}" if key == "tokens_per_s" and r.rate == top else "")
+            top = cmp.groupby("workload")["rate"].max()  # the heaviest load of each workload: where the claim is judged
+            parts = [f"{_at(r, cmp)}: {_interval(r.ratio, r.low, r.high, r.n)}"
+                     + (f", {_against(r.low, r.high, r.n)}" if key == "tokens_per_s" and r.rate == top[r.workload]
+                        else "")
                      for r in cmp.itertuples() if r.n]
             if parts:
+                said = True
                 budget = ", ".join(f"{b / 1e6:g} MB" for b in sorted(set(cmp["budget"])))
                 out.append((f"{kind} over {BASELINE} under {budget}, {what}: " + "; ".join(parts)
                             + f" ({HOW}).", of(kind, BASELINE)))
-    share = p[p["token_share"].notna()].groupby("kind", sort=False)["token_share"].agg(["mean", "min", "max"])
+        if not said and (line := unpaired(runs, kind, BASELINE)):
+            out.append((line, of(kind, BASELINE)))
+    share = p[p["token_share"].notna()].groupby("series", sort=False)["token_share"].agg(["mean", "min", "max"])
     held = "; ".join(f"{k} {100 * r['mean']:.1f}% (runs {100 * r['min']:.1f}-{100 * r['max']:.1f}%)"
                      for k, r in share.iterrows())
     if PEER in set(p["kind"]):
@@ -295,9 +344,17 @@ def _prefix_findings(runs: pd.DataFrame, p: pd.DataFrame, of) -> list[tuple[str,
         for key, what in (("prefilled", "tokens prefilled"), ("ttft_median", "median TTFT"),
                           ("ttft_p99", "p99 TTFT"), ("peak_running", "most requests running at once")):
             cmp = server_compare(runs, kind, base, key)
-            parts += [f"{what} at {_rate_label(r.rate)} {_interval(r.ratio, r.low, r.high, r.n)}"
+            parts += [f"{what} {_at(r, cmp)} {_interval(r.ratio, r.low, r.high, r.n)}"
                       for r in cmp.itertuples() if r.n]
         if parts:
             out.append((f"{kind} over {base} (the same requests, a shared system prompt): " + "; ".join(parts)
                         + f" ({HOW}; below 1× is a saving, above 1× more running).", of(kind, base)))
+        elif line := unpaired(runs, kind, base):
+            out.append((line, of(kind, base)))
     return out
+
+
+def _at(r, cmp: pd.DataFrame) -> str:
+    """Where a paired ratio was measured: its rate, and its workload's id where the sweep paired on several."""
+    several = cmp.loc[cmp["n"] > 0, "workload"].nunique() > 1
+    return f"at {_rate_label(r.rate)}" + (f" (workload {r.workload or 'not recorded'})" if several else "")

@@ -15,7 +15,9 @@ same way on SIGINT (Ctrl-C), SIGTERM (what Slurm sends on pre-emption), SIGUSR2 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP)
@@ -142,3 +144,11 @@ def blocked():
     finally:
         if old is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def reader_gone() -> int:
+    """stdout's reader went away (``| head``): the rest of a command's output goes nowhere, quietly; the exit status
+    is a Unix tool's that SIGPIPE stopped (128 + 13). The tools call it on a BrokenPipeError."""
+    with contextlib.suppress(OSError, ValueError):  # (pytest's captured stdout has no descriptor)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE

@@ -22,9 +22,10 @@ What an engine does (``Engine``):
 
 What it can do, asked from the class before anything is built (validation, the memory estimate):
     refuses(kind, opts, head_dim=None, rotary=None) / refuses_ragged() / refuses_compile(kind) /
-    refuses_storage(storage, compute) / refuses_options(options, storage, config)
+    refuses_storage(storage, compute) / refuses_options(options, storage, config, kind)
                                              why not (one line), or None (head_dim, rotary: the model's, once known;
-                                             ``options``: the engine's typed Options; config: the model's, or None)
+                                             ``options``: the engine's typed Options; config: the model's, or None;
+                                             kind: the run's cache kind, or None)
     build(model, options, storage, compile)  the engine for a run: its options and the run's storage dtype
     stores(kind, opts, options, storage)     what its cache of ``kind`` stores where the kind's own storage does not
                                              say (llama.cpp's K/V types), as (K type, V type) or None, and whether
@@ -267,7 +268,7 @@ class Engine(Protocol):
     def refuses_storage(cls, storage: str, compute: str) -> str | None: ...
 
     @classmethod
-    def refuses_options(cls, options, storage: str, config=None) -> str | None: ...
+    def refuses_options(cls, options, storage: str, config=None, kind: str | None = None) -> str | None: ...
 
     @classmethod
     def build(cls, model, options, storage: str, compile: bool = False) -> "Engine": ...
@@ -356,7 +357,7 @@ class KvlabEngine:
         return None  # any storage dtype beside any compute dtype
 
     @classmethod
-    def refuses_options(cls, options, storage: str, config=None) -> str | None:
+    def refuses_options(cls, options, storage: str, config=None, kind: str | None = None) -> str | None:
         return None
 
     @classmethod
@@ -553,7 +554,7 @@ class HFEngine:
         return "compile=true compiles kvlab's decode step: use engine=kvlab, not engine=hf"
 
     @classmethod
-    def refuses_options(cls, options, storage: str, config=None) -> str | None:
+    def refuses_options(cls, options, storage: str, config=None, kind: str | None = None) -> str | None:
         return None
 
     @classmethod

@@ -19,7 +19,7 @@ import torch
 from harness.core.server import Request, ServeLog, Served
 
 
-STALL_S = 600.0  # no request finished for this long: its worker is gone
+STALL_S = 600.0  # no request finished for this long while some were in flight: its worker is gone
 
 
 def block_bytes(config, page_size: int, dtype) -> int:
@@ -81,9 +81,11 @@ def serve_hf(engine, requests: list[Request], budget: int, page_size: int = 16, 
         progressed = t0
         while done < len(order):
             now = time.perf_counter() - t0
-            if time.perf_counter() - progressed > STALL_S:
-                raise RuntimeError(f"engine=hf's continuous batching made no progress for {STALL_S:.0f} s ({done} of "
-                                   f"{len(order)} requests done): its worker stopped")
+            if i == done:  # nothing in flight: it waits on the next arrival, however far off, and is not stalled
+                progressed = time.perf_counter()
+            elif time.perf_counter() - progressed > STALL_S:
+                raise RuntimeError(f"engine=hf's continuous batching finished no request for {STALL_S:.0f} s with "
+                                   f"{i - done} in flight ({done} of {len(order)} done): its worker stopped")
             while i < len(order) and order[i].arrival_s <= now:
                 r = order[i]
                 manager.add_request(list(r.prompt), request_id=str(r.request_id), max_new_tokens=r.output_tokens,

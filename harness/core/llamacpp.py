@@ -75,6 +75,8 @@ def quant_types(opts) -> tuple[str | None, str | None] | str:
 ROTATE_ENV = "LLAMA_ATTN_ROT_DISABLE"  # llama.cpp reads it when a context's K/V cache is made: set, no rotation
 ROTATE_BLOCK = 64  # llama.cpp rotates a quantised K or V where the head size is a multiple of this
 ROTATIONS = ("auto", "none")  # engine.rotate: llama.cpp's default, or off
+MAX_THREADS = 256  # engine.threads' cap, or the machine's cores if more (as harness.train's --threads)
+GGML_MAX_THREADS = 512  # ggml.h's GGML_MAX_N_THREADS, the most its CPU threadpool is built for (100,000: a segfault)
 GGUF_CACHE_ENV = "KVLAB_GGUF_CACHE"  # where converted models are kept (default: the system's temp folder)
 CTX_PAD = 256  # llama.cpp rounds a context's cells up to a multiple of this (per sequence, here)
 # the most tokens llama.cpp computes at once (its n_ubatch): a longer batch (a prefill, a batch of prompts) runs in
@@ -118,8 +120,13 @@ def available() -> bool:
 class LlamaCppOptions:
     type_k: str = "auto"  # llama.cpp's K type: auto (the run's dtype.storage: f32 or f16), q8_0, q4_0, q4_1, q5_0, ...
     type_v: str = "auto"  # its V type, the same choices (a quantised V turns on llama.cpp's flash attention)
-    threads: int = 0  # llama.cpp's threads; 0: as many as torch uses (kvlab's own thread count)
+    threads: int = 0  # llama.cpp's threads, 1 .. max_threads(); 0: as many as torch uses (kvlab's own count)
     rotate: str = "auto"  # llama.cpp's Hadamard rotation of a quantised K/V: auto (its default), none (off)
+
+
+def max_threads() -> int:
+    """The most threads ``engine.threads`` may ask for here: ``MAX_THREADS``, or the cores if more, at most ggml's."""
+    return min(max(MAX_THREADS, os.cpu_count() or 1), GGML_MAX_THREADS)
 
 
 def cache_type(name: str, storage: str) -> str:
@@ -139,8 +146,10 @@ def refuses_types(opts: LlamaCppOptions, storage: str, head_dim: int | None) -> 
         if head_dim is not None and head_dim % block:
             return (f"engine.{which}={name} quantises blocks of {block} values: the head size {head_dim} is not a "
                     "multiple")
-    if not isinstance(opts.threads, int) or opts.threads < 0:
-        return f"engine.threads={opts.threads!r}: give 0 (as many as torch uses) or a positive count"
+    most = max_threads()
+    if isinstance(opts.threads, bool) or not isinstance(opts.threads, int) or not 0 <= opts.threads <= most:
+        return (f"engine.threads={opts.threads!r}: give 0 (as many as torch uses) or 1 .. {most} (llama.cpp's CPU "
+                f"threads; this machine has {os.cpu_count() or 1} cores)")
     if opts.rotate not in ROTATIONS:
         return (f"engine.rotate={opts.rotate!r}: give auto (llama.cpp's Hadamard rotation of a quantised K/V, its "
                 "default) or none (off)")
@@ -370,13 +379,33 @@ class LlamaCppEngine:
         return None
 
     @classmethod
-    def refuses_options(cls, options, storage: str, config=None) -> str | None:
-        """The K/V types against the storage dtype and head size, the model's conversion, and llama.cpp itself."""
+    def refuses_options(cls, options, storage: str, config=None, kind: str | None = None) -> str | None:
+        """The K/V types against the storage dtype and head size, engine.rotate against what it would turn off (for
+        a cache of ``kind``, once known), the model's conversion, and llama.cpp itself."""
         why = refuses_types(options, storage, None if config is None else config.head_dim)
+        why = why or cls.refuses_rotate(options, storage, config, kind)
         why = why or (gguf_refuses(config) if config is not None else None)
         if why is None and not available():
             why = f"llama-cpp-python is not installed: {BUILD}"
         return why
+
+    @staticmethod
+    def refuses_rotate(options, storage: str, config=None, kind: str | None = None) -> str | None:
+        """Why engine.rotate=none would turn nothing off (one line), or None: on a layout (cache=quant gives its own
+        rotation, ``stored_types``), where neither K nor V type is quantised, or the head size is not a multiple of
+        ``ROTATE_BLOCK``, llama.cpp rotates nothing with rotate=auto either."""
+        if options.rotate != "none" or kind not in LAYOUTS:
+            return None
+        types = [cache_type(getattr(options, w), storage) for w in ("type_k", "type_v")]
+        if not any(t in CACHE_TYPES and quantised(t) for t in types):
+            return (f"engine.rotate=none turns off llama.cpp's rotation of a quantised K/V, and this run stores K "
+                    f"{types[0]} V {types[1]} (nothing quantised, nothing rotated either way): leave "
+                    "engine.rotate=auto, or give engine.type_k / engine.type_v a quantised type (q8_0, q4_0, ...)")
+        if config is not None and rotated(*types, config.head_dim, True) == "none":
+            return (f"engine.rotate=none turns off llama.cpp's rotation of a quantised K/V, which it does only where "
+                    f"the head size is a multiple of {ROTATE_BLOCK}, and this model's is {config.head_dim} (nothing "
+                    "rotated either way): leave engine.rotate=auto")
+        return None
 
     @classmethod
     def build(cls, model, options, storage: str, compile: bool = False) -> "LlamaCppEngine":

@@ -309,7 +309,10 @@ def _cuda_available() -> bool:
 
 
 def engine_options(rc: RunConfig):
-    """The run's engine options, as its engine's typed ``Options``."""
+    """The run's engine options, as its engine's typed ``Options``; None for an engine kvlab does not know (refused
+    by the checks, and recorded as given)."""
+    if rc.engine.name not in ENGINES:
+        return None
     cls = ENGINES[rc.engine.name].Options
     return cls(**{f.name: rc.engine.options[f.name] for f in dataclasses.fields(cls) if f.name in rc.engine.options})
 
@@ -318,10 +321,10 @@ def check_model(rc: RunConfig, mcfg) -> None:
     """What the cache kind's options need of the model's family, once its config is known (``needs_rotary``: keys
     stored before a rotation the model must have; compile=true's fused decode attention off the CPU: a K/V head per
     query head; what the engine needs of the model), refused in one line naming the option."""
-    why = ENGINES[rc.engine.name].refuses_options(engine_options(rc), rc.dtype.storage, mcfg)
+    opts = _kind_and_engine(rc)
+    why = ENGINES[rc.engine.name].refuses_options(engine_options(rc), rc.dtype.storage, mcfg, rc.cache.kind)
     need(not why, f"engine={rc.engine.name} on model {rc.model.name}: {why}")
     cls = cache_kind(rc.cache.kind)
-    opts = cls.parse_options(**rc.cache.options)
     why = ENGINES[rc.engine.name].refuses(rc.cache.kind, opts, mcfg.head_dim, mcfg.rotary)
     need(not why, f"engine={rc.engine.name} cache={rc.cache.kind}: {why}")  # as validate says it, the model known
     try:  # what the engine stores for the kind, given once (llama.cpp: its K/V types and rotation)
@@ -355,24 +358,31 @@ def validate(config, n_positions: int, head_dim: int | None = None) -> tuple[int
     return max_len, contexts
 
 
-def _check_choices(rc: RunConfig, head_dim: int | None = None) -> None:
-    """The group choices and names: cache kind and options, dtypes, device, engine, tracking, prompts, seeds."""
-    kind, options = rc.cache.kind, rc.cache.options
+def _kind_and_engine(rc: RunConfig):
+    """The cache kind and engine named, and the kind's options, parsed (what every other check reads), refused in
+    one line: the checks of the model (``check_model``, run first) and of the knobs (``validate``) alike."""
+    kind = rc.cache.kind
     need(kind in CACHE_KINDS, f"cache.kind={kind!r}: use one of {', '.join(CACHE_KINDS)}")
     try:
-        cache_kind(kind).parse_options(**options)
+        opts = cache_kind(kind).parse_options(**rc.cache.options)
     except ValueError as e:
         raise ConfigError(f"cache={kind}: {e}") from None
+    need(rc.engine.name in ENGINE_NAMES, f"engine={rc.engine.name!r}: use one of {', '.join(ENGINE_NAMES)}")
+    return opts
+
+
+def _check_choices(rc: RunConfig, head_dim: int | None = None) -> None:
+    """The group choices and names: cache kind and options, engine, dtypes, device, tracking, prompts, seeds."""
+    kind, engine = rc.cache.kind, rc.engine.name
+    opts = _kind_and_engine(rc)
     need(rc.dtype.storage in DTYPE_NAMES, f"dtype.storage={rc.dtype.storage!r}: use one of {DTYPE_NAMES}")
     need(rc.dtype.compute in DTYPE_NAMES + ("auto",),
          f"dtype.compute={rc.dtype.compute!r}: use auto or one of {DTYPE_NAMES}")
     need(rc.device in ("cpu", "cuda", "auto"), f"device={rc.device!r}: use cpu, cuda or auto")
-    engine = rc.engine.name
-    need(engine in ENGINE_NAMES, f"engine={engine!r}: use one of {', '.join(ENGINE_NAMES)}")
     engine_cls = ENGINES[engine]
-    why = engine_cls.refuses(kind, cache_kind(kind).parse_options(**options), head_dim)
+    why = engine_cls.refuses(kind, opts, head_dim)
     need(not why, f"engine={engine} cache={kind}: {why}")
-    why = engine_cls.refuses_options(engine_options(rc), rc.dtype.storage)
+    why = engine_cls.refuses_options(engine_options(rc), rc.dtype.storage, kind=kind)
     need(not why, f"engine={engine}: {why}")
     need(rc.tracking.mode in ("offline", "online", "disabled"),
          f"tracking.mode={rc.tracking.mode!r}: use offline, online or disabled")

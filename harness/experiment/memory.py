@@ -369,16 +369,19 @@ def _server_phase(s: _Sizes, serve: dict) -> list:
     """The continuous-batching server: its K/V budget held whole, beside a prefill of the longest request, a step
     of the largest running batch (each layer's K/V of the batch gathered in the compute dtype) and the check of a
     request alone."""
-    from harness.measurements.server import budget_bytes, serve_options
+    from harness.measurements.server import budget_bytes, peer_runs, serve_options, serving
 
     o = serve_options(serve)
-    if not o.requests:
+    if not serving(o):
         return []
-    budget, B, P = budget_bytes(o.kv_budget), o.max_batch, o.system_prompt + o.prompt_most + o.max_tokens + 1
+    # the longest request: the drawn workload's, or under a trace (rows checked against max_len) the longest a run
+    # can hold
+    P = s.max_len if o.trace else o.system_prompt + o.prompt_most + o.max_tokens + 1
+    budget, B = budget_bytes(o.kv_budget), o.max_batch
     gathered = 2 * budget * itemsize(s.compute) // (itemsize(s.storage) * max(s.model.n_layer, 1))
     transient = (max(s.forward(1, P, 1), s.forward(B, 1, 1) + gathered)
                  + s.cache_at(1, P, cap=P) + s.layer_kv(1, P))
-    held = budget * (2 if o.peer == "hf" else 1)  # the peer's pool beside kvlab's, each the budget
+    held = budget * (2 if peer_runs(o, s.cls) else 1)  # the peer's pool beside kvlab's, each the budget
     return [("serve_continuous", held, transient)]
 
 
@@ -591,13 +594,26 @@ def _capped(sizes: list[int], cap: int) -> list[int]:
     return out
 
 
+def has_smaller_model(cfg) -> bool:
+    """Whether a preset of ``cfg``'s family (its config class) has fewer parameters: only then can a refusal say
+    "use a smaller model" (never for ``tiny`` or ``tiny-gqa``, the smallest)."""
+    from models.families import PRESETS, preset_config
+
+    try:
+        n = param_count(cfg)
+    except (AttributeError, TypeError, ValueError):  # not a family's config: as it said before
+        return True
+    return any(cls is type(cfg) and param_count(preset_config(name)) < n for name, cls in PRESETS.items())
+
+
 def what_fits(need: RunBytes, budget: int) -> str:
     """What would fit in ``budget`` bytes, searched over the formula: the largest served batch and throughput batch,
     else the largest max_len, else the largest value of the cache option that sizes it (a paged pool's
-    ``cache.blocks``: the kind's ``sized_by``), else a smaller model (or dropping the weight copies that are
-    optional)."""
+    ``cache.blocks``: the kind's ``sized_by``), else a smaller model where its family has one (or dropping the
+    weight copies that are optional)."""
     inputs = dict(need.inputs)
     model = inputs.pop("model")
+    smaller = ", or use a smaller model" if has_smaller_model(model) else ""
 
     def total(**change) -> int:
         return run_bytes(model, **{**inputs, **change}).total
@@ -613,7 +629,7 @@ def what_fits(need: RunBytes, budget: int) -> str:
             m = _largest(lambda x: total(batch=1, batch_sizes=_capped(sizes, x)) <= budget, 1, max(sizes))
             parts.append(f"batch_sizes=[{','.join(map(str, _capped(sizes, m)))}]")
         if parts:
-            return " and ".join(parts) + " would fit, or use a smaller model"
+            return " and ".join(parts) + " would fit" + smaller
     max_len = inputs["max_len"] or model.n_positions
     lo = min(max_len, inputs["prompt_len"] + inputs["new_tokens"])
 
@@ -625,7 +641,7 @@ def what_fits(need: RunBytes, budget: int) -> str:
     for change, extra in (({}, ""), (small, " with batch=1" + (" and batch_sizes=[1]" if sizes else ""))):
         m = _largest(lambda x: at(x, **change) <= budget, lo, max_len)
         if m is not None and m < max_len:
-            return f"max_len <= {m}{extra} would fit, or use a smaller model"
+            return f"max_len <= {m}{extra} would fit{smaller}"
     lower = _kind_option_that_fits(model, inputs, budget)
     if lower:
         return lower
@@ -635,7 +651,12 @@ def what_fits(need: RunBytes, budget: int) -> str:
     if total(**small, compute="fp32", storage="fp32") < total(**small) and total(**small, compute="fp32",
                                                                               storage="fp32") <= budget:
         others.append("dtype=fp32 (a reduced-precision run also keeps the fp32 model)")
-    return "use a smaller model" + "".join(f", or {o}" for o in others)
+    if smaller:
+        return "use a smaller model" + "".join(f", or {o}" for o in others)
+    if others:
+        return "use " + ", or ".join(others)
+    return ("no smaller batch or max_len of this run fits, and its family has no smaller model: free memory, or run it "
+            "where more is free")
 
 
 def _kind_option_that_fits(model, inputs: dict, budget: int) -> str | None:

@@ -23,6 +23,7 @@ import copy
 import datetime as dt
 import hashlib
 import json
+import math
 import os
 import re
 import signal
@@ -53,7 +54,8 @@ from harness.experiment.invocation import (concurrent_runs, forget_invocation, i
 from models import outliers
 from models.decoder import Decoder
 from models.families import build, load_model, model_class, preset_config, read_config
-from models.kv_cache import as_dtype, cache_kind
+from models.hf_checkpoint import files_read
+from models.kv_cache import DTYPES, as_dtype, cache_kind
 
 # the invocation's bookkeeping lives in harness.experiment.invocation; these names stay importable from here
 __all__ = ["concurrent_runs", "forget_invocation", "invocation", "invocation_failures", "invocation_folders",
@@ -201,7 +203,8 @@ def _finished_other(run_dir: Path, ident: str) -> str | None:
     return None
 
 
-INPUTS = {"inputs_prompts": "the prompts file", "inputs_checkpoint": "the checkpoint", "inputs_code": "kvlab's code"}
+INPUTS = {"inputs_prompts": "the prompts file", "inputs_checkpoint": "the checkpoint",
+          "inputs_trace": "the serving trace", "inputs_code": "kvlab's code"}
 
 
 def changed_inputs(prior: dict, inputs: dict) -> list[str]:
@@ -236,10 +239,11 @@ def file_id(path: Path) -> str:
         return _sha(samples())
 
 
-def input_ids(prompts_path: Path | None, seed: int, w: Weights | None) -> dict:
+def input_ids(prompts_path: Path | None, seed: int, w: Weights | None, trace: str | None = None) -> dict:
     """What a run's results depend on beyond its config: the prompts file's contents (``prompts_path``; None: random
-    prompts), the checkpoint's contents (config.json and weights; the model's ``seed`` for random weights) and
-    kvlab's own code (its sources and configs)."""
+    prompts), the checkpoint's contents (every file of it a load reads: ``models.hf_checkpoint.files_read``; the
+    model's ``seed`` for random weights), the serving trace's (``serve.trace``) and kvlab's own code (its sources and
+    configs)."""
     prompts = "random prompts"
     if prompts_path is not None:
         path = Path(prompts_path)
@@ -247,12 +251,14 @@ def input_ids(prompts_path: Path | None, seed: int, w: Weights | None) -> dict:
     if w is None or w.random:
         ckpt = f"random init (seed {seed})"
     elif Path(w.load_from).is_dir():
-        files = [Path(w.load_from) / n for n in (*weights.FILES, "pytorch_model.bin")]
-        ckpt = _sha(f"{f.name}:{file_id(f)}".encode() for f in files if f.is_file())
+        ckpt = _sha(f"{f.name}:{file_id(f)}".encode() for f in files_read(w.load_from))
     else:
         ckpt = f"hub {w.load_from}"
+    traced = None
+    if trace:
+        traced = file_id(Path(trace)) if Path(trace).is_file() else "not read"
     code = _sha(p.read_bytes() for p in tracking.sources())
-    return dict(inputs_prompts=prompts, inputs_checkpoint=ckpt, inputs_code=code)
+    return dict(inputs_prompts=prompts, inputs_checkpoint=ckpt, inputs_trace=traced, inputs_code=code)
 
 
 # ---- inputs ----------------------------------------------------------------------------------------------------
@@ -416,12 +422,12 @@ def file_stream(path: Path, n: int, tokenizer) -> list[int]:
 def serve_stream(rc: RunConfig, path: Path | None, tokenizer, vocab_size: int) -> list[int] | None:
     """The running text the server's workload draws its prompts from (None when the run serves no requests): the
     prompts file's tokens (up to 50,000), or seeded random ids with prompts=random."""
-    from harness.measurements.server import serve_options
+    from harness.measurements.server import serve_options, serving
 
     if "server" not in measurements.chosen(rc.measurements):
         return None
     s = serve_options(rc.option("serve"))
-    if not s.requests:
+    if not serving(s):
         return None
     need = s.system_prompt + s.prompt_most + 1
     if path is None:
@@ -601,10 +607,19 @@ def plan_run(rc: RunConfig, w: Weights | None = None) -> Plan:
         prompt_tokenizer(w, mcfg, rc.model.name)
     if mcfg is not None:
         check_outliers(rc.model.outliers, mcfg)
-        check_server(rc, mcfg, max_len, storage)
+        check_server(rc, mcfg, max_len, storage, compute)
         check_memory(rc, mcfg, max_len, contexts, storage, compute, device)
     return Plan(rc, w, mcfg, max_len, contexts, device, storage, compute, path,
-                input_ids(path, rc.model.seed, w))
+                input_ids(path, rc.model.seed, w, serve_trace(rc)))
+
+
+def serve_trace(rc: RunConfig) -> str | None:
+    """The serving trace a run reads (``serve.trace`` of a run that measures the server), or None."""
+    from harness.measurements.server import serve_options
+
+    if "server" not in measurements.chosen(rc.measurements):
+        return None
+    return serve_options(rc.option("serve")).trace or None
 
 
 def prompt_tokenizer(w: Weights, mcfg, model_name: str):
@@ -625,46 +640,71 @@ def prompt_tokenizer(w: Weights, mcfg, model_name: str):
     return tok
 
 
-def check_server(rc: RunConfig, mcfg, max_len: int, storage) -> None:
-    """A run that serves requests (``serve.requests`` > 0): a kind that cannot serve, or a K/V budget too small for
-    its longest possible request, is refused in one line before anything is built."""
+def check_server(rc: RunConfig, mcfg, max_len: int, storage, compute) -> None:
+    """A run that serves requests (``serve.requests`` > 0, or a trace): a kind that cannot serve, a peer that would
+    not run the same workload, or a K/V budget too small for its longest possible request, is refused in one line
+    before anything is built."""
     from harness.core.server import least_budget, refuses_serving
-    from harness.measurements.server import budget_bytes, serve_options
+    from harness.measurements.server import PEER_SPAN_MAX_S, budget_bytes, peer_runs, serve_options, serving
 
     if "server" not in measurements.chosen(rc.measurements):
         return
     s = serve_options(rc.option("serve"))
-    if not s.requests:
+    if not serving(s):
         return
     cls = measure.cache_kind(rc.cache.kind)
     opts = cls.parse_options(**dict(rc.cache.options))
     why = refuses_serving(cls, opts, s.prefix_caching)
     if why:
         raise ConfigError(why)
-    if s.system_prompt + s.prompt_most + 1 < cls.min_prompt(opts):
+    if s.peer == "hf" and not cls.pooled:
+        raise ConfigError(f"serve.peer=hf serves the same requests through transformers' paged continuous batching, "
+                          f"the counterpart of cache=paged, not of cache={rc.cache.kind}: use cache=paged, serve."
+                          "peer=auto in a sweep over kinds (the peer beside its paged runs alone), or leave serve.peer "
+                          "empty")
+    if peer_runs(s, cls) and storage != compute:
+        name = {d: n for n, d in reversed(list(DTYPES.items()))}  # fp32, fp16, bf16 (the short names)
+        raise ConfigError(f"serve.peer={s.peer}: transformers' paged cache stores K/V in its model's dtype, the "
+                          f"compute dtype ({name[compute]}), and this run stores {name[storage]}: set dtype.compute="
+                          f"{name[storage]} too (both engines then store and compute {name[storage]}), or leave "
+                          "serve.peer empty")
+    span = 0.0 if s.trace or math.isinf(s.rate) else s.requests / s.rate
+    if peer_runs(s, cls) and span > PEER_SPAN_MAX_S:
+        raise ConfigError(f"serve.peer={s.peer} replays arrivals on the wall clock, and {s.requests:,} requests at "
+                          f"serve.rate={s.rate:g} arrive over about {span:,.0f} s: give serve.rate >= "
+                          f"{s.requests / PEER_SPAN_MAX_S:g} (at most {PEER_SPAN_MAX_S:,.0f} s of arrivals), or leave "
+                          "serve.peer empty")
+    if not s.trace and s.system_prompt + s.prompt_most + 1 < cls.min_prompt(opts):
         raise ConfigError(f"cache={rc.cache.kind} takes prompts of at least {cls.min_prompt(opts)} tokens, and the "
                           f"server's are at most {s.system_prompt + s.prompt_most + 1}: raise serve.prompt_most")
-    longest = s.prompt_most
-    if s.trace:  # its rows, read and checked now: a bad trace is refused before anything is built
-        from harness.measurements.server import read_trace
-
-        try:
-            rows = read_trace(s.trace, max_len - s.system_prompt - 1, s.max_tokens, mcfg.vocab_size)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        lengths = [len(p) if isinstance(p, tuple) else p for _, p, _ in rows]
-        longest = max(lengths)
-        short = [i + 1 for i, (_, p, _) in enumerate(rows) if isinstance(p, tuple)
-                 and len(p) + s.system_prompt + 1 < cls.min_prompt(opts)]
-        if short:
-            raise ConfigError(f"serve.trace={s.trace} row {short[0]}: cache={rc.cache.kind} takes prompts of at least "
-                              f"{cls.min_prompt(opts)} tokens; give longer prompt_ids")
+    longest = _check_trace(rc, s, cls, opts, mcfg, max_len) if s.trace else s.prompt_most
     n = min(s.system_prompt + longest + s.max_tokens + 1, max_len)
     need = least_budget(cls, opts, mcfg.n_layer, mcfg.n_kv_head, mcfg.head_dim, storage, n)
     if budget_bytes(s.kv_budget) < need:
         raise ConfigError(f"serve.kv_budget={s.kv_budget} is too small for one request: the longest (serve."
                           f"system_prompt + the longest prompt + serve.max_tokens + a first token = {n} tokens) holds "
                           f"up to {need:,} B with cache={rc.cache.kind}; give serve.kv_budget >= {need:,}")
+
+
+def _check_trace(rc: RunConfig, s, cls, opts, mcfg, max_len: int) -> int:
+    """serve.trace's rows, read and checked before anything is built (a bad trace, a prompt shorter than the kind
+    takes, arrivals longer than the peer replays: one line) -> its longest prompt."""
+    from harness.measurements.server import PEER_SPAN_MAX_S, peer_runs, read_trace, trace_span
+
+    try:
+        rows = read_trace(s.trace, max_len - s.system_prompt - 1, s.max_tokens, mcfg.vocab_size, s.requests)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    short = [i + 1 for i, (_, p, _) in enumerate(rows) if isinstance(p, tuple)
+             and len(p) + s.system_prompt + 1 < cls.min_prompt(opts)]
+    if short:
+        raise ConfigError(f"serve.trace={s.trace} row {short[0]}: cache={rc.cache.kind} takes prompts of at least "
+                          f"{cls.min_prompt(opts)} tokens; give longer prompt_ids")
+    if peer_runs(s, cls) and trace_span(rows) > PEER_SPAN_MAX_S:
+        raise ConfigError(f"serve.peer={s.peer} replays arrivals on the wall clock, and serve.trace={s.trace} spans "
+                          f"{trace_span(rows):,.0f} s: give a trace of at most {PEER_SPAN_MAX_S:,.0f} s of arrivals, "
+                          "or leave serve.peer empty")
+    return max(len(p) if isinstance(p, tuple) else p for _, p, _ in rows)
 
 
 def check_memory(rc: RunConfig, mcfg, max_len: int, contexts: list[int], storage, compute,

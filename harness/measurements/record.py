@@ -82,7 +82,9 @@ class Weights:
     weights_detail: str = key("one line for people")
     weights_requested: str = key("model.weights as asked")
     inputs_prompts: str | None = key("hash of the prompts file (a changed file is measured again)")
-    inputs_checkpoint: str | None = key("hash of the checkpoint")
+    inputs_checkpoint: str | None = key("hash of every checkpoint file a run reads (config.json, the weights or their "
+                                         "shards and index, tokenizer.json)")
+    inputs_trace: str | None = key("hash of the serving trace (serve.trace; null: none read)")
     inputs_code: str | None = key("hash of kvlab's code and configs")
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 from dataclasses import dataclass
 
 from harness.measurements.base import Measurement, Table, key, option, register
@@ -29,6 +31,7 @@ class ServeOptions:
     slo_ttft_ms: float = 2000.0  # goodput counts a request that met both bounds
     slo_tpot_ms: float = 200.0
     peer: str = ""  # hf: a run of cache=paged also serves the same requests through transformers' continuous batching
+    # (refused beside any other kind); auto: so does each paged run of a sweep over kinds, the others run no peer
     trace: str = ""  # a CSV of requests instead of the drawn workload: arrival_s, output_tokens, and prompt_tokens
     # (its text drawn from the run's, seeded) or prompt_ids (space-separated token ids)
 
@@ -62,12 +65,26 @@ def serve_options(value) -> ServeOptions:
     return ServeOptions(**dict(value or {}))
 
 
-def check_serve(s: ServeOptions, max_len: int) -> None:
-    """Refuse, in one line, a workload or server that cannot run (before anything is built)."""
-    if isinstance(s.requests, bool) or not isinstance(s.requests, int) or s.requests < 0:
-        raise ValueError(f"serve.requests={s.requests!r}: give an integer >= 0 (0: not measured)")
-    if not s.requests:  # not measured: the rest is the workload's, checked when it is asked for
-        return
+SIGMA_MAX = 4.0  # the lengths' log spread: e^(4 x 3) already spans five orders of magnitude
+SPAN_MAX_S = 1_000_000.0  # a workload's arrivals lie within this of its first (11.6 days; kvlab's server skips gaps)
+PEER_SPAN_MAX_S = 3_600.0  # serve.peer=hf replays arrivals on the wall clock: at most an hour of them
+PEERS = ("", "hf", "auto")  # hf: beside a paged run (refused beside another kind); auto: beside paged runs alone
+DRAWN_ONLY = ("rate", "prompt_median", "prompt_most", "output_median", "sigma")  # what a trace gives instead
+
+
+def serving(s: ServeOptions) -> bool:
+    """Whether a run serves requests: serve.requests > 0, or a trace (all its rows, or its first serve.requests)."""
+    return bool(s.requests or s.trace)
+
+
+def peer_runs(s: ServeOptions, cls) -> bool:
+    """Whether serve.peer serves the run's requests through transformers too: beside the pooled kind (paged), whose
+    counterpart it is (serve.peer=hf on another kind is refused by the plan; auto runs it where it applies)."""
+    return s.peer in ("hf", "auto") and cls.pooled
+
+
+def _check_types(s: ServeOptions) -> None:
+    """Each setting of the right type: counts whole numbers, the rest numbers (no NaN); one line each."""
     for name in ("max_batch", "max_tokens", "prompt_median", "prompt_most", "output_median"):
         v = getattr(s, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -78,19 +95,59 @@ def check_serve(s: ServeOptions, max_len: int) -> None:
             raise ValueError(f"serve.{name}={v!r}: give a number")
     if isinstance(s.system_prompt, bool) or not isinstance(s.system_prompt, int):
         raise ValueError(f"serve.system_prompt={s.system_prompt!r}: give an integer >= 0 (tokens)")
+
+
+def check_serve(s: ServeOptions, max_len: int) -> None:
+    """Refuse, in one line, a workload or server that cannot run, or a setting that would do nothing (before
+    anything is built)."""
+    if isinstance(s.requests, bool) or not isinstance(s.requests, int) or s.requests < 0:
+        raise ValueError(f"serve.requests={s.requests!r}: give an integer >= 0 (0: not measured, or a whole trace)")
+    if not isinstance(s.trace, str):
+        raise ValueError(f"serve.trace={s.trace!r}: give the path of a CSV file, or leave it empty")
+    if not serving(s):  # not measured: the rest is the workload's, checked when it is asked for
+        return
+    _check_types(s)
     if s.requests > 100_000:
         raise ValueError(f"serve.requests={s.requests:,} is over kvlab's cap of 100,000 per run")
     if not s.rate > 0:
         raise ValueError(f"serve.rate={s.rate}: give requests per second > 0 (inf: all at once)")
-    if s.peer not in ("", "hf"):
-        raise ValueError(f"serve.peer={s.peer!r}: give hf (transformers' continuous batching beside kvlab's) or leave "
-                         "it empty")
-    if s.system_prompt < 0 or s.sigma < 0:
-        raise ValueError("serve.system_prompt and serve.sigma must be >= 0")
-    longest = s.system_prompt + s.prompt_most + s.max_tokens + 1  # and a model's fixed first token
-    if longest > max_len:
-        raise ValueError(f"serve.system_prompt + serve.prompt_most + serve.max_tokens + 1 (a first token) = {longest} "
-                         f"is more than max_len={max_len}: lower them")
+    if s.peer not in PEERS:
+        raise ValueError(f"serve.peer={s.peer!r}: give hf (transformers' continuous batching beside a cache=paged "
+                         "run), auto (beside the paged runs of a sweep over kinds, none beside the others) or leave it "
+                         "empty")
+    if s.system_prompt < 0:
+        raise ValueError(f"serve.system_prompt={s.system_prompt}: give an integer >= 0 (tokens)")
+    if not 0 <= s.sigma <= SIGMA_MAX:
+        raise ValueError(f"serve.sigma={s.sigma}: give the spread of the lengths' logarithms, 0 .. {SIGMA_MAX:g} (0.8 "
+                         "by default; 0: every length its median)")
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        if not getattr(s, name) > 0:
+            raise ValueError(f"serve.{name}={getattr(s, name)}: give a bound in milliseconds > 0 (inf: no bound)")
+    if s.trace:
+        default = ServeOptions()
+        ignored = [n for n in DRAWN_ONLY if getattr(s, n) != getattr(default, n)]
+        if ignored:
+            defaults = ", ".join(f"serve.{n}={getattr(default, n)}" for n in ignored)
+            raise ValueError(f"serve.{ignored[0]}={getattr(s, ignored[0])} does nothing under serve.trace (the trace "
+                             f"gives every request's arrival and lengths; a preset that sweeps it, such as "
+                             f"experiment=serving's rates, serves no trace): leave "
+                             f"{'it at its default' if len(ignored) == 1 else 'them at their defaults'} ({defaults}), "
+                             "or leave serve.trace empty")
+    else:
+        span = 0.0 if math.isinf(s.rate) else s.requests / s.rate
+        if span > SPAN_MAX_S:
+            raise ValueError(f"serve.rate={s.rate:g}: {s.requests:,} requests at that rate arrive over about "
+                             f"{span:,.0f} s, beyond kvlab's {SPAN_MAX_S:,.0f} s: give serve.rate >= "
+                             f"{s.requests / SPAN_MAX_S:g}")
+        if s.peer == "hf" and span > PEER_SPAN_MAX_S:  # auto: where it runs (the plan's check_server)
+            raise ValueError(f"serve.peer={s.peer} replays arrivals on the wall clock, and {s.requests:,} requests at "
+                             f"serve.rate={s.rate:g} arrive over about {span:,.0f} s: give serve.rate >= "
+                             f"{s.requests / PEER_SPAN_MAX_S:g} (at most {PEER_SPAN_MAX_S:,.0f} s of arrivals), or "
+                             "leave serve.peer empty")
+        longest = s.system_prompt + s.prompt_most + s.max_tokens + 1  # and a model's fixed first token
+        if longest > max_len:
+            raise ValueError(f"serve.system_prompt + serve.prompt_most + serve.max_tokens + 1 (a first token) = "
+                             f"{longest} is more than max_len={max_len}: lower them")
     budget_bytes(s.kv_budget)
 
 
@@ -113,7 +170,25 @@ class Server(Measurement):
         server_prefix_caching: bool = key("whether whole prompt blocks were shared across requests (serve."
                                           "prefix_caching)")
         server_system_prompt: int = key("tokens of the system prompt every request started with", "tokens")
-        server_rate: float | None = key("the requests' mean arrival rate (null: all at once)", "requests/s")
+        server_rate: float | None = key("the requests' arrival rate: serve.rate for a drawn workload, measured from "
+                                        "the arrivals for a trace (null: all at once)", "requests/s")
+        server_rate_measured: float | None = key("the arrivals' mean rate, measured: requests - 1 over first to last "
+                                                 "arrival (null: all at once)", "requests/s")
+        server_workload: str = key("the whole workload in words: the trace (file, sha256, requests) or the drawn "
+                                   "distribution and its parameters, the system prompt, max_batch, max_tokens and "
+                                   "the SLO bounds")
+        server_workload_id: str = key("a hash of server_workload: the report pairs runs only on equal workloads")
+        server_trace: str | None = key("serve.trace, the CSV the requests came from (null: drawn)")
+        server_trace_sha256: str | None = key("the sha256 of serve.trace's bytes (null: drawn)")
+        server_prompt_median: int | None = key("serve.prompt_median of the drawn lengths (null under a trace)",
+                                               "tokens")
+        server_prompt_most: int | None = key("serve.prompt_most (null under a trace)", "tokens")
+        server_output_median: int | None = key("serve.output_median (null under a trace)", "tokens")
+        server_sigma: float | None = key("serve.sigma, the spread of the lengths' logarithms (null under a trace)")
+        server_max_batch: int = key("serve.max_batch: requests running at once, at most", "requests")
+        server_max_tokens: int = key("serve.max_tokens: tokens a request may generate", "tokens")
+        server_slo_ttft_ms: float = key("serve.slo_ttft_ms, the goodput's bound on time to first token", "ms")
+        server_slo_tpot_ms: float = key("serve.slo_tpot_ms, the goodput's bound on time per output token", "ms")
         server_requests: int = key("requests served", "requests")
         server_duration_s: float = key("first arrival to last token", "s")
         server_busy_s: float = key("of it, time spent computing (prefills and steps)", "s")
@@ -165,6 +240,8 @@ class Server(Measurement):
         server_hf_requests_identical: int | None = key("the peer: requests whose tokens equal kvlab's", "requests")
         server_hf_resets: int | None = key("the peer: requests it pre-empted (their times before it are unknown, "
                                            "so they count in no TTFT and in no SLO)", "requests")
+        server_hf_error: str | None = key("the peer: why it failed (null: it ran, or was not asked); kvlab's own "
+                                          "figures are kept either way")
 
     tables = (
         Table("requests", "requests.csv", on=("request_id",),
@@ -189,8 +266,8 @@ class Server(Measurement):
 
     def skip(self):
         s = serve_options(self.opts.serve)
-        if not s.requests:
-            return "serve.requests is 0 (e.g. experiment=serving, or serve.requests=64)"
+        if not serving(s):
+            return "serve.requests is 0 and there is no serve.trace (e.g. experiment=serving, or serve.requests=64)"
         if getattr(self.ctx.engine, "name", "") != "kvlab":
             return f"engine={self.ctx.engine.name} has no continuous batching here: kvlab's server runs engine=kvlab"
         return None
@@ -216,11 +293,16 @@ class Server(Measurement):
         rows["identical"] = same
         timeline = pd.DataFrame([dict(step=i, **t) for i, t in enumerate(log.timeline)])
         peer = dict.fromkeys(k for k in self.keys() if k.startswith("server_hf_"))  # null: the peer did not run
-        if s.peer == "hf" and ctx.spec.cls.pooled:
-            peer.update(self.peer(s, requests, log, memory.budget))
+        if peer_runs(s, ctx.spec.cls):
+            try:
+                peer.update(self.peer(s, requests, log, memory.budget))
+            except Exception as e:  # the peer's failure is its own: kvlab's figures stand, the record says why
+                peer["server_hf_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"
+                print(f"kvlab: serve.peer=hf failed ({peer['server_hf_error']}); kvlab's own serving results are "
+                      "kept", file=sys.stderr, flush=True)
         result = self.Result(server_kv_budget=memory.budget, server_prefix_caching=bool(s.prefix_caching),
-                             server_system_prompt=s.system_prompt, server_rate=None if math.isinf(s.rate) else s.rate,
-                             server_requests_identical=int(sum(same)), **rec, **peer)
+                             server_system_prompt=s.system_prompt, server_requests_identical=int(sum(same)),
+                             **workload_record(s, requests), **rec, **peer)
         return result, {"requests": rows, "tokens": pd.DataFrame(S.token_rows(log.served)), "timeline": timeline}
 
     def peer(self, s: ServeOptions, requests, log, budget: int) -> dict:
@@ -256,12 +338,16 @@ class Server(Measurement):
         if r.get("server_requests") is None:
             return []
         rate = "all at once" if r["server_rate"] is None else f"{r['server_rate']:g}/s"
+        if r.get("server_trace"):
+            rate = f"trace {os.path.basename(r['server_trace'])}, {rate}" + (" measured" if r["server_rate"] else "")
+        peer = ([] if not r.get("server_hf_error") else
+                [f"  server peer       serve.peer=hf failed: {r['server_hf_error']}"])
         return [f"  server            {r['server_requests']} requests ({rate}) under {r['server_kv_budget']:,} B: "
                 f"{r['server_output_tokens_per_s']:,.0f} tokens/s, {r['server_requests_per_s']:.2f} requests/s · "
                 f"TTFT p50/p99 {r['server_ttft_ms_median']:,.0f}/{r['server_ttft_ms_p99']:,.0f} ms · up to "
                 f"{r['server_peak_running']} running · {r['server_preemptions']} pre-emptions · K/V holding tokens "
                 f"{_share(r['server_kv_token_share'])} · each = its run alone: {r['server_requests_identical']} of "
-                f"{r['server_requests']}"]
+                f"{r['server_requests']}"] + peer
 
 
 def _share(x) -> str:
@@ -271,49 +357,132 @@ def _share(x) -> str:
 TRACE_MAX_BYTES = 64 * 2**20  # a trace file read at most this large
 
 
-def read_trace(path: str, max_len: int, max_tokens: int, vocab: int | None = None) -> list[tuple]:
-    """serve.trace's requests as (arrival_s, prompt: int count or tuple of ids, output_tokens), checked: refused in
-    one line (ValueError) for a missing or oversized file, a missing column, or a value out of range."""
-    import os
+def workload_record(s: ServeOptions, requests) -> dict:
+    """The record's words for the whole workload a run served, and its id (the report pairs runs on equal ids)."""
+    import hashlib
 
+    arrivals = [r.arrival_s for r in requests]
+    measured = arrival_rate(arrivals)
+    drawn = dict(server_prompt_median=s.prompt_median, server_prompt_most=s.prompt_most,
+                 server_output_median=s.output_median, server_sigma=float(s.sigma))
+    if s.trace:
+        sha = trace_sha256(s.trace)
+        what = (f"trace {os.path.basename(s.trace)} (sha256 {sha[:16]}): "
+                f"{'its first ' if s.requests else ''}{len(requests)} requests")
+        rate, drawn = measured, dict.fromkeys(drawn)
+    else:
+        sha, rate = None, None if math.isinf(s.rate) else float(s.rate)
+        what = (f"drawn: {s.requests} requests, "
+                + ("all at once" if rate is None else f"Poisson arrivals at {s.rate:g}/s")
+                + f", prompts log-normal (median {s.prompt_median}, sigma {s.sigma:g}, at most {s.prompt_most}), "
+                  f"outputs log-normal (median {s.output_median}, sigma {s.sigma:g}, at most {s.max_tokens})")
+    what += (f"; system prompt {s.system_prompt} tokens; max_batch {s.max_batch}, max_tokens {s.max_tokens}; SLO "
+             f"TTFT {s.slo_ttft_ms:g} ms, TPOT {s.slo_tpot_ms:g} ms")
+    return dict(server_rate=rate, server_rate_measured=measured, server_workload=what,
+                server_workload_id=hashlib.sha256(what.encode()).hexdigest()[:12],
+                server_trace=os.path.abspath(s.trace) if s.trace else None,
+                server_trace_sha256=sha, server_max_batch=s.max_batch, server_max_tokens=s.max_tokens,
+                server_slo_ttft_ms=float(s.slo_ttft_ms), server_slo_tpot_ms=float(s.slo_tpot_ms), **drawn)
+
+
+def trace_sha256(path: str) -> str:
+    """The sha256 of a trace file's bytes (read_trace has bounded its size)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(2 ** 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_trace(path: str, max_len: int, max_tokens: int, vocab: int | None = None, first: int = 0) -> list[tuple]:
+    """serve.trace's requests as (arrival_s, prompt: int count or tuple of ids, output_tokens), checked, arrivals
+    counted from the trace's first (a trace in Unix time works as one from 0); ``first`` > 0: the first that many
+    requests by arrival (serve.requests). Refused in one line (ValueError) for a missing, oversized or irregular
+    file, a missing column, a value out of range, a row that gives its prompt twice, or arrivals spread over more
+    than SPAN_MAX_S."""
+    df = _trace_frame(path)
+    if first > len(df):
+        raise ValueError(f"serve.requests={first:,} but serve.trace={path} has {len(df):,} requests: give serve."
+                         f"requests <= {len(df):,} (its first ones by arrival), or 0 for all of them")
+    out = [_trace_row(path, i, row, max_len, max_tokens, vocab) for i, row in enumerate(df.itertuples(index=False))]
+    start, end = min(a for a, _, _ in out), max(a for a, _, _ in out)
+    if end - start > SPAN_MAX_S:
+        raise ValueError(f"serve.trace={path}: its arrivals span {end - start:,.0f} s, beyond kvlab's "
+                         f"{SPAN_MAX_S:,.0f} s: give a trace whose requests arrive within that of its first")
+    out = [(a - start, p, o) for a, p, o in out]
+    if first:  # the first requests by arrival (ties in the file's order), in the file's order
+        keep = set(sorted(range(len(out)), key=lambda i: (out[i][0], i))[:first])
+        out = [r for i, r in enumerate(out) if i in keep]
+    return out
+
+
+def _trace_frame(path: str):
+    """A trace's rows as read from a regular CSV file of at most TRACE_MAX_BYTES (its size checked before it is
+    opened), with its columns; one line (ValueError) otherwise."""
     import pandas as pd
 
-    if not os.path.isfile(path):
-        raise ValueError(f"serve.trace={path}: no such file; give a CSV with arrival_s, output_tokens and "
-                         "prompt_tokens or prompt_ids")
-    if os.path.getsize(path) > TRACE_MAX_BYTES:
-        raise ValueError(f"serve.trace={path} is over {TRACE_MAX_BYTES:,} bytes: give a shorter trace")
+    from models.hf_checkpoint import CheckpointError, regular_file
+
+    try:
+        st = regular_file(path, missing=f"{path}: no such file")
+    except CheckpointError as e:  # a folder, FIFO, device or dangling link: never opened
+        raise ValueError(f"serve.trace={e}; give a CSV with arrival_s, output_tokens and prompt_tokens or "
+                         "prompt_ids") from None
+    if st.st_size > TRACE_MAX_BYTES:
+        raise ValueError(f"serve.trace={path} is {st.st_size:,} bytes, over kvlab's {TRACE_MAX_BYTES:,}: give a "
+                         "shorter trace")
     try:
         df = pd.read_csv(path, dtype={"prompt_ids": str})
-    except (ValueError, UnicodeDecodeError, pd.errors.ParserError) as e:
+    except (ValueError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as e:
         raise ValueError(f"serve.trace={path}: not a CSV kvlab can read ({type(e).__name__})") from None
     given = [c for c in ("prompt_tokens", "prompt_ids") if c in df]
     missing = [c for c in ("arrival_s", "output_tokens") if c not in df] + ([] if given else ["prompt_tokens"])
     if missing or df.empty or len(df) > 100_000:
         raise ValueError(f"serve.trace={path}: needs columns arrival_s, output_tokens and prompt_tokens (or "
                          f"prompt_ids), 1 to 100,000 rows; {'missing ' + ', '.join(missing) if missing else 'rows'}")
-    out = []
-    for i, row in enumerate(df.itertuples(index=False)):
-        ids = getattr(row, "prompt_ids", None)
-        count = getattr(row, "prompt_tokens", None)
-        try:  # a row gives its prompt's ids, or how many tokens it has; whole numbers only
-            prompt = (tuple(int(t) for t in ids.split()) if isinstance(ids, str) and ids.strip()
-                      else _whole(count))
-            arrival, out_n = float(row.arrival_s), _whole(row.output_tokens)
-        except (TypeError, ValueError):
-            raise ValueError(f"serve.trace={path} row {i + 1}: give arrival_s (seconds), output_tokens (a whole "
-                             "number) and prompt_tokens (a whole number) or prompt_ids (space-separated token "
-                             "ids)") from None
-        n = len(prompt) if isinstance(prompt, tuple) else prompt
-        bad_ids = isinstance(prompt, tuple) and vocab is not None and any(not 0 <= t < vocab for t in prompt)
-        if not (math.isfinite(arrival) and arrival >= 0) or not 1 <= out_n <= max_tokens or n < 1 or bad_ids \
-                or n + out_n + 1 > max_len:
-            raise ValueError(f"serve.trace={path} row {i + 1}: arrival_s >= 0, 1 <= output_tokens <= serve."
-                             f"max_tokens ({max_tokens}), a prompt of at least 1 token (ids below {vocab}), and prompt "
-                             f"+ output + 1 <= max_len ({max_len}); got arrival {arrival}, {n} prompt tokens, "
-                             f"{out_n} output")
-        out.append((arrival, prompt, out_n))
-    return out
+    return df
+
+
+def _trace_row(path: str, i: int, row, max_len: int, max_tokens: int, vocab: int | None) -> tuple:
+    """Row ``i`` of a trace as (arrival_s, prompt, output_tokens): its prompt given once, as ids or as a count;
+    whole numbers; within max_len, serve.max_tokens and the vocabulary. One line (ValueError) otherwise."""
+    import pandas as pd
+
+    ids = getattr(row, "prompt_ids", None)
+    count = getattr(row, "prompt_tokens", None)
+    has_ids = isinstance(ids, str) and bool(ids.strip())
+    if has_ids and count is not None and not pd.isna(count):
+        raise ValueError(f"serve.trace={path} row {i + 1} gives both prompt_tokens and prompt_ids: give one of "
+                         "them in each row (the ids, or a count of the run's text)")
+    try:  # a row gives its prompt's ids, or how many tokens it has; whole numbers only
+        prompt = tuple(int(t) for t in ids.split()) if has_ids else _whole(count)
+        arrival, out_n = float(row.arrival_s), _whole(row.output_tokens)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"serve.trace={path} row {i + 1}: give arrival_s (seconds), output_tokens (a whole "
+                         "number) and prompt_tokens (a whole number) or prompt_ids (space-separated token "
+                         "ids)") from None
+    n = len(prompt) if isinstance(prompt, tuple) else prompt
+    bad_ids = isinstance(prompt, tuple) and vocab is not None and any(not 0 <= t < vocab for t in prompt)
+    if not (math.isfinite(arrival) and arrival >= 0) or not 1 <= out_n <= max_tokens or n < 1 or bad_ids \
+            or n + out_n + 1 > max_len:
+        raise ValueError(f"serve.trace={path} row {i + 1}: arrival_s >= 0, 1 <= output_tokens <= serve."
+                         f"max_tokens ({max_tokens}), a prompt of at least 1 token (ids below {vocab}), and prompt "
+                         f"+ output + 1 <= max_len ({max_len}); got arrival {arrival}, {n} prompt tokens, "
+                         f"{out_n} output")
+    return arrival, prompt, out_n
+
+
+def trace_span(rows: list[tuple]) -> float:
+    """Seconds from a trace's first arrival to its last."""
+    return max(a for a, _, _ in rows) - min(a for a, _, _ in rows)
+
+
+def arrival_rate(arrivals: list[float]) -> float | None:
+    """The mean rate of arrivals, requests/s: (n - 1) over first to last (null: all at once, or one request)."""
+    span = max(arrivals) - min(arrivals)
+    return (len(arrivals) - 1) / span if len(arrivals) > 1 and span > 0 else None
 
 
 def _whole(x) -> int:
@@ -357,7 +526,7 @@ def workload(s: ServeOptions, stream: list[int] | None, first_token: int | None,
     text = stream[s.system_prompt:]
     lead = [] if first_token is None else [first_token]
     if s.trace:
-        rows = read_trace(s.trace, (max_len or 10**9) - len(lead) - len(system), s.max_tokens)
+        rows = read_trace(s.trace, (max_len or 10**9) - len(lead) - len(system), s.max_tokens, first=s.requests)
         return traced(rows, text, seed, lead + system, max(least - len(lead) - len(system), 1))
     w = S.Workload(requests=s.requests, rate=s.rate, prompt_median=s.prompt_median, prompt_most=s.prompt_most,
                    output_median=s.output_median, output_most=s.max_tokens, sigma=s.sigma, seed=seed,

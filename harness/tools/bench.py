@@ -54,13 +54,15 @@ import time
 import pandas as pd
 import torch
 
-from harness.core.engines import ENGINES, HF_COUNTERPARTS, HFEngine, KvlabEngine
+from harness.common.signals import reader_gone
+from harness.core.engines import ENGINES, HF_COUNTERPARTS, WARMUP_CALLS, HFEngine, KvlabEngine
 from harness.tools.turns import prompt_and_token, time_in_turns
 from harness.core import measure
 from harness.experiment import memory
 from harness.core.measure import CacheSpec
 from models.decoder import Decoder
 from models.families import PRESETS, build, preset_config
+from models.gguf import gguf_refuses
 from models.kv_cache import CACHE_KINDS, KVCache, cache_kind
 from models.kv_cache.base import DTYPES, itemsize, storage_nbytes
 
@@ -69,6 +71,13 @@ DEFAULT_KINDS = ["concat", "prealloc", "quant:k_bits=8,v_bits=8", "quant:k_bits=
                  # the evicting kinds at 256 slots, beside a window of the same 256 (S4 + W252)
                  "window:window=252,sinks=4", "h2o:budget=256,recent=32", "tova:budget=256",
                  "snapkv:budget=256,window=32", "knorm:budget=256", "random:budget=256"]
+
+
+def default_kinds(head_dim: int) -> list[str]:
+    """``DEFAULT_KINDS`` for a model of ``head_dim``: the quant kinds' groups at most the head size (a per-token group
+    spans at most the head's channels: ``QuantKVCache.check_head_dim``)."""
+    group = cache_kind("quant").Options().group_size
+    return [k + f",group_size={head_dim}" if k.startswith("quant:") and head_dim < group else k for k in DEFAULT_KINDS]
 
 
 def _counterpart_options(kind: str, head_dim: int | None = None) -> dict:
@@ -187,7 +196,8 @@ def bench_prefix(args, model: Decoder) -> None:
 def serve_ragged(engine, spec: CacheSpec, prompts: list[torch.Tensor], out_lens: list[int], max_len: int) -> dict:
     """Serve ``prompts`` as one left-padded batch until every request has its ``out_lens`` tokens; after every
     decode step, the slots held against the live requests' tokens. Returns each request's tokens, per-step waste,
-    the most bytes held and the step times (s)."""
+    the most bytes held and the step times (s; a compiled step's call that compiled, counted in its engine's
+    ``compile_s``, is not one of them)."""
     from models.generate import left_pad
 
     B = len(prompts)
@@ -210,9 +220,11 @@ def serve_ragged(engine, spec: CacheSpec, prompts: list[torch.Tensor], out_lens:
         peak = max(peak, engine.nbytes(cache))
         if not live:
             break
+        compiled_s = getattr(engine, "compile_stats", {}).get("compile_s")
         t0 = time.perf_counter()
         logits = engine.decode(nxt, cache)[:, -1]
-        times.append(time.perf_counter() - t0)
+        if getattr(engine, "compile_stats", {}).get("compile_s") == compiled_s:  # a call that compiled is no step
+            times.append(time.perf_counter() - t0)
     return dict(tokens=tokens, waste=waste, peak_nbytes=peak, times=times)
 
 
@@ -362,7 +374,10 @@ def _check_specs(args: argparse.Namespace, cfg) -> None:
         return
     for spec in specs:
         cls, opts = spec.cls, spec.opts
-        cls.check_head_dim(opts, cfg.head_dim)
+        try:
+            cls.check_head_dim(opts, cfg.head_dim)
+        except ValueError as e:
+            raise ValueError(f"--cache {spec.label}: {e} (model {args.model}'s head size is {cfg.head_dim})") from None
         if cls.min_prompt(opts) > shortest:
             need = cls.min_prompt(opts)
             raise ValueError(f"--cache {spec.label}: this kind needs prompts of at least {need} tokens (its window), "
@@ -470,12 +485,19 @@ def check_memory(args: argparse.Namespace, cfg, device: torch.device) -> str | N
             fits = f"--batch <= {lo} would fit, or "
         mode = next((f"--{m}" for m in ("paged", "prefix", "kinds", "peers") if getattr(args, m)), "ours vs HF")
         name = "this machine" if where == "cpu" else torch.cuda.get_device_name(device)
+        smaller = "a smaller --model, " if memory.has_smaller_model(cfg) else ""  # none below tiny (13 MB)
         return (f"the benchmark ({mode}, --model {args.model}, {args.dtype}, batch {args.batch}) needs about "
                 f"{memory.size(needed)} (weights {memory.size(need['weights'])}, caches {memory.size(need['cache'])}, "
                 f"transients {memory.size(need['transients'])}) but {name} has {memory.size(available)} free "
-                f"({memory.size(max(budget, 0))} after a {memory.size(available - budget)} margin): {fits}use a "
-                "smaller --model, fewer --cache kinds or shorter --contexts")
+                f"({memory.size(max(budget, 0))} after a {memory.size(available - budget)} margin): {fits}use "
+                f"{smaller}fewer --cache kinds or shorter --contexts")
     return None
+
+
+def compiled_warmup(device: torch.device) -> int:
+    """The untimed steps a compiled decode step gets at least, whatever --warmup says: its first call compiles (on
+    CUDA the next ``WARMUP_CALLS`` record its CUDA graphs), so it is never a timed step."""
+    return 1 + (WARMUP_CALLS if device.type == "cuda" else 0)
 
 
 def _bounded(ap: argparse.ArgumentParser, name: str, value: int, lo: int, hi: int, what: str) -> None:
@@ -523,10 +545,20 @@ def _check_lengths(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -
             ap.error(f"context {ctx} + 1 decode token exceeds n_positions {cfg.n_positions} of {args.model}")
 
 
-def _peer_grid(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--peers' grid: fp32 and fp16, batches 1 and 8, or only the --dtype (fp32 or fp16) and --batch given
-    (``peer_dtypes``, ``peer_batches``: None for the whole axis). The model is built in fp32 and each dtype's engines
-    are converted from it."""
+def peer_models() -> list[str]:
+    """The presets --peers runs: those kvlab converts to GGUF for llama.cpp (``models.gguf.gguf_refuses``; asked of
+    the config alone, llama.cpp need not be built)."""
+    return [name for name in sorted(PRESETS) if gguf_refuses(preset_config(name)) is None]
+
+
+def _peer_grid(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> None:
+    """--peers' model (one llama.cpp runs) and grid: fp32 and fp16, batches 1 and 8, or only the --dtype (fp32 or
+    fp16) and --batch given (``peer_dtypes``, ``peer_batches``: None for the whole axis). The model is built in fp32
+    and each dtype's engines are converted from it."""
+    why = gguf_refuses(cfg)
+    if why:
+        ap.error(f"--peers times llama.cpp on kvlab's GGUF conversion of the model, which cannot convert --model "
+                 f"{args.model} ({why}): with --peers give --model one of {', '.join(peer_models())}")
     if args.compile:
         ap.error("--peers times ours eager and compiled already: drop --compile")
     given = None
@@ -546,7 +578,7 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> to
         ap.error(f"{' and '.join('--' + m for m in modes)}: give one of --kinds, --prefix, --paged, --peers (or "
                  "none: ours vs HF)")
     if args.peers:
-        _peer_grid(ap, args)
+        _peer_grid(ap, args, cfg)
     args.dtype = args.dtype or "fp32"
     for flag, value, mode in (("--prefixes", args.prefixes, "prefix"), ("--suffix", args.suffix, "prefix"),
                               ("--prompt-max", args.prompt_max, "paged"), ("--output-max", args.output_max, "paged")):
@@ -577,16 +609,16 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> to
         ap.error("--dtype is for --kinds and --peers; the HF comparison, --prefix and --paged run fp32")
     args.contexts = args.contexts or ([32, 128, 512, 960] if args.kinds else [128, 512, 960] if args.peers
                                       else [32, 512])
-    if args.repeats < 1 or args.warmup < 0:
-        ap.error(f"--repeats must be >= 1 and --warmup >= 0 (got {args.repeats}, {args.warmup})")
-    _bounded(ap, "--repeats", args.repeats, 1, MAX_REPEATS, "timed steps per point")
-    _bounded(ap, "--warmup", args.warmup, 0, MAX_WARMUP, "untimed steps first")
-    for flag, values in (("--contexts", args.contexts), ("--prefixes", args.prefixes), ("--cache", args.cache or [])):
-        if len(values) > MAX_LIST:
-            ap.error(f"{flag} has {len(values):,} entries: give at most {MAX_LIST}")
+    _check_counts(ap, args, device)
+    if args.kinds and not args.cache:
+        args.cache = default_kinds(cfg.head_dim)
     _check_lengths(ap, args, cfg)
     try:
-        [parse_kind(k) for k in args.cache or []]
+        labels = [parse_kind(k).label for k in args.cache or []]
+        twice = sorted({label for label in labels if labels.count(label) > 1})
+        if twice:
+            raise ValueError(f"--cache gives {', '.join(twice)} more than once (a cache is timed once): give each "
+                             "cache once")
         _check_specs(args, cfg)
     except (ValueError, TypeError) as e:
         ap.error(str(e))
@@ -596,7 +628,44 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> to
     return device
 
 
-def main(argv=None) -> None:
+def _check_counts(ap: argparse.ArgumentParser, args: argparse.Namespace, device: torch.device) -> None:
+    """The timed steps (``--repeats``, ``--warmup``: at least the compiled first calls') and the lists' lengths, each
+    given once, refused in one line each; defaults filled in."""
+    if args.paged and (args.repeats is not None or args.warmup is not None):
+        ap.error("--repeats and --warmup are for the timed modes: --paged times each decode step of the batch it "
+                 "serves once (with --compile, a call that compiles is not timed)")
+    args.repeats = 30 if args.repeats is None else args.repeats
+    args.warmup = 5 if args.warmup is None else args.warmup
+    if args.repeats < 1 or args.warmup < 0:
+        ap.error(f"--repeats must be >= 1 and --warmup >= 0 (got {args.repeats}, {args.warmup})")
+    _bounded(ap, "--repeats", args.repeats, 1, MAX_REPEATS, "timed steps per point")
+    _bounded(ap, "--warmup", args.warmup, 0, MAX_WARMUP, "untimed steps first")
+    args.warmup_given = args.warmup
+    if (args.compile and args.kinds) or args.peers:  # a compiled step's first call compiles: never a timed step
+        args.warmup = max(args.warmup, compiled_warmup(device))
+    for flag, values in (("--contexts", args.contexts), ("--prefixes", args.prefixes), ("--cache", args.cache or [])):
+        if len(values) > MAX_LIST:
+            ap.error(f"{flag} has {len(values):,} entries: give at most {MAX_LIST}")
+    for flag, values in (("--contexts", [] if args.prefix or args.paged else args.contexts),
+                         ("--prefixes", args.prefixes if args.prefix else [])):
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            ap.error(f"{flag} {' '.join(map(str, values))} repeats {', '.join(map(str, twice))}: give each length "
+                     "once (each is timed once)")
+
+
+
+
+def main(argv=None):
+    """The benchmark the flags ask for; a closed stdout (``| head``) ends it quietly (``reader_gone``)."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        raise SystemExit(reader_gone()) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    """bench's flags; its errors one line each (``Refused``, exit 2), never argparse's usage block first."""
     ap = argparse.ArgumentParser(prog="python -m harness.bench", description=__doc__.splitlines()[0])
 
     def error(message):  # one line, exit 2 (argparse would print the usage first)
@@ -604,11 +673,17 @@ def main(argv=None) -> None:
         raise Refused(message)
 
     ap.error = error
-    ap.add_argument("--model", default="gpt2", choices=sorted(PRESETS))
+    ap.add_argument("--model", default="gpt2", choices=sorted(PRESETS), metavar="MODEL",
+                    help=f"a preset: {', '.join(sorted(PRESETS))} (default gpt2); with --peers one llama.cpp runs "
+                         f"(kvlab converts it to GGUF): {', '.join(peer_models())}")
     ap.add_argument("--contexts", type=int, nargs="+", default=None,
-                    help="default: 32 512 (vs HF); 32 128 512 960 (--kinds)")
-    ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
+                    help="each length once; default: 32 512 (vs HF); 32 128 512 960 (--kinds); 128 512 960 (--peers)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed steps per point (default 30; not with --paged)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="untimed steps before them (default 5; not with --paged). A compiled step's first call "
+                         "compiles, so it is never timed: with --kinds --compile and with --peers (ours compiled) "
+                         f"at least 1 runs (on CUDA {compiled_warmup(torch.device('cuda'))}: its CUDA graphs are "
+                         "recorded), --warmup 0 included; the header says how many ran")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kinds", action="store_true", help="compare our cache kinds instead of ours vs HF")
     ap.add_argument("--cache", action="append", metavar="KIND[:OPT=V,...]",
@@ -632,6 +707,11 @@ def main(argv=None) -> None:
                          "the rest eager")
     ap.add_argument("--prompt-max", type=int, default=None, help="with --paged: longest prompt drawn (default 512)")
     ap.add_argument("--output-max", type=int, default=None, help="with --paged: longest output drawn (default 256)")
+    return ap
+
+
+def _main(argv=None):
+    ap = _parser()
     args = ap.parse_args(argv)
     cfg = preset_config(args.model)
     device = check_args(ap, args, cfg)
@@ -648,9 +728,11 @@ def main(argv=None) -> None:
 
         grid = (f"{' and '.join(args.peer_dtypes or PEER_DTYPES)}, batch "
                 f"{args.peer_batches or ' and '.join(map(str, PEER_BATCHES))}")
+    raised = (f" (--warmup {args.warmup_given} raised: a compiled step's first call compiles, never a timed step)"
+              if args.warmup != args.warmup_given else "")
     print(f"model {args.model} (seeded random init, seed {args.seed}), {grid}, "
           f"{args.device}, torch {torch.__version__}, {where}; median of {args.repeats} steps after {args.warmup} "
-          "warm-up")
+          f"warm-up{raised}")
     if args.peers:
         from harness.tools.bench_peers import bench_peers
 

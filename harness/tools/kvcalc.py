@@ -60,6 +60,8 @@ from collections import Counter
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
+from harness.common.signals import reader_gone
+
 ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float8": "fp8"}
 QUANT_TAIL_DTYPES = ("fp32", "fp16", "bf16")  # the quant kind keeps its not-yet-quantised tokens in one of these
@@ -495,9 +497,22 @@ def _kv_bits(text: str) -> tuple[int, int]:
     return bits
 
 
+def presets_text() -> str:
+    """Every preset kvcalc accepts (``models.families.PRESETS``), by family: "GPT-2: gpt2, ...; Llama family: ..."."""
+    from models.families import PRESETS
+
+    families: dict[str, list[str]] = {}
+    for name, cls in PRESETS.items():
+        families.setdefault(FAMILY_NAMES.get(cls.__name__, cls.__name__.removesuffix("Config")), []).append(name)
+    return "; ".join(f"{family}: {', '.join(names)}" for family, names in families.items())
+
+
+FAMILY_NAMES = {"GPT2Config": "GPT-2", "LlamaConfig": "Llama family"}  # the family a preset's config class is
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m harness.kvcalc", description="KV-cache bytes for a preset or an HF config.json.")
-    p.add_argument("model", help="a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, mini, tiny) or a config.json path")
+    p.add_argument("model", help=f"a preset ({presets_text()}) or a config.json path (or a folder holding one)")
     p.add_argument("--tokens", type=int, help="sequence length (default: the model's max positions)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="fp32", help=f"one of {', '.join(ITEMSIZE)} (default fp32)")
@@ -564,6 +579,8 @@ def _text(r: dict) -> str:
     return "\n".join(lines)
 
 
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -577,5 +594,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvcalc: error: cannot compute this ({type(e).__name__}: {_show(str(e))}); a limit kvcalc does not "
               "check yet: please report it with the command", file=sys.stderr)
         return 1
-    print(json.dumps(result, indent=2) if args.json else _text(result))
+    try:
+        print(json.dumps(result, indent=2) if args.json else _text(result), flush=True)
+    except BrokenPipeError:
+        return reader_gone()
     return 0

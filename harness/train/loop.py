@@ -7,8 +7,11 @@ by float rounding). ``threads`` (default: every core) is only about speed: one t
 other core is busy, since two threads then wait on each other.
 
 While training, DIR/train_state.pt (model, optimiser, step, elapsed time, RNG; tensors and plain values only) is saved
-every minute: the same command resumes it; ``restart`` starts over. A finished folder is reported and left alone.
-``--out`` must be writable: that is checked (one line, exit 2) before any data is loaded.
+every minute: the same command resumes it (a state that is malformed, too big or of a step outside the run's budget:
+one line, exit 2); ``restart`` starts over. A finished folder is reported and left alone. ``--out`` must be writable
+and kvlab's (``harness.train.folder``: its manifest, or a run from before manifests, proven): both are checked (one
+line, exit 2) before anything there is written or deleted and before any data is loaded; ``restart`` removes only
+the files the manifest lists.
 
 Stopping (``harness.common.signals``, the one stop-signal protocol): SIGINT (Ctrl-C), SIGTERM (Slurm's pre-emption),
 SIGUSR2 (submitit's) and SIGHUP all stop it the same way. Once the model exists, the step in progress finishes,
@@ -23,7 +26,6 @@ signal's number (130, 143, 140, 129).
 from __future__ import annotations
 
 import io
-import json
 import os
 import signal
 import sys
@@ -34,17 +36,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from harness.common.ownership import atomic_write
+from harness.common.ownership import NotOurs, atomic_write, claim, remove
 from harness.common.signals import Interrupted, Stop, blocked, signal_name
 from harness.core.copying import model_copy_accuracy
 from harness.train.corpus import TrainingData
 from harness.train.export import export_full, finished, write_checkpoint
+from harness.train.folder import RESTART, check_out, fit_problem, load_state, state_cap, step_problem, take
 from harness.train.model import (attention_only_at, compact_model, hidden, lr_at, make_optimizer, mlp_output,
                                  mlps_left_out, pin_embedding, row_positions)
 from harness.train.recipe import (BATCH, BOS, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CORPUS, DEFAULT_STEPS, EOT,
-                                  EVAL_LEN, FAMILY_PRESETS, HELDOUT_AT, HELDOUT_EVERY, IGNORE, INIT_STD, MIN_LR_FRAC,
-                                  MLP_OFF, OURS, PEAK_LR, PLACED_SHARE, QUICK_COPY, QUICK_FAR, SEQ_LEN, SINK_FROM,
-                                  SPAN_MIN, STATE, WARMUP_FRAC, WEIGHT_DECAY, TrainError, check_settings,
+                                  EVAL_LEN, FAMILY_PRESETS, HELDOUT_AT, HELDOUT_EVERY, IGNORE, INIT_STD, MAX_STEPS,
+                                  MIN_LR_FRAC, MLP_OFF, OURS, PEAK_LR, PLACED_SHARE, QUICK_COPY, QUICK_FAR, SEQ_LEN,
+                                  SINK_FROM, SPAN_MIN, STATE, WARMUP_FRAC, WEIGHT_DECAY, TrainError, check_settings,
                                   curriculum_setting)
 from harness.train.rows import make_batch, twice_rows, with_bos
 from harness.train.targets import attention_on_first, evaluate, nll, prompts_nll, targets_table
@@ -122,44 +125,36 @@ def _check_writable(folder: Path) -> None:
                          "write to") from None
 
 
-def _is_kvlab_training(folder: Path) -> bool:
-    """Whether ``folder``'s config.json is one kvlab's training wrote (it carries a ``kvlab_train`` record)."""
-    try:
-        return isinstance(json.loads((folder / "config.json").read_text(encoding="utf-8")).get("kvlab_train"), dict)
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _check_out(folder: Path) -> None:
-    """Refuse an ``--out`` that is a file, holds files that are not a run's, or holds a checkpoint kvlab did not
-    train (kvlab never overwrites what it did not write)."""
-    if folder.exists() and not folder.is_dir():
-        raise TrainError(f"--out {folder}: is a file, not a folder")
-    if folder.is_dir() and any(p.name not in OURS and not p.name.startswith(".") for p in folder.iterdir()):
-        raise TrainError(f"--out {folder}: holds files that are not a kvlab training run's; give a new or empty folder")
-    if (folder / "config.json").is_file() and not _is_kvlab_training(folder):
-        raise TrainError(f"--out {folder}: holds a checkpoint kvlab did not train (its config.json has no "
-                         "kvlab_train record); kvlab never overwrites it: give a new or empty folder")
-
-
-def _read_state(folder: Path, settings: dict, restart: bool, status: _Progress) -> dict | None:
-    """The partial run to resume (None: start afresh); with ``restart``, the run's old files are removed."""
-    state = None
-    if folder.is_dir() and (folder / STATE).is_file() and not restart:
-        try:
-            state = torch.load(folder / STATE, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise TrainError(f"{folder / STATE}: unreadable training state ({type(e).__name__}); "
-                             "pass --restart to start over") from None
-        if state.get("settings") != settings:
-            raise TrainError(f"{folder}: holds a partial run with other settings ({state.get('settings')}); "
+def _read_state(folder: Path, settings: dict, restart: bool, status: _Progress, owner: str, state: dict | None,
+                cap: int) -> dict | None:
+    """The partial run to resume (None: start afresh), its step inside the run's budget; with ``restart``, the run's
+    old files (those its manifest lists, or a proven earlier run's) are removed. ``state``: the one ``check_out``
+    read already."""
+    path = folder / STATE
+    if not restart and (path.exists() or path.is_symlink()):
+        state = state if state is not None else load_state(folder, cap)
+        if state["settings"] != settings:
+            raise TrainError(f"{folder}: holds a partial run with other settings ({state['settings']!r:.2000}); "
                              "pass the same ones to resume, or --restart")
-        status.state_step = int(state["step"])
-    if restart and folder.is_dir():
-        for name in OURS:
-            (folder / name).unlink(missing_ok=True)
+        why = step_problem(state, settings["steps"], MAX_STEPS)
+        if why:
+            raise TrainError(f"--out {folder}: cannot resume: {why}; {RESTART}")
+        status.state_step = state["step"]
+    else:
+        state = None
+    if restart:
+        take(folder, owner)
+        remove(folder, OURS)
     folder.mkdir(parents=True, exist_ok=True)
     return state
+
+
+def _claim(folder: Path, *names: str) -> None:
+    """List ``names`` in ``folder``'s manifest before they are written (a manifest kvlab did not write: one line)."""
+    try:
+        claim(folder, *names)
+    except NotOurs as e:
+        raise TrainError(str(e)) from None
 
 
 # ---- one run --------------------------------------------------------------------------------------------------------
@@ -187,10 +182,19 @@ class _Run:
         self.step, self.elapsed, self.log_rows, self.loss_ema = 0, 0.0, [], None
 
     def resume(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
-        self.gen.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
+        """Read back a state ``load_state`` checked; one that does not fit this run's model is one line."""
+        why = fit_problem(self.model, self.opt, state)
+        if why is None:
+            try:
+                self.model.load_state_dict(state["model"])
+                self.opt.load_state_dict(state["optimizer"])
+                self.gen.set_state(state["generator"])
+                torch.set_rng_state(state["torch_rng"])
+            except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as e:
+                first = (str(e).splitlines() or [""])[0]
+                why = f"{STATE} does not load into the run ({type(e).__name__}: {first:.200})"
+        if why:
+            raise TrainError(f"--out {self.folder}: cannot resume: {why}; {RESTART}")
         self.step, self.elapsed, self.log_rows = int(state["step"]), float(state["elapsed"]), list(state["log"])
 
     def frac(self) -> float:
@@ -205,6 +209,7 @@ class _Run:
             torch.save(dict(settings=self.settings, model=self.model.state_dict(), optimizer=self.opt.state_dict(),
                             generator=self.gen.get_state(), torch_rng=torch.get_rng_state() if rng is None else rng,
                             step=self.step, elapsed=self.elapsed, log=self.log_rows), buf)
+            _claim(self.folder, STATE)
             atomic_write(self.folder / STATE, buf.getvalue())
             self.status.state_step = self.step
 
@@ -396,22 +401,27 @@ def _train(folder: Path, minutes, steps, seed, restart, config, stop_after, save
                    recipe["init_std"], recipe["peak_lr"], cfg, recipe.get("placed_share", 0.0),
                    recipe.get("mlp_off", 0.0), recipe["curriculum"], recipe.get("copy_phase", 0.0),
                    recipe.get("copy_offsets"))
-    _check_out(folder)
+    cap = state_cap(cfg)
+    owner, state = check_out(folder, cap)
     settings = dict(minutes=minutes, steps=steps, seed=seed, save_dtype=save_dtype, **recipe, family=cfg.family,
                     config=asdict(cfg))
     say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
     if not restart and (meta := finished(folder)) is not None:
-        say(f"{folder}: already trained ({meta.get('steps')} steps, held-out NLL {meta.get('heldout_nll'):.3f}, "
-            f"prompts NLL {meta.get('prompts_nll'):.3f}); --restart trains it again")
+        num = lambda k: isinstance(meta.get(k), (int, float)) and not isinstance(meta.get(k), bool)  # noqa: E731
+        facts = ([f"{meta['steps']:,} steps"] if num("steps") else []) + [
+            f"{what} {meta[k]:.3f}" for k, what in (("heldout_nll", "held-out NLL"), ("prompts_nll", "prompts NLL"))
+            if num(k)]
+        say(f"{folder}: already trained ({', '.join(facts) or 'its record names no steps'}); --restart trains it again")
         return meta
     _check_writable(folder)
-    state = _read_state(folder, settings, restart, status)
+    state = _read_state(folder, settings, restart, status, owner, state, cap)
     torch.set_num_threads(threads or os.cpu_count() or 1)
     data = TrainingData(recipe["seq_len"], eval_tokens, bos=recipe.get("bos", False))
     run = _Run(folder, cfg, data, settings, status)
     if state is not None:
         run.resume(state)
         say(f"{folder}: resuming at step {run.step} ({run.elapsed:.0f} s trained)")
+    take(folder, owner)  # a folder trained before manifests gets one before training writes there
     status.step = run.step
     status.budget = f"of {steps} steps" if steps is not None else f"of the {minutes:g}-minute budget"
     Stop.defer = True  # from here a stop signal waits for the end of the step in progress, then the state is saved
@@ -454,6 +464,7 @@ def _finish(run: _Run, status: _Progress, save_dtype: str, command: str | None, 
     run.log_rows.append(dict(step=run.step, elapsed_s=round(run.elapsed, 2), train_loss=round(run.loss_ema or 0.0, 4),
                              lr=lr_at(1.0, s["peak_lr"]), heldout_nll=meta["heldout_nll"],
                              copy_acc=targets["copy50_acc"] if targets else ""))
+    _claim(run.folder, *(OURS - {STATE}))  # listed before they are written
     with blocked():  # the checkpoint and the state's removal, both or neither
         write_checkpoint(run.folder, full, dtype, meta, run.log_rows, bos=bool(s.get("bos")))
         (run.folder / STATE).unlink(missing_ok=True)

@@ -28,12 +28,14 @@ from harness.common.ownership import atomic_write
 from harness.core.copying import model_copy_accuracy, output_rows
 from harness.train.corpus import TrainingData, windows
 from harness.train.export import finished
+from harness.train.folder import check_recordable_folder
 from harness.train.recipe import (COPY_FROM, COPY_K, COPY_LENGTHS, EOT, EVAL_LEN, EVAL_TOKENS, LATE, NEAR,
                                   PROMPTS, SINK_FROM, SINK_WINDOWS, TARGETS, TrainError)
 from models import attention
 from models.decoder import Decoder
 from models.families import MODEL_CLASSES, load_model
 from models.hf_checkpoint import CheckpointError, first_token
+from models.hf_checkpoint import read_config as hf_read_config
 from models.tokenizer import Tokenizer
 
 
@@ -305,17 +307,18 @@ def evaluate_folder(folder: str | os.PathLike) -> tuple[dict, str]:
 
 
 def check_recordable(folder: str | os.PathLike) -> dict:
-    """The config.json of a checkpoint kvlab trained (it carries a ``kvlab_train`` record); refused (TrainError, one
-    line) for any other, before anything is measured: kvlab writes only into checkpoints it trained."""
-    path = Path(folder) / "config.json"
+    """The config.json of a checkpoint kvlab trained (it carries a ``kvlab_train`` record, and the folder is kvlab's:
+    ``check_recordable_folder``); refused (TrainError, one line) for any other, before anything is measured: kvlab
+    writes only into checkpoints it trained."""
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise TrainError(f"--record {folder}: cannot read its config.json ({type(e).__name__}); give a checkpoint "
-                         "folder kvlab trained") from None
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("kvlab_train"), dict):
+        cfg = hf_read_config(Path(folder))
+    except CheckpointError as e:
+        raise TrainError(f"--record {folder}: cannot read its config.json ({e}); give a checkpoint folder kvlab "
+                         "trained") from None
+    if not isinstance(cfg.get("kvlab_train"), dict):
         raise TrainError(f"--record {folder}: its config.json has no kvlab_train record (kvlab did not train it); "
                          "kvlab writes only into checkpoints it trained")
+    check_recordable_folder(Path(folder))
     return cfg
 
 

@@ -110,6 +110,10 @@ class QuantOptions:
                               ("scheme", SCHEMES), ("tail", TAILS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"cache option {name}={getattr(self, name)!r}: use {' or '.join(allowed)}")
+        if self.k_pre_rope and "k" not in self.quantize:
+            raise ValueError(f"cache option k_pre_rope=true quantises keys before the rotary rotation, and "
+                             f"quantize={self.quantize} leaves K unquantised (in the storage dtype), so it changes "
+                             "nothing: use quantize=kv or k, or k_pre_rope=false")
 
     def axis(self, which: str) -> str:
         """How K or V is grouped: "channel", "token", or "none" where it is not quantised."""
@@ -392,7 +396,7 @@ class QuantKVCache(KVCache):
                    "token), optionally Hadamard-rotated first")
     examples = ({"k_bits": 8, "v_bits": 8, "group_size": 8},
                 {"k_bits": 4, "v_bits": 2, "group_size": 8, "residual": 4},
-                {"k_bits": 2, "v_bits": 4, "group_size": 16, "k_axis": "token", "v_axis": "channel"},
+                {"k_bits": 2, "v_bits": 4, "group_size": 8, "k_axis": "token", "v_axis": "channel"},
                 {"k_bits": 4, "v_bits": 8, "group_size": 8, "residual": 3, "v_axis": "channel",
                  "rotate": "hadamard"},
                 {"k_bits": 2, "group_size": 8, "k_axis": "token", "quantize": "k"},
@@ -460,16 +464,24 @@ class QuantKVCache(KVCache):
 
     @classmethod
     def check_head_dim(cls, opts, head_dim: int) -> None:
-        """A rotation needs blocks of 2 channels or more; per-token groups span at most the head's channels."""
+        """A rotation needs blocks of 2 channels or more; per-token groups span at most the head's channels (so a
+        larger group_size, which the label and record would name, is refused, not run as the head size)."""
         if opts.rotate == "hadamard" and hadamard_block(head_dim) == 1:
             raise ValueError(f"cache option rotate=hadamard rotates blocks of the largest power of two that divides "
                              f"the head size, and {head_dim} is odd: blocks of 1 channel, nothing rotated; use "
                              "rotate=none")
         axes = {opts.axis(w) for w in ("k", "v")} - {"none"}
-        if axes == {"token"} and opts.group_size > head_dim:
-            raise ValueError(f"cache option group_size={opts.group_size} is more than the head size {head_dim}: a "
+        G = opts.group_size
+        if axes == {"token"} and G > head_dim:
+            raise ValueError(f"cache option group_size={G} is more than the head size {head_dim}: a "
                              f"per-token group spans at most the head's {head_dim} channels, so it runs as "
                              f"group_size={head_dim} would; use group_size <= {head_dim}")
+        if axes == {"token", "channel"} and G > head_dim:  # one label, g{G}, for groups of two sizes
+            tok, chan = ("K", "V") if opts.axis("k") == "token" else ("V", "K")
+            raise ValueError(f"cache option group_size={G} is more than the head size {head_dim}: {tok}, grouped per "
+                             f"token, spans at most the head's {head_dim} channels, so it would run in groups of "
+                             f"{head_dim} while {chan}'s per-channel groups span {G} tokens; use group_size <= "
+                             f"{head_dim}, or cache.{tok.lower()}_axis=channel")
 
     @classmethod
     def nbytes_formula(cls, n_layer, n_kv_head, head_dim, max_len, batch, dtype, n_tokens, opts) -> int:

@@ -3,17 +3,21 @@ sentence per swept axis with each value's median, what contradicts a kind's prom
 with the direction worked out from the numbers given here."""
 
 import math
+import re
 import zlib
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from harness.analysis import findings, papers
+from harness.analysis import findings, intervals, papers, plots
 from harness.analysis.findings import sweep_findings
 from harness.analysis.papers import claim_rows
+from tests.helpers import untested_cases
 
-# issue 44's verdict cases: a claim is judged only on runs of its stated setting (docs/faults.md lists the ids)
+# issue 44's verdict cases: a claim is judged only on runs of its stated setting; issue 64's: no verdict or interval
+# from fewer texts than an interval needs, no drift for runs that never measured it, no comparison across models
+# unless it says so (docs/faults.md lists the ids)
 CASES = [
     ("kivi-verdict-ignores-group-and-rotation", "paper_kivi with cache.group_size=8 cache.rotate=hadamard: every claim "
                                                 "'not judged', naming each setting that differs"),
@@ -29,7 +33,19 @@ CASES = [
     ("sink-verdict-without-a-gap", "the sink claims when the window without sinks costs nothing: 'not judged'"),
     ("mixed-sweep-reads-any-run", "a sweep mixing the claim's setting with another: judged from the matching runs "
                                   "alone"),
+    ("verdict-too-few-texts", "paper_streamingllm (any paper preset) with drift_texts=1 or 2: every text claim 'not "
+                              "judged: n = 1 (at least 10 texts needed)', no verdict and no interval"),
+    ("interval-zero-width", "a figure from fewer than 10 texts, or with no spread, in a claim or a finding: the figure "
+                            "and '(n = 1: no interval)', never '[x, x]' as a 95% interval"),
+    ("findings-unmeasured-drift", "a run whose drift was not asked for or was skipped: no drift figure in findings "
+                                  "(only fp32 full attention that text_drift skipped as its own reference reads 0)"),
+    ("findings-pooled-models", "a sweep of several models: each axis sentence within one model, named "
+                               "('cache.k_bits (mini): ...'); only the model axis compares models"),
 ]
+
+
+def test_every_case_has_a_test():
+    assert not untested_cases(__file__, CASES)
 
 
 def run(name, cache="quant", status="ok", dtype="fp32", exact=None, **values):
@@ -40,6 +56,10 @@ def run(name, cache="quant", status="ok", dtype="fp32", exact=None, **values):
     return {**dict(run_name=name, status=status, model="mini", engine="kvlab", cache=cache, cache_label=label,
                    cache_exact=exact, dtype=dtype, storage_dtype="float32" if dtype == "fp32" else "float16",
                    compute_dtype="float32", device="cpu", batch=1), **values}
+
+
+# why text_drift skips fp32 full attention itself (TextDrift.skip, as a record keeps it in text_drift_skipped)
+OWN_SKIP = "an exact kind in fp32 storage and compute is its own fp32 reference: nothing to drift from"
 
 
 def frame(*rows) -> pd.DataFrame:
@@ -53,7 +73,7 @@ def texts(found, kind):
 def test_the_frontier_names_exactly_the_settings_nothing_beats():
     """prealloc (the fp32 reference: drift 0), quant 8 and 4 bits and a 2-bit setting with the fewest bytes are on
     the frontier; a 4-bit setting with more bytes and a worse ΔNLL than the other 4-bit one is not."""
-    runs = frame(run("ref", "prealloc", drift_delta_nll=np.nan, cache_nbytes=1000),
+    runs = frame(run("ref", "prealloc", drift_delta_nll=np.nan, cache_nbytes=1000, text_drift_skipped=OWN_SKIP),
                  run("q8", cache_k_bits=8, drift_delta_nll=0.01, cache_nbytes=300),
                  run("q4", cache_k_bits=4, drift_delta_nll=0.05, cache_nbytes=170),
                  run("q4-worse", cache_k_bits=4, label="quant 4 g16", drift_delta_nll=0.08, cache_nbytes=250),
@@ -172,11 +192,13 @@ def paper_run(preset, name, **values):
 N_TEXTS, PER_TEXT, N_SEQ, PER_SEQ = 24, 4, 16, 20
 
 
-def positions_of(runs: pd.DataFrame, noise: float = 0.02) -> dict[str, pd.DataFrame]:
+def positions_of(runs: pd.DataFrame, noise: float = 0.02, n_texts: int = N_TEXTS,
+                 n_seq: int = N_SEQ) -> dict[str, pd.DataFrame]:
     """Per-position rows for each run, as text_drift and retrieval write them, whose means are the run's own
     figures: text t's KL (and ΔNLL) is the run's times an effect of that text shared by every run (texts differ,
-    and runs pair on them), times ``noise`` of the run's own; copy accuracy per sequence drawn around the run's."""
-    effects = np.random.default_rng(0).lognormal(0.0, 0.5, N_TEXTS)
+    and runs pair on them), times ``noise`` of the run's own; copy accuracy per sequence drawn around the run's.
+    ``n_texts`` texts and ``n_seq`` sequences a run."""
+    effects = np.random.default_rng(0).lognormal(0.0, 0.5, n_texts)
     effects /= effects.mean()
     text, copy = [], []
     for _, r in runs.iterrows():
@@ -191,7 +213,7 @@ def positions_of(runs: pd.DataFrame, noise: float = 0.02) -> dict[str, pd.DataFr
             dnll = got("text_nll") - got("text_nll_fp32")
         kl = got("drift_kl") if got("drift_kl") is not None else dnll
         if kl is not None:
-            for t in range(N_TEXTS):
+            for t in range(n_texts):
                 e = effects[t] * (1 + noise * rng.standard_normal(PER_TEXT))
                 for p in range(PER_TEXT):
                     text.append(dict(run_name=name, text=t, position=p, text_id=f"t{t:03d}", decoded=1,
@@ -199,7 +221,7 @@ def positions_of(runs: pd.DataFrame, noise: float = 0.02) -> dict[str, pd.DataFr
                                      same_top1=1))
         acc, ref = got("retrieval_acc"), got("retrieval_acc_ref")
         if acc is not None:
-            for q in range(N_SEQ):
+            for q in range(n_seq):
                 hits = rng.random(PER_SEQ) < acc
                 for p in range(PER_SEQ):
                     copy.append(dict(run_name=name, sequence=q, position=p, seq_id=f"s{q:03d}",
@@ -285,7 +307,7 @@ def test_streamingllm_claims_as_the_paper_states_them():
     assert verdicts(judged(streaming_sweep([2.0, 0.35, 0.45, 0.4, 0.1])))[2:4] == [FAILS, FAILS]
 
 
-def test_a_window_that_does_not_collapse_has_nothing_for_sinks_to_restore():
+def test_a_window_that_does_not_collapse_has_nothing_for_sinks_to_restore():  # sink-verdict-without-a-gap
     """The mini's case: the window without sinks costs far less than a doubled perplexity. Table 1's collapse does
     not hold, "4 sinks restore it" is not judged; and where 4 sinks buy nothing over none, neither is §4.4."""
     rows = judged(streaming_sweep([0.3, 0.28, 0.27, 0.25, 0.249]))
@@ -372,7 +394,7 @@ def test_kivi_claims_read_the_matched_tail_at_each_outlier_scale():
 # ---- a verdict reads only runs of the claim's setting (issue 44, rule 5) ------------------------------------------
 
 
-def test_kivi_runs_of_another_group_size_and_a_rotation_get_no_verdict():
+def test_kivi_runs_of_another_group_size_and_a_rotation_get_no_verdict():  # kivi-verdict-ignores-group-and-rotation
     """`experiment=paper_kivi model=tiny cache.group_size=8 cache.rotate=hadamard`: the same numbers that give
     verdicts at the preset's setting give none, and each row says what differs."""
     fixed = papers.preset("paper_kivi").fixed
@@ -388,7 +410,7 @@ def test_kivi_runs_of_another_group_size_and_a_rotation_get_no_verdict():
         assert f"groups of {fixed['cache.group_size']}" in r.our_setting  # the claim's own setting, stated once
 
 
-def test_streamingllm_runs_of_another_budget_and_dtype_get_no_verdict():
+def test_streamingllm_runs_of_another_budget_and_dtype_get_no_verdict():  # streaming-verdict-ignores-budget-and-dtype
     """`experiment=paper_streamingllm cache.budget=16 dtype=bf16`: no verdict, budget and dtype named."""
     fixed = papers.preset("paper_streamingllm").fixed
     assert verdicts(judged(streaming_sweep(SINK_DNLL)))[:4] == [HOLDS] * 4
@@ -404,7 +426,7 @@ def test_streamingllm_runs_of_another_budget_and_dtype_get_no_verdict():
     (lambda **v: h2o_sweep(0.2, 0.6, 1.0, acc=(0.0, 0.0, 0.0), **v), 2)])
 def test_a_copy_claim_is_not_judged_when_full_attention_does_not_copy(sweep, claim):
     """Full attention itself copies 0% of the second copy: no cache can be shown to lose copying, so the copy claim
-    gives no verdict (the text claims of the same runs still do)."""
+    gives no verdict (the text claims of the same runs still do)."""  # copy-verdict-without-copying-control
     row = judged(sweep(retrieval_acc_ref=0.4))[claim]
     assert row.holds is not None and not row.not_judged
     rows = judged(sweep(retrieval_acc=0.0, retrieval_acc_ref=0.0))
@@ -418,7 +440,7 @@ def test_a_copy_claim_is_not_judged_when_full_attention_does_not_copy(sweep, cla
         row.not_judged
 
 
-def test_a_mixed_sweep_is_judged_from_the_runs_of_the_setting_alone():
+def test_a_mixed_sweep_is_judged_from_the_runs_of_the_setting_alone():  # mixed-sweep-reads-any-run
     """Runs at the claim's group size and at another in one sweep: the verdict, numbers and runs are those of the
     claim's setting, whatever the others say."""
     runs = pd.concat([kivi_sweep(cache_group_size=8, flip=True).assign(run_name=lambda d: "g8-" + d.run_name),
@@ -428,7 +450,7 @@ def test_a_mixed_sweep_is_judged_from_the_runs_of_the_setting_alone():
     assert all(not any(n.startswith("g8-") for n in r.runs) for r in rows)
 
 
-def test_a_claims_setting_has_one_home_its_presets_yaml(tmp_path, monkeypatch):
+def test_a_claims_setting_has_one_home_its_presets_yaml(tmp_path, monkeypatch):  # h2o-budget-two-homes
     """The H2O claims read the budget from paper_h2o.yaml and find their runs by recent against it: a YAML with
     another budget moves the claim's setting, so runs of the old budget get no verdict and runs of the new one do."""
     import shutil
@@ -622,7 +644,7 @@ def _other(key: str, value):
 
 
 @pytest.mark.parametrize("preset", sorted(papers.PAPERS))
-def test_every_setting_a_claim_states_is_checked_against_its_runs(preset):
+def test_every_setting_a_claim_states_is_checked_against_its_runs(preset):  # verdict-setting-mismatch, kivi-short-text
     """For every claim of every preset and every setting it is about (kind, bits, group size, axes, rotation,
     budget, dtype, engine, prompts, texts' and copies' lengths, trained weights): runs that differ in that one
     setting get no verdict, and the row names it; the claim's setting text states each setting once."""
@@ -709,3 +731,124 @@ def test_a_copy_claim_reads_runs_whose_sequences_were_clamped_behind_a_first_tok
     got = runs.run(recent=0)
     assert (got is not None and not runs.differ) is found
     assert found or runs.differences() == f"the runs have retrieval_n {recorded}, the claim is about 512"
+
+
+# ---- no verdict or interval from too few texts, no drift never measured, no models pooled (issue 64) ---------------
+
+
+def test_a_claim_from_fewer_texts_than_an_interval_needs_is_not_judged():  # verdict-too-few-texts
+    """`python run.py experiment=paper_streamingllm drift_texts=1`: the numbers that give four verdicts on many texts
+    give none on 1, 2 or 9, and say how many are needed (the controls' readings, a collapse or a gap, are not made
+    from them either); from intervals.MIN_UNITS texts they are judged. KIVI's claims alike; H2O's copy claim on too
+    few sequences."""
+    k = intervals.MIN_UNITS
+    runs = streaming_sweep(SINK_DNLL)
+    for n in (1, 2, k - 1):
+        rows = claim_rows(runs, positions_of(runs, n_texts=n))
+        for r in rows[:4]:
+            assert r.holds is None and papers.verdict_text(r) == "not judged", r
+            assert r.our_number == f"not judged: n = {n} (at least {k} texts needed)", r
+            assert r.n == (f"{n} text" if n == 1 else f"{n} texts") and r.runs
+        assert "not trained with a token fixed at position 0" in rows[5].not_judged  # no interval: its own reason
+    assert verdicts(claim_rows(runs, positions_of(runs, n_texts=k)))[:4] == [HOLDS] * 4
+    kivi = kivi_sweep()
+    assert all(r.our_number == f"not judged: n = 1 (at least {k} texts needed)"
+               for r in claim_rows(kivi, positions_of(kivi, n_texts=1)))
+    h2o = h2o_sweep(both=0.2, local=0.6, heavy=1.0)
+    rows = claim_rows(h2o, positions_of(h2o, n_seq=3))
+    assert verdicts(rows) == [HOLDS, FAILS, "not judged"]
+    assert rows[2].not_judged == f"n = 3 (at least {k} sequences needed)"
+    # a setting that differs is named first, the texts after it
+    rows = claim_rows(streaming_sweep(SINK_DNLL, dtype="bf16"), positions_of(runs, n_texts=1))
+    assert rows[0].not_judged == f"the runs have dtype bf16, the claim is about fp32; n = 1 (at least {k} texts needed)"
+
+
+@pytest.mark.parametrize("preset", sorted(papers.PAPERS))
+def test_every_presets_own_texts_are_enough_for_a_verdict(preset):  # verdict-too-few-texts
+    """The paper presets' own defaults are judged: each scores at least intervals.MIN_UNITS texts, and at least as
+    many sequences where a claim reads copying."""
+    fixed = papers.preset(preset).fixed
+    assert fixed["drift_texts"] >= intervals.MIN_UNITS
+    if any("retrieval_n" in c.about and c.kind != papers.CONSTRUCTION for c in papers.PAPERS[preset]):
+        assert fixed["retrieval_k"] >= intervals.MIN_UNITS
+
+
+def test_no_interval_from_one_text_or_of_no_width_is_printed_as_one():  # interval-zero-width
+    """One text: the claims, the axis sentences and findings.md carry the figures and '(n = 1: no interval)', never
+    an interval [x, x]; 24 texts that all score 0: the verdict stands (every text says so), the figure has no
+    interval."""
+    import re
+
+    zero_width = re.compile(r"\[([^\[\],;]+), \1[\];]")
+    runs = streaming_sweep(SINK_DNLL)
+    frames = positions_of(runs, n_texts=1)
+    made = findings.make(runs, frames)
+    md = findings.markdown(made)
+    assert not zero_width.search(md) and not zero_width.search(findings.html_section(made))
+    (axis,) = texts(made.sentences, "axis")
+    assert "(+1.613 over 8's; n = 1: no interval)" in axis.text and "[" not in axis.text
+    assert "(+1.612 [+1.358, +1.889] over 8's)" in texts(sweep_findings(runs, positions_of(runs)), "axis")[0].text
+    rows = judged(streaming_sweep([0.0] * 5))
+    assert verdicts(rows)[0] == FAILS and zero_width.search(rows[0].our_number) is None
+    assert rows[0].our_number.startswith("ΔNLL +0.000 (n = 24, no spread: no interval)")
+    # the frontier: a point from one text
+    quant = frame(run("q8", cache_k_bits=8, drift_delta_nll=0.01, cache_nbytes=300),
+                  run("q2", cache_k_bits=2, drift_delta_nll=0.5, cache_nbytes=100))
+    (front,) = texts(sweep_findings(quant, positions_of(quant, n_texts=1)), "frontier")
+    assert "text ΔNLL +0.500 (n = 1: no interval) at 100 B" in front.text and not zero_width.search(front.text)
+    # two engines run for run on one text: the figures, no intervals, and the sentence says why; on two texts an
+    # interval (it is printed from intervals.MIN_SHOWN texts; only a verdict needs intervals.MIN_UNITS)
+    kl = {"k": 1e-4, "v": 3e-5}
+    pair = frame(*[run(f"{e}-{q}", engine=e, cache_quantize=q, drift_kl=kl[q]) for e in ("kvlab", "llamacpp")
+                   for q in kl])
+    (paired,) = [f for f in texts(sweep_findings(pair, positions_of(pair, n_texts=1)), "paired")
+                 if f.text.startswith("engine ")]
+    assert re.search(r"k [0-9.]+× \(n = 1: no interval\); v [0-9.]+× \(n = 1: no interval\)", paired.text), paired.text
+    assert paired.text.endswith("(paired over the 1 texts both scored: fewer than 2, so no interval).")
+    (paired,) = [f for f in texts(sweep_findings(pair, positions_of(pair, n_texts=2)), "paired")
+                 if f.text.startswith("engine ")]
+    assert "k 0.974× [0.973, 0.975]" in paired.text and not zero_width.search(paired.text)
+
+
+def test_drift_never_measured_is_not_zero():  # findings-unmeasured-drift
+    """fp32 full attention reads 0 drift only where text_drift skipped it as its own reference; a run that never
+    measured drift (not asked for, or skipped for another reason) is left out, not put on the frontier at 0; and a
+    lossy kind that moved nothing names only the figures it measured."""
+    from types import SimpleNamespace
+
+    from harness.measurements.text_drift import TextDrift
+
+    ctx = SimpleNamespace(ref32=None, texts=[1], options=lambda cls: cls.Options())
+    assert TextDrift(ctx).skip() == OWN_SKIP  # the record's words, as tested
+    assert plots.OWN_REFERENCE in OWN_SKIP
+    quant = [run("q8", cache_k_bits=8, drift_delta_nll=0.01, cache_nbytes=300),
+             run("q4", cache_k_bits=4, drift_delta_nll=0.05, cache_nbytes=170)]
+    for skipped in (np.nan, "no texts to score"):
+        runs = frame(run("ref", "prealloc", drift_delta_nll=np.nan, cache_nbytes=1000, text_drift_skipped=skipped),
+                     *quant)
+        (front,) = texts(sweep_findings(runs), "frontier")
+        assert front.runs == ("q4", "q8") and "prealloc" not in front.text and "+0.000" not in front.text
+    runs = frame(run("ref", "prealloc", drift_delta_nll=np.nan, cache_nbytes=1000, text_drift_skipped=OWN_SKIP),
+                 *quant)
+    (front,) = texts(sweep_findings(runs), "frontier")
+    assert front.runs == ("q4", "q8", "ref") and "prealloc · fp32 (text ΔNLL +0.000 at 1 kB)" in front.text
+    still = frame(run("q", cache_k_bits=8, drift_kl=0.0, drift_max_abs=np.nan, drift_delta_nll=np.nan),
+                  run("r", cache_k_bits=4, drift_kl=0.1, drift_max_abs=0.2, drift_delta_nll=0.01))
+    (moved,) = texts(sweep_findings(still), "surprise")
+    assert "moved nothing (drift_kl 0)" in moved.text and "drift_max_abs" not in moved.text
+
+
+def test_a_sweep_of_two_models_compares_each_axis_within_a_model():  # findings-pooled-models
+    """model=mini,mini-llama × cache.k_bits: a k_bits sentence per model, each reading that model's runs alone (one
+    run per value: paired intervals), never the two models' runs pooled into one median; the models are compared
+    in the model sentence, which says so. Injected outliers stay their model's."""
+    scale = {"mini": 1.0, "mini-llama": 10.0, "mini · outliers x20": 2.0}
+    runs = frame(*[run(f"{m}-{b}", model=m, cache_k_bits=b, drift_kl_p99=p * scale[m], drift_delta_nll=p * scale[m])
+                   for m in scale for b, p in ((2, 0.4), (8, 0.01))])
+    axes = {f.text.split(":")[0]: f for f in texts(sweep_findings(runs, positions_of(runs)), "axis")}
+    assert set(axes) == {"model", "model (mini)", "cache.k_bits (mini)", "cache.k_bits (mini-llama)"}
+    mini, llama = axes["cache.k_bits (mini)"], axes["cache.k_bits (mini-llama)"]
+    assert set(mini.runs) == {"mini-2", "mini-8", "mini · outliers x20-2", "mini · outliers x20-8"}
+    assert set(llama.runs) == {"mini-llama-2", "mini-llama-8"} and "KL p99 2 4.000 (40.6× [" in llama.text
+    assert "one run per value" in llama.text and "2.050" not in llama.text  # not the pooled median of 0.4 and 4
+    assert set(axes["model"].runs) == set(runs.run_name) and "mini-llama" in axes["model"].text

@@ -87,7 +87,7 @@ def test_a_quantile_resamples_whole_texts():
     rows = run([np.full(25, v) for v in values])
     iv = intervals.single(rows, "kl", stat="p99")
     assert iv.lo in values and iv.hi in values and iv.lo <= iv.estimate <= iv.hi
-    assert intervals.single(run([np.full(25, 0.7)] * 4), "kl", stat="p99").text() == "+0.7 [+0.7, +0.7]"
+    assert intervals.single(run([np.full(25, 0.7)] * 4), "kl", stat="p99").text() == "+0.7 (n = 4, no spread: no interval)"
 
 
 def test_the_same_rows_give_the_same_interval():
@@ -128,9 +128,11 @@ def test_each_runs_quality_gets_its_interval_over_its_own_texts():
     """with_intervals: a run's <key>_lo / <key>_hi are intervals.single over its rows (ΔNLL from nll - nll_fp32,
     copy accuracy over sequences); a run without rows gets NaN, and the figure itself is left as it was."""
     rng = np.random.default_rng(3)
-    text = pd.DataFrame(dict(run_name=np.repeat(["a", "b"], 40), text_id=np.tile(np.repeat(list("wxyz"), 10), 2),
-                             kl=rng.gamma(2.0, 0.05, 80), nll=3 + rng.random(80), nll_fp32=3.0))
-    copy = pd.DataFrame(dict(run_name="a", seq_id=np.repeat(["s1", "s2", "s3"], 5), correct=rng.integers(0, 2, 15)))
+    text = pd.DataFrame(dict(run_name=np.repeat(["a", "b"], 120), text_id=np.tile(np.repeat(list("abcdefghijkl"), 10),
+                                                                                  2),
+                             kl=rng.gamma(2.0, 0.05, 240), nll=3 + rng.random(240), nll_fp32=3.0))
+    copy = pd.DataFrame(dict(run_name="a", seq_id=np.repeat([f"s{i}" for i in range(12)], 5),
+                             correct=rng.integers(0, 2, 60)))
     runs = pd.DataFrame(dict(run_name=["a", "b", "c"], drift_kl=[0.1, 0.2, 0.3]))
     out = intervals.with_intervals(runs, {"text_positions": text, "retrieval_positions": copy})
     a = text[text.run_name == "a"]
@@ -146,3 +148,40 @@ def test_each_runs_quality_gets_its_interval_over_its_own_texts():
     paired = intervals.paired({"x": a, "y": text[text.run_name == "b"]}, "kl",
                               lambda s: s["x"] - s["y"], unit="text_id")
     assert paired == intervals.compare(a, text[text.run_name == "b"], "kl", unit="text_id")
+
+
+def test_no_interval_from_too_few_units_or_of_no_width():
+    """interval-zero-width (tests/analysis/test_findings.py lists it): an interval from fewer than MIN_UNITS units,
+    or of no width, is printed as the figure and why, never as '[x, x]'; the report's table leaves it out (NaN); a
+    verdict does not read it below MIN_UNITS, however far from the bound it lies."""
+    one = intervals.single(run([np.array([0.268])]), "kl")
+    assert (one.lo, one.hi, one.n) == (0.268, 0.268, 1) and not one.shown
+    assert one.text() == "+0.268 (n = 1: no interval)" and one.text(".3g", "×") == "0.268× (n = 1: no interval)"
+    alike = intervals.single(run([np.full(3, 0.5)] * 12), "kl")
+    assert alike.enough and not alike.shown and alike.text("+.3f") == "+0.500 (n = 12, no spread: no interval)"
+    assert intervals.verdict(alike, ">", 0.4) == HOLDS  # every text says so: the verdict stands
+    wide = intervals.single(run([np.full(3, 0.5 + 0.1 * i) for i in range(12)]), "kl")
+    assert wide.shown and wide.text(lambda x: f"<{x:.1f}>") == "<1.1> [<0.9>, <1.2>]"
+    far = Interval(0.3, 0.2, 0.4, intervals.MIN_UNITS - 1)
+    assert intervals.verdict(far, ">") == INCONCLUSIVE and intervals.verdict(far, "<") == INCONCLUSIVE
+    assert intervals.verdict_within(Interval(0.0, -0.01, 0.01, 2), -0.1, 0.1) == INCONCLUSIVE
+    assert intervals.verdict(Interval(0.3, 0.2, 0.4, intervals.MIN_UNITS), ">") == HOLDS
+    rows = pd.DataFrame(dict(run_name=["a"] * 3 + ["b"] * 36, text_id=["t0"] * 3 + [f"t{i // 3}" for i in range(36)],
+                             kl=[0.2] * 3 + [0.1 + 0.01 * (i // 3) for i in range(36)], nll=3.0, nll_fp32=3.0))
+    out = intervals.with_intervals(pd.DataFrame(dict(run_name=["a", "b"], drift_kl=[0.2, 0.155])),
+                                   {"text_positions": rows})
+    assert np.isnan(out.loc[0, "drift_kl_lo"]) and np.isnan(out.loc[0, "drift_kl_hi"])  # one text: none
+    assert out.loc[1, "drift_kl_lo"] < 0.155 < out.loc[1, "drift_kl_hi"]  # twelve: one
+
+
+def test_few_units_cover_far_less_than_95_in_100():
+    """Why MIN_UNITS: the same coverage study as above, on normal texts, one value each: 3 texts cover the true
+    mean in about 75% of draws, MIN_UNITS about 90% (docs/papers.md)."""
+    rng = np.random.default_rng(11)
+
+    def coverage(n, trials=600):
+        return np.mean([(lambda iv: iv.lo <= 0.0 <= iv.hi)(intervals.single(run([rng.normal(size=1) for _ in range(n)]),
+                                                                                "kl", n_boot=400, seed=t))
+                        for t in range(trials)])
+
+    assert coverage(3) < 0.82 and coverage(intervals.MIN_UNITS) > 0.86

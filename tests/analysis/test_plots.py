@@ -449,14 +449,19 @@ def test_the_pareto_frontier_is_the_settings_nothing_beats_on_both():
                     dtype=dtype, cache_exact=True, storage_dtype={"fp32": "float32"}.get(dtype, "float16"),
                     compute_dtype="float32", cache_nbytes=nbytes, **kw)
 
-    runs = pd.DataFrame([run("prealloc", "fp32", 100), run("prealloc", "fp16", 50, drift_delta_nll=0.01),
+    own = "an exact kind in fp32 storage and compute is its own fp32 reference: nothing to drift from"  # text_drift's
+    runs = pd.DataFrame([run("prealloc", "fp32", 100, text_drift_skipped=own),
+                         run("prealloc", "fp16", 50, drift_delta_nll=0.01),
                          run("window", "fp32", 10, drift_delta_nll=0.5), run("h2o", "fp32", 20, cache_budget=8.0),
-                         dict(run("paged", "fp32", 90, cache_block_size=16.0), cache_label="paged(block_size=16)")])
+                         dict(run("paged", "fp32", 90, cache_block_size=16.0, text_drift_skipped=own),
+                              cache_label="paged(block_size=16)")])
     pts = pareto_points(runs).set_index("point")
-    assert pts.loc["prealloc · fp32", "drift_delta_nll"] == 0.0  # the fp32 reference itself
+    assert pts.loc["prealloc · fp32", "drift_delta_nll"] == 0.0  # the fp32 reference itself, as text_drift said
     assert pts.loc["window · fp32", "drift_delta_nll"] == 0.5  # a window drifts, measured
     assert "h2o · fp32" not in pts.index  # it evicts: no drift measured is no point, never a zero
-    assert pts.loc["paged(block_size=16) · fp32", "drift_delta_nll"] == 0.0  # asked of its kind, not its label
+    assert pts.loc["paged(block_size=16) · fp32", "drift_delta_nll"] == 0.0
+    unasked = runs.assign(text_drift_skipped=None)  # drift never measured: no point at 0 (findings-unmeasured-drift)
+    assert "prealloc · fp32" not in pareto_points(unasked).set_index("point").index
     assert pareto_points(runs.iloc[:1]).empty  # one setting: nothing to compare
     fig = pareto_plot(runs)
     frontier = [line for ax in fig.axes for line in ax.get_lines() if line.get_label().startswith("frontier")]

@@ -1,6 +1,7 @@
 """The server measurement in a run (``serve.*``), its tables, its refusals, and the sweep's server figures and
 findings (``harness.analysis.server``)."""
 
+import hashlib
 import json
 import math
 
@@ -76,7 +77,7 @@ def test_a_kind_that_cannot_serve_is_refused_before_anything_runs():
         def check(*overrides):
             cfg = compose(config_name="config", overrides=["model=tiny-gqa", "measurements=[server]",
                                                            "serve.requests=4", *overrides])
-            check_server(read(cfg), preset_config("tiny-gqa"), 128, torch.float32)
+            check_server(read(cfg), preset_config("tiny-gqa"), 128, torch.float32, torch.float32)
 
         check("cache=paged", "serve.prefix_caching=true", "serve.max_tokens=16", "serve.prompt_most=32")
         for overrides, why in ((["cache=prealloc", "serve.prefix_caching=true"], "needs a pooled kind"),
@@ -164,12 +165,19 @@ def test_a_trace_file_gives_the_requests_their_times_prompts_and_lengths(tmp_pat
     trace.write_text("arrival_s,prompt_tokens,prompt_ids,output_tokens\n0.0,12,,5\n0.25,,7 8 9,3\n1.5,30,,8\n")
     rows = read_trace(str(trace), 128, 8, vocab=50257)
     assert rows == [(0.0, 12, 5), (0.25, (7, 8, 9), 3), (1.5, 30, 8)]
-    out = run_py([*TINY, *SERVE, f"serve.trace={trace}", "cache=paged", f"hydra.run.dir={tmp_path / 'run'}"],
-                 tmp_path)
+    # the trace gives the arrivals and lengths: serve.requests=0 serves all its rows, and no drawn setting is given
+    traced_run = [*TINY, "measurements=[server]", "serve.kv_budget=300KB", "serve.max_tokens=16", "tracking=disabled"]
+    out = run_py([*traced_run, f"serve.trace={trace}", "cache=paged", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     req = pd.read_csv(tmp_path / "run" / "requests.csv")
     assert req["arrival_s"].tolist() == [0.0, 0.25, 1.5] and req["output_tokens"].tolist() == [5, 3, 8]
     assert req["prompt_tokens"].tolist() == [12, 3, 30] and req["identical"].all()
+    rec = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert rec["server_rate"] == pytest.approx(2 / 1.5) == rec["server_rate_measured"]  # from the arrivals, not 4/s
+    assert rec["server_trace"] == str(trace) and rec["server_prompt_median"] is None and rec["server_sigma"] is None
+    assert rec["server_trace_sha256"] == hashlib.sha256(trace.read_bytes()).hexdigest()
+    assert "trace trace.csv" in rec["server_workload"] and "max_batch 32, max_tokens 16" in rec["server_workload"]
+    assert "(trace trace.csv, 1.33333/s measured)" in out.stdout
     requests = traced([(0.0, (7, 8, 9), 2)], list(range(100)), 0, [50256])
     assert requests[0].prompt == (50256, 7, 8, 9)
 

@@ -540,7 +540,10 @@ def test_the_readme_table_lists_every_case():
     safe = {c for f in ("models/test_safe_engine.py", "experiment/test_safe_runs.py", "analysis/test_safe_report.py",
                         "tools/test_safe_tools.py", "experiment/test_safe_options.py",
                         "experiment/test_safe_bounds.py", "experiment/test_safe_second_pass.py",
-                        "analysis/test_findings.py", "core/test_llamacpp.py") for c in case_ids(REPO / "tests" / f)}
+                        "analysis/test_findings.py", "core/test_llamacpp.py", "experiment/test_safe_third_pass.py",
+                        "experiment/test_safe_options_third.py", "tools/test_safe_tools_third.py",
+                        "train/test_safe_train_folder.py", "models/test_safe_checkpoint_files.py")
+            for c in case_ids(REPO / "tests" / f)}
     cases = {c[0] for c in CONFIG + HYDRA + CHECKPOINTS + PROMPTS} | set(API) | set(OTHER) | safe
     assert listed == cases, (sorted(cases - listed), sorted(listed - cases))
     assert len(cases) >= 30

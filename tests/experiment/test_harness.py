@@ -106,7 +106,7 @@ def test_experiment_serving_composes_every_kind_rate_and_seed_and_its_budget_ser
         max_len, _ = validate(cfg, mcfg.n_positions)
         rc = read(cfg)
         check_measurements(rc, max_len)
-        check_server(rc, mcfg, max_len, torch.float32)
+        check_server(rc, mcfg, max_len, torch.float32, torch.float32)
         assert rc.option("serve")["requests"] > 0 and rc.measurements == ("server",)
         return rc
 

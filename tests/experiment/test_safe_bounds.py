@@ -660,11 +660,12 @@ def test_measurements_doc_to_a_place_it_cannot_write_is_one_line(tmp_path, where
 def test_measurements_doc_is_written_atomically(tmp_path, monkeypatch, capsys):  # measurements-doc-unwritable
     from harness import measurements
     from harness.common import ownership
-    from harness.measurements.__main__ import main
+    from harness.measurements.__main__ import MARKER, main
 
     out, real, used = tmp_path / "results.md", ownership.atomic_write, []
+    old = f"{MARKER} (an earlier --doc)\nold\n"  # a file --doc wrote: the only kind it replaces
     monkeypatch.setattr(ownership, "atomic_write", lambda path, write: (used.append(Path(path)), real(path, write)))
-    out.write_text("old\n")
+    out.write_text(old)
     assert main(["--doc", str(out)]) == 0
     assert out.read_text(encoding="utf-8") == measurements.results_doc() and used == [out]
 
@@ -672,12 +673,12 @@ def test_measurements_doc_is_written_atomically(tmp_path, monkeypatch, capsys): 
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ownership, "atomic_write", full_disk)
-    out.write_text("old\n")
+    out.write_text(old)
     assert main(["--doc", str(out)]) == 2
     assert one_line(capsys.readouterr().err) == (f"python -m harness.measurements: error: --doc {out}: cannot write a "
                                                  f"file in {tmp_path} (No space left on device): give a file in a "
                                                  "folder you can write")
-    assert out.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["results.md"]
+    assert out.read_text() == old and sorted(p.name for p in tmp_path.iterdir()) == ["results.md"]
 
 
 def test_measurements_bad_flags_are_one_line(capsys):  # measurements-doc-unwritable

@@ -180,7 +180,7 @@ def test_hadamard_on_an_odd_head_size_is_refused():
     cls = cache_kind("quant")
     with pytest.raises(ValueError, match="the head size, and 3 is odd: blocks of 1 channel, nothing rotated"):
         cls.check_head_dim(cls.parse_options(rotate="hadamard", k_axis="token", group_size=3), 3)
-    cls.check_head_dim(cls.parse_options(rotate="hadamard", group_size=8), 6)  # blocks of 2: it rotates
+    cls.check_head_dim(cls.parse_options(rotate="hadamard", group_size=6), 6)  # blocks of 2: it rotates
     with pytest.raises(ConfigError, match="cache=quant: cache option rotate=hadamard rotates blocks"):
         validate(compose_cfg(["cache=quant", "cache.rotate=hadamard", "cache.group_size=3"]), 1024, 3)
 

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from harness.common import signals
+from harness.common.ownership import MANIFEST
 from harness.tools import kvcalc as K
 from harness.train import __main__ as train_cli
 from harness.train import corpus as train_corpus
@@ -299,7 +300,7 @@ def test_each_stop_signal_saves_the_step_it_lands_in(tmp_path, monkeypatch, sign
     assert e.exit_code == 128 + signum and e.signum == signum
     assert e.message == f"{name}: saved {out / STATE} at step 3 of 6 steps; the same command resumes from it"
     assert torch.load(out / STATE, weights_only=True)["step"] == 3
-    assert sorted(p.name for p in out.iterdir()) == [STATE]  # nothing else, no temporary file
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, STATE]  # nothing else, no temporary file
     assert signal.getsignal(signum) is not signals.raise_interrupted  # the handlers are put back
 
 
@@ -380,7 +381,7 @@ def test_a_signal_during_export_saves_the_last_step(tmp_path, monkeypatch, whole
     assert e.value.exit_code == 143 and e.value.message == (
         f"SIGTERM: saved {out / STATE} at step 6 of 6 steps; training had reached its budget; the same command "
         "evaluates and writes the checkpoint from it")
-    assert sorted(p.name for p in out.iterdir()) == [STATE]
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, STATE]
     monkeypatch.undo()
     again = train_loop.train(out, steps=6, **FAST)
     a, b = load_file(str(whole[0] / "model.safetensors")), load_file(str(out / "model.safetensors"))
@@ -448,7 +449,7 @@ def test_sigterm_to_a_real_run_saves_and_the_same_command_resumes(tmp_path):  # 
     assert last == (f"interrupted by SIGTERM: saved {out / STATE} at step 1 of 1000 steps; the same command resumes "
                     "from it")
     assert sum("SIGTERM" in ln for ln in stderr.splitlines()) == 1
-    assert sorted(p.name for p in out.iterdir()) == [STATE]
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, STATE]
     again = subprocess.run(_cli(out), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert f"{out}: resuming at step 1 " in again.stdout and f"{out}: stopped at step 3 of the budget" in again.stdout
