@@ -193,24 +193,25 @@ def _what_it_is(mode: int) -> str:
             else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
 
 
-def regular_file(path: str | os.PathLike, missing: str | None = None) -> os.stat_result | None:
+def regular_file(path: str | os.PathLike, missing: str | None = None, what: str | None = None) -> os.stat_result | None:
     """``os.stat`` of ``path`` when it is a regular file (or a link to one); None when nothing is there (``missing``:
     the line to refuse it with instead). A folder, FIFO, device, socket or dangling link is refused in one line,
-    never opened."""
+    never opened (``what``: what the line calls the file, by default its name)."""
     path = Path(path)
+    what = what or path.name
     try:
         st = path.stat()
     except FileNotFoundError:
         if path.is_symlink():
             raise CheckpointError(f"{path}: is a link to {os.readlink(path)!r}, which does not exist (kvlab reads "
-                                  f"{path.name} only from a regular file)") from None
+                                  f"{what} only from a regular file)") from None
         if missing is not None:
             raise CheckpointError(missing) from None
         return None
     except OSError as e:  # a loop of links, no permission, a name too long
         raise CheckpointError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
     if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{path}: is {_what_it_is(st.st_mode)}, not a regular file (kvlab reads {path.name} only "
+        raise CheckpointError(f"{path}: is {_what_it_is(st.st_mode)}, not a regular file (kvlab reads {what} only "
                               "from one, and never opens anything else)")
     return st
 

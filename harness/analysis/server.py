@@ -26,9 +26,9 @@ if TYPE_CHECKING:
 
 ALL_AT_ONCE = "all at once"
 PREFIX = " + prefix cache"  # a kind's label when its runs shared prompt blocks (serve.prefix_caching)
-POINT_COLUMNS = ["kind", "series", "workload", "rate", "seed", "budget", "requests_per_s", "tokens_per_s", "ttft_p99",
-                 "e2e_p99", "normalized", "ttft_median", "prefilled", "peak_running", "mean_running", "token_share",
-                 "held_peak", "used_peak", "preemptions"]
+POINT_COLUMNS = ["kind", "series", "workload", "workload_name", "rate", "seed", "budget", "requests_per_s",
+                 "tokens_per_s", "ttft_p99", "e2e_p99", "normalized", "ttft_median", "prefilled", "peak_running",
+                 "mean_running", "token_share", "held_peak", "used_peak", "preemptions"]
 POINT_KEYS = {"requests_per_s": "server_requests_per_s", "tokens_per_s": "server_output_tokens_per_s",
               "ttft_p99": "server_ttft_ms_p99", "e2e_p99": "server_e2e_ms_p99",
               "normalized": "server_normalized_latency_ms", "ttft_median": "server_ttft_ms_median",
@@ -76,20 +76,18 @@ def server_points(runs: pd.DataFrame) -> pd.DataFrame:
     if "server_hf_requests_per_s" in df:
         ran = df["server_hf_requests_per_s"].notna()
         out = pd.concat([out, _points(df[ran], [PEER] * int(ran.sum()), PEER_KEYS)], ignore_index=True)
-    if out["workload"].nunique() > 1:
-        out["series"] = out["kind"] + " · " + out["series"]
-    else:
-        out["series"] = out["kind"]
+    several = out["workload"].nunique() > 1
+    out["series"] = out["kind"] + " · " + out["workload_name"] if several else out["kind"]
     return out[POINT_COLUMNS]
 
 
 def _points(df: pd.DataFrame, kinds: list[str], keys: dict) -> pd.DataFrame:
     """Rows of ``server_points`` from ``df``'s runs: the figures ``keys`` names (a key a run of an earlier kvlab did
-    not record, or the peer does not observe: NaN); ``series`` holds the workload's name for now."""
-    out = pd.DataFrame({"kind": kinds, "series": _workload_names(df), "workload": _workloads(df),
-                        "rate": [_rate(x) for x in df["server_rate"]], "seed": df["seed"] if "seed" in df else 0,
-                        "budget": df["server_kv_budget"]}).reset_index(drop=True)
-    for col in POINT_COLUMNS[6:]:
+    not record, or the peer does not observe: NaN); ``series`` is filled in by ``server_points``."""
+    out = pd.DataFrame({"kind": kinds, "series": None, "workload": _workloads(df),
+                        "workload_name": _workload_names(df), "rate": [_rate(x) for x in df["server_rate"]],
+                        "seed": df["seed"] if "seed" in df else 0, "budget": df["server_kv_budget"]}).reset_index(drop=True)
+    for col in POINT_COLUMNS[7:]:
         key = keys.get(col)
         out[col] = df[key].astype(float).to_numpy() if key in df else np.nan
     return out
@@ -141,9 +139,10 @@ def server_compare(runs: pd.DataFrame, a: str, b: str, key: str) -> pd.DataFrame
         both = x.index.intersection(y.index)
         logs = [math.log(float(x[s]) / float(y[s])) for s in both if float(y[s]) > 0 and float(x[s]) > 0]
         m, lo, hi, n = (math.exp(v) if i < 3 and math.isfinite(v) else v for i, v in enumerate(t_interval(logs)))
-        rows.append(dict(workload=workload, rate=rate, budget=budget, a=a, b=b, key=key, ratio=m, low=lo, high=hi,
-                         n=n))
-    return pd.DataFrame(rows, columns=["workload", "rate", "budget", "a", "b", "key", "ratio", "low", "high", "n"])
+        rows.append(dict(workload=workload, workload_name=sub["workload_name"].iloc[0], rate=rate, budget=budget, a=a,
+                         b=b, key=key, ratio=m, low=lo, high=hi, n=n))
+    return pd.DataFrame(rows, columns=["workload", "workload_name", "rate", "budget", "a", "b", "key", "ratio", "low",
+                                       "high", "n"])
 
 
 def unpaired(runs: pd.DataFrame, a: str, b: str) -> str | None:
@@ -263,15 +262,21 @@ HOW = "geometric mean of the per-seed ratios, 95% t-interval over the seeds on t
 
 
 def _interval(m: float, lo: float, hi: float, n: int) -> str:
+    """A ratio and its 95% interval; none from one seed, or where every seed gave the same ratio (no width: it says
+    the seeds agreed, not how far the ratio could move)."""
     if n < 2 or not math.isfinite(lo):
         return f"{m:.2f}× (n = {n}: no interval)"
+    if not lo < hi:
+        return f"{m:.2f}× (n = {n} seeds, no spread: no interval)"
     return f"{m:.2f}× [{lo:.2f}, {hi:.2f}] (n = {n} seeds)"
 
 
 def _against(lo: float, hi: float, n: int, low: float = 2.0, high: float = 4.0) -> str:
-    """Where an interval of a ratio lies against vLLM's 2-4×."""
+    """Where an interval of a ratio lies against vLLM's 2-4× (no interval, no verdict)."""
     if n < 2 or not math.isfinite(lo):
         return "inconclusive (one seed)"
+    if not lo < hi:
+        return "inconclusive (no spread over the seeds: no interval)"
     if lo >= low and hi <= high:
         return "within vLLM's 2-4×"
     if hi < low:
@@ -355,6 +360,6 @@ def _prefix_findings(runs: pd.DataFrame, p: pd.DataFrame, of) -> list[tuple[str,
 
 
 def _at(r, cmp: pd.DataFrame) -> str:
-    """Where a paired ratio was measured: its rate, and its workload's id where the sweep paired on several."""
+    """Where a paired ratio was measured: its rate, and its workload where the sweep paired on several."""
     several = cmp.loc[cmp["n"] > 0, "workload"].nunique() > 1
-    return f"at {_rate_label(r.rate)}" + (f" (workload {r.workload or 'not recorded'})" if several else "")
+    return f"at {_rate_label(r.rate)}" + (f" ({r.workload_name})" if several else "")

@@ -645,11 +645,16 @@ def check_server(rc: RunConfig, mcfg, max_len: int, storage, compute) -> None:
     not run the same workload, or a K/V budget too small for its longest possible request, is refused in one line
     before anything is built."""
     from harness.core.server import least_budget, refuses_serving
-    from harness.measurements.server import PEER_SPAN_MAX_S, budget_bytes, peer_runs, serve_options, serving
+    from harness.measurements.server import PEER_SPAN_MAX_S, budget_bytes, peer_runs, seconds, serve_options, serving
 
-    if "server" not in measurements.chosen(rc.measurements):
-        return
     s = serve_options(rc.option("serve"))
+    if "server" not in measurements.chosen(rc.measurements):
+        if serving(s):  # a setting that would do nothing
+            given = f"serve.trace={s.trace}" if s.trace else f"serve.requests={s.requests}"
+            raise ConfigError(f"{given} serves requests, but measurements=[{asked_measurements(rc.measurements)}] "
+                              "leaves out server: add server to measurements, or leave serve.requests at 0 and "
+                              "serve.trace empty")
+        return
     if not serving(s):
         return
     cls = measure.cache_kind(rc.cache.kind)
@@ -671,7 +676,7 @@ def check_server(rc: RunConfig, mcfg, max_len: int, storage, compute) -> None:
     span = 0.0 if s.trace or math.isinf(s.rate) else s.requests / s.rate
     if peer_runs(s, cls) and span > PEER_SPAN_MAX_S:
         raise ConfigError(f"serve.peer={s.peer} replays arrivals on the wall clock, and {s.requests:,} requests at "
-                          f"serve.rate={s.rate:g} arrive over about {span:,.0f} s: give serve.rate >= "
+                          f"serve.rate={s.rate:g} arrive over about {seconds(span)} s: give serve.rate >= "
                           f"{s.requests / PEER_SPAN_MAX_S:g} (at most {PEER_SPAN_MAX_S:,.0f} s of arrivals), or leave "
                           "serve.peer empty")
     if not s.trace and s.system_prompt + s.prompt_most + 1 < cls.min_prompt(opts):
@@ -689,7 +694,7 @@ def check_server(rc: RunConfig, mcfg, max_len: int, storage, compute) -> None:
 def _check_trace(rc: RunConfig, s, cls, opts, mcfg, max_len: int) -> int:
     """serve.trace's rows, read and checked before anything is built (a bad trace, a prompt shorter than the kind
     takes, arrivals longer than the peer replays: one line) -> its longest prompt."""
-    from harness.measurements.server import PEER_SPAN_MAX_S, peer_runs, read_trace, trace_span
+    from harness.measurements.server import PEER_SPAN_MAX_S, peer_runs, read_trace, seconds, trace_span
 
     try:
         rows = read_trace(s.trace, max_len - s.system_prompt - 1, s.max_tokens, mcfg.vocab_size, s.requests)
@@ -702,8 +707,8 @@ def _check_trace(rc: RunConfig, s, cls, opts, mcfg, max_len: int) -> int:
                           f"{cls.min_prompt(opts)} tokens; give longer prompt_ids")
     if peer_runs(s, cls) and trace_span(rows) > PEER_SPAN_MAX_S:
         raise ConfigError(f"serve.peer={s.peer} replays arrivals on the wall clock, and serve.trace={s.trace} spans "
-                          f"{trace_span(rows):,.0f} s: give a trace of at most {PEER_SPAN_MAX_S:,.0f} s of arrivals, "
-                          "or leave serve.peer empty")
+                          f"{seconds(trace_span(rows))} s: give a trace of at most {PEER_SPAN_MAX_S:,.0f} s of "
+                          "arrivals, or leave serve.peer empty")
     return max(len(p) if isinstance(p, tuple) else p for _, p, _ in rows)
 
 

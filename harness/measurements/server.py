@@ -72,6 +72,11 @@ PEERS = ("", "hf", "auto")  # hf: beside a paged run (refused beside another kin
 DRAWN_ONLY = ("rate", "prompt_median", "prompt_most", "output_median", "sigma")  # what a trace gives instead
 
 
+def seconds(x: float) -> str:
+    """A span of seconds in a line: grouped digits, or a power of ten where they would run on (1e+300)."""
+    return f"{x:,.0f}" if x < 1e12 else f"{x:.3g}"
+
+
 def serving(s: ServeOptions) -> bool:
     """Whether a run serves requests: serve.requests > 0, or a trace (all its rows, or its first serve.requests)."""
     return bool(s.requests or s.trace)
@@ -137,11 +142,11 @@ def check_serve(s: ServeOptions, max_len: int) -> None:
         span = 0.0 if math.isinf(s.rate) else s.requests / s.rate
         if span > SPAN_MAX_S:
             raise ValueError(f"serve.rate={s.rate:g}: {s.requests:,} requests at that rate arrive over about "
-                             f"{span:,.0f} s, beyond kvlab's {SPAN_MAX_S:,.0f} s: give serve.rate >= "
+                             f"{seconds(span)} s, beyond kvlab's {SPAN_MAX_S:,.0f} s: give serve.rate >= "
                              f"{s.requests / SPAN_MAX_S:g}")
         if s.peer == "hf" and span > PEER_SPAN_MAX_S:  # auto: where it runs (the plan's check_server)
             raise ValueError(f"serve.peer={s.peer} replays arrivals on the wall clock, and {s.requests:,} requests at "
-                             f"serve.rate={s.rate:g} arrive over about {span:,.0f} s: give serve.rate >= "
+                             f"serve.rate={s.rate:g} arrive over about {seconds(span)} s: give serve.rate >= "
                              f"{s.requests / PEER_SPAN_MAX_S:g} (at most {PEER_SPAN_MAX_S:,.0f} s of arrivals), or "
                              "leave serve.peer empty")
         longest = s.system_prompt + s.prompt_most + s.max_tokens + 1  # and a model's fixed first token
@@ -409,7 +414,7 @@ def read_trace(path: str, max_len: int, max_tokens: int, vocab: int | None = Non
     out = [_trace_row(path, i, row, max_len, max_tokens, vocab) for i, row in enumerate(df.itertuples(index=False))]
     start, end = min(a for a, _, _ in out), max(a for a, _, _ in out)
     if end - start > SPAN_MAX_S:
-        raise ValueError(f"serve.trace={path}: its arrivals span {end - start:,.0f} s, beyond kvlab's "
+        raise ValueError(f"serve.trace={path}: its arrivals span {seconds(end - start)} s, beyond kvlab's "
                          f"{SPAN_MAX_S:,.0f} s: give a trace whose requests arrive within that of its first")
     out = [(a - start, p, o) for a, p, o in out]
     if first:  # the first requests by arrival (ties in the file's order), in the file's order
@@ -426,7 +431,7 @@ def _trace_frame(path: str):
     from models.hf_checkpoint import CheckpointError, regular_file
 
     try:
-        st = regular_file(path, missing=f"{path}: no such file")
+        st = regular_file(path, missing=f"{path}: no such file", what="a trace")
     except CheckpointError as e:  # a folder, FIFO, device or dangling link: never opened
         raise ValueError(f"serve.trace={e}; give a CSV with arrival_s, output_tokens and prompt_tokens or "
                          "prompt_ids") from None

@@ -154,7 +154,7 @@ def test_a_prefix_cache_is_compared_with_the_same_kind_without_it():
     runs = pd.concat([plain, shared.assign(run_name=[f"s{i}" for i in range(3)])], ignore_index=True)
     assert set(A.server_points(runs)["kind"]) == {"paged(block_size=16)", "paged(block_size=16)" + A.PREFIX}
     (text,) = [t for t, _ in A.findings(runs) if "prefix cache over" in t]
-    assert "tokens prefilled at 16/s 0.50× [0.50, 0.50] (n = 3 seeds)" in text
+    assert "tokens prefilled at 16/s 0.50× (n = 3 seeds, no spread: no interval)" in text
 
 
 @pytest.mark.slow

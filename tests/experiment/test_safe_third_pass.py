@@ -67,6 +67,12 @@ CASES = [
     ("serve-peer-waits-on-arrivals", "the HF peer waits on the next arrival however far off; only a request in "
                                      "flight with no result for STALL_S is a stall (was: a 700 s gap failed as "
                                      "`its worker stopped` after 600 s)"),
+    ("server-zero-width-interval", "a server ratio every seed agrees on (the most requests running, 1.00× on each) "
+                                   "prints `1.00× (n = 2 seeds, no spread: no interval)` and no verdict against vLLM's "
+                                   "2-4× (was `1.00× [1.00, 1.00]` as a 95% interval)"),
+    ("serve-without-server", "serve.requests=4 (or serve.trace) with measurements that leave out server: `serve."
+                             "requests=4 serves requests, but measurements=[equivalence] leaves out server: add server "
+                             "to measurements, ...` (was: accepted, nothing served)"),
     ("serve-peer-failure-kept", "the peer failing records `server_hf_error` with why, prints one line, and keeps "
                                 "kvlab's own serving results; the run is ok (was: the run failed, kvlab's results "
                                 "discarded)"),
@@ -365,3 +371,25 @@ def test_a_failing_peer_keeps_kvlabs_results(tmp_path):  # serve-peer-failure-ke
     assert "serve.peer=hf failed (RuntimeError: the peer broke on purpose); kvlab's own serving results are kept" \
         in proc.stderr
     assert "serve.peer=hf failed: RuntimeError" in proc.stdout and (out / "requests.csv").is_file()
+
+
+def test_a_ratio_every_seed_agrees_on_is_no_interval():  # server-zero-width-interval
+    same = dict(server_workload_id="d1", server_workload="drawn")
+    rows = [dict(run_name=f"{k}-{s}", cache_label=k, seed=s, server_rate=4.0, server_output_tokens_per_s=tps, **same)
+            for s in (0, 1) for k, tps in (("prealloc", 100.0), ("paged", 100.0))]
+    lines = [line for line, _ in A.findings(_runs(rows))]
+    peak = next(line for line in lines if "requests running at once" in line)
+    assert "1.00× (n = 2 seeds, no spread: no interval)" in peak and "[1.00, 1.00]" not in peak
+    tps = next(line for line in lines if "output tokens/s" in line)
+    assert "inconclusive (no spread over the seeds: no interval)" in tps and "below vLLM's" not in tps
+
+
+def test_serving_settings_without_the_server_measurement_are_refused(tmp_path):  # serve-without-server
+    rc = read(_compose(["model=tiny", "measurements=[equivalence]", "serve.requests=4"]))
+    _refused(rc, r"serve.requests=4 serves requests, but measurements=\[equivalence\] leaves out server: add server "
+                 r"to measurements, or leave serve.requests at 0 and serve.trace empty")
+    path = _trace(tmp_path / "t.csv", "0.0,12,,5\n")
+    _refused(read(_compose(["model=tiny", "measurements=[equivalence]", f"serve.trace={path}"])),
+             r"serve.trace=.*t.csv serves requests, but measurements=\[equivalence\] leaves out server")
+    check_server(read(_compose(["model=tiny", "measurements=[equivalence]"])), preset_config("tiny"), 128,
+                 torch.float32, torch.float32)  # serve at its defaults: nothing to refuse
