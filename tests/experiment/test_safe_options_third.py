@@ -85,6 +85,7 @@ def test_the_threads_cap_is_the_cores_if_more_and_never_past_ggmls(cores, most, 
     assert f"1 .. {most} " in L.refuses_types(L.LlamaCppOptions(threads=most + 1), "fp32", None)
 
 
+@pytest.mark.slow  # a subprocess: seconds
 def test_threads_are_refused_by_the_plan_and_the_run_in_one_line_before_anything_runs(tmp_path):
     # llamacpp-threads-bound
     assert refused(["engine=llamacpp", "engine.threads=100000"]).startswith(
@@ -196,6 +197,7 @@ def test_the_group_size_is_checked_against_the_models_head_size_when_the_run_is_
 
 # ---- the plan's own check: the line validation gives ---------------------------------------------------------------
 
+@pytest.mark.slow  # a subprocess: seconds
 def test_an_unknown_engine_is_one_line_from_run_py_and_its_record_says_what_was_asked(tmp_path):
     # engine-name-unknown-run
     from harness.experiment.runner import config_record

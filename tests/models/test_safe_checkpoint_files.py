@@ -166,6 +166,7 @@ def test_a_config_json_that_grows_past_the_cap_is_never_read_past_it(tmp_path, m
         hf.read_small(folder / "config.json", len(data) - 1)
 
 
+@pytest.mark.slow  # a subprocess: seconds
 def test_run_py_refuses_a_huge_config_json_in_one_line(tmp_path):  # ckpt-config-too-big
     folder = gpt2_folder(tmp_path / "ckpt")
     sparse(folder / "config.json", 400_000_000)

@@ -137,6 +137,7 @@ def test_peers_refuses_a_model_llama_cpp_cannot_run(no_model, capsys, model):  #
     assert bench.peer_models() == runs
 
 
+@pytest.mark.slow  # a subprocess: seconds
 def test_peers_refusal_as_a_script_and_the_help(capsys, monkeypatch):  # bench-peers-unconvertible-model
     p = subprocess.run([sys.executable, "-m", "harness.bench", "--peers", "--model", "qwen2.5-0.5b"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
@@ -236,12 +237,14 @@ def to_closed_pipe(*argv) -> subprocess.CompletedProcess:
         os.close(w)
 
 
+@pytest.mark.slow  # a subprocess: seconds
 @pytest.mark.parametrize("flag", ["--keys", "--list", "--doc"])
 def test_measurements_to_a_closed_pipe_ends_quietly(flag):  # measurements-keys-pipe
     p = to_closed_pipe("-m", "harness.measurements", flag)
     assert p.stderr == "" and p.returncode == 128 + signal.SIGPIPE
 
 
+@pytest.mark.slow  # a subprocess: seconds
 def test_kvcalc_and_bench_to_a_closed_pipe_end_quietly(monkeypatch):  # kvcalc-output-pipe
     p = to_closed_pipe("-m", "harness.kvcalc", "gpt2", "--json")
     assert p.stderr == "" and p.returncode == 128 + signal.SIGPIPE
