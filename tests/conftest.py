@@ -90,3 +90,21 @@ def pytest_collection_modifyitems(session, config, items):
     from tests.helpers import in_hand_out_order
 
     items[:] = in_hand_out_order(items, key=lambda item: item.nodeid)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """A model built by ``python -m harness.bench``, or llama.cpp asked, fails the test: its refusals come first and
+    need neither."""
+    from harness.core import llamacpp
+    from harness.tools import bench
+
+    def built(*a, **kw):
+        raise AssertionError("the benchmark built a model before refusing")
+
+    def asked(*a, **kw):
+        raise AssertionError("the refusal asked llama.cpp")
+
+    monkeypatch.setattr(bench, "build", built)
+    monkeypatch.setattr(llamacpp, "available", asked)
+

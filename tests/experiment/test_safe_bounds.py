@@ -22,6 +22,7 @@ from harness.experiment import memory
 from harness.experiment import slurm_check as S
 from models.gpt2 import GPT2Config
 from tests.helpers import REPO, TINY, one_line, untested_cases
+from tests.helpers import bench_args, bench_refused as refused
 
 CASES = [
     ("bench-batch-bound", "`python -m harness.bench --batch 100000000`: `bench: error: --batch 100,000,000 is "
@@ -92,24 +93,6 @@ def test_every_case_has_a_test():
 
 # ---- bench ---------------------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """A model built by the benchmark fails the test: every refusal comes before anything is allocated."""
-    def built(*a, **kw):
-        raise AssertionError("the benchmark built a model before refusing")
-
-    monkeypatch.setattr(bench, "build", built)
-
-
-def refused(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        bench.main(argv)
-    assert e.value.code == 2
-    line = one_line(capsys.readouterr().err)
-    assert line.startswith("bench: error: ") and line.endswith(" (see python -m harness.bench --help)")
-    return line.removeprefix("bench: error: ").removesuffix(" (see python -m harness.bench --help)")
-
-
 def test_bench_batch_is_bounded_before_anything_is_built(no_model, capsys):  # bench-batch-bound
     assert refused(["--batch", "100000000"], capsys) == (
         "--batch 100,000,000 is beyond what the benchmark runs: give 1 .. 65,536 (sequences decoded or requests "
@@ -125,20 +108,7 @@ def test_bench_batch_as_a_script_is_one_line_exit_2():  # bench-batch-bound
 
 def _args(argv: list[str]) -> tuple[argparse.Namespace, GPT2Config]:
     """The benchmark's arguments as main() checks them (nothing built)."""
-    seen = {}
-
-    def stop(ap, args, cfg):
-        seen.update(args=args, cfg=cfg)
-        raise SystemExit(0)
-
-    real = bench.check_args
-    bench.check_args = stop
-    try:
-        with pytest.raises(SystemExit):
-            bench.main(argv)
-    finally:
-        bench.check_args = real
-    return seen["args"], seen["cfg"]
+    return bench_args(argv)
 
 
 def test_bench_memory_is_checked_and_names_the_largest_batch_that_fits(no_model, monkeypatch, capsys):  # bench-memory

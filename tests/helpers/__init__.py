@@ -107,3 +107,42 @@ def in_hand_out_order(items: list, key=str) -> list:
         return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
 
     return sorted(items, key=rank)
+
+
+def bench_refused(argv, capsys) -> str:
+    """``python -m harness.bench ARGV``'s one-line refusal (exit 2), without its "bench: error: " and "(see ...)"."""
+    import pytest
+
+    from harness.tools import bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("bench: error: ") and line.endswith(" (see python -m harness.bench --help)")
+    return line.removeprefix("bench: error: ").removesuffix(" (see python -m harness.bench --help)")
+
+
+def bench_args(argv, checked: bool = False):
+    """``python -m harness.bench ARGV``'s (arguments, model config) as main() hands them to ``check_args``, or with
+    ``checked`` as check_args leaves them (defaults filled in); nothing is built."""
+    import pytest
+
+    from harness.tools import bench
+
+    seen, real = {}, bench.check_args
+
+    def stop(ap, args, cfg):
+        if checked:
+            real(ap, args, cfg)
+        seen.update(args=args, cfg=cfg)
+        raise SystemExit(0)
+
+    bench.check_args = stop
+    try:
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+    finally:
+        bench.check_args = real
+    return seen["args"], seen["cfg"]
+

@@ -28,6 +28,7 @@ from harness.tools import kvcalc as K
 from models.families import PRESETS, preset_config
 from models.gguf import gguf_refuses
 from tests.helpers import REPO, one_line, untested_cases
+from tests.helpers import bench_args, bench_refused as refused
 
 CASES = [
     ("bench-default-kinds-small-head", "`python -m harness.bench --kinds --model tiny-gqa` (head size 16): the default "
@@ -83,47 +84,9 @@ def test_every_case_has_a_test():
 
 # ---- bench ----------------------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """A model built, or llama.cpp asked, fails the test: the refusals come first and need neither."""
-    from harness.core import llamacpp
-
-    def built(*a, **kw):
-        raise AssertionError("the benchmark built a model before refusing")
-
-    def asked(*a, **kw):
-        raise AssertionError("the refusal asked llama.cpp")
-
-    monkeypatch.setattr(bench, "build", built)
-    monkeypatch.setattr(llamacpp, "available", asked)
-
-
-def refused(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        bench.main(argv)
-    assert e.value.code == 2
-    line = one_line(capsys.readouterr().err)
-    assert line.startswith("bench: error: ") and line.endswith(" (see python -m harness.bench --help)")
-    return line.removeprefix("bench: error: ").removesuffix(" (see python -m harness.bench --help)")
-
-
 def checked(argv) -> argparse.Namespace:
     """The arguments as check_args leaves them (nothing built)."""
-    seen = {}
-    real = bench.check_args
-
-    def stop(ap, args, cfg):
-        real(ap, args, cfg)
-        seen["args"] = args
-        raise SystemExit(0)
-
-    bench.check_args = stop
-    try:
-        with pytest.raises(SystemExit):
-            bench.main(argv)
-    finally:
-        bench.check_args = real
-    return seen["args"]
+    return bench_args(argv, checked=True)[0]
 
 
 @pytest.mark.parametrize("model", ["qwen2.5-0.5b", "llama-3.2-1b"])
