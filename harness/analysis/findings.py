@@ -210,14 +210,15 @@ def paired_findings(ok: pd.DataFrame, frames: dict | None = None) -> list[Findin
         others = [c for c in axes if c != col]
         if len(values) != 2 or not others:
             continue
-        said, used, n = _paired_parts(at, _pairs(drifted, col, values, others), key)
+        said, used, n, shown = _paired_parts(at, _pairs(drifted, col, values, others), key)
         if len(said) >= 2:
             name, how = ("mean KL", "over") if key == KEYS.drift_kl else ("text ΔNLL", "minus")
             texts = f"{min(n)}" if min(n) == max(n) else f"{min(n)}-{max(n)}"
             least = intervals.MIN_SHOWN
-            tail = (f"each a paired 95% interval over the {texts} texts both scored" if min(n) >= least else
+            tail = (f"each a paired 95% interval over the {texts} texts both scored" if all(shown) else
                     f"paired over the {texts} texts both scored: fewer than {least}, so no interval" if max(n) < least
-                    else f"each a paired 95% interval over the {texts} texts both scored, none from fewer than {least}")
+                    else f"a paired 95% interval over the {texts} texts both scored where one is shown; none from "
+                         f"fewer than {least} texts or where every resample agrees")
             out.append(Finding(
                 f"{_axis_name(col)} {values[1]} {how} {values[0]}, run for run at the same "
                 f"{', '.join(_axis_name(c) for c in others)}: {name} " + "; ".join(said) + f" ({tail}).",
@@ -225,10 +226,10 @@ def paired_findings(ok: pd.DataFrame, frames: dict | None = None) -> list[Findin
     return out
 
 
-def _paired_parts(at: papers.Runs, pairs: list, key: str) -> tuple[list[str], list, list[int]]:
-    """Each pair's "<label> <ratio>× [lo, hi]" (ΔNLL: a difference), the runs behind them and each one's texts;
-    a pair whose figure or interval is not finite says nothing."""
-    said, used, n = [], [], []
+def _paired_parts(at: papers.Runs, pairs: list, key: str) -> tuple[list[str], list, list[int], list[bool]]:
+    """Each pair's "<label> <ratio>× [lo, hi]" (ΔNLL: a difference), the runs behind them, each one's texts and
+    whether its interval is shown; a pair whose figure or interval is not finite says nothing."""
+    said, used, n, shown = [], [], [], []
     for label, (a, b) in pairs:
         got = _versus(at, b, a, key)
         if got is None or not math.isfinite(got[0].estimate) or (got[0].n >= intervals.MIN_SHOWN and not all(
@@ -238,7 +239,8 @@ def _paired_parts(at: papers.Runs, pairs: list, key: str) -> tuple[list[str], li
         said.append(f"{label} " + (iv.text(".3g", "×") if how == "ratio" else iv.text(_signed)))
         used += [a, b]
         n.append(iv.n)
-    return said, used, n
+        shown.append(iv.shown)
+    return said, used, n, shown
 
 
 def _pairs(ok: pd.DataFrame, col: str, values: list, others: list[str]) -> list[tuple[str, tuple]]:

@@ -808,6 +808,7 @@ def test_no_interval_from_one_text_or_of_no_width_is_printed_as_one():  # interv
     (paired,) = [f for f in texts(sweep_findings(pair, positions_of(pair, n_texts=2)), "paired")
                  if f.text.startswith("engine ")]
     assert "k 0.974× [0.973, 0.975]" in paired.text and not zero_width.search(paired.text)
+    assert paired.text.endswith("(each a paired 95% interval over the 2 texts both scored).")
 
 
 def test_drift_never_measured_is_not_zero():  # findings-unmeasured-drift
