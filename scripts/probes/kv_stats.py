@@ -2,10 +2,14 @@
 rotation's premise) and attention sinks (StreamingLLM's). docs/papers.md reads it.
 
     .venv/bin/python scripts/probes/kv_stats.py            # the shipped mini, 2 held-out texts of 1,024 tokens
+    .venv/bin/python scripts/probes/kv_stats.py --model mini-llama   # the shipped Llama-family reference model
     .venv/bin/python scripts/probes/kv_stats.py --weights DIR --texts 4
     .venv/bin/python scripts/probes/kv_stats.py --outliers 20   # the mini with outlier channels (model.outliers)
 
-Printed per layer, K and V as attention reads them (each head's head_dim channels, over every token of the texts):
+Texts are made as a run makes them (``text_prompts`` over the checkpoint's heldout.txt), each led by the model's first
+token where it was trained with one (``first_token``). Printed per layer, K and V as attention reads them: the
+tensors each layer hands to attention, so a rotary model's K after its rotation, each K/V head's head_dim channels,
+over every token of the texts:
 - channel ratio: the largest channel's max |x| over the median channel's (mean over heads). Large: a few channels
   carry outliers, which a scale per channel (KIVI's K) contains and a scale per token over channels does not.
 - token peak: a token's max |x| over its RMS, over the head's channels (median over tokens and heads), before and
@@ -34,27 +38,39 @@ if __name__ == "__main__":  # run as a file: the repo on the path; a Python with
 
 import torch  # noqa: E402
 
-from harness.train.targets import attention_io, attention_on_first  # noqa: E402
-from models.gpt2 import GPT2  # noqa: E402
-from models.outliers import inject  # noqa: E402
+from harness.experiment.runner import led, text_prompts  # noqa: E402
+from harness.train.targets import attention_on_first  # noqa: E402
+from models import attention  # noqa: E402
+from models.families import MODEL_CLASSES, load_model  # noqa: E402
+from models.hf_checkpoint import CheckpointError, first_token  # noqa: E402
 from models.kv_cache.quant import hadamard  # noqa: E402
-from models.tokenizer import Tokenizer  # noqa: E402
+from models.outliers import inject  # noqa: E402
+from models.tokenizer import for_checkpoint  # noqa: E402
 
-MINI = Path(__file__).resolve().parents[2] / "models" / "weights" / "mini"
+WEIGHTS = Path(__file__).resolve().parents[2] / "models" / "weights"
 
 
-def keys_values(model: GPT2, idx: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer: K and V as attention reads them, (B, nh, T, hs) each."""
-    with torch.no_grad():
-        seen = attention_io(model, idx)
-    out = []
-    for i, block in enumerate(model.transformer.h):
-        x = seen[i][0]
-        B, T, C = x.shape
-        nh = block.attn.n_head
-        _, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in block.attn.c_attn(x).split(C, dim=2))
-        out.append((k.detach(), v.detach()))
-    return out
+def keys_values(model, idx: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer: K and V as the layer hands them to attention in a full forward of ``idx`` (a rotary family's K
+    rotated already), (B, n_kv_head, T, hs) each."""
+    real, seen = attention.attend, []
+    modules = {sys.modules[cls.__module__] for cls in MODEL_CLASSES.values()}
+
+    def recording(q, k, v, cache=None, layer=0, mask=None):
+        seen.append((k.detach(), v.detach()))
+        return real(q, k, v, cache, layer, mask)
+
+    for m in modules:
+        m.attend = recording
+    try:
+        with torch.no_grad():
+            model(idx)
+    finally:
+        for m in modules:
+            m.attend = real
+    if len(seen) != model.config.n_layer:
+        raise RuntimeError(f"recorded {len(seen)} layers' K and V of {model.config.n_layer}")
+    return seen
 
 
 def channel_ratio(x: torch.Tensor) -> float:
@@ -82,30 +98,41 @@ def token_peak(x: torch.Tensor) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--weights", default=str(MINI), help="an HF GPT-2 checkpoint folder (default: the shipped mini)")
+    p.add_argument("--model", default="mini", choices=["mini", "mini-llama"],
+                   help="a shipped reference model (default mini)")
+    p.add_argument("--weights", default=None, help="a checkpoint folder of either family instead (with heldout.txt)")
     p.add_argument("--texts", type=int, default=2, help="held-out texts of 1,024 tokens (default 2)")
     p.add_argument("--outliers", type=float, default=1.0, metavar="S",
                    help="give one K and one V channel per head S times their size first, the function kept (default "
                         "1: the checkpoint as it is)")
     a = p.parse_args(argv)
-    model = GPT2.from_pretrained(a.weights).eval()
+    folder = Path(a.weights) if a.weights else WEIGHTS / a.model
+    if a.texts < 1 or not (folder / "heldout.txt").is_file():
+        print(f"kv_stats: give --texts >= 1 and a checkpoint folder holding heldout.txt (got {a.texts}, {folder})",
+              file=sys.stderr)
+        return 2
+    try:
+        model = load_model(folder).float().eval()
+        first = first_token(folder)
+        tok = for_checkpoint(folder)
+    except (CheckpointError, ValueError) as e:
+        print(f"kv_stats: {e}", file=sys.stderr)
+        return 2
     try:
         chosen = inject(model, a.outliers)
     except ValueError as e:
         print(f"kv_stats: --outliers: {e}", file=sys.stderr)
         return 2
-    text = (Path(a.weights) / "heldout.txt").read_text()
-    ids = Tokenizer().encode(text)
-    n = model.config.n_positions
-    if len(ids) < n * a.texts:
-        print(f"kv_stats: {a.weights}/heldout.txt has {len(ids)} tokens, fewer than {a.texts} x {n}", file=sys.stderr)
-        return 2
-    idx = torch.tensor(ids[:n * a.texts]).view(a.texts, n)
+    n = min(model.config.n_positions, 1024)
+    texts = [t if first is None else led(t, first) for t in text_prompts(folder / "heldout.txt", a.texts, n, tok)]
+    idx = torch.cat(texts)
     pairs = keys_values(model, idx)
     with torch.no_grad():
         sinks = [sum(heads) / len(heads) for heads in attention_on_first(model, idx)]  # mean over heads
     rot = hadamard(pairs[0][0].shape[-1])
-    print(f"{a.weights}: {a.texts} texts x {n} tokens, head_dim {pairs[0][0].shape[-1]}" + (
+    lead = "" if first is None else f", each led by its first token ({first})"
+    print(f"{folder}: {a.texts} texts x {n} tokens{lead}, head_dim {pairs[0][0].shape[-1]}, "
+          f"{pairs[0][0].shape[1]} K/V heads" + (
         "" if chosen["k_channels"] is None else f", outliers x{a.outliers:g} (K channels {chosen['k_channels']}, V "
         f"channels {chosen['v_channels']} per layer and head)"))
     print(f"{'layer':>5} {'K channel ratio':>16} {'V channel ratio':>16} {'K token peak':>13} {'rotated':>8} "
