@@ -50,14 +50,14 @@ from models.tokenizer import for_checkpoint  # noqa: E402
 WEIGHTS = Path(__file__).resolve().parents[2] / "models" / "weights"
 
 
-def keys_values(model, idx: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer: K and V as the layer hands them to attention in a full forward of ``idx`` (a rotary family's K
-    rotated already), (B, n_kv_head, T, hs) each."""
+def attention_inputs(model, idx: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer: q, k and v as the layer hands them to attention in a full forward of ``idx`` (a rotary family's q
+    and k rotated already): (B, n_head, T, hs), (B, n_kv_head, T, hs) twice."""
     real, seen = attention.attend, []
     modules = {sys.modules[cls.__module__] for cls in MODEL_CLASSES.values()}
 
     def recording(q, k, v, cache=None, layer=0, mask=None):
-        seen.append((k.detach(), v.detach()))
+        seen.append((q.detach(), k.detach(), v.detach()))
         return real(q, k, v, cache, layer, mask)
 
     for m in modules:
@@ -69,8 +69,13 @@ def keys_values(model, idx: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tens
         for m in modules:
             m.attend = real
     if len(seen) != model.config.n_layer:
-        raise RuntimeError(f"recorded {len(seen)} layers' K and V of {model.config.n_layer}")
+        raise RuntimeError(f"recorded {len(seen)} layers' attention inputs of {model.config.n_layer}")
     return seen
+
+
+def keys_values(model, idx: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer: K and V as the layer hands them to attention (``attention_inputs``), (B, n_kv_head, T, hs) each."""
+    return [(k, v) for _, k, v in attention_inputs(model, idx)]
 
 
 def channel_ratio(x: torch.Tensor) -> float:
