@@ -73,6 +73,16 @@ def attention_inputs(model, idx: torch.Tensor) -> list[tuple[torch.Tensor, torch
     return seen
 
 
+def shipped(folder: Path, n: int, length: int = 1024):
+    """A reference model's checkpoint folder as the probes read it: (the model in fp32, its first token or None, ``n``
+    held-out texts of ``length`` tokens made as a run makes them, each (1, length) and led by the first token)."""
+    model = load_model(folder).float().eval()
+    first = first_token(folder)
+    texts = [t if first is None else led(t, first)
+             for t in text_prompts(folder / "heldout.txt", n, length, for_checkpoint(folder))]
+    return model, first, texts
+
+
 def keys_values(model, idx: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer: K and V as the layer hands them to attention (``attention_inputs``), (B, n_kv_head, T, hs) each."""
     return [(k, v) for _, k, v in attention_inputs(model, idx)]
@@ -117,9 +127,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
-        model = load_model(folder).float().eval()
-        first = first_token(folder)
-        tok = for_checkpoint(folder)
+        model, first, texts = shipped(folder, a.texts)
     except (CheckpointError, ValueError) as e:
         print(f"kv_stats: {e}", file=sys.stderr)
         return 2
@@ -128,8 +136,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"kv_stats: --outliers: {e}", file=sys.stderr)
         return 2
-    n = min(model.config.n_positions, 1024)
-    texts = [t if first is None else led(t, first) for t in text_prompts(folder / "heldout.txt", a.texts, n, tok)]
+    n = texts[0].shape[-1]
     idx = torch.cat(texts)
     pairs = keys_values(model, idx)
     with torch.no_grad():

@@ -29,12 +29,8 @@ if __name__ == "__main__":  # run as a file: the repo on the path; a Python with
 
 import torch  # noqa: E402
 
-from harness.experiment.runner import led, text_prompts  # noqa: E402
-from models.families import load_model  # noqa: E402
-from models.hf_checkpoint import first_token  # noqa: E402
 from models.kv_cache.quant import SCALE_DTYPE, hadamard, offset, quantize_symmetric  # noqa: E402
-from models.tokenizer import for_checkpoint  # noqa: E402
-from scripts.probes.kv_stats import attention_inputs  # noqa: E402
+from scripts.probes.kv_stats import attention_inputs, shipped  # noqa: E402
 
 WEIGHTS = Path(__file__).resolve().parents[2] / "models" / "weights"
 GROUP, BITS = 32, 4  # paper_rotation's blocks: q4_0 over 32 channels of a token
@@ -70,10 +66,7 @@ def main(argv=None) -> int:
     if a.texts < 1:
         p.error("give --texts >= 1")
     folder = WEIGHTS / a.model
-    model = load_model(folder).float().eval()
-    first = first_token(folder)
-    texts = [t if first is None else led(t, first)
-             for t in text_prompts(folder / "heldout.txt", a.texts, 1024, for_checkpoint(folder))]
+    model, _, texts = shipped(folder, a.texts)
     inputs = attention_inputs(model, torch.cat(texts))
     hs = inputs[0][1].shape[-1]
     rot = hadamard(hs)

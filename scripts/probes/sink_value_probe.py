@@ -32,11 +32,9 @@ if __name__ == "__main__":  # run as a file: the repo on the path; a Python with
 import torch  # noqa: E402
 
 from harness.analysis.server import t_interval  # noqa: E402
-from harness.experiment.runner import led, text_prompts  # noqa: E402
 from models import attention  # noqa: E402
-from models.families import MODEL_CLASSES, load_model  # noqa: E402
-from models.hf_checkpoint import first_token  # noqa: E402
-from models.tokenizer import for_checkpoint  # noqa: E402
+from models.families import MODEL_CLASSES  # noqa: E402
+from scripts.probes.kv_stats import shipped  # noqa: E402
 
 WEIGHTS = Path(__file__).resolve().parents[2] / "models" / "weights"
 
@@ -90,10 +88,7 @@ def main(argv=None) -> int:
     if a.texts < 2 or not 1 <= a.window < 1024 or any(not 1 <= s < a.window for s in a.sinks):
         p.error("give --texts >= 2, 1 <= --window < 1024 and 1 <= each --sinks < --window")
     folder = WEIGHTS / a.model
-    model = load_model(folder).float().eval()
-    first = first_token(folder)
-    texts = [t if first is None else led(t, first)
-             for t in text_prompts(folder / "heldout.txt", a.texts, 1024, for_checkpoint(folder))]
+    model, first, texts = shipped(folder, a.texts)
     arms = {"window": lambda x: nll(model, x, window=a.window)}
     for s in a.sinks:
         arms[f"sinks {s}"] = lambda x, s=s: nll(model, x, window=a.window, sinks=s)
