@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 if __name__ == "__main__":  # run as a file: the repo on the path; a Python without torch: run again with the repo's
@@ -50,24 +51,30 @@ from models.tokenizer import for_checkpoint  # noqa: E402
 WEIGHTS = Path(__file__).resolve().parents[2] / "models" / "weights"
 
 
+@contextmanager
+def attend_with(attend):
+    """Inside: every family's layers call ``attend`` in place of ``models.attention.attend`` (the probes' hook)."""
+    real, modules = attention.attend, {sys.modules[cls.__module__] for cls in MODEL_CLASSES.values()}
+    for m in modules:
+        m.attend = attend
+    try:
+        yield real
+    finally:
+        for m in modules:
+            m.attend = real
+
+
 def attention_inputs(model, idx: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per layer: q, k and v as the layer hands them to attention in a full forward of ``idx`` (a rotary family's q
     and k rotated already): (B, n_head, T, hs), (B, n_kv_head, T, hs) twice."""
-    real, seen = attention.attend, []
-    modules = {sys.modules[cls.__module__] for cls in MODEL_CLASSES.values()}
+    seen = []
 
     def recording(q, k, v, cache=None, layer=0, mask=None):
         seen.append((q.detach(), k.detach(), v.detach()))
         return real(q, k, v, cache, layer, mask)
 
-    for m in modules:
-        m.attend = recording
-    try:
-        with torch.no_grad():
-            model(idx)
-    finally:
-        for m in modules:
-            m.attend = real
+    with attend_with(recording) as real, torch.no_grad():
+        model(idx)
     if len(seen) != model.config.n_layer:
         raise RuntimeError(f"recorded {len(seen)} layers' attention inputs of {model.config.n_layer}")
     return seen

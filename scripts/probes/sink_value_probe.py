@@ -33,8 +33,7 @@ import torch  # noqa: E402
 
 from harness.analysis.server import t_interval  # noqa: E402
 from models import attention  # noqa: E402
-from models.families import MODEL_CLASSES  # noqa: E402
-from scripts.probes.kv_stats import shipped  # noqa: E402
+from scripts.probes.kv_stats import attend_with, shipped  # noqa: E402
 
 WEIGHTS = Path(__file__).resolve().parents[2] / "models" / "weights"
 
@@ -59,17 +58,8 @@ def zeroed_values(sinks: int):
 
 def nll(model, idx: torch.Tensor, attend=None, **window) -> float:
     """Mean next-token NLL of ``idx`` (1, T) in nats, with ``attend`` in place of the families' attention."""
-    modules = {sys.modules[cls.__module__] for cls in MODEL_CLASSES.values()}
-    real = attention.attend
-    if attend is not None:
-        for m in modules:
-            m.attend = attend
-    try:
-        with torch.no_grad():
-            logits = model(idx, **window)[0, :-1].float()
-    finally:
-        for m in modules:
-            m.attend = real
+    with attend_with(attend or attention.attend), torch.no_grad():
+        logits = model(idx, **window)[0, :-1].float()
     return float(torch.nn.functional.cross_entropy(logits, idx[0, 1:]))
 
 
