@@ -280,6 +280,19 @@ def read_config(folder: str | os.PathLike) -> dict:
 FIRST_TOKEN_KEY = "kvlab_bos"  # config.json: true when every training row began with the model's bos_token_id
 
 
+def first_token_share(folder: str | os.PathLike) -> float | None:
+    """The most attention one head of a kvlab reference checkpoint puts on its first token, as its training
+    evaluation measured it (config.json ``kvlab_train.targets.sink_head_max``: queries at positions >= 64 of
+    held-out text); None when the checkpoint records none (any other checkpoint) or records something that is not
+    a share in [0, 1]."""
+    targets = (read_config(folder).get("kvlab_train") or {})
+    targets = targets.get("targets") if isinstance(targets, dict) else None
+    share = targets.get("sink_head_max") if isinstance(targets, dict) else None
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+        return None
+    return float(share)
+
+
 def first_token(folder: str | os.PathLike) -> int | None:
     """The token a checkpoint was trained to see first in every sequence (its config.json says ``kvlab_bos: true``:
     kvlab's own reference models), which every sequence a run feeds it then starts with; None for any other

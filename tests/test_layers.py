@@ -103,7 +103,8 @@ def test_no_module_imports_from_a_layer_above_its_own():
 def test_every_module_has_a_layer():
     """A module outside every declared folder would escape the rules: harness's top level holds doors only."""
     doors = {m for m in modules() if layer(m) == "harness" and m != "harness"}
-    assert doors == {"harness.results", "harness.report", "harness.wandb_report", "harness.bench", "harness.kvcalc"}
+    assert doors == {"harness.results", "harness.report", "harness.wandb_report", "harness.bench", "harness.kvcalc",
+                     "harness.scorecard"}
     for door in doors:  # a door is a few lines: the code lives in its layer
         assert len(modules()[door].read_text().splitlines()) < 30, door
 

@@ -31,7 +31,7 @@ import pandas as pd
 
 from harness.measurements import KEYS
 from harness.analysis import intervals, papers, server
-from harness.analysis.papers import (ClaimRow, claim_rows, names, num, ok_runs, preset_of,
+from harness.analysis.papers import (ClaimRow, adjusted_text, claim_rows, names, num, ok_runs, preset_of,
                                      value, verdict_text)
 from harness.analysis.plots import as_written, is_full_attention, pareto_front, with_reference_at_zero
 
@@ -364,11 +364,25 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-INTERVAL_HOW = (f"a paired bootstrap over the texts (or copied sequences) both runs scored, {intervals.N_BOOT:,} "
-                f"resamples, seed {intervals.SEED}, percentile")
+INTERVAL_HOW = ("a paired t-interval over the texts (or copied sequences) both runs scored: Student's t with n − 1 "
+                "degrees of freedom times the jackknife standard error over them, a ratio's on its logarithm")
+HOLM = "after Holm"  # the scorecard's column: each verdict after the family's multiplicity correction
+
+
+def scorecard_words(claims: list[ClaimRow]) -> str:
+    """What the scorecard's correction is over, in words ("" when no row counts)."""
+    family = next((r.family for r in claims if r.family), "")
+    if not family:
+        return ""
+    return (f"The scorecard is the family of {family}: the \"{HOLM}\" column is each claim's verdict after Holm's "
+            f"step-down correction (every interval of a claim widened to 1 − {papers.ALPHA:.2f} / k for the k claims "
+            f"not yet decided), which holds the chance of any wrong verdict among them to {papers.ALPHA:.0%}; "
+            "\"verdict\" is the claim's own at 95%.")
 
 
 def _source(r: ClaimRow) -> str:
+    if r.kind == papers.CONSTRUCTION:
+        return f"{r.source} [{r.kind}: {r.why_fixed}]" if r.why_fixed else f"{r.source} [{r.kind}]"
     return r.source if r.kind == papers.PAPER else f"{r.source} [{r.kind}]"
 
 
@@ -406,7 +420,8 @@ def by_claim(claims: list[ClaimRow]) -> tuple[list[str], list[list[ClaimRow]]]:
 def _claims_markdown(made: Made) -> list[str]:
     """The claims table: the paper's columns, then kvlab's number, n and verdict (a group of three per model)."""
     models, rows = by_claim(made.claims)
-    ours = [(f"kvlab ({m})", f"n ({m})", f"verdict ({m})") for m in models] or [("kvlab", "n", "verdict")]
+    ours = [(f"kvlab ({m})", f"n ({m})", f"verdict ({m})", f"{HOLM} ({m})") for m in models] or [
+        ("kvlab", "n", "verdict", HOLM)]
     head = ["claim", "source", "paper's words", "paper's setting", "paper", "kvlab's setting",
             *(h for group in ours for h in group), "runs"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -414,7 +429,7 @@ def _claims_markdown(made: Made) -> list[str]:
         r = group[0]
         cells = [r.claim, _source(r), r.quote, r.paper_setting, r.paper_number, r.our_setting]
         for g in group:
-            cells += [g.our_number, g.n or "—", verdict_text(g)]
+            cells += [g.our_number, g.n or "—", verdict_text(g), adjusted_text(g)]
         cells.append(", ".join(name for g in group for name in g.runs))
         out.append("| " + " | ".join(_md(x) for x in cells) + " |")
     return out
@@ -432,11 +447,13 @@ def markdown(made: Made) -> str:
                 f"\"not judged: n = ...\"). A verdict is \"holds\" or "
                 "\"does not hold\" only when the interval lies wholly on one side of the claim's bound (or margin), "
                 "otherwise \"inconclusive\". Each verdict reads only runs of the setting its row states (conf/"
-                f"experiment/{made.preset}.yaml); \"not judged\" says which setting the runs differ in, or why they "
-                "cannot show the effect. Rows marked \"kvlab's own check\" have no paper number behind them, and "
-                "\"by construction\" rows are true by how the cache works: neither counts as a paper's claim "
-                "holding." + (" The sweep ran several models: each claim is judged on each model's runs alone, a "
-                              "column group per model." if by_claim(made.claims)[0] else ""), "",
+                f"experiment/{made.preset}.yaml); \"not judged\" says which setting the runs differ in, why they "
+                "cannot show the effect, or which premise of the claim the model lacks. Rows marked \"kvlab's own "
+                "check\" have no paper number behind them. \"by construction\" rows are decided by their own "
+                "setting (an injected cause, a control that cannot reach; the source column says how): sanity "
+                "checks, shown with what they gave, in no scorecard. " + scorecard_words(made.claims)
+                + (" The sweep ran several models: each claim is judged on each model's runs alone, a "
+                   "column group per model." if by_claim(made.claims)[0] else ""), "",
                 *_claims_markdown(made)]
         out.append("")
     if made.sentences:
@@ -455,8 +472,8 @@ def html_section(made: Made) -> str:
     if made.claims:
         metric = papers.METRICS[made.claims[0].metric]
         models, rows = by_claim(made.claims)
-        ours = [h for m in models for h in (f"kvlab ({m})", f"n ({m})", f"verdict ({m})")] or ["kvlab", "n",
-                                                                                                 "verdict"]
+        ours = [h for m in models for h in (f"kvlab ({m})", f"n ({m})", f"verdict ({m})", f"{HOLM} ({m})")] or [
+            "kvlab", "n", "verdict", HOLM]
         head = "".join(f"<th>{html.escape(h)}</th>" for h in ("claim", "source", "paper's words", "paper's setting",
                                                                "paper", "kvlab's setting", *ours))
 
@@ -464,14 +481,17 @@ def html_section(made: Made) -> str:
             return f"<td>{html.escape(str(x))}</td>"
 
         def judged(r: ClaimRow) -> str:
+            adjusted = {intervals.HOLDS: "#070", intervals.FAILS: "#c00"}.get(r.adjusted, "#666")
             return (cell(r.our_number) + cell(r.n or "—") + f"<td style='color:"
-                    f"{'#070' if r.holds else '#c00' if r.holds is False else '#666'}'><b>{verdict_text(r)}</b></td>")
+                    f"{'#070' if r.holds else '#c00' if r.holds is False else '#666'}'><b>{verdict_text(r)}</b></td>"
+                    f"<td style='color:{adjusted}'><b>{html.escape(adjusted_text(r))}</b></td>")
 
         body = "".join("<tr>" + "".join(cell(x) for x in (g[0].claim, _source(g[0]), g[0].quote, g[0].paper_setting,
                                                           g[0].paper_number, g[0].our_setting))
                        + "".join(judged(r) for r in g) + "</tr>" for g in rows)
         parts.append(f"<p>Text claims decided by {html.escape(metric.label)}; brackets: 95% intervals "
-                     f"({html.escape(INTERVAL_HOW)}).</p><table class='t findings'><tr>{head}</tr>{body}</table>")
+                     f"({html.escape(INTERVAL_HOW)}). {html.escape(scorecard_words(made.claims))}</p>"
+                     f"<table class='t findings'><tr>{head}</tr>{body}</table>")
     if made.sentences:
         parts.append("<ul>" + "".join(f"<li>{html.escape(f.text)} <small>(runs: {html.escape(', '.join(f.runs))})"
                                       "</small></li>" for f in made.sentences) + "</ul>")

@@ -504,7 +504,8 @@ def print_summary(rep: dict) -> None:
     if rep.get("findings"):
         print(f"kvlab findings: {shown(rep['folder'] / findings.FILE)}")
         for row in rep.get("claims", []):  # a paper preset: each claim's verdict, the paper's number beside ours
-            print(f"  {papers.verdict_text(row):>15}: {row.claim}{f' [{row.model}]' if row.model else ''} (paper "
+            holm = f" (after Holm: {row.adjusted})" if row.adjusted not in (None, row.verdict) else ""
+            print(f"  {papers.verdict_text(row):>15}: {row.claim}{f' [{row.model}]' if row.model else ''}{holm} (paper "
                   f"{row.paper_number}; kvlab "
                   f"{row.our_number}{f'; n = {row.n}' if row.n else ''})")
     ratios = rep.get("ratios")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
+from harness.analysis import intervals
 from harness.analysis.plots import _message_figure, _ok, plt
 
 if TYPE_CHECKING:
@@ -100,17 +101,9 @@ PEER_KEYS = {"requests_per_s": "server_hf_requests_per_s", "tokens_per_s": "serv
              "held_peak": "server_hf_kv_held"}
 
 
-# Student's t, two-sided 95%: the 0.975 quantile by degrees of freedom (standard tables; past 30, interpolated
-# in 1/df towards the normal's 1.960)
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
-        21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042}
-
-
 def t975(df: int) -> float:
-    if df in T975:
-        return T975[df]
-    return 1.960 + (T975[30] - 1.960) * 30 / df
+    """Student's t, two-sided 95%: the 0.975 quantile with ``df`` degrees of freedom (``intervals.t_quantile``)."""
+    return intervals.t_quantile(0.95, df)
 
 
 def t_interval(values) -> tuple[float, float, float, int]:

@@ -440,16 +440,48 @@ def serve_stream(rc: RunConfig, path: Path | None, tokenizer, vocab_size: int) -
     return stream
 
 
-def disjoint_texts(path: Path, n: int, length: int, tokenizer) -> list[torch.Tensor]:
-    """``n`` texts of exactly ``length`` tokens that share no token: consecutive spans of the file's paragraphs, in
-    order (drift is scored on these, so that no text is scored twice and texts can be resampled as independent
-    units). Only as many paragraphs are tokenized as the texts need; a file too short for them is one line."""
-    stream = file_stream(path, n * length, tokenizer)
-    if len(stream) < n * length:
+TEXT_STREAM_MOST = 1_000_000  # tokens of the prompts file drift's texts are drawn from (its start, when longer)
+TEXTS_SEED = 0  # the draw of drift's texts: fixed (not the run's seed), so every run on a file scores the same texts
+
+
+@dataclass(frozen=True)
+class Texts:
+    """Drift's texts (each (1, length)) and the prompts file's paragraphs each spans (1-based, first and last):
+    what ``drift_text_paragraphs`` records, so an analysis can leave some paragraphs out."""
+
+    texts: list
+    paragraphs: list
+
+    def record(self) -> str:
+        """'3-4;7;9-10': each text's paragraphs, in text order."""
+        return ";".join(f"{a}" if a == b else f"{a}-{b}" for a, b in self.paragraphs)
+
+
+def disjoint_texts(path: Path, n: int, length: int, tokenizer, sep: int | None = None, seed: int = TEXTS_SEED) -> Texts:
+    """``n`` texts of exactly ``length`` tokens that share no token, spread over the whole file: its paragraphs
+    (lines) joined into one stream as a model was trained on them (each followed by ``sep``, the token a
+    reference model was trained to see between documents and first; without one, by a blank line), cut into
+    windows of ``length``, and one window drawn (seeded) from each n-th of them, so that the texts come from the
+    whole file, not its start, and every run of a sweep reads the same ones. No text is scored twice, so texts can
+    be resampled as independent units. The first ``TEXT_STREAM_MOST`` tokens are read; a file too short for the
+    texts is one line."""
+    stream, owner = [], []
+    for i, p in enumerate(file_paragraphs(path), 1):
+        if len(stream) >= TEXT_STREAM_MOST:
+            break
+        ids = tokenizer.encode(p) + [sep] if sep is not None else tokenizer.encode(p + "\n\n")
+        stream += ids
+        owner += [i] * len(ids)
+    slots = min(len(stream), TEXT_STREAM_MOST) // length
+    if slots < n:
         raise ConfigError(f"prompts_file {path} holds {len(stream):,} tokens, and {n} disjoint texts of "
                           f"{length:,} tokens (drift_texts, or n_prompts, x the drift text's length) need "
                           f"{n * length:,}: lower drift_texts or drift_text_len, or give a longer file")
-    return [torch.tensor([stream[i * length:(i + 1) * length]]) for i in range(n)]
+    g = torch.Generator().manual_seed(seed)
+    picks = [k * slots // n + int(torch.randint((k + 1) * slots // n - k * slots // n, (1,), generator=g))
+             for k in range(n)]
+    return Texts([torch.tensor([stream[j * length:(j + 1) * length]]) for j in picks],
+                 [(owner[j * length], owner[(j + 1) * length - 1]) for j in picks])
 
 
 def batch_lengths(batch: int, prompt_len: int, kind: str, seed: int) -> list[int]:
@@ -473,6 +505,16 @@ def first_token_of(w: Weights | None, preset: str | None = None) -> int | None:
     if w is None or w.random or not Path(w.load_from).is_dir():
         return None
     return first_token(w.load_from)
+
+
+def first_token_share_of(w: Weights | None, bos: int | None) -> float | None:
+    """The share of attention the checkpoint's first token draws (``models.hf_checkpoint.first_token_share``): only
+    for a trained checkpoint with a first token (a random init's attention was never measured)."""
+    from models.hf_checkpoint import first_token_share
+
+    if bos is None or w is None or w.random or not Path(w.load_from).is_dir():
+        return None
+    return first_token_share(w.load_from)
 
 
 def led(seq: torch.Tensor, first: int) -> torch.Tensor:
@@ -763,12 +805,14 @@ def load(plan: Plan) -> dict:
         tok = prompt_tokenizer(w, mcfg, rc.model.name)  # a hub checkpoint's vocabulary is known only now
         path = plan.prompts_path
         prompts = text_prompts(path, rc.n_prompts, rc.prompt_len, tok)
-        texts = disjoint_texts(path, n_texts, text_len, tok) if ref32 is not None else None
+        drawn = disjoint_texts(path, n_texts, text_len, tok, first_token_of(w, rc.model.preset)) \
+            if ref32 is not None else None
+        texts, text_paragraphs = (drawn.texts, drawn.record()) if drawn else (None, None)
         served = text_prompts(path, rc.batch, rc.prompt_len, tok)
     else:
         prompts = random_prompts(rc.n_prompts, rc.prompt_len, mcfg.vocab_size, rc.seed)
         texts = random_prompts(n_texts, text_len, mcfg.vocab_size, rc.seed) if ref32 is not None else None
-        served = random_prompts(rc.batch, rc.prompt_len, mcfg.vocab_size, rc.seed)
+        served, text_paragraphs = random_prompts(rc.batch, rc.prompt_len, mcfg.vocab_size, rc.seed), None
     stream = serve_stream(rc, plan.prompts_path, tok, mcfg.vocab_size)
     bos = first_token_of(w, rc.model.preset)
     if bos is not None:  # trained with it at position 0: every sequence starts with it, at the length asked
@@ -780,7 +824,8 @@ def load(plan: Plan) -> dict:
     texts = texts and [t.to(device) for t in texts]
     return dict(mcfg=mcfg, max_len=max_len, contexts=contexts, model32=model32, model=model, engine=engine,
                 spec=spec, ref32=ref32, prompts=prompts, texts=texts, served=served, compiled=compiled,
-                outliers=injected, tokenizer=tok, first_token=bos, stream=stream)
+                outliers=injected, tokenizer=tok, first_token=bos, stream=stream, text_paragraphs=text_paragraphs,
+                first_token_share=first_token_share_of(w, bos))
 
 
 def resolved_record(plan: Plan, loaded: dict) -> dict:
@@ -796,7 +841,8 @@ def resolved_record(plan: Plan, loaded: dict) -> dict:
         n_embd=mcfg.n_embd, n_params=model.num_params(),
         outlier_k_channels=channels["k_channels"], outlier_v_channels=channels["v_channels"],
         prompt_tokenizer=None if loaded["tokenizer"] is None else getattr(loaded["tokenizer"], "source", "gpt2"),
-        engine_rotation=loaded["engine"].rotation(loaded["spec"]), first_token=loaded["first_token"])),
+        engine_rotation=loaded["engine"].rotation(loaded["spec"]), first_token=loaded["first_token"],
+        first_token_share=loaded.get("first_token_share"))),
         max_len=loaded["max_len"], context_lengths=",".join(map(str, loaded["contexts"])))
 
 
@@ -810,7 +856,7 @@ def context(plan: Plan, loaded: dict, rec: dict, progress: bool) -> measurements
         warmup=rc.warmup, seed=rc.seed, compiled=loaded["compiled"], progress=progress,
         peak_reset=measure.reset_peak_memory(plan.device), record=rec,
         decode=None if loaded["tokenizer"] is None else loaded["tokenizer"].decode, first_token=loaded["first_token"],
-        stream=loaded.get("stream"))
+        stream=loaded.get("stream"), text_paragraphs=loaded.get("text_paragraphs"))
 
 
 def measure_run(plan: Plan, loaded: dict, rec: dict, progress: bool = True) -> dict:

@@ -58,6 +58,7 @@ class Context:
     tables: dict = field(default_factory=dict)
     decode: Any = None  # token ids -> text, for the record's sample (None: GPT-2's tokenizer)
     first_token: int | None = None  # the token every sequence starts with (a model trained with it first), or None
+    text_paragraphs: str | None = None  # the prompts file's paragraphs each text spans ("3-4;7"), or None
     stream: list | None = None  # token ids of running text (the server's workload draws its prompts from it)
 
     def options(self, cls: type[Measurement]):

@@ -114,6 +114,10 @@ class Resolved:
     first_token: int | None = key("the token every prompt, text and retrieval sequence of the run starts with: the "
                                   "checkpoint was trained with it at position 0 (config.json's kvlab_bos), so "
                                   "cache.sinks=1 keeps exactly it; null: none", "token id")
+    first_token_share: float | None = key("the most attention one head puts on the first token (queries at positions "
+                                          ">= 64 of held-out text), as the checkpoint's training evaluation measured "
+                                          "it (config.json kvlab_train.targets.sink_head_max): whether the first "
+                                          "token is a sink; null: not measured", "fraction")
 
 
 @dataclass(frozen=True)

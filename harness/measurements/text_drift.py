@@ -17,7 +17,7 @@ class TextDrift(Measurement):
     @dataclass(frozen=True)
     class Options:
         drift_text_len: int = option(128, "tokens per text scored for drift: drift_texts texts, disjoint spans of "
-                                          "the prompts file (at least prompt_len + 1)")
+                                          "the prompts file drawn from across it (at least prompt_len + 1)")
         drift_texts: int | None = option(None, "disjoint texts scored for drift (default: n_prompts); the units an "
                                                "interval on a drift figure resamples, so more texts, a narrower "
                                                "interval")
@@ -41,6 +41,8 @@ class TextDrift(Measurement):
         text_nll: float = key("next-token NLL of the text through the run's cache and dtype", "nats/token")
         drift_text_positions: int = key("positions scored", "positions")
         drift_texts: int = key("texts scored (disjoint spans of the prompts file; an interval's units)", "texts")
+        drift_text_paragraphs: str | None = key("the prompts file's paragraphs (non-empty lines, from 1) each text "
+                                                "spans, in text order: '3-4;7;...' (null: random ids)")
         drift_layer_tol: float = key("relative K/V error from which a layer counts as disagreeing")
         drift_first_layer_over_tol: int | None = key("first layer whose K or V is off fp32's by more than that "
                                                      "(null: none)", "layer", shown="report")
@@ -84,7 +86,7 @@ class TextDrift(Measurement):
         ctx = self.ctx
         summary, tables = measure.text_drift(ctx.engine, ctx.ref32, ctx.spec, ctx.texts, ctx.prompts[0].shape[1],
                                              ctx.progress)
-        return self.Result(**summary, drift_texts=len(ctx.texts)), tables
+        return self.Result(**summary, drift_texts=len(ctx.texts), drift_text_paragraphs=ctx.text_paragraphs), tables
 
     @classmethod
     def summary(cls, r, tables):

@@ -87,7 +87,7 @@ def main(argv=None) -> None:
     model = load_model(folder).eval()
     if model.config.n_embd // model.config.n_head % GROUP:
         ap.error(f"the head size {model.config.n_embd // model.config.n_head} is not a multiple of {GROUP}")
-    texts = disjoint_texts(folder / "heldout.txt", a.texts, a.length, Tokenizer())
+    texts = disjoint_texts(folder / "heldout.txt", a.texts, a.length, Tokenizer()).texts
     bos = first_token(folder)
     texts = texts if bos is None else [led(t, bos) for t in texts]
     arms = {arm: kl_rows(model, texts, arm, a.bits) for arm in ("K", "K and query")}

@@ -114,7 +114,7 @@ def test_the_comparison_pairs_seeds_and_makes_its_interval_on_log_ratios():
     cmp = A.server_compare(runs, "paged", "prealloc", "tokens_per_s")
     (row,) = cmp.itertuples()
     logs = np.log([2.0, 3.0, 3.0])
-    h = 4.303 * logs.std(ddof=1) / math.sqrt(3)
+    h = 4.302653 * logs.std(ddof=1) / math.sqrt(3)  # t(0.975, 2 df), exact to 6 digits
     assert row.n == 3 and math.isinf(row.rate)
     assert row.ratio == pytest.approx(math.exp(logs.mean()))
     assert (row.low, row.high) == pytest.approx((math.exp(logs.mean() - h), math.exp(logs.mean() + h)))

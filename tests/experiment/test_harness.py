@@ -221,20 +221,35 @@ def test_text_prompts_are_real_text_of_exact_length():
     assert tok.decode(short[0]).startswith(first) and short.shape == (1, 200)
 
 
-def test_drift_texts_are_disjoint_spans_of_the_file():
-    """Drift's texts share no token: consecutive spans of the file's token stream, the first at its start; a file
-    too short for them is one line that says what would fit."""
+def test_drift_texts_are_disjoint_spans_drawn_from_across_the_file():
+    """Drift's texts share no token: whole windows of the file's token stream, one drawn from each n-th of it (so the
+    last texts come from its end, not its start), in order, the same on every draw; each names the paragraphs it
+    spans. Joined as a reference model was trained, with its first token between paragraphs, the stream is the
+    paragraphs' tokens each followed by it. A file too short for them is one line that says what would fit."""
     tok = Tokenizer()
     path = REPO / "harness" / "prompts.txt"
     paragraphs = [p.strip() for p in path.read_text().splitlines() if p.strip()]
     stream = [t for p in paragraphs for t in tok.encode(p + "\n\n")]
-    texts = disjoint_texts(path, 7, 150, tok)
-    assert [t.shape for t in texts] == [(1, 150)] * 7
-    assert torch.cat([t[0] for t in texts]).tolist() == stream[:7 * 150]  # in order, none twice, nothing skipped
-    assert tok.decode(texts[0][0]).startswith(paragraphs[0])
-    with pytest.raises(ConfigError, match=f"holds {len(stream):,} tokens, and 8 disjoint texts of 150 tokens .* "
-                                          "need 1,200: lower drift_texts or drift_text_len, or give a longer file"):
-        disjoint_texts(path, 8, 150, tok)
+    drawn = disjoint_texts(path, 3, 150, tok)
+    assert [t.shape for t in drawn.texts] == [(1, 150)] * 3
+    slots = len(stream) // 150
+    starts = [next(j for j in range(slots) if stream[j * 150:(j + 1) * 150] == t[0].tolist()) for t in drawn.texts]
+    assert [k * slots // 3 <= j < (k + 1) * slots // 3 for k, j in enumerate(starts)] == [True] * 3  # one a third
+    again = disjoint_texts(path, 3, 150, tok)  # the same texts every time
+    assert again.paragraphs == drawn.paragraphs and all(torch.equal(a, b) for a, b in zip(again.texts, drawn.texts))
+    first, last = drawn.paragraphs[0]
+    assert tok.decode(drawn.texts[0][0]) in "\n\n".join(paragraphs[first - 1:last]) + "\n\n"
+    assert drawn.record() == ";".join(f"{a}" if a == b else f"{a}-{b}" for a, b in drawn.paragraphs)
+    every = disjoint_texts(path, slots, 150, tok)  # as many texts as fit: all of them, in order
+    assert torch.cat([t[0] for t in every.texts]).tolist() == stream[:slots * 150]
+    eot = disjoint_texts(path, 2, 150, tok, sep=50256)
+    joined = [t for p in paragraphs for t in tok.encode(p) + [50256]]
+    assert all(any(t[0].tolist() == joined[j * 150:(j + 1) * 150] for j in range(len(joined) // 150))
+               for t in eot.texts) and 50256 in torch.cat([t[0] for t in eot.texts]).tolist()
+    with pytest.raises(ConfigError, match=f"holds {len(stream):,} tokens, and {slots + 1} disjoint texts of 150 "
+                                          f"tokens .* need {(slots + 1) * 150:,}: lower drift_texts or "
+                                          "drift_text_len, or give a longer file"):
+        disjoint_texts(path, slots + 1, 150, tok)
 
 
 class OffByOneReference(KvlabEngine):

@@ -640,8 +640,8 @@ def test_the_curriculum_trains_short_rows_first_with_the_same_tokens_per_step():
 
 
 PROBES = ("context_probe", "copy_from_probe", "copy_probe", "decode_attention_probe", "eviction_probe", "gemv_probe",
-          "induction_probe", "induction_toy", "kv_stats", "query_quant_probe", "rotation_probe", "sink_probe",
-          "sink_value_probe")
+          "induction_probe", "induction_toy", "kv_stats", "overlap_probe", "query_quant_probe", "rotation_probe",
+          "sink_probe", "sink_value_probe")
 
 
 def test_scripts_holds_the_user_commands_and_the_probes_apart():
@@ -655,7 +655,8 @@ def test_scripts_holds_the_user_commands_and_the_probes_apart():
     for name in PROBES:
         assert f"`{name}.py`" in readme and "../../docs/" in readme, name
         text = (probes / f"{name}.py").read_text()  # a Python without torch runs it again with the repo's .venv
-        assert "_venv.ensure(__file__" in text and text.index("_venv.ensure(__file__") < text.index("\nimport torch")
+        first = min(text.find(f"\n{w}") for w in ("import torch", "from harness", "from models") if f"\n{w}" in text)
+        assert "_venv.ensure(__file__" in text and text.index("_venv.ensure(__file__") < first  # before what needs torch
 
 
 @pytest.mark.parametrize("name", PROBES)
