@@ -38,13 +38,14 @@ Reproducible: the same rows give the same interval. Pure: numpy and pandas in, d
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import pandas as pd
+
+from harness.common.stats import t_quantile, t_within  # noqa: F401 (Student's t: its home is harness.common)
 
 N_BOOT = 2_000  # resamples
 LEVEL = 0.95
@@ -194,49 +195,6 @@ class Interval:
         if self.n < MIN_SHOWN:
             return f"n = {self.n}"
         return f"n = {self.n}, " + ("no spread" if np.isfinite(self.lo) and np.isfinite(self.hi) else "not finite")
-
-
-# ---- Student's t ---------------------------------------------------------------------------------------------------
-
-def t_within(x: float, df: int) -> float:
-    """P(|T| < x) for Student's t with ``df`` (a positive integer) degrees of freedom: the exact finite series of
-    Abramowitz and Stegun 26.7.3 (odd df) and 26.7.4 (even df), in theta = atan(x / sqrt(df))."""
-    if df < 1 or int(df) != df:
-        raise ValueError(f"df={df!r}: give a positive whole number of degrees of freedom")
-    if x <= 0:
-        return 0.0
-    if not math.isfinite(x):
-        return 1.0
-    theta = math.atan(x / math.sqrt(df))
-    c2, s = math.cos(theta) ** 2, math.sin(theta)
-    if df % 2:  # odd: (2 / pi) (theta + sin cos (1 + 2/3 cos^2 + 2.4/3.5 cos^4 + ...)), the sum for df > 1 only
-        term, total = 1.0, 0.0
-        for k in range(1, (df - 1) // 2 + 1):
-            total += term
-            term *= c2 * (2 * k) / (2 * k + 1)
-        return (2 / math.pi) * (theta + (s * math.cos(theta) * total if df > 1 else 0.0))
-    term, total = 1.0, 0.0  # even: sin (1 + 1/2 cos^2 + 1.3/2.4 cos^4 + ...)
-    for k in range(1, df // 2 + 1):
-        total += term
-        term *= c2 * (2 * k - 1) / (2 * k)
-    return s * total
-
-
-@functools.lru_cache(maxsize=4096)
-def t_quantile(level: float, df: int) -> float:
-    """The x with P(|T| < x) = ``level`` (two-sided: the 0.975 quantile for level 0.95), by bisection."""
-    if not 0 < level < 1:
-        raise ValueError(f"level={level!r}: give a level in (0, 1)")
-    hi = 1.0
-    while t_within(hi, df) < level:
-        hi *= 2
-    lo = 0.0
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if t_within(mid, df) < level else (lo, mid)
-        if hi - lo <= 1e-12 * hi:
-            break
-    return (lo + hi) / 2
 
 
 def t_bounds(estimate: float, se: float, n: int, level: float, log: bool = False) -> tuple[float, float]:

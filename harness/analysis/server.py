@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from harness.analysis import intervals
+from harness.common.stats import mean_interval, t_quantile
 from harness.analysis.plots import _message_figure, _ok, plt
 
 if TYPE_CHECKING:
@@ -102,21 +102,13 @@ PEER_KEYS = {"requests_per_s": "server_hf_requests_per_s", "tokens_per_s": "serv
 
 
 def t975(df: int) -> float:
-    """Student's t, two-sided 95%: the 0.975 quantile with ``df`` degrees of freedom (``intervals.t_quantile``)."""
-    return intervals.t_quantile(0.95, df)
+    """Student's t, two-sided 95%: the 0.975 quantile with ``df`` degrees of freedom (``harness.common.stats``)."""
+    return t_quantile(0.95, df)
 
 
 def t_interval(values) -> tuple[float, float, float, int]:
-    """Mean and 95% t-interval of ``values`` (NaN bounds with one value)."""
-    a = np.asarray([v for v in values if np.isfinite(v)], dtype=float)
-    n = len(a)
-    if n == 0:
-        return math.nan, math.nan, math.nan, 0
-    m = float(a.mean())
-    if n < 2:
-        return m, math.nan, math.nan, n
-    h = t975(n - 1) * float(a.std(ddof=1)) / math.sqrt(n)
-    return m, m - h, m + h, n
+    """Mean and 95% t-interval of ``values`` (NaN bounds with one value): ``harness.common.stats.mean_interval``."""
+    return mean_interval(values)
 
 
 def server_compare(runs: pd.DataFrame, a: str, b: str, key: str) -> pd.DataFrame:

@@ -110,13 +110,13 @@ def model_copy_accuracy(model, ids: torch.Tensor, n: int, k: int = 8, seed: int 
     was_training = model.training
     model.eval()
     try:
-        pred = torch.cat([_top1(model, x[i:i + batch], at, at + 2 * n - 1) for i in range(0, k, batch)])
+        pred = torch.cat([top1(model, x[i:i + batch], at, at + 2 * n - 1) for i in range(0, k, batch)])
     finally:
         model.train(was_training)
     return _scored(pred, x[:, at:], n, skip_first=True)
 
 
-def _top1(model, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+def top1(model, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """The top-1 ids ``model`` predicts at input positions lo .. hi - 1 of ``x`` (b, T). A kvlab model's output
     projection (``lm_head``) is made only there: once per distinct row of its output embedding when it is a plain
     bias-free projection (``output_rows``; the first of the ids sharing the top row, as argmax over every id would

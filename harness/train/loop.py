@@ -44,7 +44,7 @@ from harness.train.export import export_full, finished, write_checkpoint
 from harness.train.folder import RESTART, check_out, fit_problem, load_state, state_cap, step_problem, take
 from harness.train.model import (attention_only_at, compact_model, hidden, lr_at, make_optimizer, mlp_output,
                                  mlps_left_out, pin_embedding, row_positions)
-from harness.train.recipe import (BATCH, BOS, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CORPUS, DEFAULT_STEPS, EOT,
+from harness.train.recipe import (BATCH, BOS, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CORPUS, DEFAULT_STEPS, EOT, FAR_SHARE,
                                   EVAL_LEN, FAMILY_PRESETS, HELDOUT_AT, HELDOUT_EVERY, IGNORE, INIT_STD, MAX_STEPS,
                                   MIN_LR_FRAC, MLP_OFF, OURS, PEAK_LR, PLACED_SHARE, QUICK_COPY, QUICK_FAR, SEQ_LEN,
                                   SINK_FROM, SPAN_MIN, STATE, WARMUP_FRAC, WEIGHT_DECAY, TrainError, check_settings,
@@ -250,7 +250,7 @@ class _Run:
             loss = F.cross_entropy(logits, y[trained])
         else:
             x, y = make_batch(d.ctrain, rows, seq_len - bos, s["copy_share"], len(d.vocab), d.eot, self.gen,
-                              s.get("placed_share", 0.0))
+                              s.get("placed_share", 0.0), far_share=s.get("far_share", 0.0))
             if bos:
                 x, y = with_bos(x, y, self.bos)
             with mlps_left_out(self.model, self.attention_only()):
@@ -352,7 +352,8 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
           copy_share: float = COPY_SHARE, init_std: float = INIT_STD, peak_lr: float = PEAK_LR,
           curriculum=True, threads: int | None = None, placed_share: float = PLACED_SHARE,
           mlp_off: float = MLP_OFF, copy_phase: float = COPY_PHASE, copy_offsets: float | None | str = "default",
-          family: str = "gpt2", bos: bool = BOS, weight_decay: float = WEIGHT_DECAY) -> dict:
+          family: str = "gpt2", bos: bool = BOS, weight_decay: float = WEIGHT_DECAY,
+          far_share: float = FAR_SHARE) -> dict:
     """Train (or resume, or report) the run in ``out``; returns its ``kvlab_train`` record (``done`` False when
     ``stop_after`` interrupted it). The budget is ``minutes`` of wall clock or ``steps`` (deterministic), not both;
     neither: DEFAULT_STEPS. ``config``, ``batch``, ``seq_len``, ``eval_every``, ``eval_tokens`` (the final held-out
@@ -367,6 +368,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
         copy_offsets = COPY_OFFSETS if copy_phase > COPY_OFFSETS else None
     recipe = dict(batch=batch, seq_len=seq_len, copy_share=copy_share, init_std=init_std, peak_lr=peak_lr,
                   **({"placed_share": placed_share} if placed_share else {}),  # absent when off: a record names only the phases it had
+                  **({"far_share": far_share} if far_share else {}),
                   **({"mlp_off": mlp_off} if mlp_off else {}),
                   **({"copy_phase": copy_phase} if copy_phase else {}),
                   **({"copy_offsets": copy_offsets} if copy_offsets is not None else {}),
@@ -400,7 +402,7 @@ def _train(folder: Path, minutes, steps, seed, restart, config, stop_after, save
     check_settings(minutes, steps, stop_after, save_dtype, recipe["batch"], recipe["seq_len"], recipe["copy_share"],
                    recipe["init_std"], recipe["peak_lr"], cfg, recipe.get("placed_share", 0.0),
                    recipe.get("mlp_off", 0.0), recipe["curriculum"], recipe.get("copy_phase", 0.0),
-                   recipe.get("copy_offsets"))
+                   recipe.get("copy_offsets"), recipe.get("far_share", 0.0))
     cap = state_cap(cfg)
     owner, state = check_out(folder, cap)
     settings = dict(minutes=minutes, steps=steps, seed=seed, save_dtype=save_dtype, **recipe, family=cfg.family,
@@ -492,6 +494,10 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
     if s.get("placed_share"):
         mix += (f"; {s['placed_share']:.0%} of the copy rows instead show their span twice in a row at a random place "
                 "of a KJV text window (the first showing not a target)")
+    if s.get("far_share"):
+        mix += (f"; {s['far_share']:.0%} of each batch's rows are retrieval rows in KJV text windows: half a random "
+                "span shown twice at any distance (uniform), half key-value pairs (8 + 8 random ids, up to 16) with "
+                "some of the keys asked at the end, only the second showing and the asked values targets")
     if s.get("copy_phase"):
         offsets = s.get("copy_offsets")
         mix = (f"the first {s['copy_phase']:.0%} of the budget: every row random ids with one span of them shown twice "
@@ -508,6 +514,7 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
                 budget=(f"{s['minutes']} minutes" if s["steps"] is None else f"{s['steps']} steps"),
                 batch=s["batch"], seq_len=s["seq_len"], copy_share=s["copy_share"], span_min=SPAN_MIN,
                 **({"placed_share": s["placed_share"]} if s.get("placed_share") else {}),
+                **({"far_share": s["far_share"]} if s.get("far_share") else {}),
                 **({"mlp_off": s["mlp_off"]} if s.get("mlp_off") else {}),
                 **({"copy_phase": s["copy_phase"]} if s.get("copy_phase") else {}),
                 **({"copy_offsets": s["copy_offsets"]} if s.get("copy_offsets") is not None else {}),

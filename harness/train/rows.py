@@ -1,8 +1,9 @@
 """The rows training is made of, each (inputs, targets) with IGNORE where nothing is trained on (``with_bos`` puts the
 fixed first token in front of any of them): KJV text windows
 (``text_rows``), a random span repeated from position 0 (``copy_rows``), a span shown twice at a random place of a
-text window (``placed_rows``) or among random ids (``twice_rows``, the copy phase's), and one batch of the mix
-(``make_batch``). Copying a span it has seen is what the copy rows reward, and only a circuit that looks back (an
+text window (``placed_rows``) or among random ids (``twice_rows``, the copy phase's), a span shown twice at any
+distance in text (``far_rows``), key-value pairs in text, some asked at the end (``recall_rows``), and one batch of
+the mix (``make_batch``). Copying a span it has seen is what the copy rows reward, and only a circuit that looks back (an
 induction head) earns it; a span's first showing is never a target: nothing can announce it.
 
 Every draw comes from the ``torch.Generator`` passed in, so the same seed gives the same rows on any machine.
@@ -14,7 +15,7 @@ import math
 
 import torch
 
-from harness.train.recipe import IGNORE, SPAN_MIN
+from harness.train.recipe import FAR_SPAN_MAX, IGNORE, RECALL_KEY, RECALL_PAIRS, RECALL_VALUE, SPAN_MIN
 
 
 def span_ids(n_ids: int, skip: int, shape: tuple, gen: torch.Generator) -> torch.Tensor:
@@ -100,14 +101,75 @@ def twice_rows(rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Genera
     return xy[:, :-1].clone(), y
 
 
+def far_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
+             span_min: int = SPAN_MIN, span_max: int = FAR_SPAN_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` KJV text windows, each with one random span shown twice, the two showings ``d`` ids of text apart,
+    ``d`` uniform over every distance the row has room for (0 .. seq_len - 2n): a source at any depth, each depth as
+    likely, as the needle and far-copy targets ask at every depth of the context. Span lengths log-uniform in
+    [span_min, span_max]; the pair's place uniform over the room left. Targets: the text, and the second showing
+    after its first id (the first showing, and the second's first id, cannot be known). (inputs, targets)."""
+    xy = text_windows(stream, rows, seq_len, gen)
+    hidden = torch.zeros(rows, seq_len, dtype=torch.bool)
+    for r in range(rows):
+        n = span_length(min(2 * span_max, seq_len), span_min, gen)
+        d = int(torch.randint(0, seq_len + 2 - 2 * n, (), generator=gen))  # text between the showings
+        at = int(torch.randint(0, seq_len + 2 - 2 * n - d, (), generator=gen))
+        span = span_ids(n_ids, skip, (n,), gen)
+        xy[r, at:at + n], xy[r, at + n + d:at + 2 * n + d] = span, span
+        hidden[r, max(at - 1, 0):at + n - 1] = True  # the first showing's ids
+        hidden[r, at + n + d - 1] = True  # the second showing's first id: nothing announces it
+    y = xy[:, 1:].clone()
+    y[hidden] = IGNORE
+    return xy[:, :-1].clone(), y
+
+
+def recall_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
+                most_pairs: int = RECALL_PAIRS, key: int = RECALL_KEY,
+                value: int = RECALL_VALUE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` KJV text windows, each holding P key-value pairs (random ids: ``key`` then ``value``; P uniform in
+    1 .. most_pairs, fewer when the row is short) at random places that do not overlap, then Q of them (uniform in
+    1 .. P) asked at the end, each key followed by its value, in a random order: multi-query associative recall
+    (Arora et al., arXiv 2312.04927) in text, and with P = 1 a needle. Targets: the text, and each asked value
+    (what its key's second showing makes known); the planted pairs and the asked keys are not trained on.
+    (inputs, targets)."""
+    xy = text_windows(stream, rows, seq_len, gen)
+    hidden = torch.zeros(rows, seq_len, dtype=torch.bool)
+    span = key + value
+    for r in range(rows):
+        p = int(torch.randint(1, max(1, min(most_pairs, (seq_len + 1) // (2 * span))) + 1, (), generator=gen))
+        q = int(torch.randint(1, p + 1, (), generator=gen))
+        room = seq_len + 1 - q * span  # the row before its questions
+        cuts = sorted(torch.randint(0, room - p * span + 1, (p,), generator=gen).tolist())
+        kvs = [span_ids(n_ids, skip, (span,), gen) for _ in range(p)]
+        for i, (cut, kv) in enumerate(zip(cuts, kvs)):
+            at = cut + i * span
+            xy[r, at:at + span] = kv
+            hidden[r, max(at - 1, 0):at + span - 1] = True
+        asked = torch.randperm(p, generator=gen)[:q].tolist()
+        xy[r, room:] = torch.cat([kvs[i] for i in asked])
+        for j in range(q):
+            hidden[r, room + j * span - 1:room + j * span + key - 1] = True  # the asked key's ids
+    y = xy[:, 1:].clone()
+    y[hidden] = IGNORE
+    return xy[:, :-1].clone(), y
+
+
 def make_batch(stream: torch.Tensor, batch: int, seq_len: int, copy_share: float, n_ids: int, skip: int,
                gen: torch.Generator, placed_share: float = 0.0,
-               span_min: int = SPAN_MIN) -> tuple[torch.Tensor, torch.Tensor]:
+               span_min: int = SPAN_MIN, far_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One training batch: round(batch * copy_share) copy rows (of them, round(that * placed_share) placed in text,
-    the rest repeated random spans), the rest KJV text. (inputs, targets)."""
+    the rest repeated random spans), round(batch * far_share) retrieval rows (half far copies, half recall rows,
+    the odd one a far copy), the rest KJV text. (inputs, targets)."""
     n_copy = round(batch * copy_share)
     n_placed = round(n_copy * placed_share)
-    x, y = text_rows(stream, batch - n_copy, seq_len, gen)
+    n_far = min(round(batch * far_share), batch - n_copy)
+    x, y = text_rows(stream, batch - n_copy - n_far, seq_len, gen)
+    if n_far:
+        n_recall = n_far // 2
+        parts = [far_rows(stream, n_far - n_recall, seq_len, n_ids, skip, gen)]
+        if n_recall:
+            parts.append(recall_rows(stream, n_recall, seq_len, n_ids, skip, gen))
+        x, y = torch.cat([p[0] for p in parts] + [x]), torch.cat([p[1] for p in parts] + [y])
     if n_copy - n_placed:
         cx, cy = copy_rows(n_copy - n_placed, seq_len, n_ids, skip, gen, span_min)
         x, y = torch.cat([cx, x]), torch.cat([cy, y])

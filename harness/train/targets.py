@@ -25,12 +25,15 @@ import torch
 import torch.nn.functional as F
 
 from harness.common.ownership import atomic_write
+from harness.common.stats import mean_interval
+from harness.core import recall
 from harness.core.copying import model_copy_accuracy, output_rows
 from harness.train.corpus import TrainingData, windows
 from harness.train.export import finished
 from harness.train.folder import check_recordable_folder
-from harness.train.recipe import (COPY_FROM, COPY_K, COPY_LENGTHS, EOT, EVAL_LEN, EVAL_TOKENS, LATE, NEAR,
-                                  PROMPTS, SINK_FROM, SINK_WINDOWS, TARGETS, TrainError)
+from harness.train.recipe import (COPY_FROM, COPY_K, COPY_LENGTHS, EOT, EVAL_LEN, EVAL_TOKENS, FAR_COPY, FAR_K, LATE,
+                                  NEAR, NEEDLE_DEPTHS, NEEDLE_K, PROMPTS, RECALL_EVAL, RECALL_K, SINK_FROM,
+                                  SINK_WINDOWS, TARGETS, TrainError)
 from models import attention
 from models.decoder import Decoder
 from models.families import MODEL_CLASSES, load_model
@@ -248,6 +251,7 @@ def evaluate(model: Decoder, held: torch.Tensor, ids: torch.Tensor, seed: int = 
                                                                  after=o, bos=bos).second
     text = held[held != EOT]  # passages of the held-out text itself: its own prior competes with the copy
     r["copy500_passage"] = model_copy_accuracy(model, text, 500, k=COPY_K, seed=seed, bos=bos, contiguous=True).second
+    r.update(far_retrieval(model, held, ids, seed, bos))
     shares = attention_on_first(model, wins[:SINK_WINDOWS, :-1])
     r["attention_on_position_0"] = shares
     r["sink_head_max"] = max(max(layer) for layer in shares)
@@ -259,6 +263,30 @@ def evaluate(model: Decoder, held: torch.Tensor, ids: torch.Tensor, seed: int = 
     return r
 
 
+def far_retrieval(model: Decoder, held: torch.Tensor, ids: torch.Tensor, seed: int = 0, bos: int | None = None) -> dict:
+    """Retrieval from far back in held-out text (``harness.core.recall``), random ids of ``ids`` planted in windows
+    of ``held`` (the held-out stream, <|endoftext|> between chapters as training reads it): the far copy, a needle
+    at each of NEEDLE_DEPTHS depths (the middle of each tenth of the room before the question), and RECALL_EVAL pairs
+    each asked once. Each figure is the mean of its sequences' accuracies; ``retrieval`` holds, per figure, its n
+    (sequences) and 95% t-interval over them, and ``needle_depths`` each depth's accuracy."""
+    n, gap = FAR_COPY
+    far = recall.accuracy(model, [recall.far_copy(held, ids, n, gap, seed + 7_000 + i, bos) for i in range(FAR_K)])
+    depths = [(d + 0.5) / NEEDLE_DEPTHS for d in range(NEEDLE_DEPTHS)]
+    needles = [recall.accuracy(model, [recall.needle(held, ids, EVAL_LEN, depth, seed + 8_000 + 100 * d + i, bos)
+                                       for i in range(NEEDLE_K)]) for d, depth in enumerate(depths)]
+    pairs = recall.accuracy(model, [recall.recall(held, ids, EVAL_LEN, RECALL_EVAL, seed + 9_000 + i, bos)
+                                    for i in range(RECALL_K)])
+    per = {f"far{n}_after{gap}_text": far, f"recall{RECALL_EVAL}": pairs,
+           **{f"needle_{depth:.2f}": acc for depth, acc in zip(depths, needles)}}
+    out = {key: mean_interval(v)[0] for key, v in per.items() if not key.startswith("needle_")}
+    out["needle_depths"] = [round(mean_interval(v)[0], 4) for v in needles]
+    out["needle_min"] = min(out["needle_depths"])
+    out["retrieval"] = {key: dict(zip(("mean", "lo", "hi", "n"), (round(x, 4) if isinstance(x, float) else x
+                                                                  for x in mean_interval(v))))
+                        for key, v in per.items()}
+    return out
+
+
 def meets(value: float, bound: tuple) -> bool:
     """Whether ``value`` meets a target's bound ("<=" or ">=", number)."""
     op, limit = bound
@@ -268,10 +296,18 @@ def meets(value: float, bound: tuple) -> bool:
 def targets_table(r: dict) -> str:
     """The targets as one plain-text table: what, value, bound, met."""
     rows = [("target", "value", "bound", "met")]
+    spread = r.get("retrieval") or {}
     for key, what, bound in TARGETS:
-        rows.append((what, f"{r[key]:+.3f}" if any(w in key for w in ("cost", "gain", "used")) else f"{r[key]:.3f}",
+        iv = spread.get(key) if key != "needle_min" else None
+        value = f"{r[key]:+.3f}" if any(w in key for w in ("cost", "gain", "used")) else f"{r[key]:.3f}"
+        if iv and iv.get("n", 0) > 1:
+            value += f" [{iv['lo']:.3f}, {iv['hi']:.3f}] n={iv['n']}"
+        rows.append((what, value,
                      f"{bound[0]} {bound[1]}" if bound else "reported",
                      ("yes" if r["met"][key] else "NO") if bound else ""))
+    if r.get("needle_depths"):
+        rows.append((f"needle value accuracy at each of {len(r['needle_depths'])} depths (n={NEEDLE_K} each)",
+                     " ".join(f"{a:.2f}" for a in r["needle_depths"]), "reported", ""))
     for layer, shares in enumerate(r["attention_on_position_0"]):
         shares = shares if isinstance(shares, list) else [shares]  # a record from before the per-head shares
         rows.append((f"layer {layer}: share of attention on position 0 per head (queries >= {SINK_FROM})",

@@ -335,6 +335,62 @@ def test_placed_rows_show_one_span_twice_anywhere_in_text():
     assert ((xb >= 100).any(1) & (xb < 10).any(1)).sum() == 2
 
 
+def test_far_rows_show_one_span_twice_at_any_distance_in_text():
+    """A far row (--far-share) is a text window with one random span shown twice, the text between the showings of
+    any length the row has room for: distances from 0 to past half the row occur. The first showing and the second's
+    first id are hidden from the loss; the rest of the second showing and the text are targets."""
+    gen = torch.Generator().manual_seed(1)
+    stream = torch.arange(100, 5100)  # text ids (>= 100) told apart from span ids (< 10)
+    x, y = rows.far_rows(stream, 64, 128, n_ids=10, skip=3, gen=gen)
+    assert x.shape == y.shape == (64, 128) and not (x == 3).any()
+    gaps = []
+    for row_x, row_y in zip(x, y):
+        full = torch.cat([row_x, row_y[-1:]])
+        where = (full < 10).nonzero().flatten()
+        n = len(where) // 2
+        a, b = int(where[0]), int(where[n])  # the two showings' starts
+        assert R.SPAN_MIN <= n <= R.FAR_SPAN_MAX and torch.equal(full[a:a + n], full[b:b + n])
+        assert torch.equal(where, torch.cat([torch.arange(a, a + n), torch.arange(b, b + n)]))
+        hidden = (row_y == R.IGNORE).nonzero().flatten()
+        assert torch.equal(hidden, torch.cat([torch.arange(max(a - 1, 0), a + n - 1), torch.tensor([b - 1])]))
+        assert torch.equal(row_y[b:b + n - 1], full[b + 1:b + n])  # the second showing after its first: targets
+        gaps.append(b - a - n)
+    assert min(gaps) < 16 and max(gaps) > 64  # near and far
+
+
+def test_recall_rows_plant_pairs_and_ask_some_of_them_at_the_end():
+    """A recall row is a text window with P key-value pairs (8 + 8 random ids) and Q <= P of them asked at the end,
+    each key then its value: only the asked values are targets among the planted ids; P and Q vary, P = 1 (a needle)
+    included."""
+    gen = torch.Generator().manual_seed(2)
+    stream = torch.arange(100, 5100)
+    x, y = rows.recall_rows(stream, 48, 256, n_ids=10, skip=3, gen=gen, most_pairs=4)
+    counts = set()
+    for row_x, row_y in zip(x, y):
+        full = torch.cat([row_x, row_y[-1:]])
+        planted = (full < 10).nonzero().flatten()
+        tail = int(planted[-1]) + 1 == len(full)
+        assert tail  # the questions end the row
+        q_start = len(full) - 16 * ((len(full) - int((full[:-1] >= 100).nonzero().flatten()[-1]) - 1) // 16)
+        asked = full[q_start:].view(-1, 16)
+        context = full[:q_start]
+        kv = {tuple(context[i:i + 16].tolist()) for i in range(len(context) - 15) if (context[i:i + 16] < 10).all()}
+        assert all(tuple(a.tolist()) in kv for a in asked)  # every question is a planted pair
+        values = torch.zeros(len(row_y), dtype=torch.bool)
+        for j in range(len(asked)):  # each asked value, predicted from its key's last id onwards
+            values[q_start + j * 16 + 7:q_start + j * 16 + 15] = True
+        trained = row_y != R.IGNORE
+        assert torch.equal(trained[q_start - 1:], values[q_start - 1:])  # in the questions: the values alone
+        assert (row_y[values] == full[1:][values]).all()
+        for i in range(len(context) - 16):  # a planted pair's own ids are never targets
+            if (context[i:i + 16] < 10).all() and (i == 0 or context[i - 1] >= 100):
+                assert (row_y[max(i - 1, 0):i + 15] == R.IGNORE).all()
+        counts.add((int((context < 10).sum()) // 16, len(asked)))
+    assert {p for p, _ in counts} >= {1, 4} and any(q < p for p, q in counts)
+    xb, _ = rows.make_batch(stream, 8, 256, 0.25, n_ids=10, skip=3, gen=gen, far_share=0.5)
+    assert ((xb < 10).any(1)).sum() == 2 + 4  # two copy rows, four retrieval rows (two far, two recall)
+
+
 def test_twice_rows_show_one_span_twice_among_random_ids_and_train_only_its_second_showing():
     """A twice row (--copy-phase) is random ids with one span written twice in a row at a random place; the targets
     are the second showing's tokens after its first (each the next token), nothing else, and the source lies
@@ -370,7 +426,21 @@ def test_a_copy_phase_trains_on_twice_rows_only_then_on_the_mix(tmp_path, monkey
         loop.train(tmp_path / "other", steps=8, **{**FAST, "copy_phase": 1.0})
 
 
+def test_far_share_puts_retrieval_rows_in_the_mix_and_the_record(tmp_path, monkeypatch):
+    """--far-share 0.5: every mixed batch holds far and recall rows (the record names the share and the rows), and
+    a share that leaves no room for the copy rows is refused in one line."""
+    seen = []
+    monkeypatch.setattr(rows, "far_rows", lambda *a, **k: seen.append("far") or real_far(*a, **k))
+    monkeypatch.setattr(rows, "recall_rows", lambda *a, **k: seen.append("recall") or real_recall(*a, **k))
+    meta = loop.train(tmp_path / "run", steps=2, eval_every=2, **{**FAST, "far_share": 0.5})
+    assert seen.count("far") == 2 and seen.count("recall") == 2  # two batches, each with both
+    assert meta["far_share"] == 0.5 and "key-value pairs" in meta["mix"]
+    with pytest.raises(R.TrainError, match=r"--far-share must lie in \[0, 1\] and leave room for the copy rows"):
+        loop.train(tmp_path / "other", steps=2, **{**FAST, "copy_share": 0.5, "far_share": 0.6})
+
+
 real_twice, real_mix, real_positions = rows.twice_rows, rows.make_batch, M.row_positions
+real_far, real_recall = rows.far_rows, rows.recall_rows
 
 
 def test_copy_offsets_move_the_copy_phases_rows_to_random_positions_from_their_share_on(tmp_path, monkeypatch):
@@ -516,7 +586,7 @@ def test_copy_accuracy_projects_only_the_scored_span_and_picks_what_argmax_over_
     x = torch.randint(0, 400, (3, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = m(x).argmax(-1)[:, after:after + 25]
-        got = copying._top1(m, x, after, after + 25)
+        got = copying.top1(m, x, after, after + 25)
     assert torch.equal(got, want) and int(got.max()) <= 299  # an id of the shared row: its first, 299
     assert copying.output_rows(m)[3][copying.output_rows(m)[2][350]] == 299
     ids = torch.arange(250, 400)  # draws from the shared row too: each scored as argmax over every id scores it
@@ -527,7 +597,7 @@ def test_copy_accuracy_projects_only_the_scored_span_and_picks_what_argmax_over_
     with torch.no_grad():
         hooked.lm_head.weight[-1] = 0  # the "other ids" slot: a zero row whose logit only the hook raises
         want = hooked(x).argmax(-1)[:, after:after + 25]
-    assert (want == 499).any() and torch.equal(copying._top1(hooked, x, after, after + 25), want)
+    assert (want == 499).any() and torch.equal(copying.top1(hooked, x, after, after + 25), want)
 
 
 @pytest.mark.slow
