@@ -77,6 +77,14 @@ class Metric:
     stat: str
     better: str  # "low" | "high"
     fmt: str = ".3g"
+    low: float = -math.inf  # the figure's own range (an accuracy lies in [0, 1], a KL at or above 0): one run's
+    high: float = math.inf  # interval is cut to it (a t-interval is symmetric; the figure cannot leave its range)
+
+    def clipped(self, iv: "Interval") -> "Interval":
+        """One run's interval of this figure, cut to the figure's range."""
+        if not (np.isfinite(iv.lo) and np.isfinite(iv.hi)):
+            return iv
+        return dataclasses.replace(iv, lo=max(iv.lo, self.low), hi=min(iv.hi, self.high))
 
     @property
     def unit_name(self) -> str:
@@ -84,10 +92,11 @@ class Metric:
 
 
 METRICS = {
-    "kl": Metric("kl", "mean KL (nats)", "text_positions", "text_id", "kl", "mean", "low"),
-    "kl_p99": Metric("kl_p99", "KL p99 (nats)", "text_positions", "text_id", "kl", "p99", "low"),
+    "kl": Metric("kl", "mean KL (nats)", "text_positions", "text_id", "kl", "mean", "low", low=0.0),
+    "kl_p99": Metric("kl_p99", "KL p99 (nats)", "text_positions", "text_id", "kl", "p99", "low", low=0.0),
     "nll": Metric("nll", "ΔNLL (nats/token)", "text_positions", "text_id", "dnll", "mean", "low", "+.3f"),
-    "copy": Metric("copy", "copy accuracy", "retrieval_positions", "seq_id", "correct", "mean", "high", ".3f"),
+    "copy": Metric("copy", "copy accuracy", "retrieval_positions", "seq_id", "correct", "mean", "high", ".3f", 0.0,
+                   1.0),
 }
 
 
@@ -118,8 +127,8 @@ def with_intervals(runs: pd.DataFrame, positions: dict | None) -> pd.DataFrame:
         lo, hi = [], []
         for run_name in out["run_name"]:
             rows = rows_of(positions, run_name, METRICS[name])
-            iv = None if rows is None else single(rows, METRICS[name].column, METRICS[name].stat,
-                                                   unit=METRICS[name].unit)
+            iv = None if rows is None else METRICS[name].clipped(single(rows, METRICS[name].column,
+                                                                        METRICS[name].stat, unit=METRICS[name].unit))
             lo.append(iv.lo if iv is not None and iv.shown else np.nan)
             hi.append(iv.hi if iv is not None and iv.shown else np.nan)
         if not all(np.isnan(lo)):

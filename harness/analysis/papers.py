@@ -331,7 +331,7 @@ class Runs:
     def single(self, run: pd.Series, metric: "Metric") -> intervals.Interval:
         iv = intervals.single(self.rows(run, metric), metric.column, metric.stat, unit=metric.unit, level=self.level)
         self.units.add((iv.n, metric.unit_name))
-        return iv
+        return metric.clipped(iv)
 
 
 RECORD_ARMS = {"outlier_scale": 1.0}  # arms read from a run's record rather than its cache options (the default a
@@ -943,7 +943,7 @@ def claim_rows(runs: pd.DataFrame, positions: dict[str, pd.DataFrame] | None = N
     engines = ok[KEYS.engine].fillna("kvlab") if KEYS.engine in ok else pd.Series("kvlab", index=ok.index)
     if engines.nunique() > 1:  # each engine's runs are a column group of their own: "mini, engine llamacpp"
         base = base + engines.map(lambda e: "" if e == "kvlab" else f"{ENGINE_MARK}{e}")
-    models = list(dict.fromkeys(base.dropna()))
+    models = sorted(set(base.dropna()), key=str)  # the same order whatever order the runs were read in
     if len(models) < 2:
         rows = [claim_row(c, preset_name, ok, positions) for c in PAPERS[preset_name]]
     else:
