@@ -281,10 +281,17 @@ def far_retrieval(model: Decoder, held: torch.Tensor, ids: torch.Tensor, seed: i
     out = {key: mean_interval(v)[0] for key, v in per.items() if not key.startswith("needle_")}
     out["needle_depths"] = [round(mean_interval(v)[0], 4) for v in needles]
     out["needle_min"] = min(out["needle_depths"])
-    out["retrieval"] = {key: dict(zip(("mean", "lo", "hi", "n"), (round(x, 4) if isinstance(x, float) else x
-                                                                  for x in mean_interval(v))))
-                        for key, v in per.items()}
+    out["retrieval"] = {key: _accuracy_interval(v) for key, v in per.items()}
     return out
+
+
+def _accuracy_interval(values: list[float]) -> dict:
+    """{mean, lo, hi, n}: the mean of per-sequence accuracies and its 95% t-interval, cut to [0, 1] (an accuracy's
+    range; a symmetric interval around a mean near 0 or 1 would leave it)."""
+    m, lo, hi, n = mean_interval(values)
+    if n > 1:
+        lo, hi = max(lo, 0.0), min(hi, 1.0)
+    return {"mean": round(m, 4), "lo": round(lo, 4), "hi": round(hi, 4), "n": n}
 
 
 def meets(value: float, bound: tuple) -> bool:

@@ -5,7 +5,8 @@ attention of a full forward, K alone to llama.cpp's symmetric blocks (per token,
 ``cache=quant cache.scheme=symmetric cache.k_axis=token cache.quantize=k`` stores, each token's K on its own), then
 K and the query both (the query in q8_0 blocks whatever K's bits: what llama.cpp does for q4_0 rows too), and
 scores each against the fp32 forward on the same texts: mean KL (fp32 || arm) over every position, and the second
-arm over the first with a paired bootstrap interval over the texts (``harness.analysis.intervals``). What
+arm over the first with a paired t-interval over the texts (``harness.analysis.intervals``). The texts are the ones
+a run of paper_kv_types on the model scores (drawn from across its held-out chapters, each led by its first token). What
 docs/papers.md's "kvlab's blocks beside llama.cpp's own q8_0" reads.
 
     .venv/bin/python scripts/probes/query_quant_probe.py [--weights models/weights/mini-llama] [--texts 30]
@@ -87,8 +88,8 @@ def main(argv=None) -> None:
     model = load_model(folder).eval()
     if model.config.n_embd // model.config.n_head % GROUP:
         ap.error(f"the head size {model.config.n_embd // model.config.n_head} is not a multiple of {GROUP}")
-    texts = disjoint_texts(folder / "heldout.txt", a.texts, a.length, Tokenizer()).texts
-    bos = first_token(folder)
+    bos = first_token(folder)  # the texts a run on this model scores: joined with it, each led by it
+    texts = disjoint_texts(folder / "heldout.txt", a.texts, a.length, Tokenizer(), sep=bos).texts
     texts = texts if bos is None else [led(t, bos) for t in texts]
     arms = {arm: kl_rows(model, texts, arm, a.bits) for arm in ("K", "K and query")}
     for arm, rows in arms.items():
@@ -96,7 +97,7 @@ def main(argv=None) -> None:
         print(f"{arm} (K in q{a.bits}_0 blocks{query}): mean KL {rows.kl.mean():.3g} over {len(texts)} texts of "
               f"{a.length}")
     iv = intervals.compare(arms["K and query"], arms["K"], "kl", "mean", "ratio", unit="text")
-    print(f"K and query over K alone: {iv.estimate:.3g}x [{iv.lo:.3g}, {iv.hi:.3g}] (paired 95% bootstrap over "
+    print(f"K and query over K alone: {iv.estimate:.3g}x [{iv.lo:.3g}, {iv.hi:.3g}] (paired 95% t-interval over "
           f"{iv.n} texts)")
 
 
