@@ -291,7 +291,10 @@ def compare(a: pd.DataFrame, b: pd.DataFrame, column: str, stat: str = "mean", h
     if how not in ("difference", "ratio"):
         raise ValueError(f"how={how!r}: use difference or ratio")
     fn = (lambda s: s["a"] - s["b"]) if how == "difference" else (lambda s: s["a"] / s["b"])
-    return paired({"a": a, "b": b}, column, fn, stat, unit, n_boot, seed, level, log=how == "ratio")
+    iv = paired({"a": a, "b": b}, column, fn, stat, unit, n_boot, seed, level, log=how == "ratio")
+    if how == "ratio" and not iv.log and np.isfinite(iv.lo) and (a[column] >= 0).all() and (b[column] >= 0).all():
+        iv = dataclasses.replace(iv, lo=max(iv.lo, 0.0))  # a ratio of figures that cannot be negative cannot be
+    return iv  # (made on the linear scale when a figure, or a leave-one-out figure, is 0: no logarithm)
 
 
 def paired(arms: dict[str, pd.DataFrame], column: str, fn, stat: str = "mean", unit: str = "text",

@@ -303,10 +303,11 @@ def test_kv_types_and_rotation_claims():
     close = [(q, b, {"kv": 2.1e-4}.get(q, kl)) for q, b, kl in KV_TYPE_KL]  # both within 5% of K alone
     assert verdicts(judged(kv_types_sweep(close)))[1] == HOLDS
     rows = judged(rotation_sweep())
-    # the 2-bit rotation hurts at scale 1; at scale 20 both widths are decided by the injected outlier
-    assert verdicts(rows) == [HOLDS, BY_CONSTRUCTION, FAILS, BY_CONSTRUCTION, "—"]
-    assert [r.kind for r in rows[:4]] == [papers.PAPER, papers.CONSTRUCTION, papers.OWN, papers.CONSTRUCTION]
-    assert all("model.outliers.scale=20" in r.why_fixed for r in rows[1:4:2])
+    # the 2-bit rotation hurts at scale 1; at scale 20 the 4-bit row is decided by the injected outlier (a sanity
+    # check), the 2-bit one is not (the coarse grid's error competes with it: kvlab's own check)
+    assert verdicts(rows) == [HOLDS, BY_CONSTRUCTION, FAILS, HOLDS, "—"]
+    assert [r.kind for r in rows[:4]] == [papers.PAPER, papers.CONSTRUCTION, papers.OWN, papers.OWN]
+    assert "model.outliers.scale=20" in rows[1].why_fixed and rows[3].why_fixed == ""
     assert "perplexity +1.01% vs +10.52% against fp32" in rows[0].our_number
     assert rows[4].our_number == "2.00 vs 2.50 ms (1.25×)" and rows[4].holds is None
 

@@ -241,3 +241,12 @@ def test_an_interval_at_another_level():
     assert q.at(0.99).lo <= q.lo and q.at(0.99).hi >= q.hi
     with pytest.raises(ValueError, match="level=1.5: give a level in"):
         iv.at(1.5)
+
+
+def test_a_ratio_of_figures_that_cannot_be_negative_never_reaches_below_0():
+    """Copy accuracies of 0 on most sequences: no logarithm to make the interval on, and the linear one is cut at
+    0, where a ratio of two figures that cannot be negative ends."""
+    a = run([np.array([1.0 if i == 0 else 0.0]) for i in range(12)], "correct")
+    b = run([np.array([0.5])] * 12, "correct")
+    iv = intervals.compare(a, b, "correct", how="ratio")
+    assert not iv.log and iv.lo == 0.0 < iv.estimate < iv.hi
