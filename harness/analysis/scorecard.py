@@ -101,7 +101,7 @@ def rows(sweeps: list[Path], leave: set[int] | None = None) -> list[ClaimRow]:
         models = sorted(set(papers.ok_runs(runs).get("model", pd.Series(dtype=object)).dropna().map(papers.base_model)))
         out += [dataclasses.replace(r, claim=f"{preset}: {r.claim}", model=r.model or ", ".join(models))
                 for r in found]
-    words = f"the claims of {', '.join(presets)}" + (f", leaving out the texts of paragraphs {compact(leave)}"
+    words = f"the claims of {', '.join(dict.fromkeys(presets))}" + (f", leaving out the texts of paragraphs {compact(leave)}"
                                                       if leave else "")
     return papers.scorecard(out, words)
 
