@@ -106,7 +106,7 @@ def recall(text: torch.Tensor, ids: torch.Tensor, L: int, pairs: int, seed: int,
 
 
 @torch.no_grad()
-def accuracy(model, probes: list[Probe], batch: int = 4) -> list[float]:
+def accuracy(model, probes: list[Probe], batch: int = 8) -> list[float]:
     """Each probe's top-1 accuracy on its scored ids (a full forward of ``model``, in eval mode, restored);
     probes of one length are run ``batch`` at a time."""
     out = [0.0] * len(probes)

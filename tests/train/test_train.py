@@ -414,27 +414,20 @@ def test_twice_rows_show_one_span_twice_among_random_ids_and_train_only_its_seco
 
 
 def test_a_copy_phase_trains_on_twice_rows_only_then_on_the_mix(tmp_path, monkeypatch):
-    """--copy-phase 0.5 of 8 steps: the first 4 batches are twice rows, the rest the usual mix; the record names
-    the phase, and a share outside [0, 1) is refused in one line."""
+    """--copy-phase 0.5 of 8 steps: the first 4 batches are twice rows, the rest the usual mix, each mixed batch with
+    far and recall rows (--far-share 0.5); the record names the phase and the share, and a share outside its range
+    is refused in one line."""
     calls = []
     monkeypatch.setattr(loop, "twice_rows", lambda *a, **k: calls.append("twice") or real_twice(*a, **k))
     monkeypatch.setattr(loop, "make_batch", lambda *a, **k: calls.append("mix") or real_mix(*a, **k))
-    meta = loop.train(tmp_path / "run", steps=8, eval_every=4, **{**FAST, "copy_phase": 0.5})
-    assert calls == ["twice"] * 4 + ["mix"] * 4
+    monkeypatch.setattr(rows, "far_rows", lambda *a, **k: calls.append("far") or real_far(*a, **k))
+    monkeypatch.setattr(rows, "recall_rows", lambda *a, **k: calls.append("recall") or real_recall(*a, **k))
+    meta = loop.train(tmp_path / "run", steps=8, eval_every=4, **{**FAST, "copy_phase": 0.5, "far_share": 0.5})
+    assert calls == ["twice"] * 4 + ["mix", "far", "recall"] * 4
     assert meta["copy_phase"] == 0.5 and "shown twice" in meta["mix"]
+    assert meta["far_share"] == 0.5 and "key-value pairs" in meta["mix"]
     with pytest.raises(R.TrainError, match=r"--copy-phase must lie in \[0, 1\)"):
         loop.train(tmp_path / "other", steps=8, **{**FAST, "copy_phase": 1.0})
-
-
-def test_far_share_puts_retrieval_rows_in_the_mix_and_the_record(tmp_path, monkeypatch):
-    """--far-share 0.5: every mixed batch holds far and recall rows (the record names the share and the rows), and
-    a share that leaves no room for the copy rows is refused in one line."""
-    seen = []
-    monkeypatch.setattr(rows, "far_rows", lambda *a, **k: seen.append("far") or real_far(*a, **k))
-    monkeypatch.setattr(rows, "recall_rows", lambda *a, **k: seen.append("recall") or real_recall(*a, **k))
-    meta = loop.train(tmp_path / "run", steps=2, eval_every=2, **{**FAST, "far_share": 0.5})
-    assert seen.count("far") == 2 and seen.count("recall") == 2  # two batches, each with both
-    assert meta["far_share"] == 0.5 and "key-value pairs" in meta["mix"]
     with pytest.raises(R.TrainError, match=r"--far-share must lie in \[0, 1\] and leave room for the copy rows"):
         loop.train(tmp_path / "other", steps=2, **{**FAST, "copy_share": 0.5, "far_share": 0.6})
 
