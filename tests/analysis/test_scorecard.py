@@ -8,7 +8,21 @@ import pytest
 
 from harness.analysis import intervals, papers
 from harness.analysis.papers import ClaimRow, scorecard
+from tests.helpers import untested_cases
 from tests.helpers.claims import N_TEXTS, judged, kivi_sweep, positions_of, streaming_sweep
+
+# python -m harness.scorecard's refusals (docs/faults.md lists the ids): each one line, exit 2, nothing written
+CASES = [
+    ("scorecard-leave-out-bad", "--leave-out 3-1 or x: one line naming what a range of paragraphs is"),
+    ("scorecard-not-a-folder", "a sweep folder that does not exist: one line"),
+    ("scorecard-out-not-ours", "--out naming a file kvlab did not write, or in a missing folder: refused, untouched"),
+    ("scorecard-leave-out-unrecorded", "--leave-out on runs that recorded no drift_text_paragraphs: one line"),
+]
+
+
+def test_every_case_has_a_test():
+    assert not untested_cases(__file__, CASES)
+
 
 HOLDS, FAILS, UNSURE = intervals.HOLDS, intervals.FAILS, intervals.INCONCLUSIVE
 
@@ -122,6 +136,7 @@ def test_the_command_corrects_several_presets_as_one_family(tmp_path, capsys):
     (["{tmp}/streaming", "--bogus"], "unrecognized arguments: --bogus (see python -m harness.scorecard --help)"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, said):
+    # scorecard-leave-out-bad, scorecard-not-a-folder, scorecard-out-not-ours, scorecard-leave-out-unrecorded
     from harness.analysis import scorecard
     sink = streaming_sweep(SINK, first_token=50256, first_token_share=0.6)
     _write_sweep(tmp_path / "streaming", sink, positions_of(sink))
