@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from harness.common.stats import mean_interval, t_quantile
+from harness.common.stats import mean_interval as t_interval  # mean, 95% t-interval, n (NaN bounds from one)
 from harness.analysis.plots import _message_figure, _ok, plt
 
 if TYPE_CHECKING:
@@ -99,16 +99,6 @@ PEER_KEYS = {"requests_per_s": "server_hf_requests_per_s", "tokens_per_s": "serv
              "ttft_p99": "server_hf_ttft_ms_p99", "e2e_p99": "server_hf_e2e_ms_p99",
              "normalized": "server_hf_normalized_latency_ms", "peak_running": "server_hf_peak_running",
              "held_peak": "server_hf_kv_held"}
-
-
-def t975(df: int) -> float:
-    """Student's t, two-sided 95%: the 0.975 quantile with ``df`` degrees of freedom (``harness.common.stats``)."""
-    return t_quantile(0.95, df)
-
-
-def t_interval(values) -> tuple[float, float, float, int]:
-    """Mean and 95% t-interval of ``values`` (NaN bounds with one value): ``harness.common.stats.mean_interval``."""
-    return mean_interval(values)
 
 
 def server_compare(runs: pd.DataFrame, a: str, b: str, key: str) -> pd.DataFrame:
