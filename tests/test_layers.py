@@ -6,7 +6,7 @@ functions included) has no cycle, and no module imports one from a layer above i
     harness.core                 engines and the pure measurement functions: models/ only
     harness.measurements         the measurement plug-ins (declarations and run()): never figures, never a run
     harness.experiment           the run layer: config, plan, weights, memory, runner, tracking, invocation
-    harness.analysis             loading results, plots, figures, report, findings, papers, W&B Report
+    harness.analysis             loading results, plots, figures, report, findings, papers, W&B Report: never core or models
     harness.train                the reference models (a peer of analysis: neither imports the other)
     harness.tools                bench, kvcalc
     harness.<door>               the public commands and names (harness.results, .report, .bench, ...): nothing
@@ -38,6 +38,33 @@ LAYERS = {
     "harness": 7,  # the doors (harness.results, harness.report, ...) and the package itself
 }
 PEERS = {frozenset({"harness.analysis", "harness.train"})}  # same rank, and neither may import the other
+
+
+# the README's Layout states these "never"s by name: (importer, imported) prefixes no import may join, whatever the
+# ranks say (a rank change that would allow one still fails here)
+NEVER = {
+    ("models", "harness"): "the engine never imports the lab",
+    ("harness.common", "models"): "common is the leaf",
+    ("harness.common", "harness.core"): "common is the leaf",
+    ("harness.core", "harness.measurements"): "core imports models/ (and common) only",
+    ("harness.core", "harness.experiment"): "core imports models/ (and common) only",
+    ("harness.measurements", "harness.analysis"): "a measurement never draws a figure",
+    ("harness.measurements", "harness.experiment"): "a measurement never sees the run",
+    ("harness.analysis", "harness.core"): "analysis never imports the torch side: what it needs is in the record",
+    ("harness.analysis", "models"): "analysis never imports the torch side: what it needs is in the record",
+    ("harness.analysis", "harness.train"): "analysis and train are peers",
+    ("harness.train", "harness.analysis"): "analysis and train are peers",
+}
+
+
+def under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def forbidden(edges: dict[str, set[str]]) -> list[tuple[str, str, str]]:
+    """The imports a NEVER rule forbids: (importer, imported, the rule)."""
+    return sorted((a, b, why) for a, targets in edges.items() for b in targets
+                  for (pa, pb), why in NEVER.items() if under(a, pa) and under(b, pb))
 
 
 def layer(module: str) -> str:
@@ -98,6 +125,22 @@ def test_the_import_graph_has_no_cycle():
 
 def test_no_module_imports_from_a_layer_above_its_own():
     assert upward(imports()) == []
+
+
+def test_no_import_breaks_a_never_the_readme_states():
+    assert forbidden(imports()) == []
+
+
+def test_every_never_is_in_the_readme_and_the_checker_catches_each():
+    """Each rule is a sentence of the README's Layout (its importer's line says "never" or "only"), and a graph made
+    to break it fails it."""
+    readme = (REPO / "README.md").read_text()
+    layout = " ".join(readme[readme.index("## Layout"):].split())  # its lines wrapped
+    for (a, b), why in NEVER.items():
+        assert forbidden({f"{a}.x": {f"{b}.y"}}) == [(f"{a}.x", f"{b}.y", why)]
+    for phrase in ("never imports the lab", "imports models/ only", "never figures, never the run",
+                   "imports neither core nor models", "neither imports the other", "the leaf"):
+        assert phrase in layout, phrase
 
 
 def test_every_module_has_a_layer():

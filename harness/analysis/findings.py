@@ -33,7 +33,7 @@ from harness.measurements import KEYS
 from harness.analysis import intervals, papers, server
 from harness.analysis.papers import (ClaimRow, adjusted_text, claim_rows, names, num, ok_runs, preset_of,
                                      value, verdict_text)
-from harness.analysis.plots import as_written, is_full_attention, pareto_front, with_reference_at_zero
+from harness.analysis.plots import as_written, is_full_attention, option_columns, pareto_front, with_reference_at_zero
 
 FILE = "findings.md"
 
@@ -132,8 +132,7 @@ def _signed(x: float) -> str:
 
 
 def _axes(ok: pd.DataFrame) -> list[str]:
-    cols = [c for c in AXIS_COLUMNS if c in ok] + sorted(c for c in ok if c.startswith("cache_") and c not in (
-        KEYS.cache_label, KEYS.cache_exact, KEYS.cache_nbytes, KEYS.cache_tokens, KEYS.cache_filled_tokens))
+    cols = [c for c in AXIS_COLUMNS if c in ok] + sorted(option_columns(ok))
     return [c for c in cols if ok[c].dropna().map(as_written).nunique() >= 2]
 
 

@@ -58,8 +58,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from harness.measurements import KEYS
-from harness.core.stats import LAYER_TOL, cost_model
+from harness.measurements import KEYS, declared_names
+from harness.common.stats import LAYER_TOL, cost_model
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -88,13 +88,6 @@ _ticker = _OnFirstUse("matplotlib.ticker")
 MODEL_ORDER = ["tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
 
 
-@lru_cache(maxsize=1)
-def cache_order() -> tuple[str, ...]:
-    """The cache kinds in the registry's order (a kind's runs are labelled "<kind> <options>"); the engine's registry
-    is read when a figure is drawn, never when this module is imported."""
-    from models.kv_cache import CACHE_KINDS
-
-    return tuple(CACHE_KINDS)
 DTYPE_ORDER = ["fp32", "fp16", "bf16"]
 
 
@@ -139,13 +132,8 @@ def _levels(values, known: list[str]) -> list[str]:
 
 
 def _cache_levels(values) -> list[str]:
-    """Cache labels in the registry's order of their kinds, then by label."""
-    def key(label: str):
-        kind = label.split(" ")[0].split("(")[0]
-        order = cache_order()
-        return (order.index(kind) if kind in order else len(order), label)
-
-    return sorted(set(values.dropna()), key=key)
+    """Cache labels by their kinds' names, then by label (a kind's runs are labelled "<kind> <options>")."""
+    return sorted(set(values.dropna()), key=lambda label: (label.split(" ")[0].split("(")[0], label))
 
 
 def _cache_color(levels: list[str], cache: str):
@@ -469,19 +457,16 @@ def cache_bytes_plot(runs: pd.DataFrame) -> Figure:
 def _would_drift(df: pd.DataFrame) -> pd.Series:
     """Per row of a run table: the run is not fp32 full attention, so generation_drift, had it run, measured drift
     (it skips only an exact kind that is full attention in fp32, its own reference). Read from the identity columns
-    every table has: the dtype, and the kind (``cache``) with its default options (a window or an evicting kind is
-    never full attention; concat, prealloc and paged always are)."""
-    from models.kv_cache import CACHE_KINDS
+    every table has: the dtype, and whether the run's kind with its options is full attention
+    (``cache_full_attention``; a table without it counts as not)."""
+    return (df[KEYS.dtype] != "fp32") | ~_full_attention(df)
 
-    def full(kind) -> bool:
-        cls = CACHE_KINDS.get(kind)
-        try:
-            return cls is not None and cls.full_attention(cls.parse_options())
-        except (TypeError, ValueError):
-            return False
 
-    kinds = df[KEYS.cache] if KEYS.cache in df else pd.Series("", df.index)
-    return (df[KEYS.dtype] != "fp32") | ~kinds.map(full).astype(bool)
+def _full_attention(df: pd.DataFrame) -> pd.Series:
+    """Per row: the run's record says its kind, with its options, is exactly full attention."""
+    if KEYS.cache_full_attention not in df:
+        return pd.Series(False, df.index)
+    return df[KEYS.cache_full_attention].map(lambda v: v is True or v is np.True_ or v in ("True", "true"))
 
 
 def drift_unmeasured(drift: pd.DataFrame) -> list[str]:
@@ -827,8 +812,8 @@ def budget_quality(runs: pd.DataFrame) -> pd.DataFrame:
     df = runs[(runs[KEYS.status] == "ok") & (runs[KEYS.cache_budget] > 0) & runs[quality].notna().any(axis=1)]
     df = df.assign(slots=df[KEYS.cache_budget], kind=df[KEYS.cache])
     several_prompts = KEYS.prompt_len in df and df[KEYS.prompt_len].nunique() > 1
-    swept = {kind: [c for c in same if c.startswith("cache_") and c not in (KEYS.cache_budget, KEYS.cache_label)
-                    and same[c].notna().any() and (same.groupby("slots")[c].nunique() > 1).any()]
+    swept = {kind: [c for c in option_columns(same) if c != KEYS.cache_budget
+                    and (same.groupby("slots")[c].nunique() > 1).any()]
              for kind, same in df.groupby("kind")}  # per kind: options that take two values at one budget
     series = []
     for _, row in df.iterrows():
@@ -895,19 +880,9 @@ def _pareto_axes() -> tuple[tuple, tuple]:
 
 
 def is_full_attention(row: pd.Series) -> bool:
-    """The run's kind, with the options its ``cache_<name>`` columns record, is exactly full attention (asked of the
-    kind's class), whatever its dtype."""
-    from models.kv_cache import CACHE_KINDS
-
-    cls = CACHE_KINDS.get(row.get(KEYS.cache))
-    if cls is None:
-        return False
-    options = {name: as_written(row[f"cache_{name}"]) for name in cls.option_types()
-               if f"cache_{name}" in row and pd.notna(row[f"cache_{name}"])}
-    try:
-        return cls.full_attention(cls.parse_options(**options))
-    except (TypeError, ValueError):
-        return False
+    """The run's kind, with its options, is exactly full attention, whatever its dtype (its record's
+    ``cache_full_attention``)."""
+    return bool(_full_attention(pd.DataFrame([row])).iloc[0])
 
 
 OWN_REFERENCE = "its own fp32 reference"  # in <measurement>_skipped: why a drift measurement skipped fp32 full
@@ -966,35 +941,27 @@ def pareto_front(x: pd.Series, y: pd.Series, better: str) -> pd.Index:
     return pd.Index(front)
 
 
-def _derived(cls, points: pd.DataFrame, name: str) -> bool:
-    """Whether the kind ``cls`` sets option ``name`` from its other options in every one of ``points`` (a window's
-    window is its budget less its sinks): then it follows the setting that was swept, and is not one itself."""
-    col = f"cache_{name}"
-    for _, row in points.iterrows():
-        given = {n: as_written(row[f"cache_{n}"]) for n in cls.option_types()
-                 if n != name and f"cache_{n}" in row and pd.notna(row[f"cache_{n}"])}
-        try:
-            if getattr(cls.parse_options(**given), name) != as_written(row[col]):
-                return False
-        except (TypeError, ValueError, AttributeError):
-            return False
-    return True
+def option_columns(df: pd.DataFrame) -> list[str]:
+    """The columns of ``df`` that hold a cache option (``cache_<option>``, as a run records its kind's options) with a
+    value in some row: every ``cache_`` column no measurement or run part declares (cache_label, cache_nbytes, ...)."""
+    recorded = declared_names(cache_options=False)
+    return [c for c in df if c.startswith("cache_") and c not in recorded and df[c].notna().any()]
 
 
 def swept_setting(points: pd.DataFrame) -> tuple[str, str] | None:
     """The one setting that differs between ``points`` (rows of ``pareto_points``: one kind's runs): (its column,
     its name in a config: "cache.sinks", or "dtype"); None when the points are of several kinds, or none or several
-    of their options differ. An option the kind derives from the others (a window's window, budget - sinks) is not
-    a setting of its own: the one it follows is."""
-    from models.kv_cache import CACHE_KINDS
-
+    of their options differ. An option whose value the others imply in every point (``cache_implied``: a window's
+    window, budget - sinks) is not a setting of its own: the one it follows is."""
     kinds = points["kind"].dropna().unique() if "kind" in points else []
-    if len(kinds) != 1 or kinds[0] not in CACHE_KINDS:
+    if len(kinds) != 1:
         return None
-    cls = CACHE_KINDS[kinds[0]]
+    options = option_columns(points)
+    implied = points[KEYS.cache_implied].fillna("").astype(str).str.split(",") if KEYS.cache_implied in points \
+        else pd.Series([[]] * len(points), points.index)
     differ = lambda col: col in points and points[col].astype(str).nunique() > 1  # noqa: E731 (NaN is a value too)
-    found = [(f"cache_{n}", f"cache.{n}") for n in cls.option_types()
-             if differ(f"cache_{n}") and not _derived(cls, points, n)]
+    found = [(c, "cache." + c.removeprefix("cache_")) for c in options
+             if differ(c) and not all(c.removeprefix("cache_") in names for names in implied)]
     found += [(KEYS.dtype, "dtype")] if differ(KEYS.dtype) else []
     return found[0] if len(found) == 1 else None
 

@@ -1,5 +1,7 @@
 """Student's t, exact, with no dependency beyond the standard library: what every interval kvlab puts on a mean reads
-(``harness.analysis.intervals``' t-intervals, the serving comparisons' over seeds, training's retrieval targets).
+(``harness.analysis.intervals``' t-intervals, the serving comparisons' over seeds, training's retrieval targets);
+and what the measurements compute with and the analysis layer reads back: the drift tolerance per layer
+(``LAYER_TOL``) and the cost model fitted to step times (``cost_model``).
 
     from harness.common.stats import t_quantile, mean_interval
     t_quantile(0.95, 3)                 # 3.182...: the two-sided 95% quantile with 3 degrees of freedom
@@ -10,6 +12,24 @@ from __future__ import annotations
 
 import functools
 import math
+
+LAYER_TOL = 1e-2  # relative K/V error (vs fp32) from which a layer counts as disagreeing
+
+
+def cost_model(steps) -> dict:
+    """Least-squares fit of the cached step time (ms) against context length T: a + b*T, from a steps table (a
+    DataFrame with ``mode``, ``context_len`` and ``ms_median``). One decode step reads (and, for a kind that copies
+    its history, copies) T tokens of K/V: linear in T for every kind, a kind that copies having the larger b; only a
+    whole generation (a sum of steps) is quadratic. ``a`` is what a step costs with no history (the weights), ``b``
+    what each cached token adds. Needs two context lengths or more."""
+    c = steps[steps["mode"] == "cached"]
+    pairs = sorted(zip(map(float, c["context_len"]), map(float, c["ms_median"])))
+    if len({t for t, _ in pairs}) < 2:
+        return dict(cost_model=None, cost_a_ms=None, cost_b_ms_per_token=None)
+    mt = math.fsum(t for t, _ in pairs) / len(pairs)
+    my = math.fsum(y for _, y in pairs) / len(pairs)
+    b = math.fsum((t - mt) * (y - my) for t, y in pairs) / math.fsum((t - mt) ** 2 for t, _ in pairs)
+    return dict(cost_model="a + b*T", cost_a_ms=my - b * mt, cost_b_ms_per_token=b)
 
 
 def t_within(x: float, df: int) -> float:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from harness.core.stats import LAYER_TOL
+from harness.common.stats import LAYER_TOL
 from models.kv_cache import CACHE_KINDS, KeepRecord, cache_kind
 
 REPO = Path(__file__).resolve().parents[2]

@@ -614,13 +614,29 @@ def cache_record(cache: CacheChoice, engine: str = "kvlab", engine_opts=None, st
         suffix = "" if engine == "kvlab" else f" · {engine}" + ("" if lossless else " K {} V {}".format(*types))
         if getattr(engine_opts, "rotate", "auto") == "none" and cache.kind != "quant" and cls_engine.quantises(types):
             suffix += " unrotated"  # llama.cpp's default rotation of a quantised K/V turned off (engine.rotate=none)
-        head = dict(cache_label=cls.label(opts) + suffix, cache_exact=cls.exact and lossless)
+        head = dict(cache_label=cls.label(opts) + suffix, cache_exact=cls.exact and lossless,
+                    cache_full_attention=bool(cls.full_attention(opts)))
         if types is not None:
             head.update(engine_type_k=types[0], engine_type_v=types[1])
         options = {k: getattr(opts, k, v) for k, v in options.items()}
+        head["cache_implied"] = ",".join(implied_options(cls, options))
     except ValueError:  # recorded as given; the run fails on it with its own message
-        head = dict(cache_label=str(cache.kind), cache_exact=None)
+        head = dict(cache_label=str(cache.kind), cache_exact=None, cache_full_attention=None, cache_implied=None)
     return {**head, **{f"cache_{k}": v for k, v in options.items()}}
+
+
+def implied_options(cls, resolved: dict) -> list[str]:
+    """The options of ``resolved`` (a run's, as the kind resolved them) whose value its others imply: the kind sets
+    it from them (a window's window, budget - sinks) or it is the default. Figures read it from the record: an
+    option the others imply in every run of a sweep is no setting of its own."""
+    out = []
+    for name in resolved:
+        try:
+            if getattr(cls.parse_options(**{k: v for k, v in resolved.items() if k != name}), name) == resolved[name]:
+                out.append(name)
+        except (TypeError, ValueError, AttributeError):
+            pass
+    return out
 
 
 def prompts_path(rc: RunConfig) -> Path | None:

@@ -316,13 +316,15 @@ def results_doc() -> str:
 
 # the columns that say which run a row belongs to, first in every table a run writes and a loader reads
 IDENTITY_COLUMNS = ("run_name", "group", "status", "model", "cache", "cache_label", "dtype", "device", "engine",
-                    "serve_batch", "prompt_lengths", "seed", "server_rate", "server_kv_budget")
+                    "serve_batch", "prompt_lengths", "seed", "server_rate", "server_kv_budget", "cache_full_attention")
 
 
-def declared_names() -> frozenset[str]:
+def declared_names(cache_options: bool = True) -> frozenset[str]:
     """Every name a reader may look up: the results.json keys, the tables' columns and the identity columns
-    (worked out once per state of the registry: every ``KEYS.<name>`` asks)."""
-    return _declared(tuple(MEASUREMENTS.items())) | _cache_option_names()
+    (worked out once per state of the registry: every ``KEYS.<name>`` asks); ``cache_options=False`` leaves out the
+    cache kinds' ``cache_<option>`` keys (read from the engine's registry: torch)."""
+    declared = _declared(tuple(MEASUREMENTS.items()))
+    return declared | _cache_option_names() if cache_options else declared
 
 
 def _known(name: str) -> bool:

@@ -52,6 +52,10 @@ class Setting:
     cache_label: str = key("kind + options (+ · engine when not kvlab): how runs are told apart")
     cache_exact: bool | None = key("the kind is exact (must equal its reference): on llama.cpp, only in the "
                                    "storage dtype's K/V types")
+    cache_full_attention: bool | None = key("the kind, with this run's options, keeps every position: exactly full "
+                                            "attention (the reference drift is measured against)")
+    cache_implied: str | None = key("the kind's options (comma-separated) whose value its others imply: set from them "
+                                    "(a window's window, budget - sinks) or the default")
     engine_type_k: str | None = key("the K type llama.cpp stores (engine=llamacpp: f32, f16, q8_0, q4_0, ...; "
                                     "cache=quant's as llama.cpp's); null on the other engines")
     engine_type_v: str | None = key("the V type llama.cpp stores, the same way")

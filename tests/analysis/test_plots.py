@@ -13,6 +13,7 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
 from harness.analysis.figures import all_figures, figure_makers, figures_for  # noqa: E402
+from tests.helpers.claims import kind_facts  # noqa: E402
 from harness.analysis.plots import (  # noqa: E402
     cache_bytes_plot,
     drift_plot,
@@ -44,7 +45,7 @@ def tables():
         m, c, d = MODELS.index(model), CACHES.index(cache), DTYPES.index(dtype)
         name = f"run{k}"
         meta = dict(run_name=name, model=model, cache=cache, dtype=dtype, device="cpu",
-                    status="failed" if failed else "ok")
+                    status="failed" if failed else "ok", **kind_facts(cache, {}))
         bpt = (m + 1) * 1000 * (4 if dtype == "fp32" else 2)
         tokens = 40 if cache == "concat" else 1024
         runs.append(dict(meta, error="boom" if failed else "", tokens_identical=(k % 3 != 0),
@@ -243,7 +244,8 @@ def test_drift_not_measured_says_so_and_is_not_drawn_in_a_report():
 
     rows = [dict(run_name=f"w{s}", status="ok", model="mini", cache="window", cache_label=f"window S{s}+W{64 - s}",
                  dtype="fp32", device="cpu", step=step, eq_max_abs_diff=1e-6, drift_kl=np.nan, drift_max_abs=np.nan,
-                 drift_top1_agreement=np.nan) for s in (0, 1, 2, 4, 8) for step in range(3)]
+                 drift_top1_agreement=np.nan, **kind_facts("window", dict(cache_window=64 - s, cache_sinks=s)))
+            for s in (0, 1, 2, 4, 8) for step in range(3)]
     drift = pd.DataFrame(rows)
     assert drift_unmeasured(drift) == ["w0", "w1", "w2", "w4", "w8"]
     fig = drift_plot(drift)
@@ -251,7 +253,8 @@ def test_drift_not_measured_says_so_and_is_not_drawn_in_a_report():
     assert "generation_drift" in said and "not measured" in said and "nothing drifts" not in said
     runs = pd.DataFrame([dict(r, max_abs_logit_diff=1e-6, tokens_identical=True) for r in rows[::3]])
     assert not drift_measured(drift) and "drift" not in figures_for(runs, {"drift": drift})
-    exact = drift.assign(cache="prealloc", cache_label="prealloc")  # fp32 full attention: nothing would drift
+    exact = drift.assign(cache="prealloc", cache_label="prealloc",  # fp32 full attention: nothing would drift
+                         **kind_facts("prealloc", {}))
     assert drift_measured(exact) and "drift" in figures_for(runs, {"drift": exact})
     # a window measured beside one that was not: drawn, the unmeasured one named in the title
     mixed = drift.copy()
@@ -354,7 +357,7 @@ def test_memory_lines_follow_the_formula_and_dots_the_measurements():
 
 
 def test_cost_lines_are_each_runs_fit(tables):
-    from harness.core.stats import cost_model
+    from harness.common.stats import cost_model
     from harness.analysis.plots import cost_plot
 
     _, steps, _ = tables
@@ -492,7 +495,8 @@ def windows_of_one_budget(intervals=True):
         row = dict(status="ok", run_name=f"w{s}", model="mini", cache="window", cache_label=f"window S{s}+W{64 - s}",
                    dtype="fp32", cache_exact=True, storage_dtype="float32", compute_dtype="float32",
                    cache_budget=64, cache_sinks=s, cache_window=64 - s, cache_nbytes=393216,
-                   drift_delta_nll=nll, retrieval_acc=acc, retrieval_acc_ref=0.97)
+                   drift_delta_nll=nll, retrieval_acc=acc, retrieval_acc_ref=0.97,
+                   **kind_facts("window", dict(cache_budget=64, cache_sinks=s, cache_window=64 - s)))
         if intervals:
             row.update(drift_delta_nll_lo=nll - 0.1, drift_delta_nll_hi=nll + 0.2,
                        retrieval_acc_lo=acc - 0.05, retrieval_acc_hi=min(acc + 0.04, 1.0))

@@ -13,7 +13,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from harness import measurements
-from harness.core import measure, stats
+from harness.common import stats
+from harness.core import measure
 from harness.experiment.config import ConfigError, cache_options, dtype_label, register, validate
 from models.families import preset_config
 from harness.core.engines import HF_COUNTERPARTS, KvlabEngine, hf_refuses
@@ -418,6 +419,33 @@ def test_a_ragged_batch_is_served_on_every_layout_with_its_waste(tmp_path):
     assert max(runs["paged"]["kv_waste"], runs["concat"]["kv_waste"]) < runs["prealloc"]["kv_waste"]
     report = sweep / "report"
     assert (report / "serving.png").is_file() and "Served batches" in (report / "report.html").read_text()
+
+
+def test_the_record_says_of_each_kind_what_its_class_says():
+    """The figures read a kind's facts from the run's record, never from the registry: whether it is full attention
+    with the run's options, and which options the others imply. For every kind's own examples (and its defaults),
+    the record says what the class says; a window given a budget implies its window, and a sweep's varied option
+    is implied in no run but the one at its default."""
+    from harness.experiment.plan import CacheChoice
+    from harness.experiment.runner import cache_record
+
+    for kind, cls in CACHE_KINDS.items():
+        for given in ({}, *cls.examples):
+            rec = cache_record(CacheChoice(kind, dict(given)))
+            opts = cls.parse_options(**given)
+            assert rec["cache_full_attention"] is bool(cls.full_attention(opts)), (kind, given)
+            for name in given:
+                without = {k: getattr(opts, k) for k in given if k != name}
+                try:
+                    same = getattr(cls.parse_options(**without), name) == getattr(opts, name)
+                except ValueError:
+                    same = False
+                assert (name in rec["cache_implied"].split(",")) is same, (kind, given, name)
+    rec = cache_record(CacheChoice("window", {"budget": 64, "sinks": 8, "window": 32}))
+    assert rec["cache_window"] == 56 and rec["cache_implied"].split(",") == ["window"]
+    assert cache_record(CacheChoice("window", {"sinks": 4}))["cache_implied"] == "sinks"  # the default
+    assert cache_record(CacheChoice("prealloc", {}))["cache_full_attention"] is True
+    assert cache_record(CacheChoice("lru", {}))["cache_full_attention"] is None  # no such kind: the run fails on it
 
 
 def test_the_cost_model_recovers_known_coefficients():

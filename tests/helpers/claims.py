@@ -12,13 +12,29 @@ from harness.analysis.papers import claim_rows
 
 
 def run(name, cache="quant", status="ok", dtype="fp32", exact=None, **values):
-    """One results row as a run records it; ``cache_<option>`` columns for the kind's options."""
+    """One results row as a run records it; ``cache_<option>`` columns for the kind's options, and what the run
+    records of its kind with them (``kind_facts``)."""
     exact = values.pop("cache_exact", cache in ("prealloc", "concat", "window", "h2o") if exact is None else exact)
     label = values.pop("label", values.pop("cache_label", None)) or cache + "".join(
         f" {k[6:]}{v}" for k, v in values.items() if k.startswith("cache_") and k != "cache_nbytes")
     return {**dict(run_name=name, status=status, model="mini", engine="kvlab", cache=cache, cache_label=label,
                    cache_exact=exact, dtype=dtype, storage_dtype="float32" if dtype == "fp32" else "float16",
-                   compute_dtype="float32", device="cpu", batch=1), **values}
+                   compute_dtype="float32", device="cpu", batch=1), **kind_facts(cache, values), **values}
+
+
+def kind_facts(cache: str, values: dict) -> dict:
+    """What a run records of its kind with the options among ``values`` (``cache_<option>``), as the run layer
+    works it out: whether it is full attention, and which options the others imply."""
+    from harness.experiment.plan import CacheChoice
+    from harness.experiment.runner import cache_record
+    from models.kv_cache import CACHE_KINDS
+
+    if cache not in CACHE_KINDS:
+        return {}
+    names = CACHE_KINDS[cache].option_types()
+    options = {k[6:]: v for k, v in values.items() if k.startswith("cache_") and k[6:] in names}
+    rec = cache_record(CacheChoice(cache, options))
+    return {k: rec[k] for k in ("cache_full_attention", "cache_implied") if k in rec}
 
 
 def frame(*rows) -> pd.DataFrame:
