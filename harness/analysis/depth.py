@@ -35,7 +35,7 @@ CELL_COLUMNS = ["model", "panel", "buckets", "context_len", "depth_bucket", "tok
 
 def _panels(df: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame, str]]:
     """(model, panel title, its rows, the column scored) in drawing order: per model its reference, then its
-    settings in the registry's order of kinds."""
+    settings ordered by kind name."""
     df, precs = _with_prec(df)
     models = _levels(df["model"], MODEL_ORDER)
     out = []

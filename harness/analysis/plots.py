@@ -986,7 +986,7 @@ def _against_setting(ax, sub: pd.DataFrame, q: str, setting, caches, labels: lis
     if numeric:
         x = values.to_numpy(dtype=float)
     else:
-        if col == "point":  # the registry's order of kinds, then label, then dtype
+        if col == "point":  # kinds by name, then label, then dtype
             order = list(dict.fromkeys(p for c in _cache_levels(sub[KEYS.cache])
                                        for p in sorted(sub.loc[sub[KEYS.cache] == c, "point"])))
         else:
