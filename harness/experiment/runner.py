@@ -39,13 +39,14 @@ from harness import measurements
 from harness.common import signals
 from harness.common.errors import ConfigError, one_line
 from harness.common.signals import interruption
-from harness.core import measure
+from harness.core import inputs, measure
+from harness.core.inputs import batch_lengths, check_prompts_file, disjoint_texts, led, random_prompts, text_prompts
 from harness.common import ownership
 from harness.measurements import record
 from harness.experiment import tracking
 from harness.experiment.tracking import default_group, wandb_id
 from harness.experiment import weights
-from harness.experiment.weights import Weights
+from harness.experiment.weights import Weights, first_token_of, first_token_share_of
 from harness.experiment.config import check_model, check_outliers, dtype_label, engine_options, read, validate
 from harness.experiment.plan import CacheChoice, ModelChoice, OutliersChoice, Plan, RunConfig
 from harness.core.engines import ENGINES, KvlabEngine
@@ -247,7 +248,7 @@ def input_ids(prompts_path: Path | None, seed: int, w: Weights | None, trace: st
     prompts = "random prompts"
     if prompts_path is not None:
         path = Path(prompts_path)
-        prompts = file_id(path) if path.is_file() and path.stat().st_size <= PROMPTS_FILE_MAX else "not read"
+        prompts = file_id(path) if path.is_file() and path.stat().st_size <= inputs.PROMPTS_FILE_MAX else "not read"
     if w is None or w.random:
         ckpt = f"random init (seed {seed})"
     elif Path(w.load_from).is_dir():
@@ -341,87 +342,9 @@ def weights_record(w: Weights | None, m: ModelChoice) -> dict:
     return dict(weights=w.kind, weights_source=w.source, weights_detail=w.detail, weights_requested=str(m.weights))
 
 
-PROMPTS_FILE_MAX = 64 * 2 ** 20  # bytes: a prompts file is read whole, so it is sized first
-PARAGRAPH_MAX = 2 ** 20  # characters of one paragraph that are tokenized (a prompt reads at most max_len tokens)
-
-
-def check_prompts_file(path: Path) -> None:
-    """A prompts file is a regular file of at most ``PROMPTS_FILE_MAX`` bytes, checked before a byte of it is read (a
-    device such as /dev/zero, a FIFO or a huge file would otherwise be read until memory runs out)."""
-    import stat
-
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise ConfigError(f"prompts_file {path} does not exist: point prompts_file at a text file or use "
-                          "prompts=random") from None
-    except OSError as e:
-        raise ConfigError(f"prompts_file {path} cannot be read ({e.strerror or e}): point prompts_file at a text "
-                          "file or use prompts=random") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"prompts_file {path} is a folder: point it at a text file with one paragraph per line")
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"prompts_file {path} is not a regular file (a device, FIFO or socket): point it at a text "
-                          "file with one paragraph per line")
-    if st.st_size > PROMPTS_FILE_MAX:
-        raise ConfigError(f"prompts_file {path} holds {st.st_size:,} bytes, more than the {PROMPTS_FILE_MAX:,} kvlab "
-                          "reads for prompts: give a smaller text file (prompts read only their first paragraphs)")
-
-
-def file_paragraphs(path: Path) -> list[str]:
-    """The prompts file's paragraphs (its non-empty lines, each cut at ``PARAGRAPH_MAX`` characters), the file
-    checked before it is read; no text is one line."""
-    path = Path(path)
-    check_prompts_file(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"prompts_file {path} is not UTF-8 text: give a text file with one paragraph per "
-                          "line, or use prompts=random") from None
-    paragraphs = [p.strip()[:PARAGRAPH_MAX] for p in text.splitlines() if p.strip()]
-    if not paragraphs:
-        raise ConfigError(f"prompts_file {path} has no text: give a file with one paragraph per line")
-    return paragraphs
-
-
-def text_prompts(path: Path, n: int, length: int, tokenizer) -> list[torch.Tensor]:
-    """``n`` prompts of exactly ``length`` tokens of real text: prompt i starts at paragraph i of the file and, when
-    that paragraph is shorter, runs on into the paragraphs after it (wrapping around); past the last paragraph the
-    starts shift by a few tokens so every prompt differs. Only as many paragraphs are tokenized as the prompts
-    need, so a file of many lines costs what the prompts read; of one paragraph, at most ``PARAGRAPH_MAX``
-    characters."""
-    paragraphs = file_paragraphs(path)
-    ids: list[list[int]] = []
-    starts: list[int] = []
-    total = 0
-    for p in paragraphs:  # until the last prompt's start (and a prompt's length after it) is tokenized
-        if len(ids) >= min(n, len(paragraphs)) and total >= starts[min(n, len(paragraphs)) - 1] + length + 7 * n:
-            break
-        starts.append(total)
-        ids.append(tokenizer.encode(p + "\n\n"))
-        total += len(ids[-1])
-    stream = [t for p in ids for t in p]
-    prompts = []
-    for i in range(n):
-        start = starts[i % len(ids)] + 7 * (i // len(ids))
-        window = [stream[(start + j) % len(stream)] for j in range(length)]
-        prompts.append(torch.tensor([window]))
-    return prompts
-
-
-def file_stream(path: Path, n: int, tokenizer) -> list[int]:
-    """The file's paragraphs as one stream of token ids, tokenized until it holds ``n`` (or the whole file)."""
-    stream: list[int] = []
-    for p in file_paragraphs(path):
-        if len(stream) >= n:
-            break
-        stream += tokenizer.encode(p + "\n\n")
-    return stream
-
-
 def serve_stream(rc: RunConfig, path: Path | None, tokenizer, vocab_size: int) -> list[int] | None:
-    """The running text the server's workload draws its prompts from (None when the run serves no requests): the
-    prompts file's tokens (up to 50,000), or seeded random ids with prompts=random."""
+    """The running text the server's workload draws its prompts from (None when the run serves no requests):
+    ``harness.core.inputs.served_stream``."""
     from harness.measurements.server import serve_options, serving
 
     if "server" not in measurements.chosen(rc.measurements):
@@ -429,103 +352,7 @@ def serve_stream(rc: RunConfig, path: Path | None, tokenizer, vocab_size: int) -
     s = serve_options(rc.option("serve"))
     if not serving(s):
         return None
-    need = s.system_prompt + s.prompt_most + 1
-    if path is None:
-        g = torch.Generator().manual_seed(rc.seed)
-        return torch.randint(0, vocab_size, (max(need, 50_000),), generator=g).tolist()
-    stream = file_stream(path, 50_000, tokenizer)
-    if len(stream) < need:
-        raise ConfigError(f"prompts_file {path} holds {len(stream):,} tokens; the server's prompts (serve."
-                          f"system_prompt + serve.prompt_most) need {need:,}: give a longer file or lower them")
-    return stream
-
-
-TEXT_STREAM_MOST = 1_000_000  # tokens of the prompts file drift's texts are drawn from (its start, when longer)
-TEXTS_SEED = 0  # the draw of drift's texts: fixed (not the run's seed), so every run on a file scores the same texts
-
-
-@dataclass(frozen=True)
-class Texts:
-    """Drift's texts (each (1, length)) and the prompts file's paragraphs each spans (1-based, first and last):
-    what ``drift_text_paragraphs`` records, so an analysis can leave some paragraphs out."""
-
-    texts: list
-    paragraphs: list
-
-    def record(self) -> str:
-        """'3-4;7;9-10': each text's paragraphs, in text order."""
-        return ";".join(f"{a}" if a == b else f"{a}-{b}" for a, b in self.paragraphs)
-
-
-def disjoint_texts(path: Path, n: int, length: int, tokenizer, sep: int | None = None, seed: int = TEXTS_SEED) -> Texts:
-    """``n`` texts of exactly ``length`` tokens that share no token, spread over the whole file: its paragraphs
-    (lines) joined into one stream as a model was trained on them (each followed by ``sep``, the token a
-    reference model was trained to see between documents and first; without one, by a blank line), cut into
-    windows of ``length``, and one window drawn (seeded) from each n-th of them, so that the texts come from the
-    whole file, not its start, and every run of a sweep reads the same ones. No text is scored twice, so texts can
-    be resampled as independent units. The first ``TEXT_STREAM_MOST`` tokens are read; a file too short for the
-    texts is one line."""
-    stream, owner = [], []
-    for i, p in enumerate(file_paragraphs(path), 1):
-        if len(stream) >= TEXT_STREAM_MOST:
-            break
-        ids = tokenizer.encode(p) + [sep] if sep is not None else tokenizer.encode(p + "\n\n")
-        stream += ids
-        owner += [i] * len(ids)
-    slots = min(len(stream), TEXT_STREAM_MOST) // length
-    if slots < n:
-        raise ConfigError(f"prompts_file {path} holds {len(stream):,} tokens, and {n} disjoint texts of "
-                          f"{length:,} tokens (drift_texts, or n_prompts, x the drift text's length) need "
-                          f"{n * length:,}: lower drift_texts or drift_text_len, or give a longer file")
-    g = torch.Generator().manual_seed(seed)
-    picks = [k * slots // n + int(torch.randint((k + 1) * slots // n - k * slots // n, (1,), generator=g))
-             for k in range(n)]
-    return Texts([torch.tensor([stream[j * length:(j + 1) * length]]) for j in picks],
-                 [(owner[j * length], owner[(j + 1) * length - 1]) for j in picks])
-
-
-def batch_lengths(batch: int, prompt_len: int, kind: str, seed: int) -> list[int]:
-    """The served batch's prompt lengths: all ``prompt_len`` (uniform), or drawn uniformly from 1 .. prompt_len with
-    the first one ``prompt_len`` (ragged: the batch is as wide as a uniform one; seeded)."""
-    if kind == "uniform" or batch == 1:
-        return [prompt_len] * batch
-    g = torch.Generator().manual_seed(seed)
-    return [prompt_len] + torch.randint(1, prompt_len + 1, (batch - 1,), generator=g).tolist()
-
-
-def first_token_of(w: Weights | None, preset: str | None = None) -> int | None:
-    """The token a checkpoint folder was trained to see first (``models.hf_checkpoint.first_token``), or None. A
-    random init of a reference model's preset (its untrained control) gets the token its shipped checkpoint was
-    trained with, so the two read the same sequences."""
-    from models.hf_checkpoint import first_token
-
-    if w is not None and w.random and preset is not None:
-        shipped = weights.REPO / "models" / "weights" / preset
-        return first_token(shipped) if (shipped / "config.json").is_file() else None
-    if w is None or w.random or not Path(w.load_from).is_dir():
-        return None
-    return first_token(w.load_from)
-
-
-def first_token_share_of(w: Weights | None, bos: int | None) -> float | None:
-    """The share of attention the checkpoint's first token draws (``models.hf_checkpoint.first_token_share``): only
-    for a trained checkpoint with a first token (a random init's attention was never measured)."""
-    from models.hf_checkpoint import first_token_share
-
-    if bos is None or w is None or w.random or not Path(w.load_from).is_dir():
-        return None
-    return first_token_share(w.load_from)
-
-
-def led(seq: torch.Tensor, first: int) -> torch.Tensor:
-    """``seq`` (1, L) or (L,) as the same number of tokens starting with ``first``: it, then seq's first L - 1."""
-    lead = seq.new_full(seq.shape[:-1] + (1,), first)
-    return torch.cat([lead, seq[..., :-1]], -1)
-
-
-def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (1, length), generator=g) for _ in range(n)]
+    return inputs.served_stream(path, s.system_prompt + s.prompt_most + 1, tokenizer, vocab_size, rc.seed)
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------

@@ -151,3 +151,27 @@ def _auto(preset: str, seed: int, announce) -> Weights:
     w = random_init(seed, why)
     announce(f"kvlab: model.weights=auto: {w.detail}", file=sys.stderr)
     return w
+
+
+def first_token_of(w: Weights | None, preset: str | None = None) -> int | None:
+    """The token a checkpoint folder was trained to see first (``models.hf_checkpoint.first_token``), or None. A
+    random init of a reference model's preset (its untrained control) gets the token its shipped checkpoint was
+    trained with, so the two read the same sequences."""
+    from models.hf_checkpoint import first_token
+
+    if w is not None and w.random and preset is not None:
+        shipped = REPO / "models" / "weights" / preset
+        return first_token(shipped) if (shipped / "config.json").is_file() else None
+    if w is None or w.random or not Path(w.load_from).is_dir():
+        return None
+    return first_token(w.load_from)
+
+
+def first_token_share_of(w: Weights | None, bos: int | None) -> float | None:
+    """The share of attention the checkpoint's first token draws (``models.hf_checkpoint.first_token_share``): only
+    for a trained checkpoint with a first token (a random init's attention was never measured)."""
+    from models.hf_checkpoint import first_token_share
+
+    if bos is None or w is None or w.random or not Path(w.load_from).is_dir():
+        return None
+    return first_token_share(w.load_from)

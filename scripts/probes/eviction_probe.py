@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from harness.tools.bench import parse_kind  # noqa: E402
 from harness.core.engines import KvlabEngine  # noqa: E402
-from harness.experiment.runner import led, text_prompts  # noqa: E402
+from harness.core.inputs import led, text_prompts  # noqa: E402
 from models.families import load_model  # noqa: E402
 from models.hf_checkpoint import first_token  # noqa: E402
 from models.tokenizer import Tokenizer  # noqa: E402

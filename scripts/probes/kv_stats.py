@@ -39,7 +39,7 @@ if __name__ == "__main__":  # run as a file: the repo on the path; a Python with
 
 import torch  # noqa: E402
 
-from harness.experiment.runner import led, text_prompts  # noqa: E402
+from harness.core.inputs import led, text_prompts  # noqa: E402
 from harness.train.targets import attention_on_first  # noqa: E402
 from models import attention  # noqa: E402
 from models.families import MODEL_CLASSES, load_model  # noqa: E402

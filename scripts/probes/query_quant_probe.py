@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 import models.gpt2  # noqa: E402
 import models.llama  # noqa: E402
 from harness.analysis import intervals  # noqa: E402
-from harness.experiment.runner import disjoint_texts, led  # noqa: E402
+from harness.core.inputs import disjoint_texts, led  # noqa: E402
 from models.families import load_model  # noqa: E402
 from models.hf_checkpoint import first_token  # noqa: E402
 from models.kv_cache.quant import offset, quantize_symmetric  # noqa: E402

@@ -238,7 +238,7 @@ def test_a_checkpoint_trained_with_a_first_token_gets_it_in_front_of_every_seque
 
 
 def test_led_keeps_a_sequences_length_and_puts_the_first_token_in_front():
-    from harness.experiment.runner import led
+    from harness.core.inputs import led
 
     assert led(torch.tensor([[5, 6, 7]]), 9).tolist() == [[9, 5, 6]]
     assert led(torch.tensor([5, 6, 7]), 9).tolist() == [9, 5, 6]

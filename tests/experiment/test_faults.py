@@ -16,7 +16,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from harness.experiment.config import ConfigError, register, validate
-from harness.experiment.runner import text_prompts
+from harness.core.inputs import text_prompts
 from models.generate import decode_step, greedy, new_cache, prefill
 from models.gpt2 import GPT2, CheckpointError
 from models.kv_cache import kv_bytes, make_cache

@@ -18,7 +18,7 @@ from harness.core import measure
 from harness.experiment.config import ConfigError, cache_options, dtype_label, register, validate
 from models.families import preset_config
 from harness.core.engines import HF_COUNTERPARTS, KvlabEngine, hf_refuses
-from harness.experiment.runner import batch_lengths, disjoint_texts, text_prompts
+from harness.core.inputs import batch_lengths, disjoint_texts, text_prompts
 from harness.analysis.papers import PAPERS
 from tests.helpers import NO_REPORT, REPO, TINY, run_py
 from models.kv_cache import CACHE_KINDS, cache_kind, kv_bytes

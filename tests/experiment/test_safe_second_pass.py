@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from harness.common import signals
+from harness.core import inputs
 from harness.experiment import runner as experiment
 from harness.common import ownership
 from harness.analysis import report
@@ -450,7 +451,7 @@ def test_a_scan_reads_a_bounded_total_of_records(tmp_path, monkeypatch):
 
 
 def test_one_huge_paragraph_is_tokenized_only_in_part(tmp_path, monkeypatch):
-    monkeypatch.setattr(experiment, "PARAGRAPH_MAX", 1000)
+    monkeypatch.setattr(inputs, "PARAGRAPH_MAX", 1000)
     f = tmp_path / "one-line.txt"
     f.write_text("word " * 100_000)
 
@@ -462,7 +463,7 @@ def test_one_huge_paragraph_is_tokenized_only_in_part(tmp_path, monkeypatch):
             return list(range(len(text) // 5))
 
     tok = Counting()
-    prompts = experiment.text_prompts(f, 2, 16, tok)
+    prompts = inputs.text_prompts(f, 2, 16, tok)
     assert len(prompts) == 2 and max(tok.seen) <= 1000 + 2
 
 
@@ -518,26 +519,26 @@ def test_a_record_with_a_huge_integer_still_makes_a_report(finished, tmp_path):
 @pytest.mark.parametrize("dev", ["/dev/zero", "/dev/urandom"])
 def test_a_device_as_prompts_file_is_refused_before_reading(dev):
     with pytest.raises(ConfigError, match="is not a regular file"):
-        experiment.check_prompts_file(Path(dev))
+        inputs.check_prompts_file(Path(dev))
 
 
 def test_a_fifo_as_prompts_file_is_refused_without_blocking(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     with pytest.raises(ConfigError, match="is not a regular file"):
-        experiment.check_prompts_file(fifo)
+        inputs.check_prompts_file(fifo)
     with pytest.raises(ConfigError, match="is not a regular file"):
-        experiment.text_prompts(fifo, 2, 4, tokenizer=None)
+        inputs.text_prompts(fifo, 2, 4, tokenizer=None)
 
 
 def test_a_prompts_file_too_big_is_refused_by_its_size(tmp_path, monkeypatch):
     big = tmp_path / "big.txt"
     with open(big, "wb") as f:  # sparse: no disk used
-        f.truncate(experiment.PROMPTS_FILE_MAX + 1)
+        f.truncate(inputs.PROMPTS_FILE_MAX + 1)
     read = []
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: read.append(self) or "")
     with pytest.raises(ConfigError, match="more than the 67,108,864 kvlab reads"):
-        experiment.text_prompts(big, 2, 4, tokenizer=None)
+        inputs.text_prompts(big, 2, 4, tokenizer=None)
     assert read == []
 
 
