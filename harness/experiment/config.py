@@ -511,12 +511,10 @@ def _check_fills(rc: RunConfig, max_len: int, contexts: list[int]) -> None:
     cls = cache_kind(kind)
     opts = cls.parse_options(**rc.cache.options)
     fills = memory.cache_fills(
-        kind=kind, options=dict(rc.cache.options), max_len=max_len, contexts=contexts,
-        prompt_len=rc.prompt_len, new_tokens=rc.new_tokens, batch=rc.batch,
-        batch_sizes=list(rc.option("batch_sizes") or []) or None, batch_context=rc.option("batch_context", 512),
-        drift_text_len=rc.option("drift_text_len", 128), retrieval_n=rc.option("retrieval_n"),
-        storage=rc.dtype.storage, compute=rc.dtype.compute, compile=rc.compile,
-        measurements=measurements.chosen(rc.measurements))
+        kind=kind, options=dict(rc.cache.options), max_len=max_len, prompt_len=rc.prompt_len,
+        new_tokens=rc.new_tokens, batch=rc.batch, storage=rc.dtype.storage, compute=rc.dtype.compute,
+        compile=rc.compile, engine=rc.engine.name, measurements=measurements.chosen(rc.measurements),
+        **{**dict(rc.options), "context_lengths": contexts})
     try:
         cls.check_fills(opts, fills)
     except ValueError as e:

@@ -54,43 +54,24 @@ its whole pool):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import resource
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 from harness.common.errors import ConfigError
 from harness.core.engines import ENGINES
-from harness.core.measure import STAT_ROWS, text_rows
-from models.kv_cache import CACHE_KINDS, KVCache, as_dtype, cache_kind, kv_bytes
+from harness.core.sizes import F32, Shape, dtype_name, param_count
+from models.kv_cache import as_dtype, cache_kind
 from models.kv_cache.base import itemsize
 
-F32, F64, I64 = 4, 8, 8
-ACT_WIDTH = 12  # activations of a forward held at once per token, in units of n_embd: the residual, a layer norm,
-# q/k/v (3) and their contiguous copies (3), or the MLP's 4x-wide input and its GELU (8), plus the output
 SLACK = 0.05  # added to each phase's cache + transients for the allocators' rounding and fragmentation (a served
 # batch on a CPU peaked about 1% above its tensors' bytes)
 MARGIN = 0.10  # of what is free, kept free
 MIN_MARGIN = 256 << 20  # and at least this much
 GB = 1e9
-
-
-# ---- weights ---------------------------------------------------------------------------------------------------
-
-def param_count(cfg) -> int:
-    """A model's parameters from its config alone (its family's ``num_params``: a tied lm_head once)."""
-    return cfg.num_params()
-
-
-def decode_weight_bytes(cfg, dtype) -> int:
-    """What ``harness.core.measure.weight_bytes`` reports for a model of ``cfg`` in ``dtype``: every parameter once, but
-    only one row of a learned position embedding (GPT-2's; a rotary family has none). The bandwidth probe sizes its
-    buffers by it."""
-    table = (cfg.n_positions - 1) * cfg.n_embd if cfg.family == "gpt2" else 0
-    return (param_count(cfg) - table) * itemsize(dtype)
 
 
 # ---- the estimate ----------------------------------------------------------------------------------------------
@@ -127,169 +108,86 @@ def size(n: int | float) -> str:
     return f"{int(n)} B"
 
 
-def _name(dtype) -> str:
-    """fp32 / fp16 / bf16."""
-    return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[str(as_dtype(dtype)).removeprefix("torch.")]
-
-
-def _storage(engine: str, kind: str, cls: type[KVCache], opts, prefilled: int):
-    """What knows the bytes ``engine``'s cache of ``kind`` holds: the kind's class, unless the engine stores the kind
-    its own way (``HFEngine.storage``: transformers' QuantizedCache). That method reads only the spec, so it is asked
-    without building an engine."""
-    own = getattr(ENGINES[engine], "storage", None)
-    if own is None:
-        return cls
-    try:
-        return own(None, SimpleNamespace(kind=kind, cls=cls, opts=opts), prefilled)
-    except (AttributeError, TypeError):  # it needs a built engine after all: the kind's own formula
-        return cls
-
-
-def _full_attention_kind() -> type[KVCache]:
-    """The kind the fp32 drift reference runs with (``harness.core.measure.full_attention_kind``)."""
-    return next(c for c in CACHE_KINDS.values() if c.full_attention(c.Options()))
-
-
 def _positive(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}={value!r}: give a positive integer")
     return value
 
 
-def run_bytes(model, *, storage="fp32", compute="fp32", kind: str = "prealloc",
-              options: dict | None = None, max_len: int | None = None, batch: int = 1,
-              batch_sizes: list[int] | None = None, batch_context: int = 512,
-              context_lengths: list[int] | None = None, n_prompts: int = 4, new_tokens: int = 32,
-              prompt_len: int = 32, drift_text_len: int = 128, engine: str = "kvlab", device: str = "cpu",
-              compile: bool = False, keep_fp32: bool | None = None, retrieval_n: int | None = None,
-              measurements: list[str] | None = None, serve: dict | None = None, drift_texts: int | None = None,
-              retrieval_k: int | None = None) -> RunBytes:
-    """The bytes a run of ``model`` needs at its peak on ``device`` ("cpu" or "cuda"), from plain values only.
+def _chosen(names: list[str] | None) -> list:
+    """The measurements' classes a run makes (``names``; None: all), in the registry's order."""
+    from harness.measurements import MEASUREMENTS
+
+    return [cls for name, cls in MEASUREMENTS.items() if names is None or name in names]
+
+
+def _option_values(values: dict) -> dict:
+    """The measurements' option values by name, each name some measurement's option (anything else: TypeError, as a
+    misspelt keyword is)."""
+    from harness.measurements import MEASUREMENTS
+
+    known = {f.name for cls in MEASUREMENTS.values() for f in dataclasses.fields(cls.Options)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise TypeError(f"run_bytes() got options no measurement has: {', '.join(unknown)}")
+    return values
+
+
+def run_bytes(model, *, storage="fp32", compute="fp32", kind: str = "prealloc", options: dict | None = None,
+              max_len: int | None = None, batch: int = 1, n_prompts: int = 4, new_tokens: int = 32,
+              prompt_len: int = 32, engine: str = "kvlab", device: str = "cpu", compile: bool = False,
+              keep_fp32: bool | None = None, measurements: list[str] | None = None, **option_values) -> RunBytes:
+    """The bytes a run of ``model`` needs at its peak on ``device`` ("cpu" or "cuda"), from plain values only: its
+    weights (every copy it holds) and the largest phase the ``measurements`` it makes (None: all) declare
+    (``Measurement.memory``, from the run's ``harness.core.sizes.Shape`` and their options: ``option_values`` by
+    name, each one's default where not given).
 
     ``storage`` / ``compute``: the K/V and model dtypes (names or torch dtypes; compute "auto" resolves as the run
     does: fp32 on a CPU, the storage dtype on CUDA). ``kind`` and ``options``: the cache kind and its options.
-    ``max_len``: cache capacity (default n_positions). ``batch``: the served batch (serve_batch); ``batch_sizes``:
-    the throughput batches (batch_throughput, None: not measured) at context min(batch_context, max_len - 1);
-    ``context_lengths``: the timed contexts (None: assume up to max_len). ``keep_fp32``: whether the fp32 model is
-    kept beside a reduced-precision copy (default: yes, as every run does: it is the drift reference).
-    ``measurements``: the measurements the run makes (None: all; each measurement's ``memory_phases`` say which phase is whose).
-
-    The terms each phase counts are in the module docstring ("The terms").
+    ``max_len``: cache capacity (default n_positions). ``batch``: the served batch; ``keep_fp32``: whether the
+    fp32 model is kept beside a reduced-precision copy (default: yes, as every run does: it is the drift
+    reference). The terms each phase counts are in its measurement's ``memory``; weights in the module docstring.
     """
+    from harness.measurements import options_of
+
+    option_values = _option_values(dict(option_values))
     args = dict(storage=storage, compute=compute, kind=kind, options=dict(options or {}), max_len=max_len,
-                batch=batch, batch_sizes=None if batch_sizes is None else list(batch_sizes),
-                batch_context=batch_context, context_lengths=None if context_lengths is None
-                else list(context_lengths), n_prompts=n_prompts, new_tokens=new_tokens, prompt_len=prompt_len,
-                drift_text_len=drift_text_len, engine=engine, device=device, compile=compile, keep_fp32=keep_fp32,
-                retrieval_n=retrieval_n, measurements=None if measurements is None else list(measurements),
-                serve=None if serve is None else dict(serve), drift_texts=drift_texts, retrieval_k=retrieval_k)
+                batch=batch, n_prompts=n_prompts, new_tokens=new_tokens, prompt_len=prompt_len, engine=engine,
+                device=device, compile=compile, keep_fp32=keep_fp32,
+                measurements=None if measurements is None else list(measurements), **option_values)
     if engine not in ENGINES:
         raise ConfigError(f"engine={engine!r}: use one of {', '.join(ENGINES)}")
     device = str(device).split(":")[0]
     if compute == "auto":
         compute = "fp32" if device == "cpu" else storage
-    s = _Sizes(model, kind, dict(options or {}), as_dtype(storage), as_dtype(compute), engine,
-               model.n_positions if max_len is None else _positive("max_len", max_len), prompt_len)
-    for name, value in (("batch", batch), ("batch_context", batch_context), ("n_prompts", n_prompts),
-                        ("new_tokens", new_tokens), ("prompt_len", prompt_len), ("drift_text_len", drift_text_len)):
+    for name, value in (("batch", batch), ("n_prompts", n_prompts), ("new_tokens", new_tokens),
+                        ("prompt_len", prompt_len)):
         _positive(name, value)
-    for b in batch_sizes or []:
-        _positive("batch_sizes entry", b)
+    s = Shape(model, kind, dict(options or {}), as_dtype(storage), as_dtype(compute), engine,
+              model.n_positions if max_len is None else _positive("max_len", max_len), prompt_len, new_tokens,
+              n_prompts, batch, compile, device)
     weights, copies, setup = _weights(s, engine, device, keep_fp32)
-    phases = [("setup", 0, setup), *_generation_phases(s, n_prompts, new_tokens, drift_text_len, drift_texts),
-              *_timing_phases(s, new_tokens, context_lengths), *_batch_phases(s, batch_sizes, batch_context),
-              _serve_phase(s, batch, new_tokens)]
-    if compile:
-        Tg = prompt_len + new_tokens
-        phases.append(("compiled_equivalence", 2 * s.cache_at(1, Tg),
-                       s.forward(1, prompt_len, 1) + s.layer_kv(1, Tg)))
-    if retrieval_n:
-        phases.append(_retrieval_phase(s, retrieval_n, retrieval_k))
-    if serve is not None:
-        phases += _server_phase(s, serve)
-    if measurements is not None:  # only the phases of the measurements the run makes
-        whose = phase_of()
-        phases = [p for p in phases if p[0] == "setup" or whose.get(p[0].split("(")[0], set()) & set(measurements)]
-    phases = [(name, c, m + math.ceil(SLACK * (c + m))) for name, c, m in phases]
+    phases = {"setup": ("setup", 0, setup)}
+    for cls in _chosen(measurements):
+        for phase in cls.memory(s, options_of(cls, option_values)):
+            phases.setdefault(phase[0], phase)  # a phase two measurements share counts once
+    phases = [(name, c, m + math.ceil(SLACK * (c + m))) for name, c, m in phases.values()]
     peak, cache, measurement = max(phases, key=lambda p: p[1] + p[2])
     return RunBytes(params=s.P, weights=weights, weights_copies=tuple(copies), cache=cache, measurement=measurement,
                     total=weights + cache + measurement, peak=peak, phases=tuple(phases),
                     inputs=dict(model=model, **args))
 
 
-def phase_of() -> dict[str, set[str]]:
-    """Each phase of ``run_bytes`` -> the measurements that make it (their ``memory_phases``)."""
-    from harness.measurements import MEASUREMENTS
-
-    out: dict[str, set[str]] = {}
-    for name, cls in MEASUREMENTS.items():
-        for phase in cls.memory_phases:
-            out.setdefault(phase, set()).add(name)
-    return out
-
-
-@dataclass(frozen=True)
-class _Sizes:
-    """The pieces every phase of ``run_bytes`` is made of, for one model, kind, dtype pair and capacity."""
-
-    model: Any  # the model's config, of any family (models.families)
-    kind: str
-    options: dict
-    storage: object
-    compute: object
-    engine: str
-    max_len: int
-    prompt_len: int
-
-    @property
-    def P(self) -> int:
-        return param_count(self.model)
-
-    @property
-    def cls(self):
-        return cache_kind(self.kind)
-
-    @property
-    def reduced(self) -> bool:
-        return self.compute != as_dtype("fp32")
-
-    def cache_at(self, B: int, n: int, cap: int | None = None, prefilled: int | None = None) -> int:
-        """Bytes of a cache of the run's kind: B sequences, capacity cap, n tokens written."""
-        cap = self.max_len if cap is None else cap
-        prefilled = self.prompt_len if prefilled is None else prefilled
-        return cache_bytes(self.model, self.kind, self.options, self.storage, cap, B, max(0, min(n, cap)),
-                           self.engine, min(prefilled, cap))
-
-    def snap(self, B: int, n: int) -> int:
-        """A snapshot the kind's checkpoint copies (0 for a kind that crops back)."""
-        return self.cache_at(B, n) if self.cls.checkpoint is not KVCache.checkpoint else 0
-
-    def forward(self, B: int, T: int, rows: int, isz: int | None = None) -> int:
-        """Transients of one forward of (B, T) tokens keeping ``rows`` positions' logits."""
-        m, isz = self.model, itemsize(self.compute) if isz is None else isz
-        return (B * T * m.n_embd * ACT_WIDTH * isz + B * m.n_head * T * T * F32 + 3 * B * T * T
-                + B * rows * m.vocab_size * isz + 2 * B * T * I64)
-
-    def layer_kv(self, B: int, n: int) -> int:
-        return 2 * kv_bytes(1, self.model.n_kv_head, self.model.head_dim, max(n, 1), B, "fp32")
-
-    def ref_cache(self, n: int) -> int:
-        """The fp32 full-attention reference's cache holding n tokens."""
-        ref = _full_attention_kind()
-        m = self.model
-        return ref.nbytes_formula(m.n_layer, m.n_kv_head, m.head_dim, n, 1, "fp32", n, ref.Options())
-
-
-def _weights(s: _Sizes, engine: str, device: str, keep_fp32: bool | None) -> tuple[int, list, int]:
+def _weights(s: Shape, engine: str, device: str, keep_fp32: bool | None) -> tuple[int, list, int]:
     """(bytes of every weight copy a run holds, the copies, what building them needs beyond that)."""
     P, isz_c = s.P, itemsize(s.compute)
     copies = []
     if keep_fp32 is not False or not s.reduced:
         copies.append(("fp32 model", P * F32))
     if s.reduced:
-        copies.append((f"{_name(s.compute)} copy", P * isz_c))
+        copies.append((f"{dtype_name(s.compute)} copy", P * isz_c))
     if ENGINES[engine].holds_weight_copy:
-        copies.append((f"{engine} {_name(s.compute)} copy", P * isz_c))
+        copies.append((f"{engine} {dtype_name(s.compute)} copy", P * isz_c))
     weights = sum(b for _, b in copies)
     # setup: deepcopy(model32) is fp32 until converted; on a CPU an engine with its own copy builds it in fp32
     # beside the others
@@ -299,165 +197,19 @@ def _weights(s: _Sizes, engine: str, device: str, keep_fp32: bool | None) -> tup
     return weights, copies, max(0, deep - weights, build - weights)
 
 
-def _generation_phases(s: _Sizes, n_prompts: int, new_tokens: int, drift_text_len: int,
-                       drift_texts: int | None = None) -> list:
-    """The generation checks (batch 1) and, for a run that is not its own fp32 reference, drift on text (its texts
-    passed ``text_rows`` at a time)."""
-    V, n, Tg = s.model.vocab_size, new_tokens, s.prompt_len + new_tokens
-    phases = [("generation", s.cache_at(1, Tg, cap=Tg) + s.ref_cache(Tg),
-               s.forward(1, Tg, Tg, F32) + n * V * (6 * F32 + 5 * F64))]
-    plain_fp32 = (not s.reduced and s.storage == as_dtype("fp32")
-                  and s.cls.full_attention(s.cls.parse_options(**s.options)) and not ENGINES[s.engine].drifts_at_fp32)
-    if not plain_fp32:
-        Lt = min(s.max_len, max(drift_text_len, s.prompt_len + 1))
-        texts = drift_texts or n_prompts
-        B = text_rows(Lt, V, texts)
-        R = min(STAT_ROWS, Lt - 1)
-        m = s.model
-        seen = 2 * kv_bytes(m.n_layer, m.n_kv_head, m.head_dim, Lt, B, "fp32")
-        meas = s.forward(B, Lt - 1, 0, F32) + 3 * B * (Lt - 1) * V * F32 + 7 * R * V * F64 + seen + texts * Lt * I64
-        phases.append(("text_drift", s.cache_at(B, Lt, cap=Lt) + B * s.ref_cache(Lt), meas))
-    return phases
+def cache_fills(*, kind: str, options: dict | None = None, max_len: int, prompt_len: int = 32, new_tokens: int = 32,
+                batch: int = 1, storage="fp32", compute="auto", compile: bool = False, engine: str = "kvlab",
+                measurements: list[str] | None = None, **option_values) -> list[tuple[str, int, int]]:
+    """Every cache the run's ``measurements`` (None: all) build, from the config alone: (what builds it, sequences,
+    the most tokens it has written), as each declares them (``Measurement.fills``). Each is a cache of its own (a
+    paged one draws its own pool). ``compute`` "auto" counts as fp32 (the run's own drift reference decides whether
+    text drift runs)."""
+    from harness.measurements import options_of
 
-
-def _retrieval_phase(s: _Sizes, retrieval_n: int, retrieval_k: int | None) -> tuple:
-    """Retrieval's sequences of twice retrieval_n tokens, ``text_rows`` at a time (at most retrieval_k)."""
-    Lr = 2 * min(_positive("retrieval_n", retrieval_n), s.max_len // 2)
-    B = text_rows(Lr, s.model.vocab_size, retrieval_k)
-    return ("retrieval", s.cache_at(B, Lr, cap=Lr), s.forward(B, Lr, Lr, F32) + 3 * B * Lr * s.model.vocab_size * F32)
-
-
-def _timing_phases(s: _Sizes, new_tokens: int, context_lengths: list[int] | None) -> list:
-    """cache_memory and step_times (batch 1 at max_len), and the bandwidth probe."""
-    Tg = s.prompt_len + new_tokens
-    Tc = min(s.max_len, (max(context_lengths) + 1) if context_lengths else s.max_len)
-    w = min(decode_weight_bytes(s.model, s.compute), 1 << 30)
-    held = s.cls.held_tokens(s.max_len, s.max_len, s.cls.parse_options(**s.options))  # a window: its slots alone
-    return [("cache_memory", s.cache_at(1, Tg), s.forward(1, s.prompt_len, 1) + s.layer_kv(1, held)),
-            ("step_times", s.cache_at(1, Tc) + s.snap(1, Tc), s.forward(1, Tc, 1) + s.layer_kv(1, Tc)),
-            ("bandwidth_probe", 0, 2 * max(w, 256 << 20) + max(1, w // 4 // 1024) * 1024 * F32
-             + 3 * 1024 * 1024 * F32)]
-
-
-def _batch_phases(s: _Sizes, batch_sizes: list[int] | None, batch_context: int) -> list:
-    """Throughput vs batch: the previous batch's cache (and snapshot) is still held while the next is built."""
-    phases, prev = [], 0
-    ctx_b = min(batch_context, s.max_len - 1) if s.max_len > 1 else 1
-    for B in batch_sizes or []:
-        c = s.cache_at(B, ctx_b + 1, prefilled=ctx_b)
-        moments = [(prev + c, s.forward(B, ctx_b, 1) + 2 * B * (ctx_b + 1) * I64),
-                   (c + s.snap(B, ctx_b + 1), s.layer_kv(B, ctx_b + 1) + B * s.model.vocab_size * itemsize(s.compute))]
-        cache_b, meas_b = max(moments, key=sum)
-        phases.append((f"batch_throughput(batch={B})", cache_b, meas_b))
-        prev = c + s.snap(B, ctx_b + 1)
-    return phases
-
-
-def _serve_phase(s: _Sizes, B: int, n: int) -> tuple[str, int, int]:
-    """The served batch: the worst of a new cache beside the last, the prefill, the decode, the check."""
-    V, Ts, pl = s.model.vocab_size, s.prompt_len + n, s.prompt_len
-    full, empty = s.cache_at(B, Ts), s.cache_at(B, 0)
-    kept = B * n * V * F32
-    moments = [(full + empty, 0), (s.cache_at(B, pl), s.forward(B, pl, 1) + 2 * B * pl * I64),
-               (full, s.layer_kv(B, Ts) + kept + B * V * itemsize(s.compute)),
-               (full, 2 * kept + s.forward(1, Ts, Ts, F32))]
-    cache_s, meas_s = max(moments, key=sum)
-    return (f"serve_batch(batch={B})", cache_s, meas_s)
-
-
-def _server_phase(s: _Sizes, serve: dict) -> list:
-    """The continuous-batching server: its K/V budget held whole, beside a prefill of the longest request, a step
-    of the largest running batch (each layer's K/V of the batch gathered in the compute dtype) and the check of a
-    request alone."""
-    from harness.measurements.server import budget_bytes, peer_runs, serve_options, serving
-
-    o = serve_options(serve)
-    if not serving(o):
-        return []
-    # the longest request: the drawn workload's, or under a trace (rows checked against max_len) the longest a run
-    # can hold
-    P = s.max_len if o.trace else o.system_prompt + o.prompt_most + o.max_tokens + 1
-    budget, B = budget_bytes(o.kv_budget), o.max_batch
-    gathered = 2 * budget * itemsize(s.compute) // (itemsize(s.storage) * max(s.model.n_layer, 1))
-    transient = (max(s.forward(1, P, 1), s.forward(B, 1, 1) + gathered)
-                 + s.cache_at(1, P, cap=P) + s.layer_kv(1, P))
-    held = budget * (2 if peer_runs(o, s.cls) else 1)  # the peer's pool beside kvlab's, each the budget
-    return [("serve_continuous", held, transient)]
-
-
-def cache_fills(*, kind: str, options: dict | None = None, max_len: int, contexts: list[int] | None = None,
-                prompt_len: int = 32, new_tokens: int = 32, batch: int = 1, batch_sizes: list[int] | None = None,
-                batch_context: int = 512, drift_text_len: int = 128, retrieval_n: int | None = None,
-                storage="fp32", compute="auto", compile: bool = False,
-                measurements: list[str] | None = None) -> list[tuple[str, int, int]]:
-    """Every cache the run's measurements build, from the config alone: (what builds it, sequences, the most tokens
-    it has written), for the phases of ``run_bytes`` that the ``measurements`` (None: all) make. Each is a cache of
-    its own (a paged one draws its own pool). P = prompt_len, N = new_tokens:
-
-    - generation: each prompt's cached greedy generation, P + N - 1 tokens (the last token is not fed back);
-    - text_drift (a run that is not its own fp32 reference): L - 1 tokens, L = min(max_len, max(drift_text_len,
-      P + 1)); retrieval: 2n - 1 tokens, n = min(retrieval_n, max_len // 2); one sequence each where the options
-      fix a pool of blocks (``CacheSpec.rows_at_once``: several texts share a cache only where it grows with them);
-    - cache_memory: P + N - 1; step_times: the longest timed context + 1 (and the prefill of P, for TTFT);
-    - batch_throughput: B sequences of min(batch_context, max_len - 1) + 1 per batch size B; serve_batch: ``batch``
-      sequences of at most P + N - 1 (a ragged batch's padding takes no slot of a pooled kind);
-    - compiled_equivalence (compile=true): P + N.
-    """
-    cls = cache_kind(kind)
-    opts = cls.parse_options(**(options or {}))
-    P, N = prompt_len, new_tokens
-    plain_fp32 = (_name(storage) == "fp32" and (compute == "auto" or _name(compute) == "fp32")
-                  and cls.full_attention(opts))
-    fills = [("generation", "the cached generation", 1, P + N - 1)]
-    if not plain_fp32:
-        L = min(max_len, max(drift_text_len, P + 1))
-        fills.append(("text_drift", "text drift", 1, L - 1))
-    if retrieval_n:
-        fills.append(("retrieval", "retrieval", 1, 2 * min(retrieval_n, max_len // 2) - 1))
-    fills.append(("cache_memory", "the cache-bytes check", 1, P + N - 1))
-    top = max(contexts) if contexts else max_len - 1
-    fills += [("step_times", f"the decode step at context {top}", 1, top + 1),
-              ("step_times", "the time to first token", 1, P)]
-    ctx = min(batch_context, max_len - 1) if max_len > 1 else 1
-    fills += [("batch_throughput", f"the throughput batch of {B} at context {ctx}", B, ctx + 1)
-              for B in batch_sizes or []]
-    fills.append(("serve_batch", f"the served batch of {batch}", batch, P + N - 1))
-    if compile:
-        fills.append(("compiled_equivalence", "the compiled step's check", 1, P + N))
-    if measurements is not None:
-        whose = phase_of()
-        fills = [f for f in fills if whose.get(f[0], set()) & set(measurements)]
-    return [(what, b, n) for _, what, b, n in fills]
-
-
-def cache_bytes(model, kind: str, options: dict | None = None, storage="fp32",
-                max_len: int | None = None, batch: int = 1, n_tokens: int | None = None, engine: str = "kvlab",
-                prefilled: int = 0) -> int:
-    """Bytes a cache of ``kind`` (with ``options``) for ``model`` holds: ``batch`` sequences, capacity ``max_len``
-    (default n_positions), ``n_tokens`` written (default max_len), K/V in ``storage``. The kind's
-    ``nbytes_formula``, or the engine's own layout where it stores the kind its own way (``prefilled``: the prompt's
-    length, which that layout depends on); a pooled kind counts its whole pool, allocated up front."""
-    cls = cache_kind(kind)
-    opts = cls.parse_options(**(options or {}))
-    max_len = model.n_positions if max_len is None else max_len
-    n_tokens = max_len if n_tokens is None else n_tokens
-    L, nh, hs = model.n_layer, model.n_kv_head, model.head_dim
-    if cls.pooled:
-        return _pool_bytes(cls, opts, L, nh, hs, max_len, batch, storage)
-    own = _storage(engine, kind, cls, opts, prefilled)
-    return own.nbytes_formula(L, nh, hs, max_len, batch, as_dtype(storage), n_tokens, opts)
-
-
-def _pool_bytes(cls: type[KVCache], opts, n_layer: int, n_head: int, head_dim: int, max_len: int, batch: int,
-                dtype) -> int:
-    """A pooled kind allocates its whole pool up front: ``blocks`` blocks when the options give a count, else per
-    sequence the blocks of max_len plus one (copy-on-write headroom) — the kind's formula at one token past the
-    slots max_len holds."""
-    blocks = getattr(opts, "blocks", 0)
-    if blocks:  # one block of one sequence: the formula for a single token
-        return blocks * cls.nbytes_formula(n_layer, n_head, head_dim, max_len, 1, dtype, 1, opts)
-    held = cls.held_tokens(max_len, max_len, opts)
-    return cls.nbytes_formula(n_layer, n_head, head_dim, held + 1, batch, dtype, held + 1, opts)
+    option_values = _option_values(dict(option_values))
+    s = Shape(None, kind, dict(options or {}), as_dtype(storage), as_dtype("fp32" if compute == "auto" else compute),
+              engine, max_len, prompt_len, new_tokens, 1, batch, compile)
+    return [fill for cls in _chosen(measurements) for fill in cls.fills(s, options_of(cls, option_values))]
 
 
 # ---- what is free ----------------------------------------------------------------------------------------------
@@ -618,7 +370,7 @@ def what_fits(need: RunBytes, budget: int) -> str:
     def total(**change) -> int:
         return run_bytes(model, **{**inputs, **change}).total
 
-    sizes = inputs["batch_sizes"]
+    sizes = inputs.get("batch_sizes")
     small = dict(batch=1, batch_sizes=[1] if sizes else None)
     if total(**small) <= budget:
         parts = []
@@ -634,7 +386,7 @@ def what_fits(need: RunBytes, budget: int) -> str:
     lo = min(max_len, inputs["prompt_len"] + inputs["new_tokens"])
 
     def at(m: int, **change) -> int:
-        contexts = inputs["context_lengths"]
+        contexts = inputs.get("context_lengths")
         contexts = None if contexts is None else ([c for c in contexts if c < m] or None)
         return total(max_len=m, context_lengths=contexts, **change)
 
@@ -666,12 +418,9 @@ def _kind_option_that_fits(model, inputs: dict, budget: int) -> str | None:
     cls = cache_kind(inputs["kind"])
     options = dict(inputs["options"])
     max_len = inputs["max_len"] or model.n_positions
-    fills = cache_fills(kind=inputs["kind"], options=options, max_len=max_len, contexts=inputs["context_lengths"],
-                        prompt_len=inputs["prompt_len"], new_tokens=inputs["new_tokens"], batch=inputs["batch"],
-                        batch_sizes=inputs["batch_sizes"], batch_context=inputs["batch_context"],
-                        drift_text_len=inputs["drift_text_len"], retrieval_n=inputs["retrieval_n"],
-                        storage=inputs["storage"], compute=inputs["compute"], compile=inputs["compile"],
-                        measurements=inputs["measurements"])
+    run = {k: v for k, v in inputs.items() if k not in ("model", "options", "max_len", "n_prompts", "device",
+                                                         "keep_fp32")}
+    fills = cache_fills(options=options, max_len=max_len, **run)
     current = cls.parse_options(**options)
     for name in cls.sized_by:
         now = getattr(current, name)

@@ -23,7 +23,6 @@ import copy
 import datetime as dt
 import hashlib
 import json
-import math
 import os
 import re
 import signal
@@ -56,7 +55,7 @@ from models import outliers
 from models.decoder import Decoder
 from models.families import build, load_model, model_class, preset_config, read_config
 from models.hf_checkpoint import files_read
-from models.kv_cache import DTYPES, as_dtype, cache_kind
+from models.kv_cache import as_dtype, cache_kind
 
 # the invocation's bookkeeping lives in harness.experiment.invocation; these names stay importable from here
 __all__ = ["concurrent_runs", "forget_invocation", "invocation", "invocation_failures", "invocation_folders",
@@ -492,7 +491,7 @@ def plan_run(rc: RunConfig, w: Weights | None = None) -> Plan:
         prompt_tokenizer(w, mcfg, rc.model.name)
     if mcfg is not None:
         check_outliers(rc.model.outliers, mcfg)
-        check_server(rc, mcfg, max_len, storage, compute)
+        check_with_model(rc, mcfg, max_len, storage, compute)
         check_memory(rc, mcfg, max_len, contexts, storage, compute, device)
     return Plan(rc, w, mcfg, max_len, contexts, device, storage, compute, path,
                 input_ids(path, rc.model.seed, w, serve_trace(rc)))
@@ -525,76 +524,27 @@ def prompt_tokenizer(w: Weights, mcfg, model_name: str):
     return tok
 
 
-def check_server(rc: RunConfig, mcfg, max_len: int, storage, compute) -> None:
-    """A run that serves requests (``serve.requests`` > 0, or a trace): a kind that cannot serve, a peer that would
-    not run the same workload, or a K/V budget too small for its longest possible request, is refused in one line
-    before anything is built."""
-    from harness.core.server import least_budget, refuses_serving
-    from harness.measurements.server import PEER_SPAN_MAX_S, budget_bytes, peer_runs, seconds, serve_options, serving
+def shape(rc: RunConfig, mcfg, max_len: int, storage, compute, device=None):
+    """The run's sizes as the measurements read them (``harness.core.sizes.Shape``): plain values."""
+    from harness.core.sizes import Shape
 
-    s = serve_options(rc.option("serve"))
-    if "server" not in measurements.chosen(rc.measurements):
-        if serving(s):  # a setting that would do nothing
-            given = f"serve.trace={s.trace}" if s.trace else f"serve.requests={s.requests}"
-            raise ConfigError(f"{given} serves requests, but measurements=[{asked_measurements(rc.measurements)}] "
-                              "leaves out server: add server to measurements, or leave serve.requests at 0 and "
-                              "serve.trace empty")
-        return
-    if not serving(s):
-        return
-    cls = measure.cache_kind(rc.cache.kind)
-    opts = cls.parse_options(**dict(rc.cache.options))
-    why = refuses_serving(cls, opts, s.prefix_caching)
-    if why:
-        raise ConfigError(why)
-    if s.peer == "hf" and not cls.pooled:
-        raise ConfigError(f"serve.peer=hf serves the same requests through transformers' paged continuous batching, "
-                          f"the counterpart of cache=paged, not of cache={rc.cache.kind}: use cache=paged, serve."
-                          "peer=auto in a sweep over kinds (the peer beside its paged runs alone), or leave serve.peer "
-                          "empty")
-    if peer_runs(s, cls) and storage != compute:
-        name = {d: n for n, d in reversed(list(DTYPES.items()))}  # fp32, fp16, bf16 (the short names)
-        raise ConfigError(f"serve.peer={s.peer}: transformers' paged cache stores K/V in its model's dtype, the "
-                          f"compute dtype ({name[compute]}), and this run stores {name[storage]}: set dtype.compute="
-                          f"{name[storage]} too (both engines then store and compute {name[storage]}), or leave "
-                          "serve.peer empty")
-    span = 0.0 if s.trace or math.isinf(s.rate) else s.requests / s.rate
-    if peer_runs(s, cls) and span > PEER_SPAN_MAX_S:
-        raise ConfigError(f"serve.peer={s.peer} replays arrivals on the wall clock, and {s.requests:,} requests at "
-                          f"serve.rate={s.rate:g} arrive over about {seconds(span)} s: give serve.rate >= "
-                          f"{s.requests / PEER_SPAN_MAX_S:g} (at most {PEER_SPAN_MAX_S:,.0f} s of arrivals), or leave "
-                          "serve.peer empty")
-    if not s.trace and s.system_prompt + s.prompt_most + 1 < cls.min_prompt(opts):
-        raise ConfigError(f"cache={rc.cache.kind} takes prompts of at least {cls.min_prompt(opts)} tokens, and the "
-                          f"server's are at most {s.system_prompt + s.prompt_most + 1}: raise serve.prompt_most")
-    longest = _check_trace(rc, s, cls, opts, mcfg, max_len) if s.trace else s.prompt_most
-    n = min(s.system_prompt + longest + s.max_tokens + 1, max_len)
-    need = least_budget(cls, opts, mcfg.n_layer, mcfg.n_kv_head, mcfg.head_dim, storage, n)
-    if budget_bytes(s.kv_budget) < need:
-        raise ConfigError(f"serve.kv_budget={s.kv_budget} is too small for one request: the longest (serve."
-                          f"system_prompt + the longest prompt + serve.max_tokens + a first token = {n} tokens) holds "
-                          f"up to {need:,} B with cache={rc.cache.kind}; give serve.kv_budget >= {need:,}")
+    return Shape(mcfg, rc.cache.kind, dict(rc.cache.options), storage, compute, rc.engine.name, max_len, rc.prompt_len,
+                 rc.new_tokens, rc.n_prompts, rc.batch, rc.compile, "cpu" if device is None else device.type)
 
 
-def _check_trace(rc: RunConfig, s, cls, opts, mcfg, max_len: int) -> int:
-    """serve.trace's rows, read and checked before anything is built (a bad trace, a prompt shorter than the kind
-    takes, arrivals longer than the peer replays: one line) -> its longest prompt."""
-    from harness.measurements.server import PEER_SPAN_MAX_S, peer_runs, read_trace, seconds, trace_span
-
-    try:
-        rows = read_trace(s.trace, max_len - s.system_prompt - 1, s.max_tokens, mcfg.vocab_size, s.requests)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    short = [i + 1 for i, (_, p, _) in enumerate(rows) if isinstance(p, tuple)
-             and len(p) + s.system_prompt + 1 < cls.min_prompt(opts)]
-    if short:
-        raise ConfigError(f"serve.trace={s.trace} row {short[0]}: cache={rc.cache.kind} takes prompts of at least "
-                          f"{cls.min_prompt(opts)} tokens; give longer prompt_ids")
-    if peer_runs(s, cls) and trace_span(rows) > PEER_SPAN_MAX_S:
-        raise ConfigError(f"serve.peer={s.peer} replays arrivals on the wall clock, and serve.trace={s.trace} spans "
-                          f"{seconds(trace_span(rows))} s: give a trace of at most {PEER_SPAN_MAX_S:,.0f} s of "
-                          "arrivals, or leave serve.peer empty")
-    return max(len(p) if isinstance(p, tuple) else p for _, p, _ in rows)
+def check_with_model(rc: RunConfig, mcfg, max_len: int, storage, compute) -> None:
+    """Each chosen measurement's checks once the model is known (``Measurement.check_plan``), and each one left out
+    whose options would do nothing without it (``Measurement.idle``): one line, before anything is built."""
+    chosen = measurements.chosen(rc.measurements)
+    s = shape(rc, mcfg, max_len, storage, compute)
+    for name, cls in measurements.MEASUREMENTS.items():
+        opts = measurements.options_of(cls, rc.options)
+        if name in chosen:
+            cls.check_plan(opts, s)
+        else:
+            why = cls.idle(opts, f"measurements=[{asked_measurements(rc.measurements)}]")
+            if why:
+                raise ConfigError(why)
 
 
 def check_memory(rc: RunConfig, mcfg, max_len: int, contexts: list[int], storage, compute,
@@ -604,14 +554,10 @@ def check_memory(rc: RunConfig, mcfg, max_len: int, contexts: list[int], storage
     from harness.experiment import memory
 
     need = memory.run_bytes(mcfg, storage=storage, compute=compute, kind=rc.cache.kind,
-                            options=dict(rc.cache.options), max_len=max_len, context_lengths=contexts,
-                            batch=rc.batch, batch_sizes=list(rc.option("batch_sizes") or []) or None,
-                            batch_context=rc.option("batch_context", 512), n_prompts=rc.n_prompts,
-                            new_tokens=rc.new_tokens, prompt_len=rc.prompt_len,
-                            drift_text_len=rc.option("drift_text_len"), engine=rc.engine.name, device=device.type,
-                            compile=rc.compile, retrieval_n=rc.option("retrieval_n"),
-                            measurements=measurements.chosen(rc.measurements), serve=rc.option("serve"),
-                            drift_texts=rc.option("drift_texts"), retrieval_k=rc.option("retrieval_k"))
+                            options=dict(rc.cache.options), max_len=max_len, batch=rc.batch, n_prompts=rc.n_prompts,
+                            new_tokens=rc.new_tokens, prompt_len=rc.prompt_len, engine=rc.engine.name,
+                            device=device.type, compile=rc.compile, measurements=measurements.chosen(rc.measurements),
+                            **{**dict(rc.options), "context_lengths": contexts})
     memory.check(need, memory.available_bytes(device),
                  where="this machine" if device.type == "cpu" else f"GPU {device}")
 

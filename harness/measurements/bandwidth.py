@@ -15,7 +15,15 @@ class Bandwidth(Measurement):
     about = "bytes a cached step reads (weights + K/V), GB/s and flop/byte per context; the machine's probe"
     needs = ("step_time",)
     stage = "bandwidth"
-    memory_phases = ("bandwidth_probe",)
+    @classmethod
+    def memory(cls, s, opts):
+        """Its copy buffers 2 x max(min(w, 1 GiB), 256 MiB) and its matrix min(w, 1 GiB), w the decode weight
+        bytes."""
+        from harness.core.sizes import F32, decode_weight_bytes
+
+        w = min(decode_weight_bytes(s.model, s.compute), 1 << 30)
+        return [("bandwidth_probe", 0, 2 * max(w, 256 << 20) + max(1, w // 4 // 1024) * 1024 * F32
+                 + 3 * 1024 * 1024 * F32)]
 
     @dataclass(frozen=True)
     class Result:

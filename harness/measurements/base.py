@@ -24,7 +24,9 @@
 ``panels`` its charts in the W&B Report;
 ``history`` the per-step series it logs to W&B; ``skip`` says why it does not apply to a run (recorded as
 ``<name>_skipped``, never a failure); ``check`` refuses bad options before anything runs (from the options and
-max_len alone: a measurement never sees the config). A measurement that reads
+max_len alone: a measurement never sees the config), ``check_plan`` what cannot run once the model is known, and
+``idle`` options that would do nothing while it is left out; ``memory`` and ``fills`` declare the bytes and caches
+it allocates (from a ``harness.core.sizes.Shape``: the run layer sums them and names no measurement). A measurement that reads
 the run's cached generations (one per prompt, made once for all of them) says so with ``reads_generations`` and
 gets each in ``on_generation``. Registering a class (``register``) is all it takes: the run, the summary, the
 tables, the report, the W&B logging and ``python -m harness.measurements --keys`` find it in ``MEASUREMENTS``.
@@ -109,7 +111,6 @@ class Measurement:
     needs: ClassVar[tuple[str, ...]] = ()  # measurements whose results or tables it reads (they run first)
     reads_generations: ClassVar[bool] = False
     stage: ClassVar[str | None] = None  # how failed_stage names it (default: its name)
-    memory_phases: ClassVar[tuple[str, ...]] = ()  # the phases of harness.experiment.memory.run_bytes it makes (its peak bytes)
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -119,6 +120,33 @@ class Measurement:
     def check(cls, opts, max_len: int) -> None:
         """Refuse bad options ``opts`` (its ``Options``, from the run's config) before anything runs: raise
         ``harness.common.errors.ConfigError``, one line. ``max_len``: the run's effective cache capacity."""
+
+    @classmethod
+    def check_plan(cls, opts, s) -> None:
+        """Refuse what cannot run once the model is known (``s``: the run's ``harness.core.sizes.Shape``: its
+        model's config, kind, dtypes, capacity and lengths), before anything is built: raise ``ConfigError``, one
+        line."""
+
+    @classmethod
+    def idle(cls, opts, asked: str) -> str | None:
+        """Why ``opts`` would do nothing in a run that leaves this measurement out (a setting that asks for work
+        only it does), one line naming the fix; None when they ask for none. ``asked``: the run's choice as given
+        ("measurements=[equivalence,memory]")."""
+        return None
+
+    @classmethod
+    def memory(cls, s, opts) -> list[tuple[str, int, int]]:
+        """The phases of the run's peak bytes this measurement makes, from the run's ``Shape`` ``s`` and its
+        options (``harness.experiment.memory.run_bytes`` adds the weights and takes the largest): (phase, bytes of
+        the caches alive in it, bytes of its other tensors), each phase freed before the next measurement. Two
+        measurements that share a phase give it the same name (it counts once)."""
+        return []
+
+    @classmethod
+    def fills(cls, s, opts) -> list[tuple[str, int, int]]:
+        """Every cache it builds, from the run's ``Shape`` and its options: (what builds it, sequences, the most
+        tokens written), for the kind's ``check_fills`` (a pool that cannot hold one is refused before a run)."""
+        return []
 
     def skip(self) -> str | None:
         """Why this measurement does not apply to the run (None: it does)."""

@@ -12,7 +12,31 @@ class Batches(Measurement):
     name = "batches"
     about = "decode tokens/s against batch size at batch_context, and the bytes each step reads"
     stage = "batch throughput"
-    memory_phases = ("batch_throughput",)
+    @classmethod
+    def memory(cls, s, opts):
+        """Per batch size B at context c = min(batch_context, max_len - 1): the previous batch's cache (and
+        snapshot) is still held while the next is built and prefilled: the worst of cache(B_prev) + cache(B) +
+        prefill and cache(B) + its snapshot + a decode step."""
+        from harness.core.sizes import I64
+        from models.kv_cache.base import itemsize
+
+        phases, prev, c = [], 0, cls.context(s, opts)
+        for B in opts.batch_sizes or []:
+            held = s.cache_at(B, c + 1, prefilled=c)
+            moments = [(prev + held, s.forward(B, c, 1) + 2 * B * (c + 1) * I64),
+                       (held + s.snap(B, c + 1), s.layer_kv(B, c + 1) + B * s.model.vocab_size * itemsize(s.compute))]
+            phases.append((f"batch_throughput(batch={B})", *max(moments, key=sum)))
+            prev = held + s.snap(B, c + 1)
+        return phases
+
+    @classmethod
+    def fills(cls, s, opts):
+        c = cls.context(s, opts)
+        return [(f"the throughput batch of {B} at context {c}", B, c + 1) for B in opts.batch_sizes or []]
+
+    @staticmethod
+    def context(s, opts) -> int:
+        return min(opts.batch_context, s.max_len - 1) if s.max_len > 1 else 1
 
     @dataclass(frozen=True)
     class Options:

@@ -12,7 +12,17 @@ class Compile(Measurement):
     name = "compile"
     about = "compile=true: compile time, graphs, recompiles, and the compiled step against the eager one"
     stage = "compiled step"
-    memory_phases = ("compiled_equivalence",)
+    @classmethod
+    def memory(cls, s, opts):
+        """compile=true: two caches of batch 1, a prefill and a decode step's K/V."""
+        if not s.compile:
+            return []
+        T = s.prompt_len + s.new_tokens
+        return [("compiled_equivalence", 2 * s.cache_at(1, T), s.forward(1, s.prompt_len, 1) + s.layer_kv(1, T))]
+
+    @classmethod
+    def fills(cls, s, opts):
+        return [("the compiled step's check", 1, s.prompt_len + s.new_tokens)] if s.compile else []
 
     @dataclass(frozen=True)
     class Result:

@@ -12,7 +12,16 @@ class Memory(Measurement):
     name = "memory"
     about = "cache bytes after one generation against the kind's formula, bytes per token, bytes vs tokens"
     stage = "cache memory"
-    memory_phases = ("cache_memory",)
+    @classmethod
+    def memory(cls, s, opts):
+        """cache(1, prompt_len + new_tokens), a prefill's transients and one layer's K/V of what the kind holds."""
+        held = s.cls.held_tokens(s.max_len, s.max_len, s.opts)  # a window: its slots alone
+        return [("cache_memory", s.cache_at(1, s.prompt_len + s.new_tokens),
+                 s.forward(1, s.prompt_len, 1) + s.layer_kv(1, held))]
+
+    @classmethod
+    def fills(cls, s, opts):
+        return [("the cache-bytes check", 1, s.prompt_len + s.new_tokens - 1)]
 
     @dataclass(frozen=True)
     class Result:

@@ -47,7 +47,26 @@ class Retrieval(Measurement):
     name = "retrieval"
     about = "copy accuracy on random sequences shown twice, through the run's cache vs fp32 full attention"
     stage = "retrieval"
-    memory_phases = ("retrieval",)
+    @classmethod
+    def memory(cls, s, opts):
+        """Sequences of L = 2 min(retrieval_n, max_len // 2) tokens, B = ``text_rows`` at a time (at most
+        retrieval_k): a cache of B x L tokens, its pass's logits (B, L - 1, V) in one buffer, and the fp32
+        reference's forward over (B, L) keeping every position's logits."""
+        from harness.core.measure import text_rows
+        from harness.core.sizes import F32
+
+        L = cls.seq_len(s, opts)
+        B = text_rows(L, s.model.vocab_size, opts.retrieval_k)
+        return [("retrieval", s.cache_at(B, L, cap=L), s.forward(B, L, L, F32) + 3 * B * L * s.model.vocab_size * F32)]
+
+    @classmethod
+    def fills(cls, s, opts):
+        return [("retrieval", 1, cls.seq_len(s, opts) - 1)]
+
+    @staticmethod
+    def seq_len(s, opts) -> int:
+        """A retrieval sequence: its span twice, each at most half the capacity."""
+        return 2 * min(opts.retrieval_n, s.max_len // 2)
 
     @dataclass(frozen=True)
     class Options:

@@ -10,6 +10,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from harness.common.errors import ConfigError
 from harness.measurements.base import Measurement, Table, key, option, register
 
 
@@ -162,7 +163,42 @@ class Server(Measurement):
     about = ("continuous batching of serve.requests chat-like requests under serve.kv_budget: throughput, TTFT, "
              "TPOT, ITL, goodput, concurrency, KV held vs used, pre-emptions, each request checked")
     stage = "continuous batching"
-    memory_phases = ("serve_continuous",)
+
+    @classmethod
+    def idle(cls, opts, asked):
+        o = serve_options(opts.serve)
+        if not serving(o):
+            return None
+        given = f"serve.trace={o.trace}" if o.trace else f"serve.requests={o.requests}"
+        return (f"{given} serves requests, but {asked} leaves out server: add server to measurements, or leave "
+                "serve.requests at 0 and serve.trace empty")
+
+    @classmethod
+    def check_plan(cls, opts, s):
+        """A run that serves requests: a kind that cannot serve, a peer that would not run the same workload, or a
+        K/V budget too small for its longest possible request, is refused in one line before anything is built."""
+        o = serve_options(opts.serve)
+        if serving(o):
+            check_served(o, s)
+
+    @classmethod
+    def memory(cls, s, opts):
+        """Its K/V budget held whole (twice beside the peer), beside a prefill of the longest request, a step of
+        the largest running batch (each layer's K/V of the batch gathered in the compute dtype) and the check of a
+        request alone."""
+        from models.kv_cache.base import itemsize
+
+        o = serve_options(opts.serve)
+        if not serving(o):
+            return []
+        # the longest request: the drawn workload's, or under a trace (rows checked against max_len) the longest a
+        # run can hold
+        P = s.max_len if o.trace else o.system_prompt + o.prompt_most + o.max_tokens + 1
+        budget, B = budget_bytes(o.kv_budget), o.max_batch
+        gathered = 2 * budget * itemsize(s.compute) // (itemsize(s.storage) * max(s.model.n_layer, 1))
+        transient = (max(s.forward(1, P, 1), s.forward(B, 1, 1) + gathered)
+                     + s.cache_at(1, P, cap=P) + s.layer_kv(1, P))
+        return [("serve_continuous", budget * (2 if peer_runs(o, s.cls) else 1), transient)]
 
     @dataclass(frozen=True)
     class Options:
@@ -353,6 +389,63 @@ class Server(Measurement):
                 f"{r['server_peak_running']} running · {r['server_preemptions']} pre-emptions · K/V holding tokens "
                 f"{_share(r['server_kv_token_share'])} · each = its run alone: {r['server_requests_identical']} of "
                 f"{r['server_requests']}"] + peer
+
+
+def check_served(o: ServeOptions, s) -> None:
+    """``Server.check_plan`` for a run that serves (``s``: its ``harness.core.sizes.Shape``)."""
+    from harness.core.server import least_budget, refuses_serving
+    from models.kv_cache import DTYPES, as_dtype
+
+    cls, opts, kind = s.cls, s.opts, s.kind
+    why = refuses_serving(cls, opts, o.prefix_caching)
+    if why:
+        raise ConfigError(why)
+    if o.peer == "hf" and not cls.pooled:
+        raise ConfigError(f"serve.peer=hf serves the same requests through transformers' paged continuous batching, "
+                          f"the counterpart of cache=paged, not of cache={kind}: use cache=paged, serve.peer=auto in "
+                          "a sweep over kinds (the peer beside its paged runs alone), or leave serve.peer empty")
+    storage, compute = as_dtype(s.storage), as_dtype(s.compute)
+    if peer_runs(o, cls) and storage != compute:
+        name = {d: n for n, d in reversed(list(DTYPES.items()))}  # fp32, fp16, bf16 (the short names)
+        raise ConfigError(f"serve.peer={o.peer}: transformers' paged cache stores K/V in its model's dtype, the "
+                          f"compute dtype ({name[compute]}), and this run stores {name[storage]}: set dtype.compute="
+                          f"{name[storage]} too (both engines then store and compute {name[storage]}), or leave "
+                          "serve.peer empty")
+    span = 0.0 if o.trace or math.isinf(o.rate) else o.requests / o.rate
+    if peer_runs(o, cls) and span > PEER_SPAN_MAX_S:
+        raise ConfigError(f"serve.peer={o.peer} replays arrivals on the wall clock, and {o.requests:,} requests at "
+                          f"serve.rate={o.rate:g} arrive over about {seconds(span)} s: give serve.rate >= "
+                          f"{o.requests / PEER_SPAN_MAX_S:g} (at most {PEER_SPAN_MAX_S:,.0f} s of arrivals), or leave "
+                          "serve.peer empty")
+    if not o.trace and o.system_prompt + o.prompt_most + 1 < cls.min_prompt(opts):
+        raise ConfigError(f"cache={kind} takes prompts of at least {cls.min_prompt(opts)} tokens, and the "
+                          f"server's are at most {o.system_prompt + o.prompt_most + 1}: raise serve.prompt_most")
+    longest = _checked_trace(o, s) if o.trace else o.prompt_most
+    n = min(o.system_prompt + longest + o.max_tokens + 1, s.max_len)
+    need = least_budget(cls, opts, s.model.n_layer, s.model.n_kv_head, s.model.head_dim, storage, n)
+    if budget_bytes(o.kv_budget) < need:
+        raise ConfigError(f"serve.kv_budget={o.kv_budget} is too small for one request: the longest (serve."
+                          f"system_prompt + the longest prompt + serve.max_tokens + a first token = {n} tokens) holds "
+                          f"up to {need:,} B with cache={kind}; give serve.kv_budget >= {need:,}")
+
+
+def _checked_trace(o: ServeOptions, s) -> int:
+    """serve.trace's rows, read and checked before anything is built (a bad trace, a prompt shorter than the kind
+    takes, arrivals longer than the peer replays: one line) -> its longest prompt."""
+    try:
+        rows = read_trace(o.trace, s.max_len - o.system_prompt - 1, o.max_tokens, s.model.vocab_size, o.requests)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    least = s.cls.min_prompt(s.opts)
+    short = [i + 1 for i, (_, p, _) in enumerate(rows) if isinstance(p, tuple) and len(p) + o.system_prompt + 1 < least]
+    if short:
+        raise ConfigError(f"serve.trace={o.trace} row {short[0]}: cache={s.kind} takes prompts of at least {least} "
+                          "tokens; give longer prompt_ids")
+    if peer_runs(o, s.cls) and trace_span(rows) > PEER_SPAN_MAX_S:
+        raise ConfigError(f"serve.peer={o.peer} replays arrivals on the wall clock, and serve.trace={o.trace} spans "
+                          f"{seconds(trace_span(rows))} s: give a trace of at most {PEER_SPAN_MAX_S:,.0f} s of "
+                          "arrivals, or leave serve.peer empty")
+    return max(len(p) if isinstance(p, tuple) else p for _, p, _ in rows)
 
 
 def _share(x) -> str:

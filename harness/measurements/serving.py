@@ -12,7 +12,24 @@ class Serving(Measurement):
     name = "serving"
     about = "a served batch of `batch` prompts (uniform or ragged): tokens/s, TTFT, KV waste, each sequence checked"
     stage = "served batch"
-    memory_phases = ("serve_batch",)
+    @classmethod
+    def memory(cls, s, opts):
+        """The served batch (B = batch, prompts of prompt_len, n = new_tokens): the worst of a new cache built while
+        the last repeat's is held, the prefill, the decode (with the B x n x V fp32 logits it keeps), and the check
+        (those logits stacked: twice, plus a (prompt_len + n, V) reference forward)."""
+        from harness.core.sizes import F32, I64
+        from models.kv_cache.base import itemsize
+
+        B, n, pl, V = s.batch, s.new_tokens, s.prompt_len, s.model.vocab_size
+        full, empty, kept = s.cache_at(B, pl + n), s.cache_at(B, 0), B * n * V * F32
+        moments = [(full + empty, 0), (s.cache_at(B, pl), s.forward(B, pl, 1) + 2 * B * pl * I64),
+                   (full, s.layer_kv(B, pl + n) + kept + B * V * itemsize(s.compute)),
+                   (full, 2 * kept + s.forward(1, pl + n, pl + n, F32))]
+        return [(f"serve_batch(batch={B})", *max(moments, key=sum))]
+
+    @classmethod
+    def fills(cls, s, opts):
+        return [(f"the served batch of {s.batch}", s.batch, s.prompt_len + s.new_tokens - 1)]
 
     @dataclass(frozen=True)
     class Result:

@@ -15,7 +15,17 @@ class StepTime(Measurement):
     name = "step_time"
     about = "median and spread of one decode step per context length, cached vs uncached; TTFT; a cost model"
     stage = "step times"
-    memory_phases = ("step_times",)
+    @classmethod
+    def memory(cls, s, opts):
+        """cache(1, the longest timed context + 1) (twice if the kind's ``checkpoint`` snapshots), the uncached
+        forward over that context."""
+        Tc = min(s.max_len, (max(opts.context_lengths) + 1) if opts.context_lengths else s.max_len)
+        return [("step_times", s.cache_at(1, Tc) + s.snap(1, Tc), s.forward(1, Tc, 1) + s.layer_kv(1, Tc))]
+
+    @classmethod
+    def fills(cls, s, opts):
+        top = max(opts.context_lengths) if opts.context_lengths else s.max_len - 1
+        return [(f"the decode step at context {top}", 1, top + 1), ("the time to first token", 1, s.prompt_len)]
 
     @dataclass(frozen=True)
     class Options:

@@ -12,7 +12,34 @@ class TextDrift(Measurement):
     name = "text_drift"
     about = "KL, ΔNLL, RMS Δp and same-top-1 on real text against fp32 full attention, and K/V error per layer"
     stage = "equivalence and drift"
-    memory_phases = ("text_drift",)
+    @classmethod
+    def memory(cls, s, opts):
+        """For a run that is not its own fp32 reference, L = min(max_len, max(drift_text_len, prompt_len + 1)), its
+        texts passed B = ``text_rows`` at a time (at most drift_texts, or n_prompts): both passes' caches of B rows,
+        the K/V recorded per layer (fp32), the reference's forward over (B, L - 1), both passes' logits (B, L - 1,
+        V) in fp32 and the reference's prefill copied into its own (3 of them), and 7 float64 tensors of
+        min(STAT_ROWS, L - 1) rows over the vocabulary."""
+        if s.plain_fp32:
+            return []
+        from harness.core.measure import STAT_ROWS, text_rows
+        from harness.core.sizes import F32, F64, I64
+        from models.kv_cache import kv_bytes
+
+        m, V = s.model, s.model.vocab_size
+        L, texts = cls.text_len(s, opts), opts.drift_texts or s.n_prompts
+        B, R = text_rows(L, V, texts), min(STAT_ROWS, L - 1)
+        seen = 2 * kv_bytes(m.n_layer, m.n_kv_head, m.head_dim, L, B, "fp32")
+        meas = s.forward(B, L - 1, 0, F32) + 3 * B * (L - 1) * V * F32 + 7 * R * V * F64 + seen + texts * L * I64
+        return [("text_drift", s.cache_at(B, L, cap=L) + B * s.ref_cache(L), meas)]
+
+    @classmethod
+    def fills(cls, s, opts):
+        return [] if s.plain_fp32 else [("text drift", 1, cls.text_len(s, opts) - 1)]
+
+    @staticmethod
+    def text_len(s, opts) -> int:
+        """Tokens per text: drift_text_len, at least a prompt and one token, at most max_len."""
+        return min(s.max_len, max(opts.drift_text_len, s.prompt_len + 1))
 
     @dataclass(frozen=True)
     class Options:

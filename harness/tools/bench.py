@@ -58,6 +58,7 @@ from harness.common.signals import reader_gone
 from harness.core.engines import ENGINES, HF_COUNTERPARTS, WARMUP_CALLS, HFEngine, KvlabEngine
 from harness.tools.turns import prompt_and_token, time_in_turns
 from harness.core import measure
+from harness.core import sizes
 from harness.experiment import memory
 from harness.core.measure import CacheSpec
 from models.decoder import Decoder
@@ -400,8 +401,8 @@ MAX_SEED = 2 ** 63  # torch.manual_seed takes 0 <= seed < 2**63
 def _forward_bytes(cfg, B: int, T: int, rows: int, isz: int) -> int:
     """Transients of one forward of (B, T) tokens keeping ``rows`` positions' logits: the same terms as
     ``harness.experiment.memory``'s run estimate (activations, fp32 attention scores, masks, logits, ids)."""
-    return (B * T * cfg.n_embd * memory.ACT_WIDTH * isz + B * cfg.n_head * T * T * memory.F32 + 3 * B * T * T
-            + B * rows * cfg.vocab_size * isz + 2 * B * T * memory.I64)
+    return (B * T * cfg.n_embd * sizes.ACT_WIDTH * isz + B * cfg.n_head * T * T * sizes.F32 + 3 * B * T * T
+            + B * rows * cfg.vocab_size * isz + 2 * B * T * sizes.I64)
 
 
 def _snapshot_bytes(spec: CacheSpec, nbytes: int) -> int:
@@ -418,41 +419,41 @@ def bench_bytes(args: argparse.Namespace, cfg, batch: int | None = None) -> dict
     B = args.batch if batch is None else batch
     dtype = DTYPES[args.dtype or "fp32"]
     isz = itemsize(dtype)
-    P = memory.param_count(cfg)
+    P = sizes.param_count(cfg)
     n_pos = cfg.n_positions
-    out = {"weights": P * memory.F32, "cache": 0, "transients": 0}
+    out = {"weights": P * sizes.F32, "cache": 0, "transients": 0}
     if args.paged:
         specs = [parse_kind(k) for k in (args.cache or ["prealloc", "concat", "paged"])]
-        out["cache"] = max(memory.cache_bytes(cfg, s.kind, s.options, dtype, n_pos, B, n_pos) for s in specs)
-        out["transients"] = (_forward_bytes(cfg, B, args.prompt_max, 1, memory.F32)
-                             + B * args.output_max * memory.I64 + 2 * B * cfg.vocab_size * memory.F32)
+        out["cache"] = max(sizes.cache_bytes(cfg, s.kind, s.options, dtype, n_pos, B, n_pos) for s in specs)
+        out["transients"] = (_forward_bytes(cfg, B, args.prompt_max, 1, sizes.F32)
+                             + B * args.output_max * sizes.I64 + 2 * B * cfg.vocab_size * sizes.F32)
     elif args.prefix:
         specs = [parse_kind(k) for k in (args.cache or ["concat", "prealloc"])]
         T = max(args.prefixes) + args.suffix
-        out["cache"] = max(3 * (c := memory.cache_bytes(cfg, s.kind, s.options, dtype, T + 1, 1, T)) +
+        out["cache"] = max(3 * (c := sizes.cache_bytes(cfg, s.kind, s.options, dtype, T + 1, 1, T)) +
                            _snapshot_bytes(s, c) for s in specs)
         out["transients"] = _forward_bytes(cfg, 1, T, T, isz)
     elif args.kinds:
         specs = [parse_kind(k) for k in (args.cache or DEFAULT_KINDS)]
         ctx = max(args.contexts)
         for s in specs + ([] if "prealloc" in {s.kind for s in specs} else [CacheSpec("prealloc")]):
-            c = memory.cache_bytes(cfg, s.kind, s.options, dtype, n_pos, B, ctx + 1, prefilled=ctx)
+            c = sizes.cache_bytes(cfg, s.kind, s.options, dtype, n_pos, B, ctx + 1, prefilled=ctx)
             out["cache"] += c + _snapshot_bytes(s, c)
         out["transients"] = _forward_bytes(cfg, B, ctx, ctx, isz)
     elif args.peers:  # four engines' prealloc caches at the deepest context, batch 8, with their checkpoints; three
         ctx = max(args.contexts)  # more copies of the weights (HF's, llama.cpp's, an fp16 model)
-        out["weights"] += 3 * P * memory.F32
-        out["cache"] = 4 * 2 * memory.cache_bytes(cfg, "prealloc", {}, "fp32", ctx + 1, B, ctx + 1)
-        out["transients"] = _forward_bytes(cfg, B, ctx, ctx, memory.F32)
+        out["weights"] += 3 * P * sizes.F32
+        out["cache"] = 4 * 2 * sizes.cache_bytes(cfg, "prealloc", {}, "fp32", ctx + 1, B, ctx + 1)
+        out["transients"] = _forward_bytes(cfg, B, ctx, ctx, sizes.F32)
     else:  # ours vs HF: batch 1, fp32, every kind transformers has a counterpart of, in both engines
         ctx = max(args.contexts)
-        out["weights"] += P * memory.F32 if ENGINES["hf"].holds_weight_copy else 0
+        out["weights"] += P * sizes.F32 if ENGINES["hf"].holds_weight_copy else 0
         for kind in HF_COUNTERPARTS:
             for engine in ("kvlab", "hf"):
-                c = memory.cache_bytes(cfg, kind, _counterpart_options(kind, cfg.head_dim), "fp32", ctx + 1, 1, ctx + 1, engine,
+                c = sizes.cache_bytes(cfg, kind, _counterpart_options(kind, cfg.head_dim), "fp32", ctx + 1, 1, ctx + 1, engine,
                                        ctx)
                 out["cache"] += c + c  # and its checkpoint's copy, at most
-        out["transients"] = _forward_bytes(cfg, 1, ctx, ctx, memory.F32)
+        out["transients"] = _forward_bytes(cfg, 1, ctx, ctx, sizes.F32)
     out["transients"] += math.ceil(memory.SLACK * (out["cache"] + out["transients"]))
     return out
 
@@ -463,7 +464,7 @@ def _needs(args: argparse.Namespace, cfg, device: torch.device, batch: int | Non
     need = bench_bytes(args, cfg, batch)
     if device.type == "cpu":
         return {"cpu": sum(need.values())}
-    on_gpu = memory.param_count(cfg) * itemsize(DTYPES[args.dtype or "fp32"]) + need["cache"] + need["transients"]
+    on_gpu = sizes.param_count(cfg) * itemsize(DTYPES[args.dtype or "fp32"]) + need["cache"] + need["transients"]
     return {"cpu": need["weights"], "gpu": on_gpu}
 
 

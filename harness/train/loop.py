@@ -45,7 +45,7 @@ from harness.train.folder import RESTART, check_out, fit_problem, load_state, st
 from harness.train.model import (attention_only_at, compact_model, hidden, lr_at, make_optimizer, mlp_output,
                                  mlps_left_out, pin_embedding, row_positions)
 from harness.train.recipe import (BATCH, BOS, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CORPUS, DEFAULT_STEPS, EOT, FAR_SHARE,
-                                  EVAL_LEN, FAMILY_PRESETS, HELDOUT_AT, HELDOUT_EVERY, IGNORE, INIT_STD, MAX_STEPS,
+                                  FAR_SPAN_MAX, EVAL_LEN, FAMILY_PRESETS, HELDOUT_AT, HELDOUT_EVERY, IGNORE, INIT_STD, MAX_STEPS,
                                   MIN_LR_FRAC, MLP_OFF, OURS, PEAK_LR, PLACED_SHARE, QUICK_COPY, QUICK_FAR, SEQ_LEN,
                                   SINK_FROM, SPAN_MIN, STATE, WARMUP_FRAC, WEIGHT_DECAY, TrainError, check_settings,
                                   curriculum_setting)
@@ -495,9 +495,11 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
         mix += (f"; {s['placed_share']:.0%} of the copy rows instead show their span twice in a row at a random place "
                 "of a KJV text window (the first showing not a target)")
     if s.get("far_share"):
-        mix += (f"; {s['far_share']:.0%} of each batch's rows are retrieval rows in KJV text windows: half a random "
-                "span shown twice at any distance (uniform), half key-value pairs (8 + 8 random ids, up to 16) with "
-                "some of the keys asked at the end, only the second showing and the asked values targets")
+        mix += (f"; {s['far_share']:.1%} of each batch's rows are retrieval rows, a third each: in KJV text windows a "
+                f"random span ({SPAN_MIN}..{FAR_SPAN_MAX} ids, log-uniform) shown twice at any distance (uniform), "
+                "or key-value pairs (8 + 8 random ids, up to 16) with some of the keys asked at the end; and rows of "
+                f"random ids with a span ({SPAN_MIN}..{FAR_SPAN_MAX}, uniform) shown twice in a row at a random "
+                "place (a copy deep in unpredictable context); only the second showing and the asked values targets")
     if s.get("copy_phase"):
         offsets = s.get("copy_offsets")
         mix = (f"the first {s['copy_phase']:.0%} of the budget: every row random ids with one span of them shown twice "

@@ -64,9 +64,10 @@ CURRICULUM = ((128, 0.315), (256, 0.03), (512, 0.03))
 COPY_SHARE = 0.2  # share of each batch's rows that are copy rows after the copy phase (the rest: KJV text)
 SPAN_MIN = 8  # span lengths are log-uniform in [SPAN_MIN, seq_len // 2]
 PLACED_SHARE = 0.5  # share of the copy rows that show their span twice at a random place of a text row (placed_rows)
-FAR_SHARE = 0.0  # share of each batch's rows that are retrieval rows after the copy phase: far copies (far_rows) and
-#                  key-value recall (recall_rows), half each; 0 in the shipped models' recipe (issue 66 turns it on)
-FAR_SPAN_MAX = 64  # a far copy's span lengths are log-uniform in [SPAN_MIN, FAR_SPAN_MAX]
+FAR_SHARE = 0.0  # share of each batch's rows that are retrieval rows after the copy phase: far copies (far_rows),
+#                  key-value recall (recall_rows) and deep copies (twice_rows at full length), a third each
+#                  (rows.retrieval_split); 0 in the shipped models' recipe (issue 66 turns it on)
+FAR_SPAN_MAX = 128  # a far copy's span lengths are log-uniform in [SPAN_MIN, FAR_SPAN_MAX], a deep copy's uniform
 RECALL_PAIRS, RECALL_KEY, RECALL_VALUE = 16, 8, 8  # recall rows: up to 16 pairs of an 8-id key and an 8-id value
 COPY_PHASE = 0.315  # share of the budget (from the start) whose rows are all twice_rows: the copy circuit forms first
 COPY_OFFSETS = 0.24  # from this share of the budget until the copy phase ends, twice rows read the position

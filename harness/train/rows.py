@@ -154,21 +154,31 @@ def recall_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip:
     return xy[:, :-1].clone(), y
 
 
+def retrieval_split(n: int) -> tuple[int, int, int]:
+    """A batch's ``n`` retrieval rows as (far copies, recall rows, deep copies): a third each, what is left over
+    going to far copies first, then recall (2 rows: a far copy and a recall row)."""
+    third, left = divmod(n, 3)
+    return third + (left > 0), third + (left > 1), third
+
+
 def make_batch(stream: torch.Tensor, batch: int, seq_len: int, copy_share: float, n_ids: int, skip: int,
                gen: torch.Generator, placed_share: float = 0.0,
                span_min: int = SPAN_MIN, far_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One training batch: round(batch * copy_share) copy rows (of them, round(that * placed_share) placed in text,
-    the rest repeated random spans), round(batch * far_share) retrieval rows (half far copies, half recall rows,
-    the odd one a far copy), the rest KJV text. (inputs, targets)."""
+    the rest repeated random spans), round(batch * far_share) retrieval rows (``retrieval_split``: far copies in
+    text, recall rows in text, and deep copies: random ids with a span of SPAN_MIN..FAR_SPAN_MAX shown twice in a
+    row at a random place of the whole row, ``twice_rows``), the rest KJV text. (inputs, targets)."""
     n_copy = round(batch * copy_share)
     n_placed = round(n_copy * placed_share)
     n_far = min(round(batch * far_share), batch - n_copy)
     x, y = text_rows(stream, batch - n_copy - n_far, seq_len, gen)
     if n_far:
-        n_recall = n_far // 2
-        parts = [far_rows(stream, n_far - n_recall, seq_len, n_ids, skip, gen)]
-        if n_recall:
-            parts.append(recall_rows(stream, n_recall, seq_len, n_ids, skip, gen))
+        far, recall, deep = retrieval_split(n_far)
+        parts = [far_rows(stream, far, seq_len, n_ids, skip, gen)]
+        if recall:
+            parts.append(recall_rows(stream, recall, seq_len, n_ids, skip, gen))
+        if deep:
+            parts.append(twice_rows(deep, seq_len, n_ids, skip, gen, span_max=FAR_SPAN_MAX))
         x, y = torch.cat([p[0] for p in parts] + [x]), torch.cat([p[1] for p in parts] + [y])
     if n_copy - n_placed:
         cx, cy = copy_rows(n_copy - n_placed, seq_len, n_ids, skip, gen, span_min)

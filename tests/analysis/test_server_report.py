@@ -68,7 +68,7 @@ def test_a_kind_that_cannot_serve_is_refused_before_anything_runs():
 
     from harness.common.errors import ConfigError
     from harness.experiment.config import read, register
-    from harness.experiment.runner import check_server
+    from harness.experiment.runner import check_with_model
     from models.families import preset_config
     from tests.helpers import REPO
 
@@ -77,7 +77,7 @@ def test_a_kind_that_cannot_serve_is_refused_before_anything_runs():
         def check(*overrides):
             cfg = compose(config_name="config", overrides=["model=tiny-gqa", "measurements=[server]",
                                                            "serve.requests=4", *overrides])
-            check_server(read(cfg), preset_config("tiny-gqa"), 128, torch.float32, torch.float32)
+            check_with_model(read(cfg), preset_config("tiny-gqa"), 128, torch.float32, torch.float32)
 
         check("cache=paged", "serve.prefix_caching=true", "serve.max_tokens=16", "serve.prompt_most=32")
         for overrides, why in ((["cache=prealloc", "serve.prefix_caching=true"], "needs a pooled kind"),

@@ -95,7 +95,7 @@ def test_experiment_serving_composes_every_kind_rate_and_seed_and_its_budget_ser
     import torch
 
     from harness.experiment.config import check_measurements, read
-    from harness.experiment.runner import check_server
+    from harness.experiment.runner import check_with_model
 
     register()
     sweep = (REPO / "conf" / "experiment" / "serving.yaml").read_text()
@@ -107,7 +107,7 @@ def test_experiment_serving_composes_every_kind_rate_and_seed_and_its_budget_ser
         max_len, _ = validate(cfg, mcfg.n_positions)
         rc = read(cfg)
         check_measurements(rc, max_len)
-        check_server(rc, mcfg, max_len, torch.float32, torch.float32)
+        check_with_model(rc, mcfg, max_len, torch.float32, torch.float32)
         assert rc.option("serve")["requests"] > 0 and rc.measurements == ("server",)
         return rc
 

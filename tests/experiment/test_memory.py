@@ -9,8 +9,8 @@ import torch
 
 from harness.experiment.config import ConfigError
 from harness.core.engines import QuantoStorage
-from harness.experiment.memory import (available_bytes, cache_bytes, cgroup_free, check, param_count, run_bytes, size,
-                            usable)
+from harness.core.sizes import cache_bytes, param_count
+from harness.experiment.memory import available_bytes, cgroup_free, check, run_bytes, size, usable
 from models.gpt2 import GPT2, GPT2Config
 from models.kv_cache import CACHE_KINDS, KVCache, cache_kind, make_cache
 
@@ -186,14 +186,19 @@ def test_cgroup_limits_are_read_v2_and_v1(tmp_path):
     assert cgroup_free(tmp_path / "v1", proc) == [3_000_000_000]
 
 
-def test_every_phase_of_the_estimate_belongs_to_a_measurement():
-    """Each phase run_bytes adds is some measurement's (``memory_phases``), so choosing measurements keeps exactly
-    theirs: memory alone keeps the cache's phase and drops the step times'."""
-    from harness.experiment.memory import phase_of
+def test_every_phase_of_the_estimate_is_a_measurements_own():
+    """run_bytes names no measurement: its phases are those the chosen measurements declare (``memory``), so
+    choosing measurements keeps exactly theirs, and a phase two of them share (the generation checks) counts once."""
+    from harness.measurements import MEASUREMENTS
 
     cfg = CUSTOM[0]
-    every = run_bytes(cfg, batch_sizes=[1, 2], compile=True, retrieval_n=8, context_lengths=[8])
-    names = {p[0].split("(")[0] for p in every.phases} - {"setup"}
-    assert names <= set(phase_of()) and len(names) >= 8
-    only = {p[0].split("(")[0] for p in run_bytes(cfg, context_lengths=[8], measurements=["memory"]).phases}
-    assert only == {"setup", "cache_memory"}
+    knobs = dict(batch_sizes=[1, 2], compile=True, retrieval_n=8, context_lengths=[8], storage="fp16",
+                 compute="fp16", serve=dict(requests=2, kv_budget="1MB"))
+    every = [p[0] for p in run_bytes(cfg, **knobs).phases]
+    own = {name: {p[0] for p in run_bytes(cfg, measurements=[name], **knobs).phases} - {"setup"}
+           for name in MEASUREMENTS}
+    assert set(every) - {"setup"} == set().union(*own.values()) and len(every) == len(set(every)) >= 12
+    assert own["memory"] == {"cache_memory"} and own["equivalence"] == own["generation_drift"] == {"generation"}
+    assert own["peak_memory"] == set()
+    with pytest.raises(TypeError, match="no measurement has: batch_size"):
+        run_bytes(cfg, batch_size=[1])

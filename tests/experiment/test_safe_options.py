@@ -231,7 +231,7 @@ def test_quant_is_refused_exactly_when_k_or_v_would_never_be_quantised(options):
 # ---- a paged pool, sized against the caches the run builds -----------------------------------------------------------
 
 P, N, L, BS = 6, 5, 40, 4  # prompt_len, new_tokens, max_len, block_size
-RUN = dict(max_len=L, contexts=[9, 13], prompt_len=P, new_tokens=N, batch=3, batch_sizes=[1, 2], batch_context=10,
+RUN = dict(max_len=L, context_lengths=[9, 13], prompt_len=P, new_tokens=N, batch=3, batch_sizes=[1, 2], batch_context=10,
            drift_text_len=11, retrieval_n=7, storage="fp16")
 
 
@@ -250,7 +250,7 @@ def test_the_pool_a_run_is_refused_below_is_exactly_what_it_takes(tiny_model, na
     def run(blocks):
         spec = measure.CacheSpec("paged", {"block_size": BS, "blocks": blocks})
         measurements.run_on(engine, spec, prompts, N, names=[name], max_len=L, ref32=engine, texts=text,
-                            served=served, contexts=RUN["contexts"], repeats=1, warmup=0, full_prompts=0,
+                            served=served, contexts=RUN["context_lengths"], repeats=1, warmup=0, full_prompts=0,
                             batch_sizes=RUN["batch_sizes"], batch_context=RUN["batch_context"],
                             retrieval_n=RUN["retrieval_n"], retrieval_k=1)
 

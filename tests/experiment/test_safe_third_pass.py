@@ -14,7 +14,7 @@ import torch
 
 from harness.analysis import server as A
 from harness.experiment.config import read
-from harness.experiment.runner import check_server, input_ids
+from harness.experiment.runner import check_with_model, input_ids
 from harness.experiment.weights import Weights
 from harness.measurements.server import (ServeOptions, check_serve, read_trace, serve_options, workload,
                                          workload_record)
@@ -107,7 +107,7 @@ def _refused(rc, match, storage=torch.float32, compute=torch.float32):
     from harness.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match=match) as e:
-        check_server(rc, preset_config("tiny"), 128, storage, compute)
+        check_with_model(rc, preset_config("tiny"), 128, storage, compute)
     assert "\n" not in str(e.value)
     return str(e.value)
 
@@ -241,7 +241,7 @@ def test_a_drawn_workload_spans_a_bounded_time():  # serve-rate-span
         check_serve(ServeOptions(requests=4, rate=0.001, peer="hf"), 1024)
     check_serve(ServeOptions(requests=4, rate=0.001), 1024)  # kvlab's own server skips the gaps
     # auto: bounded where the peer runs (beside paged), not beside the kinds it skips
-    check_server(_serve_cfg("cache=prealloc", "serve.requests=4", "serve.rate=0.001", "serve.peer=auto"),
+    check_with_model(_serve_cfg("cache=prealloc", "serve.requests=4", "serve.rate=0.001", "serve.peer=auto"),
                  preset_config("tiny"), 128, torch.float32, torch.float32)
     _refused(_serve_cfg("cache=paged", "serve.requests=4", "serve.rate=0.001", "serve.peer=auto"),
              r"serve.peer=auto replays arrivals on the wall clock, and 4 requests at serve.rate=0.001 arrive over "
@@ -255,7 +255,7 @@ def test_trace_arrivals_are_bounded_and_counted_from_the_first(tmp_path):  # ser
     epoch = _trace(tmp_path / "epoch.csv", "1733500000.0,12,,5\n1733500000.5,12,,5\n1733500700.5,12,,5\n")
     assert [a for a, _, _ in read_trace(epoch, 128, 8)] == [0.0, 0.5, 700.5]
     rc = _serve_cfg("cache=paged", "serve.peer=hf", f"serve.trace={epoch}")
-    check_server(rc, preset_config("tiny"), 128, torch.float32, torch.float32)  # 700 s: within the peer's hour
+    check_with_model(rc, preset_config("tiny"), 128, torch.float32, torch.float32)  # 700 s: within the peer's hour
     long = _trace(tmp_path / "long.csv", "0.0,12,,5\n4000,12,,5\n")
     _refused(_serve_cfg("cache=paged", "serve.peer=hf", f"serve.trace={long}"),
              r"serve.peer=hf replays arrivals on the wall clock, and serve.trace=.* spans 4,000 s")
@@ -314,7 +314,7 @@ def test_the_peer_runs_beside_paged_alone():  # serve-peer-not-paged
              r"counterpart of cache=paged, not of cache=prealloc: use cache=paged, serve.peer=auto in a sweep over "
              r"kinds \(the peer beside its paged runs alone\), or leave serve.peer empty")
     # auto (experiment=serving's): beside the paged runs, none beside the others, and the record's server_hf_* null
-    check_server(_serve_cfg("cache=prealloc", "serve.requests=4", "serve.peer=auto"), preset_config("tiny"), 128,
+    check_with_model(_serve_cfg("cache=prealloc", "serve.requests=4", "serve.peer=auto"), preset_config("tiny"), 128,
                  torch.float32, torch.float32)
     auto = ServeOptions(requests=4, peer="auto")
     assert peer_runs(auto, cache_kind("paged")) and not peer_runs(auto, cache_kind("prealloc"))
@@ -327,7 +327,7 @@ def test_the_peer_stores_kv_in_the_runs_dtype():  # serve-peer-dtype
     _refused(rc, r"serve.peer=hf: transformers' paged cache stores K/V in its model's dtype, the compute dtype "
                  r"\(fp32\), and this run stores bf16: set dtype.compute=bf16 too", storage=torch.bfloat16,
              compute=torch.float32)
-    check_server(rc, preset_config("tiny"), 128, torch.bfloat16, torch.bfloat16)  # both bf16: the same bytes
+    check_with_model(rc, preset_config("tiny"), 128, torch.bfloat16, torch.bfloat16)  # both bf16: the same bytes
 
 
 # ---- the peer ----------------------------------------------------------------------------------------------------
@@ -391,5 +391,5 @@ def test_serving_settings_without_the_server_measurement_are_refused(tmp_path): 
     path = _trace(tmp_path / "t.csv", "0.0,12,,5\n")
     _refused(read(_compose(["model=tiny", "measurements=[equivalence]", f"serve.trace={path}"])),
              r"serve.trace=.*t.csv serves requests, but measurements=\[equivalence\] leaves out server")
-    check_server(read(_compose(["model=tiny", "measurements=[equivalence]"])), preset_config("tiny"), 128,
-                 torch.float32, torch.float32)  # serve at its defaults: nothing to refuse
+    check_with_model(read(_compose(["model=tiny", "measurements=[equivalence]"])), preset_config("tiny"), 128,
+               torch.float32, torch.float32)  # serve at its defaults: nothing to refuse

@@ -358,6 +358,39 @@ def test_far_rows_show_one_span_twice_at_any_distance_in_text():
     assert min(gaps) < 16 and max(gaps) > 64  # near and far
 
 
+def test_a_batchs_retrieval_rows_are_a_third_each_and_its_deep_copies_sit_in_random_ids():
+    """make_batch's retrieval rows split into far copies, recall rows and deep copies, a third each (what is left
+    over to far copies, then recall); a deep copy is a row of random ids with one span of SPAN_MIN..FAR_SPAN_MAX
+    shown twice in a row anywhere in it, only the second showing past its first id a target."""
+    for n in range(40):
+        split = rows.retrieval_split(n)
+        assert sum(split) == n and split[0] >= split[1] >= split[2] >= split[0] - 1
+    calls = []
+    real = rows.twice_rows
+
+    def spy(*a, **k):
+        calls.append(k.get("span_max"))
+        return real(*a, **k)
+
+    stream = torch.arange(5000) % 97 + 3
+    gen = torch.Generator().manual_seed(2)
+    try:
+        rows.twice_rows = spy
+        x, y = rows.make_batch(stream, 8, 1024, 0.2, 97, 3, gen, placed_share=0.5, far_share=3 / 8)
+    finally:
+        rows.twice_rows = real
+    assert calls == [R.FAR_SPAN_MAX] and x.shape == (8, 1024)
+    deep, dy = rows.twice_rows(64, 1024, 50, 3, torch.Generator().manual_seed(4), span_max=R.FAR_SPAN_MAX)
+    for r in range(64):
+        t = (dy[r] != R.IGNORE).nonzero()[:, 0]
+        n = len(t) + 1  # the second showing, less its first id
+        start = int(t[0]) - 1  # the last id of the first showing (the second begins right after it)
+        assert R.SPAN_MIN <= n <= R.FAR_SPAN_MAX and bool((t.diff() == 1).all())
+        assert torch.equal(deep[r, start - n + 1:start + 1], deep[r, start + 1:start + n + 1])
+    assert int((dy != R.IGNORE).sum(1).max()) > 64 and int(min((dy[r] != R.IGNORE).nonzero()[0, 0] for r in
+                                                              range(64))) < 200  # long spans, early and late
+
+
 def test_recall_rows_plant_pairs_and_ask_some_of_them_at_the_end():
     """A recall row is a text window with P key-value pairs (8 + 8 random ids) and Q <= P of them asked at the end,
     each key then its value: only the asked values are targets among the planted ids; P and Q vary, P = 1 (a needle)
