@@ -213,3 +213,48 @@ def test_what_users_type_is_where_they_find_it():
         main = spec.origin if not spec.submodule_search_locations else \
             importlib.util.find_spec(f"harness.{command}.__main__").origin
         assert '__name__ == "__main__"' in Path(main).read_text() or main.endswith("__main__.py"), command
+
+
+RUN_CONCEPTS = {"memory", "compile"}  # measurement names that are also the run's own words (its memory check, compile=)
+
+
+def measurement_names_in(source: str, names) -> list[tuple[int, str]]:
+    """(line, identifier) for each identifier of ``source`` (a name, an attribute, a def or class, an argument, a
+    keyword, an import) that contains one of ``names``, each string that is one, and each import of a measurement's
+    module."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        ids = []
+        if isinstance(node, ast.Name):
+            ids = [node.id]
+        elif isinstance(node, ast.Attribute):
+            ids = [node.attr]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            ids = [node.name]
+        elif isinstance(node, ast.arg):
+            ids = [node.arg]
+        elif isinstance(node, ast.keyword) and node.arg:
+            ids = [node.arg]
+        elif isinstance(node, ast.alias):
+            ids = [node.asname or node.name.split(".")[-1]]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("harness.measurements."):
+            ids = [node.module.split(".")[-1]]
+        out += [(node.lineno, i) for i in ids if any(n in i.lower() for n in names)]
+        if isinstance(node, ast.Constant) and node.value in names:
+            out.append((node.lineno, repr(node.value)))
+    return sorted(set(out))
+
+
+def test_the_run_layer_names_no_measurement():
+    """harness/experiment/ loops over the chosen measurements (their checks, memory phases, inputs, files) and names
+    none of them: adding one touches no file of the run layer."""
+    from harness.measurements import MEASUREMENTS
+
+    names = set(MEASUREMENTS) - RUN_CONCEPTS
+    assert len(names) >= 10
+    found = {str(p.relative_to(REPO)): hits for p in sorted((REPO / "harness" / "experiment").glob("*.py"))
+             if (hits := measurement_names_in(p.read_text(), names))}
+    assert found == {}
+    caught = measurement_names_in("from harness.measurements.server import serve_options\n"
+                                  "def check_server(rc):\n    return 'retrieval' in rc.text_drift_len\n", names)
+    assert {i for _, i in caught} == {"'retrieval'", "check_server", "server", "text_drift_len"}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -178,3 +179,33 @@ def led(seq: torch.Tensor, first: int) -> torch.Tensor:
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (1, length), generator=g) for _ in range(n)]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a run's inputs come from: its prompts file (``path``; None: seeded random ids), the tokenizer that reads
+    it, the model's vocabulary, the run's seed and the token every sequence starts with (``first_token``: a model
+    trained with one; None: none). What a measurement builds from it (``Measurement.inputs``) is the run's own."""
+
+    path: Path | None
+    tokenizer: Any
+    vocab_size: int
+    seed: int
+    first_token: int | None = None
+
+    def prompts(self, n: int, length: int) -> list[torch.Tensor]:
+        """``n`` prompts of ``length`` tokens, (1, length) each: real text from the file (``text_prompts``) or
+        seeded random ids, each led by the first token (``led``) where there is one."""
+        made = (text_prompts(self.path, n, length, self.tokenizer) if self.path is not None
+                else random_prompts(n, length, self.vocab_size, self.seed))
+        return made if self.first_token is None else [led(p, self.first_token) for p in made]
+
+    def texts(self, n: int, length: int) -> tuple[list[torch.Tensor], str | None]:
+        """``n`` disjoint texts of ``length`` tokens from across the file (``disjoint_texts``, joined by the first
+        token) or seeded random ids, each led by the first token: (texts, the paragraphs each spans, or None)."""
+        if self.path is None:
+            made, spans = random_prompts(n, length, self.vocab_size, self.seed), None
+        else:
+            drawn = disjoint_texts(self.path, n, length, self.tokenizer, self.first_token)
+            made, spans = drawn.texts, drawn.record()
+        return (made if self.first_token is None else [led(t, self.first_token) for t in made]), spans

@@ -113,7 +113,8 @@ class Shape:
     n_prompts: int = 4
     batch: int = 1
     compile: bool = False
-    device: str = "cpu"
+    device: Any = "cpu"  # where the run's tensors live ("cpu", "cuda", or a torch.device)
+    prompt_lengths: str = "uniform"  # the served batch's prompts: uniform | ragged
 
     @property
     def P(self) -> int:

@@ -4,9 +4,10 @@
 
 It reads Hydra once, at the door (``config``: the typed nodes, ``read`` into the run's plain ``RunConfig``,
 validation), plans the run (``plan``: the ``RunConfig`` and the ``Plan`` it resolves to; below the door nothing sees
-the DictConfig), loads the weights (``weights``), checks memory (``memory``), drives the measurements (``runner``),
-writes the record (``record``, ``tracking``) and keeps an invocation's runs together (``invocation``,
-``slurm_check``). It owns results.json: writing it and reading it back. Nothing here imports the analysis layer,
+the DictConfig), resolves the weights (``weights``), checks memory (``memory``), prepares and measures
+(``prepare``: plan, load, measure, each measurement reached through the registry's hooks), takes the folder and
+resumes (``folder``), writes the record (``describe``, ``tracking``), sequences all of it (``runner``) and keeps an
+invocation's runs together (``invocation``, ``slurm_check``, ``slurm_jobs``). It owns results.json: writing it and reading it back. Nothing here imports the analysis layer,
 training or the tools.
 """
 

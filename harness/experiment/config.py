@@ -181,11 +181,17 @@ LATER_KEYS = {("model", "n_kv_head"): None, ("cache", "group_score"): "mean", ("
 
 
 def later_nodes() -> dict:
-    """Top-level nodes of options added after runs were recorded, at their defaults (what runs without them
-    measured): ``serve`` (the continuous-batching server, off while serve.requests is 0)."""
-    from harness.measurements.server import ServeOptions
+    """Top-level options added after runs were recorded, at their defaults (what runs without them measured): each
+    measurement's ``later`` (the server's ``serve``, off while serve.requests is 0)."""
+    from harness import measurements
 
-    return {"serve": dataclasses.asdict(ServeOptions())}
+    out = {}
+    for cls in measurements.MEASUREMENTS.values():
+        defaults = measurements.options_of(cls, {})
+        for name in cls.later:
+            value = getattr(defaults, name)
+            out[name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    return out
 
 
 def config_id(cfg) -> str:

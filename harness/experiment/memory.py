@@ -7,49 +7,17 @@
     need.describe()                           # one line for people
     cache_fills(kind="paged", ..., max_len=1024)  # every cache the run builds: (what, sequences, tokens written)
 
-A run holds its weights throughout and goes through its measurements one after another (harness/core/measure.py), each
-building its own caches and freeing them before the next: its peak is the weights plus the largest phase. Each
-phase counts the caches alive in it (exactly, from the kind's ``nbytes_formula``) and its largest transient
-tensors (logits, attention scores, activations, copies), a little conservatively: see ``run_bytes``.
+A run holds its weights throughout and goes through its measurements one after another, each building its own
+caches and freeing them before the next: its peak is the weights plus the largest phase. The phases are the
+measurements' own (``Measurement.memory``: the caches alive in a phase, exactly, from the kind's ``nbytes_formula``,
+and its largest transient tensors, a little conservatively), made of ``harness.core.sizes``' pieces; this module
+names no measurement: it sums the weights and takes the largest phase of those the run makes.
 
-The terms ``run_bytes`` counts (V vocab, d n_embd, nh heads, hs head_dim; "cache(B, n)" is the kind's
-``nbytes_formula`` for B sequences, n tokens written, capacity max_len, in the storage dtype; a pooled kind counts
-its whole pool):
-
-- weights: ``param_count`` x element size, per copy: the fp32 model (model32); a copy in the compute dtype
-  when compute is not fp32; and for engine=hf transformers' own model in the compute dtype (it holds its own
-  weights). The phase ``setup`` counts the fp32 copy a reduced-precision copy is made from (a deepcopy of
-  model32, then converted), and on a CPU the fp32 HF model before its conversion.
-- generation (batch 1, T = prompt_len + new_tokens, n = new_tokens): the generation's cache and the fp32
-  reference's; the teacher-forced forward's full logits (T, V) in fp32 and the logit statistics over n steps
-  (6 (n, V) fp32 tensors, 5 float64 ones for the KL).
-- text_drift (every run but plain fp32 on an exact full-attention kind, on an engine whose fp32 is kvlab's:
-  llama.cpp's fp32 run measures it), L = min(max_len, max(drift_text_len, prompt_len + 1)), its texts passed
-  B = ``text_rows`` at a time (B x (L - 1) x V fp32 logits within 1 GiB, at most drift_texts, or n_prompts):
-  both text passes' caches of B rows, the K/V recorded per layer (fp32), the reference's forward over (B, L - 1),
-  both passes' logits (B, L - 1, V) in fp32 and the reference's prefill copied into its own (3 of them), and 7
-  float64 tensors of min(STAT_ROWS, L - 1) rows over the vocabulary.
-- cache_memory / step_times (batch 1): cache(1, ctx + 1) (twice if the kind's ``checkpoint`` snapshots), the
-  uncached forward over the longest timed context.
-- bandwidth_probe: its copy buffers 2 x max(min(w, 1 GiB), 256 MiB) and its matrix min(w, 1 GiB), w the decode
-  weight bytes.
-- batch_throughput: the previous batch's cache (and snapshot) is still held while the next is built and
-  prefilled: the worst of cache(B_prev) + cache(B) + prefill and cache(B) + its snapshot + a decode step.
-- serve_batch (batch B, prompts of prompt_len, n = new_tokens): the worst of a new cache built while the last
-  repeat's is held, the prefill, the decode (with the B x n x V fp32 logits it keeps), and the check (those
-  logits stacked: twice, plus a (prompt_len + n, V) reference forward).
-- compiled_equivalence (compile=true): two caches of batch 1.
-- retrieval (``retrieval_n``: tokens per sequence, None: not measured), L = 2 min(retrieval_n, max_len // 2),
-  its sequences passed B = ``text_rows`` at a time (at most ``retrieval_k``): a cache of B x L tokens, its pass's
-  logits (B, L - 1, V) in one buffer, and the fp32 reference's forward over (B, L) keeping every position's
-  logits.
-- a forward of (B, T) tokens keeping r positions' logits: activations B x T x 12d in the compute dtype,
-  attention scores B x nh x T x T in fp32 (what SDPA's math fallback holds; the fused kernels torch picks for
-  kvlab's shapes, CPU and CUDA, hold none: this is the conservative part), masks 3 x B x T x T bools, logits
-  B x r x V. A decode step adds one layer's K and V in fp32, twice
-  (a dtype cast, a dequantised copy, a concatenation). On CUDA the logits the served batch keeps live on the
-  host and are counted here too (conservative).
-- every phase's measurement adds ``SLACK`` (5%) of its cache + measurement: allocators round and fragment.
+The weights: ``param_count`` x element size, per copy: the fp32 model (model32); a copy in the compute dtype when
+compute is not fp32; and for engine=hf transformers' own model in the compute dtype (it holds its own weights). The
+phase ``setup`` counts the fp32 copy a reduced-precision copy is made from (a deepcopy of model32, then converted),
+and on a CPU the fp32 HF model before its conversion. Every phase adds ``SLACK`` (5%) of its cache + measurement:
+allocators round and fragment.
 """
 
 from __future__ import annotations

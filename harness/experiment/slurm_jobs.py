@@ -12,9 +12,12 @@ has no complete results.json, so the same command measures it again.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from contextlib import contextmanager
 
+from harness.common import signals
 from harness.experiment.invocation import note_failure
 
 
@@ -58,3 +61,54 @@ def lost_jobs_are_failures():
         yield
     finally:
         Job.results = waited
+
+
+class OutOfTime(RuntimeError):
+    """The Slurm job reached its time limit and will not be requeued again: the run failed, and says why."""
+
+
+def _submitits(handler) -> bool:
+    """The handler is one submitit installed in a Slurm job (its SignalHandler's methods)."""
+    return type(getattr(handler, "__self__", None)).__module__.startswith("submitit")
+
+
+def _after_submitit(inner):
+    """submitit's handler of SIGUSR2 (Slurm's warning before the time limit), kept: it requeues the job (then
+    raises SystemExit) or says why it will not (raises an error). Requeued: the run is interrupted, and the requeued
+    job measures it again. Not requeued: the run failed, out of time, and its record says so."""
+    def handler(signum, frame):
+        try:
+            inner(signum, frame)
+        except SystemExit:
+            raise signals.Interrupted(signum) from None
+        except Exception as e:
+            job = slurm_record()["slurm_job_id"]
+            raise OutOfTime(f"Slurm job {job} reached its time limit (hydra.launcher.timeout_min) after being "
+                            f"requeued {os.environ.get('SLURM_RESTART_COUNT', '0')} time(s) "
+                            f"(hydra.launcher.max_num_timeout): {' '.join(str(e).split())}") from None
+
+    return handler
+
+
+def _submitit_kept(s, current):
+    """In a Slurm job, submitit's handlers: its SIGTERM handler ignores the signal (so scancel and scontrol requeue
+    would kill the run unrecorded a few seconds later): kvlab takes SIGTERM over; its SIGUSR2 handler (the time
+    limit) is kept, and what it does is recorded (``_after_submitit``)."""
+    if not _submitits(current):
+        return None
+    return _after_submitit(current) if s == signal.SIGUSR2 else signals.raise_interrupted
+
+
+def catch_signals() -> None:
+    """SIGTERM, SIGHUP and SIGUSR2 raise ``Interrupted`` in this process (``harness.common.signals``), submitit's
+    handlers in a Slurm job taken over or kept (``_submitit_kept``)."""
+    signals.catch_signals(_submitit_kept)
+
+
+def slurm_record() -> dict:
+    """The Slurm job this process runs in (None outside Slurm): an array task as ``<array job>_<task>``, as sacct
+    and scancel name it."""
+    env = os.environ
+    array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    job = f"{array}_{task}" if array and task else env.get("SLURM_JOB_ID")
+    return dict(slurm_job_id=job, slurm_array_task_id=int(task) if task and task.isdigit() else None)

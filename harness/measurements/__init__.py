@@ -53,13 +53,22 @@ class Context:
     seed: int = 0
     compiled: bool = False
     progress: bool = False
-    peak_reset: bool = False
     record: dict = field(default_factory=dict)
     tables: dict = field(default_factory=dict)
     decode: Any = None  # token ids -> text, for the record's sample (None: GPT-2's tokenizer)
     first_token: int | None = None  # the token every sequence starts with (a model trained with it first), or None
     text_paragraphs: str | None = None  # the prompts file's paragraphs each text spans ("3-4;7"), or None
     stream: list | None = None  # token ids of running text (the server's workload draws its prompts from it)
+    inputs: dict = field(default_factory=dict)  # what measurements built for themselves (``Measurement.inputs``)
+    #                                             beyond the fields above, by the names they gave
+
+    @classmethod
+    def with_inputs(cls, built: dict, **values) -> "Context":
+        """A Context of ``values`` and what the measurements built (``built``): a field where one has its name, the
+        rest in ``inputs``."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**values, **{k: v for k, v in built.items() if k in fields},
+                   inputs={k: v for k, v in built.items() if k not in fields})
 
     def options(self, cls: type[Measurement]):
         """``cls.Options`` from the run's option values (``option_values``), defaults where unset."""

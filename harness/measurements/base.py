@@ -111,6 +111,8 @@ class Measurement:
     needs: ClassVar[tuple[str, ...]] = ()  # measurements whose results or tables it reads (they run first)
     reads_generations: ClassVar[bool] = False
     stage: ClassVar[str | None] = None  # how failed_stage names it (default: its name)
+    later: ClassVar[tuple[str, ...]] = ()  # its options added after runs were recorded: at their defaults they are
+    #                                       left out of a run's id (runs made before them keep theirs)
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -133,6 +135,19 @@ class Measurement:
         only it does), one line naming the fix; None when they ask for none. ``asked``: the run's choice as given
         ("measurements=[equivalence,memory]")."""
         return None
+
+    @classmethod
+    def inputs(cls, opts, src, s) -> dict:
+        """The inputs only it reads, built once the model is loaded, from the run's ``harness.core.inputs.Source``
+        (the prompts file or random ids, the tokenizer, the first token) and ``Shape``: {``Context`` field: value}
+        (drift's texts, the served batch, the server's stream); {} for none."""
+        return {}
+
+    @classmethod
+    def files(cls, opts) -> list[str]:
+        """Files it reads beyond the prompts file and the checkpoint (a serving trace): part of what a resumed run
+        must find unchanged."""
+        return []
 
     @classmethod
     def memory(cls, s, opts) -> list[tuple[str, int, int]]:

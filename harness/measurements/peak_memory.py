@@ -19,7 +19,14 @@ class PeakMemory(Measurement):
         peak_memory_kind: str = key("what was read: cuda_max_allocated, process_peak_rss, or "
                                     "process_max_rss_including_earlier_runs")
 
+    def __init__(self, ctx):
+        """Made before any measurement of the run runs: a new peak starts here (sweep jobs may share a process)."""
+        from harness.core import measure
+
+        super().__init__(ctx)
+        self.reset = measure.reset_peak_memory(ctx.device)
+
     def run(self):
         from harness.core import measure
 
-        return self.Result(**measure.peak_memory(self.ctx.device, self.ctx.peak_reset))
+        return self.Result(**measure.peak_memory(self.ctx.device, self.reset))

@@ -163,6 +163,7 @@ class Server(Measurement):
     about = ("continuous batching of serve.requests chat-like requests under serve.kv_budget: throughput, TTFT, "
              "TPOT, ITL, goodput, concurrency, KV held vs used, pre-emptions, each request checked")
     stage = "continuous batching"
+    later = ("serve",)
 
     @classmethod
     def idle(cls, opts, asked):
@@ -180,6 +181,22 @@ class Server(Measurement):
         o = serve_options(opts.serve)
         if serving(o):
             check_served(o, s)
+
+    @classmethod
+    def inputs(cls, opts, src, s):
+        """The running text its workload draws prompts from (``harness.core.inputs.served_stream``)."""
+        from harness.core.inputs import served_stream
+
+        o = serve_options(opts.serve)
+        if not serving(o):
+            return {}
+        return dict(stream=served_stream(src.path, o.system_prompt + o.prompt_most + 1, src.tokenizer, src.vocab_size,
+                                         src.seed))
+
+    @classmethod
+    def files(cls, opts):
+        o = serve_options(opts.serve)
+        return [o.trace] if serving(o) and o.trace else []
 
     @classmethod
     def memory(cls, s, opts):

@@ -31,6 +31,14 @@ class Serving(Measurement):
     def fills(cls, s, opts):
         return [(f"the served batch of {s.batch}", s.batch, s.prompt_len + s.new_tokens - 1)]
 
+    @classmethod
+    def inputs(cls, opts, src, s):
+        """The served batch: ``batch`` prompts, each cut to its length (all prompt_len, or ragged: drawn)."""
+        from harness.core.inputs import batch_lengths
+
+        lengths = batch_lengths(s.batch, s.prompt_len, s.prompt_lengths, src.seed)
+        return dict(served=[p[0, :n] for p, n in zip(src.prompts(s.batch, s.prompt_len), lengths)])  # (n,) each
+
     @dataclass(frozen=True)
     class Result:
         serve_batch: int = key("sequences served together", "sequences")

@@ -36,6 +36,15 @@ class TextDrift(Measurement):
     def fills(cls, s, opts):
         return [] if s.plain_fp32 else [("text drift", 1, cls.text_len(s, opts) - 1)]
 
+    @classmethod
+    def inputs(cls, opts, src, s):
+        """drift_texts (default n_prompts) disjoint texts of ``text_len`` tokens from across the prompts file (or
+        random ids), for a run that is not its own fp32 reference."""
+        if s.plain_fp32:
+            return {}
+        texts, paragraphs = src.texts(opts.drift_texts or s.n_prompts, cls.text_len(s, opts))
+        return dict(texts=[t.to(s.device) for t in texts], text_paragraphs=paragraphs)
+
     @staticmethod
     def text_len(s, opts) -> int:
         """Tokens per text: drift_text_len, at least a prompt and one token, at most max_len."""

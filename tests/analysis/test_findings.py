@@ -510,7 +510,7 @@ def test_injected_outliers_are_an_arm_of_a_models_runs_not_another_model():
     """A run's label names injected outlier channels (runner.model_label); the claims read them as the model's."""
     from types import SimpleNamespace
 
-    from harness.experiment.runner import model_label
+    from harness.experiment.describe import model_label
 
     label = model_label(SimpleNamespace(weights="random", name="mini-llama", preset="mini-llama", n_kv_head=None,
                                         outliers=SimpleNamespace(scale=20.0)))
@@ -535,7 +535,7 @@ def preset_grid(preset: str, *overrides: str) -> pd.DataFrame:
     from hydra import compose, initialize_config_dir
 
     from harness.experiment.config import cache_choice, dtype_label, register, validate
-    from harness.experiment.runner import cache_record
+    from harness.experiment.describe import cache_record
     from models.gpt2 import GPT2Config
     from tests.helpers import REPO
 

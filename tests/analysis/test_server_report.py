@@ -68,7 +68,7 @@ def test_a_kind_that_cannot_serve_is_refused_before_anything_runs():
 
     from harness.common.errors import ConfigError
     from harness.experiment.config import read, register
-    from harness.experiment.runner import check_with_model
+    from harness.experiment.prepare import check_with_model
     from models.families import preset_config
     from tests.helpers import REPO
 

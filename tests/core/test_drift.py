@@ -166,7 +166,7 @@ def test_the_report_warns_loudly_when_a_sweep_mixes_real_and_random_weights():
 
 @pytest.fixture(scope="module")
 def mini_texts():
-    from harness.experiment.runner import text_prompts
+    from harness.core.inputs import text_prompts
     from models.gpt2 import GPT2
     from models.tokenizer import Tokenizer
 

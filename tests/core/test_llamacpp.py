@@ -246,7 +246,7 @@ def test_a_run_says_which_k_v_types_llama_cpp_stored(kind, options, engine, stor
     engine_type_k / engine_type_v, and a kind is held exact there only in the storage dtype's types (a lossy run
     that called itself exact would be judged against a reference it cannot meet, or worse, pass as exact)."""
     from harness.experiment.plan import CacheChoice
-    from harness.experiment.runner import cache_record
+    from harness.experiment.describe import cache_record
 
     rec = cache_record(CacheChoice(kind, options), "llamacpp", L.LlamaCppOptions(**engine), storage)
     assert rec["cache_label"].endswith(label) and rec["cache_exact"] is exact

@@ -194,7 +194,7 @@ def test_a_checkpoint_of_another_family_than_the_preset_is_refused_naming_both(t
     from harness.experiment import weights
     from harness.experiment.config import ConfigError
     from harness.experiment.plan import ModelChoice
-    from harness.experiment.runner import model_config
+    from harness.experiment.prepare import model_config
     from models import hf_checkpoint as hf
 
     torch.manual_seed(1)

@@ -492,7 +492,7 @@ def test_a_write_error_is_one_line_and_counts_as_not_ok(capsys):
 def test_runs_on_two_checkpoint_folders_get_two_labels():
     from types import SimpleNamespace
 
-    from harness.experiment.runner import model_label
+    from harness.experiment.describe import model_label
 
     a = SimpleNamespace(name="tiny", preset="tiny", weights="/ckpts/run-a")
     b = SimpleNamespace(name="tiny", preset="tiny", weights="/ckpts/run-b")

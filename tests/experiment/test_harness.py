@@ -95,7 +95,7 @@ def test_experiment_serving_composes_every_kind_rate_and_seed_and_its_budget_ser
     import torch
 
     from harness.experiment.config import check_measurements, read
-    from harness.experiment.runner import check_with_model
+    from harness.experiment.prepare import check_with_model
 
     register()
     sweep = (REPO / "conf" / "experiment" / "serving.yaml").read_text()
@@ -427,7 +427,7 @@ def test_the_record_says_of_each_kind_what_its_class_says():
     the record says what the class says; a window given a budget implies its window, and a sweep's varied option
     is implied in no run but the one at its default."""
     from harness.experiment.plan import CacheChoice
-    from harness.experiment.runner import cache_record
+    from harness.experiment.describe import cache_record
 
     for kind, cls in CACHE_KINDS.items():
         for given in ({}, *cls.examples):

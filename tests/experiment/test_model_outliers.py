@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 from harness import measurements
 from harness.experiment import runner as experiment
 from harness.experiment.config import ConfigError, config_id, read, register, validate
-from harness.experiment.runner import build_model, load, plan_run
+from harness.experiment.prepare import build_model
+from harness.experiment.prepare import load, plan_run
 from models.gpt2 import GPT2Config
 from models.outliers import choose
 from tests.helpers import REPO, TINY, run_py

@@ -156,7 +156,7 @@ def test_engine_hf_cache_quant_from_the_command_line(tmp_path):
 
 def test_hf_group_size_is_checked_against_the_checkpoints_head_size():
     from harness.experiment.config import read
-    from harness.experiment.runner import plan_run
+    from harness.experiment.prepare import plan_run
 
     with pytest.raises(ConfigError) as e:  # model=tiny: 2 heads of 32
         plan_run(read(compose_cfg(["model=tiny", "engine=hf", "cache=quant/token", "cache.group_size=24",
@@ -330,7 +330,7 @@ def test_the_record_says_how_many_threads_llama_cpp_computed_with(overrides, thr
     """engine.threads is llama.cpp's own count, which can differ from torch's (the fingerprint's threads); the
     record says which it was (0 asks for torch's count), and nothing on the engines that compute in torch."""
     from harness.experiment.config import read
-    from harness.experiment.runner import config_record
+    from harness.experiment.describe import config_record
 
     rec = config_record(read(compose_cfg(["model=tiny", *overrides, "tracking=disabled"])))
     assert rec["engine_threads"] == (torch.get_num_threads() if threads == "torch" else threads)

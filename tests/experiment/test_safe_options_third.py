@@ -200,7 +200,7 @@ def test_the_group_size_is_checked_against_the_models_head_size_when_the_run_is_
 @pytest.mark.slow  # a subprocess: seconds
 def test_an_unknown_engine_is_one_line_from_run_py_and_its_record_says_what_was_asked(tmp_path):
     # engine-name-unknown-run
-    from harness.experiment.runner import config_record
+    from harness.experiment.describe import config_record
 
     rc = read(compose_cfg(["model=tiny", "engine.name=vllm"]))
     assert config_record(rc)["engine"] == "vllm"  # was a KeyError while the failed record was written

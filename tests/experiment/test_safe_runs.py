@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.experiment import folder
+from harness.experiment import describe
 from harness.experiment import runner as experiment
 from harness.common import ownership
 from tests.helpers import QUICK, REPO, TINY, run_py
@@ -313,14 +315,14 @@ def test_the_verdict_is_for_exact_kinds_in_fp32_only():
     cfg = {"equivalence_tol": 1e-4}
     base = dict(cache_exact=True, storage_dtype="float32", compute_dtype="float32", tokens_identical=True,
                 max_abs_logit_diff=2e-5, cache_label="prealloc")
-    assert experiment.verdict(cfg, base) == ("ok", None)
-    assert experiment.verdict(cfg, dict(base, max_abs_logit_diff=3e-3))[0] == "not_equivalent"
-    assert experiment.verdict(cfg, dict(base, tokens_identical=False, first_diff_step=4))[0] == "not_equivalent"
-    assert experiment.verdict(cfg, dict(base, serve_tokens_identical=False))[0] == "not_equivalent"
-    assert experiment.verdict({"equivalence_tol": 1e-2}, dict(base, max_abs_logit_diff=3e-3))[0] == "ok"
+    assert describe.verdict(cfg, base) == ("ok", None)
+    assert describe.verdict(cfg, dict(base, max_abs_logit_diff=3e-3))[0] == "not_equivalent"
+    assert describe.verdict(cfg, dict(base, tokens_identical=False, first_diff_step=4))[0] == "not_equivalent"
+    assert describe.verdict(cfg, dict(base, serve_tokens_identical=False))[0] == "not_equivalent"
+    assert describe.verdict({"equivalence_tol": 1e-2}, dict(base, max_abs_logit_diff=3e-3))[0] == "ok"
     # reduced precision and lossy kinds are findings, not verdicts
-    assert experiment.verdict(cfg, dict(base, storage_dtype="float16", tokens_identical=False))[0] == "ok"
-    assert experiment.verdict(cfg, dict(base, cache_exact=False, max_abs_logit_diff=0.5))[0] == "ok"
+    assert describe.verdict(cfg, dict(base, storage_dtype="float16", tokens_identical=False))[0] == "ok"
+    assert describe.verdict(cfg, dict(base, cache_exact=False, max_abs_logit_diff=0.5))[0] == "ok"
 
 
 @pytest.mark.slow
@@ -456,24 +458,24 @@ def test_the_code_is_part_of_a_runs_inputs(tmp_path, monkeypatch):
     src = tmp_path / "model.py"
     src.write_text("x = 1\n")
     monkeypatch.setattr(experiment.tracking, "sources", lambda: [src])
-    before = experiment.input_ids(None, 0, None)  # prompts=random, random init of seed 0
+    before = folder.input_ids(None, 0, None)  # prompts=random, random init of seed 0
     src.write_text("x = 2\n")
-    after = experiment.input_ids(None, 0, None)
+    after = folder.input_ids(None, 0, None)
     assert before["inputs_code"] != after["inputs_code"] and before["inputs_prompts"] == after["inputs_prompts"]
-    assert experiment.changed_inputs(before, after) == [
+    assert folder.changed_inputs(before, after) == [
         f"kvlab's code changed ({before['inputs_code']} -> {after['inputs_code']})"]
-    assert experiment.changed_inputs(after, after) == []
+    assert folder.changed_inputs(after, after) == []
 
 
 def test_a_large_checkpoint_is_identified_by_samples(tmp_path, monkeypatch):
-    monkeypatch.setattr(experiment, "WHOLE_FILE", 1024)
+    monkeypatch.setattr(folder, "WHOLE_FILE", 1024)
     f = tmp_path / "w.bin"
     f.write_bytes(bytes(300_000))
-    a = experiment.file_id(f)
+    a = folder.file_id(f)
     data = bytearray(f.read_bytes())
     data[len(data) // 2: len(data) // 2 + 8] = b"retrain!"  # a change where a sample lies
     f.write_bytes(bytes(data))
-    assert experiment.file_id(f) != a
+    assert folder.file_id(f) != a
 
 
 # ---- the exit code ----------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 
 from harness.common import signals
 from harness.core import inputs
+from harness.experiment import folder
 from harness.experiment import runner as experiment
 from harness.common import ownership
 from harness.analysis import report
@@ -118,10 +119,10 @@ def test_a_copied_record_does_not_make_the_users_file_kvlabs(finished, tmp_path,
     out.mkdir()
     shutil.copy(finished / "results.json", out / "results.json")
     (out / theirs).write_text("the user's own numbers\n")
-    assert "written for another folder" in experiment.adoption_problem(out)
-    assert not ownership.adopt(out, set(experiment.partial_files()), experiment._is_kvlab_run)
+    assert "written for another folder" in folder.adoption_problem(out)
+    assert not ownership.adopt(out, set(folder.partial_files()), folder._is_kvlab_run)
     with pytest.raises(ownership.NotOurs, match="written for another folder"):
-        experiment.take_folder(out)
+        folder.take_folder(out)
     assert sorted(os.listdir(out)) == sorted(["results.json", theirs])  # no manifest added
 
 
@@ -145,11 +146,11 @@ def test_a_legacy_folder_with_a_file_that_is_not_its_records_is_not_adopted(fini
     record = json.loads((out / "results.json").read_text())
     record["run_dir"] = str(out)  # as if measured here by a kvlab from before manifests
     (out / "results.json").write_text(json.dumps(record))
-    assert experiment.adoption_problem(out) is None  # the whole run, its own: adopted
+    assert folder.adoption_problem(out) is None  # the whole run, its own: adopted
     (out / theirs).write_text("run_name,x\nsomeone-else,1\n")
-    assert f"its {theirs} is not this run" in experiment.adoption_problem(out)
+    assert f"its {theirs} is not this run" in folder.adoption_problem(out)
     with pytest.raises(ownership.NotOurs, match=f"its {theirs} is not this run"):
-        experiment.take_folder(out)
+        folder.take_folder(out)
     assert not (out / ownership.MANIFEST).exists()
 
 
@@ -334,7 +335,7 @@ def test_a_manifest_that_is_not_a_small_file_is_never_read(tmp_path, make):
     assert ownership.owned(tmp_path) == set()
     assert ownership.manifest_problem(tmp_path) == f"its {ownership.MANIFEST} is not a manifest kvlab wrote"
     with pytest.raises(ownership.NotOurs, match="not a manifest kvlab wrote"):
-        experiment.take_folder(tmp_path)
+        folder.take_folder(tmp_path)
 
 
 @pytest.mark.parametrize("make", ["fifo", "folder", "dangling-link"])

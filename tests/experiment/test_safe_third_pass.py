@@ -14,7 +14,8 @@ import torch
 
 from harness.analysis import server as A
 from harness.experiment.config import read
-from harness.experiment.runner import check_with_model, input_ids
+from harness.experiment.prepare import check_with_model
+from harness.experiment.folder import input_ids
 from harness.experiment.weights import Weights
 from harness.measurements.server import (ServeOptions, check_serve, read_trace, serve_options, workload,
                                          workload_record)

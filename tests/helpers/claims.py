@@ -26,7 +26,7 @@ def kind_facts(cache: str, values: dict) -> dict:
     """What a run records of its kind with the options among ``values`` (``cache_<option>``), as the run layer
     works it out: whether it is full attention, and which options the others imply."""
     from harness.experiment.plan import CacheChoice
-    from harness.experiment.runner import cache_record
+    from harness.experiment.describe import cache_record
     from models.kv_cache import CACHE_KINDS
 
     if cache not in CACHE_KINDS:

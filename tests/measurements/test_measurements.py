@@ -235,6 +235,70 @@ def test_adding_a_measurement_is_one_module(tmp_path, monkeypatch, registered):
     assert (tmp_path / "rep" / "context_tokens.csv").is_file()
 
 
+class PromptSums(Measurement):
+    """A throwaway measurement that uses every hook the run layer calls generically: the inputs it builds for itself,
+    a check once the model is known, a memory phase and a file it reads."""
+
+    name = "prompt_sums"
+    about = "sums of prompts it draws itself (a test's measurement)"
+    marker: Path | None = None  # the file it reads (set by the test)
+
+    @dataclass(frozen=True)
+    class Result:
+        prompt_sums_total: int = key("the sum of the token ids of the prompts it built", "")
+        prompt_sums_vocab: int = key("the model's vocabulary, as its checks saw it", "tokens")
+
+    @classmethod
+    def check_plan(cls, opts, s):
+        if s.prompt_len == 5:
+            raise ConfigError(f"prompt_sums refuses prompt_len=5 on a model of {s.model.vocab_size} tokens")
+
+    @classmethod
+    def memory(cls, s, opts):
+        return [("prompt_sums_phase", 0, 10 ** 15 if s.batch == 3 else 1)]
+
+    @classmethod
+    def inputs(cls, opts, src, s):
+        return {"sums_of": [int(p.sum()) for p in src.prompts(3, s.prompt_len)], "vocab": s.model.vocab_size}
+
+    @classmethod
+    def files(cls, opts):
+        return [str(cls.marker)] if cls.marker else []
+
+    def run(self):
+        return self.Result(prompt_sums_total=sum(self.ctx.inputs["sums_of"]),
+                           prompt_sums_vocab=self.ctx.inputs["vocab"])
+
+
+def test_a_measurement_gets_its_inputs_checks_memory_and_files_from_the_run(tmp_path, monkeypatch):
+    """The run calls a new measurement's hooks without naming it: the inputs it builds reach it, its check once the
+    model is known refuses in one line, its memory phase is the run's peak, the file it reads is part of the run's
+    inputs (a changed file: a resumed run measures again)."""
+    from harness.core.inputs import random_prompts
+
+    measurements.register(PromptSums)
+    try:
+        PromptSums.marker = tmp_path / "marker.txt"
+        PromptSums.marker.write_text("one")
+        rec, out = run_here(tmp_path, monkeypatch, [*SMALL, "prompts=random", "measurements=[prompt_sums]"])
+        assert rec["status"] == "ok", rec.get("error")
+        want = sum(int(p.sum()) for p in random_prompts(3, rec["prompt_len"], rec["prompt_sums_vocab"],
+                                                        rec["seed"]))
+        assert rec["prompt_sums_total"] == want
+        first = rec["inputs_trace"]
+        PromptSums.marker.write_text("two")
+        again, _ = run_here(tmp_path, monkeypatch, [*SMALL, "prompts=random", "measurements=[prompt_sums]"])
+        assert again["status"] == "ok" and again["inputs_trace"] != first
+        refused, _ = run_here(tmp_path, monkeypatch, [*SMALL, "prompt_len=5", "measurements=[prompt_sums]"])
+        assert refused["status"] == "failed" and (f"prompt_sums refuses prompt_len=5 on a model of "
+                                                  f"{rec['prompt_sums_vocab']} tokens") in refused["error"]
+        big, _ = run_here(tmp_path, monkeypatch, [*SMALL, "batch=3", "measurements=[prompt_sums]"])
+        assert big["status"] == "failed" and "at its peak in prompt_sums_phase" in big["error"]
+    finally:
+        MEASUREMENTS.pop(PromptSums.name)
+        PromptSums.marker = None
+
+
 # ---- the conformance suite over MEASUREMENTS ---------------------------------------------------------------------
 
 KVLAB_KINDS = ",".join(CACHE_KINDS)

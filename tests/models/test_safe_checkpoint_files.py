@@ -246,7 +246,7 @@ def test_a_tokenizer_json_that_is_not_a_file_is_refused_never_replaced(tmp_path,
 
 def test_the_run_refuses_a_tokenizer_json_that_is_a_folder(tmp_path):  # ckpt-tokenizer-not-a-file
     from harness.common.errors import ConfigError
-    from harness.experiment.runner import prompt_tokenizer
+    from harness.experiment.prepare import prompt_tokenizer
     from harness.experiment.weights import Weights
 
     folder = gpt2_folder(tmp_path / "ckpt")
