@@ -36,9 +36,9 @@ def param_count(cfg) -> int:
 
 def decode_weight_bytes(cfg, dtype) -> int:
     """What ``harness.core.measure.weight_bytes`` reports for a model of ``cfg`` in ``dtype``: every parameter once, but
-    only one row of a learned position embedding (GPT-2's; a rotary family has none). The bandwidth probe sizes its
-    buffers by it."""
-    table = (cfg.n_positions - 1) * cfg.n_embd if cfg.family == "gpt2" else 0
+    only one row of a learned position embedding (a family whose positions are not rotary has one: GPT-2; a rotary
+    family has none). The bandwidth probe sizes its buffers by it."""
+    table = 0 if cfg.rotary else (cfg.n_positions - 1) * cfg.n_embd
     return (param_count(cfg) - table) * itemsize(dtype)
 
 

@@ -114,24 +114,36 @@ def plan_run(rc: RunConfig, w: Weights | None = None) -> Plan:
     """Check the whole config from the config alone, purely (files are only read): the knobs, the checkpoint's
     config and its tensors' shapes, the device, the prompts file, and the run's peak memory against what the machine
     has free -> the run's ``Plan``. Raises (``ConfigError``, ``CheckpointError``: one line) on anything that cannot
-    run."""
+    run. A hub checkpoint's config is known only once it is loaded: ``with_model`` adds it to the plan then."""
     w = w or weights.resolve(rc.model)
-    mcfg = model_config(w, rc.model)
-    if mcfg is not None:
-        check_model(rc, mcfg)
-    max_len, contexts = validate(rc, mcfg.n_positions, mcfg.head_dim) if mcfg is not None else (None, None)
     device = resolve_device(rc.device)
     storage, compute = resolve_dtypes(rc.dtype.storage, rc.dtype.compute, device)
     path = prompts_path(rc)
     if path is not None:
         check_prompts_file(path)
-        prompt_tokenizer(w, mcfg, rc.model.name)
-    if mcfg is not None:
-        check_outliers(rc.model.outliers, mcfg)
-        check_with_model(rc, mcfg, max_len, storage, compute)
-        check_memory(rc, mcfg, max_len, contexts, storage, compute, device)
-    return Plan(rc, w, mcfg, max_len, contexts, device, storage, compute, path,
+    plan = Plan(rc, w, None, None, None, device, storage, compute, path,
                 input_ids(path, rc.model.seed, w, measurement_files(rc)))
+    mcfg = model_config(w, rc.model)
+    if mcfg is None:
+        if path is not None:
+            prompt_tokenizer(w, None, rc.model.name)
+        return plan
+    return with_model(plan, mcfg)
+
+
+def with_model(plan: Plan, mcfg) -> Plan:
+    """``plan`` with its model's config (``mcfg``) and everything checked against it, once: the model's knobs, the
+    capacity and timed contexts it resolves, the prompts' tokenizer, the outliers, each measurement's own checks
+    and the peak memory."""
+    rc = plan.config
+    check_model(rc, mcfg)
+    max_len, contexts = validate(rc, mcfg.n_positions, mcfg.head_dim)
+    if plan.prompts_path is not None:
+        prompt_tokenizer(plan.weights, mcfg, rc.model.name)
+    check_outliers(rc.model.outliers, mcfg)
+    check_with_model(rc, mcfg, max_len, plan.storage, plan.compute)
+    check_memory(rc, mcfg, max_len, contexts, plan.storage, plan.compute, plan.device)
+    return dataclasses.replace(plan, model_cfg=mcfg, max_len=max_len, contexts=contexts)
 
 
 def prompt_tokenizer(w: Weights, mcfg, model_name: str):
@@ -195,14 +207,11 @@ def load(plan: Plan) -> dict:
     """What a run reads before it measures, loaded before anything in its folder is cleared: the model from its
     checkpoint (every tensor checked), the engine, the prompts from their file. Raises, in one line, on a fault."""
     rc = plan.config
+    model32 = build_model(plan.weights, rc.model, plan.model_cfg)
+    if plan.model_cfg is None:  # a hub checkpoint: its config joins the plan now that it is known
+        plan = with_model(plan, model32.config)
     w, mcfg, max_len, contexts = plan.weights, plan.model_cfg, plan.max_len, plan.contexts
     device, storage, compute = plan.device, plan.storage, plan.compute
-    model32 = build_model(w, rc.model, mcfg)
-    if mcfg is None:  # a hub checkpoint: validate now that its config is known
-        mcfg = model32.config
-        check_model(rc, mcfg)
-        max_len, contexts = validate(rc, mcfg.n_positions, mcfg.head_dim)
-        check_memory(rc, mcfg, max_len, contexts, storage, compute, device)
     injected = inject_outliers(model32, rc.model.outliers)  # before the model is moved, copied or measured
     model32 = model32.to(device)
     model = model32 if compute == torch.float32 else copy.deepcopy(model32).to(compute)
