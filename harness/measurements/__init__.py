@@ -308,7 +308,10 @@ def results_doc() -> str:
              "## results.json", "", "| key | measurement | type | meaning | unit |", "|---|---|---|---|---|"]
     lines += [f"| `{k.key}` | {k.measurement} | {k.type.replace(' | ', ' or ')} | {k.meaning.replace('|', '/')} | "
               f"{k.unit} |"
-              for k in all_keys()]
+              for k in all_keys(cache_options=False)]
+    lines.append("| `cache_<option>` | run | per kind | each option of the run's cache kind, as the kind resolved it "
+                 "(`cache_window`, `cache_k_bits`, ...: docs/cache-kinds.md; `python -m harness.measurements --keys` "
+                 "lists them) |  |")
     lines += ["", "## Tables (one CSV per run, in its folder)", "", "| file | written by | columns | meaning |",
               "|---|---|---|---|"]
     for name, t in tables().items():
