@@ -11,6 +11,7 @@ naming it.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 import hashlib
 import json
 import re
@@ -291,10 +292,13 @@ def register() -> None:
     cs.store(name="kvlab_schema", node=KvlabConfig)
     for name, cls in CACHE_KINDS.items():
         cs.store(group="schema/cache", name=name, node=cache_schema(cls))
+        if not (CONF / "cache" / f"{name}.yaml").is_file():  # a kind without its own file: cache=<kind> still
+            cs.store(group="cache", name=name, node=cache_schema(cls))  # composes, at the kind's defaults
     for name, cls in ENGINES.items():
         cs.store(group="schema/engine", name=name, node=engine_schema(name, cls))
 
 
+CONF = Path(__file__).resolve().parents[2] / "conf"  # run.py's config folder
 AUTO_CONTEXTS = (32, 128, 512)
 PROMPT_LENGTHS = ("uniform", "ragged")
 ENGINE_NAMES = tuple(ENGINES)
