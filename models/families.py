@@ -36,7 +36,10 @@ def preset_config(name: str):
 
 
 def model_class(config) -> type[Decoder]:
-    """The decoder a config builds."""
+    """The decoder a config builds: its own class's (a family's config may extend another's)."""
+    for cls, cfg_cls in CONFIG_CLASSES.items():
+        if type(config) is cfg_cls:
+            return cls
     for cls, cfg_cls in CONFIG_CLASSES.items():
         if isinstance(config, cfg_cls):
             return cls

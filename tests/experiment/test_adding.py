@@ -65,3 +65,63 @@ def test_a_new_kind_is_one_module_and_runs_through_a_real_run(tmp_path, monkeypa
         repo = ConfigStore.instance().repo  # the nodes register() stored for it
         for group in (repo.get("cache", {}), repo.get("schema", {}).get("cache", {})):
             group.pop("mirror.yaml", None)
+
+
+FAMILY = '''
+from dataclasses import dataclass
+
+from models.gpt2 import GPT2, GPT2Config
+
+PRESETS = {"toy-mirror": dict(n_layer=2, n_head=2, n_embd=32, n_positions=128, vocab_size=512)}
+
+
+@dataclass
+class MirrorConfig(GPT2Config):
+    """GPT-2's geometry under a family of its own (a throwaway)."""
+
+    family = "mirror"
+
+    @classmethod
+    def preset(cls, name):
+        return cls(**PRESETS[name])
+
+
+class Mirror(GPT2):
+    """GPT-2's decoder under a family of its own."""
+'''
+
+
+def test_a_new_family_is_one_module_and_a_line_and_runs_through_a_real_run(tmp_path, monkeypatch):
+    """A family's module (its config and decoder) and its line in models/families.py: a run on its preset's random
+    init is measured like any other (the harness asks the config, never the family's name)."""
+    from models import families
+    from models.gpt2 import GPT2
+
+    path = tmp_path / "mirror_family.py"
+    path.write_text(textwrap.dedent(FAMILY))
+    spec = importlib.util.spec_from_file_location("mirror_family", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["mirror_family"] = module
+    try:
+        spec.loader.exec_module(module)
+        assert families.model_class(module.MirrorConfig.preset("toy-mirror")) is GPT2  # not yet a family
+        # the family's line in models/families.py
+        monkeypatch.setitem(families.CONFIG_CLASSES, module.Mirror, module.MirrorConfig)
+        monkeypatch.setitem(families.PRESETS, "toy-mirror", module.MirrorConfig)
+        register()
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+            cfg = compose(config_name="config", overrides=[
+                "model=tiny", "model.preset=toy-mirror", "model.name=toy-mirror", "model.weights=random",
+                "cache=prealloc", "n_prompts=2", "new_tokens=4", "prompt_len=4", "repeats=1", "warmup=0",
+                "context_lengths=[8]", "measurements=[equivalence,memory]", "tracking.mode=disabled",
+                "prompts=random"])
+        out = tmp_path / "run"
+        monkeypatch.setattr(runner, "_hydra_dirs", lambda: (out, "t", "run"))
+        rec = runner.run(cfg, progress=False)
+        assert rec["status"] == "ok", rec.get("error")
+        assert rec["model"] == "toy-mirror" and rec["model_family"] == "mirror"
+        assert (rec["n_layer"], rec["n_embd"]) == (2, 32)
+        assert families.model_class(module.MirrorConfig.preset("toy-mirror")) is module.Mirror
+        assert rec["tokens_identical"] is True and rec["nbytes_match"] is True
+    finally:
+        sys.modules.pop("mirror_family", None)
