@@ -88,11 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     stays = sum(1 for a, _, b, _ in run_layer if a == b)
     crossings = len(run_layer) - stays
     returns = sorted({(a, f, g) for a, f, b, g in run_layer if b == RUNNER and a != RUNNER})
+    own = sorted({(f, g) for a, f, b, g in run_layer if a == b == RUNNER})
+    steps = sorted({(f, b, g) for a, f, b, g in edges if a == RUNNER and b != RUNNER})
     climbs = sorted({(a, f, b, g) for a, f, b, g in edges if rank(b) > rank(a)})
     print(f"distinct calls between kvlab functions during one run: {len(edges)}; within the run layer "
           f"(harness/experiment/): {len(run_layer)}")
     print(f"run layer: {stays} stay in one module, {crossings} cross to another, {len(returns)} return to "
           f"{RUNNER}; calls that climb to a higher layer anywhere: {len(climbs)}")
+    print(f"{RUNNER}: {len(own)} calls within it, {len(steps)} calls out of it to the run's steps (each returns "
+          "to it)")
     for a, f, g in returns:
         print(f"  return: {a}.{f} -> runner.{g}")
     for a, f, b, g in climbs:
