@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 import torch
 
+from harness.core.inputs import behind
+
 
 DEPTH_SPAN = 8  # tokens of each span the depth view asks for (fewer where a bucket holds fewer)
 
@@ -104,8 +106,7 @@ def model_copy_accuracy(model, ids: torch.Tensor, n: int, k: int = 8, seed: int 
     passages of the text ``ids`` (``copy_sequences``)."""
     x = torch.cat(copy_sequences(ids, n, k, seed, after, contiguous))  # (k, after + 2n)
     lead = 0 if bos is None else 1
-    if lead:
-        x = torch.cat([torch.full((k, 1), bos, dtype=x.dtype), x], 1)
+    x = behind(x, bos)
     at = lead + after
     was_training = model.training
     model.eval()

@@ -1,7 +1,8 @@
 """What a run, training's evaluation and the probes feed a model, one home: prompts and texts from a prompts file
 (each paragraph a line, the file sized and checked before a byte is read), drift's disjoint texts drawn from across
 the file, the running text a server's workload draws from, random prompts, a served batch's lengths, and the
-first-token rule (``led``: a sequence of the same length starting with the token a model was trained to see first).
+first-token rule (``led``: a sequence of the same length starting with the token a model was trained to see first;
+``behind``: one token longer, as training's rows and the targets' probes put it).
 
     from harness.core.inputs import disjoint_texts, led, text_prompts
     texts = disjoint_texts(path, n=20, length=1024, tokenizer=tok, sep=first).texts   # (1, 1024) each
@@ -170,10 +171,17 @@ def served_stream(path: Path | None, need: int, tokenizer, vocab_size: int, seed
     return stream
 
 
+def behind(seq: torch.Tensor, first: int | None) -> torch.Tensor:
+    """``seq`` (any shape, tokens on the last axis) behind the token ``first``: one token longer, or ``seq`` itself
+    when there is none (training's and the targets' rule: a sequence gains the first token; a run's is ``led``)."""
+    if first is None:
+        return seq
+    return torch.cat([seq.new_full(seq.shape[:-1] + (1,), first), seq], -1)
+
+
 def led(seq: torch.Tensor, first: int) -> torch.Tensor:
     """``seq`` (1, L) or (L,) as the same number of tokens starting with ``first``: it, then seq's first L - 1."""
-    lead = seq.new_full(seq.shape[:-1] + (1,), first)
-    return torch.cat([lead, seq[..., :-1]], -1)
+    return behind(seq[..., :-1], first)
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[torch.Tensor]:

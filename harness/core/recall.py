@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from harness.core.copying import top1
+from harness.core.inputs import behind
 
 KEY, VALUE = 8, 8  # ids of a needle's (and a recall pair's) key and value
 
@@ -37,10 +38,9 @@ class Probe(NamedTuple):
 
 
 def _lead(seq: torch.Tensor, bos: int | None) -> tuple[torch.Tensor, int]:
-    """``seq`` behind the fixed first token ``bos`` (a model trained with one), and the shift it makes."""
-    if bos is None:
-        return seq, 0
-    return torch.cat([seq.new_full((1,), bos), seq]), 1
+    """``seq`` behind the fixed first token ``bos`` (a model trained with one: ``harness.core.inputs.behind``), and
+    the shift it makes."""
+    return behind(seq, bos), int(bos is not None)
 
 
 def _window(text: torch.Tensor, L: int, g: torch.Generator) -> torch.Tensor:

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from harness.core.inputs import behind
 from harness.train.recipe import FAR_SPAN_MAX, IGNORE, RECALL_KEY, RECALL_PAIRS, RECALL_VALUE, SPAN_MIN
 
 
@@ -192,5 +193,4 @@ def make_batch(stream: torch.Tensor, batch: int, seq_len: int, copy_share: float
 def with_bos(x: torch.Tensor, y: torch.Tensor, bos: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows (inputs, targets), each (rows, L), behind the fixed first token ``bos``: (rows, L + 1) each. The first
     token's own target (the row's first token, which nothing before it announces) is not trained on."""
-    first = torch.full((x.size(0), 1), bos, dtype=x.dtype)
-    return torch.cat([first, x], 1), torch.cat([torch.full_like(first, IGNORE), y], 1)
+    return behind(x, bos), behind(y, IGNORE)

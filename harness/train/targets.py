@@ -28,6 +28,7 @@ from harness.common.ownership import atomic_write
 from harness.common.stats import mean_interval
 from harness.core import recall
 from harness.core.copying import model_copy_accuracy, output_rows
+from harness.core.inputs import behind
 from harness.train.corpus import TrainingData, windows
 from harness.train.export import finished
 from harness.train.folder import check_recordable_folder
@@ -185,7 +186,7 @@ def chapters(held: torch.Tensor, least: int, most: int, bos: int | None) -> list
         doc, start = held[start:end], end + 1
         if len(doc) >= least:
             doc = doc[:most]
-            out.append((doc if bos is None else torch.cat([held.new_full((1,), bos), doc])).unsqueeze(0))
+            out.append(behind(doc, bos).unsqueeze(0))
     return out
 
 
