@@ -497,9 +497,10 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
     if s.get("far_share"):
         mix += (f"; {s['far_share']:.1%} of each batch's rows are retrieval rows, a third each: in KJV text windows a "
                 f"random span ({SPAN_MIN}..{FAR_SPAN_MAX} ids, log-uniform) shown twice at any distance (uniform), "
-                "or key-value pairs (8 + 8 random ids, up to 16) with some of the keys asked at the end; and rows of "
-                f"random ids with a span ({SPAN_MIN}..{FAR_SPAN_MAX}, uniform) shown twice in a row at a random "
-                "place (a copy deep in unpredictable context); only the second showing and the asked values targets")
+                "or key-value pairs (8 + 8 random ids, up to 16, one in a quarter of the rows) with some of the keys "
+                f"asked at the end; and rows of random ids with a span ({SPAN_MIN}..{FAR_SPAN_MAX}, uniform) shown "
+                "twice in a row at a random place (a copy deep in unpredictable context; in half of them the ids drawn "
+                "as the training text uses them); only the second showing and the asked values targets")
     if s.get("copy_phase"):
         offsets = s.get("copy_offsets")
         mix = (f"the first {s['copy_phase']:.0%} of the budget: every row random ids with one span of them shown twice "

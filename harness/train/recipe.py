@@ -69,6 +69,7 @@ FAR_SHARE = 0.0  # share of each batch's rows that are retrieval rows after the 
 #                  (rows.retrieval_split); 0 in the shipped models' recipe (issue 66 turns it on)
 FAR_SPAN_MAX = 128  # a far copy's span lengths are log-uniform in [SPAN_MIN, FAR_SPAN_MAX], a deep copy's uniform
 RECALL_PAIRS, RECALL_KEY, RECALL_VALUE = 16, 8, 8  # recall rows: up to 16 pairs of an 8-id key and an 8-id value
+NEEDLE_SHARE = 0.25  # of the recall rows, those that hold one pair (a needle) rather than 1..RECALL_PAIRS
 COPY_PHASE = 0.315  # share of the budget (from the start) whose rows are all twice_rows: the copy circuit forms first
 COPY_OFFSETS = 0.24  # from this share of the budget until the copy phase ends, twice rows read the position
 #                      embeddings from a random start, so the circuit trains at every position

@@ -16,13 +16,23 @@ import math
 import torch
 
 from harness.core.inputs import behind
-from harness.train.recipe import FAR_SPAN_MAX, IGNORE, RECALL_KEY, RECALL_PAIRS, RECALL_VALUE, SPAN_MIN
+from harness.train.recipe import FAR_SPAN_MAX, IGNORE, NEEDLE_SHARE, RECALL_KEY, RECALL_PAIRS, RECALL_VALUE, SPAN_MIN
 
 
 def span_ids(n_ids: int, skip: int, shape: tuple, gen: torch.Generator) -> torch.Tensor:
     """Random token ids, uniform over ``range(n_ids)`` without ``skip`` (the <|endoftext|> id)."""
     r = torch.randint(0, n_ids - 1, shape, generator=gen)
     return r + (r >= skip).long()
+
+
+def text_ids(stream: torch.Tensor, skip: int, n_ids: int, shape: tuple, gen: torch.Generator) -> torch.Tensor:
+    """Random token ids as the training text uses them: each the token at a random place of ``stream`` (so by its
+    frequency there), <|endoftext|> (``skip``) drawn again uniformly (``span_ids``)."""
+    ids = stream[torch.randint(0, len(stream), shape, generator=gen)]
+    eot = ids == skip
+    if bool(eot.any()):
+        ids[eot] = span_ids(n_ids, skip, (int(eot.sum()),), gen)
+    return ids
 
 
 def span_length(seq_len: int, span_min: int, gen: torch.Generator) -> int:
@@ -102,6 +112,24 @@ def twice_rows(rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Genera
     return xy[:, :-1].clone(), y
 
 
+def deep_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
+              span_max: int = FAR_SPAN_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """``twice_rows`` at full length (a span of SPAN_MIN..span_max shown twice in a row anywhere among random ids:
+    a copy deep in context nothing predicts), whose ids are, in each row with a coin's chance, drawn as the training
+    text uses them (``text_ids``: common words often, so the copy competes with what the words predict) rather
+    than uniformly. Only the second showing past its first id is a target. (inputs, targets)."""
+    x, y = twice_rows(rows, seq_len, n_ids, skip, gen, span_max=span_max)
+    for r in range(rows):
+        if float(torch.rand((), generator=gen)) < 0.5:
+            full = torch.cat([x[r], y[r, -1:].clamp(min=0)])  # the row's ids (the last past the inputs)
+            distinct, where = torch.unique(full, return_inverse=True)
+            relabelled = text_ids(stream, skip, n_ids, (len(distinct),), gen)[where]  # one id for one id: the copy
+            x[r] = relabelled[:-1]                                                   # stays a copy
+            keep = y[r] != IGNORE
+            y[r, keep] = relabelled[1:][keep]
+    return x, y
+
+
 def far_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
              span_min: int = SPAN_MIN, span_max: int = FAR_SPAN_MAX) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` KJV text windows, each with one random span shown twice, the two showings ``d`` ids of text apart,
@@ -124,6 +152,14 @@ def far_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: in
     return xy[:, :-1].clone(), y
 
 
+def recall_pairs(most: int, gen: torch.Generator) -> int:
+    """How many key-value pairs a recall row holds: one (a needle) with chance NEEDLE_SHARE, else uniform in
+    1 .. most."""
+    if float(torch.rand((), generator=gen)) < NEEDLE_SHARE:
+        return 1
+    return int(torch.randint(1, most + 1, (), generator=gen))
+
+
 def recall_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
                 most_pairs: int = RECALL_PAIRS, key: int = RECALL_KEY,
                 value: int = RECALL_VALUE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +173,7 @@ def recall_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip:
     hidden = torch.zeros(rows, seq_len, dtype=torch.bool)
     span = key + value
     for r in range(rows):
-        p = int(torch.randint(1, max(1, min(most_pairs, (seq_len + 1) // (2 * span))) + 1, (), generator=gen))
+        p = recall_pairs(max(1, min(most_pairs, (seq_len + 1) // (2 * span))), gen)
         q = int(torch.randint(1, p + 1, (), generator=gen))
         room = seq_len + 1 - q * span  # the row before its questions
         cuts = sorted(torch.randint(0, room - p * span + 1, (p,), generator=gen).tolist())
@@ -179,7 +215,7 @@ def make_batch(stream: torch.Tensor, batch: int, seq_len: int, copy_share: float
         if recall:
             parts.append(recall_rows(stream, recall, seq_len, n_ids, skip, gen))
         if deep:
-            parts.append(twice_rows(deep, seq_len, n_ids, skip, gen, span_max=FAR_SPAN_MAX))
+            parts.append(deep_rows(stream, deep, seq_len, n_ids, skip, gen))
         x, y = torch.cat([p[0] for p in parts] + [x]), torch.cat([p[1] for p in parts] + [y])
     if n_copy - n_placed:
         cx, cy = copy_rows(n_copy - n_placed, seq_len, n_ids, skip, gen, span_min)

@@ -391,6 +391,34 @@ def test_a_batchs_retrieval_rows_are_a_third_each_and_its_deep_copies_sit_in_ran
                                                               range(64))) < 200  # long spans, early and late
 
 
+def test_deep_rows_copy_ids_drawn_uniformly_or_as_the_text_uses_them():
+    """A deep row is a twice row at full length; in about half of them its ids are relabelled, one for one, by ids
+    drawn from the training stream by frequency (common ids often), so the second showing still copies the first and
+    only it is a target."""
+    stream = torch.cat([torch.full((900,), 5), torch.arange(4, 104)])  # id 5: 90% of the text
+    x, y = rows.deep_rows(stream, 64, 256, n_ids=200, skip=3, gen=torch.Generator().manual_seed(6))
+    common = 0
+    for r in range(64):
+        t = (y[r] != R.IGNORE).nonzero()[:, 0]
+        n = len(t) + 1
+        full = torch.cat([x[r], y[r, -1:].clamp(min=0)])  # the row's ids, the last one past the inputs
+        last = int(t[0]) - 1  # the first showing's last id
+        assert R.SPAN_MIN <= n and torch.equal(full[last - n + 1:last + 1], full[last + 1:last + n + 1])
+        assert torch.equal(y[r, t], full[t + 1]) and not bool((x[r] == 3).any())  # never <|endoftext|>
+        common += float((x[r] == 5).float().mean()) > 0.5
+    assert 16 <= common <= 48  # a coin per row: the text's own frequencies in about half
+
+
+def test_a_quarter_of_the_recall_rows_are_needles():
+    """recall_pairs: one pair with chance NEEDLE_SHARE, else uniform in 1 .. most (one again 1 / most of those)."""
+    gen = torch.Generator().manual_seed(8)
+    draws = [rows.recall_pairs(16, gen) for _ in range(4000)]
+    ones = draws.count(1) / len(draws)
+    want = R.NEEDLE_SHARE + (1 - R.NEEDLE_SHARE) / 16
+    assert abs(ones - want) < 4 * (want * (1 - want) / len(draws)) ** 0.5
+    assert set(draws) == set(range(1, 17))
+
+
 def test_recall_rows_plant_pairs_and_ask_some_of_them_at_the_end():
     """A recall row is a text window with P key-value pairs (8 + 8 random ids) and Q <= P of them asked at the end,
     each key then its value: only the asked values are targets among the planted ids; P and Q vary, P = 1 (a needle)
@@ -405,9 +433,15 @@ def test_recall_rows_plant_pairs_and_ask_some_of_them_at_the_end():
         tail = int(planted[-1]) + 1 == len(full)
         assert tail  # the questions end the row
         q_start = len(full) - 16 * ((len(full) - int((full[:-1] >= 100).nonzero().flatten()[-1]) - 1) // 16)
+
+        def pairs(ids):
+            return {tuple(ids[i:i + 16].tolist()) for i in range(len(ids) - 15) if (ids[i:i + 16] < 10).all()}
+
+        while tuple(full[q_start:q_start + 16].tolist()) not in pairs(full[:q_start]):
+            q_start += 16  # a pair planted right before the questions reads as one of them: it is the context's
         asked = full[q_start:].view(-1, 16)
         context = full[:q_start]
-        kv = {tuple(context[i:i + 16].tolist()) for i in range(len(context) - 15) if (context[i:i + 16] < 10).all()}
+        kv = pairs(context)
         assert all(tuple(a.tolist()) in kv for a in asked)  # every question is a planted pair
         values = torch.zeros(len(row_y), dtype=torch.bool)
         for j in range(len(asked)):  # each asked value, predicted from its key's last id onwards
@@ -421,7 +455,8 @@ def test_recall_rows_plant_pairs_and_ask_some_of_them_at_the_end():
         counts.add((int((context < 10).sum()) // 16, len(asked)))
     assert {p for p, _ in counts} >= {1, 4} and any(q < p for p, q in counts)
     xb, _ = rows.make_batch(stream, 8, 256, 0.25, n_ids=10, skip=3, gen=gen, far_share=0.5)
-    assert ((xb < 10).any(1)).sum() == 2 + 4  # two copy rows, four retrieval rows (two far, two recall)
+    planted = int(((xb < 10).any(1)).sum())  # two copy rows, four retrieval rows (two far, a recall, a deep copy)
+    assert planted in (5, 6)  # the deep copy's ids are the text's own (>= 100 here) in half the batches
 
 
 def test_twice_rows_show_one_span_twice_among_random_ids_and_train_only_its_second_showing():
