@@ -154,14 +154,16 @@ class Measurement:
         """The phases of the run's peak bytes this measurement makes, from the run's ``Shape`` ``s`` and its
         options (``harness.experiment.memory.run_bytes`` adds the weights and takes the largest): (phase, bytes of
         the caches alive in it, bytes of its other tensors), each phase freed before the next measurement. Two
-        measurements that share a phase give it the same name (it counts once)."""
-        return []
+        measurements that share a phase give it the same name (it counts once): every one that reads the run's
+        generations has theirs (``generation_phase``) unless it says otherwise."""
+        return [generation_phase(s)] if cls.reads_generations else []
 
     @classmethod
     def fills(cls, s, opts) -> list[tuple[str, int, int]]:
         """Every cache it builds, from the run's ``Shape`` and its options: (what builds it, sequences, the most
-        tokens written), for the kind's ``check_fills`` (a pool that cannot hold one is refused before a run)."""
-        return []
+        tokens written), for the kind's ``check_fills`` (a pool that cannot hold one is refused before a run); the
+        run's generations' cache for one that reads them."""
+        return [("the cached generation", 1, s.prompt_len + s.new_tokens - 1)] if cls.reads_generations else []
 
     def skip(self) -> str | None:
         """Why this measurement does not apply to the run (None: it does)."""
@@ -198,6 +200,18 @@ class Measurement:
     @classmethod
     def keys(cls) -> list[str]:
         return [f.name for f in cls.fields()]
+
+
+def generation_phase(s) -> tuple[str, int, int]:
+    """The generation checks (batch 1, T = prompt_len + new_tokens, n = new_tokens), the phase of every measurement
+    that reads the run's generations (made once for all): the generation's cache and the fp32 reference's; the
+    teacher-forced forward's full logits (T, V) in fp32 and the logit statistics over n steps (6 (n, V) fp32
+    tensors, 5 float64 ones for the KL)."""
+    from harness.core.sizes import F32, F64
+
+    T, n, V = s.prompt_len + s.new_tokens, s.new_tokens, s.model.vocab_size
+    return ("generation", s.cache_at(1, T, cap=T) + s.ref_cache(T),
+            s.forward(1, T, T, F32) + n * V * (6 * F32 + 5 * F64))
 
 
 MEASUREMENTS: dict[str, type[Measurement]] = {}

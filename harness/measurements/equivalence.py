@@ -13,13 +13,6 @@ class Equivalence(Measurement):
     about = "cached greedy tokens and logits against the kind's uncached reference (teacher-forced + full loop)"
     reads_generations = True
     stage = "equivalence and drift"
-    @classmethod
-    def memory(cls, s, opts):
-        return [generation_phase(s)]
-
-    @classmethod
-    def fills(cls, s, opts):
-        return [("the cached generation", 1, s.prompt_len + s.new_tokens - 1)]
 
     @dataclass(frozen=True)
     class Options:
@@ -127,14 +120,3 @@ def _per_step(drift, columns) -> list[tuple[str, int, dict]]:
         if vals:
             rows.append(("decode_step", int(row["step"]), vals))
     return rows
-
-
-def generation_phase(s) -> tuple[str, int, int]:
-    """The generation checks (batch 1, T = prompt_len + new_tokens, n = new_tokens), equivalence's and
-    generation_drift's one phase: the generation's cache and the fp32 reference's; the teacher-forced forward's full
-    logits (T, V) in fp32 and the logit statistics over n steps (6 (n, V) fp32 tensors, 5 float64 ones for the KL)."""
-    from harness.core.sizes import F32, F64
-
-    T, n, V = s.prompt_len + s.new_tokens, s.new_tokens, s.model.vocab_size
-    return ("generation", s.cache_at(1, T, cap=T) + s.ref_cache(T),
-            s.forward(1, T, T, F32) + n * V * (6 * F32 + 5 * F64))

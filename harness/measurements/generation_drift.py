@@ -16,15 +16,6 @@ class GenerationDrift(Measurement):
     about = "the cached generations' logits and tokens against fp32 full attention (reduced precision, lossy kinds)"
     reads_generations = True
     stage = "equivalence and drift"
-    @classmethod
-    def memory(cls, s, opts):
-        from harness.measurements.equivalence import generation_phase
-
-        return [generation_phase(s)]
-
-    @classmethod
-    def fills(cls, s, opts):
-        return [("the cached generation", 1, s.prompt_len + s.new_tokens - 1)]
 
     @dataclass(frozen=True)
     class Result:
