@@ -61,8 +61,27 @@ def read_record(path: Path) -> tuple[dict | None, str | None]:
     bad = [k for k, v in record.items() if isinstance(v, (list, dict))]
     if bad:
         return None, f"{RESULTS} is not a kvlab record ({_text(bad[0])!r} holds a {type(record[bad[0]]).__name__})"
+    if "cache_full_attention" not in record:  # written before the kind's facts were recorded: worked out now
+        record.update(kind_facts(record))
     # text that cannot be written as UTF-8 (a JSON "\\udcff"): shown escaped, so tables and pages can hold it
     return {_text(k): _text(v) if isinstance(v, str) else v for k, v in record.items()}, None
+
+
+def kind_facts(record: dict) -> dict:
+    """What a run records of its kind (``cache_full_attention``, ``cache_implied``), worked out from a record written
+    before it did: its kind and its ``cache_<option>`` keys, asked of the kind's class (the engine's registry, read
+    only here). {} for a kind kvlab no longer has."""
+    from harness.experiment.describe import cache_record
+    from harness.experiment.plan import CacheChoice
+    from models.kv_cache import CACHE_KINDS
+
+    cls = CACHE_KINDS.get(record.get("cache"))
+    if cls is None:
+        return {}
+    options = {name: record[f"cache_{name}"] for name in cls.option_types()
+               if record.get(f"cache_{name}") is not None}
+    facts = cache_record(CacheChoice(record["cache"], options))
+    return {k: facts[k] for k in ("cache_full_attention", "cache_implied") if k in facts}
 
 
 def of_invocations(record: dict) -> list[str]:

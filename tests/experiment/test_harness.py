@@ -446,6 +446,12 @@ def test_the_record_says_of_each_kind_what_its_class_says():
     assert cache_record(CacheChoice("window", {"sinks": 4}))["cache_implied"] == "sinks"  # the default
     assert cache_record(CacheChoice("prealloc", {}))["cache_full_attention"] is True
     assert cache_record(CacheChoice("lru", {}))["cache_full_attention"] is None  # no such kind: the run fails on it
+    # a record written before these keys: read back, it gets them from its kind and options
+    from harness.experiment.records import kind_facts
+
+    old = {"cache": "window", "cache_budget": 64, "cache_sinks": 8, "cache_window": 56}
+    assert kind_facts(old) == {"cache_full_attention": False, "cache_implied": "window"}
+    assert kind_facts({"cache": "prealloc"})["cache_full_attention"] is True and kind_facts({"cache": "lru"}) == {}
 
 
 def test_the_cost_model_recovers_known_coefficients():
