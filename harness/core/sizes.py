@@ -121,12 +121,19 @@ class Shape:
         return param_count(self.model)
 
     @property
+    def spec(self):
+        """The run's cache as the measurements build it (``harness.core.measure.CacheSpec``: its class, options)."""
+        from harness.core.measure import CacheSpec
+
+        return CacheSpec(self.kind, dict(self.options))
+
+    @property
     def cls(self):
-        return cache_kind(self.kind)
+        return self.spec.cls
 
     @property
     def opts(self):
-        return self.cls.parse_options(**self.options)
+        return self.spec.opts
 
     @property
     def reduced(self) -> bool:

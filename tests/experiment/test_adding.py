@@ -16,6 +16,17 @@ from harness.experiment.config import register
 from models.kv_cache import CACHE_KINDS
 from tests.helpers import REPO
 
+def _module(folder, name: str, source: str):
+    """``source`` written to ``folder/name.py`` and imported as module ``name`` (a temporary module of the test's)."""
+    path = folder / f"{name}.py"
+    path.write_text(textwrap.dedent(source))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 KIND = '''
 from dataclasses import dataclass
 
@@ -38,13 +49,8 @@ class MirrorKVCache(PreallocKVCache):
 
 
 def test_a_new_kind_is_one_module_and_runs_through_a_real_run(tmp_path, monkeypatch):
-    path = tmp_path / "mirror_kind.py"
-    path.write_text(textwrap.dedent(KIND))
-    spec = importlib.util.spec_from_file_location("mirror_kind", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["mirror_kind"] = module
     try:
-        spec.loader.exec_module(module)
+        _module(tmp_path, "mirror_kind", KIND)
         assert "mirror" in CACHE_KINDS and not (REPO / "conf" / "cache" / "mirror.yaml").exists()
         register()
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -97,13 +103,8 @@ def test_a_new_family_is_one_module_and_a_line_and_runs_through_a_real_run(tmp_p
     from models import families
     from models.gpt2 import GPT2
 
-    path = tmp_path / "mirror_family.py"
-    path.write_text(textwrap.dedent(FAMILY))
-    spec = importlib.util.spec_from_file_location("mirror_family", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["mirror_family"] = module
     try:
-        spec.loader.exec_module(module)
+        module = _module(tmp_path, "mirror_family", FAMILY)
         assert families.model_class(module.MirrorConfig.preset("toy-mirror")) is GPT2  # not yet a family
         # the family's line in models/families.py
         monkeypatch.setitem(families.CONFIG_CLASSES, module.Mirror, module.MirrorConfig)
