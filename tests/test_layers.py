@@ -258,3 +258,14 @@ def test_the_run_layer_names_no_measurement():
     caught = measurement_names_in("from harness.measurements.server import serve_options\n"
                                   "def check_server(rc):\n    return 'retrieval' in rc.text_drift_len\n", names)
     assert {i for _, i in caught} == {"'retrieval'", "check_server", "server", "text_drift_len"}
+
+
+def hydra_state_readers(root: Path) -> set[str]:
+    """The modules under ``root`` that read Hydra's global state (its ``HydraConfig`` singleton)."""
+    return {str(p.relative_to(REPO)) for p in sorted(root.rglob("*.py")) if "HydraConfig" in p.read_text()}
+
+
+def test_hydra_is_read_at_the_door_only():
+    """The plan is read once: the run's door (harness/experiment/runner.py) reads Hydra's global state into the
+    RunConfig and a HydraJob; nothing after it (the plan, the folder's checks, the measurements) reads it again."""
+    assert hydra_state_readers(REPO / "harness") == {"harness/experiment/runner.py"}

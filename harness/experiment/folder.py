@@ -215,23 +215,19 @@ def input_ids(prompts_path: Path | None, seed: int, w: Weights | None, files: li
     return dict(inputs_prompts=prompts, inputs_checkpoint=ckpt, inputs_trace=traced, inputs_code=code)
 
 
-def _misplaced(run_dir: Path) -> str | None:
+def _misplaced(run_dir: Path, sweep_at: tuple[str, str] | None) -> str | None:
     """Why a run may not go into ``run_dir`` at all (None: it may): a sweep's run outside its sweep folder (its report
     and exit code would look in the wrong place), or a folder inside another run's folder (that run could no longer
-    be resumed or cleared)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
+    be resumed or cleared). ``sweep_at``: the sweep's folder and subdir pattern, as the door read them (None: not a
+    sweep)."""
     from harness.experiment.records import within_report_folder, within_run_folder
 
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        sweep = ownership.resolved(HydraConfig.get().sweep.dir)
-        here = ownership.resolved(run_dir)
-        subdir = HydraConfig.get().sweep.subdir
+    if sweep_at is not None:
+        sweep_dir, subdir = sweep_at
+        sweep, here = ownership.resolved(sweep_dir), ownership.resolved(run_dir)
         if here == sweep or sweep not in here.parents:
             return (f"hydra.sweep.subdir={subdir} puts this run in {run_dir}, not inside the sweep folder "
-                    f"{HydraConfig.get().sweep.dir}: give a subdir inside it (the default names each run by its "
-                    "config)")
+                    f"{sweep_dir}: give a subdir inside it (the default names each run by its config)")
         if here == sweep / "report" or sweep / "report" in here.parents:
             return (f"hydra.sweep.subdir={subdir} puts this run in the sweep's report folder ({run_dir}), where no "
                     "report would see it: give another subdir (the default names each run by its config)")

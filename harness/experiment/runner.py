@@ -73,10 +73,12 @@ def _hydra_dirs() -> tuple[Path, str, str]:
 @dataclass(frozen=True)
 class HydraJob:
     """What a run keeps of Hydra's side, read at the door: the job's ``.hydra/`` files (file name -> text: its
-    config, Hydra's, the overrides) and the command line's overrides (the W&B run's notes)."""
+    config, Hydra's, the overrides), the command line's overrides (the W&B run's notes) and, in a sweep, its folder
+    and the subdir pattern that placed this run (None for a single run)."""
 
     files: dict
     notes: str
+    sweep: tuple[str, str] | None = None
 
 
 def hydra_job(cfg: DictConfig) -> HydraJob:
@@ -84,12 +86,16 @@ def hydra_job(cfg: DictConfig) -> HydraJob:
     its own: Hydra's own writing of them is off, conf/config.yaml)."""
     from hydra.core.hydra_config import HydraConfig
 
-    files = {"config.yaml": OmegaConf.to_yaml(cfg)}
+    from hydra.types import RunMode
+
+    files, sweep = {"config.yaml": OmegaConf.to_yaml(cfg)}, None
     if HydraConfig.initialized():
         hc = HydraConfig.get()
         files["hydra.yaml"] = OmegaConf.to_yaml(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}))
         files["overrides.yaml"] = OmegaConf.to_yaml(OmegaConf.create(list(hc.overrides.task)))
-    return HydraJob(files, hydra_overrides())
+        if hc.mode == RunMode.MULTIRUN:
+            sweep = (str(hc.sweep.dir), str(hc.sweep.subdir))
+    return HydraJob(files, hydra_overrides(), sweep)
 
 
 def run(cfg: DictConfig, progress: bool = True) -> dict:
@@ -126,7 +132,7 @@ def _run(rc: RunConfig, job: HydraJob, run_dir: Path, folder: str, name: str, pr
     group = rc.tracking.group or default_group(rc.experiment, folder)
     ident, inv = rc.config_id, invocation()
     note_started(run_dir)
-    misplaced = _misplaced(run_dir)
+    misplaced = _misplaced(run_dir, job.sweep)
     if misplaced:
         return _refuse(run_dir, name, misplaced)
     try:
