@@ -2,6 +2,7 @@
 sentence per swept axis with each value's median, what contradicts a kind's promise, and the paper presets' claims
 with the direction worked out from the numbers given here."""
 
+import functools
 import math
 import re
 import zlib
@@ -527,6 +528,12 @@ def test_runs_that_are_not_ok_are_never_read_as_findings(status):
 
 
 def preset_grid(preset: str, *overrides: str) -> pd.DataFrame:
+    """A copy of ``_preset_grid``'s frame (composed once per worker: each point is a Hydra composition)."""
+    return _preset_grid(preset, *overrides).copy()
+
+
+@functools.lru_cache(maxsize=None)
+def _preset_grid(preset: str, *overrides: str) -> pd.DataFrame:
     """The runs ``python run.py experiment=<preset> <overrides>`` makes, as results rows: each point of its grid
     composed as run.py composes it and recorded as a run records its setting (the cache options resolved, the dtype
     label, the weights' kind, the texts and copies cut to max_len), and made-up numbers for every key a claim reads."""
@@ -567,6 +574,7 @@ def preset_grid(preset: str, *overrides: str) -> pd.DataFrame:
     return frame(*rows)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(papers.PAPERS))
 def test_every_claim_finds_its_runs_in_its_presets_grid(preset):
     """What each preset sweeps is what its claims read, of the setting they are about: composed from conf/, no
@@ -587,6 +595,7 @@ def _other(key: str, value):
     return col, value + 1 if isinstance(value, int) else f"not-{value}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(papers.PAPERS))
 def test_every_setting_a_claim_states_is_checked_against_its_runs(preset):  # verdict-setting-mismatch, kivi-short-text
     """For every claim of every preset and every setting it is about (kind, bits, group size, axes, rotation,
@@ -617,6 +626,7 @@ def test_every_setting_a_claim_states_is_checked_against_its_runs(preset):  # ve
                    f"{papers.setting_value(key, value)}" in got.not_judged
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset, overrides, named", [
     ("paper_kivi", ["model=tiny", "cache.group_size=8", "cache.rotate=hadamard"],
      ["cache.group_size 8, the claim is about 32", "cache.rotate hadamard, the claim is about none",

@@ -160,6 +160,7 @@ def _one_line(stderr: bytes) -> str:
 
 # ---- report-out-foreign-files ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_users_files_in_out_survive_byte_for_byte(sweep, tmp_path):
     out = tmp_path / "mine"
     (out / "wandb").mkdir(parents=True)

@@ -20,6 +20,7 @@ from harness.core.engines import KvlabEngine
 from models.families import build, preset_config
 from models.gpt2 import GPT2, GPT2Config
 from tests.helpers import run_py
+from tests.helpers.inproc import run_here
 
 # the bad inputs and faults of this file that docs/faults.md's table lists
 CASES = [
@@ -148,12 +149,11 @@ def test_quantised_types_move_the_logits_in_the_order_of_their_bits(tmp_path, mo
     assert 0 < err["q8_0"] < err["q5_0"] < err["q4_0"]
 
 
-@pytest.mark.parametrize("args, why", [
+REFUSED = [
     (["cache=window"], "engine=llamacpp cache=window: llama.cpp has no window cache"),
     (["cache=concat"], "llama.cpp has no concat cache: its one layout is a K/V buffer allocated up front"),
     (["engine.type_k=q3_k"], "engine.type_k=q3_k: llama.cpp stores K/V as auto (the dtype.storage) or one of f32"),
     (["engine.type_v=q8_0", "model=tiny-gqa"], "engine.type_v=q8_0 quantises blocks of 32 values: the head size 16"),
-    ([], None),
     (["dtype=bf16"], "dtype.storage=bf16 has no llama.cpp type"),
     (["model=qwen2.5-0.5b", "model.weights=random"], "no GGUF conversion for model_type 'qwen2' here"),
     (["engine.rotate=hadamard"], "engine.rotate='hadamard': give auto (llama.cpp's Hadamard rotation"),
@@ -163,23 +163,39 @@ def test_quantised_types_move_the_logits_in_the_order_of_their_bits(tmp_path, mo
      "give llama.cpp's rotation once: under cache=quant it is cache.rotate"),
     (["model=tiny-gqa", "cache=quant", "cache.scheme=symmetric", "cache.k_axis=token", "cache.group_size=16",
       "cache.rotate=hadamard"], "cache.group_size=16 (give 32)"),
-])
-def test_what_it_cannot_run_is_refused_in_one_line(tmp_path, args, why):
-    small = ["model=tiny", "engine=llamacpp", "n_prompts=1", "new_tokens=4", "prompt_len=4", "repeats=1", "warmup=0",
-             "context_lengths=[8]", "max_len=32", "tracking=disabled", "measurements=[equivalence]",
-             f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = run_py([*small, *args], tmp_path, extra_env={L.GGUF_CACHE_ENV: str(tmp_path / "gguf")})
+]
+LLAMACPP_SMALL = ["model=tiny", "engine=llamacpp", "n_prompts=1", "new_tokens=4", "prompt_len=4", "repeats=1",
+                  "warmup=0", "context_lengths=[8]", "max_len=32", "tracking=disabled", "measurements=[equivalence]"]
+
+
+@pytest.mark.parametrize("args, why", REFUSED)
+def test_what_it_cannot_run_is_refused_in_one_line(tmp_path, monkeypatch, capsys, args, why):
+    """Each refusal through the run's door in this process (tests.helpers.inproc): one line naming what was wrong,
+    recorded as the run's error, nothing measured."""
+    monkeypatch.setenv(L.GGUF_CACHE_ENV, str(tmp_path / "gguf"))
+    got = run_here(monkeypatch, [*LLAMACPP_SMALL, *args], tmp_path / "run")
+    err = capsys.readouterr().err
+    assert got["status"] == "failed" and why in got["error"]
+    line = next(ln for ln in err.splitlines() if why in ln)
+    assert "Traceback" not in err and line.startswith("kvlab")
+    rec = json.loads((tmp_path / "run" / "results.json").read_text())  # the refusal recorded, nothing measured
+    assert rec["status"] != "ok" and why in rec["error"] and "tokens_identical" not in rec
+
+
+@pytest.mark.parametrize("args, why", [pytest.param(*REFUSED[0], id="refused"),
+                                       pytest.param([], None, id="runs", marks=pytest.mark.slow)])
+def test_run_py_on_llamacpp_exits_by_what_it_ran(tmp_path, args, why):
+    """Through ``python run.py``: a refusal is one line and a non-zero exit; a run it can make is ok, exact."""
+    proc = run_py([*LLAMACPP_SMALL, *args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path,
+                  extra_env={L.GGUF_CACHE_ENV: str(tmp_path / "gguf")})
+    rec = json.loads((tmp_path / "run" / "results.json").read_text())
     if why is None:
         assert proc.returncode == 0, proc.stderr[-2000:]
-        rec = json.loads((tmp_path / "run" / "results.json").read_text())
         assert rec["status"] == "ok" and rec["engine"] == "llamacpp" and rec["tokens_identical"] is True
         assert rec["engine_rotation"] == "none"  # nothing quantised: nothing rotated
         return
-    assert proc.returncode != 0
-    line = next(ln for ln in proc.stderr.splitlines() if why in ln)
-    assert "Traceback" not in proc.stderr and line.startswith("kvlab")
-    rec = json.loads((tmp_path / "run" / "results.json").read_text())  # the refusal recorded, nothing measured
-    assert rec["status"] != "ok" and why in rec["error"] and "tokens_identical" not in rec
+    assert proc.returncode != 0 and rec["status"] != "ok" and "Traceback" not in proc.stderr
+    assert next(ln for ln in proc.stderr.splitlines() if why in ln).startswith("kvlab")
 
 
 @pytest.mark.parametrize("opts, types", [

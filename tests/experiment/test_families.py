@@ -208,6 +208,7 @@ def test_a_checkpoint_of_another_family_than_the_preset_is_refused_naming_both(t
     assert model_config(weights.resolve(ok), ok).n_kv_head == 2
 
 
+@pytest.mark.slow
 def test_a_checkpoint_trained_with_a_first_token_gets_it_in_front_of_every_sequence(tmp_path):
     """config.json's kvlab_bos: every prompt, text and retrieval sequence of a run starts with bos_token_id (the
     sequence keeps its length), recorded as first_token; a checkpoint without it gets none; a bad flag is one line."""

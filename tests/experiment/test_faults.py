@@ -22,6 +22,7 @@ from models.gpt2 import GPT2, CheckpointError
 from models.kv_cache import kv_bytes, make_cache
 from models.tokenizer import Tokenizer
 from tests.helpers import NO_REPORT, QUICK, REPO, TINY, case_ids, run_py
+from tests.helpers.inproc import run_here
 from tests.helpers.checkpoints import edit_config, edit_weights, hf_checkpoint, nan_weight
 
 # ---- config values: refused before any work -------------------------------------------------------------------
@@ -317,16 +318,16 @@ PROMPTS = [
 
 
 @pytest.mark.parametrize("case,content,message", PROMPTS, ids=[c[0] for c in PROMPTS])
-def test_prompts_file_faults(tmp_path, case, content, message):
+def test_prompts_file_faults(tmp_path, monkeypatch, capsys, case, content, message):
     path = tmp_path / "prompts.txt"
     if content == "folder":
         path.mkdir()
     elif content is not None:
         path.write_bytes(content)
-    if case == "prompts-missing":  # checked in the run, before tokenizing
-        proc = run_py([*TINY, f"prompts_file={path}", "tracking=disabled", f"hydra.run.dir={tmp_path / 'r'}"],
-                      tmp_path)
-        assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr
+    if case == "prompts-missing":  # checked in the run, before tokenizing (the run's door, in this process)
+        got = run_here(monkeypatch, [*TINY, f"prompts_file={path}", "tracking=disabled"], tmp_path / "r")
+        err = capsys.readouterr().err
+        assert got["status"] == "failed" and message in err and "Traceback" not in err
         return
     with pytest.raises(ConfigError, match=message):
         text_prompts(path, 2, 8, Tokenizer())
@@ -509,23 +510,22 @@ OTHER = ["run-refused-config", "run-nan-weights", "run-non-finite-while-running"
          "run-write-error", "hub-unreachable", "model-checkpoint-missing", "prompts-too-short"]
 
 
-def test_a_prompts_file_too_short_for_disjoint_drift_texts_is_one_line(tmp_path):  # prompts-too-short
+def test_a_prompts_file_too_short_for_disjoint_drift_texts_is_one_line(tmp_path, monkeypatch, capsys):  # prompts-too-short
     """Drift scores n_prompts texts that share no token: a file that cannot hold them fails the run in one line
     that says what would fit (the generation prompts alone may wrap around a short file)."""
     path = tmp_path / "short.txt"
     path.write_text("A short file of a single line.\n")
     out = tmp_path / "run"
-    proc = run_py([*TINY, f"prompts_file={path}", "dtype=fp16", "tracking=disabled", f"hydra.run.dir={out}"], tmp_path)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    got = run_here(monkeypatch, [*TINY, f"prompts_file={path}", "dtype=fp16", "tracking=disabled"], out)
+    assert got["status"] == "failed" and "Traceback" not in capsys.readouterr().err
     err = json.loads((out / "results.json").read_text())["error"]
     assert "holds 9 tokens, and 2 disjoint texts of 128 tokens" in err and "need 256" in err, err
 
 
-def test_a_missing_checkpoint_says_how_to_build_it(tmp_path):
+def test_a_missing_checkpoint_says_how_to_build_it(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
-    proc = run_py(["model=mini", f"model.weights={tmp_path / 'no-mini'}", "tracking=disabled",
-                   f"hydra.run.dir={out}"], tmp_path)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    got = run_here(monkeypatch, ["model=mini", f"model.weights={tmp_path / 'no-mini'}", "tracking=disabled"], out)
+    assert got["status"] == "failed" and "Traceback" not in capsys.readouterr().err
     err = json.loads((out / "results.json").read_text())["error"]
     assert "needs its checkpoint folder" in err and "python -m harness.train --out models/weights/mini" in err
 

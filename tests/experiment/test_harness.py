@@ -89,6 +89,7 @@ def test_every_group_combination_composes_and_validates():
     assert all(seen[g] == set(turns[g]) for g in seen)
 
 
+@pytest.mark.slow
 def test_experiment_serving_composes_every_kind_rate_and_seed_and_its_budget_serves_each_kind():
     """experiment=serving: on the mini, every swept kind, rate and seed composes, validates and passes the server's
     own check (the kind can serve; the K/V budget holds its longest request), before anything is built."""

@@ -100,6 +100,7 @@ def test_bench_batch_is_bounded_before_anything_is_built(no_model, capsys):  # b
     assert "--batch 65,537 is beyond" in refused(["--kinds", "--batch", "65537"], capsys)
 
 
+@pytest.mark.slow
 def test_bench_batch_as_a_script_is_one_line_exit_2():  # bench-batch-bound
     p = subprocess.run([sys.executable, "-m", "harness.bench", "--batch", "100000000"], cwd=REPO, capture_output=True,
                        text=True, timeout=120)
@@ -391,6 +392,7 @@ def test_a_bad_flag_of_run_py_is_one_line(tmp_path, argv, says):  # run-bad-flag
 
 # ---- scripts -------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_gpu_check_runs_from_a_python_without_torch(tmp_path):  # scripts-without-venv
     """`scripts/gpu-check --help` with the first python3 on PATH (the system's, which may lack torch) and no
     virtualenv active: it runs, with the repo's .venv if that python lacks torch."""

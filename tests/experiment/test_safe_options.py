@@ -140,6 +140,7 @@ def test_every_option_hf_quant_runs_with_changes_what_it_computes(tiny_model):
         assert got[1] != ref[1] or not torch.equal(got[0], ref[0]), change
 
 
+@pytest.mark.slow
 def test_engine_hf_cache_quant_from_the_command_line(tmp_path):
     out = tmp_path / "run"
     proc = run_py([*TINY, "engine=hf", "cache=quant", "tracking=disabled", f"hydra.run.dir={out}"], tmp_path)
@@ -294,6 +295,7 @@ def _old_id(cfg):
     return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+@pytest.mark.slow
 def test_list_order_does_not_change_a_runs_identity():
     ids = {config_id(compose_cfg([f"measurements={m}", f"context_lengths={c}"]))
            for m in ("[equivalence,memory,step_time]", "[step_time,memory,equivalence]",

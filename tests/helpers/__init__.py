@@ -3,7 +3,8 @@ tiny run every run.py test makes (and its quicker forms), running run.py offline
 test file's ``CASES``.
 The modules beside this one hold what tests of one kind share: ``caches`` (the model layer's cache kinds and
 prompts), ``checkpoints`` (tiny HF checkpoints and faults in them), ``fake_hub`` (a stand-in HF hub),
-``wandb_runs`` (reading an offline W&B run) and ``house`` (the project's import graph). A test file imports what it
+``wandb_runs`` (reading an offline W&B run), ``inproc`` (a run through the door in the test's own process) and
+``house`` (the project's import graph). A test file imports what it
 shares from here, never from another test file (tests/test_house.py checks)."""
 
 from __future__ import annotations

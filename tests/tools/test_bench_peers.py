@@ -14,6 +14,7 @@ from harness.tools import bench_peers
 from harness.tools.bench import main
 
 
+@pytest.mark.slow
 def test_peers_times_every_engine_for_every_dtype_batch_and_depth(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv(L.GGUF_CACHE_ENV, str(tmp_path))
     results = main(["--model", "tiny", "--peers", "--contexts", "24", "--repeats", "2", "--warmup", "0"])

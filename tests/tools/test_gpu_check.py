@@ -62,6 +62,7 @@ def test_without_cuda_it_says_so_unless_asked_for_the_plan(capsys):
     assert e.value.code == 2 and "sees no CUDA device here" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_measured_rows_make_the_table_and_the_targets(monkeypatch):
     """measure_model on the CPU (tiny, as gpt2-xl's stand-in): every planned row measured, ratios against eager
     prealloc, and the targets computed from the rows' own figures."""

@@ -228,6 +228,7 @@ def test_bad_input_exits_2_with_one_line(argv, says, tmp_path, write, capsys):
     assert err.count("\n") == 1 and says in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_module_runs_as_a_script():
     ok = subprocess.run([sys.executable, "-m", "harness.kvcalc", "gpt2"], capture_output=True, text=True,
                         check=False)

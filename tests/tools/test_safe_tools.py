@@ -304,6 +304,7 @@ def test_each_stop_signal_saves_the_step_it_lands_in(tmp_path, monkeypatch, sign
     assert signal.getsignal(signum) is not signals.raise_interrupted  # the handlers are put back
 
 
+@pytest.mark.slow
 def test_after_restart_the_line_says_resume_without_it(tmp_path, monkeypatch):  # train-stop-signals
     out = tmp_path / "run"
     signal_on_call(monkeypatch, train_loop, "lr_at", 2, [signal.SIGTERM])

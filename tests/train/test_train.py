@@ -56,6 +56,7 @@ def test_checkpoint_loads_with_the_trained_models_logits(tiny_run):
     assert "lm_head.weight" not in state and state["transformer.wte.weight"].shape == (50257, 32)
 
 
+@pytest.mark.slow
 def test_hf_transformers_loads_it_with_the_same_logits(tiny_run):
     from transformers import GPT2LMHeadModel
 
@@ -66,6 +67,7 @@ def test_hf_transformers_loads_it_with_the_same_logits(tiny_run):
         torch.testing.assert_close(hf(idx).logits, meta["_model"](idx), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_training_lowers_the_full_softmax_heldout_nll(tiny_run):
     out, meta = tiny_run
     cfg = json.loads((out / "config.json").read_text())
@@ -88,6 +90,7 @@ def test_training_lowers_the_full_softmax_heldout_nll(tiny_run):
     assert last < first - 1  # quick held-out NLL along the way went down
 
 
+@pytest.mark.slow
 def test_unused_vocabulary_rows_get_one_small_constant_logit(tiny_run):
     _, meta = tiny_run
     model = meta["_model"]
@@ -103,6 +106,7 @@ def test_unused_vocabulary_rows_get_one_small_constant_logit(tiny_run):
     assert float(mass.max()) < 0.05
 
 
+@pytest.mark.slow
 def test_a_llama_family_run_writes_a_checkpoint_transformers_reads(tmp_path):
     """--family llama: the same recipe trains a rotary, grouped-query model into an HF Llama folder (the fixed first
     token recorded), which transformers' LlamaForCausalLM reads with our logits; training lowered its NLL."""
@@ -122,6 +126,7 @@ def test_a_llama_family_run_writes_a_checkpoint_transformers_reads(tmp_path):
         torch.testing.assert_close(hf(idx).logits, meta["_model"](idx), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_finished_folder_is_reported_not_retrained(tiny_run):
     out, meta = tiny_run
     before = (out / "model.safetensors").stat().st_mtime_ns
@@ -282,6 +287,7 @@ def test_out_must_be_a_folder_of_ours(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["notes.txt"]
 
 
+@pytest.mark.slow
 def test_cli_reports_a_finished_folder_and_exits_0(tiny_run):
     out, meta = tiny_run
     p = subprocess.run([sys.executable, "-m", "harness.train", "--out", str(out), "--steps", "40"], cwd=REPO,
@@ -481,6 +487,7 @@ def test_twice_rows_show_one_span_twice_among_random_ids_and_train_only_its_seco
                        rows.twice_rows(4, 128, 50, 3, torch.Generator().manual_seed(5))[0])  # reproducible
 
 
+@pytest.mark.slow
 def test_a_copy_phase_trains_on_twice_rows_only_then_on_the_mix(tmp_path, monkeypatch):
     """--copy-phase 0.5 of 8 steps: the first 4 batches are twice rows, the rest the usual mix, each mixed batch with
     far and recall rows (--far-share 0.5); the record names the phase and the share, and a share outside its range
@@ -504,6 +511,7 @@ real_twice, real_mix, real_positions = rows.twice_rows, rows.make_batch, M.row_p
 real_far, real_recall = rows.far_rows, rows.recall_rows
 
 
+@pytest.mark.slow
 def test_copy_offsets_move_the_copy_phases_rows_to_random_positions_from_their_share_on(tmp_path, monkeypatch):
     """--copy-offsets 0.25 with --copy-phase 0.5 of 8 steps: steps 1-2 read positions from 0, steps 3-4 from a
     random start per row that keeps the row inside n_positions, the fixed first token at position 0; a share outside
@@ -576,6 +584,7 @@ def test_with_bos_puts_the_first_token_at_position_0_and_never_trains_on_it():
     assert torch.equal(bx[:, 1:], x) and torch.equal(by[:, 1:], y)
 
 
+@pytest.mark.slow
 def test_every_training_row_starts_with_the_fixed_first_token(tmp_path, monkeypatch):
     """With bos (the default) every row of every batch, copy phase and mix alike, is <|endoftext|> (compact id) at
     position 0, its target not trained on; without it no row is; the record and config.json say which."""
@@ -807,6 +816,7 @@ def _probe_help(*how: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *how, "--help"], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_probe_runs_as_a_file_and_as_a_module():
     for how in (["scripts/probes/induction_toy.py"], ["-m", "scripts.probes.induction_toy"]):
         p = _probe_help(*how)
@@ -930,6 +940,7 @@ def test_family_option_trains_the_familys_preset_and_heads_is_gpt2s(tmp_path, mo
     assert "--heads is the gpt2 family's" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_weight_decay_reaches_the_optimiser_and_the_record(tmp_path, monkeypatch):
     """--weight-decay 0.5 (Gu et al.'s arm for more sinks): the matrices' AdamW group decays by it, the record and
     the resume check say so; the default is the recipe's and leaves the settings as they were."""
