@@ -53,10 +53,17 @@ class Tripwire:
 
 
 def run_py(args, tmp_path, extra_env=None) -> subprocess.CompletedProcess:
-    """``python run.py ARGS`` in a subprocess, offline, W&B's folders under tmp_path."""
+    """``python run.py ARGS``, a process of its own, offline, W&B's folders under tmp_path: forked from the worker's
+    zygote (``tests.helpers.zygote``: torch already imported, seconds less a call), or started afresh with
+    ``KVLAB_TEST_ZYGOTE=0`` and where ``extra_env`` sets a PYTHON* variable (read as Python starts: PYTHONPATH's
+    sitecustomize, say)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
     for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
         env[var] = str(Path(tmp_path) / var.lower())
+    if os.environ.get("KVLAB_TEST_ZYGOTE", "1") != "0" and not any(k.startswith("PYTHON") for k in extra_env or {}):
+        from tests.helpers import zygote
+
+        return zygote.run(["run.py", *args], REPO, env, timeout=600)
     return subprocess.run([sys.executable, "run.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
 
