@@ -779,9 +779,9 @@ def test_the_curriculum_trains_short_rows_first_with_the_same_tokens_per_step():
     assert run.shape() == (8, 128)
 
 
-PROBES = ("context_probe", "copy_from_probe", "copy_probe", "decode_attention_probe", "eviction_probe", "gemv_probe",
-          "induction_probe", "induction_toy", "kv_stats", "overlap_probe", "query_quant_probe", "recall_probe",
-          "rotation_probe", "run_calls", "sink_probe", "sink_value_probe")
+PROBES = ("ambiguity_probe", "context_probe", "copy_from_probe", "copy_probe", "decode_attention_probe",
+          "eviction_probe", "gemv_probe", "induction_probe", "induction_toy", "kv_stats", "overlap_probe",
+          "query_quant_probe", "recall_probe", "rotation_probe", "run_calls", "sink_probe", "sink_value_probe")
 
 
 def test_scripts_holds_the_user_commands_and_the_probes_apart():
@@ -1039,3 +1039,14 @@ def test_the_output_embeddings_distinct_rows_are_found_again_once_it_changes():
     assert again is not first and torch.equal(again[0], torch.unique(model.lm_head.weight.float(), dim=0))
     other = GPT2(SMALL)
     assert not torch.equal(copying.output_rows(other)[0], again[0])
+
+
+def test_the_ambiguity_probe_flags_the_copy_steps_whose_input_id_occurs_elsewhere_before():
+    """scripts/probes/ambiguity_probe.py (docs/reference-model.md): behind a filler [7, 3], the span [3, 5, 9] shown
+    twice; the second showing's first step reads id 3, which also occurs in the filler (ambiguous); its second reads
+    id 5, found only at its counterpart in the first showing (clean)."""
+    from scripts.probes import ambiguity_probe
+
+    seq = torch.tensor([7, 3, 3, 5, 9, 3, 5, 9])
+    assert ambiguity_probe.ambiguous_positions(seq, 2, 3).tolist() == [True, False]
+    assert ambiguity_probe.ambiguous_positions(torch.tensor([7, 8, 3, 5, 9, 3, 5, 9]), 2, 3).tolist() == [False, False]
