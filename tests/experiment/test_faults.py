@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from harness.experiment.config import ConfigError, register, validate
+from harness.experiment.config import ConfigError, validate
 from harness.core.inputs import text_prompts
 from models.generate import decode_step, greedy, new_cache, prefill
 from models.gpt2 import GPT2, CheckpointError
@@ -24,6 +23,7 @@ from models.tokenizer import Tokenizer
 from tests.helpers import NO_REPORT, QUICK, REPO, TINY, case_ids, run_py
 from tests.helpers.inproc import run_here
 from tests.helpers.checkpoints import edit_config, edit_weights, hf_checkpoint, nan_weight
+from tests.helpers.inproc import compose_cfg
 
 # ---- config values: refused before any work -------------------------------------------------------------------
 
@@ -174,12 +174,6 @@ HYDRA = [  # refused by Hydra while composing, against kvlab's typed schema
     ("option-of-another-kind", ["cache=quant", "cache.window=8"], "Could not override 'cache.window'"),
     ("key-unknown", ["n_promts=3"], "n_promts"),
 ]
-
-
-def compose_cfg(overrides):
-    register()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return compose(config_name="config", overrides=overrides)
 
 
 @pytest.mark.parametrize("case,overrides,message", CONFIG, ids=[c[0] for c in CONFIG])

@@ -7,26 +7,20 @@ import json
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from harness import measurements
 from harness.experiment import runner as experiment
-from harness.experiment.config import ConfigError, config_id, read, register, validate
+from harness.experiment.config import ConfigError, config_id, read, validate
 from harness.experiment.prepare import build_model
 from harness.experiment.prepare import load, plan_run
 from models.gpt2 import GPT2Config
 from models.outliers import choose
-from tests.helpers import REPO, TINY, run_py
+from tests.helpers import TINY, run_py
+from tests.helpers.inproc import compose_cfg
 
 SMALL = ["model=tiny", "n_prompts=1", "new_tokens=4", "prompt_len=4", "repeats=1", "warmup=0", "context_lengths=[8]",
          "max_len=32", "tracking=disabled", "measurements=[equivalence]"]
-
-
-def compose_cfg(overrides):
-    register()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return compose(config_name="config", overrides=overrides)
 
 
 def run_here(tmp_path, monkeypatch, overrides) -> dict:

@@ -10,18 +10,18 @@ import re
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from harness import measurements
 from harness.core import measure
 from harness.experiment import memory
-from harness.experiment.config import ConfigError, config_id, register, validate
+from harness.experiment.config import ConfigError, config_id, validate
 from harness.core.engines import HF_COUNTERPARTS, ENGINES, Counterpart, HFEngine, KvlabEngine, counterpart_options, \
     hf_refuses
 from models.gpt2 import GPT2Config
 from models.kv_cache import CACHE_KINDS, cache_kind
 from models.kv_cache.quant import AXES, BITS, QUANTIZED, ROTATIONS, SCHEMES, TAILS
-from tests.helpers import REPO, TINY, run_py
+from tests.helpers import TINY, run_py
+from tests.helpers.inproc import compose_cfg
 
 CASES = [
     ("hf-declaration-covers-every-option", "every option of every kind HF has a counterpart for is declared in "
@@ -52,12 +52,6 @@ CASES = [
     ("config-id-list-order", "a run's identity does not depend on the order of measurements or context_lengths; a "
                              "list already in its measured order keeps the id it had; contexts are timed ascending"),
 ]
-
-
-def compose_cfg(overrides):
-    register()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return compose(config_name="config", overrides=overrides)
 
 
 # ---- HF's counterparts: one declaration each, every option named ---------------------------------------------------

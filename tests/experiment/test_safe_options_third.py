@@ -9,13 +9,13 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from harness.core import llamacpp as L
-from harness.experiment.config import ConfigError, check_model, config_id, read, register, validate
+from harness.experiment.config import ConfigError, check_model, config_id, read, validate
 from models.families import preset_config
 from models.kv_cache import cache_kind
-from tests.helpers import REPO, one_line, run_py, untested_cases
+from tests.helpers import one_line, run_py, untested_cases
+from tests.helpers.inproc import compose_cfg
 
 CASES = [
     ("llamacpp-threads-bound", "`engine=llamacpp engine.threads=100000` (was a segfault inside llama.cpp, exit "
@@ -44,12 +44,6 @@ CASES = [
 
 def test_every_case_has_a_test():
     assert not untested_cases(__file__, CASES)
-
-
-def compose_cfg(overrides):
-    register()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return compose(config_name="config", overrides=overrides)
 
 
 def refused(overrides, model="tiny") -> str:

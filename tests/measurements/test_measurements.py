@@ -14,28 +14,22 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from harness import measurements
 from harness.experiment import runner as experiment
 from harness.measurements import record
 from harness.analysis import report
-from harness.experiment.config import ConfigError, register, validate
+from harness.experiment.config import ConfigError, validate
 from harness.analysis import figures
 from harness.analysis.figures import Figure
 from harness.measurements import MEASUREMENTS, Measurement, Table, key
 from harness.measurements.base import conforms, hints
 from models.kv_cache import CACHE_KINDS
 from tests.helpers import NO_REPORT, REPO, run_py
+from tests.helpers.inproc import compose_cfg
 
 SMALL = ["model=tiny", "n_prompts=1", "new_tokens=4", "prompt_len=4", "repeats=1", "warmup=0", "context_lengths=[8]",
          "drift_text_len=12", "max_len=32", "batch_sizes=[1,2]", "batch_context=8", "tracking=disabled"]
-
-
-def compose_cfg(overrides):
-    register()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return compose(config_name="config", overrides=overrides)
 
 
 def run_here(tmp_path, monkeypatch, overrides) -> tuple[dict, Path]:
