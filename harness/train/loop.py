@@ -500,7 +500,8 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
                 "or key-value pairs (8 + 8 random ids, up to 16, one in a quarter of the rows) with some of the keys "
                 f"asked at the end; and rows of random ids with a span ({SPAN_MIN}..{FAR_SPAN_MAX}, uniform) shown "
                 "twice in a row at a random place (a copy deep in unpredictable context; in half of them the ids drawn "
-                "as the training text uses them); only the second showing and the asked values targets")
+                "uniformly from the vocabulary of a random stretch of 46,000 tokens of training text); only the second "
+                "showing and the asked values targets")
     if s.get("copy_phase"):
         offsets = s.get("copy_offsets")
         mix = (f"the first {s['copy_phase']:.0%} of the budget: every row random ids with one span of them shown twice "

@@ -67,6 +67,7 @@ PLACED_SHARE = 0.5  # share of the copy rows that show their span twice at a ran
 FAR_SHARE = 0.0  # share of each batch's rows that are retrieval rows after the copy phase: far copies (far_rows),
 #                  key-value recall (recall_rows) and deep copies (twice_rows at full length), a third each
 #                  (rows.retrieval_split); 0 in the shipped models' recipe (issue 66 turns it on)
+VOCAB_WINDOW = 46_000  # a relabelled deep copy draws its ids from the vocabulary of this many tokens of training text
 FAR_SPAN_MAX = 128  # a far copy's span lengths are log-uniform in [SPAN_MIN, FAR_SPAN_MAX], a deep copy's uniform
 RECALL_PAIRS, RECALL_KEY, RECALL_VALUE = 16, 8, 8  # recall rows: up to 16 pairs of an 8-id key and an 8-id value
 NEEDLE_SHARE = 0.25  # of the recall rows, those that hold one pair (a needle) rather than 1..RECALL_PAIRS

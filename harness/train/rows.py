@@ -16,7 +16,8 @@ import math
 import torch
 
 from harness.core.inputs import behind
-from harness.train.recipe import FAR_SPAN_MAX, IGNORE, NEEDLE_SHARE, RECALL_KEY, RECALL_PAIRS, RECALL_VALUE, SPAN_MIN
+from harness.train.recipe import (FAR_SPAN_MAX, IGNORE, NEEDLE_SHARE, RECALL_KEY, RECALL_PAIRS, RECALL_VALUE, SPAN_MIN,
+                                  VOCAB_WINDOW)
 
 
 def span_ids(n_ids: int, skip: int, shape: tuple, gen: torch.Generator) -> torch.Tensor:
@@ -25,14 +26,18 @@ def span_ids(n_ids: int, skip: int, shape: tuple, gen: torch.Generator) -> torch
     return r + (r >= skip).long()
 
 
-def text_ids(stream: torch.Tensor, skip: int, n_ids: int, shape: tuple, gen: torch.Generator) -> torch.Tensor:
-    """Random token ids as the training text uses them: each the token at a random place of ``stream`` (so by its
-    frequency there), <|endoftext|> (``skip``) drawn again uniformly (``span_ids``)."""
-    ids = stream[torch.randint(0, len(stream), shape, generator=gen)]
-    eot = ids == skip
-    if bool(eot.any()):
-        ids[eot] = span_ids(n_ids, skip, (int(eot.sum()),), gen)
-    return ids
+def window_vocab_ids(stream: torch.Tensor, skip: int, n_ids: int, shape: tuple, gen: torch.Generator,
+                     window: int = VOCAB_WINDOW) -> torch.Tensor:
+    """Random token ids drawn uniformly from a text's own vocabulary: the distinct ids of a random stretch of
+    ``window`` tokens of ``stream`` (<|endoftext|>, ``skip``, left out), each as likely, rare words as often as common
+    ones: the draw of the text-id copy targets (the held-out text's ids, each as likely)."""
+    w = min(window, len(stream))
+    at = int(torch.randint(0, len(stream) - w + 1, (), generator=gen))
+    vocab = torch.unique(stream[at:at + w])
+    vocab = vocab[vocab != skip]
+    if len(vocab) == 0:
+        return span_ids(n_ids, skip, shape, gen)
+    return vocab[torch.randint(0, len(vocab), shape, generator=gen)]
 
 
 def span_length(seq_len: int, span_min: int, gen: torch.Generator) -> int:
@@ -115,15 +120,16 @@ def twice_rows(rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Genera
 def deep_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
               span_max: int = FAR_SPAN_MAX) -> tuple[torch.Tensor, torch.Tensor]:
     """``twice_rows`` at full length (a span of SPAN_MIN..span_max shown twice in a row anywhere among random ids:
-    a copy deep in context nothing predicts), whose ids are, in each row with a coin's chance, drawn as the training
-    text uses them (``text_ids``: common words often, so the copy competes with what the words predict) rather
-    than uniformly. Only the second showing past its first id is a target. (inputs, targets)."""
+    a copy deep in context nothing predicts), whose ids are, in each row with a coin's chance, drawn from a text's own
+    vocabulary (``window_vocab_ids``: words, so the copy competes with what they predict, and few enough distinct
+    ones that an id to copy from often occurs elsewhere too, which a one-id match cannot tell apart) rather than
+    uniformly from every id. Only the second showing past its first id is a target. (inputs, targets)."""
     x, y = twice_rows(rows, seq_len, n_ids, skip, gen, span_max=span_max)
     for r in range(rows):
         if float(torch.rand((), generator=gen)) < 0.5:
             full = torch.cat([x[r], y[r, -1:].clamp(min=0)])  # the row's ids (the last past the inputs)
             distinct, where = torch.unique(full, return_inverse=True)
-            relabelled = text_ids(stream, skip, n_ids, (len(distinct),), gen)[where]  # one id for one id: the copy
+            relabelled = window_vocab_ids(stream, skip, n_ids, (len(distinct),), gen)[where]  # one id for one id: the copy
             x[r] = relabelled[:-1]                                                   # stays a copy
             keep = y[r] != IGNORE
             y[r, keep] = relabelled[1:][keep]

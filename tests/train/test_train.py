@@ -397,13 +397,13 @@ def test_a_batchs_retrieval_rows_are_a_third_each_and_its_deep_copies_sit_in_ran
                                                               range(64))) < 200  # long spans, early and late
 
 
-def test_deep_rows_copy_ids_drawn_uniformly_or_as_the_text_uses_them():
+def test_deep_rows_copy_ids_drawn_uniformly_or_from_a_texts_own_vocabulary():
     """A deep row is a twice row at full length; in about half of them its ids are relabelled, one for one, by ids
-    drawn from the training stream by frequency (common ids often), so the second showing still copies the first and
-    only it is a target."""
-    stream = torch.cat([torch.full((900,), 5), torch.arange(4, 104)])  # id 5: 90% of the text
+    drawn uniformly from the vocabulary of a stretch of the training stream (each of its ids as likely, however
+    common in the text), so the second showing still copies the first and only it is a target."""
+    stream = torch.cat([torch.full((900,), 5), torch.arange(4, 104)])  # id 5: 90% of the text, 1 of its 100 ids
     x, y = rows.deep_rows(stream, 64, 256, n_ids=200, skip=3, gen=torch.Generator().manual_seed(6))
-    common = 0
+    relabelled = 0
     for r in range(64):
         t = (y[r] != R.IGNORE).nonzero()[:, 0]
         n = len(t) + 1
@@ -411,8 +411,23 @@ def test_deep_rows_copy_ids_drawn_uniformly_or_as_the_text_uses_them():
         last = int(t[0]) - 1  # the first showing's last id
         assert R.SPAN_MIN <= n and torch.equal(full[last - n + 1:last + 1], full[last + 1:last + n + 1])
         assert torch.equal(y[r, t], full[t + 1]) and not bool((x[r] == 3).any())  # never <|endoftext|>
-        common += float((x[r] == 5).float().mean()) > 0.5
-    assert 16 <= common <= 48  # a coin per row: the text's own frequencies in about half
+        if bool(((x[r] >= 4) & (x[r] < 104)).all()):  # the text's vocabulary (a uniform row of 200 ids never is)
+            relabelled += 1
+            assert float((x[r] == 5).float().mean()) < 0.1  # each of its ids as likely, not by frequency
+    assert 16 <= relabelled <= 48  # a coin per row
+
+
+def test_window_vocab_ids_draw_from_one_stretch_of_text():
+    """The ids come from one stretch of ``window`` tokens: from a stream of five blocks, each of its own ten ids and
+    as long as the window, a draw holds the ids of one block or of two neighbours, never <|endoftext|>."""
+    stream = torch.cat([torch.arange(10 * b, 10 * b + 10).repeat(10) for b in range(1, 6)] + [torch.tensor([3])])
+    seen = set()
+    for seed in range(40):
+        ids = rows.window_vocab_ids(stream, 3, 200, (60,), torch.Generator().manual_seed(seed), window=100)
+        blocks = {int(i) // 10 for i in ids}
+        assert 3 not in ids.tolist() and max(blocks) - min(blocks) <= 1
+        seen |= blocks
+    assert seen == {1, 2, 3, 4, 5}
 
 
 def test_a_quarter_of_the_recall_rows_are_needles():
