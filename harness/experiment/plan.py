@@ -1,7 +1,7 @@
 """A run's plan: the Hydra config read once, at the door, into plain typed values, and what it resolves to.
 
-    rc = harness.experiment.config.read(cfg)        # RunConfig: the config as given, plain values (never refused)
-    plan = harness.experiment.prepare.plan_run(rc)   # Plan: rc checked and resolved (weights, model, lengths, device)
+    rc = harness.experiment.config.read(cfg)       # RunConfig: the config as given, plain values (never refused)
+    plan = harness.experiment.prepare.plan_run(rc)  # Plan: rc checked and resolved (weights, model, lengths, device)
 
 Only ``harness.experiment.config`` (composition, validation, ``read``) and the outermost function of
 ``harness.experiment.runner`` (Hydra's folders, ``.hydra/``, the overrides) touch the DictConfig; everything below them

@@ -85,7 +85,6 @@ def hydra_job(cfg: DictConfig) -> HydraJob:
     """The job's ``.hydra/`` files and overrides, as text (written by kvlab once the config is valid and the folder is
     its own: Hydra's own writing of them is off, conf/config.yaml)."""
     from hydra.core.hydra_config import HydraConfig
-
     from hydra.types import RunMode
 
     files, sweep = {"config.yaml": OmegaConf.to_yaml(cfg)}, None

@@ -10,13 +10,13 @@ import torch
 from omegaconf import OmegaConf
 
 from harness import measurements
-from harness.experiment import runner as experiment
 from harness.experiment.config import ConfigError, config_id, read, validate
 from harness.experiment.prepare import build_model
 from harness.experiment.prepare import load, plan_run
 from models.gpt2 import GPT2Config
 from models.outliers import choose
 from tests.helpers import TINY, run_py
+from tests.helpers import inproc
 from tests.helpers.inproc import compose_cfg
 
 SMALL = ["model=tiny", "n_prompts=1", "new_tokens=4", "prompt_len=4", "repeats=1", "warmup=0", "context_lengths=[8]",
@@ -25,10 +25,8 @@ SMALL = ["model=tiny", "n_prompts=1", "new_tokens=4", "prompt_len=4", "repeats=1
 
 def run_here(tmp_path, monkeypatch, overrides) -> dict:
     """One run in this process into ``tmp_path/run``; its results.json as written."""
-    out = tmp_path / "run"
-    monkeypatch.setattr(experiment, "_hydra_dirs", lambda: (out, "t", "run"))
-    experiment.run(compose_cfg(overrides), progress=False)
-    return json.loads((out / "results.json").read_text())
+    inproc.run_here(monkeypatch, overrides, tmp_path / "run")
+    return json.loads((tmp_path / "run" / "results.json").read_text())
 
 
 def test_a_run_records_the_outliers_it_measured_and_a_plain_run_records_none(tmp_path, monkeypatch):

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from harness import measurements
-from harness.experiment import runner as experiment
 from harness.measurements import record
 from harness.analysis import report
 from harness.experiment.config import ConfigError, validate
@@ -26,6 +25,7 @@ from harness.measurements import MEASUREMENTS, Measurement, Table, key
 from harness.measurements.base import conforms, hints
 from models.kv_cache import CACHE_KINDS
 from tests.helpers import NO_REPORT, REPO, run_py
+from tests.helpers import inproc
 from tests.helpers.inproc import compose_cfg
 
 SMALL = ["model=tiny", "n_prompts=1", "new_tokens=4", "prompt_len=4", "repeats=1", "warmup=0", "context_lengths=[8]",
@@ -35,9 +35,7 @@ SMALL = ["model=tiny", "n_prompts=1", "new_tokens=4", "prompt_len=4", "repeats=1
 def run_here(tmp_path, monkeypatch, overrides) -> tuple[dict, Path]:
     """One run in this process (so a measurement registered by the test is seen), into ``tmp_path/run``."""
     out = tmp_path / "run"
-    monkeypatch.setattr(experiment, "_hydra_dirs", lambda: (out, "t", "run"))
-    rec = experiment.run(compose_cfg(overrides), progress=False)
-    return rec, out
+    return inproc.run_here(monkeypatch, overrides, out), out
 
 
 # ---- the declarations --------------------------------------------------------------------------------------------
