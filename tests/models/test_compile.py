@@ -9,13 +9,20 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from harness.core.engines import KvlabEngine
 from models.gpt2 import GPT2, GPT2Config
 from models.generate import StaticDecoder, new_cache
 
 pytestmark = pytest.mark.slow  # compiling takes seconds
+
+
+def counters():
+    """torch._dynamo's event counters, imported when a test runs (importing dynamo costs each worker seconds at
+    collection)"""
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    return dynamo_counters
 
 
 def run_compiled(model, device, batch=2, prompt=9, steps=12):
@@ -40,14 +47,14 @@ def run_compiled(model, device, batch=2, prompt=9, steps=12):
 def check(stats, worst, same, tol):
     assert stats["compile_graphs"] == 1 and stats["compile_recompiles"] == 0
     assert stats["compiled_steps"] == 2 * 12 - 1 and stats["compile_s"] > 0
-    assert not counters["graph_break"]  # fullgraph=True would have raised; and none were counted
+    assert not counters()["graph_break"]  # fullgraph=True would have raised; and none were counted
     assert same and worst <= tol
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor compiles CPU kernels with a C++ compiler; none on this machine")
 def test_compiled_cpu_step_equals_eager_and_never_recompiles(tiny_model):
-    counters.clear()
+    counters().clear()
     stats, worst, same = run_compiled(tiny_model, "cpu")
     check(stats, worst, same, 1e-5)
     assert stats["compile_cudagraph_skips"] == 0
@@ -56,7 +63,7 @@ def test_compiled_cpu_step_equals_eager_and_never_recompiles(tiny_model):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU path runs CUDA graphs")
 def test_compiled_gpu_step_with_cuda_graphs_equals_eager_and_never_recompiles(tiny_model):
-    counters.clear()
+    counters().clear()
     model = copy.deepcopy(tiny_model).to("cuda", torch.float16)
     stats, worst, same = run_compiled(model, "cuda")
     check(stats, worst, same, 2e-2)
@@ -119,7 +126,7 @@ def test_quant_attention_over_its_packed_storage_equals_the_dequantised_path(tin
 
     monkeypatch.setattr(quant, "FORCE_INDUCTOR", path == "inductor")
 
-    counters.clear()
+    counters().clear()
     model = copy.deepcopy(tiny_model).to(dtype)
     eager, compiled = KvlabEngine(model), KvlabEngine(model, compile=True)
     options = quant_options()
@@ -157,7 +164,7 @@ def test_quant_attention_over_its_packed_storage_equals_the_dequantised_path(tin
     stored = [o for o in options if o.get("tail") != "residual"]
     assert len(stored) < len(options)
     assert st["compile_graphs"] == (len(stored) if path == "inductor" else 1)
-    assert not counters["graph_break"]
+    assert not counters()["graph_break"]
 
 
 def test_text_drift_records_what_a_fused_quant_step_read(tiny_model):
