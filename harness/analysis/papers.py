@@ -153,6 +153,8 @@ NOT_ABOUT = {
     "paper_kv_types": {"cache.tail": "K and V are grouped per token, whose tail is the residual whatever tail says",
                        "cache.k_pre_rope": GPT2_KEYS},
     "paper_kivi": {"cache.k_pre_rope": GPT2_KEYS},
+    "paper_h2o": {"cache.beta": "allocation=pyramid's; H2O spends the same budget in every layer and head",
+                  "cache.floor": "allocation=ada's; H2O spends the same budget in every layer and head"},
 }
 
 

@@ -178,7 +178,8 @@ def _in_order(key: str, value):
 # keys added after runs were recorded, with the value that measures what runs without them measured: a run at that
 # value keeps the id it had before the key existed (a resumed sweep confirms it instead of measuring it again)
 LATER_KEYS = {("model", "n_kv_head"): None, ("cache", "group_score"): "mean", ("cache", "positions"): "absolute",
-              ("cache", "k_pre_rope"): False, ("engine", "rotate"): "auto"}
+              ("cache", "k_pre_rope"): False, ("engine", "rotate"): "auto", ("cache", "allocation"): "uniform",
+              ("cache", "beta"): 20.0, ("cache", "floor"): 0.2}
 
 
 def later_nodes() -> dict:
@@ -343,6 +344,10 @@ def check_model(rc: RunConfig, mcfg) -> None:
         need(False, f"engine={rc.engine.name} cache={rc.cache.kind}: {e}")
     why = cls.needs_rotary(opts)
     need(why is None or mcfg.rotary, f"cache={rc.cache.kind} on model {rc.model.name} ({mcfg.family}): {why}")
+    try:  # what the options need of the model's depth (a pyramid's bottom layer within max_len)
+        cls.check_layers(opts, mcfg.n_layer, _lengths(rc, mcfg.n_positions)[0])
+    except ValueError as e:
+        need(False, f"cache={rc.cache.kind} on model {rc.model.name} ({mcfg.n_layer} layers): {e}")
     off_cpu = rc.device == "cuda" or (rc.device == "auto" and _cuda_available())
     need(getattr(opts, "group_score", "mean") == "mean" or mcfg.n_kv_head != mcfg.n_head,
          f"cache.group_score={getattr(opts, 'group_score', None)} has no effect on model {rc.model.name}, whose every "

@@ -326,6 +326,11 @@ class KVCache:
         have no effect (a rotation of one channel); validation calls it once the model's geometry is known."""
 
     @classmethod
+    def check_layers(cls, opts, n_layer: int, max_len: int) -> None:
+        """Refuse, in one line (ValueError), options a model of ``n_layer`` layers cannot honour at ``max_len`` (a
+        per-layer schedule whose widest layer would not fit); validation calls it once the model is known."""
+
+    @classmethod
     def check_fills(cls, opts, fills: list[tuple[str, int, int]]) -> None:
         """Refuse, in one line (ValueError), options too small for the caches a run builds: ``fills`` is one
         (what builds it, sequences, tokens written) per cache (``harness.experiment.memory.cache_fills``). A paged pool of

@@ -30,7 +30,8 @@ class H2OKVCache(EvictingKVCache):
     kind = "h2o"
     Options = H2OOptions
     description = "H2O: heavy hitters by accumulated attention + the newest tokens, budget slots per head"
-    examples = ({"budget": 8, "recent": 3}, {"budget": 5, "recent": 0}, {"budget": 1, "recent": 0})
+    examples = ({"budget": 8, "recent": 3}, {"budget": 5, "recent": 0}, {"budget": 1, "recent": 0},
+                {"budget": 8, "recent": 3, "allocation": "pyramid"}, {"budget": 6, "recent": 2, "allocation": "ada"})
     wants_scores = True
     carries_score = True
 
@@ -40,8 +41,13 @@ class H2OKVCache(EvictingKVCache):
             raise ValueError(f"cache option recent {opts.recent} must be at most budget {opts.budget}: recent=0 "
                              "keeps heavy hitters alone, recent=budget the newest tokens alone (H2O's 'local')")
 
+    @classmethod
+    def reserved(cls, opts) -> int:
+        return opts.recent
+
     def _priority(self, layer, probs, k_all, pos_all, t):
         B, nh = self.batch, self.n_kv_head
-        acc = torch.cat([self.score[layer], self.score.new_zeros(B, nh, t)], dim=2) + probs.float().sum(2)
+        held = self.held_score(layer)
+        acc = torch.cat([held, held.new_zeros(B, nh, t)], dim=2) + probs.float().sum(2)
         newest = self.new_positions(t)[:, -1]  # (B,) every sequence's last slot is a token
         return acc.masked_fill(recent_mask(pos_all, newest, self.opts.recent), float("inf")), acc

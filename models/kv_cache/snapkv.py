@@ -45,7 +45,9 @@ class SnapKVKVCache(EvictingKVCache):
     Options = SnapKVOptions
     description = "SnapKV: the prompt's last window of queries chooses (max-pooled); decode slides the rest"
     examples = ({"budget": 8, "window": 3, "kernel": 3}, {"budget": 5, "window": 1, "kernel": 1},
-                {"budget": 2, "window": 1, "kernel": 5})
+                {"budget": 2, "window": 1, "kernel": 5},
+                {"budget": 8, "window": 2, "kernel": 3, "allocation": "pyramid"},
+                {"budget": 6, "window": 2, "kernel": 3, "allocation": "ada"})
     wants_scores = True
     carries_score = True  # +inf for a position the prompt chose; its position for one that slides
 
@@ -54,6 +56,10 @@ class SnapKVKVCache(EvictingKVCache):
         if opts.window >= opts.budget:
             raise ValueError(f"cache option window {opts.window} must be below budget {opts.budget}: the prompt "
                              "needs at least one slot to choose into")
+
+    @classmethod
+    def reserved(cls, opts) -> int:
+        return opts.window
 
     @classmethod
     def min_prompt(cls, opts) -> int:
@@ -77,10 +83,10 @@ class SnapKVKVCache(EvictingKVCache):
                                  "cache.window or give longer prompts")
 
     def _priority(self, layer, probs, k_all, pos_all, t):
-        S = self.n_slots
+        S = self.width(layer)
         new_pos = pos_all[:, :, S:].float()  # (B, nh, t)
         if self.pos:  # decode, or a later chunk: the chosen stay, the rest slides
-            slide = torch.cat([self.score[layer], new_pos], dim=2)
+            slide = torch.cat([self.held_score(layer), new_pos], dim=2)
             return slide, slide
         B, nh = self.batch, self.n_kv_head
         obs = probs[:, :, -self.opts.window:, S:].float().sum(2)  # (B, nh, t) what the window attends to

@@ -227,9 +227,24 @@ def test_texts_passed_together_each_get_what_they_get_alone(tiny_model, kind, op
     for b, text in enumerate(texts):
         alone, seen_alone = measure.text_pass(e, s, text, T)
         assert (rows[b] - alone).abs().max().item() <= 1e-4, f"text {b} of 3"
-        for layer, (k, v, _) in seen_alone.items():  # a quantiser's rounding may flip on float32's last bits
-            for got, want in ((seen[layer][0][b:b + 1], k), (seen[layer][1][b:b + 1], v)):
+        for layer, (k, v, pos) in seen_alone.items():  # a quantiser's rounding may flip on float32's last bits
+            at = seen[layer][2][b:b + 1] if pos is not None and pos.dim() == 3 else pos
+            for got, want in ((held_rows(seen[layer][0][b:b + 1], at), held_rows(k, pos)),
+                              (held_rows(seen[layer][1][b:b + 1], at), held_rows(v, pos))):
                 assert got.shape == want.shape and (got - want).norm() <= 1e-3 * want.norm(), (layer, b)
+
+
+def held_rows(x: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
+    """What one sequence's attention read: ``x`` itself, or, for an evicting kind's per-head key positions (1, nh,
+    n), each head's rows at the positions it held, in position order (a ragged layer pads each batch to its widest
+    head, so the slots differ between a batch and a text alone; the keys held do not)."""
+    if pos is None or pos.dim() != 3:
+        return x
+    rows = []
+    for h in range(x.shape[1]):
+        p = pos[0, h]
+        rows.append(x[0, h][p >= 0][p[p >= 0].argsort()])
+    return torch.cat(rows)
 
 
 def test_a_fixed_pool_passes_one_text_at_a_time_and_any_other_kind_several(tiny_model):

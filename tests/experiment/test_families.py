@@ -143,8 +143,8 @@ def test_experiment_gqa_measures_bytes_halving_with_the_kv_heads_and_refuses_hea
 
 def test_keys_added_later_keep_the_ids_of_runs_made_before_them_at_their_old_meaning():
     """A resumed sweep recognises its finished runs: a config id is the same with model.n_kv_head null, group_score
-    mean, positions absolute, k_pre_rope false or engine.rotate auto as it was before those keys existed, and differs
-    otherwise."""
+    mean, positions absolute, k_pre_rope false, engine.rotate auto, allocation uniform, beta 20 or floor 0.2 as it was
+    before those keys existed, and differs otherwise."""
     from omegaconf import OmegaConf
 
     from harness.experiment.config import LATER_KEYS, config_id, later_nodes
@@ -156,7 +156,8 @@ def test_keys_added_later_keep_the_ids_of_runs_made_before_them_at_their_old_mea
     for (group, key), default in LATER_KEYS.items():
         now = {**before, group: {**before[group], key: default}}
         assert config_id(OmegaConf.create(now)) == old, key
-        other = {None: 4, "mean": "max", "absolute": "cache", False: True, "auto": "none"}[default]
+        other = {None: 4, "mean": "max", "absolute": "cache", False: True, "auto": "none", "uniform": "ada", 20.0: 4.0,
+                 0.2: 0.5}[default]
         assert config_id(OmegaConf.create({**before, group: {**before[group], key: other}})) != old, key
     for name, default in later_nodes().items():  # a node added later (serve), at its defaults
         assert config_id(OmegaConf.create({**before, name: default})) == old, name

@@ -186,10 +186,11 @@ def test_update_returns_what_the_reference_sees_and_never_moves_pos(kind, opts, 
 @pytest.mark.parametrize("kind,opts", EVICTING)
 def test_an_evicting_kind_attends_over_what_it_held_plus_the_new_and_keeps_its_budget(kind, opts, dtype):
     """Each layer's update returns, per sequence and head, exactly the positions held before plus the new ones,
-    with the K/V written there; afterwards the kind holds min(budget, tokens) of those, each once."""
+    with the K/V written there; afterwards each head holds min(its slots, tokens) of those, each once (its slots:
+    the budget, the layer's under a pyramid, the head's own under ada)."""
     cache = make(kind, opts, dtype=dtype)
     w = Writer(cache, dtype=dtype)
-    B, nh, budget = cache.batch, cache.n_kv_head, cache.opts.budget
+    B, nh = cache.batch, cache.n_kv_head
     held = [torch.full((B, nh, 0), -1) for _ in range(cache.n_layer)]
     for t in CHUNKS:
         before = cache.pos
@@ -197,8 +198,8 @@ def test_an_evicting_kind_attends_over_what_it_held_plus_the_new_and_keeps_its_b
         assert cache.pos == before + t
         for layer, ((k, v), kp) in enumerate(zip(returned, per_layer)):
             assert kp.shape == (B, nh, k.shape[2]) and k.dtype == v.dtype == dtype
-            after = cache.kept_positions(layer)
-            assert after.shape == (B, nh, budget) and after.dtype == torch.long
+            after, slots = cache.kept_positions(layer), cache.slots_of(layer)
+            assert after.shape == (B, nh, max(map(max, slots))) and after.dtype == torch.long
             for b in range(B):
                 for h in range(nh):
                     valid = kp[b, h] >= 0
@@ -208,7 +209,8 @@ def test_an_evicting_kind_attends_over_what_it_held_plus_the_new_and_keeps_its_b
                     assert torch.equal(k[b, h][valid], w.k[layer][b, h][got].to(dtype))
                     assert torch.equal(v[b, h][valid], w.v[layer][b, h][got].to(dtype))
                     kept = after[b, h][after[b, h] >= 0].tolist()
-                    assert len(set(kept)) == len(kept) == min(budget, before + t) and set(kept) <= set(got.tolist())
+                    assert len(set(kept)) == len(kept) == min(slots[b][h], before + t)
+                    assert set(kept) <= set(got.tolist())
             held[layer] = after
         assert cache.nbytes == own_bytes(cache) == cache.formula_nbytes() == cache.formula_nbytes(0)
 

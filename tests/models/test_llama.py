@@ -168,7 +168,7 @@ def test_evicting_kinds_score_each_kv_head_from_its_query_group():
     model = randomized(config(n_kv_head=2))
     cache = new_cache(model, "h2o", max_len=20, batch=3, budget=5, recent=2)
     prefill(model, torch.arange(30).view(3, 10), cache)
-    assert cache.kept_positions(0).shape == (3, 2, 5) and cache.k.shape[2] == 2
+    assert cache.kept_positions(0).shape == (3, 2, 5) and cache.k[0].shape[1] == 2
     with pytest.raises(ValueError, match="group_score='sum': use mean or max"):
         CACHE_KINDS["h2o"].parse_options(group_score="sum")
     with pytest.raises(ValueError, match="group_score=max has no effect on knorm, which scores no attention"):
