@@ -870,7 +870,27 @@ def cache_memory(engine, spec: CacheSpec, prompt: torch.Tensor, new_tokens: int,
                measured_bytes_per_token=measured[filled] / held,
                nbytes_curve_match=all(curve.nbytes_formula[curve.nbytes_measured.notna()]
                                       == curve.nbytes_measured.dropna()))
-    return rec, curve
+    return rec, curve, head_slots(cache, n_layer, n_kv_head, min(held, filled))
+
+
+HEAD_COLUMNS = ("layer", "kv_head", "slots", "tokens", "role")
+
+
+def head_slots(cache, n_layer: int, n_kv_head: int, held: int) -> pd.DataFrame:
+    """One row per layer and K/V head of a filled cache (sequence 0): the ``slots`` it holds room for, the
+    ``tokens`` in them, and its ``role`` where the kind gives heads one (duo: retrieval or streaming). A kind that
+    spends its slots per head says so (``slots_of``); every other holds ``held`` tokens in each head."""
+    rows = []
+    roles = getattr(cache, "head_roles", lambda layer: None)
+    for layer in range(n_layer):
+        if hasattr(cache, "slots_of"):
+            slots = cache.slots_of(layer)[0]
+            tokens = (cache.kept_positions(layer)[0] >= 0).sum(-1).tolist()
+        else:
+            slots = tokens = [held] * n_kv_head
+        role = roles(layer) or [""] * n_kv_head
+        rows += [dict(layer=layer, kv_head=h, slots=slots[h], tokens=tokens[h], role=role[h]) for h in range(n_kv_head)]
+    return pd.DataFrame(rows, columns=list(HEAD_COLUMNS))
 
 
 def reset_peak_memory(device: torch.device) -> bool:

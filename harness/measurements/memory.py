@@ -39,7 +39,11 @@ class Memory(Measurement):
 
     tables = (Table("memory", "memory.csv", on=("tokens",), columns=("tokens", "nbytes_formula", "nbytes_measured"),
                     meaning="cache bytes vs tokens: the formula out to max_len, measured where the generation "
-                            "reached"),)
+                            "reached"),
+              Table("heads", "heads.csv", on=("layer", "kv_head"), columns=("layer", "kv_head", "slots", "tokens",
+                                                                            "role"),
+                    meaning="per layer and K/V head, after the generation: the slots it holds room for, the tokens "
+                            "in them, and its role (duo: retrieval or streaming; empty otherwise)"))
     panels = (Panel("Bytes per token", "bar", ("bytes_per_token", "cache_nbytes"), ("cache", "dtype"),
                     "Cache bytes per cached token (the kind's formula) and the cache's bytes at the end of the run."),)
 
@@ -47,12 +51,12 @@ class Memory(Measurement):
         from harness.core import measure
 
         ctx = self.ctx
-        rec, curve = measure.cache_memory(ctx.engine, ctx.spec, ctx.prompts[0], ctx.new_tokens, ctx.max_len)
+        rec, curve, heads = measure.cache_memory(ctx.engine, ctx.spec, ctx.prompts[0], ctx.new_tokens, ctx.max_len)
         # the context from which a step reads more K/V than weights (batch 1); never, for a kind that caps its reads
         capped = measure.keys_read(ctx.engine, ctx.spec, ctx.max_len, ctx.max_len - 1) < ctx.max_len
         weights = measure.weight_bytes(ctx.engine.model)
         overtakes = None if capped else weights / rec["bytes_per_token"]
-        return self.Result(**rec, kv_overtakes_weights_at_context=overtakes), {"memory": curve}
+        return self.Result(**rec, kv_overtakes_weights_at_context=overtakes), {"memory": curve, "heads": heads}
 
     @classmethod
     def summary(cls, r, tables):

@@ -132,7 +132,7 @@ def test_hf_quantized_runs_bytes_and_decode_drift_measured_as_ours(engines, tiny
     _, hf = engines
     spec = measure.CacheSpec("quant", {"residual": 3, **TOKEN})
     prompt = torch.randint(0, 50257, (1, 9), generator=torch.Generator().manual_seed(5))
-    rec, curve = measure.cache_memory(hf, spec, prompt, 8, 64)
+    rec, curve, _ = measure.cache_memory(hf, spec, prompt, 8, 64)
     assert rec["nbytes_match"] and rec["nbytes_curve_match"] and curve.nbytes_measured.notna().sum() == 8
     texts = [torch.randint(0, 50257, (1, 30), generator=torch.Generator().manual_seed(s)) for s in (6, 7)]
     got, _ = measure.text_drift(hf, KvlabEngine(tiny_model), spec, texts, T=10)

@@ -200,13 +200,13 @@ class IgnoresCacheDtype(KvlabEngine):
 def test_cache_memory_checks_bytes_against_the_asked_dtype(tiny_model, kind):
     prompt = torch.tensor([[464, 3290, 318]])
     spec = measure.CacheSpec(kind, {}, torch.float16)
-    good, curve = measure.cache_memory(KvlabEngine(tiny_model), spec, prompt, 5, 20)
+    good, curve, _ = measure.cache_memory(KvlabEngine(tiny_model), spec, prompt, 5, 20)
     assert good["nbytes_match"] and good["cache_tokens"] == (7 if kind == "concat" else 20)
     c = tiny_model.config
     assert good["bytes_per_token"] == 2 * c.n_layer * c.n_embd * 2
     measured = curve.dropna()
     assert list(measured.tokens) == [3, 4, 5, 6, 7] and good["nbytes_curve_match"]
-    bad, _ = measure.cache_memory(IgnoresCacheDtype(tiny_model), spec, prompt, 5, 20)
+    bad, _, _ = measure.cache_memory(IgnoresCacheDtype(tiny_model), spec, prompt, 5, 20)
     assert not bad["nbytes_match"] and bad["cache_nbytes"] == 2 * bad["predicted_nbytes"]
     assert not bad["nbytes_curve_match"]
 

@@ -508,7 +508,7 @@ def test_a_programmatic_run_on_an_engine(tiny_model):
     e = KvlabEngine(tiny_model)
     rec, tables = measurements.run_on(e, CacheSpec("concat", {}, torch.float32), [torch.tensor([[464, 3290]])], 5,
                                       names=["equivalence", "memory"])
-    assert rec["tokens_identical"] and rec["nbytes_match"] and set(tables) == {"drift", "memory"}
+    assert rec["tokens_identical"] and rec["nbytes_match"] and set(tables) == {"drift", "memory", "heads"}
     assert list(tables["drift"].columns) == measurements.table("drift")["columns"]
 
 
