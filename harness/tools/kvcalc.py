@@ -5,6 +5,7 @@ sliding-window aware, in plain or quantised (our ``quant`` kind) storage.
     python -m harness.kvcalc path/to/config.json --tokens 8192 --dtype fp16 --memory 80GB
     python -m harness.kvcalc gpt2 --kv-bits 4,4 --group-size 32 --json
     python -m harness.kvcalc gpt2 --kv-bits 8,4 --scheme symmetric      # llama.cpp's q8_0 / q4_0: a scale only
+    python -m harness.kvcalc mini --evict snapkv --budget 64 --allocation pyramid   # an evicting kind's slots
 
     from harness.tools.kvcalc import kv_geometry, kv_cache_bytes, bytes_per_token, sequences_that_fit
     g = kv_geometry("gpt2")                       # or a path to a config.json (or a folder holding one)
@@ -403,6 +404,42 @@ def sequences_that_fit(geom: dict | str, tokens: int, memory_bytes: int, dtype: 
     return memory_bytes // per_seq
 
 
+def evicting_slots(geom: dict | str, kind: str, tokens: int, **options) -> tuple[list[int], object]:
+    """An evicting kind's slots per K/V head, per layer (bottom first), for a sequence of ``tokens`` positions, with
+    its options parsed (``budget``, ``allocation`` uniform | pyramid | ada, ``beta``, ``floor``, the kind's own):
+    (slots, options). Ada moves slots between a layer's heads and keeps its total: its layers hold what uniform's
+    do."""
+    from models.kv_cache import CACHE_KINDS
+
+    g = _geom(geom)
+    cls = CACHE_KINDS.get(kind)
+    if cls is None or not cls.evicts:
+        names = ", ".join(k for k, c in CACHE_KINDS.items() if c.evicts)
+        raise KVCalcError(f"--evict {kind}: not an evicting kind; give one of {names}")
+    try:
+        opts = cls.parse_options(**options)
+        cls.check_layers(opts, g["n_layer"], max(tokens, 1))
+    except ValueError as e:
+        raise KVCalcError(f"--evict {kind}: {e}") from None
+    return cls.layer_budgets(g["n_layer"], max(tokens, 1), opts), opts
+
+
+def evicting_bytes(geom: dict | str, kind: str, tokens: int, batch: int = 1, dtype: str = "fp32",
+                   **options) -> int:
+    """Exact bytes an evicting kind holds for ``batch`` sequences of ``tokens`` positions: its own
+    ``nbytes_formula`` (K and V of every slot in the storage dtype, plus 8 bytes of position and, for a kind that
+    carries a score, 4 of score per slot)."""
+    from models.kv_cache import CACHE_KINDS
+
+    g, dtype = _geom(geom), _dtype(dtype)
+    if ITEMSIZE[dtype] == 1:
+        raise KVCalcError(f"--evict with --dtype {dtype}: kvlab's evicting kinds store fp32, fp16 or bf16")
+    _check_counts(tokens, batch)
+    _, opts = evicting_slots(g, kind, tokens, **options)
+    return CACHE_KINDS[kind].nbytes_formula(g["n_layer"], g["n_kv_head"], g["head_dim"], max(tokens, 1), batch,
+                                            dtype, tokens, opts)
+
+
 def parse_memory(text: str) -> int:
     """Bytes from '80GB' (10^9), '80GiB' (2^30), '24e9', '512MB', '1.5TB', '4096' (bytes); floored to whole bytes.
     At least 1 byte and at most MAX_MEMORY (checked before multiplying, so no size can overflow)."""
@@ -522,6 +559,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheme", choices=("asymmetric", "symmetric"),
                    help="with --kv-bits: asymmetric (default: a scale and a minimum per group) or symmetric (a scale "
                         "only: llama.cpp's q8_0 / q4_0)")
+    p.add_argument("--evict", metavar="KIND", help="an evicting kind (h2o, tova, snapkv, knorm, random): the bytes of "
+                   "its slots instead of every token's")
+    p.add_argument("--budget", type=int, help="with --evict: slots per layer and K/V head (their mean; default 32)")
+    p.add_argument("--allocation", choices=("uniform", "pyramid", "ada"),
+                   help="with --evict: how the slots are spent over layers and heads (default uniform)")
+    p.add_argument("--beta", type=float, help="with --evict and --allocation pyramid: PyramidKV's beta (default 20)")
+    p.add_argument("--floor", type=float, help="with --evict and --allocation ada: each head's guaranteed share "
+                   "(default 0.2)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
 
@@ -540,6 +585,8 @@ def compute(args: argparse.Namespace) -> dict:
     scheme = args.scheme or "asymmetric"
     opts = _quant_opts(kv_bits, args.group_size, dtype, scheme) if kv_bits is not None else None
     memory = parse_memory(args.memory) if args.memory is not None else None
+    if args.evict is not None or any(getattr(args, a) is not None for a in EVICT_ARGS):
+        return _compute_evicting(args, g, dtype, tokens, memory)
     method, f_token, f_total = _formulas(g, tokens, args.batch, dtype, opts)
     out = {"model": args.model, "source": g["source"], "n_layer": g["n_layer"], "n_head": g["n_head"],
            "n_kv_head": g["n_kv_head"], "head_dim": g["head_dim"], "windows": g["windows"],
@@ -557,6 +604,42 @@ def compute(args: argparse.Namespace) -> dict:
     return out
 
 
+EVICT_ARGS = ("budget", "allocation", "beta", "floor")
+
+
+def _compute_evicting(args: argparse.Namespace, g: dict, dtype: str, tokens: int, memory: int | None) -> dict:
+    """--evict KIND: the kind's slots per layer and its exact bytes."""
+    if args.evict is None:
+        given = [f"--{a}" for a in EVICT_ARGS if getattr(args, a) is not None]
+        raise KVCalcError(f"{', '.join(given)}: how an evicting kind spends its slots; pass --evict KIND with it")
+    if args.kv_bits is not None:
+        raise KVCalcError("--evict and --kv-bits: kvlab's evicting kinds store K/V unquantised; give one of them")
+    options = {a: getattr(args, a) for a in EVICT_ARGS if getattr(args, a) is not None}
+    slots, opts = evicting_slots(g, args.evict, tokens, **options)
+    total = evicting_bytes(g, args.evict, tokens, args.batch, dtype, **options)
+    from models.kv_cache import CACHE_KINDS
+
+    extra = CACHE_KINDS[args.evict].bookkeeping_bytes()
+    per_slot = 2 * g["n_kv_head"] * g["head_dim"] * ITEMSIZE[dtype] + g["n_kv_head"] * extra
+    out = {"model": args.model, "source": g["source"], "n_layer": g["n_layer"], "n_head": g["n_head"],
+           "n_kv_head": g["n_kv_head"], "head_dim": g["head_dim"], "windows": g["windows"],
+           "window_rule": g["window_rule"], "max_positions": g["max_positions"],
+           "dtype": dtype, "tokens": tokens, "batch": args.batch, "evict": args.evict,
+           "cache_label": CACHE_KINDS[args.evict].label(opts), "layer_slots": slots, "bytes": total,
+           "method": (f"{args.evict}, allocation {opts.allocation}: per layer, its slots per K/V head x kv_heads x "
+                      f"(2 (K,V) x head_dim x bytes/element + {extra} bytes of position"
+                      + (" and score" if extra > 8 else "") + ") x batch; ada moves slots between a layer's heads, "
+                      "its total unchanged"),
+           "formula": (f"({' + '.join(map(str, slots))} slots) x {g['n_kv_head']} kv_heads x (2 x {g['head_dim']} x "
+                       f"{ITEMSIZE[dtype]} + {extra}) x {args.batch} batch = {_n(total)} B"),
+           "bytes_per_slot": per_slot}
+    if memory is not None:
+        out["memory_bytes"] = memory
+        out["bytes_per_sequence"] = evicting_bytes(g, args.evict, tokens, 1, dtype, **options)
+        out["sequences_that_fit"] = memory // out["bytes_per_sequence"]
+    return out
+
+
 def _text(r: dict) -> str:
     wins = sorted({w for w in r["windows"] if w is not None})
     lines = [(f"model            {r['source']}: {r['n_layer']} layers, {r['n_head']} heads, "
@@ -565,10 +648,15 @@ def _text(r: dict) -> str:
         n_win = sum(w is not None for w in r["windows"])
         lines.append(f"windows          {n_win} of {r['n_layer']} layers hold at most "
                      f"{', '.join(_n(w) for w in wins)} tokens ({r['window_rule']})")
-    lines += [f"method           {r['method']}",
-              f"bytes/token      {_n(r['bytes_per_token'])}",
-              f"                 {r['formula_per_token']}",
-              f"bytes            {_n(r['bytes'])}  ({_n(r['tokens'])} tokens x {r['batch']} batch, {r['dtype']})",
+    if "evict" in r:
+        lines += [f"cache            {r['cache_label']}: slots per K/V head, bottom layer first: "
+                  f"{' '.join(map(str, r['layer_slots']))}",
+                  f"method           {r['method']}"]
+    else:
+        lines += [f"method           {r['method']}",
+                  f"bytes/token      {_n(r['bytes_per_token'])}",
+                  f"                 {r['formula_per_token']}"]
+    lines += [f"bytes            {_n(r['bytes'])}  ({_n(r['tokens'])} tokens x {r['batch']} batch, {r['dtype']})",
               f"                 {r['formula']}"]
     if r["max_positions"] is not None and r["tokens"] > r["max_positions"]:
         lines.append(f"note             {_n(r['tokens'])} tokens is beyond the model's {_n(r['max_positions'])} "

@@ -236,3 +236,32 @@ def test_module_runs_as_a_script():
     bad = subprocess.run([sys.executable, "-m", "harness.kvcalc", "gpt2", "--memory", "x"], capture_output=True,
                          text=True, check=False)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+def test_an_evicting_kinds_bytes_under_each_allocation_equal_a_filled_caches(capsys):
+    """--evict KIND: the slots per layer and the bytes a real cache of that kind holds once full, under uniform,
+    pyramid and ada; the pyramid's layers, worked out by hand from PyramidKV's rule (the mini: 6 layers; snapkv's
+    window of 8 reserved, 56 slots on average beyond it: top 56 / 20 = 2.8, bottom 2 x 56 - 2.8 = 109.2, a step of
+    21.28 between), hold what uniform's do."""
+    from harness.tools.kvcalc import evicting_bytes, evicting_slots
+    from models.kv_cache import CACHE_KINDS
+
+    g = kv_geometry("mini")
+    slots, _ = evicting_slots(g, "snapkv", 1024, budget=64, allocation="pyramid")
+    assert slots == [8 + n for n in (109, 88, 67, 45, 24, 3)] and sum(slots) == 6 * 64
+    for allocation in ("uniform", "pyramid", "ada"):
+        cache = CACHE_KINDS["snapkv"](6, 2, 64, 300, batch=2, budget=64, allocation=allocation)
+        k = torch.randn(2, 2, 300, 64)
+        for layer in range(6):  # one forward of 300 tokens, every layer's attention uniform over its keys
+            keys = cache.update(layer, k, k)[0].shape[2]
+            cache.after_attention(layer, torch.full((2, 2, 300, keys), 1 / keys))
+        cache.pos = 300
+        assert cache.nbytes == evicting_bytes(g, "snapkv", 300, batch=2, budget=64, allocation=allocation)
+        assert sum(map(sum, (cache.slots_of(layer)[0] for layer in range(6)))) == 2 * 6 * 64
+    assert main(["mini", "--tokens", "1024", "--evict", "h2o", "--budget", "64", "--allocation", "pyramid"]) == 0
+    out = capsys.readouterr().out
+    assert "h2o B64 pyramid beta=20 recent=8: slots per K/V head, bottom layer first: 117 96 75 53 32 11" in out
+    assert main(["mini", "--budget", "64"]) == 2
+    assert "--budget: how an evicting kind spends its slots; pass --evict KIND with it" in capsys.readouterr().err
+    assert main(["mini", "--evict", "tova", "--floor", "0.5"]) == 2
+    assert "floor=0.5 has no effect with allocation=uniform" in capsys.readouterr().err
