@@ -10,7 +10,8 @@
 ``base.py`` holds the contract (``KVCache``) and the registry; each kind is one module with one registered class:
 ``concat`` (layout A), ``prealloc`` (layout B), ``quant`` (low-bit K/V), ``window`` (sinks + sliding window) and
 ``paged`` (blocks from a shared pool, a block table per sequence), and the evicting kinds, ``budget`` slots per
-sequence, layer and head chosen after attention (``evict.py``): ``h2o``, ``tova``, ``snapkv``, ``knorm``, ``random``.
+sequence, layer and head chosen after attention (``evict.py``): ``h2o``, ``tova``, ``snapkv``, ``knorm``, ``random``;
+and ``duo`` (DuoAttention: retrieval heads keep every token, streaming heads sinks + recent).
 """
 
 from models.kv_cache.base import (CACHE_KINDS, DTYPE_NAMES, DTYPES, KVCache, NoOptions, as_dtype, cache_kind,
@@ -26,8 +27,9 @@ from models.kv_cache.tova import TOVAKVCache  # noqa: E402
 from models.kv_cache.snapkv import SnapKVKVCache  # noqa: E402
 from models.kv_cache.knorm import KNormKVCache  # noqa: E402
 from models.kv_cache.random import RandomKVCache  # noqa: E402
+from models.kv_cache.duo import DuoKVCache  # noqa: E402
 
 __all__ = ["CACHE_KINDS", "DTYPE_NAMES", "DTYPES", "KVCache", "NoOptions", "as_dtype", "cache_kind",
            "kv_bytes", "make_cache", "register", "ConcatKVCache", "PreallocKVCache", "QuantKVCache",
            "WindowKVCache", "BlockPool", "PagedKVCache", "EvictingKVCache", "KeepRecord", "H2OKVCache",
-           "TOVAKVCache", "SnapKVKVCache", "KNormKVCache", "RandomKVCache"]
+           "TOVAKVCache", "SnapKVKVCache", "KNormKVCache", "RandomKVCache", "DuoKVCache"]

@@ -297,7 +297,7 @@ class EvictingKVCache(KVCache):
             probs = probs * (q >= 0)[:, None, :, None]
         priority, carried = self._priority(layer, probs, k_all, pos_all, t)
         priority = priority.masked_fill(pos_all < 0, NEG)  # empty slots and padding are never kept
-        splits = (self.opts.allocation == "ada" and self._caps[layer] is None
+        splits = (getattr(self.opts, "allocation", None) == "ada" and self._caps[layer] is None
                   and int((pos_all >= 0).sum(-1).max()) > self._widths[layer])
         if splits:  # Ada-KV: the layer's first eviction splits its slots among the heads, per sequence
             self._caps[layer] = self._ada_caps(priority, self._widths[layer])
@@ -451,7 +451,7 @@ class EvictingKVCache(KVCache):
         def fits(layer, c):
             if c is None:
                 return True
-            return (self.opts.allocation == "ada" and isinstance(c, tuple) and len(c) == self.batch
+            return (getattr(self.opts, "allocation", None) == "ada" and isinstance(c, tuple) and len(c) == self.batch
                     and all(isinstance(row, tuple) and len(row) == self.n_kv_head and all(
                         isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in row)
                         and sum(row) == self.n_kv_head * self._widths[layer] for row in c))
