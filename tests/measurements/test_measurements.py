@@ -472,8 +472,11 @@ def test_every_kind_sweeps_beside_the_others(conformance):
         assert ("drift_kl" not in r) == plain
         memory = pd.read_csv(Path(r["run_dir"]) / "memory.csv")
         assert memory.nbytes_measured.notna().sum() == r["new_tokens"]
-        if cls.evicts:  # 47 tokens stored, 32 held: the policy dropped some, and the outputs moved
+        if cls.evicts and kind != "duo":  # 47 tokens stored, 32 held: the policy dropped some, and the outputs moved
             assert r["cache_tokens"] == 32 and r["drift_max_abs"] > 1e-3, kind
+    # duo's streaming heads hold sinks + recent = 16 + 64 at its defaults, more than the 47 tokens: it runs and
+    # measures beside the others here; its eviction is the cache kinds' conformance suite's (tests/models)
+    assert runs["duo"]["cache_tokens"] == 80 and runs["duo"]["nbytes_match"]
     assert runs["window"]["drift_max_abs"] > 1e-3 and runs["window"]["cache_tokens"] == 36
     assert runs["quant"]["cache_nbytes"] < 0.3 * runs["prealloc"]["cache_nbytes"]  # 4-bit, 128 slots, no fp32 tail
     report = sweep / "report"
