@@ -81,6 +81,10 @@ FIGURES: tuple[Figure, ...] = (
            "Cache bytes: measured vs the formula, and bytes per cached token.", by=("memory",)),
     Figure("memory", "memory", plots.memory_plot,
            "Cache bytes held vs tokens in the sequence: the kind's formula (line), measured (dots).", by=("memory",)),
+    Figure("heads", "heads", plots.heads_plot,
+           "Slots per layer and K/V head after the generation, for each run that spends them unevenly "
+           "(cache.allocation pyramid or ada, cache=duo; R: a retrieval head kept whole).", by=("memory",),
+           when=lambda heads: not plots.spent_unevenly(heads).empty),
     Figure("step_time", "steps", plots.step_time_plot,
            "Decode-step time vs context length: cached (by cache) vs uncached (full recompute).", by=("step_time",)),
     Figure("speedup", "steps", plots.speedup_plot,

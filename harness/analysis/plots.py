@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import math
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -758,6 +759,51 @@ def memory_plot(memory: pd.DataFrame) -> Figure:
     _fig_legend(fig, axes)
     return fig
 
+
+
+HEAD_PANELS = 12  # runs drawn side by side in the heads figure, at most
+
+
+def spent_unevenly(heads: pd.DataFrame) -> pd.DataFrame:
+    """The ok rows of the runs whose K/V heads hold different numbers of slots (an allocation or duo)."""
+    df = _ok(heads)
+    if df.empty or KEYS.slots not in df:
+        return df.iloc[:0]
+    uneven = df.groupby(KEYS.run_name)[KEYS.slots].transform("nunique") > 1
+    return df[uneven]
+
+
+def heads_plot(heads: pd.DataFrame) -> Figure:
+    """Slots held per layer (rows) and K/V head (columns) of each run that spends them unevenly: one panel per
+    run (at most ``HEAD_PANELS``), the count written in each cell, R on a duo run's retrieval heads."""
+    df = spent_unevenly(heads)
+    if df.empty:
+        return _message_figure("no run spends its slots unevenly over layers or heads")
+    runs = list(dict.fromkeys(df[KEYS.run_name]))[:HEAD_PANELS]
+    cols = min(len(runs), 4)
+    rows = math.ceil(len(runs) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols + 1, 2.8 * rows + 0.6), squeeze=False,
+                             layout="constrained")
+    top = float(df[KEYS.slots].max())
+    for ax, run in zip(axes.flat, runs):
+        g = df[df[KEYS.run_name] == run]
+        grid = g.pivot(index=KEYS.layer, columns=KEYS.kv_head, values=KEYS.slots)
+        im = ax.imshow(grid.values, cmap="viridis", vmin=0, vmax=top, aspect="auto")
+        roles = g.set_index([KEYS.layer, KEYS.kv_head])[KEYS.role].fillna("")
+        for (i, layer), (j, head) in itertools.product(enumerate(grid.index), enumerate(grid.columns)):
+            mark = " R" if roles.get((layer, head), "") == "retrieval" else ""
+            ax.text(j, i, f"{int(grid.loc[layer, head])}{mark}", ha="center", va="center", fontsize=7,
+                    color="w" if grid.loc[layer, head] < top / 2 else "k")
+        ax.set_title(f"{g[KEYS.model].iloc[0]} · {g[KEYS.cache].iloc[0]}", fontsize=8)
+        ax.set_xlabel("K/V head")
+        ax.set_ylabel("layer")
+        ax.set_xticks(range(grid.shape[1]))
+        ax.set_yticks(range(grid.shape[0]))
+    for ax in list(axes.flat)[len(runs):]:
+        ax.set_visible(False)
+    fig.colorbar(im, ax=axes, label="slots held (tokens)", shrink=0.8)
+    fig.suptitle("Slots per layer and K/V head (R: a duo retrieval head)")
+    return fig
 
 
 def retrieval_plot(runs: pd.DataFrame) -> Figure:
