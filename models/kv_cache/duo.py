@@ -89,8 +89,7 @@ class DuoKVCache(EvictingKVCache):
     Options = DuoOptions
     description = "DuoAttention: retrieval heads keep every token, streaming heads sinks + recent"
     examples = ({"heads": RANDOM, "retrieval": 0.5, "sinks": 2, "recent": 4},
-                {"heads": RANDOM, "retrieval": 0.25, "sinks": 0, "recent": 3},
-                {"heads": RANDOM, "retrieval": 0.0, "sinks": 1, "recent": 1})
+                {"heads": RANDOM, "retrieval": 0.25, "sinks": 0, "recent": 3})
     wants_scores = False
     sized_by: ClassVar[tuple[str, ...]] = ("retrieval", "recent", "sinks")
 

@@ -31,7 +31,7 @@ class H2OKVCache(EvictingKVCache):
     Options = H2OOptions
     description = "H2O: heavy hitters by accumulated attention + the newest tokens, budget slots per head"
     examples = ({"budget": 8, "recent": 3}, {"budget": 5, "recent": 0}, {"budget": 1, "recent": 0},
-                {"budget": 8, "recent": 3, "allocation": "pyramid"}, {"budget": 6, "recent": 2, "allocation": "ada"})
+                {"budget": 6, "recent": 2, "allocation": "ada"})
     wants_scores = True
     carries_score = True
 

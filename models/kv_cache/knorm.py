@@ -13,8 +13,7 @@ class KNormKVCache(EvictingKVCache):
     kind = "knorm"
     Options = BudgetOptions
     description = "key norm: the keys of smallest L2 norm, budget slots per head (no scores)"
-    examples = ({"budget": 8}, {"budget": 3}, {"budget": 1}, {"budget": 6, "allocation": "pyramid"},
-                {"budget": 5, "allocation": "ada", "floor": 0.5})
+    examples = ({"budget": 8}, {"budget": 3}, {"budget": 1}, {"budget": 5, "allocation": "ada", "floor": 0.0})
     wants_scores = False
 
     def _priority(self, layer, probs, k_all, pos_all, t):

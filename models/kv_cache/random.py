@@ -40,8 +40,7 @@ class RandomKVCache(EvictingKVCache):
     kind = "random"
     Options = RandomOptions
     description = "random eviction (seeded): the control, budget slots per head"
-    examples = ({"budget": 8, "seed": 0}, {"budget": 3, "seed": 1}, {"budget": 1, "seed": 2},
-                {"budget": 6, "seed": 0, "allocation": "pyramid"}, {"budget": 5, "seed": 3, "allocation": "ada"})
+    examples = ({"budget": 8, "seed": 0}, {"budget": 3, "seed": 1}, {"budget": 1, "seed": 2})
     wants_scores = False
 
     def _priority(self, layer, probs, k_all, pos_all, t):

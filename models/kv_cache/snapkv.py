@@ -46,8 +46,7 @@ class SnapKVKVCache(EvictingKVCache):
     description = "SnapKV: the prompt's last window of queries chooses (max-pooled); decode slides the rest"
     examples = ({"budget": 8, "window": 3, "kernel": 3}, {"budget": 5, "window": 1, "kernel": 1},
                 {"budget": 2, "window": 1, "kernel": 5},
-                {"budget": 8, "window": 2, "kernel": 3, "allocation": "pyramid"},
-                {"budget": 6, "window": 2, "kernel": 3, "allocation": "ada"})
+                {"budget": 8, "window": 2, "kernel": 3, "allocation": "pyramid", "beta": 3.0})
     wants_scores = True
     carries_score = True  # +inf for a position the prompt chose; its position for one that slides
 

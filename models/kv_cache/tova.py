@@ -12,8 +12,7 @@ class TOVAKVCache(EvictingKVCache):
     kind = "tova"
     Options = BudgetOptions
     description = "TOVA: the keys the current query attends to most, budget slots per head"
-    examples = ({"budget": 8}, {"budget": 3}, {"budget": 1}, {"budget": 6, "allocation": "pyramid", "beta": 3.0},
-                {"budget": 5, "allocation": "ada", "floor": 0.0})
+    examples = ({"budget": 8}, {"budget": 3}, {"budget": 1})
     wants_scores = True
 
     def _priority(self, layer, probs, k_all, pos_all, t):
