@@ -113,7 +113,6 @@ class EvictingKVCache(KVCache):
         super().__init__(*args, **kwargs)  # parse_options has checked the options against each other
         # a cache shorter than the budget holds every token it can take (a run's config refuses a budget above its
         # max_len: check_max_len; a measurement's short cache, for a few tokens, simply never evicts)
-        self.n_slots = self.held_tokens(self.max_len, 0, self.opts)  # a head's slots (their mean, unless uniform)
         self._widths = self.layer_budgets(self.n_layer, self.max_len, self.opts)  # every head's slots, per layer
         self._first_caps = self._initial_caps()
         self._pending: list[tuple | None] = [None] * self.n_layer  # update -> after_attention, within one forward
