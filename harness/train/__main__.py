@@ -5,7 +5,8 @@
     python -m harness.train --evaluate DIR [--record]            # the targets table of a checkpoint (no training)
     python -m harness.train --out DIR --family llama             # the Llama-family reference model (mini-llama)
     python -m harness.train --out DIR [--copy-phase F] [--copy-offsets F|none] [--mlp-off F] [--copy-share F]
-                            [--placed-share F] [--far-share F] [--curriculum LEN:SHARE,...|none] [--heads N]
+                            [--placed-share F] [--far-share F] [--deep-draw window|frequency]
+                            [--curriculum LEN:SHARE,...|none] [--heads N]
 
 The command line: every number bounded before anything is read or built (one line, exit 2), then ``loop.train`` (or
 ``targets.evaluate_folder``) inside the one stop-signal protocol (``harness.common.signals``): a stop signal is one
@@ -44,9 +45,11 @@ import torch  # noqa: E402
 from harness.common.signals import Interrupted, stop_signals  # noqa: E402
 from harness.train.loop import train  # noqa: E402
 from harness.train.recipe import (BATCH, BOS, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CURRICULUM,  # noqa: E402
-                                  DEFAULT_STEPS, FAMILY_PRESETS, FAR_SHARE, MAX_MINUTES, MAX_STEPS, MAX_THREADS, MINI_CONFIG,
+                                  DEEP_DRAW, DEFAULT_STEPS, FAMILY_PRESETS, FAR_SHARE, MAX_MINUTES, MAX_STEPS,
+                                  MAX_THREADS, MINI_CONFIG,
                                   MLP_OFF, PLACED_SHARE, SEQ_LEN, SHARE_FLAGS, WEIGHT_DECAY, TrainError,
                                   check_curriculum, parse_curriculum)
+from harness.train.rows import DEEP_DRAWS  # noqa: E402
 from harness.train.targets import check_recordable, evaluate_folder, record_targets  # noqa: E402
 from models.gpt2 import GPT2Config  # noqa: E402
 
@@ -96,6 +99,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="share of each batch's rows, after the copy phase, that are retrieval rows in text: a span "
                         "shown twice at any distance, and key-value pairs asked at the end (default "
                         f"{FAR_SHARE}; see docs/reference-model.md)")
+    p.add_argument("--deep-draw", default=DEEP_DRAW, choices=sorted(DEEP_DRAWS),
+                   help="how half the deep copies (a third of the retrieval rows) draw their ids: 'window', uniformly "
+                        "from the vocabulary of a stretch of training text (the mini's recipe), or 'frequency', as the "
+                        f"training text uses them (mini-llama's) (default {DEEP_DRAW})")
     p.add_argument("--mlp-off", type=float, default=MLP_OFF,
                    help="share of the budget trained attention only, every MLP left out of the forward, so the copy "
                         f"circuit forms before the MLPs join (default {MLP_OFF}, the shipped mini's; see "
@@ -222,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                   placed_share=args.placed_share, mlp_off=args.mlp_off, curriculum=curriculum,
                   copy_phase=args.copy_phase, copy_share=args.copy_share, copy_offsets=copy_offsets,
                   family=args.family, bos=args.bos, weight_decay=args.weight_decay, far_share=args.far_share,
+                  deep_draw=args.deep_draw,
                   **({} if args.heads in (None, MINI_CONFIG["n_head"]) else  # the default: train()'s own preset
                      {"config": GPT2Config(**{**MINI_CONFIG, "n_head": args.heads})}))
         except TrainError as e:

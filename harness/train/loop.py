@@ -44,12 +44,13 @@ from harness.train.export import export_full, finished, write_checkpoint
 from harness.train.folder import RESTART, check_out, fit_problem, load_state, state_cap, step_problem, take
 from harness.train.model import (attention_only_at, compact_model, hidden, lr_at, make_optimizer, mlp_output,
                                  mlps_left_out, pin_embedding, row_positions)
-from harness.train.recipe import (BATCH, BOS, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CORPUS, DEFAULT_STEPS, EOT, FAR_SHARE,
-                                  FAR_SPAN_MAX, EVAL_LEN, FAMILY_PRESETS, HELDOUT_AT, HELDOUT_EVERY, IGNORE, INIT_STD, MAX_STEPS,
-                                  MIN_LR_FRAC, MLP_OFF, OURS, PEAK_LR, PLACED_SHARE, QUICK_COPY, QUICK_FAR, SEQ_LEN,
+from harness.train.recipe import (BATCH, BOS, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CORPUS, DEEP_DRAW, DEFAULT_STEPS,
+                                  EOT, EVAL_LEN, FAMILY_PRESETS, FAR_SHARE, FAR_SPAN_MAX, HELDOUT_AT, HELDOUT_EVERY,
+                                  IGNORE, INIT_STD, MAX_STEPS, MIN_LR_FRAC, MLP_OFF, OURS, PEAK_LR, PLACED_SHARE,
+                                  QUICK_COPY, QUICK_FAR, SEQ_LEN,
                                   SINK_FROM, SPAN_MIN, STATE, WARMUP_FRAC, WEIGHT_DECAY, TrainError, check_settings,
                                   curriculum_setting)
-from harness.train.rows import make_batch, twice_rows, with_bos
+from harness.train.rows import DEEP_DRAWS, make_batch, twice_rows, with_bos
 from harness.train.targets import attention_on_first, evaluate, nll, prompts_nll, targets_table
 from models.decoder import Decoder
 from models.families import preset_config
@@ -250,7 +251,8 @@ class _Run:
             loss = F.cross_entropy(logits, y[trained])
         else:
             x, y = make_batch(d.ctrain, rows, seq_len - bos, s["copy_share"], len(d.vocab), d.eot, self.gen,
-                              s.get("placed_share", 0.0), far_share=s.get("far_share", 0.0))
+                              s.get("placed_share", 0.0), far_share=s.get("far_share", 0.0),
+                              deep_draw=s.get("deep_draw", DEEP_DRAW))
             if bos:
                 x, y = with_bos(x, y, self.bos)
             with mlps_left_out(self.model, self.attention_only()):
@@ -353,7 +355,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
           curriculum=True, threads: int | None = None, placed_share: float = PLACED_SHARE,
           mlp_off: float = MLP_OFF, copy_phase: float = COPY_PHASE, copy_offsets: float | None | str = "default",
           family: str = "gpt2", bos: bool = BOS, weight_decay: float = WEIGHT_DECAY,
-          far_share: float = FAR_SHARE) -> dict:
+          far_share: float = FAR_SHARE, deep_draw: str = DEEP_DRAW) -> dict:
     """Train (or resume, or report) the run in ``out``; returns its ``kvlab_train`` record (``done`` False when
     ``stop_after`` interrupted it). The budget is ``minutes`` of wall clock or ``steps`` (deterministic), not both;
     neither: DEFAULT_STEPS. ``config``, ``batch``, ``seq_len``, ``eval_every``, ``eval_tokens`` (the final held-out
@@ -369,6 +371,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
     recipe = dict(batch=batch, seq_len=seq_len, copy_share=copy_share, init_std=init_std, peak_lr=peak_lr,
                   **({"placed_share": placed_share} if placed_share else {}),  # absent when off: a record names only the phases it had
                   **({"far_share": far_share} if far_share else {}),
+                  **({"deep_draw": deep_draw} if far_share and deep_draw != DEEP_DRAW else {}),
                   **({"mlp_off": mlp_off} if mlp_off else {}),
                   **({"copy_phase": copy_phase} if copy_phase else {}),
                   **({"copy_offsets": copy_offsets} if copy_offsets is not None else {}),
@@ -377,6 +380,8 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
                   curriculum=curriculum_setting(curriculum))  # in the resume check
     if family not in FAMILY_PRESETS:
         raise TrainError(f"--family {family!r}: use one of {', '.join(FAMILY_PRESETS)}")
+    if deep_draw not in DEEP_DRAWS:
+        raise TrainError(f"--deep-draw {deep_draw!r}: use one of {', '.join(sorted(DEEP_DRAWS))}")
     config = config or preset_config(FAMILY_PRESETS[family])
     try:
         return _train(Path(out), minutes, steps, seed, restart, config, stop_after, save_dtype, recipe, eval_every,
@@ -500,8 +505,9 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
                 "or key-value pairs (8 + 8 random ids, up to 16, one in a quarter of the rows) with some of the keys "
                 f"asked at the end; and rows of random ids with a span ({SPAN_MIN}..{FAR_SPAN_MAX}, uniform) shown "
                 "twice in a row at a random place (a copy deep in unpredictable context; in half of them the ids drawn "
-                "uniformly from the vocabulary of a random stretch of 46,000 tokens of training text); only the second "
-                "showing and the asked values targets")
+                + ("as the training text uses them (by frequency)" if s.get("deep_draw") == "frequency" else
+                   "uniformly from the vocabulary of a random stretch of 46,000 tokens of training text")
+                + "); only the second showing and the asked values targets")
     if s.get("copy_phase"):
         offsets = s.get("copy_offsets")
         mix = (f"the first {s['copy_phase']:.0%} of the budget: every row random ids with one span of them shown twice "
@@ -519,6 +525,7 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
                 batch=s["batch"], seq_len=s["seq_len"], copy_share=s["copy_share"], span_min=SPAN_MIN,
                 **({"placed_share": s["placed_share"]} if s.get("placed_share") else {}),
                 **({"far_share": s["far_share"]} if s.get("far_share") else {}),
+                **({"deep_draw": s["deep_draw"]} if s.get("deep_draw") else {}),
                 **({"mlp_off": s["mlp_off"]} if s.get("mlp_off") else {}),
                 **({"copy_phase": s["copy_phase"]} if s.get("copy_phase") else {}),
                 **({"copy_offsets": s["copy_offsets"]} if s.get("copy_offsets") is not None else {}),

@@ -64,9 +64,11 @@ CURRICULUM = ((128, 0.315), (256, 0.03), (512, 0.03))
 COPY_SHARE = 0.2  # share of each batch's rows that are copy rows after the copy phase (the rest: KJV text)
 SPAN_MIN = 8  # span lengths are log-uniform in [SPAN_MIN, seq_len // 2]
 PLACED_SHARE = 0.5  # share of the copy rows that show their span twice at a random place of a text row (placed_rows)
-FAR_SHARE = 0.0  # share of each batch's rows that are retrieval rows after the copy phase: far copies (far_rows),
-#                  key-value recall (recall_rows) and deep copies (twice_rows at full length), a third each
-#                  (rows.retrieval_split); 0 in the shipped models' recipe (issue 66 turns it on)
+FAR_SHARE = 0.375  # share of each batch's rows that are retrieval rows after the copy phase: far copies (far_rows),
+#                    key-value recall (recall_rows) and deep copies (deep_rows), a third each (rows.retrieval_split):
+#                    3 of a batch's 8 rows, the shipped models' recipe (issue 66)
+DEEP_DRAW = "window"  # --deep-draw: a relabelled deep copy's ids uniform over a text window's vocabulary ("window")
+#                     or by the training text's frequencies ("frequency", the shipped mini-llama's)
 VOCAB_WINDOW = 46_000  # a relabelled deep copy draws its ids from the vocabulary of this many tokens of training text
 FAR_SPAN_MAX = 128  # a far copy's span lengths are log-uniform in [SPAN_MIN, FAR_SPAN_MAX], a deep copy's uniform
 RECALL_PAIRS, RECALL_KEY, RECALL_VALUE = 16, 8, 8  # recall rows: up to 16 pairs of an 8-id key and an 8-id value

@@ -16,14 +16,24 @@ import math
 import torch
 
 from harness.core.inputs import behind
-from harness.train.recipe import (FAR_SPAN_MAX, IGNORE, NEEDLE_SHARE, RECALL_KEY, RECALL_PAIRS, RECALL_VALUE, SPAN_MIN,
-                                  VOCAB_WINDOW)
+from harness.train.recipe import (DEEP_DRAW, FAR_SPAN_MAX, IGNORE, NEEDLE_SHARE, RECALL_KEY, RECALL_PAIRS,
+                                  RECALL_VALUE, SPAN_MIN, VOCAB_WINDOW)
 
 
 def span_ids(n_ids: int, skip: int, shape: tuple, gen: torch.Generator) -> torch.Tensor:
     """Random token ids, uniform over ``range(n_ids)`` without ``skip`` (the <|endoftext|> id)."""
     r = torch.randint(0, n_ids - 1, shape, generator=gen)
     return r + (r >= skip).long()
+
+
+def text_ids(stream: torch.Tensor, skip: int, n_ids: int, shape: tuple, gen: torch.Generator) -> torch.Tensor:
+    """Random token ids as the training text uses them: each the token at a random place of ``stream`` (so by its
+    frequency there), <|endoftext|> (``skip``) drawn again uniformly (``span_ids``): ``--deep-draw frequency``."""
+    ids = stream[torch.randint(0, len(stream), shape, generator=gen)]
+    eot = ids == skip
+    if bool(eot.any()):
+        ids[eot] = span_ids(n_ids, skip, (int(eot.sum()),), gen)
+    return ids
 
 
 def window_vocab_ids(stream: torch.Tensor, skip: int, n_ids: int, shape: tuple, gen: torch.Generator,
@@ -38,6 +48,9 @@ def window_vocab_ids(stream: torch.Tensor, skip: int, n_ids: int, shape: tuple, 
     if len(vocab) == 0:
         return span_ids(n_ids, skip, shape, gen)
     return vocab[torch.randint(0, len(vocab), shape, generator=gen)]
+
+
+DEEP_DRAWS = {"window": window_vocab_ids, "frequency": text_ids}  # --deep-draw: a relabelled deep copy's ids
 
 
 def span_length(seq_len: int, span_min: int, gen: torch.Generator) -> int:
@@ -118,18 +131,20 @@ def twice_rows(rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Genera
 
 
 def deep_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
-              span_max: int = FAR_SPAN_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+              span_max: int = FAR_SPAN_MAX, draw: str = DEEP_DRAW) -> tuple[torch.Tensor, torch.Tensor]:
     """``twice_rows`` at full length (a span of SPAN_MIN..span_max shown twice in a row anywhere among random ids:
     a copy deep in context nothing predicts), whose ids are, in each row with a coin's chance, drawn from a text's own
     vocabulary (``window_vocab_ids``: words, so the copy competes with what they predict, and few enough distinct
     ones that an id to copy from often occurs elsewhere too, which a one-id match cannot tell apart) rather than
-    uniformly from every id. Only the second showing past its first id is a target. (inputs, targets)."""
+    uniformly from every id; ``draw="frequency"`` draws them by the training text's frequencies instead (``text_ids``,
+    mini-llama's recipe). Only the second showing past its first id is a target. (inputs, targets)."""
+    pick = DEEP_DRAWS[draw]
     x, y = twice_rows(rows, seq_len, n_ids, skip, gen, span_max=span_max)
     for r in range(rows):
         if float(torch.rand((), generator=gen)) < 0.5:
             full = torch.cat([x[r], y[r, -1:].clamp(min=0)])  # the row's ids (the last past the inputs)
             distinct, where = torch.unique(full, return_inverse=True)
-            relabelled = window_vocab_ids(stream, skip, n_ids, (len(distinct),), gen)[where]  # one id for one id: the copy
+            relabelled = pick(stream, skip, n_ids, (len(distinct),), gen)[where]  # one id for one id: the copy
             x[r] = relabelled[:-1]                                                   # stays a copy
             keep = y[r] != IGNORE
             y[r, keep] = relabelled[1:][keep]
@@ -206,11 +221,12 @@ def retrieval_split(n: int) -> tuple[int, int, int]:
 
 def make_batch(stream: torch.Tensor, batch: int, seq_len: int, copy_share: float, n_ids: int, skip: int,
                gen: torch.Generator, placed_share: float = 0.0,
-               span_min: int = SPAN_MIN, far_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+               span_min: int = SPAN_MIN, far_share: float = 0.0,
+               deep_draw: str = DEEP_DRAW) -> tuple[torch.Tensor, torch.Tensor]:
     """One training batch: round(batch * copy_share) copy rows (of them, round(that * placed_share) placed in text,
     the rest repeated random spans), round(batch * far_share) retrieval rows (``retrieval_split``: far copies in
     text, recall rows in text, and deep copies: random ids with a span of SPAN_MIN..FAR_SPAN_MAX shown twice in a
-    row at a random place of the whole row, ``twice_rows``), the rest KJV text. (inputs, targets)."""
+    row at a random place of the whole row, ``deep_rows`` with ``deep_draw``), the rest KJV text. (inputs, targets)."""
     n_copy = round(batch * copy_share)
     n_placed = round(n_copy * placed_share)
     n_far = min(round(batch * far_share), batch - n_copy)
@@ -221,7 +237,7 @@ def make_batch(stream: torch.Tensor, batch: int, seq_len: int, copy_share: float
         if recall:
             parts.append(recall_rows(stream, recall, seq_len, n_ids, skip, gen))
         if deep:
-            parts.append(deep_rows(stream, deep, seq_len, n_ids, skip, gen))
+            parts.append(deep_rows(stream, deep, seq_len, n_ids, skip, gen, draw=deep_draw))
         x, y = torch.cat([p[0] for p in parts] + [x]), torch.cat([p[1] for p in parts] + [y])
     if n_copy - n_placed:
         cx, cy = copy_rows(n_copy - n_placed, seq_len, n_ids, skip, gen, span_min)

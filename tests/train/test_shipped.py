@@ -23,6 +23,7 @@ def _shipped() -> list:
 
 
 SHIPPED = _shipped()
+DEEP_DRAWS = {"mini-llama": "frequency"}  # the shipped models whose --deep-draw is not the default
 
 
 def test_the_reference_models_ship():
@@ -38,7 +39,9 @@ def test_a_shipped_checkpoint_is_good_with_the_full_vocabulary(name):
     assert model.config.vocab_size == 50257 and model.config.n_positions == 1024
     assert type(model.config) is type(preset_config(name))  # the family its model=NAME preset says
     rec = json.loads((folder / "config.json").read_text())["kvlab_train"]
-    assert rec["done"] and rec["heldout_nll"] <= 5.0 and rec["minutes"] <= 150 and rec["seq_len"] == 1024
+    # the record's minutes are wall clock, pauses and a shared machine's load included (docs/reference-model.md gives
+    # each model's time on a machine to itself); the budget that makes it is the step count, checked below
+    assert rec["done"] and rec["heldout_nll"] <= 5.0 and rec["steps"] == R.DEFAULT_STEPS and rec["seq_len"] == 1024
     assert rec["command"].startswith("python -m harness.train ") and rec["save_dtype"] == "fp16"
     _, _, held = corpus.load_data()
     wins = corpus.windows(held, 4096, T=128, bos=bool(rec.get("bos")))
@@ -66,6 +69,12 @@ def test_a_shipped_checkpoint_was_made_by_the_default_recipe(name):
     assert R.FAMILY_PRESETS[rec.get("family", "gpt2")] == name  # the preset its --family trains
     assert rec["bos"] is R.BOS and cfg[R.BOS_KEY] is R.BOS  # trained with the first token, and runs read it
     assert rec["weight_decay"] == R.WEIGHT_DECAY
+    assert rec["far_share"] == R.FAR_SHARE  # the retrieval rows (issue 66)
+    # mini-llama's deep copies draw their ids by the text's frequencies, the mini's from a text window's vocabulary
+    # (the default): each record's command names the draw that reproduces it
+    draw = rec.get("deep_draw", R.DEEP_DRAW)
+    assert draw == DEEP_DRAWS.get(name, R.DEEP_DRAW)
+    assert ("--deep-draw frequency" in rec["command"]) is (draw == "frequency")
 
 
 @pytest.fixture(scope="module", params=SHIPPED)

@@ -415,6 +415,10 @@ def test_deep_rows_copy_ids_drawn_uniformly_or_from_a_texts_own_vocabulary():
             relabelled += 1
             assert float((x[r] == 5).float().mean()) < 0.1  # each of its ids as likely, not by frequency
     assert 16 <= relabelled <= 48  # a coin per row
+    # --deep-draw frequency (the shipped mini-llama's): the relabelled ids as the text uses them, id 5 most of them
+    x, y = rows.deep_rows(stream, 64, 256, n_ids=200, skip=3, gen=torch.Generator().manual_seed(6), draw="frequency")
+    text = [r for r in range(64) if bool(((x[r] >= 4) & (x[r] < 104)).all())]
+    assert 16 <= len(text) <= 48 and all(float((x[r] == 5).float().mean()) > 0.5 for r in text)
 
 
 def test_window_vocab_ids_draw_from_one_stretch_of_text():
@@ -512,10 +516,14 @@ def test_a_copy_phase_trains_on_twice_rows_only_then_on_the_mix(tmp_path, monkey
     monkeypatch.setattr(loop, "make_batch", lambda *a, **k: calls.append("mix") or real_mix(*a, **k))
     monkeypatch.setattr(rows, "far_rows", lambda *a, **k: calls.append("far") or real_far(*a, **k))
     monkeypatch.setattr(rows, "recall_rows", lambda *a, **k: calls.append("recall") or real_recall(*a, **k))
-    meta = loop.train(tmp_path / "run", steps=8, eval_every=4, **{**FAST, "copy_phase": 0.5, "far_share": 0.5})
+    meta = loop.train(tmp_path / "run", steps=8, eval_every=4, **{**FAST, "copy_phase": 0.5, "far_share": 0.5,
+                                                                  "deep_draw": "frequency"})
     assert calls == ["twice"] * 4 + ["mix", "far", "recall"] * 4
     assert meta["copy_phase"] == 0.5 and "shown twice" in meta["mix"]
     assert meta["far_share"] == 0.5 and "key-value pairs" in meta["mix"]
+    assert meta["deep_draw"] == "frequency" and "by frequency" in meta["mix"]
+    with pytest.raises(R.TrainError, match=r"--deep-draw 'often': use one of frequency, window"):
+        loop.train(tmp_path / "other", steps=8, **{**FAST, "deep_draw": "often"})
     with pytest.raises(R.TrainError, match=r"--copy-phase must lie in \[0, 1\)"):
         loop.train(tmp_path / "other", steps=8, **{**FAST, "copy_phase": 1.0})
     with pytest.raises(R.TrainError, match=r"--far-share must lie in \[0, 1\] and leave room for the copy rows"):
