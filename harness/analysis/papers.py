@@ -153,6 +153,8 @@ NOT_ABOUT = {
     "paper_kv_types": {"cache.tail": "K and V are grouped per token, whose tail is the residual whatever tail says",
                        "cache.k_pre_rope": GPT2_KEYS},
     "paper_kivi": {"cache.k_pre_rope": GPT2_KEYS},
+    "paper_pyramidkv": {"cache.floor": "allocation=ada's; the pyramid splits each layer's slots evenly among its heads"},
+    "paper_adakv": {"cache.beta": "allocation=pyramid's; Ada-KV splits a layer's budget, not the layers' total"},
     "paper_h2o": {"cache.beta": "allocation=pyramid's; H2O spends the same budget in every layer and head",
                   "cache.floor": "allocation=ada's; H2O spends the same budget in every layer and head"},
 }
@@ -381,7 +383,7 @@ Metric, METRICS = intervals.Metric, intervals.METRICS
 # are about perplexity collapsing and being restored (its Tables 1 and 2 are perplexities), so that preset reads
 # ΔNLL, the log of the perplexity ratio.
 PRESET_METRIC = {"paper_streamingllm": "nll", "paper_kivi": "kl", "paper_h2o": "kl", "paper_kv_types": "kl",
-                 "paper_rotation": "kl"}
+                 "paper_rotation": "kl", "paper_pyramidkv": "kl", "paper_adakv": "kl", "paper_duo": "kl"}
 BESIDE = ("kl", "kl_p99", "nll")  # shown beside the deciding metric, as points
 
 
@@ -666,13 +668,97 @@ def _h2o_heavy_copy(at):
     heavy = _h2o(at, "heavy")
     if heavy is None:
         return missing(heavy)
+    return _keeps_full_copy(at, heavy, "heavy only", f"heavy only − full attention; {METRICS['copy'].label} on the "
+                            f"second copy, {value(heavy, KEYS.retrieval_n):.0f} tokens back")
+
+
+def _keeps_full_copy(at, run, name: str, what: str):
+    """``run``'s copy accuracy against full attention's on the same copies, within COPY_MARGIN below it
+    (non-inferiority); ``what`` says what is compared, ``name`` names the run's figure."""
     m = METRICS["copy"]
-    iv = at.against_full(heavy, m)
-    return (f"heavy only − full attention; {m.label} on the second copy, {value(heavy, KEYS.retrieval_n):.0f} tokens "
-            f"back, keeping it means no more than {COPY_MARGIN:.2f} below",
-            f"{_iv(iv, m, '+.3f')} (heavy {_fig(at.single(heavy, m).estimate, m)}, full attention "
-            f"{num(value(heavy, KEYS.retrieval_acc_ref))})",
-            _copy_control(heavy) or intervals.verdict(iv, ">", -COPY_MARGIN), names(heavy))
+    iv = at.against_full(run, m)
+    return (f"{what}, keeping it means no more than {COPY_MARGIN:.2f} below",
+            f"{_iv(iv, m, '+.3f')} ({name} {_fig(at.single(run, m).estimate, m)}, full attention "
+            f"{num(value(run, KEYS.retrieval_acc_ref))})",
+            _copy_control(run) or intervals.verdict(iv, ">", -COPY_MARGIN), names(run))
+
+
+# ---- PyramidKV and Ada-KV: the same scorer, its budget spent unevenly -------------------------------------------
+
+def _spent(at, allocation, budget):
+    return at.run(allocation=allocation, budget=budget)
+
+
+def _spent_beats_uniform(at, allocation: str, budget: int):
+    """``allocation`` (pyramid: per layer; ada: per head) against uniform on the same scorer at the same total:
+    the ratio of the text metric below 1."""
+    a, u = _spent(at, allocation, budget), _spent(at, "uniform", budget)
+    if a is None or u is None:
+        return missing(a, u)
+    m = metric_of(at)
+    iv = at.compare(a, u, m, "ratio")
+    return (f"{budget} slots a K/V head on average: {allocation} / uniform at the same total, ratio of {m.label}",
+            f"{_ratio(iv)}" + _beside(at, a, u), intervals.verdict(iv, "<", 1.0), names(a, u))
+
+
+# ---- DuoAttention: retrieval heads whole, streaming heads a sink and a window --------------------------------------
+
+def _duo(at, heads: str, share: float):
+    """The duo run with ``share`` of its K/V heads whole, chosen by the model's heads file ("ranked": whichever
+    file the sweep gave, one per model) or at random."""
+    if heads == "ranked":
+        files = [h for h in at.ok.get("cache_heads", pd.Series(dtype=object)).dropna().unique() if h != "random"]
+        if not files:
+            return None
+        heads = files[0]
+    return at.run(heads=heads, retrieval=share)
+
+
+def _pct(share: float) -> str:
+    return f"{share:.0%} of the K/V heads"
+
+
+def _duo_copy_beats(at, a: tuple, b: tuple, what: str):
+    """Copy accuracy of duo run ``a`` less run ``b`` ((heads, share) each), above 0."""
+    ra, rb = _duo(at, *a), _duo(at, *b)
+    if ra is None or rb is None:
+        return missing(ra, rb)
+    m = METRICS["copy"]
+    iv = at.compare(ra, rb, m)
+    return (f"{what}; {m.label} on the second copy, the first showing beyond a streaming head's reach",
+            f"{_iv(iv, m, '+.3f')} ({_fig(at.single(ra, m).estimate, m)} vs {_fig(at.single(rb, m).estimate, m)}, "
+            f"full attention {num(value(ra, KEYS.retrieval_acc_ref))})",
+            _copy_control(ra) or intervals.verdict(iv, ">", 0.0), names(ra, rb))
+
+
+def _duo_ranked_beats_random(at):
+    return _duo_copy_beats(at, ("ranked", 0.25), ("random", 0.25),
+                           f"{_pct(0.25)} whole: ranked by their score − drawn at random (the same bytes)")
+
+
+def _duo_ranked_beats_window(at):
+    return _duo_copy_beats(at, ("ranked", 0.25), ("ranked", 0.0),
+                           f"{_pct(0.25)} whole (ranked) − none (every head a sink and a window)")
+
+
+def _duo_keeps_copy(at, share: float):
+    """Duo at ``share`` ranked heads against full attention on the same copies: within COPY_MARGIN below it."""
+    run = _duo(at, "ranked", share)
+    if run is None:
+        return missing(run)
+    return _keeps_full_copy(at, run, "duo", f"{_pct(share)} whole (ranked) − full attention; "
+                            f"{METRICS['copy'].label} on the second copy")
+
+
+def _duo_text(at):
+    """On text: ranked heads whole against as many drawn at random, ratio of the text metric below 1."""
+    ranked, rand = _duo(at, "ranked", 0.25), _duo(at, "random", 0.25)
+    if ranked is None or rand is None:
+        return missing(ranked, rand)
+    m = metric_of(at)
+    iv = at.compare(ranked, rand, m, "ratio")
+    return (f"{_pct(0.25)} whole: ranked / drawn at random (the same bytes), ratio of {m.label}",
+            f"{_ratio(iv)}" + _beside(at, ranked, rand), intervals.verdict(iv, "<", 1.0), names(ranked, rand))
 
 
 # ---- llama.cpp's K and V types, and the rotation -----------------------------------------------------------------
@@ -743,6 +829,10 @@ KIVI = "KIVI (Liu et al., arXiv 2402.02750)"
 H2O = "H2O (Zhang et al., arXiv 2306.14048)"
 LLAMACPP = "llama.cpp PR 7412"
 ROTATION = "ik_llama.cpp pull request 1034"
+PYRAMIDKV = "PyramidKV (Cai et al., arXiv 2406.02069)"
+ADAKV = "Ada-KV (Feng et al., arXiv 2407.11550)"
+DUO = "DuoAttention (Xiao et al., arXiv 2410.10819)"
+SPENT_TEXT = (*TEXT, "prompt_len")  # the pyramid and ada claims: after a prompt longer than the budget
 WINDOW_TEXT = TEXT  # the window and H2O claims: the texts must be long against the budget
 OUTLIERS = (1, 20)  # model.outliers.scale the KIVI and rotation presets sweep: the mini as trained, and with one K
 # and one V channel per head made 20x larger (the function kept): the claims' cause absent, then put in. Put in, it
@@ -837,6 +927,46 @@ PAPERS: dict[str, tuple[Claim, ...]] = {
         # decide it: on the GPT-2 mini at scale 20 the rotation changes nothing the texts can see (docs/papers.md)
         Claim("what the rotation costs a step", "kvlab (no paper figure)", "—", "—", "—", _rotation_cost,
               kind=OWN),
+    ),
+    "paper_pyramidkv": (
+        Claim("a pyramid beats a uniform budget at the same total, at 64 slots", f"{PYRAMIDKV}, abstract and "
+              "Table 1", "\"In scenarios emphasizing memory efficiency, where only 0.7% of the KV cache is maintained, "
+              "PyramidKV surpasses other KV cache compression techniques, achieving up to a 20.5 absolute accuracy "
+              "improvement on TREC dataset.\"", "Llama-3-8B-Instruct, LongBench average, KV cache size 64: PyramidKV "
+              "vs SnapKV", "34.76 vs 33.05", lambda at: _spent_beats_uniform(at, "pyramid", 64), SPENT_TEXT),
+        Claim("... and at 128 slots", "kvlab (the paper's 12% claim is against the full cache)", "—", "—", "—",
+              lambda at: _spent_beats_uniform(at, "pyramid", 128), SPENT_TEXT, kind=OWN),
+    ),
+    "paper_adakv": (
+        Claim("a head-wise budget beats a uniform one on the same scorer at the same total, at 64 slots",
+              f"{ADAKV}, abstract", "\"Extensive evaluations on 13 datasets from Ruler and 16 datasets from "
+              "LongBench, all conducted under both question-aware and question-agnostic scenarios, demonstrate "
+              "substantial quality improvements over existing methods.\"", "Ruler and LongBench: Ada-KV's "
+              "allocation on SnapKV's and PyramidKV's scorers against theirs", "— (the abstract gives no figure)",
+              lambda at: _spent_beats_uniform(at, "ada", 64), SPENT_TEXT),
+        Claim("... and at 128 slots", "kvlab (no paper figure)", "—", "—", "—",
+              lambda at: _spent_beats_uniform(at, "ada", 128), SPENT_TEXT, kind=OWN),
+    ),
+    "paper_duo": (
+        Claim("the heads that lose most as streaming heads are the ones to keep whole: they copy from far back where "
+              "as many heads drawn at random do not", f"{DUO}, section 2", "\"we define “retrieval heads” as the "
+              "attention heads that: significantly alter model outputs when restricted to recent tokens and "
+              "attention sinks.\"", "— (the paper trains a gate per head; it reports no random-heads control)",
+              "—", _duo_ranked_beats_random, COPY, kind=OWN),
+        Claim("... and on text", "kvlab (no paper figure)", "—", "—", "—", _duo_text, TEXT, kind=OWN),
+        Claim("retrieval heads keep the far copy that a sink and a window lose", f"{DUO}, section 2",
+              "\"streaming heads can be optimized by retaining only the KV states of attention sinks and recent "
+              "tokens\"", "—", "—", _duo_ranked_beats_window, COPY, kind=OWN),
+        Claim("with 25% of the heads whole, copying is kept (MHA)", f"{DUO}, abstract and section 3.2",
+              "\"with minimal accuracy loss compared to full attention\"; \"We configure DuoAttention with a 25% "
+              "retrieval head ratio for Llama-2-7B-32K-Instruct and a 50% ratio for "
+              "Llama-3-8B-Instruct-Gradient-1048k.\"", "Llama-2-7B-32K-Instruct (MHA), 25% retrieval heads, "
+              "LongBench and needle in a haystack, against full attention", "memory \"up to 2.55× for MHA\"",
+              lambda at: _duo_keeps_copy(at, 0.25), COPY),
+        Claim("with 50% of the heads whole, copying is kept (GQA)", f"{DUO}, abstract and section 3.2",
+              "\"with minimal accuracy loss compared to full attention\"", "Llama-3-8B-Instruct-Gradient-1048k "
+              "(GQA), 50% retrieval heads, against full attention", "memory \"1.67× for GQA\"",
+              lambda at: _duo_keeps_copy(at, 0.5), COPY),
     ),
 }
 

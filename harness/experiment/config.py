@@ -66,9 +66,17 @@ def cache_options(node) -> dict:
     return {k: v for k, v in node.items() if k != "kind"}
 
 
-def cache_choice(node) -> CacheChoice:
-    """A composed cache node as the plan's ``CacheChoice``: its kind and its options, plain."""
-    return CacheChoice(kind=node.kind, options={k: _plain(v) for k, v in cache_options(node).items()})
+MODEL_FIELD = "{model}"  # in a cache option's text, the run's model name (cache.heads=models/heads/{model}.csv)
+
+
+def cache_choice(node, model: str | None = None) -> CacheChoice:
+    """A composed cache node as the plan's ``CacheChoice``: its kind and its options, plain; ``{model}`` in an
+    option's text is the run's ``model`` name (so one sweep over several models gives each its own file: Hydra
+    resolves a sweep's ``${model.name}`` once, for the first model)."""
+    def plain(v):
+        v = _plain(v)
+        return v.replace(MODEL_FIELD, model) if model is not None and isinstance(v, str) else v
+    return CacheChoice(kind=node.kind, options={k: plain(v) for k, v in cache_options(node).items()})
 
 
 @dataclass
@@ -238,7 +246,7 @@ def read(cfg) -> RunConfig:
                           outliers=outliers_choice(m.get("outliers")), n_kv_head=m.get("n_kv_head")),
         engine=EngineChoice(name=str(engine.get("name", "kvlab")),
                             options={k: _plain(v) for k, v in engine.items() if k != "name"}),
-        cache=cache_choice(cfg.cache),
+        cache=cache_choice(cfg.cache, m.name),
         dtype=DtypeChoice(name=dtype.get("name"), storage=dtype.storage, compute=dtype.compute),
         device=cfg.device.name,
         tracking=TrackingChoice(mode=tracking.mode, project=tracking.get("project"), entity=tracking.get("entity"),

@@ -134,33 +134,38 @@ def attention_io(model, idx: torch.Tensor) -> dict[int, tuple[torch.Tensor, torc
 
 
 @contextmanager
-def _recorded_attention(store: list, keep=None):
-    """Inside: every uncached attention of a model of any family also appends its probabilities (B, nh, T, T) to
-    ``store`` (or ``keep(probabilities)``, so a long sequence's T x T matrices are not all held at once), computed
-    from the q and k the layer handed to attention (rotated already, for a rotary family) and checked against the
-    layer's attention output, so they are the ones the model used."""
+def attention_replaced(make):
+    """Inside: every model family's ``attend`` is ``make(real)`` (``real``: the attention it replaces), then put back."""
     real = attention.attend
     modules = {sys.modules[cls.__module__] for cls in MODEL_CLASSES.values()}
-
-    def recording(q, k, v, cache=None, layer=0, mask=None):
-        y = real(q, k, v, cache, layer, mask)
-        if cache is None and mask is None:
-            groups = q.size(1) // k.size(1)
-            kk, vv = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            T = q.size(2)
-            att = (q @ kk.transpose(-1, -2)) / math.sqrt(q.size(-1))
-            att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
-            torch.testing.assert_close(att @ vv, y, atol=1e-3, rtol=1e-3)  # the attention the model computed
-            store.append(att if keep is None else keep(att))
-        return y
-
     for m in modules:
-        m.attend = recording
+        m.attend = make(real)
     try:
         yield
     finally:
         for m in modules:
             m.attend = real
+
+
+def _recorded_attention(store: list, keep=None):
+    """Inside: every uncached attention of a model of any family also appends its probabilities (B, nh, T, T) to
+    ``store`` (or ``keep(probabilities)``, so a long sequence's T x T matrices are not all held at once), computed
+    from the q and k the layer handed to attention (rotated already, for a rotary family) and checked against the
+    layer's attention output, so they are the ones the model used."""
+    def make(real):
+        def recording(q, k, v, cache=None, layer=0, mask=None):
+            y = real(q, k, v, cache, layer, mask)
+            if cache is None and mask is None:
+                groups = q.size(1) // k.size(1)
+                kk, vv = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+                T = q.size(2)
+                att = (q @ kk.transpose(-1, -2)) / math.sqrt(q.size(-1))
+                att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+                torch.testing.assert_close(att @ vv, y, atol=1e-3, rtol=1e-3)  # the attention the model computed
+                store.append(att if keep is None else keep(att))
+            return y
+        return recording
+    return attention_replaced(make)
 
 
 @torch.no_grad()

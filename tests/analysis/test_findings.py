@@ -562,7 +562,7 @@ def _preset_grid(preset: str, *overrides: str) -> pd.DataFrame:
             rows.append(run(f"run{i}", cfg.cache.kind, dtype=dtype_label(cfg.dtype.storage, cfg.dtype.compute),
                             experiment=cfg.experiment, **cache_record(cache_choice(cfg.cache)), engine=cfg.engine.name,
                             model=cfg.model.name, weights="random" if cfg.model.weights == "random" else "pretrained",
-                            prompts=cfg.prompts, n_prompts=cfg.n_prompts, drift_texts=n_texts,
+                            prompts=cfg.prompts, n_prompts=cfg.n_prompts, drift_texts=n_texts, prompt_len=cfg.prompt_len,
                             outlier_scale=float(cfg.model.outliers.scale),
                             drift_text_positions=n_texts * (text_len - 1),
                             retrieval_n=min(cfg.retrieval_n, max_len // 2), drift_delta_nll=1.0 / (i + 1),

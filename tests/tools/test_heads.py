@@ -88,3 +88,64 @@ def test_the_command_refuses_bad_arguments_and_a_file_it_did_not_write(tmp_path,
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("heads: error: ") and says in err[0], err
     assert theirs.read_text() == "a user's,file\n" and not (tmp_path / "h.csv").exists()
+
+
+def test_a_streaming_head_attends_to_its_sinks_and_recent_keys_only():
+    """--method streaming's forward: in the chosen layer, the query heads of the chosen K/V head attend over the
+    first ``sinks`` and the ``recent`` newest keys alone (checked query by query against a softmax over exactly those
+    keys), every other head and every other layer as the model computes them; sinks + recent covering the sequence
+    changes nothing, so every score is 0."""
+    import models.llama as llama
+    from harness.tools import heads
+    from models import attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 12, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)  # heads 2, 3 share K/V 1
+    with heads._streaming_head(1, 1, sinks=1, recent=3):
+        got, other_layer = llama.attend(q, k, v, None, 1), llama.attend(q, k, v, None, 0)
+    plain = attention.attend(q, k, v, None, 1)
+    torch.testing.assert_close(other_layer, plain)
+    torch.testing.assert_close(got[:, :2], plain[:, :2])  # K/V head 0's query heads: unchanged
+    for h in (2, 3):
+        for t in range(12):
+            keys = sorted({0} | set(range(max(0, t - 2), t + 1)))  # the sink, and the 3 newest up to t
+            w = (q[0, h, t] @ k[0, 1, keys].T / 8 ** 0.5).softmax(-1)
+            torch.testing.assert_close(got[0, h, t], w @ v[0, 1, keys])
+    assert not torch.allclose(got[:, 2:], plain[:, 2:])
+    assert llama.attend is attention.attend  # put back
+    model = build(preset_config("tiny-gqa")).eval()
+    table = heads.streaming_scores(model, n=5, k=2, recent=100)  # every head sees everything: nothing is lost
+    assert len(table) == 4 and (table.score == 0.0).all() and (table.method == "streaming").all()
+
+
+def test_the_streaming_command_writes_its_method_and_refuses_a_span_within_reach(tmp_path, capsys):
+    out = tmp_path / "heads.csv"
+    assert main(["--model", "tiny", "--out", str(out), "--method", "streaming", "--n", "12", "--k", "2",
+                 "--sinks", "1", "--recent", "4"]) == 0
+    assert "streaming head (1 sinks + 4 recent)" in capsys.readouterr().out
+    table = pd.read_csv(out)
+    assert list(table.columns) == list(COLUMNS) and (table.method == "streaming").all() and (table.n == 2).all()
+    assert main(["--model", "tiny", "--out", str(out), "--method", "streaming", "--n", "64"]) == 2  # 16 + 64 >= 64
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the span must lie beyond a streaming head's reach" in err[0]
+
+
+def test_a_duo_sweep_over_models_gives_each_model_its_own_heads_file():
+    """experiment=paper_duo sweeps cache.heads='models/heads/{model}.csv': each run reads its own model's file (a
+    sweep's ${model.name} would be resolved once, for the first model), and both shipped models' files exist and
+    are this project's (python -m harness.heads wrote them: its columns, one row per layer and K/V head)."""
+    from hydra import compose, initialize_config_dir
+
+    from harness.experiment.config import read, register
+    from tests.helpers import REPO
+
+    register()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        for model in ("mini", "mini-llama"):
+            cfg = compose(config_name="config", overrides=["experiment=paper_duo", f"model={model}",
+                                                           "cache.heads='models/heads/{model}.csv'"])
+            heads = read(cfg).cache.options["heads"]
+            assert heads == f"models/heads/{model}.csv"
+            table = pd.read_csv(REPO / heads)
+            assert list(table.columns) == list(COLUMNS) and len(table) == 12 and (table.method == "streaming").all()
+            assert read_scores(str(REPO / heads), 6, 2)  # what duo reads
