@@ -12,6 +12,11 @@ again later; only what can be known is scored:
 - ``recall``: ``pairs`` key-value pairs spread over the context (at random places that do not overlap), then each
   key asked once, in a random order, each followed by its value: every value's ids are scored (multi-query
   associative recall, Arora et al., arXiv 2312.04927, inside text).
+- ``haystack``: RULER's needle tasks in a given haystack of text: ``keys`` needles at places that do not overlap,
+  the first at a chosen depth, and ``queries`` of them asked at the end (niah_single: 1 and 1; niah_multikey:
+  several planted, one asked; multiquery: several asked); each asked needle's depth is kept.
+- ``mqar``: Zoology's multi-query associative recall (Arora et al.): ``pairs`` key-value pairs of random ids back
+  to back, then every key asked once in a random order, each followed by its value.
 
 A ``Probe`` is the sequence and the positions scored; ``accuracy`` runs a model on probes (a full, uncached forward)
 and gives each probe's top-1 accuracy on its scored ids. Seeded: the same arguments give the same probes.
@@ -31,10 +36,14 @@ KEY, VALUE = 8, 8  # ids of a needle's (and a recall pair's) key and value
 
 class Probe(NamedTuple):
     """``seq`` (L,): the sequence; ``scored``: the positions whose ids are scored (each predicted at the position
-    before it)."""
+    before it); ``depths``: for each scored position, where its source lies in the context (0: its start, 1: just
+    before the questions), when the probe keeps it; ``asked``: the position of the first question (what comes
+    before it is the context a cache holds)."""
 
     seq: torch.Tensor
     scored: list[int]
+    depths: tuple = ()
+    asked: int = 0
 
 
 def _lead(seq: torch.Tensor, bos: int | None) -> tuple[torch.Tensor, int]:
@@ -103,6 +112,63 @@ def recall(text: torch.Tensor, ids: torch.Tensor, L: int, pairs: int, seed: int,
     seq, lead = _lead(seq, bos)
     scored = [lead + room + j * span + key + v for j in range(pairs) for v in range(value)]
     return Probe(seq, scored)
+
+
+def _free_places(room: int, span: int, first: int, n: int, g: torch.Generator) -> list[int]:
+    """``n`` starts of ``span`` ids in [0, room - span] that do not overlap: ``first``, then seeded random ones. With
+    room >= 2 n span (``haystack`` checks) a free start always remains: each placed needle rules out at most
+    2 span - 1 of the room - span + 1 starts."""
+    starts = [first]
+    while len(starts) < n:
+        free = [at for at in range(room - span + 1) if all(abs(at - s) >= span for s in starts)]
+        starts.append(free[int(torch.randint(0, len(free), (1,), generator=g))])
+    return starts
+
+
+def haystack(hay: torch.Tensor, ids: torch.Tensor, depth: float, seed: int, keys: int = 1, queries: int = 1,
+             key: int = KEY, value: int = VALUE) -> Probe:
+    """The haystack ``hay`` (L ids of text, no first token) with ``keys`` needles (``key`` + ``value`` random ids
+    of ``ids``) planted where they do not overlap, the first at ``depth`` (0 .. 1) of the room before the questions,
+    and the first ``queries`` of them asked at the end in a seeded random order, key then value. Scored: each asked
+    value's ids; ``depths``: each one's needle's depth."""
+    g = torch.Generator().manual_seed(seed)
+    span, L = key + value, len(hay)
+    room = L - queries * span  # the context before the questions
+    if not 1 <= queries <= keys or room < keys * span * 2 or not 0 <= depth <= 1:
+        raise ValueError(f"{keys} needles of {span} ids, {queries} asked, at depth {depth}: need 1 <= queries <= "
+                         f"keys, depth in [0, 1] and a haystack of at least {(2 * keys + queries) * span} ids")
+    seq = hay.clone()
+    kvs = [_ids(ids, span, g) for _ in range(keys)]
+    starts = _free_places(room, span, round(depth * (room - span)), keys, g)
+    for at, kv in zip(starts, kvs):
+        seq[at:at + span] = kv
+    order = torch.randperm(queries, generator=g).tolist()
+    seq[room:] = torch.cat([kvs[i] for i in order])
+    scored = [room + j * span + key + v for j in range(queries) for v in range(value)]
+    depths = tuple(starts[i] / max(room - span, 1) for i in order for _ in range(value))
+    return Probe(seq, scored, depths, room)
+
+
+def mqar(ids: torch.Tensor, pairs: int, seed: int, key: int = 1, value: int = 1) -> Probe:
+    """Zoology's MQAR: ``pairs`` key-value pairs of random ids of ``ids`` (``key`` + ``value`` each; the keys
+    distinct), back to back, then every key asked once in a seeded random order, each followed by its value.
+    Scored: every asked value's ids; ``depths``: each one's pair's place in the context."""
+    g = torch.Generator().manual_seed(seed)
+    span = key + value
+    keys: list[torch.Tensor] = []
+    seen: set = set()
+    while len(keys) < pairs:  # distinct keys: a key asked has one answer
+        k = _ids(ids, key, g)
+        if tuple(k.tolist()) not in seen:
+            seen.add(tuple(k.tolist()))
+            keys.append(k)
+    kvs = [torch.cat([k, _ids(ids, value, g)]) for k in keys]
+    order = torch.randperm(pairs, generator=g).tolist()
+    room = pairs * span
+    seq = torch.cat(kvs + [kvs[i] for i in order])
+    scored = [room + j * span + key + v for j in range(pairs) for v in range(value)]
+    depths = tuple(i / max(pairs - 1, 1) for i in order for _ in range(value))
+    return Probe(seq, scored, depths, room)
 
 
 @torch.no_grad()

@@ -23,8 +23,8 @@ from tqdm.auto import tqdm
 
 from harness.measurements.base import (MEASUREMENTS, Measurement, NoOptions, Panel, Table, conforms, hints,
                                        key, option, register, type_name)
-from harness.measurements import (equivalence, generation_drift, text_drift, retrieval, memory,  # noqa: E402,F401
-                                  step_time, peak_memory, bandwidth, batches, compile, serving, server)
+from harness.measurements import (equivalence, generation_drift, text_drift, retrieval, recall_tasks,  # noqa: E402,F401
+                                  memory, step_time, peak_memory, bandwidth, batches, compile, serving, server)
 
 __all__ = ["MEASUREMENTS", "Context", "Measurement", "NoOptions", "Panel", "Table", "key", "option",
            "register", "measure", "chosen", "run_on", "tables", "table", "history_keys", "panels",
@@ -93,10 +93,11 @@ def options() -> list[tuple[str, dataclasses.Field]]:
 
 
 def chosen(names) -> list[str]:
-    """The measurements a run makes: ``names`` (the ``measurements`` config key) in registry order, or all of them
-    when it is null. An unknown name: ValueError, one line listing the names."""
+    """The measurements a run makes: ``names`` (the ``measurements`` config key) in registry order, or, when it is
+    null, every one but the ``optional`` (which run only when named). An unknown name: ValueError, one line listing
+    the names."""
     if names is None:
-        return list(MEASUREMENTS)
+        return [n for n, cls in MEASUREMENTS.items() if not cls.optional]
     names = [str(n) for n in names]
     unknown = [n for n in names if n not in MEASUREMENTS]
     if unknown or not names:

@@ -110,6 +110,7 @@ class Measurement:
     history: ClassVar[dict[str, str]] = {}  # W&B history key -> the step metric it is logged against
     needs: ClassVar[tuple[str, ...]] = ()  # measurements whose results or tables it reads (they run first)
     reads_generations: ClassVar[bool] = False
+    optional: ClassVar[bool] = False  # True: runs only when named (measurements=[...]), not in a run that names none
     stage: ClassVar[str | None] = None  # how failed_stage names it (default: its name)
     later: ClassVar[tuple[str, ...]] = ()  # its options added after runs were recorded: at their defaults they are
     #                                       left out of a run's id (runs made before them keep theirs)

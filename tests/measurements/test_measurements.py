@@ -72,7 +72,7 @@ def test_a_run_writes_only_declared_keys_of_their_declared_types(tmp_path, monke
     assert measurements.undeclared(saved) == []
     assert measurements.check_result_types(saved) == []
     for name, ran in measurements.results_of(saved).items():  # each measurement ran, or says why it did not
-        assert ran or f"{name}_skipped" in saved, name
+        assert ran or f"{name}_skipped" in saved or MEASUREMENTS[name].optional, name  # (optional: not named)
     assert "compile=false" in saved["compile_skipped"]
 
 
@@ -156,8 +156,12 @@ def test_a_measurement_that_does_not_apply_says_why(tmp_path, monkeypatch):
 
 
 def test_the_default_still_runs_every_measurement_and_keeps_the_config_id():
+    """A run that names no measurements makes every one but the optional (the long-context tasks, which run only
+    when named)."""
     cfg = compose_cfg(["model=tiny"])
-    assert cfg.measurements is None and measurements.chosen(None) == list(MEASUREMENTS)
+    optional = [n for n, cls in MEASUREMENTS.items() if cls.optional]
+    assert optional == ["niah", "mqar"]
+    assert cfg.measurements is None and measurements.chosen(None) == [n for n in MEASUREMENTS if n not in optional]
     # a config without the key (every run made before it existed) has the same identity
     plain = {k: v for k, v in cfg.items() if k != "measurements"}
     from omegaconf import OmegaConf
@@ -302,6 +306,8 @@ HF_KINDS = ["concat", "prealloc"]
 # passes (2 x 24 tokens, not max_len's 2 x 64) evict too, at two fifths of the decode steps
 EVERY_KIND = ["prompt_len=40", "new_tokens=8", "max_len=128", "drift_text_len=48", "retrieval_n=24"]
 # and every kind serves a few requests continuously (the server measurement; serve.requests is 0 elsewhere)
+# and every kind runs the tasks that run only when named (niah, mqar), as the rest: a few probes
+EVERY_MEASUREMENT = [f"measurements=[{','.join(MEASUREMENTS)}]", "niah_k=1", "niah_depths=4", "mqar_k=2"]
 SERVED = ["serve.requests=3", "serve.kv_budget=400KB", "serve.max_tokens=6", "serve.prompt_most=24",
           "serve.prompt_median=10", "serve.output_median=4", "serve.rate=inf"]
 FULL_ATTENTION = [k for k, cls in CACHE_KINDS.items() if cls.full_attention(cls.Options())]
@@ -313,7 +319,8 @@ def conformance(tmp_path_factory):
     that each drifts somewhere), two budgets of an evicting kind and a window, and one compiled run: the runs and
     their sweep reports."""
     tmp = tmp_path_factory.mktemp("conformance")
-    sweeps = {"kvlab": ["-m", f"cache={KVLAB_KINDS}", "dtype=fp32", "engine=kvlab", *EVERY_KIND, *SERVED],
+    sweeps = {"kvlab": ["-m", f"cache={KVLAB_KINDS}", "dtype=fp32", "engine=kvlab", *EVERY_KIND, *SERVED,
+                        *EVERY_MEASUREMENT],
               # the fp16 sweeps' reports would draw nothing the others do not: none is made
               "kvlab16": ["-m", f"cache={','.join(FULL_ATTENTION)}", "dtype=fp16", "engine=kvlab", NO_REPORT],
               "budgets": ["-m", "cache=h2o,window", "cache.budget=16,24", "engine=kvlab", *EVERY_KIND],
@@ -359,7 +366,11 @@ def test_every_measurement_runs_on_every_kind_and_engine_where_it_applies(confor
     for folder, r in runs:
         assert r["status"] == "ok", (folder, r.get("error"))
         assert measurements.undeclared(r) == [] and measurements.check_result_types(r) == []
+        named = set((r.get("measurements") or "").split(","))
         for name, did in measurements.results_of(r).items():
+            if MEASUREMENTS[name].optional and name not in named:  # runs only when named: neither ran nor skipped
+                assert not did and f"{name}_skipped" not in r, (folder, name)
+                continue
             assert did != (f"{name}_skipped" in r), (folder, name)  # it ran, or it says why not
             if did:
                 ran[name].add((r["cache"], r["engine"]))
@@ -384,6 +395,8 @@ def test_every_measurement_runs_on_every_kind_and_engine_where_it_applies(confor
     assert ran["compile"] == {("prealloc", "kvlab")}
     assert {k for k, e in ran["retrieval"] if e == "kvlab"} == set(CACHE_KINDS)
     assert ran["server"] == {(k, "kvlab") for k in CACHE_KINDS}  # every kind serves (each request checked)
+    for name in ("niah", "mqar"):  # named, every kind runs them; the runs that name no measurements do not
+        assert ran[name] == {(k, "kvlab") for k in CACHE_KINDS}, name
     assert [name for name in MEASUREMENTS if not ran[name]] == []  # a measurement registered later runs here too
 
 
