@@ -83,10 +83,11 @@ def _positive(name: str, value) -> int:
 
 
 def _chosen(names: list[str] | None) -> list:
-    """The measurements' classes a run makes (``names``; None: all), in the registry's order."""
-    from harness.measurements import MEASUREMENTS
+    """The measurements' classes a run makes (``names``; None: every one but those that run only when named), in
+    the registry's order."""
+    from harness.measurements import MEASUREMENTS, chosen
 
-    return [cls for name, cls in MEASUREMENTS.items() if names is None or name in names]
+    return [MEASUREMENTS[name] for name in chosen(names)]
 
 
 def _option_values(values: dict) -> dict:

@@ -10,7 +10,16 @@ import torch
 from harness import measurements
 from harness.core import recall
 from harness.experiment.config import ConfigError
-from tests.measurements.test_measurements import SMALL, run_here
+from tests.helpers import inproc
+
+SMALL = ["model=tiny", "n_prompts=1", "new_tokens=4", "prompt_len=4", "repeats=1", "warmup=0", "context_lengths=[8]",
+         "drift_text_len=12", "max_len=32", "tracking=disabled"]
+
+
+def run_here(tmp_path, monkeypatch, overrides) -> tuple[dict, object]:
+    """One run in this process into ``tmp_path/run``: (its record, its folder)."""
+    out = tmp_path / "run"
+    return inproc.run_here(monkeypatch, overrides, out), out
 
 
 def test_a_haystack_holds_its_needles_apart_and_asks_the_first_at_its_depth():
