@@ -802,9 +802,10 @@ def test_the_curriculum_trains_short_rows_first_with_the_same_tokens_per_step():
     assert run.shape() == (8, 128)
 
 
-PROBES = ("ambiguity_probe", "context_probe", "copy_from_probe", "copy_offsets", "copy_probe", "decode_attention_probe",
-          "eviction_probe", "gemv_probe", "induction_probe", "induction_toy", "kv_stats", "overlap_probe",
-          "query_quant_probe", "recall_probe", "rotation_probe", "run_calls", "sink_probe", "sink_value_probe")
+PROBES = ("ambiguity_probe", "context_probe", "copy_from_probe", "copy_offsets", "copy_probe",
+          "decode_attention_probe", "eviction_probe", "gemv_probe", "induction_probe", "induction_toy", "kv_stats",
+          "overlap_probe", "paired_runs", "query_quant_probe", "recall_probe", "rotation_probe", "run_calls",
+          "sink_probe", "sink_value_probe")
 
 
 def test_scripts_holds_the_user_commands_and_the_probes_apart():
