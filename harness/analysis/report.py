@@ -474,7 +474,9 @@ def wandb_report_of(rep: dict, group: str, project: str, entity: str | None, onl
     from harness.analysis import wandb_report
 
     try:
-        spec = wandb_report.build_spec(group, project, entity, findings=rep.get("findings"))
+        runs = rep.get("runs")
+        logged = None if runs is None else [c for c in runs.columns if runs[c].notna().any()]
+        spec = wandb_report.build_spec(group, project, entity, findings=rep.get("findings"), logged=logged)
         ownership.claim(rep["folder"], SPEC)
         rep["wandb_report_spec"] = wandb_report.write_spec(rep["folder"], spec)
     except (ValueError, OSError) as e:

@@ -96,10 +96,21 @@ def runs_filter(group: str, ok: bool | None = None) -> str:
     return f if ok is None else f"{f} and SummaryMetric(\"status\") {'==' if ok else '!='} 'ok'"
 
 
-def measurement_panels() -> list:
+def _unlogged(logged) -> set[str]:
+    """The keys of the measurements that run only when named (``optional``) and that none of the sweep's runs logged
+    (``logged``: the keys any run has; None: nothing left out)."""
+    if logged is None:
+        return set()
+    optional = [set(cls.keys()) for cls in measurements.MEASUREMENTS.values() if cls.optional]
+    return set().union(*(keys for keys in optional if not keys & set(logged)))
+
+
+def measurement_panels(logged=None) -> list:
     """The charts every registered measurement declares (``Measurement.panels``), in registry order, the step-time
-    charts first (what a sweep is usually read for)."""
-    found = [p for _, p in measurements.panels()]
+    charts first (what a sweep is usually read for); a measurement that runs only when named draws its charts only
+    where the sweep's runs logged its keys (``_unlogged``)."""
+    left_out = _unlogged(logged)
+    found = [p for _, p in measurements.panels() if not set(p.y) & left_out]
     return sorted(found, key=lambda p: not p.title.startswith(("Decode-step", "Speedup")))
 
 
@@ -109,21 +120,25 @@ def _panel(title: str, kind: str, y: list[str], groupby: list[str], filters: str
                 step_metric=measurements.history_keys()[y[0]] if kind == "line" else None, caption=caption, **extra)
 
 
-def build_spec(group: str, project: str = PROJECT, entity: str | None = None, findings: str | None = None) -> dict:
+def build_spec(group: str, project: str = PROJECT, entity: str | None = None, findings: str | None = None,
+               logged=None) -> dict:
     """The report as plain JSON-able data: title, description, where the runs are, the sweep's findings (the
     markdown of report/findings.md, when the sweep's report made one) and its panels (title, kind line/bar/table, x,
-    y, groupby, filters, step_metric, caption, and for charts log_x/log_y). No network, no W&B."""
+    y, groupby, filters, step_metric, caption, and for charts log_x/log_y; ``logged``: the keys the sweep's runs
+    have, so the charts of a measurement they did not make are left out). No network, no W&B."""
     f, everyone, not_ok = runs_filter(group, ok=True), runs_filter(group), runs_filter(group, ok=False)
+    left_out = _unlogged(logged)
     panels = [_panel(p.title, p.kind, list(p.y), [GROUP_BY[g] for g in p.groupby], f, p.x, p.caption,
                      **({} if p.kind != "line" else dict(log_x=p.log_x, log_y=p.log_y)))
-              for p in measurement_panels()]
+              for p in measurement_panels(logged)]
     panels += [
         _panel("Runs that are not ok: failed, interrupted, not equivalent", "table", ["status"], [], not_ok, None,
                "Runs whose status is not ok, with the reason; not_equivalent: an exact cache in fp32 whose output "
                "differs from its reference (a failure). The charts above draw ok runs only.",
                columns=FAILED_COLUMNS),
-        _panel("Runs", "table", list(SUMMARY_KEYS), [], everyone, None,
-               f"The sweep's runs (job type {JOB_TYPE}); its aggregate run is left out.", columns=TABLE_COLUMNS),
+        _panel("Runs", "table", [k for k in SUMMARY_KEYS if k not in left_out], [], everyone, None,
+               f"The sweep's runs (job type {JOB_TYPE}); its aggregate run is left out.",
+               columns=[c for c in TABLE_COLUMNS if c.removeprefix("summary:") not in left_out]),
     ]
     return dict(
         version=SPEC_VERSION, title=f"kvlab sweep {group}"[:128],

@@ -280,3 +280,21 @@ def test_cli_publishing_a_spec_when_the_server_does_not_answer_exits_2_in_bounde
                 WANDB_API_KEY="0" * 40, WANDB_BASE_URL=f"http://127.0.0.1:{_closed_port()}")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and "wandb login" in proc.stderr
+
+
+def test_a_measurement_that_runs_only_when_named_is_charted_only_where_the_runs_made_it():
+    """The long-context tasks (niah, mqar) run only when named: a sweep whose runs logged none of their keys gets
+    neither their charts nor their columns in the runs table; one that logged niah's gets niah's, not mqar's."""
+    from harness.analysis.wandb_report import build_spec
+
+    def titled(spec):
+        return {p["title"] for p in spec["panels"]}, next(p for p in spec["panels"] if p["title"] == "Runs")
+
+    plain, runs = titled(build_spec("g", logged=["drift_kl", "status"]))
+    assert "Needle in a haystack" not in plain and "Multi-query associative recall" not in plain
+    assert "niah_acc" not in runs["y"] and "summary:mqar_acc" not in runs["columns"]
+    named, runs = titled(build_spec("g", logged=["drift_kl", "niah_acc", "niah_acc_ref"]))
+    assert "Needle in a haystack" in named and "Multi-query associative recall" not in named
+    assert "niah_acc" in runs["y"] and "mqar_acc" not in runs["y"]
+    every, _ = titled(build_spec("g"))  # no runs read: every chart
+    assert {"Needle in a haystack", "Multi-query associative recall"} <= every
