@@ -46,6 +46,16 @@ class RecallTask(Measurement):
     def buckets(self) -> int:
         return 10
 
+    @classmethod
+    def pass_memory(cls, s, L: int, probes: int):
+        """As the retrieval pass: B = ``text_rows`` probes of L tokens at a time (at most ``probes``), their cache,
+        the pass's logits and the fp32 reference's forward."""
+        from harness.core.measure import text_rows
+        from harness.core.sizes import F32
+
+        B = text_rows(L, s.model.vocab_size, probes)
+        return [(cls.name, s.cache_at(B, L, cap=L), s.forward(B, L, L, F32) + 3 * B * L * s.model.vocab_size * F32)]
+
     def passed(self):
         """The probes through the cache and the reference: (the positions table, the probes)."""
         import pandas as pd
@@ -173,14 +183,7 @@ class Niah(RecallTask):
 
     @classmethod
     def memory(cls, s, opts):
-        """As the retrieval pass: B = ``text_rows`` probes of the longest context at a time, their cache, the
-        pass's logits and the fp32 reference's forward."""
-        from harness.core.measure import text_rows
-        from harness.core.sizes import F32
-
-        L = max(cls.lengths(opts, s.max_len))
-        B = text_rows(L, s.model.vocab_size, opts.niah_k)
-        return [("niah", s.cache_at(B, L, cap=L), s.forward(B, L, L, F32) + 3 * B * L * s.model.vocab_size * F32)]
+        return cls.pass_memory(s, max(cls.lengths(opts, s.max_len)), opts.niah_k)
 
     @classmethod
     def fills(cls, s, opts):
@@ -285,12 +288,7 @@ class Mqar(RecallTask):
 
     @classmethod
     def memory(cls, s, opts):
-        from harness.core.measure import text_rows
-        from harness.core.sizes import F32
-
-        L = cls.seq_len(s, opts)
-        B = text_rows(L, s.model.vocab_size, opts.mqar_k)
-        return [("mqar", s.cache_at(B, L, cap=L), s.forward(B, L, L, F32) + 3 * B * L * s.model.vocab_size * F32)]
+        return cls.pass_memory(s, cls.seq_len(s, opts), opts.mqar_k)
 
     @classmethod
     def fills(cls, s, opts):
