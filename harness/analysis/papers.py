@@ -648,14 +648,18 @@ def _h2o_both(at):
 
 
 def _h2o_heavy_text(at):
-    heavy, local = _h2o(at, "heavy"), _h2o(at, "local")
-    if heavy is None or local is None:
-        return missing(heavy, local)
+    return _less_on_text(at, _h2o(at, "heavy"), _h2o(at, "local"),
+                         "heavy hitters alone against the newest tokens alone; ratio of {}")
+
+
+def _less_on_text(at, a, b, what: str):
+    """Run ``a``'s text metric over run ``b``'s, paired over the texts, below 1; ``what`` says what is compared
+    ("{}": the metric's label)."""
+    if a is None or b is None:
+        return missing(a, b)
     m = metric_of(at)
-    iv = at.compare(heavy, local, m, "ratio")
-    return (f"heavy hitters alone against the newest tokens alone; ratio of {m.label}",
-            f"{_ratio(iv)}" + _beside(at, heavy, local), intervals.verdict(iv, "<", 1.0),
-            names(heavy, local))
+    iv = at.compare(a, b, m, "ratio")
+    return what.format(m.label), f"{_ratio(iv)}" + _beside(at, a, b), intervals.verdict(iv, "<", 1.0), names(a, b)
 
 
 COPY_MARGIN = 0.05  # "keeps what full attention copies": heavy hitters' copy accuracy at most this far below it
@@ -692,13 +696,9 @@ def _spent(at, allocation, budget):
 def _spent_beats_uniform(at, allocation: str, budget: int):
     """``allocation`` (pyramid: per layer; ada: per head) against uniform on the same scorer at the same total:
     the ratio of the text metric below 1."""
-    a, u = _spent(at, allocation, budget), _spent(at, "uniform", budget)
-    if a is None or u is None:
-        return missing(a, u)
-    m = metric_of(at)
-    iv = at.compare(a, u, m, "ratio")
-    return (f"{budget} slots a K/V head on average: {allocation} / uniform at the same total, ratio of {m.label}",
-            f"{_ratio(iv)}" + _beside(at, a, u), intervals.verdict(iv, "<", 1.0), names(a, u))
+    return _less_on_text(at, _spent(at, allocation, budget), _spent(at, "uniform", budget),
+                         f"{budget} slots a K/V head on average: {allocation} / uniform at the same total, ratio "
+                         "of {}")
 
 
 # ---- DuoAttention: retrieval heads whole, streaming heads a sink and a window --------------------------------------
@@ -752,13 +752,8 @@ def _duo_keeps_copy(at, share: float):
 
 def _duo_text(at):
     """On text: ranked heads whole against as many drawn at random, ratio of the text metric below 1."""
-    ranked, rand = _duo(at, "ranked", 0.25), _duo(at, "random", 0.25)
-    if ranked is None or rand is None:
-        return missing(ranked, rand)
-    m = metric_of(at)
-    iv = at.compare(ranked, rand, m, "ratio")
-    return (f"{_pct(0.25)} whole: ranked / drawn at random (the same bytes), ratio of {m.label}",
-            f"{_ratio(iv)}" + _beside(at, ranked, rand), intervals.verdict(iv, "<", 1.0), names(ranked, rand))
+    return _less_on_text(at, _duo(at, "ranked", 0.25), _duo(at, "random", 0.25),
+                         f"{_pct(0.25)} whole: ranked / drawn at random (the same bytes), ratio of " + "{}")
 
 
 # ---- llama.cpp's K and V types, and the rotation -----------------------------------------------------------------
