@@ -89,12 +89,17 @@ if __name__ == "__main__":
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from harness.common.errors import ConfigError  # noqa: E402
 from harness.experiment.config import register  # noqa: E402
 from harness.experiment.runner import (  # noqa: E402
     catch_signals, forget_invocation, interruption, invocation_failures, new_invocation, run)
 from harness.experiment.slurm_jobs import lost_jobs_are_failures  # noqa: E402
 
-register()
+try:
+    register()  # the kinds installed packages declare, and cache=external's cache.target classes, loaded here
+except ConfigError as _e:  # a target that does not load: one line, before any folder is made
+    print(f"kvlab: {_e}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")

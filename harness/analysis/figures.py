@@ -16,7 +16,9 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from harness.analysis import depth, plots, server, stream
+import functools
+
+from harness.analysis import depth, leaderboard, plots, server, stream
 
 
 @dataclass(frozen=True)
@@ -38,11 +40,22 @@ def _served(runs: pd.DataFrame) -> bool:
     return "tokens_per_s" in runs and runs["tokens_per_s"].notna().any()
 
 
+def _board(task: str) -> Callable[[pd.DataFrame], bool]:
+    return lambda board: task in board and board[task].notna().any()
+
+
 def _retrieved(runs: pd.DataFrame) -> bool:
     return "retrieval_acc" in runs and runs["retrieval_acc"].notna().any()
 
 
-FIGURES: tuple[Figure, ...] = (
+LEADERBOARD_BY = {"text": "text_drift", "copy": "retrieval", "niah": "niah", "mqar": "mqar"}
+
+FIGURES: tuple[Figure, ...] = tuple(
+    Figure(f"leaderboard_{t.name}", "leaderboard", functools.partial(leaderboard.task_plot, task=t.name),
+           f"Leaderboard, {t.name}: {t.label} against the compression ratio (the fraction of the context's K/V bytes "
+           "removed), a line per method, bands: 95% t-intervals over the task's units; dashed: fp32 full attention "
+           "(experiment=leaderboard; leaderboard.md).", by=(LEADERBOARD_BY[t.name],), when=_board(t.name))
+    for t in leaderboard.TASKS) + (
     Figure("equivalence", "runs", plots.equivalence_grid,
            "Cached vs the kind's uncached reference: max |Δlogit| per model × cache/dtype, coloured against the "
            "equivalence tolerance (green within it, red over it; grey: lossy or reduced precision, not held to it); "

@@ -97,6 +97,8 @@ METRICS = {
     "nll": Metric("nll", "ΔNLL (nats/token)", "text_positions", "text_id", "dnll", "mean", "low", "+.3f"),
     "copy": Metric("copy", "copy accuracy", "retrieval_positions", "seq_id", "correct", "mean", "high", ".3f", 0.0,
                    1.0),
+    "niah": Metric("niah", "niah accuracy", "niah_positions", "seq_id", "correct", "mean", "high", ".3f", 0.0, 1.0),
+    "mqar": Metric("mqar", "mqar accuracy", "mqar_positions", "seq_id", "correct", "mean", "high", ".3f", 0.0, 1.0),
 }
 
 
@@ -112,12 +114,13 @@ def rows_of(positions: dict | None, run_name, metric: Metric) -> pd.DataFrame | 
     return sel.assign(dnll=sel["nll"] - sel["nll_fp32"]) if metric.column == "dnll" else sel
 
 
-RUN_KEYS = (("drift_kl", "kl"), ("drift_kl_p99", "kl_p99"), ("drift_delta_nll", "nll"), ("retrieval_acc", "copy"))
+RUN_KEYS = (("drift_kl", "kl"), ("drift_kl_p99", "kl_p99"), ("drift_delta_nll", "nll"), ("retrieval_acc", "copy"),
+            ("niah_acc", "niah"), ("mqar_acc", "mqar"))
 
 
 def with_intervals(runs: pd.DataFrame, positions: dict | None) -> pd.DataFrame:
     """``runs`` with a 95% interval on each run's quality figures over its own texts or sequences: ``<key>_lo`` and
-    ``<key>_hi`` for drift_kl, drift_kl_p99, drift_delta_nll and retrieval_acc (NaN where a run has no per-position
+    ``<key>_hi`` for drift_kl, drift_kl_p99, drift_delta_nll, retrieval_acc, niah_acc and mqar_acc (NaN where a run has no per-position
     rows, or its interval is none: fewer than ``MIN_SHOWN`` units, or no width). What the report's tables carry and
     its figures draw as error bars."""
     out = runs.copy()

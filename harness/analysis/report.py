@@ -39,7 +39,7 @@ from harness.common import signals
 from harness.common.errors import one_line
 from harness.experiment import invocation as invocations
 from harness.experiment import records
-from harness.analysis import figures, findings, intervals, papers
+from harness.analysis import figures, findings, intervals, leaderboard, papers
 from harness.common import ownership
 from harness.analysis import plots
 from harness.analysis import results
@@ -80,7 +80,7 @@ def report_tables() -> tuple[str, ...]:
     """The tables a report writes: the runs, every run table the measurements declare, and the engine ratios."""
     from harness import measurements
 
-    return ("results", *measurements.tables(), "engine_ratios")
+    return ("results", *measurements.tables(), "engine_ratios", "leaderboard")
 PAGE, SPEC, WANDB = records.REPORT_PAGE, "wandb_report.json", "wandb"  # the page, the W&B Report spec, W&B's folder
 CLI_HINT = "give --out a new or empty folder (or one a kvlab report wrote), or move those files away"
 
@@ -376,6 +376,8 @@ def _write(path: Path, out: Path, loaded: dict) -> dict:
     written."""
     runs, skipped, frames = loaded["runs"], list(loaded["skipped"]), loaded["frames"]
     runs = intervals.with_intervals(runs, frames)  # <key>_lo / <key>_hi: each run's quality over its own texts
+    if leaderboard.ran(runs):  # experiment=leaderboard: its table beside the others (csv, parquet, W&B), its figures
+        frames = {**frames, "leaderboard": leaderboard.table(runs, frames)}
     steps, batches = frames["steps"], frames["batches"]
     ownership.claim(out, PAGE)  # first: the manifest says this is a report's folder (records.run_folder)
     tables = []
@@ -404,6 +406,11 @@ def _write(path: Path, out: Path, loaded: dict) -> dict:
         made, found, section = None, f"# Findings\n\nNone could be made: {one_line(e)}\n", ""
         skipped.append((None, f"the findings could not be made ({one_line(e)})"))
     tracking.atomic_write(out / findings.FILE, found.encode("utf-8", "backslashreplace"))
+    board = frames.get("leaderboard")
+    if board is not None:
+        ownership.claim(out, leaderboard.FILE)
+        tracking.atomic_write(out / leaderboard.FILE, leaderboard.markdown(board).encode("utf-8", "backslashreplace"))
+        section = leaderboard.html_section(board) + section
     page = out / PAGE
     ratios = engine_ratios(steps, batches)
     if len(ratios):
@@ -412,7 +419,9 @@ def _write(path: Path, out: Path, loaded: dict) -> dict:
                        ratios, section)
     tracking.atomic_write(page, text.encode("utf-8", "backslashreplace"))
     return dict(runs=runs, tables=tables, images=images, html=page, folder=out, skipped=skipped, ratios=ratios,
-                frames=frames, findings=found, claims=made.claims if made else [], files=[*tables, out / findings.FILE, *images.values(), page])
+                frames=frames, findings=found, claims=made.claims if made else [],
+                files=[*tables, out / findings.FILE, *([out / leaderboard.FILE] if board is not None else []),
+                       *images.values(), page])
 
 
 def build_report(path: str | Path, out: str | Path | None = None, invocation: str | None = None,
@@ -575,7 +584,10 @@ class SweepReport(Callback):
     def on_multirun_start(self, config, **kwargs) -> None:
         from harness.experiment import slurm_check
 
-        line = slurm_check.composed_refusal(config)  # a Slurm launcher from a preset or a config of the user's
+        from harness.experiment import leaderboard as grid
+
+        # a Slurm launcher from a preset or a config of the user's; experiment=leaderboard's grid
+        line = slurm_check.composed_refusal(config) or grid.composed_refusal(config)
         if line:
             print(line, file=sys.stderr)
             raise SystemExit(2)

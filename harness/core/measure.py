@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from harness.common.stats import LAYER_TOL
-from models.kv_cache import CACHE_KINDS, KeepRecord, cache_kind
+from models.kv_cache import CACHE_KINDS, KeepRecord, cache_kind, kv_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -869,7 +869,9 @@ def cache_memory(engine, spec: CacheSpec, prompt: torch.Tensor, new_tokens: int,
                bytes_per_token=cls.bytes_per_token(n_layer, n_kv_head, head_dim, dtype, opts),
                measured_bytes_per_token=measured[filled] / held,
                nbytes_curve_match=all(curve.nbytes_formula[curve.nbytes_measured.notna()]
-                                      == curve.nbytes_measured.dropna()))
+                                      == curve.nbytes_measured.dropna()),
+               nbytes_at_max_len=formula(max_len) // B,
+               full_nbytes_at_max_len=kv_bytes(n_layer, n_kv_head, head_dim, max_len, 1, torch.float32))
     return rec, curve, head_slots(cache, n_layer, n_kv_head, min(held, filled))
 
 

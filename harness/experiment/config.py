@@ -15,6 +15,7 @@ from pathlib import Path
 import hashlib
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -25,7 +26,9 @@ from harness.common.errors import ConfigError
 from harness.experiment.plan import (CacheChoice, DtypeChoice, EngineChoice, ModelChoice, OutliersChoice, RunConfig,
                                      TrackingChoice)
 from harness.measurements.base import MAX_LIST, MAX_PROMPTS, MAX_REPEATS, MAX_WARMUP
+from harness.core import kinds
 from harness.core.engines import ENGINES
+from harness.experiment import external
 from models import outliers
 from models.kv_cache import CACHE_KINDS, DTYPE_NAMES, KVCache, cache_kind
 
@@ -55,15 +58,17 @@ class ModelConfig:
 
 
 def cache_schema(cls: type[KVCache]) -> type:
-    """The config node of one cache kind: ``kind`` plus the kind's options, typed and defaulted as the class says."""
-    fields = [("kind", str, field(default=cls.kind))]
+    """The config node of one cache kind: ``kind`` plus the kind's options, typed and defaulted as the class says,
+    and ``target``, which only ``cache=external`` runs: a command line's ``cache.target`` reaches every run of its
+    sweep (``experiment=leaderboard`` sets each run's kind), and a kind of its own does nothing with it."""
+    fields = [("kind", str, field(default=cls.kind)), ("target", Optional[str], field(default=None))]
     fields += [(name, typ, field(default=cls.option_defaults()[name])) for name, typ in cls.option_types().items()]
     return dataclasses.make_dataclass(f"{cls.__name__}Config", fields)
 
 
 def cache_options(node) -> dict:
-    """The kind's options from a composed cache node (everything but ``kind``)."""
-    return {k: v for k, v in node.items() if k != "kind"}
+    """The kind's options from a composed cache node (everything but ``kind`` and ``target``)."""
+    return {k: v for k, v in node.items() if k not in kinds.NODE_KEYS}
 
 
 MODEL_FIELD = "{model}"  # in a cache option's text, the run's model name (cache.heads=models/heads/{model}.csv)
@@ -76,7 +81,13 @@ def cache_choice(node, model: str | None = None) -> CacheChoice:
     def plain(v):
         v = _plain(v)
         return v.replace(MODEL_FIELD, model) if model is not None and isinstance(v, str) else v
-    return CacheChoice(kind=node.kind, options={k: plain(v) for k, v in cache_options(node).items()})
+    if node.kind == external.EXTERNAL:  # the class cache.target names: its own kind and options
+        return external.choice(node, plain)
+    why = None if kinds.known(node.kind) else kinds.why_not_loaded(node.kind)
+    if why:  # an installed package's kind that did not load: why, not "unknown kind"
+        raise ConfigError(f"cache={node.kind}: {why}")
+    return CacheChoice(kind=node.kind, options={k: plain(v) for k, v in cache_options(node).items()},
+                       target=kinds.target_of(node.kind))
 
 
 @dataclass
@@ -113,6 +124,16 @@ def engine_schema(name: str, cls) -> type:
 
 
 @dataclass
+class LeaderboardConfig:
+    """``leaderboard``: what ``experiment=leaderboard``'s sweeper (``harness.experiment.leaderboard``) expands into
+    runs; a run itself never reads it (it is not part of a run's identity)."""
+
+    methods: Optional[list[str]] = None  # null: every method (harness.experiment.leaderboard.METHODS)
+    ratios: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 0.875])  # K/V bytes removed at `context`
+    context: int = 1024  # the context length the ratios are taken at (every task's sequences are this long)
+
+
+@dataclass
 class BaseConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: Any = MISSING  # one of the engine group's nodes, typed by its engine's schema
@@ -135,6 +156,7 @@ class BaseConfig:
     compile: bool = False  # torch.compile the prealloc kind's decode step (static shapes; CUDA graphs on a GPU)
     resume: bool = True  # skip a run whose folder holds a complete, ok record of the same config and inputs
     measurements: Optional[list[str]] = None  # the measurements to make (harness.measurements); None: all that apply
+    leaderboard: LeaderboardConfig = field(default_factory=LeaderboardConfig)  # experiment=leaderboard's grid
 
 
 def _with_options(base: type) -> type:
@@ -163,7 +185,7 @@ def dtype_label(storage: str, compute: str) -> str:
     return f"{storage}/{compute}"
 
 
-NOT_MEASURED = ("tracking", "resume", "hydra")  # config keys that do not change what a run measures
+NOT_MEASURED = ("tracking", "resume", "hydra", "leaderboard")  # config keys that do not change what a run measures
 UNORDERED = ("measurements", "context_lengths")  # lists whose order does not change what a run measures
 
 
@@ -208,13 +230,15 @@ def config_id(cfg) -> str:
     """12 hex digits that name what a run measures: a hash of its resolved config without tracking and resume (and
     without ``measurements`` when it is null, all of them, without ``model.outliers`` at scale 1, the model as
     loaded, and without the ``LATER_KEYS`` at their old meaning, so runs made before these keys existed keep their
-    id). The lists in ``UNORDERED`` are hashed in the order
-    they are measured in, so their order on the command line does not change a run's id (a list already in that
-    order keeps the id it had)."""
+    id; the cache node as ``harness.experiment.external.identity`` gives it: what ran). The lists in ``UNORDERED``
+    are hashed in the order they are measured in, so their order on the command line does not change a run's id (a
+    list already in that order keeps the id it had)."""
     keys = [k for k in cfg.keys() if k not in NOT_MEASURED and not (k == "measurements" and cfg[k] is None)]
     plain = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
              for k in keys}
     plain = {k: _in_order(k, v) if k in UNORDERED else v for k, v in plain.items()}
+    if isinstance(plain.get("cache"), dict):  # what ran: cache=external's class, or a kind of its own
+        plain["cache"] = external.identity(plain["cache"])
     model = plain.get("model")
     if isinstance(model, dict) and isinstance(model.get("outliers"), dict) and model["outliers"].get("scale") == 1:
         plain["model"] = {k: v for k, v in model.items() if k != "outliers"}
@@ -240,13 +264,16 @@ def read(cfg) -> RunConfig:
     from harness.measurements import options
 
     m, engine, tracking, dtype = cfg.model, cfg.get("engine", {}), cfg.tracking, cfg.dtype
-    given = cfg.get("measurements")
+    given, cache = cfg.get("measurements"), cache_choice(cfg.cache, m.name)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    if cfg.cache.kind == external.EXTERNAL:  # W&B's config says what ran: the class's kind, target and options
+        resolved["cache"] = external.as_node(cache)
     return RunConfig(
         model=ModelChoice(name=m.name, preset=m.preset, weights=m.weights, seed=m.seed, build=m.get("build"),
                           outliers=outliers_choice(m.get("outliers")), n_kv_head=m.get("n_kv_head")),
         engine=EngineChoice(name=str(engine.get("name", "kvlab")),
                             options={k: _plain(v) for k, v in engine.items() if k != "name"}),
-        cache=cache_choice(cfg.cache, m.name),
+        cache=cache,
         dtype=DtypeChoice(name=dtype.get("name"), storage=dtype.storage, compute=dtype.compute),
         device=cfg.device.name,
         tracking=TrackingChoice(mode=tracking.mode, project=tracking.get("project"), entity=tracking.get("entity"),
@@ -257,7 +284,7 @@ def read(cfg) -> RunConfig:
         compile=bool(cfg.get("compile", False)), resume=bool(cfg.get("resume", True)),
         measurements=None if given is None else tuple(_plain(given)),
         options={f.name: _plain(cfg[f.name]) for _, f in options() if f.name in cfg},
-        config_id=config_id(cfg), resolved=OmegaConf.to_container(cfg, resolve=True))
+        config_id=config_id(cfg), resolved=resolved)
 
 
 def _frozen(v):
@@ -292,12 +319,18 @@ def _id_resolver(*, _root_) -> str:
     return config_id(_root_)
 
 
-def register() -> None:
-    """The schemas, and the resolvers conf/config.yaml names paths with: ``kvlab_slug`` and ``kvlab_id``."""
+def register(argv: list[str] | None = None) -> None:
+    """The schemas, and the resolvers conf/config.yaml names paths with: ``kvlab_slug`` and ``kvlab_id``. The kinds
+    installed packages declare are loaded first, and the classes the command line's ``cache.target=`` values name
+    (``argv``, default ``sys.argv[1:]``) type ``cache=external`` (``harness.experiment.external``); a target that
+    does not load is a ``ConfigError``, one line."""
     for name, fn in (("kvlab_slug", slug), ("kvlab_id", _id_resolver)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
+    kinds.load_entry_points()
+    targets = external.scan(sys.argv[1:] if argv is None else list(argv))
     cs = ConfigStore.instance()
+    cs.store(group="schema/cache", name=external.EXTERNAL, node=external.schema(targets))
     cs.store(name="kvlab_schema", node=KvlabConfig)
     for name, cls in CACHE_KINDS.items():
         cs.store(group="schema/cache", name=name, node=cache_schema(cls))
@@ -305,6 +338,9 @@ def register() -> None:
             cs.store(group="cache", name=name, node=cache_schema(cls))  # composes, at the kind's defaults
     for name, cls in ENGINES.items():
         cs.store(group="schema/engine", name=name, node=engine_schema(name, cls))
+    from harness.experiment.leaderboard import register_sweeper
+
+    register_sweeper()  # experiment=leaderboard's sweeper
 
 
 CONF = Path(__file__).resolve().parents[2] / "conf"  # run.py's config folder

@@ -38,6 +38,7 @@ def config_record(rc: RunConfig) -> dict:
     return dict(
         model=model_label(rc.model), preset=rc.model.preset if rc.model.weights in ("random", "auto") else None,
         model_seed=rc.model.seed, outlier_scale=rc.model.outliers.scale, engine=rc.engine.name, cache=rc.cache.kind,
+        cache_target=rc.cache.target,
         **cache_record(rc.cache, rc.engine.name, engine_options(rc), rc.dtype.storage),
         engine_threads=engine_threads(rc), dtype=dtype_label(rc.dtype.storage, rc.dtype.compute),
         device_requested=rc.device, experiment=rc.experiment, n_prompts=rc.n_prompts,

@@ -193,11 +193,13 @@ def file_id(path: Path) -> str:
         return _sha(samples())
 
 
-def input_ids(prompts_path: Path | None, seed: int, w: Weights | None, files: list[str] | str | None = None) -> dict:
+def input_ids(prompts_path: Path | None, seed: int, w: Weights | None, files: list[str] | str | None = None,
+              kind_file: Path | None = None) -> dict:
     """What a run's results depend on beyond its config: the prompts file's contents (``prompts_path``; None: random
     prompts), the checkpoint's contents (every file of it a load reads: ``models.hf_checkpoint.files_read``; the
     model's ``seed`` for random weights), the files its measurements read (``files``: a serving trace; recorded as
-    ``inputs_trace``) and kvlab's own code (its sources and configs)."""
+    ``inputs_trace``) and the code: kvlab's own (its sources and configs) and, for a kind from outside kvlab, its
+    module's file (``kind_file``), so an edited kind is measured again."""
     files = [files] if isinstance(files, str) else list(files or [])
     prompts = "random prompts"
     if prompts_path is not None:
@@ -211,7 +213,7 @@ def input_ids(prompts_path: Path | None, seed: int, w: Weights | None, files: li
         ckpt = f"hub {w.load_from}"
     ids = [file_id(Path(f)) if Path(f).is_file() else "not read" for f in files]
     traced = None if not ids else ids[0] if len(ids) == 1 else _sha(i.encode() for i in ids)
-    code = _sha(p.read_bytes() for p in tracking.sources())
+    code = _sha(p.read_bytes() for p in tracking.sources() + ([kind_file] if kind_file is not None else []))
     return dict(inputs_prompts=prompts, inputs_checkpoint=ckpt, inputs_trace=traced, inputs_code=code)
 
 

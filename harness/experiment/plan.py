@@ -59,10 +59,12 @@ class EngineChoice:
 
 @dataclass(frozen=True)
 class CacheChoice:
-    """``cache``: the kind under test and its options as given (everything but ``kind``), plain."""
+    """``cache``: the kind under test and its options as given (everything but ``kind``), plain; ``target``: the
+    class's ``package.module:ClassName`` for a kind from outside kvlab (``cache=external``, an entry point)."""
 
     kind: str
     options: dict
+    target: str | None = None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from harness import measurements
 from harness.experiment.describe import asked_measurements, weights_record
 from harness.experiment.folder import input_ids
 from harness.common.errors import ConfigError
-from harness.core import inputs, measure
+from harness.core import inputs, kinds, measure
 from harness.core.inputs import check_prompts_file
 from harness.measurements import record
 from harness.experiment import weights
@@ -122,7 +122,7 @@ def plan_run(rc: RunConfig, w: Weights | None = None) -> Plan:
     if path is not None:
         check_prompts_file(path)
     plan = Plan(rc, w, None, None, None, device, storage, compute, path,
-                input_ids(path, rc.model.seed, w, measurement_files(rc)))
+                input_ids(path, rc.model.seed, w, measurement_files(rc), kinds.source_file(rc.cache.kind)))
     mcfg = model_config(w, rc.model)
     if mcfg is None:
         if path is not None:

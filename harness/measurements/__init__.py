@@ -286,9 +286,15 @@ def all_keys(cache_options: bool = True) -> list[KeyInfo]:
 
 
 def undeclared(rec: dict) -> list[str]:
-    """Keys of ``rec`` that no part of the record, cache option or measurement declares."""
+    """Keys of ``rec`` that no part of the record, cache option or measurement declares. A record of a kind from
+    outside kvlab (``cache_target`` set) that this process has not loaded keeps its ``cache_<option>`` keys: they are
+    accepted as that kind's options, as the report's tables and figures read them (``option_columns``), without
+    importing its class."""
+    from models.kv_cache import CACHE_KINDS
+
     known = {k.key for k in all_keys()}
-    return sorted(k for k in rec if k not in known)
+    foreign = rec.get("cache_target") is not None and rec.get("cache") not in CACHE_KINDS
+    return sorted(k for k in rec if k not in known and not (foreign and str(k).startswith("cache_")))
 
 
 def keys_text() -> str:
@@ -353,8 +359,18 @@ def _declared(registry: tuple) -> frozenset[str]:
                      | {c for t in tables().values() for c in t["columns"]} | set(IDENTITY_COLUMNS))
 
 
-@functools.lru_cache(maxsize=1)
 def _cache_option_names() -> frozenset[str]:
+    """Every registered kind's ``cache_<option>`` keys, worked out once per state of the registry: a kind
+    registered later (``cache=external``, an entry point, a test's) adds its options at once. A reader never loads a
+    kind from a record (no recorded ``cache_target`` is imported: reading results runs no one's code); what it does
+    with the ``cache_<option>`` keys of a kind this process does not have is ``undeclared``'s."""
+    from models.kv_cache import CACHE_KINDS
+
+    return _option_names(tuple(CACHE_KINDS.items()))
+
+
+@functools.lru_cache(maxsize=4)
+def _option_names(registry: tuple) -> frozenset[str]:
     from harness.measurements import record
 
     return frozenset(record.cache_option_keys())

@@ -36,6 +36,11 @@ class Memory(Measurement):
         nbytes_curve_match: bool = key("measured bytes equal the formula after the prefill and every step")
         kv_overtakes_weights_at_context: float | None = key("context from which a batch-1 step reads more K/V than "
                                                             "weights (null: a kind that caps its reads)", "tokens")
+        nbytes_at_max_len: int | None = key("the kind's formula for one sequence of max_len tokens (what it holds at "
+                                            "the longest context)", "B")
+        full_nbytes_at_max_len: int | None = key("fp32 full attention's K/V bytes for one sequence of max_len tokens: "
+                                                 "what a compression ratio is taken against "
+                                                 "(1 - nbytes_at_max_len / this)", "B")
 
     tables = (Table("memory", "memory.csv", on=("tokens",), columns=("tokens", "nbytes_formula", "nbytes_measured"),
                     meaning="cache bytes vs tokens: the formula out to max_len, measured where the generation "

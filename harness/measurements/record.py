@@ -49,6 +49,9 @@ class Setting:
                                       "given, the model's function kept (1: the weights as loaded, nothing injected)")
     engine: str = key("kvlab | hf | llamacpp")
     cache: str = key("the cache kind")
+    cache_target: str | None = key("the class of a kind from outside kvlab, package.module:ClassName (cache=external's "
+                                   "cache.target, or an installed package's kvlab.cache_kinds entry point); null: "
+                                   "one of kvlab's own kinds")
     cache_label: str = key("kind + options (+ · engine when not kvlab): how runs are told apart")
     cache_exact: bool | None = key("the kind is exact (must equal its reference): on llama.cpp, only in the "
                                    "storage dtype's K/V types")
@@ -89,7 +92,8 @@ class Weights:
     inputs_checkpoint: str | None = key("hash of every checkpoint file a run reads (config.json, the weights or their "
                                          "shards and index, tokenizer.json)")
     inputs_trace: str | None = key("hash of the serving trace (serve.trace; null: none read)")
-    inputs_code: str | None = key("hash of kvlab's code and configs")
+    inputs_code: str | None = key("hash of kvlab's code and configs (and of the module file of a kind from outside "
+                                  "kvlab: cache_target)")
 
 
 @dataclass(frozen=True)

@@ -27,19 +27,22 @@ from models.tokenizer import Tokenizer
 GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml"))
           for g in ("model", "engine", "cache", "dtype", "device", "tracking", "experiment")}
 # experiments that pin their model (and kind): composed and validated on their own
-PINNED = (*PAPERS, "gqa", "streaming", "serving", "serving_prefix")
+# presets that set their own model and caches (the leaderboard's grid: tests/experiment/test_leaderboard.py composes and
+# validates every cell of it on both reference models)
+PINNED = (*PAPERS, "gqa", "streaming", "serving", "serving_prefix", "leaderboard")
 
 
 def test_groups_hold_what_users_sweep():
     assert set(GROUPS["model"]) == {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "mini", "tiny", "smollm2-135m",
                                     "qwen2.5-0.5b", "llama-3.2-1b", "tiny-gqa", "gqa-base", "mini-llama"}
-    assert set(GROUPS["cache"]) == set(CACHE_KINDS)  # one YAML per registered kind
+    # one YAML per registered kind, and cache=external's (its class cache.target's: tests/experiment/test_external.py)
+    assert set(GROUPS["cache"]) == set(CACHE_KINDS) | {"external"}
     assert set(GROUPS["engine"]) == {"kvlab", "hf", "llamacpp"}
     assert set(GROUPS["dtype"]) == {"fp32", "fp16", "bf16"}
     assert set(GROUPS["device"]) == {"cpu", "cuda", "auto"}
     assert set(GROUPS["tracking"]) == {"offline", "online", "disabled"}
     assert set(GROUPS["experiment"]) == {"quick", "seed_protocol", "long", "bench", "gqa", "streaming", "serving",
-                                         "serving_prefix", *PAPERS}
+                                         "serving_prefix", "leaderboard", *PAPERS}
 
 
 # one model of each family and number of positions is crossed with every cache kind and experiment; the others,
@@ -70,7 +73,7 @@ def test_every_group_combination_composes_and_validates():
     assert set(CROSSED_MODELS) < set(GROUPS["model"])
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         general = {**GROUPS, "experiment": [e for e in GROUPS["experiment"] if e not in PINNED],
-                   "model": list(CROSSED_MODELS)}
+                   "model": list(CROSSED_MODELS), "cache": list(CACHE_KINDS)}  # external: its target's options
         for i, combo in enumerate(itertools.product(*(general[g] for g in crossed))):
             overrides = [f"{g}={o}" for g, o in zip(crossed, combo)]
             if combo[0] == CROSSED_MODELS[0]:  # beside it, a model taking its turn with the same cache and experiment
@@ -568,7 +571,7 @@ def test_the_benchmark_is_a_sweep_of_both_engines_on_two_models():
     for choice in params["cache"]:  # every kind HF has a counterpart of, each in a setting HF runs as named
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
             node = compose(config_name="config", overrides=["experiment=bench", f"cache={choice}"]).cache
-        opts = cache_kind(node.kind).parse_options(**{k: v for k, v in node.items() if k != "kind"})
+        opts = cache_kind(node.kind).parse_options(**cache_options(node))
         assert hf_refuses(node.kind, opts, 64) is None, choice
         kinds.append(node.kind)
     assert sorted(kinds) == sorted(HF_COUNTERPARTS)

@@ -12,12 +12,13 @@ from tests.helpers import REPO
 
 
 def compose_cfg(overrides: list[str]):
-    """The run's config as Hydra composes it from conf/ with ``overrides`` (what follows ``python run.py``)."""
+    """The run's config as Hydra composes it from conf/ with ``overrides`` (what follows ``python run.py``), the
+    schemas registered as run.py registers them for that command line (its ``cache.target=`` classes loaded)."""
     from hydra import compose, initialize_config_dir
 
     from harness.experiment.config import register
 
-    register()
+    register(overrides)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         return compose(config_name="config", overrides=overrides)
 
