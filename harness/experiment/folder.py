@@ -158,7 +158,7 @@ def _finished_other(run_dir: Path, ident: str) -> str | None:
 
 
 INPUTS = {"inputs_prompts": "the prompts file", "inputs_checkpoint": "the checkpoint",
-          "inputs_trace": "the serving trace", "inputs_code": "kvlab's code"}
+          "inputs_trace": "the serving trace", "inputs_cache": "the cache kind's files", "inputs_code": "kvlab's code"}
 
 
 def changed_inputs(prior: dict, inputs: dict) -> list[str]:
@@ -194,12 +194,13 @@ def file_id(path: Path) -> str:
 
 
 def input_ids(prompts_path: Path | None, seed: int, w: Weights | None, files: list[str] | str | None = None,
-              kind_file: Path | None = None) -> dict:
+              kind_file: Path | None = None, cache_files: tuple[str, ...] = ()) -> dict:
     """What a run's results depend on beyond its config: the prompts file's contents (``prompts_path``; None: random
     prompts), the checkpoint's contents (every file of it a load reads: ``models.hf_checkpoint.files_read``; the
     model's ``seed`` for random weights), the files its measurements read (``files``: a serving trace; recorded as
     ``inputs_trace``) and the code: kvlab's own (its sources and configs) and, for a kind from outside kvlab, its
-    module's file (``kind_file``), so an edited kind is measured again."""
+    module's file (``kind_file``), so an edited kind is measured again; and the files the cache kind reads
+    (``cache_files``: duo's heads file; ``inputs_cache``)."""
     files = [files] if isinstance(files, str) else list(files or [])
     prompts = "random prompts"
     if prompts_path is not None:
@@ -211,10 +212,16 @@ def input_ids(prompts_path: Path | None, seed: int, w: Weights | None, files: li
         ckpt = _sha(f"{f.name}:{file_id(f)}".encode() for f in files_read(w.load_from))
     else:
         ckpt = f"hub {w.load_from}"
-    ids = [file_id(Path(f)) if Path(f).is_file() else "not read" for f in files]
-    traced = None if not ids else ids[0] if len(ids) == 1 else _sha(i.encode() for i in ids)
+    traced, cached = _files_id(files), _files_id(cache_files)
     code = _sha(p.read_bytes() for p in tracking.sources() + ([kind_file] if kind_file is not None else []))
-    return dict(inputs_prompts=prompts, inputs_checkpoint=ckpt, inputs_trace=traced, inputs_code=code)
+    return dict(inputs_prompts=prompts, inputs_checkpoint=ckpt, inputs_trace=traced, inputs_cache=cached,
+                inputs_code=code)
+
+
+def _files_id(files) -> str | None:
+    """One id of some input files' contents (None: no file; "not read" for one that is not there)."""
+    ids = [file_id(Path(f)) if Path(f).is_file() else "not read" for f in files]
+    return None if not ids else ids[0] if len(ids) == 1 else _sha(i.encode() for i in ids)
 
 
 def _misplaced(run_dir: Path, sweep_at: tuple[str, str] | None) -> str | None:

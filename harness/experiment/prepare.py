@@ -110,6 +110,18 @@ def prompts_path(rc: RunConfig) -> Path | None:
     return path if path.is_absolute() else measure.REPO / path
 
 
+def cache_files(rc: RunConfig) -> tuple[str, ...]:
+    """The files the run's cache kind reads with its options (duo's heads file); none for options the checks will
+    refuse (nothing is read then)."""
+    from models.kv_cache import CACHE_KINDS
+
+    cls = CACHE_KINDS.get(rc.cache.kind)
+    try:
+        return () if cls is None else tuple(cls.input_files(cls.parse_options(**rc.cache.options)))
+    except (ValueError, TypeError):
+        return ()
+
+
 def plan_run(rc: RunConfig, w: Weights | None = None) -> Plan:
     """Check the whole config from the config alone, purely (files are only read): the knobs, the checkpoint's
     config and its tensors' shapes, the device, the prompts file, and the run's peak memory against what the machine
@@ -122,7 +134,8 @@ def plan_run(rc: RunConfig, w: Weights | None = None) -> Plan:
     if path is not None:
         check_prompts_file(path)
     plan = Plan(rc, w, None, None, None, device, storage, compute, path,
-                input_ids(path, rc.model.seed, w, measurement_files(rc), kinds.source_file(rc.cache.kind)))
+                input_ids(path, rc.model.seed, w, measurement_files(rc), kinds.source_file(rc.cache.kind),
+                          cache_files(rc)))
     mcfg = model_config(w, rc.model)
     if mcfg is None:
         if path is not None:

@@ -92,6 +92,7 @@ class Weights:
     inputs_checkpoint: str | None = key("hash of every checkpoint file a run reads (config.json, the weights or their "
                                          "shards and index, tokenizer.json)")
     inputs_trace: str | None = key("hash of the serving trace (serve.trace; null: none read)")
+    inputs_cache: str | None = key("hash of the files the cache kind reads (cache=duo's cache.heads; null: none)")
     inputs_code: str | None = key("hash of kvlab's code and configs (and of the module file of a kind from outside "
                                   "kvlab: cache_target)")
 

@@ -224,6 +224,12 @@ class KVCache:
         return None
 
     @classmethod
+    def input_files(cls, opts) -> tuple[str, ...]:
+        """The files these options make the kind read (a heads file), as given: hashed into a run's
+        ``inputs_cache``, so a resumed sweep measures again a run whose file changed."""
+        return ()
+
+    @classmethod
     def refuses_padding(cls, opts) -> str | None:
         """Why the kind with these options runs no ragged batch (``why_no_padding``, or an option's reason)."""
         return cls.why_no_padding or None

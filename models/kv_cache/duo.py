@@ -98,6 +98,10 @@ class DuoKVCache(EvictingKVCache):
         return super(EvictingKVCache, cls).parse_options(**options)
 
     @classmethod
+    def input_files(cls, opts) -> tuple[str, ...]:
+        return () if opts.heads == RANDOM else (opts.heads,)
+
+    @classmethod
     def streaming_slots(cls, opts, max_len: int) -> int:
         return min(opts.sinks + opts.recent, max_len)
 

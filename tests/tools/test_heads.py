@@ -149,3 +149,28 @@ def test_a_duo_sweep_over_models_gives_each_model_its_own_heads_file():
             table = pd.read_csv(REPO / heads)
             assert list(table.columns) == list(COLUMNS) and len(table) == 12 and (table.method == "streaming").all()
             assert read_scores(str(REPO / heads), 6, 2)  # what duo reads
+
+
+def test_a_duo_runs_inputs_hash_its_heads_file_so_a_rewritten_file_is_measured_again(tmp_path):
+    """cache.heads is an input of the run beside its config (inputs_cache): a resumed sweep whose heads file was
+    rewritten measures its duo runs again; the random control reads no file."""
+    from harness.experiment.config import read
+    from harness.experiment.folder import changed_inputs, input_ids
+    from harness.experiment.prepare import cache_files
+    from models.kv_cache import DuoKVCache
+    from tests.helpers import REPO
+    from tests.helpers.inproc import compose_cfg
+
+    heads = tmp_path / "heads.csv"
+    heads.write_text((REPO / "models" / "heads" / "mini.csv").read_text())
+    assert DuoKVCache.input_files(DuoKVCache.parse_options(heads=str(heads))) == (str(heads),)
+    assert DuoKVCache.input_files(DuoKVCache.parse_options()) == ()  # random: no file
+    rc = read(compose_cfg(["model=mini", "cache=duo", f"cache.heads={heads}"]))
+    assert cache_files(rc) == (str(heads),)
+    assert cache_files(read(compose_cfg(["model=mini", "cache=duo"]))) == ()
+    before = input_ids(None, 0, None, cache_files=cache_files(rc))
+    assert before["inputs_cache"] is not None and input_ids(None, 0, None)["inputs_cache"] is None
+    heads.write_text(heads.read_text().replace("streaming", "streaming", 1) + "\n")
+    after = input_ids(None, 0, None, cache_files=cache_files(rc))
+    assert changed_inputs(before, after) == [f"the cache kind's files changed ({before['inputs_cache']} -> "
+                                             f"{after['inputs_cache']})"]
