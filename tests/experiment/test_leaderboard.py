@@ -95,22 +95,31 @@ def test_every_cell_of_the_default_grid_is_a_run_the_checks_accept(model):
             assert max_len == 1024
 
 
-def test_narrowing_and_refusals_are_one_line():
+def test_narrowing_keeps_the_methods_and_ratios_asked():
     assert [c.method for c in lb.cells(["snapkv", "quant4"], [0.875])] == ["snapkv", "quant4"]
     assert [c.method for c in lb.cells(["h2o-ada"], [0.5])] == ["h2o-ada"]
-    for methods, ratios, context, says in (
-            (["lru"], [0.5], 1024, "leaderboard.methods names 'lru': use some of"),
-            (["snapkv-lumpy"], [0.5], 1024, "leaderboard.methods names 'snapkv-lumpy'"),
-            ([], [0.5], 1024, "leaderboard.methods is empty"),
-            (["snapkv"], [], 1024, "leaderboard.ratios is empty"),
-            (["snapkv"], [1.5], 1024, "leaderboard.ratios holds 1.5"),
-            (["snapkv"], [True], 1024, "leaderboard.ratios holds True"),
-            (["quant8"], [0.25], 1024, "no run to make: the quant methods' own ratios (quant8 0.71)"),
-            (["snapkv"], [0.5], 8, "leaderboard.context=8"),
-            (["duo", "snapkv"], [0.5], 128, "leaderboard.context=128: duo's streaming heads hold 80 slots")):
-        with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")) as e:
-            lb.cells(methods, ratios, context)
-        assert "\n" not in str(e.value)
+
+
+# (id, leaderboard.methods, leaderboard.ratios, leaderboard.context, what the one line says): docs/faults.md's rows
+CASES = [
+    ("leaderboard-unknown-method", ["lru"], [0.5], 1024, "leaderboard.methods names 'lru': use some of"),
+    ("leaderboard-unknown-allocation", ["snapkv-lumpy"], [0.5], 1024, "leaderboard.methods names 'snapkv-lumpy'"),
+    ("leaderboard-no-methods", [], [0.5], 1024, "leaderboard.methods is empty"),
+    ("leaderboard-no-ratios", ["snapkv"], [], 1024, "leaderboard.ratios is empty"),
+    ("leaderboard-ratio-outside", ["snapkv"], [1.5], 1024, "leaderboard.ratios holds 1.5"),
+    ("leaderboard-ratio-bool", ["snapkv"], [True], 1024, "leaderboard.ratios holds True"),
+    ("leaderboard-quant-far", ["quant8"], [0.25], 1024, "no run to make: the quant methods' own ratios (quant8 0.71)"),
+    ("leaderboard-context-small", ["snapkv"], [0.5], 8, "leaderboard.context=8"),
+    ("leaderboard-duo-short", ["duo", "snapkv"], [0.5], 128,
+     "leaderboard.context=128: duo's streaming heads hold 80 slots"),
+]
+
+
+@pytest.mark.parametrize("case,methods,ratios,context,says", CASES, ids=[c[0] for c in CASES])
+def test_a_grid_it_cannot_run_is_refused_in_one_line(case, methods, ratios, context, says):
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")) as e:
+        lb.cells(methods, ratios, context)
+    assert "\n" not in str(e.value)
 
 
 def test_marks_bold_the_best_and_the_scores_whose_interval_reaches_it():
