@@ -134,8 +134,10 @@ def _asked(group: pd.DataFrame) -> list[float]:
 def _run_row(r: pd.Series, asked: list[float], positions: dict | None) -> dict:
     nbytes, ratio = held(r)
     row = dict(model=r["model"], method=method_of(r), ratio=math.nan, ratio_held=ratio, bytes_held=nbytes,
-               step_ms=r.get("step_ms_cached_at_max_context", math.nan), cache_label=r.get("cache_label"),
-               run_name=r["run_name"], status=r["status"])
+               step_ms=r.get("step_ms_cached_at_max_context", math.nan),
+               timed_beside=r.get("concurrent_runs_while_timing", math.nan), cache_label=r.get("cache_label"),
+               run_name=r["run_name"], status=r["status"],
+               error=None if r["status"] == "ok" or _missing(r.get("error")) else str(r.get("error")))
     row["ratio"] = asked_ratio(pd.Series({**r.to_dict(), "ratio_held": ratio}), asked)
     for task in TASKS:
         row.update(_cells(_score(positions, r["run_name"], task) if r["status"] == "ok" else None, task.name))
@@ -148,7 +150,8 @@ def _full_row(group: pd.DataFrame, positions: dict | None) -> dict:
     first = group.iloc[0]
     full = first.get("full_nbytes_at_max_len", math.nan)
     row = dict(model=first["model"], method=FULL, ratio=0.0, ratio_held=0.0, bytes_held=full, step_ms=math.nan,
-               cache_label=FULL, run_name=None, status="ok")
+               timed_beside=math.nan,
+               cache_label=FULL, run_name=None, status="ok", error=None)
     for task in TASKS:
         if task.ref_key is None:
             row.update({task.name: 0.0, f"{task.name}_lo": math.nan, f"{task.name}_hi": math.nan,
@@ -239,6 +242,12 @@ def _cell(row: pd.Series, task: Task, mark: str) -> str:
 COLUMNS = ("ratio", "method", "removed", "KV bytes", "step ms")
 
 
+def _beside(row: pd.Series) -> bool:
+    """The run's steps were timed while other kvlab runs measured on the machine (its step time shares cores)."""
+    n = row.get("timed_beside")
+    return not _missing(n) and n > 0
+
+
 def markdown(board: pd.DataFrame) -> str:
     """The leaderboard as Markdown: a table per model, rows by ratio then method, each task's score with its 95%
     interval; the best of each column at a ratio in bold, ties (intervals overlapping the best's) bold with =."""
@@ -247,7 +256,8 @@ def markdown(board: pd.DataFrame) -> str:
              "the context remove). Scores: mean over the task's units with a 95% t-interval (n units: texts, "
              "sequences, probes). **Bold**: the best of its column at that ratio; **bold** =: its interval overlaps "
              "the best's (a tie). Text KL is against fp32 full attention (lower is better); copy, niah and mqar are "
-             "top-1 accuracy on the answer ids (higher is better).", ""]
+             "top-1 accuracy on the answer ids (higher is better). Step: the median cached decode step at the longest "
+             "timed context, in ms (*: timed while other kvlab runs measured on the machine: not comparable).", ""]
     if not len(board):
         return "\n".join(lines + ["No run of experiment=leaderboard finished.", ""])
     marked = marks(board)
@@ -264,10 +274,16 @@ def markdown(board: pd.DataFrame) -> str:
         for i, r in group.iterrows():
             cells = [f"{r['ratio']:g}", r["method"], "—" if _missing(r["ratio_held"]) else f"{r['ratio_held']:.3f}",
                      "—" if _missing(r["bytes_held"]) else f"{r['bytes_held']:,.0f}",
-                     "—" if _missing(r["step_ms"]) else f"{r['step_ms']:.2f}"]
+                     "—" if _missing(r["step_ms"]) else f"{r['step_ms']:.2f}" + ("*" if _beside(r) else "")]
             cells += [_cell(r, t, marked.loc[i, t.name]) for t in TASKS]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        failed = group[group["status"] != "ok"]
+        if len(failed):  # what a run that could not be made says: the reason is a finding too
+            lines += [f"Not run ({len(failed)}):", ""]
+            lines += [f"- {r['method']} at {r['ratio']:g}: {r['status']}: {r.get('error') or 'no error recorded'}"
+                      for _, r in failed.iterrows()]
+            lines.append("")
     return "\n".join(lines)
 
 
