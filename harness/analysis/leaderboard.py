@@ -170,7 +170,7 @@ def table(runs: pd.DataFrame, frames: dict | None) -> pd.DataFrame:
     (``ratio_held``), the median cached step at the longest timed context; ordered by model, ratio, method."""
     board = runs[runs["experiment"] == EXPERIMENT] if "experiment" in runs else runs.iloc[:0]
     rows = []
-    for model, group in board.groupby("model", sort=False):
+    for model, group in board.groupby("model", sort=True):
         ok = group[group["status"] == "ok"]
         asked = _asked(ok)
         if len(ok):
@@ -185,10 +185,10 @@ def table(runs: pd.DataFrame, frames: dict | None) -> pd.DataFrame:
         return out
     from harness.experiment import leaderboard as grid
 
-    order = {"model": {m: i for i, m in enumerate(out["model"].drop_duplicates())},
+    order = {"model": {m: i for i, m in enumerate(sorted(out["model"].drop_duplicates()))},
              "method": {m: i for i, m in enumerate((FULL, *grid.METHODS))}}
 
-    def rank(column: pd.Series) -> pd.Series:  # models as they came, methods in the grid's order (others after)
+    def rank(column: pd.Series) -> pd.Series:  # models by name, methods in the grid's order (others after)
         known = order.get(column.name)
         return column if known is None else column.map(lambda v: (known.get(v, len(known)), str(v)))
 
@@ -305,7 +305,9 @@ def task_plot(board: pd.DataFrame, task: str):
             if not len(m):
                 continue
             x = m["ratio_held"].where(m["ratio_held"].notna(), m["ratio"])
-            ax.plot(x, m[task], marker="o", ms=4, lw=1.4, color=colours[method], label=method)
+            alone = len(m) == 1  # a quant method: one point, at the ratio its bits fix
+            ax.plot(x, m[task], marker="D" if alone else "o", ms=7 if alone else 4, lw=1.4, color=colours[method],
+                    label=method)
             if m[f"{task}_lo"].notna().any():
                 ax.fill_between(x, m[f"{task}_lo"], m[f"{task}_hi"], color=colours[method], alpha=0.12, lw=0)
         full = g[g["method"] == FULL]
