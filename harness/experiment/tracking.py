@@ -241,9 +241,13 @@ def log_wandb_aggregate(mode: str, project: str, entity: str | None, group: str,
         def cells(df):
             return df.map(lambda v: v if isinstance(v, (bool, int, float, str)) or v is None else str(v))
 
+        # a table over W&B's row limit would be cut short there, silently: it goes in the artifact's files only
+        cap = getattr(wandb.Table, "MAX_ARTIFACT_ROWS", 200_000)
+        shown = {k: df for k, df in (tables or {}).items() if df is not None and 0 < len(df) <= cap}
+        run.summary["tables_in_files_only"] = ", ".join(sorted(k for k, df in (tables or {}).items()
+                                                               if df is not None and len(df) > cap)) or "none"
         run.log({"runs": wandb.Table(dataframe=cells(runs)),
-                 **{f"{k}_table": wandb.Table(dataframe=cells(df)) for k, df in (tables or {}).items()
-                    if df is not None and len(df)},
+                 **{f"{k}_table": wandb.Table(dataframe=cells(df)) for k, df in shown.items()},
                  **{f"plots/{stem}": wandb.Image(str(path)) for stem, path in images.items()}})
         steps = (tables or {}).get("steps")
         if steps is not None and len(steps) and "cache_label" in steps:

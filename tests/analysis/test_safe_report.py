@@ -263,6 +263,34 @@ def test_the_artifact_holds_only_the_files_this_report_wrote(sweep, one_plot, mo
     assert (out / "notes.md").read_text() == "# notes\n"  # another kvlab file, left as it was
 
 
+def test_a_table_over_wandbs_row_limit_goes_in_the_files_only(sweep, one_plot, monkeypatch):
+    """W&B cuts a table longer than its row limit short, saying so only in a log line: such a table (a big sweep's
+    per-position rows) is not logged as a table at all; the run's summary names it, and its files are in the
+    artifact."""
+    logged, fakes = {}, []
+
+    class Table:
+        MAX_ARTIFACT_ROWS = 3
+
+        def __init__(self, dataframe):
+            self.rows = len(dataframe)
+
+    def fake_run(mode, project, entity, group, name, folder, config, job_type, run_id=None, **kw):
+        fakes.append(_FakeWandb(Path(folder)))
+        fakes[-1].Table = Table
+        fakes[-1].run.log = logged.update
+        return fakes[-1], fakes[-1].run, "offline"
+
+    monkeypatch.setattr(tracking, "_wandb_run", fake_run)
+    rep = report.report_and_log(sweep, "offline", "kvlab", None, "quick-s")
+    frames = {k: df for k, df in rep["frames"].items() if df is not None and len(df)}
+    long = sorted(k for k, df in frames.items() if len(df) > 3)
+    assert long and fakes[0].run.summary["tables_in_files_only"] == ", ".join(long)
+    assert {f"{k}_table" for k in frames} - {f"{k}_table" for k in long} == {k for k in logged if k.endswith("_table")}
+    assert all(t.rows <= 3 for k, t in logged.items() if k.endswith("_table"))
+    assert {f"{k}.csv" for k in long} <= {name for _, name in fakes[0].added}
+
+
 # ---- report-out-run-folder -------------------------------------------------------------------------------------
 
 def test_out_at_a_run_folder_is_refused_and_its_tables_are_unchanged(sweep, tmp_path, capsys):

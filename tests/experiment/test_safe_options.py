@@ -286,6 +286,9 @@ def _old_id(cfg):
     plain["model"].pop("outliers")  # at scale 1 not hashed: its configs had no model.outliers
     plain["model"].pop("n_kv_head")  # at null not hashed: nor model.n_kv_head
     plain.pop("serve")  # at its defaults (serve.requests 0) not hashed: nor the server's node
+    plain.pop("leaderboard")  # experiment=leaderboard's grid: read by its sweeper, never by a run
+    if plain["cache"].get("target") is None:
+        plain["cache"].pop("target", None)  # cache=external's class: null (not hashed) for every other kind
     return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

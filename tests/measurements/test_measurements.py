@@ -464,7 +464,8 @@ def test_every_figure_draws_from_a_sweep(conformance):
         rep = conformance[name] / "report"
         drawn |= {p.stem for p in rep.glob("*.png") if p.stat().st_size > 0}
         assert (rep / "report.html").is_file()
-    assert {f.stem for f in figures.FIGURES} <= drawn
+    # the leaderboard's figures: drawn by experiment=leaderboard's own sweep (tests/experiment/test_leaderboard.py)
+    assert {f.stem for f in figures.FIGURES if f.table != "leaderboard"} <= drawn
 
 
 @pytest.mark.slow
