@@ -24,7 +24,6 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import pandas as pd
 
 from harness.analysis import intervals
@@ -58,10 +57,6 @@ TASKS = (Task("text", "text KL (nats) ↓", "drift_kl", "kl", None, None, "low")
 def ran(runs: pd.DataFrame) -> bool:
     """Whether ``runs`` hold runs of experiment=leaderboard."""
     return "experiment" in runs and bool((runs["experiment"] == EXPERIMENT).any())
-
-
-def _plain(v):
-    return v.item() if isinstance(v, np.generic) else v
 
 
 def _missing(v) -> bool:
