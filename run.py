@@ -100,6 +100,13 @@ try:
 except ConfigError as _e:  # a target that does not load: one line, before any folder is made
     print(f"kvlab: {_e}", file=sys.stderr, flush=True)
     sys.exit(2)
+try:
+    from models import cpu_kernels  # noqa: E402
+
+    cpu_kernels.mode_now()  # KVLAB_KERNELS read (and the kernels found) before any folder is made
+except ValueError as _e:
+    print(f"kvlab: {_e}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")

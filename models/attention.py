@@ -16,6 +16,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from models import cpu_kernels
+
+
 def attention_mask(past: int, T: int, key_pos: torch.Tensor | None, device, window: int | None = None,
                    sinks: int = 0, pad: torch.Tensor | None = None) -> torch.Tensor | None:
     """Which keys each of the T queries (in slots past .. past + T - 1) may attend: (T, n_keys) bool, (B, 1, T,
@@ -92,6 +95,10 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
          causal: bool = False) -> torch.Tensor:
     """Scaled dot-product attention, q (B, nh, T, hs) over k, v (B, nkv, n_keys, hs): each K/V head serves its group
     of query heads; ``mask`` True = may attend."""
+    if mask is None and not causal and q.size(2) == 1:  # a decode step: kvlab's CPU kernel, where it runs
+        y = cpu_kernels.decode_attention(q, k, v)
+        if y is not None:
+            return y
     groups = groups_of(q, k)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=per_query_head(mask, groups), is_causal=causal,
                                           enable_gqa=groups > 1)

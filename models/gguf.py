@@ -1,5 +1,5 @@
-"""kvlab's models as GGUF files that llama.cpp runs: the same weights, in f32 or f16, written reproducibly (the same
-model and dtype give the same bytes) and read back (``read_gguf``: the round trip is tested).
+"""kvlab's models as GGUF files that llama.cpp runs: the same weights, in f32, f16 or bf16, written reproducibly (the
+same model and dtype give the same bytes) and read back (``read_gguf``: the round trip is tested).
 
 What the conversion does, per family (llama.cpp's names; its loader checks every shape and refuses extra tensors):
 - GPT-2 (``gpt2``): learned positions, LayerNorm with bias, the fused QKV projection, GELU (tanh) MLP. Our
@@ -12,8 +12,10 @@ What the conversion does, per family (llama.cpp's names; its loader checks every
   touched. Checkpoints with biases on q/k/v (Qwen2) or with Llama 3's rope scaling are refused in one line.
 
 No tokenizer is written (``tokenizer.ggml.model = "none"`` and the vocabulary's size): kvlab hands llama.cpp token
-ids, never text. 1-D tensors (norms, biases) and GPT-2's position table stay f32 in an f16 file, as llama.cpp's own
-converter keeps them. ``gguf`` (llama.cpp's own Python package) writes and reads the format."""
+ids, never text. 1-D tensors (norms, biases) and GPT-2's position table stay f32 in an f16 or bf16 file, as
+llama.cpp's own converter keeps them. A bf16 file holds each 2-d weight as GGML's BF16 (the raw 16 bits of the
+bfloat16 value, rounded to nearest even from an fp32 model, exact from a bf16 one; file type MOSTLY_BF16).
+``gguf`` (llama.cpp's own Python package) writes and reads the format."""
 
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ import torch
 
 from models.decoder import Decoder
 
-GGUF_DTYPES = ("f32", "f16")
+GGUF_DTYPES = ("f32", "f16", "bf16")
+FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32}  # llama.cpp's ALL_F32, MOSTLY_F16, MOSTLY_BF16
 
 
 class GGUFError(ValueError):
@@ -110,7 +113,7 @@ def _metadata(w, model: Decoder, arch: str, dtype: str) -> None:
     w.add_block_count(cfg.n_layer)
     w.add_head_count(cfg.n_head)
     w.add_vocab_size(cfg.vocab_size)
-    w.add_file_type(0 if dtype == "f32" else 1)  # llama.cpp's ALL_F32 / MOSTLY_F16
+    w.add_file_type(FILE_TYPES[dtype])
     w.add_tokenizer_model("none")  # ids in, logits out: no vocabulary text
     if arch == "gpt2":
         w.add_feed_forward_length(4 * cfg.n_embd)
@@ -125,14 +128,18 @@ def _metadata(w, model: Decoder, arch: str, dtype: str) -> None:
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
 
 
-def _stored(name: str, t: torch.Tensor, dtype: str) -> np.ndarray:
+def _stored(name: str, t: torch.Tensor, dtype: str) -> tuple[np.ndarray, object]:
+    """The array written for tensor ``name`` and its GGML type (None: numpy's dtype says it)."""
     keep32 = dtype == "f32" or t.dim() == 1 or name == "position_embd.weight"
-    return t.detach().to("cpu", torch.float32 if keep32 else torch.float16).contiguous().numpy()
+    if keep32 or dtype == "f16":
+        return t.detach().to("cpu", torch.float32 if keep32 else torch.float16).contiguous().numpy(), None
+    bits = t.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+    return bits, _gguf().GGMLQuantizationType.BF16  # bf16's raw bits, in the tensor's own shape
 
 
 def write_gguf(model: Decoder, path: str | os.PathLike, dtype: str = "f32") -> Path:
     """``model`` as a GGUF file at ``path`` (written beside it and renamed into place, so a crash leaves no
-    half-file there), weights in ``dtype`` (f32 or f16)."""
+    half-file there), weights in ``dtype`` (f32, f16 or bf16)."""
     if dtype not in GGUF_DTYPES:
         raise GGUFError(f"GGUF dtype {dtype!r}: give one of {', '.join(GGUF_DTYPES)}")
     why = gguf_refuses(model.config)
@@ -147,7 +154,8 @@ def write_gguf(model: Decoder, path: str | os.PathLike, dtype: str = "f32") -> P
     try:
         _metadata(w, model, arch, dtype)
         for name, (_, t) in tensors.items():
-            w.add_tensor(name, _stored(name, t, dtype))
+            data, raw = _stored(name, t, dtype)
+            w.add_tensor(name, data, raw_dtype=raw)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
@@ -159,11 +167,20 @@ def write_gguf(model: Decoder, path: str | os.PathLike, dtype: str = "f32") -> P
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(metadata: key -> value, tensors: GGUF name -> tensor in its numpy shape) of a GGUF file."""
+    """(metadata: key -> value, tensors: GGUF name -> tensor in its numpy shape) of a GGUF file; a BF16 tensor (which
+    gguf reads as bytes) as torch.bfloat16 of its own shape."""
     gguf = _gguf()
     r = gguf.GGUFReader(str(path))
     meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
-    return meta, {t.name: torch.from_numpy(np.array(t.data)) for t in r.tensors}
+    out = {}
+    for t in r.tensors:
+        data = np.array(t.data)
+        if t.tensor_type == gguf.GGMLQuantizationType.BF16:
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            out[t.name] = torch.from_numpy(data.view(np.int16).reshape(shape)).view(torch.bfloat16)
+        else:
+            out[t.name] = torch.from_numpy(data)
+    return meta, out
 
 
 def as_state_dict(model: Decoder, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

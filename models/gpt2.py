@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from models import hf_checkpoint as hf
 from models.attention import attend, attention_mask, check_padding, scored_attention  # noqa: F401 (public here too)
 from models.decoder import Decoder
+from models.cpu_kernels import Linear
 from models.hf_checkpoint import CheckpointError  # public here too: models.gpt2.CheckpointError
 from models.kv_cache import KVCache
 
@@ -30,8 +31,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.n_head, self.n_embd = cfg.n_head, cfg.n_embd
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,8 +51,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPT2Config):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.c_fc = Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
@@ -200,13 +201,12 @@ class GPT2(Decoder):
             h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
             ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon),
         ))
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
         # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer): two residual adds per block
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=cfg.initializer_range / math.sqrt(2 * cfg.n_layer))
-        self.store_weights_input_major()
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
 
     def embed(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from models import hf_checkpoint as hf
 from models.attention import attend
 from models.decoder import Decoder
+from models.cpu_kernels import Linear
 from models.hf_checkpoint import CheckpointError
 from models.kv_cache import KVCache
 
@@ -390,10 +391,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.n_embd, q, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.n_embd, kv, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.n_embd, kv, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q, cfg.n_embd, bias=cfg.o_bias)
+        self.q_proj = Linear(cfg.n_embd, q, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.n_embd, kv, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.n_embd, kv, bias=cfg.qkv_bias)
+        self.o_proj = Linear(q, cfg.n_embd, bias=cfg.o_bias)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer: int, mask: torch.Tensor | None,
                 rope: Rope) -> torch.Tensor:
@@ -416,9 +417,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.n_embd, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.n_embd, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(cfg.n_embd, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.n_embd, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.n_embd, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -447,9 +448,8 @@ class Llama(Decoder):
             layers=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
             norm=RMSNorm(cfg.n_embd, cfg.rms_norm_eps),
         ))
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
-        self.store_weights_input_major()
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # fp32 whatever the model's dtype (a plain attribute, not a buffer: .to(dtype) must not round it)

@@ -1,14 +1,15 @@
 """llama.cpp as a peer engine (``engine=llamacpp``): the run's model converted to GGUF by kvlab (``models.gguf``, f32
-for fp32 compute, f16 for fp16) and run through llama.cpp's own CPU kernels (llama-cpp-python, built from source by
-``make llamacpp``), behind the same engine protocol as ours and HF's, so the same measurements run on it.
+for fp32 compute, f16 for fp16, bf16 for a bf16 model: ``LlamaCppEngine(model, storage="bf16")``, the bench's peer)
+and run through llama.cpp's own CPU kernels (llama-cpp-python, built from source by ``make llamacpp``), behind the
+same engine protocol as ours and HF's, so the same measurements run on it.
 
 Its cache is llama.cpp's: one preallocated K/V buffer per context (``cache=prealloc``; llama.cpp has no growing
 layout, so ``concat`` is refused rather than recorded as run), K and V stored as ``engine.type_k`` /
-``engine.type_v``: ``auto`` (the run's ``dtype.storage``: f32 or f16) or one of llama.cpp's quantised types (q8_0,
-q4_0, q4_1, q5_0, q5_1, iq4_nl: blocks of 32 values with an f16 scale, and an f16 minimum for the _1 types). A
-quantised V needs llama.cpp's flash attention, which this engine then turns on (it is off otherwise, as llama.cpp's
-exact path). Batches run as that many llama.cpp sequences of one length in one context. What llama.cpp cannot do is
-refused in one line.
+``engine.type_v``: ``auto`` (the run's ``dtype.storage``: f32 or f16; bf16 beside a bf16 model, which a run does not
+build: ``refuses_storage``), bf16, or one of llama.cpp's quantised types (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl:
+blocks of 32 values with an f16 scale, and an f16 minimum for the _1 types). A quantised V needs llama.cpp's flash
+attention, which this engine then turns on (it is off otherwise, as llama.cpp's exact path). Batches run as that
+many llama.cpp sequences of one length in one context. What llama.cpp cannot do is refused in one line.
 
 Rotation: llama.cpp (since its pull request 21038) multiplies each head's K, V and query by a Hadamard matrix
 before a quantised K or V is stored, by default, wherever the head size is a multiple of 64; the environment
@@ -39,8 +40,8 @@ from models.kv_cache import cache_kind
 
 # llama.cpp's K/V types: ggml type id, (values, bytes) per block
 CACHE_TYPES: dict[str, tuple[int, int, int]] = {
-    "f32": (0, 1, 4), "f16": (1, 1, 2), "q8_0": (8, 32, 34), "q4_0": (2, 32, 18), "q4_1": (3, 32, 20),
-    "q5_0": (6, 32, 22), "q5_1": (7, 32, 24), "iq4_nl": (20, 32, 18),
+    "f32": (0, 1, 4), "f16": (1, 1, 2), "bf16": (30, 1, 2), "q8_0": (8, 32, 34), "q4_0": (2, 32, 18),
+    "q4_1": (3, 32, 20), "q5_0": (6, 32, 22), "q5_1": (7, 32, 24), "iq4_nl": (20, 32, 18),
 }
 LAYOUTS = ("prealloc",)  # llama.cpp's one layout: every cell allocated up front
 # cache=quant where llama.cpp stores the same thing: blocks of 32 values along a token's channels, a scale per block
@@ -130,7 +131,7 @@ def max_threads() -> int:
 
 
 def cache_type(name: str, storage: str) -> str:
-    """A type option resolved against the run's storage dtype (auto: f32 for fp32, f16 for fp16)."""
+    """A type option resolved against the run's storage dtype (auto: f32 for fp32, f16 for fp16, bf16 for bf16)."""
     return {"fp32": "f32", "fp16": "f16"}.get(storage, storage) if name == "auto" else name
 
 
@@ -232,9 +233,9 @@ _CONVERT = threading.Lock()
 
 
 def gguf_for(model: Decoder) -> Path:
-    """The model as a GGUF file (f32 or f16 as its dtype), converted once per weights and kept by their digest
+    """The model as a GGUF file (f32, f16 or bf16 as its dtype), converted once per weights and kept by their digest
     in ``$KVLAB_GGUF_CACHE`` (default: a kvlab-gguf folder in the system's temp folder)."""
-    dtype = {torch.float32: "f32", torch.float16: "f16"}[model_dtype(model)]
+    dtype = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[model_dtype(model)]
     folder = Path(os.environ.get(GGUF_CACHE_ENV) or Path(tempfile.gettempdir()) / "kvlab-gguf")
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"kvlab-{model_digest(model)}-{dtype}.gguf"
@@ -376,6 +377,11 @@ class LlamaCppEngine:
         if compute not in ("fp32", "fp16"):
             return (f"llama.cpp runs the weights converted to f32 or f16: dtype.compute={compute} has no GGUF here; "
                     "use dtype.compute=fp32 or fp16")
+        if storage == "bf16":  # bf16 K/V runs beside a bf16 GGUF only (LlamaCppEngine(storage="bf16"), the bench's)
+            return (f"dtype.storage=bf16 has no llama.cpp type beside the f32 or f16 weights a run converts "
+                    f"(dtype.compute={compute}); llama.cpp's bf16 K/V runs beside a bf16 model in python -m "
+                    "harness.bench --peers --dtype bf16: use dtype.storage=fp32 or fp16, or engine.type_k / "
+                    "engine.type_v")
         return None
 
     @classmethod
@@ -414,7 +420,11 @@ class LlamaCppEngine:
     def __init__(self, model: Decoder, type_k: str = "auto", type_v: str = "auto", threads: int = 0,
                  storage: str | None = None, rotate: str = "auto"):
         self.lc = _llama_cpp()
-        storage = storage or {torch.float32: "fp32", torch.float16: "fp16"}.get(model_dtype(model), "fp32")
+        own = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(model_dtype(model), "fp32")
+        storage = storage or own
+        if (storage == "bf16") != (own == "bf16"):
+            raise ValueError(f"engine=llamacpp: bf16 K/V (storage={storage}) runs beside a bf16 model only, and this "
+                             f"model is {own}")
         self.options = LlamaCppOptions(type_k, type_v, threads, rotate)
         why = self.refuses_options(self.options, storage, model.config)
         if why:

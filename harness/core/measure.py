@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from harness.common.stats import LAYER_TOL
+from models import cpu_kernels
 from models.kv_cache import CACHE_KINDS, KeepRecord, cache_kind, kv_bytes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -965,5 +966,6 @@ def fingerprint(device: torch.device) -> dict:
         tf32=bool(torch.backends.cuda.matmul.allow_tf32) if device.type == "cuda" else False,
         git_commit=git_commit(),
         python_version=platform.python_version(),
+        cpu_kernels=cpu_kernels.path() if device.type == "cpu" else "torch",
     )
 

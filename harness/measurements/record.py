@@ -139,6 +139,9 @@ class Fingerprint:
     tf32: bool = key("TF32 matmuls allowed (CUDA)")
     git_commit: str = key("kvlab's commit (-dirty: with uncommitted changes)")
     python_version: str = key("Python's version")
+    cpu_kernels: str = key("the path a decode step's projections and dense attention ran: kvlab's kernels for this CPU "
+                           "(avx512, avx2, portable) or torch (KVLAB_KERNELS=torch, a GPU, no C++ compiler); "
+                           "models.cpu_kernels")
 
 
 PARTS = (Identity, Setting, Weights, Resolved, Fingerprint)

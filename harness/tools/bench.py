@@ -6,7 +6,9 @@
     python -m harness.bench --kinds --cache prealloc --cache quant:k_bits=8,v_bits=8 --cache window:window=256
     python -m harness.bench --prefix             # prefix reuse: time to first token with and without a snapshot
     python -m harness.bench --paged --model mini # a ragged batch served: KV waste per layout, step time, tokens
-    python -m harness.bench --peers              # ours (eager, compiled) vs HF vs llama.cpp: harness/tools/bench_peers
+    python -m harness.bench --peers              # ours (eager, compiled) vs HF vs llama.cpp at fp32, fp16 and bf16
+                                                 # (--dtype fp32,bf16 for some): ms, ratios, GB/s against the
+                                                 # machine's peak read, targets met/missed (harness/tools/bench_peers)
 
 Ours vs HF: for each context length and each kind transformers has a counterpart of (concat: DynamicCache, prealloc:
 StaticCache, quant at its defaults, 4 bits, groups of 32: QuantizedCache with optimum-quanto) both caches are
@@ -61,6 +63,7 @@ from harness.core import measure
 from harness.core import sizes
 from harness.experiment import memory
 from harness.core.measure import CacheSpec
+from models import cpu_kernels
 from models.decoder import Decoder
 from models.families import PRESETS, build, preset_config
 from models.gguf import gguf_refuses
@@ -441,17 +444,21 @@ def bench_bytes(args: argparse.Namespace, cfg, batch: int | None = None) -> dict
             out["cache"] += c + _snapshot_bytes(s, c)
         out["transients"] = _forward_bytes(cfg, B, ctx, ctx, isz)
     elif args.peers:  # four engines' prealloc caches at the deepest context, batch 8, with their checkpoints; three
-        ctx = max(args.contexts)  # more copies of the weights (HF's, llama.cpp's, an fp16 model)
+        from harness.tools.bench_peers import PROBE_MIN_BYTES
+
+        ctx = max(args.contexts)  # more copies of the weights (HF's, llama.cpp's, an fp16 or bf16 model)
         out["weights"] += 3 * P * sizes.F32
         out["cache"] = 4 * 2 * sizes.cache_bytes(cfg, "prealloc", {}, "fp32", ctx + 1, B, ctx + 1)
-        out["transients"] = _forward_bytes(cfg, B, ctx, ctx, sizes.F32)
+        # the peak-bandwidth probe's buffer is freed before the engines are built: what it needs beyond their weights
+        probe = max(PROBE_MIN_BYTES, P * sizes.F32) - 3 * P * sizes.F32
+        out["transients"] = max(_forward_bytes(cfg, B, ctx, ctx, sizes.F32), probe)
     else:  # ours vs HF: batch 1, fp32, every kind transformers has a counterpart of, in both engines
         ctx = max(args.contexts)
         out["weights"] += P * sizes.F32 if ENGINES["hf"].holds_weight_copy else 0
         for kind in HF_COUNTERPARTS:
             for engine in ("kvlab", "hf"):
-                c = sizes.cache_bytes(cfg, kind, _counterpart_options(kind, cfg.head_dim), "fp32", ctx + 1, 1, ctx + 1, engine,
-                                       ctx)
+                c = sizes.cache_bytes(cfg, kind, _counterpart_options(kind, cfg.head_dim), "fp32", ctx + 1, 1,
+                                      ctx + 1, engine, ctx)
                 out["cache"] += c + c  # and its checkpoint's copy, at most
         out["transients"] = _forward_bytes(cfg, 1, ctx, ctx, sizes.F32)
     out["transients"] += math.ceil(memory.SLACK * (out["cache"] + out["transients"]))
@@ -552,22 +559,43 @@ def peer_models() -> list[str]:
     return [name for name in sorted(PRESETS) if gguf_refuses(preset_config(name)) is None]
 
 
+def _dtype_names(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str] | None:
+    """--dtype as a list of names (``DTYPES``' keys), each refused in one line when it names no dtype; a comma list
+    is refused with --kinds (it times one dtype); None when not given."""
+    if args.dtype is None:
+        return None
+    names = [d.strip() for d in args.dtype.split(",")]
+    bad = [d for d in names if d not in DTYPES]
+    if bad:
+        ap.error(f"--dtype {args.dtype}: {', '.join(repr(d) for d in bad)} names no dtype: give "
+                 + ("a comma list of fp32, fp16, bf16 (default all three)" if args.peers
+                    else f"one of {', '.join(sorted(DTYPES))}"))
+    if len(names) > 1 and args.kinds:  # (the other modes run fp32: check_args refuses any other --dtype there)
+        ap.error(f"--dtype {args.dtype}: --kinds times one dtype: give one of {', '.join(sorted(DTYPES))} (a comma "
+                 "list is for --peers)")
+    return names
+
+
 def _peer_grid(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> None:
-    """--peers' model (one llama.cpp runs) and grid: fp32 and fp16, batches 1 and 8, or only the --dtype (fp32 or
-    fp16) and --batch given (``peer_dtypes``, ``peer_batches``: None for the whole axis). The model is built in fp32
-    and each dtype's engines are converted from it."""
+    """--peers' model (one llama.cpp runs) and grid: the --dtype list (default fp32, fp16, bf16; its order is the
+    grid's outer loop) and batches 1 and 8, or only the --batch given (``peer_dtypes``: the list; ``peer_batches``:
+    None for both). The model is built in fp32 and each dtype's engines are converted from it."""
+    from harness.tools.bench_peers import PEER_DTYPES
+
     why = gguf_refuses(cfg)
     if why:
         ap.error(f"--peers times llama.cpp on kvlab's GGUF conversion of the model, which cannot convert --model "
                  f"{args.model} ({why}): with --peers give --model one of {', '.join(peer_models())}")
     if args.compile:
         ap.error("--peers times ours eager and compiled already: drop --compile")
-    given = None
-    if args.dtype is not None:
-        given = {torch.float32: "fp32", torch.float16: "fp16"}.get(DTYPES[args.dtype])
-        if given is None:
-            ap.error(f"--peers times fp32 and fp16: give --dtype fp32 or fp16, or neither for both (got {args.dtype})")
-    args.peer_dtypes, args.peer_batches, args.dtype = [given] if given else None, args.batch, "fp32"
+    names = _dtype_names(ap, args)
+    canon = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    dtypes = [canon[DTYPES[d]] for d in names] if names else list(PEER_DTYPES)
+    twice = sorted({d for d in dtypes if dtypes.count(d) > 1})
+    if twice:
+        ap.error(f"--dtype {args.dtype} gives {', '.join(twice)} more than once (each dtype is timed once): give "
+                 "each once")
+    args.peer_dtypes, args.peer_batches, args.dtype = dtypes, args.batch, "fp32"
 
 
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> torch.device:
@@ -580,6 +608,8 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> to
                  "none: ours vs HF)")
     if args.peers:
         _peer_grid(ap, args, cfg)
+    else:
+        _dtype_names(ap, args)
     args.dtype = args.dtype or "fp32"
     for flag, value, mode in (("--prefixes", args.prefixes, "prefix"), ("--suffix", args.suffix, "prefix"),
                               ("--prompt-max", args.prompt_max, "paged"), ("--output-max", args.output_max, "paged")):
@@ -694,14 +724,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--suffix", type=int, default=None, help="with --prefix: each request's own tokens (default 16)")
     ap.add_argument("--paged", action="store_true", help="a ragged batch served on each layout: KV waste, step time")
     ap.add_argument("--peers", action="store_true",
-                    help="ours (eager, compiled) vs HF vs llama.cpp: fp32 and fp16, batch 1 and 8 (or the --dtype "
-                         "and --batch given), as ratios")
+                    help="ours (eager, compiled) vs HF vs llama.cpp: fp32, fp16 and bf16, batch 1 and 8 (or the "
+                         "--dtype list and --batch given), as ratios to llama.cpp's step, with the GB/s our step "
+                         "reaches against the machine's peak read bandwidth and the targets met or missed")
     ap.add_argument("--batch", type=int, default=None,
                     help="with --kinds: sequences decoded together (default 1); with --paged: requests served "
                          "together (default 16); with --peers: only this batch's rows (default both 1 and 8)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                    help="the model's and its caches' dtype (default fp32; with --peers: only this dtype's rows, "
-                         "default both fp32 and fp16)")
+    ap.add_argument("--dtype", default=None, metavar="DTYPE",
+                    help=f"the model's and its caches' dtype, one of {', '.join(sorted(DTYPES))} (default fp32); "
+                         "with --peers a comma list of fp32, fp16, bf16, timed in that order (default "
+                         "fp32,fp16,bf16)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (or cuda:N)")
     ap.add_argument("--compile", action="store_true",
                     help="with --kinds or --paged: the kinds our engine compiles decode compiled (compile=true); "
@@ -714,6 +746,10 @@ def _parser() -> argparse.ArgumentParser:
 def _main(argv=None):
     ap = _parser()
     args = ap.parse_args(argv)
+    try:
+        cpu_kernels.mode_now()  # KVLAB_KERNELS: a path this machine runs, before anything is built
+    except ValueError as e:
+        ap.error(str(e))
     cfg = preset_config(args.model)
     device = check_args(ap, args, cfg)
     torch.manual_seed(args.seed)
@@ -727,7 +763,7 @@ def _main(argv=None):
     if args.peers:
         from harness.tools.bench_peers import PEER_BATCHES, PEER_DTYPES
 
-        grid = (f"{' and '.join(args.peer_dtypes or PEER_DTYPES)}, batch "
+        grid = (f"{', '.join(args.peer_dtypes or PEER_DTYPES)}, batch "
                 f"{args.peer_batches or ' and '.join(map(str, PEER_BATCHES))}")
     raised = (f" (--warmup {args.warmup_given} raised: a compiled step's first call compiles, never a timed step)"
               if args.warmup != args.warmup_given else "")

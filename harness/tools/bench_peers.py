@@ -1,20 +1,35 @@
-"""``python -m harness.bench --peers``: one decode step of every engine on the same weights, in one run, as ratios.
+"""``python -m harness.bench --peers``: one decode step of every engine on the same weights, in one run, as ratios,
+and where our step stands against the machine's peak read bandwidth and the targets set for it.
 
 The engines: ours eager (``engine=kvlab``), ours compiled (``compile=true``), HF transformers and llama.cpp
-(``engine=llamacpp``: kvlab's GGUF conversion of the same weights, llama.cpp's CPU kernels, its K/V in the model's
-dtype), each with a pre-allocated cache. For each dtype (fp32, fp16; or only ``--dtype``), batch (1, 8; or only
-``--batch``) and depth (``--contexts``, default 128 512 960), every engine's cache is prefilled with the same prompt
-of that depth; then each repeat times one decode step of every engine in turn (rotating who goes first) and puts
-each cache back, so every timed step runs at exactly that depth. Beside the medians: each engine's time over
-llama.cpp's, and the roofline (the bytes a step must read, weights + K/V at the depth, at this run's own bandwidth
-probe). The goal it checks: ours, at its best, within 1.2x llama.cpp's step at fp32, batch 1, the deepest context
-(when the grid has that row)."""
+(``engine=llamacpp``: kvlab's GGUF conversion of the same weights in the dtype's own type, f32, f16 or bf16, its K/V
+in that type too), each with a pre-allocated cache. For each dtype (``--dtype``, a comma list, default fp32, fp16,
+bf16: the grid's outer loop, in that order), batch (1, 8; or only ``--batch``) and depth (``--contexts``, default 128
+512 960), every engine's cache is prefilled with the same prompt of that depth; then each repeat times one decode
+step of every engine in turn (rotating who goes first) and puts each cache back, so every timed step runs at exactly
+that depth.
+
+The header gives the machine's peak read bandwidth: the best of ``PROBE_PASSES`` full reads, by all threads with the
+widest vector loads, of a float32 buffer of max(512 MiB, the model's fp32 weight bytes) (``read_gbps`` of kvlab's
+linear kernel module; torch's probe, a floor, where the kernels are not built). Each row gives every engine's median
+ms and, in brackets, its ratio to llama.cpp's at the same dtype; then the GB/s our eager step reaches (the bytes it
+must read, weights in the dtype + every sequence's K/V at the depth in the dtype, over its median) and that over the
+peak, the roofline fraction (1: reading at the machine's peak).
+
+The targets (``TARGETS``), one line each at the end, met, missed or not judged (a cell the grid did not time), at the
+grid's deepest depth: fp32 batch 1, ours at its best (the faster of eager and compiled) within 1.15x llama.cpp's
+step; fp16 and bf16 batch 1, ours at its best within 0.65x our own best fp32 step and 1.3x llama.cpp's at the dtype;
+fp32 and fp16 batch 8 within 1.3x llama.cpp's; fp32 batch 1, our eager step at 0.8 of the peak or more. Then, from
+torch.profiler over our eager step at batch 1 and the deepest depth, the share of its self CPU time in the
+projections, in attention and in the rest (each op's time with what runs inside it: ``step_shares``): for fp32
+always, and with the profile's table for each dtype a missed target is set at (``print_profiles``)."""
 
 from __future__ import annotations
 
 import copy
 import statistics
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -23,19 +38,46 @@ from harness.core.engines import HFEngine, KvlabEngine
 from harness.core.llamacpp import BUILD, LlamaCppEngine, available
 from harness.tools.turns import prompt_and_token, time_in_turns
 
-PEER_DTYPES = ("fp32", "fp16")
+PEER_DTYPES = ("fp32", "fp16", "bf16")
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PEER_BATCHES = (1, 8)
 PEER_DEPTHS = [128, 512, 960]
-GOAL = 1.2  # ours (best of eager and compiled) over llama.cpp, fp32, batch 1, the deepest context
+PROBE_MIN_BYTES = 512 << 20  # the peak probe's buffer: at least this, and at least the model's fp32 weights
+PROBE_PASSES = 10  # full reads of it; the best is the peak
+# what a profile's event names are: the projections (kvlab's kernel, torch's path where it runs) and attention
+PROJECTIONS = ("kvlab::linear", "aten::addmm", "aten::mm", "aten::linear")
+ATTENTION = ("scaled_dot_product", "attention")
+# (dtype, batch, conditions), judged at the grid's deepest depth; a condition (what, bound): "llamacpp", ours at its
+# best (min of eager and compiled) <= bound x llama.cpp's step at the dtype; "fp32", ours at its best <= bound x our
+# own best fp32 step at batch 1; "roofline", our eager step's GB/s >= bound x the peak read bandwidth
+TARGETS = (
+    ("fp32", 1, (("llamacpp", 1.15),)),
+    ("fp16", 1, (("fp32", 0.65), ("llamacpp", 1.3))),
+    ("bf16", 1, (("fp32", 0.65), ("llamacpp", 1.3))),
+    ("fp32", 8, (("llamacpp", 1.3),)),
+    ("fp16", 8, (("llamacpp", 1.3),)),
+    ("fp32", 1, (("roofline", 0.8),)),
+)
 
 
-def peer_engines(model, dtype: torch.dtype) -> list[tuple[str, object]]:
-    """(label, engine) for every peer of ``model`` in ``dtype``; llama.cpp only where it is built."""
+BEST = "ours at its best "
+
+
+class Verdict(NamedTuple):
+    dtype: str
+    batch: int
+    verdict: str  # met, missed, not judged
+    line: str
+
+
+def peer_engines(model, dname: str) -> list[tuple[str, object]]:
+    """(label, engine) for every peer of ``model`` in dtype ``dname``; llama.cpp only where it is built (its GGUF
+    and K/V in the dtype's own type)."""
+    dtype = TORCH_DTYPES[dname]
     m = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
     out = [("kvlab", KvlabEngine(m)), ("kvlab compiled", KvlabEngine(m, compile=True)), ("hf", HFEngine(m))]
     if available():
-        storage = "fp32" if dtype == torch.float32 else "fp16"
-        out.append(("llamacpp", LlamaCppEngine(m, storage=storage)))
+        out.append(("llamacpp", LlamaCppEngine(m, storage=dname)))
     return out
 
 
@@ -53,53 +95,145 @@ def time_peers(engines, depth: int, batch: int, repeats: int, warmup: int, seed:
     return {label: statistics.median(t) * 1e3 for label, t in times.items()}
 
 
-def roofline_ms(model, depth: int, batch: int, probe_gbps: float) -> float:
-    """The ms reading a decode step's bytes takes at ``probe_gbps``: the weights once, every sequence's K and V at
-    ``depth``."""
+def step_bytes(model, depth: int, batch: int) -> int:
+    """The bytes a decode step must read, in ``model``'s dtype: the weights once (``measure.weight_bytes``), every
+    sequence's K and V at ``depth``."""
     cfg = model.config
     kv = batch * depth * 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * next(model.parameters()).element_size()
-    return (measure.weight_bytes(model) + kv) / (probe_gbps * 1e9) * 1e3
+    return measure.weight_bytes(model) + kv
+
+
+def peak_read_gbps(nbytes: int, passes: int = PROBE_PASSES) -> tuple[float, str]:
+    """The machine's peak read bandwidth (GB/s) and how it was measured: the best of ``passes`` full reads of a
+    float32 buffer of max(``PROBE_MIN_BYTES``, ``nbytes``) by kvlab's kernel module (``read_gbps``: every thread its
+    own part, the widest vector loads); torch's bandwidth probe, a floor, where the kernels are not built."""
+    from models.kv_cache import kernels
+
+    size = max(PROBE_MIN_BYTES, nbytes)
+    mod = kernels.load_linear()
+    if mod is None:
+        gbps = measure.bandwidth_probe(torch.device("cpu"), size)["probe_gbps"]
+        return gbps, f"torch's bandwidth probe over {size / 2**20:,.0f} MiB (kvlab's kernels are not built: a floor)"
+    buf = torch.ones(size // 4, dtype=torch.float32)
+    best = max(mod.read_gbps(buf, passes))
+    del buf
+    return best, (f"best of {passes} full reads of {size / 2**20:,.0f} MiB by kvlab's read_gbps, "
+                  f"{torch.get_num_threads()} threads")
 
 
 def bench_peers(args, model) -> dict:
-    """Prints the table; returns {(dtype, batch, depth): {label: ms}} (for tests)."""
+    """Prints the header, a table per dtype, the targets and the step's shares; returns {(dtype, batch, depth):
+    {label: ms}} (for tests)."""
+    from models import cpu_kernels
+
     if not available():
         print(f"bench: llama.cpp is not built here, so its column is empty: {BUILD}", file=sys.stderr)
-    probe = measure.bandwidth_probe(torch.device("cpu"), measure.weight_bytes(model))["probe_gbps"]
-    print(f"bandwidth probe {probe:.1f} GB/s; ms per decode step (median), each engine / llama.cpp's in brackets")
+    peak, how = peak_read_gbps(measure.weight_bytes(model))
+    print(f"peak read bandwidth {peak:.1f} GB/s: {how}\nkvlab's CPU kernels {cpu_kernels.path()}; llama.cpp's GGUF and "
+          "K/V in each dtype's own type (f32, f16, bf16)\nms per decode step (median), each engine / llama.cpp's at "
+          "the same dtype in brackets;\nkvlab GB/s: (weights + K/V in the dtype) / our eager step's ms; roof: that / "
+          "the peak")
     results: dict = {}
-    dtypes = getattr(args, "peer_dtypes", None) or PEER_DTYPES  # the --dtype and --batch given narrow the grid
+    reads: dict = {}
     batches = [args.peer_batches] if getattr(args, "peer_batches", None) else PEER_BATCHES
-    for dname in dtypes:
-        engines = peer_engines(model, torch.float32 if dname == "fp32" else torch.float16)
-        labels = [label for label, _ in engines]
-        print(f"{'dtype':<5} {'batch':>5} {'depth':>5}  " + "".join(f"{label:>22}" for label in labels)
-              + f"{'roofline':>10}")
-        for batch in batches:
-            for depth in args.contexts:
-                ms = time_peers(engines, depth, batch, args.repeats, args.warmup, args.seed)
-                results[(dname, batch, depth)] = ms
-                ref = ms.get("llamacpp")
-                cells = "".join(f"{ms[lb]:>12.2f}" + (f" ({ms[lb] / ref:>5.2f}x)" if ref else " " * 9)
-                                for lb in labels)
-                roof = roofline_ms(engines[0][1].model, depth, batch, probe)
-                print(f"{dname:<5} {batch:>5} {depth:>5}  {cells}{roof:>10.2f}")
+    dtypes = getattr(args, "peer_dtypes", None) or PEER_DTYPES
+    # our compiled step is one graph per cell (static shapes), all of one code object: allow each dtype's cells, and
+    # drop them once its engines are gone (so they count against no later compile in this process)
+    with torch._dynamo.config.patch(recompile_limit=len(batches) * len(args.contexts) + 8):
+        for dname in dtypes:
+            try:
+                bench_dtype(model, dname, batches, args, peak, results, reads)
+            finally:
+                torch._dynamo.reset()
     deepest = max(args.contexts)
-    ms = results.get(("fp32", 1, deepest), {})
-    if not ms:
-        print(f"goal: not judged: it is set at fp32, batch 1, depth {deepest}, which this grid did not time")
-    elif "llamacpp" in ms:
-        best = min(ms["kvlab"], ms["kvlab compiled"])
-        ratio = best / ms["llamacpp"]
-        print(f"goal: ours at its best within {GOAL}x llama.cpp's step at fp32, batch 1, depth {deepest}: "
-              f"{ratio:.2f}x, {'met' if ratio <= GOAL else 'missed; where our eager step goes:'}")
-        if ratio > GOAL:
-            print(profile_step(KvlabEngine(model), deepest, args.seed))
+    verdicts = judge_targets(results, reads, peak, deepest)
+    for v in verdicts:
+        print(v.line)
+    print_profiles(model, [v.dtype for v in verdicts if v.verdict == "missed"], deepest, args.seed)
     return results
 
 
-def profile_step(engine, depth: int, seed: int, steps: int = 20) -> str:
-    """torch.profiler's table of ``steps`` decode steps of ``engine`` at ``depth`` (batch 1), by self CPU time."""
+def print_profiles(model, missed: list[str], depth: int, seed: int) -> None:
+    """Our eager step profiled at batch 1, ``depth``: the share line for fp32 always, the profile's table and share
+    line for each dtype of ``missed`` (a dtype a missed target is set at), once per dtype."""
+    missed = list(dict.fromkeys(missed))
+    for dname in dict.fromkeys(["fp32", *missed]):
+        m = model if dname == "fp32" else copy.deepcopy(model).to(TORCH_DTYPES[dname])
+        table, shares = profile_step(KvlabEngine(m), depth, seed)
+        if dname in missed:
+            print(f"where our eager step goes at {dname}, batch 1, depth {depth} (a target at {dname} is missed):")
+            print(table)
+        print(share_line(dname, depth, shares))
+
+
+def bench_dtype(model, dname: str, batches, args, peak: float, results: dict, reads: dict) -> None:
+    """One dtype's rows: every engine's median ms and ratio to llama.cpp's, our eager step's GB/s and roofline
+    fraction; filled into ``results`` ({cell: {label: ms}}) and ``reads`` ({cell: GB/s})."""
+    engines = peer_engines(model, dname)
+    labels = [label for label, _ in engines]
+    print(f"{'dtype':<5} {'batch':>5} {'depth':>5}" + "".join(f"{label:>19}" for label in labels)
+          + f"{'kvlab GB/s':>11}{'roof':>6}")
+    for batch in batches:
+        for depth in args.contexts:
+            ms = time_peers(engines, depth, batch, args.repeats, args.warmup, args.seed)
+            cell = (dname, batch, depth)
+            results[cell] = ms
+            reads[cell] = step_bytes(engines[0][1].model, depth, batch) / (ms["kvlab"] * 1e-3) / 1e9
+            ref = ms.get("llamacpp")
+            cells = "".join(f"{ms[lb]:>10.2f}" + (f" ({ms[lb] / ref:>5.2f}x)" if ref else " " * 9) for lb in labels)
+            print(f"{dname:<5} {batch:>5} {depth:>5}{cells}{reads[cell]:>11.1f}{reads[cell] / peak:>6.2f}")
+
+
+def judge_targets(results: dict, reads: dict, peak: float, deepest: int) -> list[Verdict]:
+    """Each of ``TARGETS`` judged from the cells timed at ``deepest`` (``results``: {(dtype, batch, depth): {label:
+    ms}}; ``reads``: {cell: our eager step's GB/s}): met, missed, or not judged (saying which cell it lacks)."""
+    out = []
+    for dname, batch, conditions in TARGETS:
+        head = f"target: {dname} batch {batch} depth {deepest}: "
+        parts, why = [], None
+        for what, bound in conditions:
+            got = _condition(what, bound, dname, batch, results, reads, peak, deepest)
+            if isinstance(got, str):
+                why = why or got
+            else:
+                parts.append(got)
+        if why:
+            out.append(Verdict(dname, batch, "not judged", f"{head}not judged: {why}"))
+            continue
+        verdict = "met" if all(ok for _, ok in parts) else "missed"
+        text = " and ".join((t if i == 0 else t.removeprefix(BEST)) + (f": {'met' if ok else 'missed'}"
+                                                                      if len(parts) > 1 else "") + ")"
+                            for i, (t, ok) in enumerate(parts))
+        out.append(Verdict(dname, batch, verdict, f"{head}{text}: {verdict}"))
+    return out
+
+
+def _condition(what: str, bound: float, dname: str, batch: int, results: dict, reads: dict, peak: float,
+               deepest: int) -> tuple[str, bool] | str:
+    """One condition of a target: (its text less the closing bracket, met), or why it is not judged."""
+    cell = results.get((dname, batch, deepest))
+    if cell is None:
+        return f"the grid did not time {dname} batch {batch} depth {deepest}"
+    best = min(cell["kvlab"], cell["kvlab compiled"])
+    if what == "llamacpp":
+        if "llamacpp" not in cell:
+            return f"llama.cpp's step was not timed (it is not built here: {BUILD})"
+        r = best / cell["llamacpp"]
+        return f"{BEST}{r:.2f}x llama.cpp's step (bound <= {bound:.2f}x", r <= bound
+    if what == "fp32":
+        ref = results.get(("fp32", 1, deepest))
+        if ref is None:
+            return f"it is set against our fp32 step at batch 1 depth {deepest}, which the grid did not time"
+        r = best / min(ref["kvlab"], ref["kvlab compiled"])
+        return f"{BEST}{r:.2f}x our own best fp32 step (bound <= {bound:.2f}x", r <= bound
+    gbps = reads[(dname, batch, deepest)]
+    return (f"our eager step reads {gbps:.1f} GB/s, {gbps / peak:.2f} of the peak {peak:.1f} GB/s (bound >= "
+            f"{bound:.2f}", gbps / peak >= bound)
+
+
+def profile_step(engine, depth: int, seed: int, steps: int = 20) -> tuple[str, dict[str, float]]:
+    """torch.profiler over ``steps`` decode steps of ``engine`` at ``depth`` (batch 1): its table by self CPU time,
+    and the shares of that time (``step_shares``)."""
     prompt, token = prompt_and_token(engine.model.config.vocab_size, depth, seed)
     cache = engine.new_cache("prealloc", max_len=depth + 1)
     engine.prefill(prompt, cache)
@@ -111,4 +245,33 @@ def profile_step(engine, depth: int, seed: int, steps: int = 20) -> str:
         for _ in range(steps):
             engine.decode(token, cache)
             back()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    return table, step_shares(prof.events())
+
+
+def _part(name: str) -> str | None:
+    """The part of the step an event of ``name`` is: projections, attention, or None (neither)."""
+    if name in PROJECTIONS:
+        return "projections"
+    return "attention" if any(a in name.lower() for a in ATTENTION) else None
+
+
+def step_shares(events) -> dict[str, float]:
+    """{projections, attention, rest}: the shares of a profile's self CPU time (``prof.events()``) in the
+    projections (``PROJECTIONS``), in attention (a name containing one of ``ATTENTION``) and elsewhere. An event
+    is its nearest enclosing such op's (itself included): a copy inside ``kvlab::linear`` is the projection's."""
+    spent = {"projections": 0.0, "attention": 0.0, "rest": 0.0}
+    for e in events:
+        up, part = e, None
+        while up is not None and part is None:
+            part, up = _part(up.name), up.cpu_parent
+        spent[part or "rest"] += e.self_cpu_time_total
+    total = sum(spent.values())
+    return {k: v / total if total else 0.0 for k, v in spent.items()}
+
+
+def share_line(dname: str, depth: int, shares: dict[str, float]) -> str:
+    """The one line of where our eager step's self CPU time goes."""
+    return (f"step shares at {dname}, batch 1, depth {depth} (our eager step's self CPU time, torch.profiler): "
+            f"projections {shares['projections']:.1%}, attention {shares['attention']:.1%}, "
+            f"the rest {shares['rest']:.1%}")

@@ -537,7 +537,8 @@ def test_the_readme_table_lists_every_case():
                         "analysis/test_findings.py", "core/test_llamacpp.py", "experiment/test_safe_third_pass.py",
                         "experiment/test_safe_options_third.py", "tools/test_safe_tools_third.py",
                         "train/test_safe_train_folder.py", "models/test_safe_checkpoint_files.py",
-                        "analysis/test_scorecard.py", "experiment/test_leaderboard.py")
+                        "analysis/test_scorecard.py", "experiment/test_leaderboard.py",
+                        "models/test_cpu_kernels.py")
             for c in case_ids(REPO / "tests" / f)}
     cases = {c[0] for c in CONFIG + HYDRA + CHECKPOINTS + PROMPTS} | set(API) | set(OTHER) | safe
     assert listed == cases, (sorted(cases - listed), sorted(listed - cases))

@@ -23,7 +23,7 @@ def tiny(name: str):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 def test_every_tensor_reads_back_as_the_models_own(tmp_path, name, dtype):
     model = tiny(name)
     path = G.write_gguf(model, tmp_path / "m.gguf", dtype)
@@ -34,17 +34,31 @@ def test_every_tensor_reads_back_as_the_models_own(tmp_path, name, dtype):
     missing = set(own) - set(back)  # only what the file need not hold: Llama's output, tied to the embedding
     assert missing == ({"lm_head.weight"} if name == "llama" else set())
     assert all(torch.equal(own[k], own["model.embed_tokens.weight"]) for k in missing)
+    half = {"f16": torch.float16, "bf16": torch.bfloat16}.get(dtype)
     for k, t in back.items():
         ref = own[k].float()
-        if dtype == "f16" and t.dtype == torch.float16:
-            ref = ref.half()
+        if half is not None and t.dtype == half:
+            ref = ref.to(half)  # rounded to nearest even: bf16's raw bits as torch rounds them
         assert t.shape == ref.shape and torch.equal(t.to(ref.dtype), ref), k
     assert meta["general.architecture"] == ("gpt2" if name == "gpt2" else "llama")
     assert meta[f"{meta['general.architecture']}.vocab_size"] == model.config.vocab_size
     assert meta["tokenizer.ggml.model"] == "none"
     two_d = [t for t in tensors.values() if t.dim() == 2]
-    assert all(t.dtype == (torch.float32 if dtype == "f32" else torch.float16) for t in two_d
-               if t.shape[0] != model.config.n_positions)
+    assert all(t.dtype == (half or torch.float32) for t in two_d if t.shape[0] != model.config.n_positions)
+    assert all(t.dtype == torch.float32 for t in tensors.values() if t.dim() == 1)
+    assert meta["general.file_type"] == {"f32": 0, "f16": 1, "bf16": 32}[dtype]  # ALL_F32, MOSTLY_F16, MOSTLY_BF16
+
+
+def test_a_bf16_model_writes_its_own_bits_and_reads_them_back(tmp_path):
+    model = tiny("gpt2").to(torch.bfloat16)
+    with torch.no_grad():  # values an fp16 file could not hold: bf16's range, not fp16's
+        model.transformer.h[0].mlp.c_fc.weight[0, :3] = torch.tensor([1e30, -3e-30, 0.0])
+    _, tensors = G.read_gguf(G.write_gguf(model, tmp_path / "m.gguf", "bf16"))
+    back, own = G.as_state_dict(model, tensors), model.state_dict()
+    for k, t in back.items():
+        if t.dim() == 2 and k != "transformer.wpe.weight":
+            assert t.dtype == torch.bfloat16 and torch.equal(t.view(torch.int16), own[k].view(torch.int16)), k
+    assert G.write_gguf(model, tmp_path / "b.gguf", "bf16").read_bytes() == (tmp_path / "m.gguf").read_bytes()
 
 
 def test_the_same_model_writes_the_same_bytes_and_another_model_other_bytes(tmp_path):
