@@ -20,9 +20,9 @@ The path depends on the tokens per sequence, never on the batch: a sequence's ou
 beside others (the kernel computes each row alone, in the same order, whatever the rows beside it).
 
 A decode step's attention (one query per sequence, every cached key visible, K/V in the query's dtype, each K/V row
-contiguous) runs the kernel too: scores, softmax and the weighted sum of V in float32, each K/V head read once for
-its group of query heads, the result rounded once to the dtype; torch's SDPA runs everything else (a prefill, a
-mask, an evicting kind's scored attention, a compiled step).
+contiguous) runs the kernel too: scores, softmax and the weighted sum of V in float32, each query head reading its
+group's K/V head where the cache holds it (no copy per query head), the result rounded once to the dtype; torch's
+SDPA runs everything else (a prefill, a mask, an evicting kind's scored attention, a compiled step).
 
 Which path a decode step takes is ``path()``; every run's environment fingerprint records it (``cpu_kernels``).
 ``KVLAB_KERNELS`` in the environment, or ``use(mode)`` / ``set_mode(mode)``, picks it:

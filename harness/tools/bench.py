@@ -610,6 +610,8 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> to
         _peer_grid(ap, args, cfg)
     else:
         _dtype_names(ap, args)
+        if args.without:
+            ap.error("--without leaves an engine out of --peers' grid: give it with --peers")
     args.dtype = args.dtype or "fp32"
     for flag, value, mode in (("--prefixes", args.prefixes, "prefix"), ("--suffix", args.suffix, "prefix"),
                               ("--prompt-max", args.prompt_max, "paged"), ("--output-max", args.output_max, "paged")):
@@ -727,6 +729,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="ours (eager, compiled) vs HF vs llama.cpp: fp32, fp16 and bf16, batch 1 and 8 (or the "
                          "--dtype list and --batch given), as ratios to llama.cpp's step, with the GB/s our step "
                          "reaches against the machine's peak read bandwidth and the targets met or missed")
+    ap.add_argument("--without", action="append", choices=["hf"], default=None,
+                    help="with --peers: leave this engine out of the grid (hf: its fp16 prefill of a batch runs "
+                         "through torch's half-precision GEMM, tens of minutes a cell on a CPU)")
     ap.add_argument("--batch", type=int, default=None,
                     help="with --kinds: sequences decoded together (default 1); with --paged: requests served "
                          "together (default 16); with --peers: only this batch's rows (default both 1 and 8)")
