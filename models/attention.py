@@ -136,6 +136,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache=None, layer:
             return cache.attend_decode(layer, q, k, v, mask)  # stores K/V
         past = cache.pos
         k, v = cache.update(layer, k, v)  # (B, nkv, n_keys, hs) in the storage dtype
+        if T == 1 and mask is None and not cache.evicts:  # a decode step: kvlab's CPU kernel reads K/V as stored
+            y = cpu_kernels.decode_attention(q, k, v)
+            if y is not None:
+                return y
         k, v = k.to(q.dtype), v.to(q.dtype)  # no-op when storage and compute dtypes agree
         if cache.evicts:  # the kind chooses what it keeps after attending (with the probabilities, if it asks)
             y, probs = scored_attention(q, k, v, mask) if cache.wants_scores else (sdpa(q, k, v, mask), None)

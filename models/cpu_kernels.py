@@ -19,8 +19,9 @@ At inference on the CPU (no gradient asked), x and the weight both float32, floa
 The path depends on the tokens per sequence, never on the batch: a sequence's outputs are the same passed alone or
 beside others (the kernel computes each row alone, in the same order, whatever the rows beside it).
 
-A decode step's attention (one query per sequence, every cached key visible, K/V in the query's dtype, each K/V row
-contiguous) runs the kernel too: scores, softmax and the weighted sum of V in float32, each query head reading its
+A decode step's attention (one query per sequence, every cached key visible, each K/V row contiguous; K/V in any of
+the three dtypes, read where the cache stores them: fp16 K/V under fp32 compute are never copied to fp32) runs the
+kernel too: scores, softmax and the weighted sum of V in float32, each query head reading its
 group's K/V head where the cache holds it (no copy per query head), the result rounded once to the dtype; torch's
 SDPA runs everything else (a prefill, a mask, an evicting kind's scored attention, a compiled step).
 
@@ -143,9 +144,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     """A decode step's attention, q (B, nh, 1, hs) over every key of k, v (B, nkv, n, hs), through kvlab's kernel;
-    None where it does not take that path (torch's SDPA then runs)."""
-    if (q.dim() != 4 or q.size(2) != 1 or not _inference(q, k, v) or _state["isa"] is None or k.size(2) == 0
-            or k.stride(-1) != 1 or v.stride(-1) != 1 or torch.compiler.is_compiling()):
+    None where it does not take that path (torch's SDPA then runs). K and V may be stored in another dtype than q's
+    (fp16 K/V under fp32 compute): the kernel reads them as stored, with no float32 copy of the history."""
+    if (q.dim() != 4 or q.size(2) != 1 or not (_inference(q) and _inference(k, v)) or _state["isa"] is None
+            or k.size(2) == 0 or k.stride(-1) != 1 or v.stride(-1) != 1 or torch.compiler.is_compiling()):
         return None
     return _module().attention(q, k, v, _state["isa"])
 

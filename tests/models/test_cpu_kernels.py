@@ -279,3 +279,32 @@ def test_a_run_with_an_unknown_mode_is_refused_before_any_folder(tmp_path):  # k
     assert out.stderr.strip().splitlines() == ["kvlab: KVLAB_KERNELS='sse9' names no kernel path: use one of auto, "
                                                "avx512, avx2, portable, torch"]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("stored", HALVES, ids=["fp16", "bf16"])
+def test_k_and_v_stored_in_half_precision_are_read_as_stored_under_float32_compute(stored, monkeypatch):
+    # dtype=fp16 on a CPU: fp32 weights and activations, K/V stored in fp16; the kernel reads them where they lie
+    q, k, v = attention_case(torch.float32, 2, 6, 3, 41, 64)
+    k, v = k.to(stored), v.to(stored)
+    ref = attention_exact(q, k.float(), v.float())
+    for name in paths():
+        got = mod.attention(q, k, v, cpu_kernels.ISAS[name])
+        assert got.dtype == torch.float32
+        assert (got.double() - ref).abs().max() <= 1e-5 * v.double().abs().max(), name
+    # through a decode step's attention: no float32 copy of the history is made
+    from models import attention
+
+    copies = []
+    real_to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **kw: copies.append(t.shape) or real_to(t, *a, **kw))
+
+    class Stored:  # what attend asks of a cache: the kind stores the step, returns every key as stored
+        evicts, fused, pos = False, False, 40
+
+        def update(self, layer, k_new, v_new):
+            return k, v
+
+    with cpu_kernels.use("auto"), torch.no_grad():
+        y = attention.attend(q, k[:, :, -1:].float(), v[:, :, -1:].float(), Stored(), 0)
+    assert (y.double() - ref).abs().max() <= 1e-5 * v.double().abs().max()
+    assert all(shape[2] != 41 for shape in copies if len(shape) == 4), copies  # the history was not converted

@@ -249,23 +249,24 @@ void attention_heads(int64_t isa, const float* q, const torch::Tensor& k, const 
   });
 }
 
-// A decode step's attention over dense K/V, in float32: q (B, nh, 1, hs), k and v (B, nkv, n, hs) of q's dtype (each
-// row contiguous; any other strides), nkv dividing nh (a K/V head serves its group of query heads), no mask: every
-// query sees all n keys. Returns (B, nh, 1, hs) in q's dtype, rounded once.
+// A decode step's attention over dense K/V, in float32: q (B, nh, 1, hs) in any float dtype, k and v (B, nkv, n, hs)
+// of one dtype (float32, float16 or bfloat16: read as the cache stores them, never copied; each row contiguous, any
+// other strides), nkv dividing nh (a K/V head serves its group of query heads), no mask: every query sees all n
+// keys. Returns (B, nh, 1, hs) in q's dtype, rounded once.
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t isa) {
   RECORD_FUNCTION("kvlab::decode_attention", c10::ArrayRef<c10::IValue>({}));
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1, "q (B, nh, 1, hs), k and v 4-d");
   const int64_t B = q.size(0), nh = q.size(1), hs = q.size(3);
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == hs && k.size(2) > 0 && nh % k.size(1) == 0,
               "k and v (B, nkv, n > 0, hs) with nkv dividing nh");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() && k.stride(3) == 1 &&
-              v.stride(3) == 1 && q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "q, k, v of one dtype on the CPU, each K/V row contiguous");
+  TORCH_CHECK(q.is_floating_point() && v.scalar_type() == k.scalar_type() && k.stride(3) == 1 && v.stride(3) == 1 &&
+              q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "q floats, k and v of one dtype, on the CPU, each K/V row contiguous");
   if (isa < 0) isa = isa_best();
   TORCH_CHECK(isa_supported(isa), "this CPU has no ", isa_name(isa), " instructions");
   auto qf = (q.to(torch::kFloat) * (1.0 / std::sqrt(double(hs)))).contiguous();
   auto out = torch::empty({B, nh, 1, hs}, qf.options());
-  const auto t = q.scalar_type();
+  const auto t = k.scalar_type();
   if (t == torch::kFloat)
     attention_heads<float>(isa, qf.data_ptr<float>(), k, v, out.data_ptr<float>(), B, nh, hs);
   else if (t == torch::kHalf)
@@ -273,8 +274,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64
   else if (t == torch::kBFloat16)
     attention_heads<c10::BFloat16>(isa, qf.data_ptr<float>(), k, v, out.data_ptr<float>(), B, nh, hs);
   else
-    TORCH_CHECK(false, "q, k, v must be float32, float16 or bfloat16");
-  return out.to(t);
+    TORCH_CHECK(false, "k and v must be float32, float16 or bfloat16");
+  return out.to(q.scalar_type());
 }
 
 // The sum of p[0 .. n) (n a multiple of 64) with the widest loads this CPU has: one thread's part of a read pass.
