@@ -598,6 +598,16 @@ def _peer_grid(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> No
     args.peer_dtypes, args.peer_batches, args.dtype = dtypes, args.batch, "fp32"
 
 
+def _mode_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> None:
+    """--peers' grid, or the one --dtype of the other modes (and no --without: it belongs to --peers)."""
+    if args.peers:
+        _peer_grid(ap, args, cfg)
+        return
+    _dtype_names(ap, args)
+    if args.without:
+        ap.error("--without leaves an engine out of --peers' grid: give it with --peers")
+
+
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> torch.device:
     """Refuse, in one line each (exit 2), what the benchmark cannot honour, before anything is built: every count
     bounded (``MAX_*``), then the memory it would need against what is free (``check_memory``); fill in the
@@ -606,12 +616,7 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cfg) -> to
     if len(modes) > 1:
         ap.error(f"{' and '.join('--' + m for m in modes)}: give one of --kinds, --prefix, --paged, --peers (or "
                  "none: ours vs HF)")
-    if args.peers:
-        _peer_grid(ap, args, cfg)
-    else:
-        _dtype_names(ap, args)
-        if args.without:
-            ap.error("--without leaves an engine out of --peers' grid: give it with --peers")
+    _mode_args(ap, args, cfg)
     args.dtype = args.dtype or "fp32"
     for flag, value, mode in (("--prefixes", args.prefixes, "prefix"), ("--suffix", args.suffix, "prefix"),
                               ("--prompt-max", args.prompt_max, "paged"), ("--output-max", args.output_max, "paged")):
