@@ -59,12 +59,6 @@ void rows_portable(const float* x, int64_t R, int64_t K, const T* w, const float
   }
 }
 
-template <typename T>
-void run_portable(const float* x, int64_t R, int64_t K, const T* w, const float* bias, float* y, int64_t N,
-                  int64_t o0, int64_t o1) {
-  rows_portable(x, R, K, w, bias, y, N, o0, o1);
-}
-
 // The portable decode attention of one (sequence, head): as the vector paths compute it, one key at a time.
 template <typename T>
 void attend_portable(const float* q, const T* k, int64_t ks, const T* v, int64_t vs, int64_t n, int64_t hs, float* p,
@@ -174,7 +168,7 @@ void run_isa(int64_t isa, const float* x, int64_t R, int64_t K, const T* w, cons
   if (isa == AVX512) return avx512::run(x, R, K, w, bias, y, N, o0, o1);
   if (isa == AVX2) return avx2::run(x, R, K, w, bias, y, N, o0, o1);
 #endif
-  run_portable(x, R, K, w, bias, y, N, o0, o1);
+  rows_portable(x, R, K, w, bias, y, N, o0, o1);
 }
 
 template <typename T>
