@@ -10,8 +10,9 @@ step of every engine in turn (rotating who goes first) and puts each cache back,
 that depth.
 
 The header gives the machine's read bandwidth: the median of ``PROBE_PASSES`` full reads (the range of the passes
-beside it), by all threads with the widest vector loads, of a float32 buffer of max(512 MiB, the model's fp32 weight bytes) (``read_gbps`` of kvlab's
-linear kernel module; torch's probe, a floor, where the kernels are not built). Each row gives every engine's median
+beside it), by all threads with the widest vector loads, of a float32 buffer of max(512 MiB, the model's fp32 weight
+bytes), the faster of two ways (``peak_read_gbps``: kvlab's ``read_gbps`` sum and its linear kernel's matrix-vector
+product; torch's probe, a floor, where the kernels are not built). Each row gives every engine's median
 ms and, in brackets, its ratio to llama.cpp's at the same dtype; then the GB/s our eager step reaches (the bytes it
 must read, weights in the dtype + every sequence's K/V at the depth in the dtype, over its median) and that over the
 probe's, the roofline fraction (1: reading as fast as the probe).
@@ -29,6 +30,7 @@ from __future__ import annotations
 import copy
 import statistics
 import sys
+import time
 from typing import NamedTuple
 
 import torch
@@ -105,12 +107,30 @@ def step_bytes(model, depth: int, batch: int) -> int:
     return measure.weight_bytes(model) + kv
 
 
+def gemv_gbps(mod, nbytes: int, passes: int) -> list[float]:
+    """GB/s of each of ``passes`` matrix-vector products by kvlab's linear kernel over one float32 weight of
+    ``nbytes`` (rows of 768): W read once per pass, as a decode step reads a layer's weight for one sequence."""
+    w = torch.ones(max(1, nbytes // (4 * 768)), 768)
+    x = torch.ones(1, 1, 768)
+    mod.linear(x, w, None, -1)  # its pages touched once before any pass is timed
+    rates = []
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        mod.linear(x, w, None, -1)
+        rates.append(w.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    return rates
+
+
 def peak_read_gbps(nbytes: int, passes: int = PROBE_PASSES) -> tuple[float, str]:
-    """The machine's read bandwidth (GB/s) and how it was measured: the median of ``passes`` full reads of a float32
-    buffer of max(``PROBE_MIN_BYTES``, ``nbytes``) by kvlab's kernel module (``read_gbps``: every thread its own
-    part, the widest vector loads); torch's bandwidth probe, a floor, where the kernels are not built. The median,
-    not the best: on a shared host single passes range widely (23 to 64 GB/s within minutes on the 2-core machine
-    of docs/engine.md), and the best pass is what neighbours left free for a moment, not what a step can count on."""
+    """The machine's read bandwidth (GB/s) and how it was measured: two ways of reading a float32 buffer of
+    max(``PROBE_MIN_BYTES``, ``nbytes``) by kvlab's kernel module, ``passes`` times each, the larger of their medians:
+    ``read_gbps`` (every thread its own part, two halves side by side, the widest vector loads, a sum) and the
+    linear kernel's own matrix-vector product over the buffer as one weight (``gemv_gbps``). The peak is the faster
+    way because neither one reads at the machine's rate on every CPU: on the 2-core machine of docs/engine.md the
+    product read faster than the plain sum, and a roofline below what a real step reaches measures nothing. Torch's
+    bandwidth probe, a floor, where the kernels are not built. The median, not the best: on a shared host single
+    passes range widely (23 to 64 GB/s within minutes on that machine), and the best pass is what neighbours left
+    free for a moment, not what a step can count on."""
     from models.kv_cache import kernels
 
     size = max(PROBE_MIN_BYTES, nbytes)
@@ -119,10 +139,13 @@ def peak_read_gbps(nbytes: int, passes: int = PROBE_PASSES) -> tuple[float, str]
         gbps = measure.bandwidth_probe(torch.device("cpu"), size)["probe_gbps"]
         return gbps, f"torch's bandwidth probe over {size / 2**20:,.0f} MiB (kvlab's kernels are not built: a floor)"
     buf = torch.ones(size // 4, dtype=torch.float32)
-    rates = sorted(mod.read_gbps(buf, passes))
+    ways = {"read_gbps": sorted(mod.read_gbps(buf, passes))}
     del buf
-    return statistics.median(rates), (f"the median of {passes} full reads of {size / 2**20:,.0f} MiB by kvlab's "
-                                      f"read_gbps (each {rates[0]:.1f} .. {rates[-1]:.1f}), "
+    ways["the linear kernel's matrix-vector product"] = sorted(gemv_gbps(mod, size, passes))
+    way, rates = max(ways.items(), key=lambda kv: statistics.median(kv[1]))
+    other = statistics.median(next(r for w, r in ways.items() if w != way))
+    return statistics.median(rates), (f"the median of {passes} full reads of {size / 2**20:,.0f} MiB by {way} (each "
+                                      f"{rates[0]:.1f} .. {rates[-1]:.1f}; the other way's median {other:.1f}), "
                                       f"{torch.get_num_threads()} threads")
 
 

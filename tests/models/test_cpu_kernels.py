@@ -97,6 +97,20 @@ def test_a_half_precision_step_sums_in_float32_and_rounds_once(dtype):
     assert ((got.double() - once).abs() <= ulp + bound(x.float(), w, b)).all()
 
 
+@pytest.mark.parametrize("dtype", HALVES, ids=["fp16", "bf16"])
+def test_every_path_writes_a_half_result_as_its_float32_result_rounded_to_nearest_even(dtype):
+    # the kernel stores each float32 sum in x's dtype itself (no float32 y converted after): bit for bit what torch's
+    # conversion of the float32 result gives, on every path, for rows of a step and of a batch
+    for R in (1, 3, 8):
+        x, w, b = case(dtype, R)
+        x = x.to(dtype)
+        for name in paths():
+            isa = cpu_kernels.ISAS[name]
+            got = mod.linear(x, w, b, isa)
+            assert got.dtype == dtype
+            assert torch.equal(got, mod.linear(x.float(), w, b, isa).to(dtype)), (name, R)
+
+
 def test_the_path_follows_rows_dtype_and_gradient(monkeypatch):
     calls = []
     real = mod.linear

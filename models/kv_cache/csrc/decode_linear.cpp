@@ -38,10 +38,26 @@ inline float to_f(float v) { return v; }
 inline float to_f(c10::Half v) { return static_cast<float>(v); }
 inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
 
+// Where the results go: y in its own dtype (x's), each float32 sum rounded once as it is stored, so no float32 copy
+// of y is made and converted after.
+struct Out {
+  void* p;
+  c10::ScalarType t;
+  Out at(int64_t i) const {  // the results from element i on
+    const int64_t size = t == c10::ScalarType::Float ? 4 : 2;
+    return {static_cast<char*>(p) + i * size, t};
+  }
+  inline void put(int64_t i, float v) const {
+    if (t == c10::ScalarType::Float) static_cast<float*>(p)[i] = v;
+    else if (t == c10::ScalarType::Half) static_cast<c10::Half*>(p)[i] = c10::Half(v);
+    else static_cast<c10::BFloat16*>(p)[i] = c10::BFloat16(v);
+  }
+};
+
 // The portable path: for each of W's rows, 8 partial sums per x row (the lanes of the vector paths), then their sum.
 template <typename T>
-void rows_portable(const float* x, int64_t R, int64_t K, const T* w, const float* bias, float* y, int64_t N,
-                   int64_t o0, int64_t o1) {
+void rows_portable(const float* x, int64_t R, int64_t K, const T* w, const float* bias, Out y, int64_t N, int64_t o0,
+                   int64_t o1) {
   std::vector<float> wf(K);
   for (int64_t o = o0; o < o1; ++o) {
     const T* row = w + o * K;
@@ -54,7 +70,7 @@ void rows_portable(const float* x, int64_t R, int64_t K, const T* w, const float
         for (int j = 0; j < 8; ++j) lane[j] += wf[k + j] * xr[k + j];
       float s = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
       for (; k < K; ++k) s += wf[k] * xr[k];
-      y[r * N + o] = s + (bias ? bias[o] : 0.f);
+      y.put(r * N + o, s + (bias ? bias[o] : 0.f));
     }
   }
 }
@@ -162,7 +178,7 @@ int64_t isa_best() { return isa_supported(AVX512) ? AVX512 : isa_supported(AVX2)
 std::string isa_name(int64_t isa) { return isa == AVX512 ? "avx512" : isa == AVX2 ? "avx2" : "portable"; }
 
 template <typename T>
-void run_isa(int64_t isa, const float* x, int64_t R, int64_t K, const T* w, const float* bias, float* y, int64_t N,
+void run_isa(int64_t isa, const float* x, int64_t R, int64_t K, const T* w, const float* bias, Out y, int64_t N,
              int64_t o0, int64_t o1) {
 #ifdef KVLAB_X86
   if (isa == AVX512) return avx512::run(x, R, K, w, bias, y, N, o0, o1);
@@ -172,49 +188,71 @@ void run_isa(int64_t isa, const float* x, int64_t R, int64_t K, const T* w, cons
 }
 
 template <typename T>
-void linear_rows(int64_t isa, const float* x, int64_t R, int64_t K, const T* w, const float* bias, float* y,
-                 int64_t N) {
+void linear_rows(int64_t isa, const float* x, int64_t R, int64_t K, const T* w, const float* bias, Out y, int64_t N) {
   // each thread at least ~64 KiB of W (fewer threads for a small layer: a wake-up costs more than its share)
   const int64_t grain = std::max<int64_t>(16, (64 << 10) / std::max<int64_t>(1, K * int64_t(sizeof(T))));
   at::parallel_for(0, N, grain, [&](int64_t o0, int64_t o1) {
     for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS)
-      run_isa(isa, x + r0 * K, std::min(MAX_ROWS, R - r0), K, w, bias, y + r0 * N, N, o0, o1);
+      run_isa(isa, x + r0 * K, std::min(MAX_ROWS, R - r0), K, w, bias, y.at(r0 * N), N, o0, o1);
   });
 }
 
+bool kept(c10::ScalarType t) { return t == torch::kFloat || t == torch::kHalf || t == torch::kBFloat16; }
+
+// t's values as float32: t itself where it is float32 already, else a copy in buf (t contiguous, of a kept dtype; a
+// few thousand values, one loop, cheaper than an ATen conversion's dispatch).
+const float* as_float(const torch::Tensor& t, std::vector<float>& buf) {
+  if (t.scalar_type() == torch::kFloat) return t.data_ptr<float>();
+  buf.resize(t.numel());
+  if (t.scalar_type() == torch::kHalf) {
+    const c10::Half* p = t.data_ptr<c10::Half>();
+    for (size_t i = 0; i < buf.size(); ++i) buf[i] = to_f(p[i]);
+  } else {
+    const c10::BFloat16* p = t.data_ptr<c10::BFloat16>();
+    for (size_t i = 0; i < buf.size(); ++i) buf[i] = to_f(p[i]);
+  }
+  return buf.data();
+}
+
 // x (..., K) in any float dtype; w (N, K) contiguous float32, float16 or bfloat16; b (N,) or None; isa: -1 for the
-// best this CPU has. Returns (..., N) in x's dtype.
+// best this CPU has. Returns (..., N) in x's dtype, written in it by the kernel (float32, float16, bfloat16).
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b, int64_t isa) {
   RECORD_FUNCTION("kvlab::linear", c10::ArrayRef<c10::IValue>({}));
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "w must be a contiguous (N, K) CPU tensor");
   const auto wt = w.scalar_type();
-  TORCH_CHECK(wt == torch::kFloat || wt == torch::kHalf || wt == torch::kBFloat16,
-              "w must be float32, float16 or bfloat16");
+  TORCH_CHECK(kept(wt), "w must be float32, float16 or bfloat16");
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K && x.is_floating_point() && x.device().is_cpu(),
               "x must be (..., K) floats on the CPU, K = w.size(1)");
   if (isa < 0) isa = isa_best();
   TORCH_CHECK(isa_supported(isa), "this CPU has no ", isa_name(isa), " instructions");
-  auto xf = x.reshape({-1, K}).to(torch::kFloat).contiguous();
-  const int64_t R = xf.size(0);
-  torch::Tensor bf;
+  auto xc = x.reshape({-1, K});
+  if (!kept(xc.scalar_type()) || !xc.is_contiguous()) xc = xc.to(torch::kFloat).contiguous();
+  std::vector<float> xbuf, bbuf;
+  const float* xp = as_float(xc, xbuf);
+  const int64_t R = xc.size(0);
+  torch::Tensor bc;
+  const float* bp = nullptr;
   if (b.has_value() && b->defined()) {
     TORCH_CHECK(b->dim() == 1 && b->size(0) == N, "b must be (N,)");
-    bf = b->to(torch::kFloat).contiguous();
-  }
-  auto y = torch::empty({R, N}, xf.options());
-  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  if (R > 0 && N > 0) {
-    if (wt == torch::kFloat)
-      linear_rows(isa, xf.data_ptr<float>(), R, K, w.data_ptr<float>(), bp, y.data_ptr<float>(), N);
-    else if (wt == torch::kHalf)
-      linear_rows(isa, xf.data_ptr<float>(), R, K, w.data_ptr<c10::Half>(), bp, y.data_ptr<float>(), N);
-    else
-      linear_rows(isa, xf.data_ptr<float>(), R, K, w.data_ptr<c10::BFloat16>(), bp, y.data_ptr<float>(), N);
+    bc = *b;
+    if (!kept(bc.scalar_type()) || !bc.is_contiguous()) bc = bc.to(torch::kFloat).contiguous();
+    bp = as_float(bc, bbuf);
   }
   auto shape = x.sizes().vec();
   shape.back() = N;
-  return y.to(x.scalar_type()).view(shape);
+  const auto yt = kept(x.scalar_type()) ? x.scalar_type() : torch::kFloat;
+  auto y = torch::empty(shape, x.options().dtype(yt));
+  const Out out{y.data_ptr(), yt};
+  if (R > 0 && N > 0) {
+    if (wt == torch::kFloat)
+      linear_rows(isa, xp, R, K, w.data_ptr<float>(), bp, out, N);
+    else if (wt == torch::kHalf)
+      linear_rows(isa, xp, R, K, w.data_ptr<c10::Half>(), bp, out, N);
+    else
+      linear_rows(isa, xp, R, K, w.data_ptr<c10::BFloat16>(), bp, out, N);
+  }
+  return yt == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 
 template <typename T>
@@ -326,9 +364,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
 #else  // KVLAB_LINEAR_BODY: the kernels of one instruction set, written against its V (above, per namespace)
 
-// One tile: TO of W's rows [o, o + TO) against R rows of x, each W vector read once and used R times.
+// One tile: TO of W's rows o, o + step, ..., o + (TO - 1) step against R rows of x, each W vector read once and used R
+// times.
 template <int R, int TO, typename T>
-inline void tile(const float* x, int64_t K, const T* w, const float* bias, float* y, int64_t N, int64_t o) {
+inline void tile(const float* x, int64_t K, const T* w, const float* bias, Out y, int64_t N, int64_t o,
+                 int64_t step = 1) {
   typename V::reg acc[TO][R];
 #pragma GCC unroll 16
   for (int t = 0; t < TO; ++t)
@@ -338,7 +378,7 @@ inline void tile(const float* x, int64_t K, const T* w, const float* bias, float
   for (int64_t k = 0; k < Kv; k += V::W) {
     typename V::reg wv[TO];
 #pragma GCC unroll 16
-    for (int t = 0; t < TO; ++t) wv[t] = V::load(w + (o + t) * K + k);
+    for (int t = 0; t < TO; ++t) wv[t] = V::load(w + (o + t * step) * K + k);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const typename V::reg xv = V::load(x + r * K + k);
@@ -349,20 +389,33 @@ inline void tile(const float* x, int64_t K, const T* w, const float* bias, float
   for (int t = 0; t < TO; ++t)
     for (int r = 0; r < R; ++r) {
       float s = V::sum(acc[t][r]);
-      for (int64_t k = Kv; k < K; ++k) s += to_f(w[(o + t) * K + k]) * x[r * K + k];
-      y[r * N + o + t] = s + (bias ? bias[o + t] : 0.f);
+      const int64_t ot = o + t * step;
+      for (int64_t k = Kv; k < K; ++k) s += to_f(w[ot * K + k]) * x[r * K + k];
+      y.put(r * N + ot, s + (bias ? bias[ot] : 0.f));
     }
 }
 
-// How many of W's rows a tile takes for R rows of x: as many accumulators as fit beside the W vectors and one x.
+// How many of W's rows a tile takes for R rows of x (R > 1): as many accumulators as fit beside the W vectors and one
+// x, each W vector used R times.
 template <int R>
 constexpr int tile_rows() {
   constexpr int fit = (V::REGS - 2) / (R + 1);
   return fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
 }
 
+// W's rows [o0, o1) against R rows of x. One row of x (a sequence's decode step): the rows' two halves side by side,
+// so that the thread reads W as two long sequential streams, which the hardware prefetcher follows; neighbouring rows
+// side by side are short streams (a row is K values, half as many bytes in fp16), which it followed too late to read
+// at the machine's rate. A row's sums are the same in any tile (one accumulator per (W row, x row), k in order), so a
+// sequence alone and in a batch gets the same bits.
 template <int R, typename T>
-void rows(const float* x, int64_t K, const T* w, const float* bias, float* y, int64_t N, int64_t o0, int64_t o1) {
+void rows(const float* x, int64_t K, const T* w, const float* bias, Out y, int64_t N, int64_t o0, int64_t o1) {
+  if constexpr (R == 1) {
+    const int64_t half = (o1 - o0) / 2;
+    for (int64_t i = 0; i < half; ++i) tile<1, 2>(x, K, w, bias, y, N, o0 + i, half);
+    if ((o1 - o0) % 2) tile<1, 1>(x, K, w, bias, y, N, o1 - 1);
+    return;
+  }
   constexpr int TO = tile_rows<R>();
   int64_t o = o0;
   for (; o + TO <= o1; o += TO) tile<R, TO>(x, K, w, bias, y, N, o);
@@ -370,7 +423,7 @@ void rows(const float* x, int64_t K, const T* w, const float* bias, float* y, in
 }
 
 template <typename T>
-void run(const float* x, int64_t R, int64_t K, const T* w, const float* bias, float* y, int64_t N, int64_t o0,
+void run(const float* x, int64_t R, int64_t K, const T* w, const float* bias, Out y, int64_t N, int64_t o0,
          int64_t o1) {
   switch (R) {
     case 1: return rows<1>(x, K, w, bias, y, N, o0, o1);
@@ -432,15 +485,18 @@ void attend_one(const float* q, const T* k, int64_t ks, const T* v, int64_t vs, 
   for (int64_t c = 0; c < hs; ++c) out[c] *= inv;
 }
 
-// The sum of n floats (a multiple of 64), four vectors at a time: a pass that only reads.
+// The sum of n floats (a multiple of 64): a pass that only reads, its two halves side by side (two sequential streams,
+// as the linear kernel reads a thread's rows of W for one sequence), two vectors of each at a time.
 inline float read(const float* p, int64_t n) {
   typename V::reg a = V::zero(), b = V::zero(), c = V::zero(), d = V::zero();
-  for (int64_t i = 0; i < n; i += 4 * V::W) {
+  const int64_t h = n / (4 * V::W) * (2 * V::W);  // the first half, a multiple of two vectors
+  for (int64_t i = 0; i < h; i += 2 * V::W) {
     a = V::add(a, V::load(p + i));
     b = V::add(b, V::load(p + i + V::W));
-    c = V::add(c, V::load(p + i + 2 * V::W));
-    d = V::add(d, V::load(p + i + 3 * V::W));
+    c = V::add(c, V::load(p + h + i));
+    d = V::add(d, V::load(p + h + i + V::W));
   }
+  for (int64_t i = 2 * h; i < n; i += V::W) a = V::add(a, V::load(p + i));
   return V::sum(a) + V::sum(b) + V::sum(c) + V::sum(d);
 }
 
