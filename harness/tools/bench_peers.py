@@ -14,8 +14,10 @@ beside it), by all threads with the widest vector loads, of a float32 buffer of 
 bytes), the faster of two ways (``peak_read_gbps``: kvlab's ``read_gbps`` sum and its linear kernel's matrix-vector
 product; torch's probe, a floor, where the kernels are not built). Each row gives every engine's median
 ms and, in brackets, its ratio to llama.cpp's at the same dtype; then the GB/s our eager step reaches (the bytes it
-must read, weights in the dtype + every sequence's K/V at the depth in the dtype, over its median) and that over the
-probe's, the roofline fraction (1: reading as fast as the probe).
+must read, weights in the dtype + every sequence's K/V at the depth in the dtype, over its median), the probe's
+matrix-vector product read in turns with the row's steps (``ProbeTurn``: the median of its passes; the header's
+peak where the kernels are not built), and the first over the second, the roofline fraction (1: reading as fast as
+the probe beside it).
 
 The targets (``TARGETS``), one line each at the end, met, missed or not judged (a cell the grid did not time), at the
 grid's deepest depth: fp32 batch 1, ours at its best (the faster of eager and compiled) within 1.15x llama.cpp's
@@ -85,15 +87,17 @@ def peer_engines(model, dname: str, without: tuple = ()) -> list[tuple[str, obje
     return out
 
 
-def time_peers(engines, depth: int, batch: int, repeats: int, warmup: int, seed: int) -> dict[str, float]:
-    """Median ms of one decode step per engine at ``depth``, ``batch`` sequences, engines in turns."""
+def time_peers(engines, depth: int, batch: int, repeats: int, warmup: int, seed: int,
+               probe: ProbeTurn | None = None) -> dict[str, float]:
+    """Median ms of one decode step per engine at ``depth``, ``batch`` sequences, engines in turns; with ``probe``
+    its pass in turns with them too (label "probe")."""
     prompt, token = prompt_and_token(engines[0][1].model.config.vocab_size, depth, seed, batch)
     runners = []
     for label, e in engines:
         cache = e.new_cache("prealloc", max_len=depth + 1, batch=batch)
         e.prefill(prompt, cache)
         runners.append((label, e, cache))
-    times = time_in_turns(runners, token, repeats, warmup)
+    times = time_in_turns(runners + ([("probe", probe, None)] if probe else []), token, repeats, warmup)
     for _, _, cache in runners:
         getattr(cache, "close", lambda: None)()
     return {label: statistics.median(t) * 1e3 for label, t in times.items()}
@@ -119,6 +123,32 @@ def gemv_gbps(mod, nbytes: int, passes: int) -> list[float]:
         mod.linear(x, w, None, -1)
         rates.append(w.numel() * 4 / (time.perf_counter() - t0) / 1e9)
     return rates
+
+
+class ProbeTurn:
+    """The peak probe as a runner of ``time_in_turns``: each of its "steps" one matrix-vector product by kvlab's
+    linear kernel over a float32 weight of ``nbytes`` (``gemv_gbps``'s read). Timed in turns with the engines, it
+    reads while the same neighbours share the memory as the steps it is set against: on a shared host the bandwidth
+    left free moves within minutes, and a peak read once at the start judged the steps of a busier minute."""
+
+    def __init__(self, mod, nbytes: int):
+        self.mod, self.w, self.x = mod, torch.ones(max(1, nbytes // (4 * 768)), 768), torch.ones(1, 1, 768)
+        self.nbytes = self.w.numel() * 4
+
+    def decode(self, token, cache) -> None:
+        self.mod.linear(self.x, self.w, None, -1)
+
+    def checkpoint(self, cache):
+        return lambda: None
+
+
+def probe_turn(nbytes: int) -> ProbeTurn | None:
+    """The probe read in turns (``ProbeTurn``) over max(``PROBE_MIN_BYTES``, ``nbytes``); None where kvlab's kernels
+    are not built (the roofline is then set against the header's peak)."""
+    from models.kv_cache import kernels
+
+    mod = kernels.load_linear()
+    return None if mod is None else ProbeTurn(mod, max(PROBE_MIN_BYTES, nbytes))
 
 
 def peak_read_gbps(nbytes: int, passes: int = PROBE_PASSES) -> tuple[float, str]:
@@ -159,10 +189,12 @@ def bench_peers(args, model) -> dict:
     peak, how = peak_read_gbps(measure.weight_bytes(model))
     print(f"read bandwidth {peak:.1f} GB/s: {how}\nkvlab's CPU kernels {cpu_kernels.path()}; llama.cpp's GGUF and "
           "K/V in each dtype's own type (f32, f16, bf16)\nms per decode step (median), each engine / llama.cpp's at "
-          "the same dtype in brackets;\nkvlab GB/s: (weights + K/V in the dtype) / our eager step's ms; roof: that / "
-          "the peak")
+          "the same dtype in brackets;\nkvlab GB/s: (weights + K/V in the dtype) / our eager step's ms; probe: the "
+          "peak's matrix-vector product read in turns with the steps (GB/s, median; the header's peak where the "
+          "kernels are not built); roof: kvlab GB/s / probe")
     results: dict = {}
     reads: dict = {}
+    peaks = {"probe": probe_turn(measure.weight_bytes(model)), "header": peak}
     batches = [args.peer_batches] if getattr(args, "peer_batches", None) else PEER_BATCHES
     dtypes = getattr(args, "peer_dtypes", None) or PEER_DTYPES
     # our compiled step is one graph per cell (static shapes), all of one code object: allow each dtype's cells, and
@@ -170,11 +202,11 @@ def bench_peers(args, model) -> dict:
     with torch._dynamo.config.patch(recompile_limit=len(batches) * len(args.contexts) + 8):
         for dname in dtypes:
             try:
-                bench_dtype(model, dname, batches, args, peak, results, reads)
+                bench_dtype(model, dname, batches, args, peaks, results, reads)
             finally:
                 torch._dynamo.reset()
     deepest = max(args.contexts)
-    verdicts = judge_targets(results, reads, peak, deepest)
+    verdicts = judge_targets(results, reads, peaks, deepest)
     for v in verdicts:
         print(v.line)
     print_profiles(model, [v.dtype for v in verdicts if v.verdict == "missed"], deepest, args.seed)
@@ -194,33 +226,38 @@ def print_profiles(model, missed: list[str], depth: int, seed: int) -> None:
         print(share_line(dname, depth, shares))
 
 
-def bench_dtype(model, dname: str, batches, args, peak: float, results: dict, reads: dict) -> None:
-    """One dtype's rows: every engine's median ms and ratio to llama.cpp's, our eager step's GB/s and roofline
-    fraction; filled into ``results`` ({cell: {label: ms}}) and ``reads`` ({cell: GB/s})."""
+def bench_dtype(model, dname: str, batches, args, peaks: dict, results: dict, reads: dict) -> None:
+    """One dtype's rows: every engine's median ms and ratio to llama.cpp's, our eager step's GB/s, the probe's in
+    turns with it and the roofline fraction; filled into ``results`` ({cell: {label: ms}}), ``reads`` ({cell:
+    GB/s}) and ``peaks`` ({cell: the probe's GB/s}; its "probe" is the ``ProbeTurn``, "header" the header's peak)."""
     engines = peer_engines(model, dname, tuple(getattr(args, "without", None) or ()))
     labels = [label for label, _ in engines]
     print(f"{'dtype':<5} {'batch':>5} {'depth':>5}" + "".join(f"{label:>19}" for label in labels)
-          + f"{'kvlab GB/s':>11}{'roof':>6}")
+          + f"{'kvlab GB/s':>11}{'probe':>6}{'roof':>6}")
     for batch in batches:
         for depth in args.contexts:
-            ms = time_peers(engines, depth, batch, args.repeats, args.warmup, args.seed)
+            ms = time_peers(engines, depth, batch, args.repeats, args.warmup, args.seed, peaks["probe"])
             cell = (dname, batch, depth)
+            probe_ms = ms.pop("probe", None)
+            peaks[cell] = peaks["header"] if probe_ms is None else peaks["probe"].nbytes / (probe_ms * 1e-3) / 1e9
             results[cell] = ms
             reads[cell] = step_bytes(engines[0][1].model, depth, batch) / (ms["kvlab"] * 1e-3) / 1e9
             ref = ms.get("llamacpp")
             cells = "".join(f"{ms[lb]:>10.2f}" + (f" ({ms[lb] / ref:>5.2f}x)" if ref else " " * 9) for lb in labels)
-            print(f"{dname:<5} {batch:>5} {depth:>5}{cells}{reads[cell]:>11.1f}{reads[cell] / peak:>6.2f}")
+            print(f"{dname:<5} {batch:>5} {depth:>5}{cells}{reads[cell]:>11.1f}{peaks[cell]:>6.1f}"
+                  f"{reads[cell] / peaks[cell]:>6.2f}")
 
 
-def judge_targets(results: dict, reads: dict, peak: float, deepest: int) -> list[Verdict]:
+def judge_targets(results: dict, reads: dict, peaks: dict, deepest: int) -> list[Verdict]:
     """Each of ``TARGETS`` judged from the cells timed at ``deepest`` (``results``: {(dtype, batch, depth): {label:
-    ms}}; ``reads``: {cell: our eager step's GB/s}): met, missed, or not judged (saying which cell it lacks)."""
+    ms}}; ``reads``: {cell: our eager step's GB/s}; ``peaks``: {cell: the probe's GB/s read in turns with it}): met,
+    missed, or not judged (saying which cell it lacks)."""
     out = []
     for dname, batch, conditions in TARGETS:
         head = f"target: {dname} batch {batch} depth {deepest}: "
         parts, why = [], None
         for what, bound in conditions:
-            got = _condition(what, bound, dname, batch, results, reads, peak, deepest)
+            got = _condition(what, bound, dname, batch, results, reads, peaks, deepest)
             if isinstance(got, str):
                 why = why or got
             else:
@@ -236,7 +273,7 @@ def judge_targets(results: dict, reads: dict, peak: float, deepest: int) -> list
     return out
 
 
-def _condition(what: str, bound: float, dname: str, batch: int, results: dict, reads: dict, peak: float,
+def _condition(what: str, bound: float, dname: str, batch: int, results: dict, reads: dict, peaks: dict,
                deepest: int) -> tuple[str, bool] | str:
     """One condition of a target: (its text less the closing bracket, met), or why it is not judged."""
     cell = results.get((dname, batch, deepest))
@@ -254,7 +291,7 @@ def _condition(what: str, bound: float, dname: str, batch: int, results: dict, r
             return f"it is set against our fp32 step at batch 1 depth {deepest}, which the grid did not time"
         r = best / min(ref["kvlab"], ref["kvlab compiled"])
         return f"{BEST}{r:.2f}x our own best fp32 step (bound <= {bound:.2f}x", r <= bound
-    gbps = reads[(dname, batch, deepest)]
+    gbps, peak = reads[(dname, batch, deepest)], peaks[(dname, batch, deepest)]
     return (f"our eager step reads {gbps:.1f} GB/s, {gbps / peak:.2f} of the probe's {peak:.1f} GB/s (bound >= "
             f"{bound:.2f}", gbps / peak >= bound)
 

@@ -17,6 +17,7 @@ from harness.core.engines import KvlabEngine
 from harness.tools import bench_peers as P
 from harness.tools.bench import main
 from models.gpt2 import GPT2, GPT2Config
+from models.kv_cache import kernels
 from tests.helpers import bench_args
 
 ROW = re.compile(r"(fp32|fp16|bf16)\s+(\d+)\s+(\d+)\s")
@@ -76,6 +77,7 @@ def stand_ins(monkeypatch, made: list):
 
     monkeypatch.setattr(P, "peer_engines", engines)
     monkeypatch.setattr(P, "peak_read_gbps", lambda nbytes: (10.0, "a stand-in"))
+    monkeypatch.setattr(P, "probe_turn", lambda nbytes: None)  # no probe in turns: the header's peak
 
 
 def test_the_table_has_a_row_per_dtype_batch_and_depth_with_its_reads(capsys, monkeypatch):
@@ -96,14 +98,37 @@ def test_the_table_has_a_row_per_dtype_batch_and_depth_with_its_reads(capsys, mo
         ms = results[(d, int(b), int(c))]
         ratios = [float(x) for x in re.findall(r"\(\s*([\d.]+)x\)", ln)]
         assert ratios == pytest.approx([round(ms[k] / ms["llamacpp"], 2) for k in ENGINES], abs=0.006)
-        gbps, roof = (float(x) for x in ln.split()[-2:])
+        gbps, probe, roof = (float(x) for x in ln.split()[-3:])
         want = P.step_bytes(model, int(c), int(b)) / (ms["kvlab"] * 1e-3) / 1e9  # bf16 and fp16: 2 bytes a value
-        assert gbps == pytest.approx(want, abs=0.06) and roof == pytest.approx(want / 10.0, abs=0.006)
+        assert gbps == pytest.approx(want, abs=0.06) and probe == 10.0 and roof == pytest.approx(want / 10.0, abs=0.006)
     assert max(len(ln) for ln in out.splitlines() if ln.startswith(("dtype", "fp", "bf"))) <= 120
     targets = [ln for ln in out.splitlines() if ln.startswith("target:")]
     assert len(targets) == len(P.TARGETS) and all(ln.endswith("not judged") or "not judged:" in ln
                                                   for ln in targets)  # batch 2 is no target's
     assert re.search(r"^step shares at fp32, batch 1, depth 16 ", out, flags=re.M)  # always fp32's
+
+
+@pytest.mark.skipif(kernels.load_linear() is None, reason="no C++ compiler: kvlab's linear kernels are not built")
+def test_the_probe_is_read_in_turns_with_the_steps_and_each_row_set_against_its_own(capsys, monkeypatch):
+    # the probe's passes are timed among the engines' steps (time_in_turns), one median per cell: the roof column
+    # is the row's GB/s over the row's own probe, not over the header's peak
+    made, passes = [], []
+    stand_ins(monkeypatch, made)
+    real = P.ProbeTurn.decode
+
+    def counted(self, token, cache):
+        passes.append(self.nbytes)
+        return real(self, token, cache)
+
+    monkeypatch.setattr(P.ProbeTurn, "decode", counted)
+    monkeypatch.setattr(P, "probe_turn", lambda nbytes: P.ProbeTurn(kernels.load_linear(), 4 << 20))
+    main(["--model", "tiny", "--peers", "--dtype", "fp32", "--batch", "1", "--contexts", "8", "16",
+          "--repeats", "3", "--warmup", "1"])
+    out = capsys.readouterr().out
+    assert len(passes) == 2 * (3 + 1) and set(passes) == {(4 << 20) // (4 * 768) * 768 * 4}  # a pass per repeat
+    for ln in rows(out):
+        gbps, probe, roof = (float(x) for x in ln.split()[-3:])
+        assert probe != 10.0 and probe > 0 and roof == pytest.approx(gbps / probe, abs=0.006)
 
 
 def test_without_hf_the_grid_leaves_hf_out_and_keeps_the_rest():
@@ -124,8 +149,6 @@ def test_the_bytes_a_step_reads_are_the_weights_and_the_kv_in_the_dtype():
 
 @pytest.mark.parametrize("gemv_ms", [0.5, 0.05], ids=["read-faster", "product-faster"])
 def test_the_read_bandwidth_is_the_faster_ways_median_of_the_passes_and_says_their_range(monkeypatch, gemv_ms):
-    from models.kv_cache import kernels
-
     class Probe:
         def read_gbps(self, buf, passes):
             assert buf.numel() * 4 == 4 << 20 and passes == 3
@@ -165,7 +188,7 @@ def cells(fp32_1=(10.0, 9.0, 8.0), fp16_1=(5.0, 6.0, 4.5), bf16_1=(5.5, 5.0, 4.0
 
 def judged(results, gbps=17.0, peak=20.0, depth=960) -> dict:
     reads = {c: gbps for c in results}
-    verdicts = P.judge_targets(results, reads, peak, depth)  # in TARGETS' order: keyed (dtype, batch, roofline?)
+    verdicts = P.judge_targets(results, reads, {c: peak for c in results}, depth)  # in TARGETS' order: keyed (dtype, batch, roofline?)
     return {(d, b, conds[0][0] == "roofline"): v for (d, b, conds), v in zip(P.TARGETS, verdicts, strict=True)}
 
 
