@@ -285,15 +285,16 @@ def test_llama_cpp_runs_bf16_weights_and_kv_close_to_our_bf16_model(tmp_path, mo
 
 
 @pytest.mark.slow
-def test_peers_times_every_engine_for_every_dtype_batch_and_depth(capsys, tmp_path, monkeypatch):
+def test_peers_times_every_engine_for_every_dtype_and_batch(capsys, tmp_path, monkeypatch):
+    # one depth (the grid's depths are the stand-ins' test above): each cell compiles our step once more
     assert L.available(), f"llama-cpp-python is not built here: {L.BUILD}"
     monkeypatch.setenv(L.GGUF_CACHE_ENV, str(tmp_path))
-    results = main(["--model", "tiny", "--peers", "--contexts", "8", "16", "--repeats", "2", "--warmup", "0"])
+    results = main(["--model", "tiny", "--peers", "--contexts", "16", "--repeats", "2", "--warmup", "0"])
     out = capsys.readouterr().out
-    assert set(results) == {(d, b, c) for d in P.PEER_DTYPES for b in P.PEER_BATCHES for c in (8, 16)}
+    assert set(results) == {(d, b, 16) for d in P.PEER_DTYPES for b in P.PEER_BATCHES}
     for ms in results.values():
         assert set(ms) == set(ENGINES) and all(v > 0 for v in ms.values())
-    assert len(rows(out)) == 12 and "fp32, fp16, bf16, batch 1 and 8," in out.splitlines()[0]
+    assert len(rows(out)) == 6 and "fp32, fp16, bf16, batch 1 and 8," in out.splitlines()[0]
     lines = {ln.split(":")[1].strip(): ln for ln in out.splitlines() if ln.startswith("target:")}
     ms = results[("fp32", 1, 16)]
     best = min(ms["kvlab"], ms["kvlab compiled"]) / ms["llamacpp"]
