@@ -111,25 +111,12 @@ def step_bytes(model, depth: int, batch: int) -> int:
     return measure.weight_bytes(model) + kv
 
 
-def gemv_gbps(mod, nbytes: int, passes: int) -> list[float]:
-    """GB/s of each of ``passes`` matrix-vector products by kvlab's linear kernel over one float32 weight of
-    ``nbytes`` (rows of 768): W read once per pass, as a decode step reads a layer's weight for one sequence."""
-    w = torch.ones(max(1, nbytes // (4 * 768)), 768)
-    x = torch.ones(1, 1, 768)
-    mod.linear(x, w, None, -1)  # its pages touched once before any pass is timed
-    rates = []
-    for _ in range(passes):
-        t0 = time.perf_counter()
-        mod.linear(x, w, None, -1)
-        rates.append(w.numel() * 4 / (time.perf_counter() - t0) / 1e9)
-    return rates
-
-
 class ProbeTurn:
-    """The peak probe as a runner of ``time_in_turns``: each of its "steps" one matrix-vector product by kvlab's
-    linear kernel over a float32 weight of ``nbytes`` (``gemv_gbps``'s read). Timed in turns with the engines, it
-    reads while the same neighbours share the memory as the steps it is set against: on a shared host the bandwidth
-    left free moves within minutes, and a peak read once at the start judged the steps of a busier minute."""
+    """The peak probe's matrix-vector product, as a runner of ``time_in_turns``: each of its "steps" one product by
+    kvlab's linear kernel over a float32 weight of ``nbytes`` (rows of 768), W read once per pass as a decode step
+    reads a layer's weight for one sequence. Timed in turns with the engines, it reads while the same neighbours
+    share the memory as the steps it is set against: on a shared host the bandwidth left free moves within minutes,
+    and a peak read once at the start judged the steps of a busier minute."""
 
     def __init__(self, mod, nbytes: int):
         self.mod, self.w, self.x = mod, torch.ones(max(1, nbytes // (4 * 768)), 768), torch.ones(1, 1, 768)
@@ -140,6 +127,18 @@ class ProbeTurn:
 
     def checkpoint(self, cache):
         return lambda: None
+
+
+def gemv_gbps(mod, nbytes: int, passes: int) -> list[float]:
+    """GB/s of each of ``passes`` of ``ProbeTurn``'s matrix-vector product over a float32 weight of ``nbytes``."""
+    probe = ProbeTurn(mod, nbytes)
+    probe.decode(None, None)  # its pages touched once before any pass is timed
+    rates = []
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        probe.decode(None, None)
+        rates.append(probe.nbytes / (time.perf_counter() - t0) / 1e9)
+    return rates
 
 
 def probe_turn(nbytes: int) -> ProbeTurn | None:
