@@ -41,6 +41,11 @@ sweep: $(STAMP)
 # two workers (pytest-xdist), each test file whole on one, so a file's fixtures are built once; WORKERS=0 runs serially
 WORKERS ?= 2
 XDIST   := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
+# every worker imports every test file, and pytest rewrites each one's asserts: about 10 s of a worker's start when
+# nothing is compiled. Where the environment says not to write bytecode (PYTHONDONTWRITEBYTECODE), the tests write it
+# anyway (into __pycache__ beside the sources, which .gitignore leaves out), so the next run, and every run.py a test
+# starts, reads it back (docs/testing.md)
+PYCACHE := env PYTHONDONTWRITEBYTECODE=
 
 # the Slurm tests' cluster (scripts/slurm-up: a single node under SLURM_DIR; installing it needs root); without it
 # those tests are skipped and say why, unless KVLAB_REQUIRE_SLURM=1 (CI), where they fail
@@ -50,10 +55,10 @@ test: $(STAMP) $(LLAMACPP)
 	@conf=$$(scripts/slurm-up $(SLURM_DIR) 2> $(SLURM_DIR).log | sed -n 's/^SLURM_CONF=//p'); \
 	if [ -n "$$conf" ]; then echo "make test: Slurm is up (SLURM_CONF=$$conf; scripts/slurm-down $(SLURM_DIR) stops it)"; \
 	else echo "make test: Slurm did not come up ($$(tail -n 1 $(SLURM_DIR).log)); its tests will say so"; fi; \
-	SLURM_CONF=$${conf:-$$SLURM_CONF} HF_HUB_OFFLINE=1 $(PY) -m pytest $(XDIST) $(ARGS)
+	SLURM_CONF=$${conf:-$$SLURM_CONF} HF_HUB_OFFLINE=1 $(PYCACHE) $(PY) -m pytest $(XDIST) $(ARGS)
 
 test-fast: $(STAMP) $(LLAMACPP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest $(XDIST) -m "not slow" $(ARGS)
+	HF_HUB_OFFLINE=1 $(PYCACHE) $(PY) -m pytest $(XDIST) -m "not slow" $(ARGS)
 
 # docs/results.md from the measurements' declarations (a test fails when it is stale)
 docs: $(STAMP)

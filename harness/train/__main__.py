@@ -5,7 +5,7 @@
     python -m harness.train --evaluate DIR [--record]            # the targets table of a checkpoint (no training)
     python -m harness.train --out DIR --family llama             # the Llama-family reference model (mini-llama)
     python -m harness.train --out DIR [--copy-phase F] [--copy-offsets F|none] [--mlp-off F] [--copy-share F]
-                            [--placed-share F] [--far-share F] [--deep-draw window|frequency]
+                            [--placed-share F] [--far-share F] [--deep-draw window|frequency] [--text-spans F]
                             [--curriculum LEN:SHARE,...|none] [--heads N]
 
 The command line: every number bounded before anything is read or built (one line, exit 2), then ``loop.train`` (or
@@ -47,7 +47,7 @@ from harness.train.loop import train  # noqa: E402
 from harness.train.recipe import (BATCH, BOS, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CURRICULUM,  # noqa: E402
                                   DEEP_DRAW, DEFAULT_STEPS, FAMILY_PRESETS, FAR_SHARE, MAX_MINUTES, MAX_STEPS,
                                   MAX_THREADS, MINI_CONFIG,
-                                  MLP_OFF, PLACED_SHARE, SEQ_LEN, SHARE_FLAGS, WEIGHT_DECAY, TrainError,
+                                  MLP_OFF, PLACED_SHARE, SEQ_LEN, SHARE_FLAGS, TEXT_SPANS, WEIGHT_DECAY, TrainError,
                                   check_curriculum, parse_curriculum)
 from harness.train.rows import DEEP_DRAWS  # noqa: E402
 from harness.train.targets import check_recordable, evaluate_folder, record_targets  # noqa: E402
@@ -69,6 +69,22 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help=f"attention heads of the gpt2 family's {MINI_CONFIG['n_embd']}-wide model (default "
                         f"{MINI_CONFIG['n_head']}, the shipped mini's; GPT-2's 64 channels a head; 4 gives 32, see "
                         "docs/reference-model.md)")
+
+
+def _retrieval_flags(p: argparse.ArgumentParser) -> None:
+    """The retrieval rows' flags (issue 66): their share of a batch, the deep copies' draw, the spans' draw."""
+    p.add_argument("--far-share", type=float, default=FAR_SHARE,
+                   help="share of each batch's rows, after the copy phase, that are retrieval rows in text: a span "
+                        "shown twice at any distance, and key-value pairs asked at the end (default "
+                        f"{FAR_SHARE}; see docs/reference-model.md)")
+    p.add_argument("--deep-draw", default=DEEP_DRAW, choices=sorted(DEEP_DRAWS),
+                   help="how half the deep copies (a third of the retrieval rows) draw their ids: 'window', uniformly "
+                        "from the vocabulary of a stretch of training text (the mini's recipe), or 'frequency', as the "
+                        f"training text uses them (mini-llama's) (default {DEEP_DRAW})")
+    p.add_argument("--text-spans", type=float, default=TEXT_SPANS,
+                   help="the chance that a random span of the copy and retrieval rows draws its ids from the vocabulary "
+                        "of a stretch of training text (words) rather than from every id (default "
+                        f"{TEXT_SPANS:g}; see docs/reference-model.md)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,14 +111,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="share of the copy rows whose span is shown twice at a random place of a text row instead of "
                         f"repeated from position 0 (default {PLACED_SHARE}, the shipped mini's; see "
                         "docs/reference-model.md)")
-    p.add_argument("--far-share", type=float, default=FAR_SHARE,
-                   help="share of each batch's rows, after the copy phase, that are retrieval rows in text: a span "
-                        "shown twice at any distance, and key-value pairs asked at the end (default "
-                        f"{FAR_SHARE}; see docs/reference-model.md)")
-    p.add_argument("--deep-draw", default=DEEP_DRAW, choices=sorted(DEEP_DRAWS),
-                   help="how half the deep copies (a third of the retrieval rows) draw their ids: 'window', uniformly "
-                        "from the vocabulary of a stretch of training text (the mini's recipe), or 'frequency', as the "
-                        f"training text uses them (mini-llama's) (default {DEEP_DRAW})")
+    _retrieval_flags(p)
     p.add_argument("--mlp-off", type=float, default=MLP_OFF,
                    help="share of the budget trained attention only, every MLP left out of the forward, so the copy "
                         f"circuit forms before the MLPs join (default {MLP_OFF}, the shipped mini's; see "
@@ -229,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                   placed_share=args.placed_share, mlp_off=args.mlp_off, curriculum=curriculum,
                   copy_phase=args.copy_phase, copy_share=args.copy_share, copy_offsets=copy_offsets,
                   family=args.family, bos=args.bos, weight_decay=args.weight_decay, far_share=args.far_share,
-                  deep_draw=args.deep_draw,
+                  deep_draw=args.deep_draw, text_spans=args.text_spans,
                   **({} if args.heads in (None, MINI_CONFIG["n_head"]) else  # the default: train()'s own preset
                      {"config": GPT2Config(**{**MINI_CONFIG, "n_head": args.heads})}))
         except TrainError as e:

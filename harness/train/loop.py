@@ -47,7 +47,7 @@ from harness.train.model import (attention_only_at, compact_model, hidden, lr_at
 from harness.train.recipe import (BATCH, BOS, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CORPUS, DEEP_DRAW, DEFAULT_STEPS,
                                   EOT, EVAL_LEN, FAMILY_PRESETS, FAR_SHARE, FAR_SPAN_MAX, HELDOUT_AT, HELDOUT_EVERY,
                                   IGNORE, INIT_STD, MAX_STEPS, MIN_LR_FRAC, MLP_OFF, OURS, PEAK_LR, PLACED_SHARE,
-                                  QUICK_COPY, QUICK_FAR, SEQ_LEN,
+                                  QUICK_COPY, QUICK_FAR, SEQ_LEN, TEXT_SPANS,
                                   SINK_FROM, SPAN_MIN, STATE, WARMUP_FRAC, WEIGHT_DECAY, TrainError, check_settings,
                                   curriculum_setting)
 from harness.train.rows import DEEP_DRAWS, make_batch, twice_rows, with_bos
@@ -252,7 +252,7 @@ class _Run:
         else:
             x, y = make_batch(d.ctrain, rows, seq_len - bos, s["copy_share"], len(d.vocab), d.eot, self.gen,
                               s.get("placed_share", 0.0), far_share=s.get("far_share", 0.0),
-                              deep_draw=s.get("deep_draw", DEEP_DRAW))
+                              deep_draw=s.get("deep_draw", DEEP_DRAW), text_spans=s.get("text_spans", 0.0))
             if bos:
                 x, y = with_bos(x, y, self.bos)
             with mlps_left_out(self.model, self.attention_only()):
@@ -355,7 +355,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
           curriculum=True, threads: int | None = None, placed_share: float = PLACED_SHARE,
           mlp_off: float = MLP_OFF, copy_phase: float = COPY_PHASE, copy_offsets: float | None | str = "default",
           family: str = "gpt2", bos: bool = BOS, weight_decay: float = WEIGHT_DECAY,
-          far_share: float = FAR_SHARE, deep_draw: str = DEEP_DRAW) -> dict:
+          far_share: float = FAR_SHARE, deep_draw: str = DEEP_DRAW, text_spans: float = TEXT_SPANS) -> dict:
     """Train (or resume, or report) the run in ``out``; returns its ``kvlab_train`` record (``done`` False when
     ``stop_after`` interrupted it). The budget is ``minutes`` of wall clock or ``steps`` (deterministic), not both;
     neither: DEFAULT_STEPS. ``config``, ``batch``, ``seq_len``, ``eval_every``, ``eval_tokens`` (the final held-out
@@ -372,6 +372,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
                   **({"placed_share": placed_share} if placed_share else {}),  # absent when off: a record names only the phases it had
                   **({"far_share": far_share} if far_share else {}),
                   **({"deep_draw": deep_draw} if far_share and deep_draw != DEEP_DRAW else {}),
+                  **({"text_spans": text_spans} if text_spans else {}),
                   **({"mlp_off": mlp_off} if mlp_off else {}),
                   **({"copy_phase": copy_phase} if copy_phase else {}),
                   **({"copy_offsets": copy_offsets} if copy_offsets is not None else {}),
@@ -382,6 +383,8 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
         raise TrainError(f"--family {family!r}: use one of {', '.join(FAMILY_PRESETS)}")
     if deep_draw not in DEEP_DRAWS:
         raise TrainError(f"--deep-draw {deep_draw!r}: use one of {', '.join(sorted(DEEP_DRAWS))}")
+    if not (isinstance(text_spans, (int, float)) and 0 <= text_spans <= 1):
+        raise TrainError(f"--text-spans must lie in [0, 1] (a chance per span), got {text_spans!r}")
     config = config or preset_config(FAMILY_PRESETS[family])
     try:
         return _train(Path(out), minutes, steps, seed, restart, config, stop_after, save_dtype, recipe, eval_every,
@@ -508,6 +511,9 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
                 + ("as the training text uses them (by frequency)" if s.get("deep_draw") == "frequency" else
                    "uniformly from the vocabulary of a random stretch of 46,000 tokens of training text")
                 + "); only the second showing and the asked values targets")
+    if s.get("text_spans"):
+        mix += (f"; every random span of the copy and retrieval rows draws its ids, with chance {s['text_spans']:g}, uniformly from the "
+                "vocabulary of a random stretch of 46,000 tokens of training text rather than from every id")
     if s.get("copy_phase"):
         offsets = s.get("copy_offsets")
         mix = (f"the first {s['copy_phase']:.0%} of the budget: every row random ids with one span of them shown twice "
@@ -526,6 +532,7 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
                 **({"placed_share": s["placed_share"]} if s.get("placed_share") else {}),
                 **({"far_share": s["far_share"]} if s.get("far_share") else {}),
                 **({"deep_draw": s["deep_draw"]} if s.get("deep_draw") else {}),
+                **({"text_spans": s["text_spans"]} if s.get("text_spans") else {}),
                 **({"mlp_off": s["mlp_off"]} if s.get("mlp_off") else {}),
                 **({"copy_phase": s["copy_phase"]} if s.get("copy_phase") else {}),
                 **({"copy_offsets": s["copy_offsets"]} if s.get("copy_offsets") is not None else {}),

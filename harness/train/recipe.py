@@ -69,6 +69,9 @@ FAR_SHARE = 0.375  # share of each batch's rows that are retrieval rows after th
 #                    3 of a batch's 8 rows, the shipped models' recipe (issue 66)
 DEEP_DRAW = "window"  # --deep-draw: a relabelled deep copy's ids uniform over a text window's vocabulary ("window")
 #                     or by the training text's frequencies ("frequency", the shipped mini-llama's)
+TEXT_SPANS = 0.0  # --text-spans: the chance that a random span of the mix's copy and retrieval rows draws its ids
+#                  from a text window's vocabulary (rows.span_draw) rather than from every id: copies of ids that look
+#                  like words, at every distance (docs/reference-model.md, "The retrain"); 0 in the shipped recipes
 VOCAB_WINDOW = 46_000  # a relabelled deep copy draws its ids from the vocabulary of this many tokens of training text
 FAR_SPAN_MAX = 128  # a far copy's span lengths are log-uniform in [SPAN_MIN, FAR_SPAN_MAX], a deep copy's uniform
 RECALL_PAIRS, RECALL_KEY, RECALL_VALUE = 16, 8, 8  # recall rows: up to 16 pairs of an 8-id key and an 8-id value
@@ -154,7 +157,8 @@ MAX_STEPS = 1_000_000  # the shipped recipe takes DEFAULT_STEPS (3,200)
 MAX_MINUTES = 10_080  # a week of wall clock
 MAX_THREADS = 256  # or the machine's cores, if more
 SHARE_FLAGS = {"placed_share": (0.0, 1.0, True), "far_share": (0.0, 1.0, True), "mlp_off": (0.0, 1.0, False),
-               "copy_phase": (0.0, 1.0, False), "copy_share": (0.0, 1.0, True)}  # flag -> (low, high, high included); low is always included
+               "copy_phase": (0.0, 1.0, False), "copy_share": (0.0, 1.0, True),
+               "text_spans": (0.0, 1.0, True)}  # flag -> (low, high, high included); low is always included
 
 
 # ---- the checks -----------------------------------------------------------------------------------------------------

@@ -53,6 +53,21 @@ def window_vocab_ids(stream: torch.Tensor, skip: int, n_ids: int, shape: tuple, 
 DEEP_DRAWS = {"window": window_vocab_ids, "frequency": text_ids}  # --deep-draw: a relabelled deep copy's ids
 
 
+def span_draw(stream: torch.Tensor, text_spans: float):
+    """How the mix's rows draw a random span (``span_ids``' arguments): with ``text_spans`` > 0, each draw comes, with
+    that chance, from a text's own vocabulary (``window_vocab_ids``: ids that look like words, whose copy competes
+    with what they predict), else uniformly from every id; with 0, ``span_ids`` itself (no coin is drawn, so a recipe
+    without it makes the same batches as before the option existed). ``--text-spans``."""
+    if not text_spans:
+        return span_ids
+
+    def draw(n_ids: int, skip: int, shape: tuple, gen: torch.Generator) -> torch.Tensor:
+        if float(torch.rand((), generator=gen)) < text_spans:
+            return window_vocab_ids(stream, skip, n_ids, shape, gen)
+        return span_ids(n_ids, skip, shape, gen)
+    return draw
+
+
 def span_length(seq_len: int, span_min: int, gen: torch.Generator) -> int:
     """A span length, log-uniform in [span_min, seq_len // 2]."""
     hi = max(seq_len // 2, 1)
@@ -62,14 +77,14 @@ def span_length(seq_len: int, span_min: int, gen: torch.Generator) -> int:
 
 
 def copy_rows(rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
-              span_min: int = SPAN_MIN) -> tuple[torch.Tensor, torch.Tensor]:
+              span_min: int = SPAN_MIN, draw=span_ids) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` sequences that each repeat one random span until seq_len + 1 tokens are filled: (inputs, targets),
     both (rows, seq_len); the targets inside the span's first showing are IGNORE (nothing there can be known). Span
     lengths are log-uniform in [span_min, seq_len // 2], so every row holds at least one whole repeat."""
     xs, ys = [], []
     for _ in range(rows):
         n = span_length(seq_len, span_min, gen)
-        span = span_ids(n_ids, skip, (n,), gen)
+        span = draw(n_ids, skip, (n,), gen)
         x = span.repeat(seq_len // n + 2)[: seq_len + 1]
         y = x[1:].clone()
         y[: n - 1] = IGNORE
@@ -91,7 +106,7 @@ def text_rows(stream: torch.Tensor, rows: int, seq_len: int, gen: torch.Generato
 
 
 def placed_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
-                span_min: int = SPAN_MIN) -> tuple[torch.Tensor, torch.Tensor]:
+                span_min: int = SPAN_MIN, draw=span_ids) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` KJV text windows, each with one random span written twice in a row at a random place: (inputs,
     targets), both (rows, seq_len). The span's first showing is not a target (nothing can announce it); its second
     showing and the text around it are. Lengths as copy_rows'; the place is uniform over where both showings fit.
@@ -102,7 +117,7 @@ def placed_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip:
     for r in range(rows):
         n = span_length(seq_len, span_min, gen)
         at = int(torch.randint(0, seq_len + 2 - 2 * n, (), generator=gen))
-        span = span_ids(n_ids, skip, (n,), gen)
+        span = draw(n_ids, skip, (n,), gen)
         xy[r, at:at + n], xy[r, at + n:at + 2 * n] = span, span
         hidden[r, max(at - 1, 0):at + n - 1] = True  # the targets that are the first showing's tokens
     y = xy[:, 1:].clone()
@@ -111,13 +126,13 @@ def placed_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip:
 
 
 def twice_rows(rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
-               span_min: int = SPAN_MIN, span_max: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               span_min: int = SPAN_MIN, span_max: int | None = None, draw=span_ids) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` sequences of random ids, each with one random span shown twice in a row at a random place: (inputs,
     targets), both (rows, seq_len). Only the second showing past its first token is a target (the rest is noise
     nothing can predict), so every trained token is one that only a circuit that finds the span's earlier showing,
     wherever it lies, and copies what followed it can predict. Lengths uniform in [span_min, span_max] (default
     (seq_len - 32) // 2: 8..48 in rows of 128); the place uniform over where both showings fit."""
-    xy = span_ids(n_ids, skip, (rows, seq_len + 1), gen)
+    xy = draw(n_ids, skip, (rows, seq_len + 1), gen)
     y = torch.full((rows, seq_len), IGNORE, dtype=torch.long)
     hi = max(span_min, (seq_len - 32) // 2, 2) if span_max is None else span_max
     hi = min(hi, (seq_len + 1) // 2)
@@ -131,15 +146,17 @@ def twice_rows(rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Genera
 
 
 def deep_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
-              span_max: int = FAR_SPAN_MAX, draw: str = DEEP_DRAW) -> tuple[torch.Tensor, torch.Tensor]:
+              span_max: int = FAR_SPAN_MAX, draw: str = DEEP_DRAW,
+              spans=span_ids) -> tuple[torch.Tensor, torch.Tensor]:
     """``twice_rows`` at full length (a span of SPAN_MIN..span_max shown twice in a row anywhere among random ids:
     a copy deep in context nothing predicts), whose ids are, in each row with a coin's chance, drawn from a text's own
     vocabulary (``window_vocab_ids``: words, so the copy competes with what they predict, and few enough distinct
     ones that an id to copy from often occurs elsewhere too, which a one-id match cannot tell apart) rather than
     uniformly from every id; ``draw="frequency"`` draws them by the training text's frequencies instead (``text_ids``,
-    mini-llama's recipe). Only the second showing past its first id is a target. (inputs, targets)."""
+    mini-llama's recipe). ``spans``: how the rows' ids are drawn before that (``span_draw``). Only the second showing
+    past its first id is a target. (inputs, targets)."""
     pick = DEEP_DRAWS[draw]
-    x, y = twice_rows(rows, seq_len, n_ids, skip, gen, span_max=span_max)
+    x, y = twice_rows(rows, seq_len, n_ids, skip, gen, span_max=span_max, draw=spans)
     for r in range(rows):
         if float(torch.rand((), generator=gen)) < 0.5:
             full = torch.cat([x[r], y[r, -1:].clamp(min=0)])  # the row's ids (the last past the inputs)
@@ -152,7 +169,7 @@ def deep_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: i
 
 
 def far_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
-             span_min: int = SPAN_MIN, span_max: int = FAR_SPAN_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+             span_min: int = SPAN_MIN, span_max: int = FAR_SPAN_MAX, draw=span_ids) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` KJV text windows, each with one random span shown twice, the two showings ``d`` ids of text apart,
     ``d`` uniform over every distance the row has room for (0 .. seq_len - 2n): a source at any depth, each depth as
     likely, as the needle and far-copy targets ask at every depth of the context. Span lengths log-uniform in
@@ -164,7 +181,7 @@ def far_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: in
         n = span_length(min(2 * span_max, seq_len), span_min, gen)
         d = int(torch.randint(0, seq_len + 2 - 2 * n, (), generator=gen))  # text between the showings
         at = int(torch.randint(0, seq_len + 2 - 2 * n - d, (), generator=gen))
-        span = span_ids(n_ids, skip, (n,), gen)
+        span = draw(n_ids, skip, (n,), gen)
         xy[r, at:at + n], xy[r, at + n + d:at + 2 * n + d] = span, span
         hidden[r, max(at - 1, 0):at + n - 1] = True  # the first showing's ids
         hidden[r, at + n + d - 1] = True  # the second showing's first id: nothing announces it
@@ -183,7 +200,7 @@ def recall_pairs(most: int, gen: torch.Generator) -> int:
 
 def recall_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
                 most_pairs: int = RECALL_PAIRS, key: int = RECALL_KEY,
-                value: int = RECALL_VALUE) -> tuple[torch.Tensor, torch.Tensor]:
+                value: int = RECALL_VALUE, draw=span_ids) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` KJV text windows, each holding P key-value pairs (random ids: ``key`` then ``value``; P uniform in
     1 .. most_pairs, fewer when the row is short) at random places that do not overlap, then Q of them (uniform in
     1 .. P) asked at the end, each key followed by its value, in a random order: multi-query associative recall
@@ -198,7 +215,7 @@ def recall_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip:
         q = int(torch.randint(1, p + 1, (), generator=gen))
         room = seq_len + 1 - q * span  # the row before its questions
         cuts = sorted(torch.randint(0, room - p * span + 1, (p,), generator=gen).tolist())
-        kvs = [span_ids(n_ids, skip, (span,), gen) for _ in range(p)]
+        kvs = [draw(n_ids, skip, (span,), gen) for _ in range(p)]
         for i, (cut, kv) in enumerate(zip(cuts, kvs)):
             at = cut + i * span
             xy[r, at:at + span] = kv
@@ -222,28 +239,30 @@ def retrieval_split(n: int) -> tuple[int, int, int]:
 def make_batch(stream: torch.Tensor, batch: int, seq_len: int, copy_share: float, n_ids: int, skip: int,
                gen: torch.Generator, placed_share: float = 0.0,
                span_min: int = SPAN_MIN, far_share: float = 0.0,
-               deep_draw: str = DEEP_DRAW) -> tuple[torch.Tensor, torch.Tensor]:
+               deep_draw: str = DEEP_DRAW, text_spans: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One training batch: round(batch * copy_share) copy rows (of them, round(that * placed_share) placed in text,
     the rest repeated random spans), round(batch * far_share) retrieval rows (``retrieval_split``: far copies in
     text, recall rows in text, and deep copies: random ids with a span of SPAN_MIN..FAR_SPAN_MAX shown twice in a
-    row at a random place of the whole row, ``deep_rows`` with ``deep_draw``), the rest KJV text. (inputs, targets)."""
+    row at a random place of the whole row, ``deep_rows`` with ``deep_draw``), the rest KJV text. Every random span
+    is drawn by ``span_draw(stream, text_spans)``. (inputs, targets)."""
+    draw = span_draw(stream, text_spans)
     n_copy = round(batch * copy_share)
     n_placed = round(n_copy * placed_share)
     n_far = min(round(batch * far_share), batch - n_copy)
     x, y = text_rows(stream, batch - n_copy - n_far, seq_len, gen)
     if n_far:
         far, recall, deep = retrieval_split(n_far)
-        parts = [far_rows(stream, far, seq_len, n_ids, skip, gen)]
+        parts = [far_rows(stream, far, seq_len, n_ids, skip, gen, draw=draw)]
         if recall:
-            parts.append(recall_rows(stream, recall, seq_len, n_ids, skip, gen))
+            parts.append(recall_rows(stream, recall, seq_len, n_ids, skip, gen, draw=draw))
         if deep:
-            parts.append(deep_rows(stream, deep, seq_len, n_ids, skip, gen, draw=deep_draw))
+            parts.append(deep_rows(stream, deep, seq_len, n_ids, skip, gen, draw=deep_draw, spans=draw))
         x, y = torch.cat([p[0] for p in parts] + [x]), torch.cat([p[1] for p in parts] + [y])
     if n_copy - n_placed:
-        cx, cy = copy_rows(n_copy - n_placed, seq_len, n_ids, skip, gen, span_min)
+        cx, cy = copy_rows(n_copy - n_placed, seq_len, n_ids, skip, gen, span_min, draw=draw)
         x, y = torch.cat([cx, x]), torch.cat([cy, y])
     if n_placed:
-        px, py = placed_rows(stream, n_placed, seq_len, n_ids, skip, gen, span_min)
+        px, py = placed_rows(stream, n_placed, seq_len, n_ids, skip, gen, span_min, draw=draw)
         x, y = torch.cat([px, x]), torch.cat([py, y])
     return x, y
 

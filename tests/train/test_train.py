@@ -421,6 +421,28 @@ def test_deep_rows_copy_ids_drawn_uniformly_or_from_a_texts_own_vocabulary():
     assert 16 <= len(text) <= 48 and all(float((x[r] == 5).float().mean()) > 0.5 for r in text)
 
 
+def test_text_spans_draw_the_mixs_spans_from_the_texts_vocabulary_with_their_chance():
+    """--text-spans F: each random span of the copy and retrieval rows (placed, repeated, far, recall, deep) draws
+    its ids, with chance F, from a text window's vocabulary: with 1 every span id of a batch is one the text uses; with
+    0 none is, and the batch is the one made without the option, bit for bit (no coin is drawn)."""
+    stream = torch.arange(5000) % 40 + 1000  # the text's 40 ids (>= 1000); every id: 0 .. 1999
+
+    def batch(**kw):
+        return rows.make_batch(stream, 8, 256, 0.25, 2000, 3, torch.Generator().manual_seed(9), placed_share=0.5,
+                               far_share=3 / 8, **kw)
+
+    x0, y0 = batch()
+    x1, y1 = batch(text_spans=0.0)
+    assert torch.equal(x0, x1) and torch.equal(y0, y1)
+    assert int((x0 < 1000).sum()) > 200  # spans of every id
+    xt, _ = batch(text_spans=1.0)
+    assert bool((xt >= 1000).all())  # every span id (and every text id) one the text uses
+    draw, gen = rows.span_draw(stream, 0.5), torch.Generator().manual_seed(10)
+    text = sum(bool((draw(2000, 3, (8,), gen) >= 1000).all()) for _ in range(400))  # uniform: 0.5 ** 8 of them
+    assert 150 <= text <= 250  # about half the spans
+    assert rows.span_draw(stream, 0.0) is rows.span_ids
+
+
 def test_window_vocab_ids_draw_from_one_stretch_of_text():
     """The ids come from one stretch of ``window`` tokens: from a stream of five blocks, each of its own ten ids and
     as long as the window, a draw holds the ids of one block or of two neighbours, never <|endoftext|>."""
@@ -517,11 +539,14 @@ def test_a_copy_phase_trains_on_twice_rows_only_then_on_the_mix(tmp_path, monkey
     monkeypatch.setattr(rows, "far_rows", lambda *a, **k: calls.append("far") or real_far(*a, **k))
     monkeypatch.setattr(rows, "recall_rows", lambda *a, **k: calls.append("recall") or real_recall(*a, **k))
     meta = loop.train(tmp_path / "run", steps=8, eval_every=4, **{**FAST, "copy_phase": 0.5, "far_share": 0.5,
-                                                                  "deep_draw": "frequency"})
+                                                                  "deep_draw": "frequency", "text_spans": 0.5})
     assert calls == ["twice"] * 4 + ["mix", "far", "recall"] * 4
     assert meta["copy_phase"] == 0.5 and "shown twice" in meta["mix"]
     assert meta["far_share"] == 0.5 and "key-value pairs" in meta["mix"]
     assert meta["deep_draw"] == "frequency" and "by frequency" in meta["mix"]
+    assert meta["text_spans"] == 0.5 and "with chance 0.5, uniformly from the vocabulary" in meta["mix"]
+    with pytest.raises(R.TrainError, match=r"--text-spans must lie in \[0, 1\]"):
+        loop.train(tmp_path / "other", steps=8, **{**FAST, "text_spans": float("nan")})
     with pytest.raises(R.TrainError, match=r"--deep-draw 'often': use one of frequency, window"):
         loop.train(tmp_path / "other", steps=8, **{**FAST, "deep_draw": "often"})
     with pytest.raises(R.TrainError, match=r"--copy-phase must lie in \[0, 1\)"):
@@ -803,7 +828,7 @@ def test_the_curriculum_trains_short_rows_first_with_the_same_tokens_per_step():
 
 
 PROBES = ("ambiguity_probe", "context_probe", "copy_from_probe", "copy_offsets", "copy_probe",
-          "decode_attention_probe", "eviction_probe", "gemv_probe", "induction_probe", "induction_toy", "kv_stats",
+          "decode_attention_probe", "eviction_probe", "finetune_probe", "gemv_probe", "induction_probe", "induction_toy", "kv_stats",
           "overlap_probe", "paired_runs", "query_quant_probe", "recall_probe", "rotation_probe", "run_calls",
           "sink_probe", "sink_value_probe")
 
