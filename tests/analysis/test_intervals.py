@@ -188,6 +188,7 @@ def _coverage(draw, n, truth, trials, make=None):
     return np.mean([(lambda iv: iv.lo <= truth <= iv.hi)(make(draw(n))) for _ in range(trials)])
 
 
+@pytest.mark.slow  # seconds: not in make test-fast
 def test_t_interval_covers_95_in_100_at_small_n():
     """The t-interval holds the true mean of normal units about 95 times in 100 at n = 3, 4 and 10 (600 draws each:
     93% or more), where a 95% percentile bootstrap of the same means covers about 75% at n = 3 (the method kvlab
@@ -203,6 +204,7 @@ def test_t_interval_covers_95_in_100_at_small_n():
     assert _coverage(lambda k: rng.normal(size=k), 3, 0.0, 600, boot) < 0.82
 
 
+@pytest.mark.slow  # seconds: not in make test-fast
 def test_skewed_units_need_ten():
     """Why MIN_UNITS stays 10 under the t-interval: on skewed units (lognormal) it covers less than 95%, and less
     the fewer they are: sigma 0.5 (moderate skew) covers about 92% at 10 units (90% or more here); sigma 1 covers

@@ -106,6 +106,7 @@ def _write_sweep(root, runs, positions, paragraphs=True):
         tracking.write_run_files(root / rec["run_name"], rec, tracking.with_identity(tables, rec))
 
 
+@pytest.mark.slow  # seconds: not in make test-fast
 def test_the_command_corrects_several_presets_as_one_family(tmp_path, capsys):
     from harness.analysis import scorecard
     sink = streaming_sweep([2.0, 0.8, 0.7, 0.4, 0.39], first_token=50256, first_token_share=0.6)

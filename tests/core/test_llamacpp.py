@@ -182,8 +182,8 @@ def test_what_it_cannot_run_is_refused_in_one_line(tmp_path, monkeypatch, capsys
     assert rec["status"] != "ok" and why in rec["error"] and "tokens_identical" not in rec
 
 
-@pytest.mark.parametrize("args, why", [pytest.param(*REFUSED[0], id="refused"),
-                                       pytest.param([], None, id="runs", marks=pytest.mark.slow)])
+@pytest.mark.slow  # each starts a process (seconds): not in make test-fast
+@pytest.mark.parametrize("args, why", [pytest.param(*REFUSED[0], id="refused"), pytest.param([], None, id="runs")])
 def test_run_py_on_llamacpp_exits_by_what_it_ran(tmp_path, args, why):
     """Through ``python run.py``: a refusal is one line and a non-zero exit; a run it can make is ok, exact."""
     proc = run_py([*LLAMACPP_SMALL, *args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path,

@@ -141,6 +141,7 @@ def test_experiment_streaming_composes_a_stream_8x_the_trained_length_for_each_n
             assert max_len == cfg.drift_text_len == 8 * mcfg.n_positions
 
 
+@pytest.mark.slow  # seconds: not in make test-fast
 def test_each_cache_yaml_is_its_kinds_defaults_and_options_are_typed():
     register()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):

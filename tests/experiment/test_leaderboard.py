@@ -75,6 +75,7 @@ def test_the_report_reads_each_cells_ratio_back_from_what_the_run_records():
         assert board_of.method_of(pd.Series(row)) == cell.method
 
 
+@pytest.mark.slow  # seconds: not in make test-fast
 @pytest.mark.parametrize("model", ["mini", "mini-llama"])
 def test_every_cell_of_the_default_grid_is_a_run_the_checks_accept(model):
     from hydra import compose, initialize_config_dir
@@ -169,6 +170,7 @@ def test_a_small_leaderboard_sweep_writes_its_table_and_figures(tmp_path):
     assert "Compression leaderboard" in page and "leaderboard_niah" in page
 
 
+@pytest.mark.slow  # seconds: not in make test-fast
 def test_the_leaderboard_refuses_a_cache_on_the_command_line_and_makes_nothing(tmp_path):
     p = leaderboard_sweep(tmp_path, "cache=h2o")
     assert p.returncode != 0

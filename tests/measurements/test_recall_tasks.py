@@ -63,6 +63,7 @@ def test_mqar_asks_every_distinct_key_once_and_scores_its_value():
     assert len(wide.seq) == 40 and len(wide.scored) == 12
 
 
+@pytest.mark.slow  # seconds: not in make test-fast
 def test_through_an_exact_cache_each_answer_is_what_full_attention_gives_and_a_run_names_the_tasks(
         tmp_path, monkeypatch):
     """prealloc is full attention: every scored id's top-1 through it equals fp32 full attention's, at every depth

@@ -181,6 +181,7 @@ def test_a_prefill_in_half_precision_sums_in_float32(dtype):
     assert ((got.double().reshape(-1, 40) - ref).abs() <= half_ulp + tol + 1e-30).all()
 
 
+@pytest.mark.slow  # seconds: not in make test-fast
 def test_the_compiled_step_calls_the_kernel_as_an_operator():
     torch.manual_seed(2)
     lin = cpu_kernels.Linear(64, 48).eval()
@@ -217,6 +218,7 @@ def test_the_read_bandwidth_probe_reads_every_float_once():
     assert len(mod.read_gbps(buf, 3)) == 3
 
 
+@pytest.mark.slow  # seconds: not in make test-fast
 def test_a_build_killed_half_way_leaves_nothing_to_wait_on(tmp_path):
     # torch's own lock file stays behind when a build is killed (a test's SIGKILL, a cluster's preemption): the next
     # kvlab process takes the build up under its own lock instead of waiting for a lock nobody will release

@@ -413,6 +413,7 @@ def test_a_pytorch_bin_bigger_than_its_config_implies_is_never_loaded(tmp_path, 
     assert len(spies["torch_load"]) == 1  # never loaded
 
 
+@pytest.mark.slow  # seconds: not in make test-fast
 def test_a_pytorch_bin_whose_directory_declares_a_huge_member_is_never_loaded(tmp_path, spies):
     # ckpt-bin-huge-member
     folder, _ = bin_folder(tmp_path)

@@ -349,6 +349,7 @@ def test_ctrl_c_before_the_first_step_says_nothing_was_saved(tmp_path, monkeypat
     assert e.value.exit_code == 130
 
 
+@pytest.mark.slow  # seconds: not in make test-fast
 def test_a_second_signal_stops_at_once_and_names_the_earlier_state(tmp_path, monkeypatch):  # train-second-signal
     out = tmp_path / "run"
     # two different signals (the lower number first: the order Python runs pending handlers in), so neither can

@@ -279,6 +279,7 @@ def test_a_malformed_state_is_one_line_and_kept(tmp_path, monkeypatch, capsys, s
     assert line.endswith("; pass --restart to start over") and files(out) == before
 
 
+@pytest.mark.slow  # seconds: not in make test-fast
 def test_restart_starts_over_from_a_malformed_state(tmp_path, capsys):  # train-state-malformed
     out = tmp_path / "out"
     out.mkdir()

@@ -70,6 +70,7 @@ def test_a_shipped_checkpoint_was_made_by_the_default_recipe(name):
     assert rec["bos"] is R.BOS and cfg[R.BOS_KEY] is R.BOS  # trained with the first token, and runs read it
     assert rec["weight_decay"] == R.WEIGHT_DECAY
     assert rec["far_share"] == R.FAR_SHARE  # the retrieval rows (issue 66)
+    assert rec.get("text_spans", 0.0) == R.TEXT_SPANS  # absent from a record: 0, spans of every id
     # mini-llama's deep copies draw their ids by the text's frequencies, the mini's from a text window's vocabulary
     # (the default): each record's command names the draw that reproduces it
     draw = rec.get("deep_draw", R.DEEP_DRAW)

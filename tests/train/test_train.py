@@ -160,6 +160,7 @@ def test_a_fractional_minutes_budget_trains_and_finishes(tmp_path):
     assert 0.01 <= meta["minutes"] < 0.05 and (tmp_path / "quick" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow  # seconds: not in make test-fast
 def test_heldout_split_is_whole_documents_never_trained_on():
     docs = corpus.corpus_documents()
     train_i, held_i = corpus.split_documents(docs)
