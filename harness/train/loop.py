@@ -512,8 +512,9 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
                    "uniformly from the vocabulary of a random stretch of 46,000 tokens of training text")
                 + "); only the second showing and the asked values targets")
     if s.get("text_spans"):
-        mix += (f"; every random span of the copy and retrieval rows draws its ids, with chance {s['text_spans']:g}, uniformly from the "
-                "vocabulary of a random stretch of 46,000 tokens of training text rather than from every id")
+        mix += (f"; every random span of the copy and retrieval rows draws its ids, with chance {s['text_spans']:g}, "
+                "uniformly from the vocabulary of a random stretch of 46,000 tokens of training text rather than from "
+                "every id")
     if s.get("copy_phase"):
         offsets = s.get("copy_offsets")
         mix = (f"the first {s['copy_phase']:.0%} of the budget: every row random ids with one span of them shown twice "

@@ -55,8 +55,8 @@ DEEP_DRAWS = {"window": window_vocab_ids, "frequency": text_ids}  # --deep-draw:
 
 def span_draw(stream: torch.Tensor, text_spans: float):
     """How the mix's rows draw a random span (``span_ids``' arguments): with ``text_spans`` > 0, each draw comes, with
-    that chance, from a text's own vocabulary (``window_vocab_ids``: ids that look like words, whose copy competes
-    with what they predict), else uniformly from every id; with 0, ``span_ids`` itself (no coin is drawn, so a recipe
+    that chance, from a text's own vocabulary (``window_vocab_ids``: ids that look like words), else uniformly from
+    every id; with 0, ``span_ids`` itself (no coin is drawn, so a recipe
     without it makes the same batches as before the option existed). ``--text-spans``."""
     if not text_spans:
         return span_ids
@@ -126,7 +126,8 @@ def placed_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip:
 
 
 def twice_rows(rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
-               span_min: int = SPAN_MIN, span_max: int | None = None, draw=span_ids) -> tuple[torch.Tensor, torch.Tensor]:
+               span_min: int = SPAN_MIN, span_max: int | None = None,
+               draw=span_ids) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` sequences of random ids, each with one random span shown twice in a row at a random place: (inputs,
     targets), both (rows, seq_len). Only the second showing past its first token is a target (the rest is noise
     nothing can predict), so every trained token is one that only a circuit that finds the span's earlier showing,
@@ -169,7 +170,8 @@ def deep_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: i
 
 
 def far_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
-             span_min: int = SPAN_MIN, span_max: int = FAR_SPAN_MAX, draw=span_ids) -> tuple[torch.Tensor, torch.Tensor]:
+             span_min: int = SPAN_MIN, span_max: int = FAR_SPAN_MAX,
+             draw=span_ids) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` KJV text windows, each with one random span shown twice, the two showings ``d`` ids of text apart,
     ``d`` uniform over every distance the row has room for (0 .. seq_len - 2n): a source at any depth, each depth as
     likely, as the needle and far-copy targets ask at every depth of the context. Span lengths log-uniform in

@@ -248,9 +248,10 @@ def evaluate(model: Decoder, held: torch.Tensor, ids: torch.Tensor, seed: int = 
         late = position_nll(model, wins, start=LATE, window=64, sinks=sinks)
         r[key] = float(late.mean()) - r["nll_512_1023"]
     r["window64_sink_ratio"] = r["window64_cost"] / max(r["window64_sink1_cost"], 1e-3)
-    text_ids = torch.unique(held[held != EOT])  # the ids the held-out text uses that training also uses, each as
-    text_ids = text_ids[torch.isin(text_ids, ids)]  # likely: an id no training row holds is, in the export, one shared
-    #                                                 row (docs/reference-model.md, "Try 5"), and cannot be copied
+    # the ids the held-out text uses that training also uses, each as likely: an id no training row holds is, in the
+    # export, one shared row and cannot be copied (docs/reference-model.md, "Try 5")
+    text_ids = torch.unique(held[held != EOT])
+    text_ids = text_ids[torch.isin(text_ids, ids)]
     for suffix, pool in (("", ids), ("_text", text_ids)):
         for n in COPY_LENGTHS:
             copy = model_copy_accuracy(model, pool, n, k=COPY_K, seed=seed + n, bos=bos, batch=EVAL_BATCH)
