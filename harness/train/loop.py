@@ -47,7 +47,7 @@ from harness.train.model import (attention_only_at, compact_model, hidden, lr_at
 from harness.train.recipe import (BATCH, BOS, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CORPUS, DEEP_DRAW, DEFAULT_STEPS,
                                   EOT, EVAL_LEN, FAMILY_PRESETS, FAR_SHARE, FAR_SPAN_MAX, HELDOUT_AT, HELDOUT_EVERY,
                                   IGNORE, INIT_STD, MAX_STEPS, MIN_LR_FRAC, MLP_OFF, OURS, PEAK_LR, PLACED_SHARE,
-                                  QUICK_COPY, QUICK_FAR, SEQ_LEN, TEXT_SPANS,
+                                  NEEDLE_SHARE, QUICK_COPY, QUICK_FAR, SEQ_LEN, TEXT_SPANS,
                                   SINK_FROM, SPAN_MIN, STATE, WARMUP_FRAC, WEIGHT_DECAY, TrainError, check_settings,
                                   curriculum_setting)
 from harness.train.rows import DEEP_DRAWS, make_batch, twice_rows, with_bos
@@ -252,7 +252,8 @@ class _Run:
         else:
             x, y = make_batch(d.ctrain, rows, seq_len - bos, s["copy_share"], len(d.vocab), d.eot, self.gen,
                               s.get("placed_share", 0.0), far_share=s.get("far_share", 0.0),
-                              deep_draw=s.get("deep_draw", DEEP_DRAW), text_spans=s.get("text_spans", 0.0))
+                              deep_draw=s.get("deep_draw", DEEP_DRAW), text_spans=s.get("text_spans", 0.0),
+                              needle_share=s.get("needle_share", NEEDLE_SHARE))
             if bos:
                 x, y = with_bos(x, y, self.bos)
             with mlps_left_out(self.model, self.attention_only()):
@@ -355,7 +356,8 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
           curriculum=True, threads: int | None = None, placed_share: float = PLACED_SHARE,
           mlp_off: float = MLP_OFF, copy_phase: float = COPY_PHASE, copy_offsets: float | None | str = "default",
           family: str = "gpt2", bos: bool = BOS, weight_decay: float = WEIGHT_DECAY,
-          far_share: float = FAR_SHARE, deep_draw: str = DEEP_DRAW, text_spans: float = TEXT_SPANS) -> dict:
+          far_share: float = FAR_SHARE, deep_draw: str = DEEP_DRAW, text_spans: float = TEXT_SPANS,
+          needle_share: float = NEEDLE_SHARE) -> dict:
     """Train (or resume, or report) the run in ``out``; returns its ``kvlab_train`` record (``done`` False when
     ``stop_after`` interrupted it). The budget is ``minutes`` of wall clock or ``steps`` (deterministic), not both;
     neither: DEFAULT_STEPS. ``config``, ``batch``, ``seq_len``, ``eval_every``, ``eval_tokens`` (the final held-out
@@ -373,6 +375,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
                   **({"far_share": far_share} if far_share else {}),
                   **({"deep_draw": deep_draw} if far_share and deep_draw != DEEP_DRAW else {}),
                   **({"text_spans": text_spans} if text_spans else {}),
+                  **({"needle_share": needle_share} if far_share and needle_share != NEEDLE_SHARE else {}),
                   **({"mlp_off": mlp_off} if mlp_off else {}),
                   **({"copy_phase": copy_phase} if copy_phase else {}),
                   **({"copy_offsets": copy_offsets} if copy_offsets is not None else {}),
@@ -385,6 +388,8 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
         raise TrainError(f"--deep-draw {deep_draw!r}: use one of {', '.join(sorted(DEEP_DRAWS))}")
     if not (isinstance(text_spans, (int, float)) and 0 <= text_spans <= 1):
         raise TrainError(f"--text-spans must lie in [0, 1] (a chance per span), got {text_spans!r}")
+    if not (isinstance(needle_share, (int, float)) and 0 <= needle_share <= 1):
+        raise TrainError(f"--needle-share must lie in [0, 1] (a chance per recall row), got {needle_share!r}")
     config = config or preset_config(FAMILY_PRESETS[family])
     try:
         return _train(Path(out), minutes, steps, seed, restart, config, stop_after, save_dtype, recipe, eval_every,
@@ -505,8 +510,10 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
     if s.get("far_share"):
         mix += (f"; {s['far_share']:.1%} of each batch's rows are retrieval rows, a third each: in KJV text windows a "
                 f"random span ({SPAN_MIN}..{FAR_SPAN_MAX} ids, log-uniform) shown twice at any distance (uniform), "
-                "or key-value pairs (8 + 8 random ids, up to 16, one in a quarter of the rows) with some of the keys "
-                f"asked at the end; and rows of random ids with a span ({SPAN_MIN}..{FAR_SPAN_MAX}, uniform) shown "
+                "or key-value pairs (8 + 8 random ids, up to 16, one in "
+                + (f"{s['needle_share']:.0%} of" if "needle_share" in s else "a quarter of")
+                + " the rows) with some of the keys asked at the end;"
+                f" and rows of random ids with a span ({SPAN_MIN}..{FAR_SPAN_MAX}, uniform) shown "
                 "twice in a row at a random place (a copy deep in unpredictable context; in half of them the ids drawn "
                 + ("as the training text uses them (by frequency)" if s.get("deep_draw") == "frequency" else
                    "uniformly from the vocabulary of a random stretch of 46,000 tokens of training text")
@@ -534,6 +541,7 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
                 **({"far_share": s["far_share"]} if s.get("far_share") else {}),
                 **({"deep_draw": s["deep_draw"]} if s.get("deep_draw") else {}),
                 **({"text_spans": s["text_spans"]} if s.get("text_spans") else {}),
+                **({"needle_share": s["needle_share"]} if "needle_share" in s else {}),
                 **({"mlp_off": s["mlp_off"]} if s.get("mlp_off") else {}),
                 **({"copy_phase": s["copy_phase"]} if s.get("copy_phase") else {}),
                 **({"copy_offsets": s["copy_offsets"]} if s.get("copy_offsets") is not None else {}),

@@ -75,7 +75,8 @@ TEXT_SPANS = 0.0  # --text-spans: the chance that a random span of the mix's cop
 VOCAB_WINDOW = 46_000  # a relabelled deep copy draws its ids from the vocabulary of this many tokens of training text
 FAR_SPAN_MAX = 128  # a far copy's span lengths are log-uniform in [SPAN_MIN, FAR_SPAN_MAX], a deep copy's uniform
 RECALL_PAIRS, RECALL_KEY, RECALL_VALUE = 16, 8, 8  # recall rows: up to 16 pairs of an 8-id key and an 8-id value
-NEEDLE_SHARE = 0.25  # of the recall rows, those that hold one pair (a needle) rather than 1..RECALL_PAIRS
+NEEDLE_SHARE = 0.25  # --needle-share: of the recall rows, those that hold one pair (a needle) rather than
+#                      1..RECALL_PAIRS; 0.25 in the shipped recipes
 COPY_PHASE = 0.315  # share of the budget (from the start) whose rows are all twice_rows: the copy circuit forms first
 COPY_OFFSETS = 0.24  # from this share of the budget until the copy phase ends, twice rows read the position
 #                      embeddings from a random start, so the circuit trains at every position
@@ -159,7 +160,8 @@ MAX_MINUTES = 10_080  # a week of wall clock
 MAX_THREADS = 256  # or the machine's cores, if more
 SHARE_FLAGS = {"placed_share": (0.0, 1.0, True), "far_share": (0.0, 1.0, True), "mlp_off": (0.0, 1.0, False),
                "copy_phase": (0.0, 1.0, False), "copy_share": (0.0, 1.0, True),
-               "text_spans": (0.0, 1.0, True)}  # flag -> (low, high, high included); low is always included
+               "text_spans": (0.0, 1.0, True),
+               "needle_share": (0.0, 1.0, True)}  # flag -> (low, high, high included); low is always included
 
 
 # ---- the checks -----------------------------------------------------------------------------------------------------

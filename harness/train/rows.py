@@ -192,28 +192,29 @@ def far_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: in
     return xy[:, :-1].clone(), y
 
 
-def recall_pairs(most: int, gen: torch.Generator) -> int:
-    """How many key-value pairs a recall row holds: one (a needle) with chance NEEDLE_SHARE, else uniform in
+def recall_pairs(most: int, gen: torch.Generator, needle_share: float = NEEDLE_SHARE) -> int:
+    """How many key-value pairs a recall row holds: one (a needle) with chance ``needle_share``, else uniform in
     1 .. most."""
-    if float(torch.rand((), generator=gen)) < NEEDLE_SHARE:
+    if float(torch.rand((), generator=gen)) < needle_share:
         return 1
     return int(torch.randint(1, most + 1, (), generator=gen))
 
 
 def recall_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
                 most_pairs: int = RECALL_PAIRS, key: int = RECALL_KEY,
-                value: int = RECALL_VALUE, draw=span_ids) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` KJV text windows, each holding P key-value pairs (random ids: ``key`` then ``value``; P uniform in
-    1 .. most_pairs, fewer when the row is short) at random places that do not overlap, then Q of them (uniform in
-    1 .. P) asked at the end, each key followed by its value, in a random order: multi-query associative recall
-    (Arora et al., arXiv 2312.04927) in text, and with P = 1 a needle. Targets: the text, and each asked value
-    (what its key's second showing makes known); the planted pairs and the asked keys are not trained on.
-    (inputs, targets)."""
+                value: int = RECALL_VALUE, draw=span_ids,
+                needle_share: float = NEEDLE_SHARE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` KJV text windows, each holding P key-value pairs (random ids: ``key`` then ``value``; P = 1 with
+    chance ``needle_share``, else uniform in 1 .. most_pairs, fewer when the row is short) at random places that do
+    not overlap, then Q of them (uniform in 1 .. P) asked at the end, each key followed by its value, in a random
+    order: multi-query associative recall (Arora et al., arXiv 2312.04927) in text, and with P = 1 a needle.
+    Targets: the text, and each asked value (what its key's second showing makes known); the planted pairs and the
+    asked keys are not trained on. (inputs, targets)."""
     xy = text_windows(stream, rows, seq_len, gen)
     hidden = torch.zeros(rows, seq_len, dtype=torch.bool)
     span = key + value
     for r in range(rows):
-        p = recall_pairs(max(1, min(most_pairs, (seq_len + 1) // (2 * span))), gen)
+        p = recall_pairs(max(1, min(most_pairs, (seq_len + 1) // (2 * span))), gen, needle_share)
         q = int(torch.randint(1, p + 1, (), generator=gen))
         room = seq_len + 1 - q * span  # the row before its questions
         cuts = sorted(torch.randint(0, room - p * span + 1, (p,), generator=gen).tolist())
@@ -241,12 +242,14 @@ def retrieval_split(n: int) -> tuple[int, int, int]:
 def make_batch(stream: torch.Tensor, batch: int, seq_len: int, copy_share: float, n_ids: int, skip: int,
                gen: torch.Generator, placed_share: float = 0.0,
                span_min: int = SPAN_MIN, far_share: float = 0.0,
-               deep_draw: str = DEEP_DRAW, text_spans: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+               deep_draw: str = DEEP_DRAW, text_spans: float = 0.0,
+               needle_share: float = NEEDLE_SHARE) -> tuple[torch.Tensor, torch.Tensor]:
     """One training batch: round(batch * copy_share) copy rows (of them, round(that * placed_share) placed in text,
     the rest repeated random spans), round(batch * far_share) retrieval rows (``retrieval_split``: far copies in
     text, recall rows in text, and deep copies: random ids with a span of SPAN_MIN..FAR_SPAN_MAX shown twice in a
     row at a random place of the whole row, ``deep_rows`` with ``deep_draw``), the rest KJV text. Every random span
-    is drawn by ``span_draw(stream, text_spans)``. (inputs, targets)."""
+    is drawn by ``span_draw(stream, text_spans)``; a recall row is a needle with chance ``needle_share``.
+    (inputs, targets)."""
     draw = span_draw(stream, text_spans)
     n_copy = round(batch * copy_share)
     n_placed = round(n_copy * placed_share)
@@ -256,7 +259,8 @@ def make_batch(stream: torch.Tensor, batch: int, seq_len: int, copy_share: float
         far, recall, deep = retrieval_split(n_far)
         parts = [far_rows(stream, far, seq_len, n_ids, skip, gen, draw=draw)]
         if recall:
-            parts.append(recall_rows(stream, recall, seq_len, n_ids, skip, gen, draw=draw))
+            parts.append(recall_rows(stream, recall, seq_len, n_ids, skip, gen, draw=draw,
+                                     needle_share=needle_share))
         if deep:
             parts.append(deep_rows(stream, deep, seq_len, n_ids, skip, gen, draw=deep_draw, spans=draw))
         x, y = torch.cat([p[0] for p in parts] + [x]), torch.cat([p[1] for p in parts] + [y])

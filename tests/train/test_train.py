@@ -457,12 +457,14 @@ def test_window_vocab_ids_draw_from_one_stretch_of_text():
     assert seen == {1, 2, 3, 4, 5}
 
 
-def test_a_quarter_of_the_recall_rows_are_needles():
-    """recall_pairs: one pair with chance NEEDLE_SHARE, else uniform in 1 .. most (one again 1 / most of those)."""
+@pytest.mark.parametrize("share", [None, 0.5, 0.0])
+def test_a_needle_share_of_the_recall_rows_are_needles(share):
+    """recall_pairs: one pair with chance NEEDLE_SHARE (--needle-share when given), else uniform in 1 .. most (one
+    again 1 / most of those)."""
     gen = torch.Generator().manual_seed(8)
-    draws = [rows.recall_pairs(16, gen) for _ in range(4000)]
+    draws = [rows.recall_pairs(16, gen, *([] if share is None else [share])) for _ in range(4000)]
     ones = draws.count(1) / len(draws)
-    want = R.NEEDLE_SHARE + (1 - R.NEEDLE_SHARE) / 16
+    want = (R.NEEDLE_SHARE if share is None else share) + (1 - (R.NEEDLE_SHARE if share is None else share)) / 16
     assert abs(ones - want) < 4 * (want * (1 - want) / len(draws)) ** 0.5
     assert set(draws) == set(range(1, 17))
 
@@ -540,14 +542,18 @@ def test_a_copy_phase_trains_on_twice_rows_only_then_on_the_mix(tmp_path, monkey
     monkeypatch.setattr(rows, "far_rows", lambda *a, **k: calls.append("far") or real_far(*a, **k))
     monkeypatch.setattr(rows, "recall_rows", lambda *a, **k: calls.append("recall") or real_recall(*a, **k))
     meta = loop.train(tmp_path / "run", steps=8, eval_every=4, **{**FAST, "copy_phase": 0.5, "far_share": 0.5,
-                                                                  "deep_draw": "frequency", "text_spans": 0.5})
+                                                                  "deep_draw": "frequency", "text_spans": 0.5,
+                                                                  "needle_share": 0.5})
     assert calls == ["twice"] * 4 + ["mix", "far", "recall"] * 4
     assert meta["copy_phase"] == 0.5 and "shown twice" in meta["mix"]
     assert meta["far_share"] == 0.5 and "key-value pairs" in meta["mix"]
     assert meta["deep_draw"] == "frequency" and "by frequency" in meta["mix"]
     assert meta["text_spans"] == 0.5 and "with chance 0.5, uniformly from the vocabulary" in meta["mix"]
+    assert meta["needle_share"] == 0.5 and "one in 50% of the rows" in meta["mix"]
     with pytest.raises(R.TrainError, match=r"--text-spans must lie in \[0, 1\]"):
         loop.train(tmp_path / "other", steps=8, **{**FAST, "text_spans": float("nan")})
+    with pytest.raises(R.TrainError, match=r"--needle-share must lie in \[0, 1\]"):
+        loop.train(tmp_path / "other", steps=8, **{**FAST, "needle_share": -0.5})
     with pytest.raises(R.TrainError, match=r"--deep-draw 'often': use one of frequency, window"):
         loop.train(tmp_path / "other", steps=8, **{**FAST, "deep_draw": "often"})
     with pytest.raises(R.TrainError, match=r"--copy-phase must lie in \[0, 1\)"):
