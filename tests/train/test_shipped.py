@@ -78,6 +78,28 @@ def test_a_shipped_checkpoint_was_made_by_the_default_recipe(name):
     assert ("--deep-draw frequency" in rec["command"]) is (draw == "frequency")
 
 
+@pytest.mark.parametrize("name", SHIPPED)
+def test_a_shipped_checkpoints_build_command_trains_its_recipe(name):
+    """conf/model/NAME.yaml's build command (shown when the folder is missing) and the comment above it train what the
+    record's command trained: every flag parses to the same value, but --out (the shipped folder) and --threads."""
+    import shlex
+
+    import yaml
+
+    from harness.train.__main__ import _parser
+    rec = json.loads((REPO / "models" / "weights" / name / "config.json").read_text())["kvlab_train"]
+    text = (REPO / "conf" / "model" / f"{name}.yaml").read_text()
+    build = yaml.safe_load(text)["model"]["build"]
+    assert f"#     {build}\n" in text  # the header names the same command
+
+    def settings(command: str) -> tuple[dict, str]:
+        args = vars(_parser().parse_args(shlex.split(command)[3:]))  # after "python -m harness.train"
+        return {k: v for k, v in args.items() if k not in ("out", "threads")}, args["out"]
+
+    (got, out), (want, _) = settings(build), settings(rec["command"])
+    assert out == f"models/weights/{name}" and got == want
+
+
 @pytest.fixture(scope="module", params=SHIPPED)
 def shipped_targets(request):
     """Every target of a shipped checkpoint, computed now (nothing here is a recorded number), and its record."""
