@@ -23,7 +23,9 @@ def _shipped() -> list:
 
 
 SHIPPED = _shipped()
-DEEP_DRAWS = {"mini-llama": "frequency"}  # the shipped models whose --deep-draw is not the default
+# each shipped model's retrieval-row settings that are not the recipe's defaults (docs/reference-model.md, "The shipped
+# models"): its record's command names each of them, and only them
+NOT_DEFAULT = {"mini-llama": {"deep_draw": "frequency"}}
 
 
 def test_the_reference_models_ship():
@@ -70,12 +72,11 @@ def test_a_shipped_checkpoint_was_made_by_the_default_recipe(name):
     assert rec["bos"] is R.BOS and cfg[R.BOS_KEY] is R.BOS  # trained with the first token, and runs read it
     assert rec["weight_decay"] == R.WEIGHT_DECAY
     assert rec["far_share"] == R.FAR_SHARE  # the retrieval rows (issue 66)
-    assert rec.get("text_spans", 0.0) == R.TEXT_SPANS  # absent from a record: 0, spans of every id
-    # mini-llama's deep copies draw their ids by the text's frequencies, the mini's from a text window's vocabulary
-    # (the default): each record's command names the draw that reproduces it
-    draw = rec.get("deep_draw", R.DEEP_DRAW)
-    assert draw == DEEP_DRAWS.get(name, R.DEEP_DRAW)
-    assert ("--deep-draw frequency" in rec["command"]) is (draw == "frequency")
+    # a setting absent from a record is its default; the record's command names the ones that are not
+    for key, default in (("deep_draw", R.DEEP_DRAW), ("text_spans", R.TEXT_SPANS), ("needle_share", R.NEEDLE_SHARE)):
+        want = NOT_DEFAULT.get(name, {}).get(key, default)
+        assert rec.get(key, default) == want, key
+        assert (f"--{key.replace('_', '-')} " in rec["command"] + " ") is (want != default), key
 
 
 @pytest.mark.parametrize("name", SHIPPED)
