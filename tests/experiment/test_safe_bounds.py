@@ -457,7 +457,7 @@ def test_remeasure_mini_without_a_python_is_one_line(tmp_path):  # remeasure-min
          f"remeasure-mini: {tmp_path / 'nonexistent'} cannot run kvlab (missing, or without torch and hydra): run "
          "`make setup` first, or give PY=/path/to/python"),
         ({"ONLY": "kv_bits nosuch"}, [str(out)], "remeasure-mini: ONLY names 'nosuch', which is no sweep here: give "
-                                                 "some of dtype kv_bits "),
+                                                 "some of heads dtype kv_bits "),
         ({}, [str(out), "more"], "remeasure-mini: usage: scripts/remeasure-mini [OUT] (one folder; got 2 arguments)"),
         ({"MODELS": "mini gpt2"}, [str(out)], "remeasure-mini: MODELS names 'gpt2': give some of mini mini-llama"),
     ]:
@@ -497,8 +497,8 @@ def test_remeasure_mini_help_is_its_usage_and_runs_nothing(tmp_path, flag):  # r
     p = subprocess.run([str(REPO / "scripts" / "remeasure-mini"), flag], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 0 and p.stderr == "", p.stderr
-    assert p.stdout.startswith("usage: scripts/remeasure-mini [-h] [OUT]\nThe sweeps behind every figure of the "
-                               "reference models")
+    assert p.stdout.startswith("usage: scripts/remeasure-mini [-h] [OUT]\nThe sweeps and commands behind every "
+                               "figure of the reference models")
     assert "OUT defaults to outputs/remeasure-mini" in p.stdout and " quanto4 quanto2 " in p.stdout
     assert not log.exists() and not (REPO / flag).exists() and not (tmp_path / flag).exists()
 
@@ -514,6 +514,37 @@ def test_remeasure_mini_refuses_any_other_option_in_one_line(tmp_path, argv):  #
     assert one_line(p.stderr) == (f"remeasure-mini: no option {bad}: usage: scripts/remeasure-mini [OUT] (a folder; "
                                   f"one whose name starts with - as ./{bad}; see --help)")
     assert not log.exists() and not (REPO / bad).exists() and not (REPO / "x").exists()
+
+
+def test_remeasure_mini_runs_each_of_its_names_and_the_heads_before_what_reads_them(tmp_path):
+    """With a stand-in Python (it logs each call, and makes the sweep folder a run.py call names), the script reaches
+    every name its --help lists, each once a model where it is a model's; the heads file is written before any run
+    that reads it; the scorecards read every paper preset's folder; ONLY runs its names alone."""
+    log, py = tmp_path / "calls.log", tmp_path / "python"
+    py.write_text(f'#!/bin/sh\necho "$*" >> {log}\nfor a in "$@"; do case $a in hydra.sweep.dir=*) '
+                  'mkdir -p "${a#hydra.sweep.dir=}";; esac; done\n')
+    py.chmod(0o755)
+    script = str(REPO / "scripts" / "remeasure-mini")
+    names = subprocess.run([script, "--help"], capture_output=True, text=True).stdout.split("(for ONLY): ")[1].split()
+    env = {**os.environ, "PY": str(py), "MODELS": "mini mini-llama"}
+    p = subprocess.run([script, str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    ran = [line.split(": ", 1)[0][3:] for line in p.stdout.splitlines() if line.startswith("== ")]
+    assert sorted({r.rsplit("/", 1)[-1] for r in ran}) == sorted(names)
+    assert len(ran) == len(set(ran))  # each once (per model)
+    calls = log.read_text().splitlines()[1:]  # after the check that the Python runs kvlab
+    for m in ("mini", "mini-llama"):
+        heads = calls.index(f"-m harness.heads --model {m} --method streaming --out models/heads/{m}.csv")
+        readers = [i for i, c in enumerate(calls) if f"models/heads/{m}.csv" in c or "experiment=paper_duo" in c
+                   or "experiment=leaderboard" in c]
+        assert heads == min(readers)
+    scorecards = [c for c in calls if c.startswith("-m harness.scorecard ")]
+    assert len(scorecards) == 2 and all(c.count("/paper_") == 8 for c in scorecards)
+    log.unlink()
+    p = subprocess.run([script, str(tmp_path / "only")], env={**env, "ONLY": "kv_stats duo25"}, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0 and [line.split(": ", 1)[0] for line in p.stdout.splitlines() if line.startswith("== ")] \
+        == ["== mini/duo25", "== mini/kv_stats", "== mini-llama/duo25", "== mini-llama/kv_stats"]
 
 
 SLURM_STUBS = ("realpath", "mkdir", "hostname", "dpkg", "apt-get", "munged", "mariadbd", "slurmdbd", "slurmctld",
