@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from harness.core import copying
@@ -853,6 +854,27 @@ def test_scripts_holds_the_user_commands_and_the_probes_apart():
         text = (probes / f"{name}.py").read_text()  # a Python without torch runs it again with the repo's .venv
         first = min(text.find(f"\n{w}") for w in ("import torch", "from harness", "from models") if f"\n{w}" in text)
         assert "_venv.ensure(__file__" in text and text.index("_venv.ensure(__file__") < first  # before what needs torch
+
+
+def test_the_recall_probe_counts_a_needles_missed_ids_and_what_replaced_them():
+    """recall_probe --misses: per depth [missed value ids, the first among them, those predicted as a frequent id]: 0
+    for a model that predicts every next id, every id for one that always predicts one id (a frequent one or not)."""
+    from scripts.probes.recall_probe import needle_misses
+
+    class Fake(torch.nn.Module):
+        def __init__(self, always=None):
+            super().__init__()
+            self.always = always
+
+        def forward(self, x):
+            nxt = torch.roll(x, -1, dims=1) if self.always is None else torch.full_like(x, self.always)
+            return F.one_hot(nxt, 64).float()
+
+    held, ids = torch.randint(0, 50, (3000,), generator=torch.Generator().manual_seed(0)), torch.arange(50, 64)
+    k = R.NEEDLE_K
+    assert needle_misses(Fake(), held, ids, torch.tensor([7]), None) == [[0, 0, 0]] * R.NEEDLE_DEPTHS
+    assert needle_misses(Fake(7), held, ids, torch.tensor([7, 9]), None) == [[8 * k, k, 8 * k]] * R.NEEDLE_DEPTHS
+    assert needle_misses(Fake(7), held, ids, torch.tensor([9]), None) == [[8 * k, k, 0]] * R.NEEDLE_DEPTHS
 
 
 @pytest.mark.parametrize("name", PROBES)
