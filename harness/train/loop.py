@@ -494,6 +494,20 @@ def _finish(run: _Run, status: _Progress, save_dtype: str, command: str | None, 
     return meta
 
 
+def _retrieval_mix(s: dict) -> str:
+    """The record's words for the retrieval rows of settings ``s`` (--far-share, --needle-share, --deep-draw)."""
+    return (f"; {s['far_share']:.1%} of each batch's rows are retrieval rows, a third each: in KJV text windows a "
+            f"random span ({SPAN_MIN}..{FAR_SPAN_MAX} ids, log-uniform) shown twice at any distance (uniform), "
+            "or key-value pairs (8 + 8 random ids, up to 16, one in "
+            + (f"{s['needle_share']:.0%} of" if "needle_share" in s else "a quarter of")
+            + " the rows) with some of the keys asked at the end;"
+            f" and rows of random ids with a span ({SPAN_MIN}..{FAR_SPAN_MAX}, uniform) shown "
+            "twice in a row at a random place (a copy deep in unpredictable context; in half of them the ids drawn "
+            + ("as the training text uses them (by frequency)" if s.get("deep_draw") == "frequency" else
+               "uniformly from the vocabulary of a random stretch of 46,000 tokens of training text")
+            + "); only the second showing and the asked values targets")
+
+
 def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) -> dict:
     """The ``kvlab_train`` record: corpus, mix, budget, NLLs and (for a model of EVAL_LEN positions trained on
     whole sequences) every target, measured on the saved values."""
@@ -508,16 +522,7 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
         mix += (f"; {s['placed_share']:.0%} of the copy rows instead show their span twice in a row at a random place "
                 "of a KJV text window (the first showing not a target)")
     if s.get("far_share"):
-        mix += (f"; {s['far_share']:.1%} of each batch's rows are retrieval rows, a third each: in KJV text windows a "
-                f"random span ({SPAN_MIN}..{FAR_SPAN_MAX} ids, log-uniform) shown twice at any distance (uniform), "
-                "or key-value pairs (8 + 8 random ids, up to 16, one in "
-                + (f"{s['needle_share']:.0%} of" if "needle_share" in s else "a quarter of")
-                + " the rows) with some of the keys asked at the end;"
-                f" and rows of random ids with a span ({SPAN_MIN}..{FAR_SPAN_MAX}, uniform) shown "
-                "twice in a row at a random place (a copy deep in unpredictable context; in half of them the ids drawn "
-                + ("as the training text uses them (by frequency)" if s.get("deep_draw") == "frequency" else
-                   "uniformly from the vocabulary of a random stretch of 46,000 tokens of training text")
-                + "); only the second showing and the asked values targets")
+        mix += _retrieval_mix(s)
     if s.get("text_spans"):
         mix += (f"; every random span of the copy and retrieval rows draws its ids, with chance {s['text_spans']:g}, "
                 "uniformly from the vocabulary of a random stretch of 46,000 tokens of training text rather than from "

@@ -107,7 +107,9 @@ SINK_WINDOWS = 8  # held-out sequences the attention-on-position-0 shares are av
 # retrieval from far back in held-out text (harness.core.recall), each with its n and a t-interval over sequences
 FAR_COPY, FAR_K = (64, 800), 16  # a 64-id span, 800 ids of text, the span again; 16 sequences
 KEY_IDS = 8  # a needle's key and value: 8 ids each (harness.core.recall.KEY, VALUE)
-NEEDLE_DEPTHS, NEEDLE_K = 10, 16  # depths (the middle of each tenth of the context) and needles at each
+NEEDLE_DEPTHS, NEEDLE_K = 10, 64  # depths (the middle of each tenth of the context) and needles at each: 64 (512
+#                                   value ids) a depth, so that a depth at 0.95 is told from the 0.9 bound (16 were
+#                                   too few: docs/reference-model.md, "Try 6")
 RECALL_EVAL, RECALL_K = 16, 8  # pairs spread over a 1,024-id context, each asked once; 8 contexts
 SINK_FROM = 64  # queries at positions >= SINK_FROM count in the attention-on-position-0 shares
 NEAR = 128  # own-document context of the "near" arm of context_used: the last NEAR tokens (and the first token)

@@ -25,7 +25,7 @@ def _shipped() -> list:
 SHIPPED = _shipped()
 # each shipped model's retrieval-row settings that are not the recipe's defaults (docs/reference-model.md, "The shipped
 # models"): its record's command names each of them, and only them
-NOT_DEFAULT = {"mini-llama": {"deep_draw": "frequency"}}
+NOT_DEFAULT = {"mini": {"text_spans": 0.5, "needle_share": 0.5}, "mini-llama": {"deep_draw": "frequency"}}
 
 
 def test_the_reference_models_ship():
