@@ -278,6 +278,14 @@ def evaluate(model: Decoder, held: torch.Tensor, ids: torch.Tensor, seed: int = 
     return r
 
 
+def needle_probes(held: torch.Tensor, ids: torch.Tensor, seed: int = 0, bos: int | None = None) -> tuple[list, list]:
+    """The needle target's probes: (the NEEDLE_DEPTHS depths, the middle of each tenth of the room before the
+    question; per depth its NEEDLE_K needles, each seeded by its depth and index)."""
+    depths = [(d + 0.5) / NEEDLE_DEPTHS for d in range(NEEDLE_DEPTHS)]
+    return depths, [[recall.needle(held, ids, EVAL_LEN, depth, seed + 8_000 + 100 * d + i, bos)
+                     for i in range(NEEDLE_K)] for d, depth in enumerate(depths)]
+
+
 def far_retrieval(model: Decoder, held: torch.Tensor, ids: torch.Tensor, seed: int = 0, bos: int | None = None) -> dict:
     """Retrieval from far back in held-out text (``harness.core.recall``), random ids of ``ids`` planted in windows
     of ``held`` (the held-out stream, <|endoftext|> between chapters as training reads it): the far copy, a needle
@@ -286,9 +294,8 @@ def far_retrieval(model: Decoder, held: torch.Tensor, ids: torch.Tensor, seed: i
     (sequences) and 95% t-interval over them, and ``needle_depths`` each depth's accuracy."""
     n, gap = FAR_COPY
     far = recall.accuracy(model, [recall.far_copy(held, ids, n, gap, seed + 7_000 + i, bos) for i in range(FAR_K)])
-    depths = [(d + 0.5) / NEEDLE_DEPTHS for d in range(NEEDLE_DEPTHS)]
-    needles = [recall.accuracy(model, [recall.needle(held, ids, EVAL_LEN, depth, seed + 8_000 + 100 * d + i, bos)
-                                       for i in range(NEEDLE_K)]) for d, depth in enumerate(depths)]
+    depths, probes = needle_probes(held, ids, seed, bos)
+    needles = [recall.accuracy(model, at_depth) for at_depth in probes]
     pairs = recall.accuracy(model, [recall.recall(held, ids, EVAL_LEN, RECALL_EVAL, seed + 9_000 + i, bos)
                                     for i in range(RECALL_K)])
     per = {f"far{n}_after{gap}_text": far, f"recall{RECALL_EVAL}": pairs,

@@ -9,9 +9,9 @@ retrain of issue 66 is watched by, every few hundred steps, before its export.
     .venv/bin/python scripts/probes/recall_probe.py --weights models/weights/mini --misses   # and what the needles miss
 
 Prints one JSON line: the step (a state's), each figure with its n and 95% t-interval, and the needles by depth.
-``--misses`` adds, per depth, the needles' missed value ids (of NEEDLE_K x 8), how many of them were the value's
-first id, and how many were predicted as one of the FREQUENT most frequent ids of the training text (a word's prior
-winning over the copy): ``needle_misses``.
+``--misses`` adds, per depth, the needles' missed value ids (of recipe.NEEDLE_K x 8), how many of them were the
+value's first id, and how many were predicted as one of the FREQUENT most frequent ids of the training text (a
+word's prior winning over the copy): ``needle_misses``.
 """
 
 from __future__ import annotations
@@ -31,10 +31,9 @@ import torch  # noqa: E402
 
 from harness.train.corpus import TrainingData  # noqa: E402
 from harness.train.model import compact_model  # noqa: E402
-from harness.core import recall  # noqa: E402
 from harness.core.copying import top1  # noqa: E402
-from harness.train.recipe import EVAL_LEN, EVAL_TOKENS, NEEDLE_DEPTHS, NEEDLE_K  # noqa: E402
-from harness.train.targets import far_retrieval  # noqa: E402
+from harness.train.recipe import EVAL_LEN, EVAL_TOKENS  # noqa: E402
+from harness.train.targets import far_retrieval, needle_probes  # noqa: E402
 from models.families import load_model  # noqa: E402
 from models.gpt2 import GPT2Config  # noqa: E402
 from models.hf_checkpoint import first_token  # noqa: E402
@@ -46,12 +45,10 @@ FREQUENT = 20  # --misses: a missed id predicted as one of the training text's F
 
 @torch.no_grad()
 def needle_misses(model, held: torch.Tensor, ids: torch.Tensor, frequent: torch.Tensor, bos, seed: int = 0) -> list:
-    """Per needle depth (the targets' needles: their depths and seeds, ``far_retrieval``'s), [missed value ids, of
-    them the value's first id, of them predicted as one of ``frequent``]."""
+    """Per needle depth (the targets' own needles, ``targets.needle_probes``), [missed value ids, of them the value's
+    first id, of them predicted as one of ``frequent``]."""
     out = []
-    for d in range(NEEDLE_DEPTHS):
-        depth = (d + 0.5) / NEEDLE_DEPTHS
-        probes = [recall.needle(held, ids, EVAL_LEN, depth, seed + 8_000 + 100 * d + i, bos) for i in range(NEEDLE_K)]
+    for probes in needle_probes(held, ids, seed, bos)[1]:
         x = torch.stack([p.seq for p in probes])
         at = torch.tensor(probes[0].scored)  # the same positions in every probe of one length
         pred = top1(model.eval(), x, int(at[0]) - 1, int(at[-1]))  # the ids predicted for the value's positions
@@ -76,8 +73,8 @@ def main(argv=None) -> int:
     g.add_argument("--weights", help="a checkpoint folder (full vocabulary), e.g. models/weights/mini")
     g.add_argument("--state", help="a training state, DIR/train_state.pt (the compact model)")
     p.add_argument("--misses", action="store_true",
-                   help=f"also each depth's missed value ids: [missed, of them the first, of them one of the {FREQUENT} "
-                        "most frequent ids of the training text]")
+                   help="also each depth's missed value ids: [missed, of them the first, of them one of the "
+                        f"{FREQUENT} most frequent ids of the training text]")
     a = p.parse_args(argv)
     data = TrainingData(EVAL_LEN, EVAL_TOKENS)
     if a.state:
