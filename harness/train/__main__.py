@@ -4,7 +4,8 @@
     python -m harness.train --out DIR [--steps N | --minutes M] [--seed S] [--threads T] [--restart]
     python -m harness.train --evaluate DIR [--record]            # the targets table of a checkpoint (no training)
     python -m harness.train --out DIR --family llama             # the Llama-family reference model (mini-llama)
-    python -m harness.train --out DIR [--copy-phase F] [--copy-offsets F|none] [--mlp-off F] [--copy-share F]
+    python -m harness.train --out DIR [--copy-phase F] [--copy-offsets F|none] [--offset-draw uniform|clamped]
+                            [--mlp-off F] [--copy-share F]
                             [--placed-share F] [--far-share F] [--deep-draw window|frequency] [--text-spans F]
                             [--needle-share F] [--curriculum LEN:SHARE,...|none] [--heads N]
 
@@ -46,10 +47,10 @@ from harness.common.signals import Interrupted, stop_signals  # noqa: E402
 from harness.train.loop import train  # noqa: E402
 from harness.train.recipe import (BATCH, BOS, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CURRICULUM,  # noqa: E402
                                   DEEP_DRAW, DEFAULT_STEPS, FAMILY_PRESETS, FAR_SHARE, MAX_MINUTES, MAX_STEPS,
-                                  MAX_THREADS, MINI_CONFIG, NEEDLE_SHARE,
+                                  MAX_THREADS, MINI_CONFIG, NEEDLE_SHARE, OFFSET_DRAW,
                                   MLP_OFF, PLACED_SHARE, SEQ_LEN, SHARE_FLAGS, TEXT_SPANS, WEIGHT_DECAY, TrainError,
                                   check_curriculum, parse_curriculum)
-from harness.train.rows import DEEP_DRAWS  # noqa: E402
+from harness.train.rows import DEEP_DRAWS, OFFSET_DRAWS  # noqa: E402
 from harness.train.targets import check_recordable, evaluate_folder, record_targets  # noqa: E402
 from models.gpt2 import GPT2Config  # noqa: E402
 
@@ -128,6 +129,11 @@ def _parser() -> argparse.ArgumentParser:
                         "embeddings from a random start, so the circuit formed in the first positions trains at "
                         f"every position (default {COPY_OFFSETS}, the shipped mini's, when the copy phase is longer; "
                         "none: never)")
+    p.add_argument("--offset-draw", default=OFFSET_DRAW, choices=OFFSET_DRAWS,
+                   help="how --copy-offsets draws a row's start: 'uniform' over the starts whose row fits (the last "
+                        "positions in fewer rows), or 'clamped', uniform over every position with a start past the "
+                        "last whole row's moved back to it (the last positions in at least as many rows as the middle "
+                        f"ones) (default {OFFSET_DRAW}; see docs/reference-model.md)")
     p.add_argument("--copy-share", type=float, default=COPY_SHARE,
                    help=f"share of each batch's rows that are copy rows after any --copy-phase (default {COPY_SHARE})")
     p.add_argument("--curriculum", default=None, metavar="SPEC",
@@ -242,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                   copy_phase=args.copy_phase, copy_share=args.copy_share, copy_offsets=copy_offsets,
                   family=args.family, bos=args.bos, weight_decay=args.weight_decay, far_share=args.far_share,
                   deep_draw=args.deep_draw, text_spans=args.text_spans, needle_share=args.needle_share,
+                  offset_draw=args.offset_draw,
                   **({} if args.heads in (None, MINI_CONFIG["n_head"]) else  # the default: train()'s own preset
                      {"config": GPT2Config(**{**MINI_CONFIG, "n_head": args.heads})}))
         except TrainError as e:

@@ -47,10 +47,10 @@ from harness.train.model import (attention_only_at, compact_model, hidden, lr_at
 from harness.train.recipe import (BATCH, BOS, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CORPUS, DEEP_DRAW, DEFAULT_STEPS,
                                   EOT, EVAL_LEN, FAMILY_PRESETS, FAR_SHARE, FAR_SPAN_MAX, HELDOUT_AT, HELDOUT_EVERY,
                                   IGNORE, INIT_STD, MAX_STEPS, MIN_LR_FRAC, MLP_OFF, OURS, PEAK_LR, PLACED_SHARE,
-                                  NEEDLE_SHARE, QUICK_COPY, QUICK_FAR, SEQ_LEN, TEXT_SPANS,
+                                  NEEDLE_SHARE, OFFSET_DRAW, QUICK_COPY, QUICK_FAR, SEQ_LEN, TEXT_SPANS,
                                   SINK_FROM, SPAN_MIN, STATE, WARMUP_FRAC, WEIGHT_DECAY, TrainError, check_settings,
                                   curriculum_setting)
-from harness.train.rows import DEEP_DRAWS, make_batch, twice_rows, with_bos
+from harness.train.rows import DEEP_DRAWS, OFFSET_DRAWS, make_batch, offset_starts, twice_rows, with_bos
 from harness.train.targets import attention_on_first, evaluate, nll, prompts_nll, targets_table
 from models.decoder import Decoder
 from models.families import preset_config
@@ -241,7 +241,8 @@ class _Run:
             x, y = twice_rows(rows, seq_len - bos, len(d.vocab), d.eot, self.gen)
             starts = None  # --copy-offsets: rows read their positions from a random start
             if self.frac() >= s.get("copy_offsets", 1.0) and seq_len < self.cfg.n_positions:
-                starts = torch.randint(0, self.cfg.n_positions - seq_len + 1, (rows, 1), generator=self.gen)
+                starts = offset_starts(rows, self.cfg.n_positions, seq_len, s.get("offset_draw", OFFSET_DRAW),
+                                       self.gen)
             if bos:
                 x, y = with_bos(x, y, self.bos)
             with mlps_left_out(self.model, self.attention_only()):
@@ -357,7 +358,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
           mlp_off: float = MLP_OFF, copy_phase: float = COPY_PHASE, copy_offsets: float | None | str = "default",
           family: str = "gpt2", bos: bool = BOS, weight_decay: float = WEIGHT_DECAY,
           far_share: float = FAR_SHARE, deep_draw: str = DEEP_DRAW, text_spans: float = TEXT_SPANS,
-          needle_share: float = NEEDLE_SHARE) -> dict:
+          needle_share: float = NEEDLE_SHARE, offset_draw: str = OFFSET_DRAW) -> dict:
     """Train (or resume, or report) the run in ``out``; returns its ``kvlab_train`` record (``done`` False when
     ``stop_after`` interrupted it). The budget is ``minutes`` of wall clock or ``steps`` (deterministic), not both;
     neither: DEFAULT_STEPS. ``config``, ``batch``, ``seq_len``, ``eval_every``, ``eval_tokens`` (the final held-out
@@ -379,11 +380,14 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
                   **({"mlp_off": mlp_off} if mlp_off else {}),
                   **({"copy_phase": copy_phase} if copy_phase else {}),
                   **({"copy_offsets": copy_offsets} if copy_offsets is not None else {}),
+                  **({"offset_draw": offset_draw} if copy_offsets is not None and offset_draw != OFFSET_DRAW else {}),
                   **({"bos": True} if bos else {}),
                   **({"weight_decay": weight_decay} if weight_decay != WEIGHT_DECAY else {}),
                   curriculum=curriculum_setting(curriculum))  # in the resume check
     if family not in FAMILY_PRESETS:
         raise TrainError(f"--family {family!r}: use one of {', '.join(FAMILY_PRESETS)}")
+    if offset_draw not in OFFSET_DRAWS:
+        raise TrainError(f"--offset-draw {offset_draw!r}: use one of {', '.join(OFFSET_DRAWS)}")
     if deep_draw not in DEEP_DRAWS:
         raise TrainError(f"--deep-draw {deep_draw!r}: use one of {', '.join(sorted(DEEP_DRAWS))}")
     if not (isinstance(text_spans, (int, float)) and 0 <= text_spans <= 1):
@@ -508,6 +512,18 @@ def _retrieval_mix(s: dict) -> str:
             + "); only the second showing and the asked values targets")
 
 
+def _copy_phase_mix(s: dict) -> str:
+    """The record's words for the copy phase of settings ``s`` (--copy-phase, --copy-offsets, --offset-draw)."""
+    offsets = s.get("copy_offsets")
+    clamped = s.get("offset_draw") == "clamped"
+    return (f"the first {s['copy_phase']:.0%} of the budget: every row random ids with one span of them shown twice "
+            "in a row at a random place, only the second showing a target" + (
+                "" if offsets is None else f" (from {offsets:.0%} of the budget on, each row's positions from a "
+                "random start" + (", drawn over every position and a start past the last whole row's moved back to "
+                                  "it, so the last positions are in as many rows as the middle ones" if clamped
+                                  else "") + ", so every position trains)"))
+
+
 def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) -> dict:
     """The ``kvlab_train`` record: corpus, mix, budget, NLLs and (for a model of EVAL_LEN positions trained on
     whole sequences) every target, measured on the saved values."""
@@ -528,11 +544,7 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
                 "uniformly from the vocabulary of a random stretch of 46,000 tokens of training text rather than from "
                 "every id")
     if s.get("copy_phase"):
-        offsets = s.get("copy_offsets")
-        mix = (f"the first {s['copy_phase']:.0%} of the budget: every row random ids with one span of them shown twice "
-               "in a row at a random place, only the second showing a target" + (
-                   "" if offsets is None else f" (from {offsets:.0%} of the budget on, each row's positions from a "
-                   "random start, so every position trains)") + "; then " + mix)
+        mix = _copy_phase_mix(s) + "; then " + mix
     if s.get("mlp_off"):
         mix += (f"; the first {s['mlp_off']:.0%} of the budget trains attention only (every MLP left out of the "
                 "forward), then the MLPs join")
@@ -550,6 +562,7 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
                 **({"mlp_off": s["mlp_off"]} if s.get("mlp_off") else {}),
                 **({"copy_phase": s["copy_phase"]} if s.get("copy_phase") else {}),
                 **({"copy_offsets": s["copy_offsets"]} if s.get("copy_offsets") is not None else {}),
+                **({"offset_draw": s["offset_draw"]} if s.get("offset_draw") else {}),
                 curriculum=[[n, share] for n, share in s["curriculum"] or () if n < s["seq_len"]] or None,
                 init_std=s["init_std"], peak_lr=s["peak_lr"], warmup_frac=WARMUP_FRAC, min_lr_frac=MIN_LR_FRAC,
                 weight_decay=s.get("weight_decay", WEIGHT_DECAY), seed=s["seed"], save_dtype=s["save_dtype"],

@@ -80,6 +80,10 @@ NEEDLE_SHARE = 0.25  # --needle-share: of the recall rows, those that hold one p
 COPY_PHASE = 0.315  # share of the budget (from the start) whose rows are all twice_rows: the copy circuit forms first
 COPY_OFFSETS = 0.24  # from this share of the budget until the copy phase ends, twice rows read the position
 #                      embeddings from a random start, so the circuit trains at every position
+OFFSET_DRAW = "uniform"  # --offset-draw: a copy-phase row's start, "uniform" over 0 .. n_positions - its length (the
+#                          shipped recipes'; the last positions lie in fewer rows, and fewer still hold a span's
+#                          first showing) or "clamped" (rows.offset_starts: a start past the last whole row's moved
+#                          back to it, so the last positions are in at least as many rows as the middle ones)
 MLP_OFF = 0.315  # share of the budget trained attention only: every block's MLP left out of the forward (its weights
 #                  untouched, no gradient), so the copy circuit forms first (docs/reference-model.md)
 INIT_STD = 0.1  # std of the initial weights (GPT-2's own: 0.02); the residual projections get it / sqrt(2 n_layer)

@@ -125,6 +125,22 @@ def placed_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip:
     return xy[:, :-1].clone(), y
 
 
+OFFSET_DRAWS = ("clamped", "uniform")
+
+
+def offset_starts(rows: int, n_positions: int, length: int, draw: str, gen: torch.Generator) -> torch.Tensor:
+    """Where each of ``rows`` copy-phase rows of ``length`` tokens reads its position embeddings from, (rows, 1):
+    "uniform" over 0 .. n_positions - length, or "clamped": uniform over 0 .. n_positions - 1, a start past
+    n_positions - length moved back to it (so the last ``length`` positions lie in at least as many rows as one in the
+    middle, the last one in as many, where "uniform" puts it in one row of n_positions - length + 1)."""
+    last = n_positions - length
+    if draw == "uniform":
+        return torch.randint(0, last + 1, (rows, 1), generator=gen)
+    if draw == "clamped":
+        return torch.randint(0, n_positions, (rows, 1), generator=gen).clamp(max=last)
+    raise ValueError(f"offset draw {draw!r}: use one of {', '.join(OFFSET_DRAWS)}")
+
+
 def twice_rows(rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
                span_min: int = SPAN_MIN, span_max: int | None = None,
                draw=span_ids) -> tuple[torch.Tensor, torch.Tensor]:

@@ -592,6 +592,43 @@ def test_copy_offsets_move_the_copy_phases_rows_to_random_positions_from_their_s
         loop.train(tmp_path / "other", steps=8, **{**FAST, "copy_phase": 0.5, "copy_offsets": 0.5})
 
 
+@pytest.mark.parametrize("draw", ["uniform", "clamped"])
+def test_an_offset_draw_covers_the_last_positions_as_it_says(draw):
+    """rows.offset_starts: every row fits the model's positions; "uniform" puts the last position in about one row of
+    n_positions - length + 1, "clamped" in about as many rows as a middle position (within 10%), and the positions
+    just before the last row's start in about twice as many; an unknown draw is refused."""
+    from harness.train.rows import offset_starts
+
+    n, length, rows = 256, 32, 200_000
+    starts = offset_starts(rows, n, length, draw, torch.Generator().manual_seed(0)).flatten()
+    assert starts.min() >= 0 and starts.max() <= n - length
+    cover = torch.zeros(n)
+    for s, c in zip(*torch.unique(starts, return_counts=True)):
+        cover[int(s):int(s) + length] += c
+    middle = float(cover[100:150].mean())
+    if draw == "uniform":
+        assert abs(float(cover[-1]) - rows / (n - length + 1)) < 0.1 * rows / (n - length + 1)
+        assert float(cover[-1]) < 0.05 * middle
+    else:
+        assert abs(float(cover[-1]) / middle - 1) < 0.1 and float(cover[n - length:].min()) >= 0.9 * middle
+        assert abs(float(cover[n - length]) / middle - 2) < 0.15
+    with pytest.raises(ValueError, match="offset draw 'late': use one of clamped, uniform"):
+        offset_starts(2, n, length, "late", torch.Generator())
+
+
+def test_a_clamped_offset_draw_is_recorded_and_a_bad_one_refused(tmp_path):
+    """--offset-draw clamped: in the record and its words; the default is named nowhere (a shipped record stays as it
+    was); an unknown draw is one TrainError before anything is trained."""
+    meta = loop.train(tmp_path / "run", steps=8, **{**FAST, "copy_phase": 0.5, "copy_offsets": 0.25,
+                                                    "offset_draw": "clamped"})
+    assert meta["offset_draw"] == "clamped" and "moved back to it" in meta["mix"]
+    plain = loop.train(tmp_path / "plain", steps=8, **{**FAST, "copy_phase": 0.5, "copy_offsets": 0.25})
+    assert "offset_draw" not in plain and "moved back" not in plain["mix"]
+    with pytest.raises(R.TrainError, match=r"--offset-draw 'late': use one of clamped, uniform"):
+        loop.train(tmp_path / "other", steps=8, **{**FAST, "offset_draw": "late"})
+    assert not (tmp_path / "other").exists()
+
+
 def test_hidden_reads_each_rows_positions(tiny_model):
     """hidden(model, x, pos) is the forward at those positions: at 0..T-1 the model's own forward; a GPT-2 row read
     from start s equals the forward of a model whose position table is shifted by s (position_offsets, the probes'
@@ -837,7 +874,7 @@ def test_the_curriculum_trains_short_rows_first_with_the_same_tokens_per_step():
 
 PROBES = ("ambiguity_probe", "context_probe", "copy_from_probe", "copy_offsets", "copy_probe",
           "decode_attention_probe", "eviction_probe", "finetune_probe", "gemv_probe", "induction_probe", "induction_toy", "kv_stats",
-          "overlap_probe", "paired_runs", "query_quant_probe", "recall_probe", "rotation_probe", "run_calls",
+          "needle_position_probe", "overlap_probe", "paired_runs", "query_quant_probe", "recall_probe", "rotation_probe", "run_calls",
           "sink_probe", "sink_value_probe")
 
 
@@ -875,6 +912,29 @@ def test_the_recall_probe_counts_a_needles_missed_ids_and_what_replaced_them():
     assert needle_misses(Fake(), held, ids, torch.tensor([7]), None) == [[0, 0, 0]] * R.NEEDLE_DEPTHS
     assert needle_misses(Fake(7), held, ids, torch.tensor([7, 9]), None) == [[8 * k, k, 8 * k]] * R.NEEDLE_DEPTHS
     assert needle_misses(Fake(7), held, ids, torch.tensor([9]), None) == [[8 * k, k, 0]] * R.NEEDLE_DEPTHS
+
+
+@pytest.mark.parametrize("bos", [None, 50256])
+def test_the_needle_position_probe_places_each_needle_where_it_says(bos):
+    """needle_position_probe: the needle's first position it reports is where the key is, ``gap`` ids of text lie
+    between the value and the question, and a model that predicts every next id finds every value."""
+    from scripts.probes.needle_position_probe import SPAN, figure, needle_at
+
+    class Next(torch.nn.Module):
+        def forward(self, x):
+            return F.one_hot(torch.roll(x, -1, dims=1), 50257).float()
+
+    held, ids = torch.randint(0, 50, (5000,), generator=torch.Generator().manual_seed(1)), torch.arange(100, 900)
+    for length, gap in ((200, 0), (200, 37), (300, 300 - (bos is not None) - 2 * SPAN)):
+        first, probes = needle_at(held, ids, length, gap, 3, bos)
+        for p in probes:
+            assert len(p.seq) == length and (p.seq[0] == bos if bos is not None else True)
+            assert torch.equal(p.seq[first:first + SPAN], p.seq[-SPAN:])  # the needle, asked again at the end
+            assert length - SPAN - (first + SPAN) == gap  # the text between the needle and its question
+            assert p.scored == list(range(length - SPAN // 2, length))  # the value's ids after the asked key
+    assert figure(Next(), held, ids, 200, 37, 4, bos)["accuracy"] == 1.0
+    with pytest.raises(SystemExit, match="gap 500 does not fit a context of 200"):
+        needle_at(held, ids, 200, 500, 2, bos)
 
 
 @pytest.mark.parametrize("name", PROBES)
