@@ -4,10 +4,14 @@ to the question (``--gaps``: ids of text between the needle and the question) in
 ids, and, with the needle just before its question (gap 0), in contexts of each of ``--edge`` lengths, which moves
 the needle's absolute position alone. A figure that falls with the gap at one length but not at another is about
 where the needle lies, not how far back. For a GPT-2 (learned positions) it also prints the norm of each 8
-positions' embeddings from --norms-from on.
+positions' embeddings from --norms-from on. With ``--sources``, no model: where the copy phase's rows read from a
+random start (``--copy-offsets``) put a span's first showing, per 16 positions from --norms-from on, relative to the
+positions 400-599, for each ``--offset-draw``: the only rows that train a GPT-2's position embeddings to be copied
+from before text joins.
 
     .venv/bin/python scripts/probes/needle_position_probe.py --weights models/weights/mini        # ~40 s
     .venv/bin/python scripts/probes/needle_position_probe.py --weights models/weights/mini-llama --k 32
+    .venv/bin/python scripts/probes/needle_position_probe.py --sources                          # ~3 s
 
 Prints one JSON line per figure: the length, the gap, the needle's first position (the first token counted), and the
 value ids' top-1 accuracy: mean over --k needles, its 95% t-interval over them (cut to [0, 1]) and n.
@@ -31,7 +35,8 @@ import torch  # noqa: E402
 from harness.common.stats import mean_interval  # noqa: E402
 from harness.core import recall  # noqa: E402
 from harness.train.corpus import TrainingData  # noqa: E402
-from harness.train.recipe import EVAL_LEN, EVAL_TOKENS, KEY_IDS, NEEDLE_K  # noqa: E402
+from harness.train.recipe import BATCH, CURRICULUM, EVAL_LEN, EVAL_TOKENS, IGNORE, KEY_IDS, NEEDLE_K  # noqa: E402
+from harness.train.rows import OFFSET_DRAWS, offset_starts, twice_rows  # noqa: E402
 from models.families import load_model  # noqa: E402
 from models.hf_checkpoint import first_token  # noqa: E402
 
@@ -58,6 +63,24 @@ def figure(model, held, ids, length: int, gap: int, k: int, bos) -> dict:
             "interval": [round(max(lo, 0.0), 4), round(min(hi, 1.0), 4)], "n": n}  # an accuracy's: cut to [0, 1]
 
 
+def copy_phase_sources(draw: str, steps: int = 200, seed: int = 0, n_positions: int = EVAL_LEN) -> torch.Tensor:
+    """(n_positions,): how many first showings of a copied span each position holds over ``steps`` batches of the
+    copy phase's offset rows (CURRICULUM's first length, the first token at 0), their starts drawn by ``draw``."""
+    length = CURRICULUM[0][0]
+    rows = BATCH * EVAL_LEN // length
+    g = torch.Generator().manual_seed(seed)
+    count = torch.zeros(n_positions)
+    for _ in range(steps):
+        _, y = twice_rows(rows, length - 1, 1000, 999, g)
+        starts = offset_starts(rows, n_positions, length, draw, g)
+        for r in range(rows):
+            second = (y[r] != IGNORE).nonzero().flatten()  # the second showing's inputs, its first id on
+            n = len(second) + 1
+            at = int(starts[r]) + 1 + int(second[0]) - n  # the first showing, in the model's positions
+            count[at:at + n] += 1
+    return count
+
+
 def _ints(text: str) -> list[int]:
     try:
         return [int(v) for v in text.split(",") if v.strip()]
@@ -67,7 +90,9 @@ def _ints(text: str) -> list[int]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--weights", required=True, help="a checkpoint folder, e.g. models/weights/mini")
+    p.add_argument("--weights", help="a checkpoint folder, e.g. models/weights/mini")
+    p.add_argument("--sources", action="store_true",
+                   help="no model: the copy phase's first showings by position, for each --offset-draw")
     p.add_argument("--k", type=int, default=NEEDLE_K, help=f"needles per figure (default {NEEDLE_K}, the target's)")
     p.add_argument("--gaps", type=_ints, default=[0, 16, 32, 50, 100, 200, 400],
                    help="ids of text between the needle and its question (default 0,16,32,50,100,200,400)")
@@ -76,6 +101,15 @@ def main(argv=None) -> int:
                    help="context lengths at gap 0: the needle's place moves with the length alone")
     p.add_argument("--norms-from", type=int, default=896, help="a GPT-2's position-embedding norms from here on")
     a = p.parse_args(argv)
+    if a.sources:
+        for draw in OFFSET_DRAWS:
+            count = copy_phase_sources(draw)
+            middle = float(count[400:600].mean())
+            print(json.dumps({"offset_draw": draw, "first_showings_vs_400_599": {
+                i: round(float(count[i:i + 16].mean()) / middle, 2) for i in range(a.norms_from, EVAL_LEN, 16)}}))
+        return 0
+    if not a.weights:
+        p.error("give --weights DIR (a checkpoint folder), or --sources")
     if a.k < 2:
         p.error(f"--k {a.k}: give at least 2 needles (an interval needs two)")
     data = TrainingData(EVAL_LEN, EVAL_TOKENS)

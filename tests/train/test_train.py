@@ -937,6 +937,21 @@ def test_the_needle_position_probe_places_each_needle_where_it_says(bos):
         needle_at(held, ids, 200, 500, 2, bos)
 
 
+def test_the_copy_phase_puts_few_first_showings_in_the_last_positions_unless_clamped():
+    """needle_position_probe --sources: every offset row holds one first showing; "uniform" starts leave positions
+    960-1023 with under a third of a middle position's first showings, "clamped" ones give 944-975 more than the
+    middle has."""
+    from scripts.probes.needle_position_probe import copy_phase_sources
+
+    rows = R.BATCH * R.EVAL_LEN // R.CURRICULUM[0][0]
+    counts = {draw: copy_phase_sources(draw, steps=40) for draw in ("uniform", "clamped")}
+    for count in counts.values():
+        assert count[0] == 0 and 40 * rows * R.SPAN_MIN <= count.sum() <= 40 * rows * 48  # spans of 8..47 ids
+    middle = {d: float(c[400:600].mean()) for d, c in counts.items()}
+    assert float(counts["uniform"][960:].mean()) < middle["uniform"] / 3
+    assert float(counts["clamped"][944:976].mean()) > middle["clamped"]
+
+
 @pytest.mark.parametrize("name", PROBES)
 def test_every_probe_imports_as_a_module(name):
     """``from scripts.probes import <name>``: importing a probe runs nothing (its command is behind __main__) and
