@@ -23,7 +23,7 @@ def _shipped() -> list:
 
 
 SHIPPED = _shipped()
-# each shipped model's retrieval-row settings that are not the recipe's defaults (docs/reference-model.md, "The shipped
+# each shipped model's retrieval-row and copy-phase settings that are not the recipe's defaults (docs/reference-model.md, "The shipped
 # models"): its record's command names each of them, and only them
 NOT_DEFAULT = {"mini": {"text_spans": 0.5, "needle_share": 0.5}, "mini-llama": {"deep_draw": "frequency"}}
 
@@ -73,7 +73,8 @@ def test_a_shipped_checkpoint_was_made_by_the_default_recipe(name):
     assert rec["weight_decay"] == R.WEIGHT_DECAY
     assert rec["far_share"] == R.FAR_SHARE  # the retrieval rows (issue 66)
     # a setting absent from a record is its default; the record's command names the ones that are not
-    for key, default in (("deep_draw", R.DEEP_DRAW), ("text_spans", R.TEXT_SPANS), ("needle_share", R.NEEDLE_SHARE)):
+    for key, default in (("deep_draw", R.DEEP_DRAW), ("text_spans", R.TEXT_SPANS), ("needle_share", R.NEEDLE_SHARE),
+                         ("offset_draw", R.OFFSET_DRAW)):
         want = NOT_DEFAULT.get(name, {}).get(key, default)
         assert rec.get(key, default) == want, key
         assert (f"--{key.replace('_', '-')} " in rec["command"] + " ") is (want != default), key
