@@ -219,20 +219,24 @@ def recall_pairs(most: int, gen: torch.Generator, needle_share: float = NEEDLE_S
 def recall_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip: int, gen: torch.Generator,
                 most_pairs: int = RECALL_PAIRS, key: int = RECALL_KEY,
                 value: int = RECALL_VALUE, draw=span_ids,
-                needle_share: float = NEEDLE_SHARE) -> tuple[torch.Tensor, torch.Tensor]:
+                needle_share: float = NEEDLE_SHARE, tail: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` KJV text windows, each holding P key-value pairs (random ids: ``key`` then ``value``; P = 1 with
     chance ``needle_share``, else uniform in 1 .. most_pairs, fewer when the row is short) at random places that do
     not overlap, then Q of them (uniform in 1 .. P) asked at the end, each key followed by its value, in a random
     order: multi-query associative recall (Arora et al., arXiv 2312.04927) in text, and with P = 1 a needle.
     Targets: the text, and each asked value (what its key's second showing makes known); the planted pairs and the
-    asked keys are not trained on. (inputs, targets)."""
+    asked keys are not trained on. With ``tail`` > 0 the questions are followed by text, its length uniform in
+    0 .. tail * seq_len: the questions end anywhere in the row's last part, not always at its end.
+    (inputs, targets)."""
     xy = text_windows(stream, rows, seq_len, gen)
     hidden = torch.zeros(rows, seq_len, dtype=torch.bool)
     span = key + value
     for r in range(rows):
         p = recall_pairs(max(1, min(most_pairs, (seq_len + 1) // (2 * span))), gen, needle_share)
         q = int(torch.randint(1, p + 1, (), generator=gen))
-        room = seq_len + 1 - q * span  # the row before its questions
+        after = int(torch.randint(0, int(tail * seq_len) + 1, (), generator=gen)) if tail else 0
+        after = min(after, seq_len + 1 - q * span - p * span)  # text after the questions
+        room = seq_len + 1 - q * span - after  # the row before its questions
         cuts = sorted(torch.randint(0, room - p * span + 1, (p,), generator=gen).tolist())
         kvs = [draw(n_ids, skip, (span,), gen) for _ in range(p)]
         for i, (cut, kv) in enumerate(zip(cuts, kvs)):
@@ -240,7 +244,7 @@ def recall_rows(stream: torch.Tensor, rows: int, seq_len: int, n_ids: int, skip:
             xy[r, at:at + span] = kv
             hidden[r, max(at - 1, 0):at + span - 1] = True
         asked = torch.randperm(p, generator=gen)[:q].tolist()
-        xy[r, room:] = torch.cat([kvs[i] for i in asked])
+        xy[r, room:room + q * span] = torch.cat([kvs[i] for i in asked])
         for j in range(q):
             hidden[r, room + j * span - 1:room + j * span + key - 1] = True  # the asked key's ids
     y = xy[:, 1:].clone()
@@ -259,7 +263,7 @@ def make_batch(stream: torch.Tensor, batch: int, seq_len: int, copy_share: float
                gen: torch.Generator, placed_share: float = 0.0,
                span_min: int = SPAN_MIN, far_share: float = 0.0,
                deep_draw: str = DEEP_DRAW, text_spans: float = 0.0,
-               needle_share: float = NEEDLE_SHARE) -> tuple[torch.Tensor, torch.Tensor]:
+               needle_share: float = NEEDLE_SHARE, tail: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One training batch: round(batch * copy_share) copy rows (of them, round(that * placed_share) placed in text,
     the rest repeated random spans), round(batch * far_share) retrieval rows (``retrieval_split``: far copies in
     text, recall rows in text, and deep copies: random ids with a span of SPAN_MIN..FAR_SPAN_MAX shown twice in a
@@ -276,7 +280,7 @@ def make_batch(stream: torch.Tensor, batch: int, seq_len: int, copy_share: float
         parts = [far_rows(stream, far, seq_len, n_ids, skip, gen, draw=draw)]
         if recall:
             parts.append(recall_rows(stream, recall, seq_len, n_ids, skip, gen, draw=draw,
-                                     needle_share=needle_share))
+                                     needle_share=needle_share, tail=tail))
         if deep:
             parts.append(deep_rows(stream, deep, seq_len, n_ids, skip, gen, draw=deep_draw, spans=draw))
         x, y = torch.cat([p[0] for p in parts] + [x]), torch.cat([p[1] for p in parts] + [y])

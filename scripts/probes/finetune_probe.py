@@ -3,6 +3,10 @@ checkpoint for a few hundred steps at the recipe's final learning rate on one of
 targets of ids the held-out text uses (``copy100_after800_text``, ``copy500_text``) along the way:
 
 - ``mix``: the recipe's own mix (``rows.make_batch`` as the checkpoint's record says): the control, more of the same;
+- ``tail``: the same rows, but each key-value recall row's questions are followed by text of a length uniform in
+  0 .. ``--tail`` x the row (``rows.recall_rows``' ``tail``), so a row's last positions are not always questions:
+  whether the mini's needle edge (it cannot copy from its last 56 positions) is taught by questions that always sit
+  at the end of a row; measured by the needle target's depth 0.95 and a needle at position 968 (``needle_edge``);
 - ``textspans``: the same rows, but every random span (planted copies, far copies, key-value pairs, deep copies) is
   drawn from the vocabulary of a stretch of training text (``rows.window_vocab_ids``) instead of from every id, with
   the chance ``--text-share`` (``rows.span_draw``, training's ``--text-spans``): copies of ids that look like words,
@@ -34,6 +38,8 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from harness.common.stats import mean_interval  # noqa: E402
+from harness.core import recall  # noqa: E402
 from harness.core.copying import model_copy_accuracy  # noqa: E402
 from harness.train import rows  # noqa: E402
 from harness.train.corpus import TrainingData, windows  # noqa: E402
@@ -53,6 +59,11 @@ def measure(model, held, bos, data) -> dict:
         out["copy500_text"] = model_copy_accuracy(model, pool, 500, k=8, seed=500, bos=bos, batch=4).second
         out["copy100_after800"] = model_copy_accuracy(model, data.copy_ids(full=True), 100, k=8, seed=900,
                                                       after=800, bos=bos, batch=4).second
+        ids = data.copy_ids(full=True)
+        depth95 = [recall.needle(held, ids, EVAL_LEN, 0.95, 8_000 + 100 * 9 + i, bos) for i in range(64)]
+        edge = [recall.needle(held, ids, 1000, 1.0, 61_000 + i, bos) for i in range(64)]
+        out["needle_depth95"] = mean_interval(recall.accuracy(model, depth95))[0]
+        out["needle_edge968"] = mean_interval(recall.accuracy(model, edge))[0]
         wins = windows(held, 16 * EVAL_LEN, T=EVAL_LEN, bos=bos is not None)
         logits = torch.cat([model(wins[i:i + 4, :-1]) for i in range(0, len(wins), 4)])
         out["heldout_nll16"] = float(F.cross_entropy(logits[:, 1:].reshape(-1, logits.size(-1)),
@@ -64,7 +75,9 @@ def measure(model, held, bos, data) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--weights", required=True)
-    p.add_argument("--rows", choices=("mix", "textspans"), required=True)
+    p.add_argument("--rows", choices=("mix", "tail", "textspans"), required=True)
+    p.add_argument("--tail", type=float, default=0.25, help="with --rows tail: the text after the questions, at most "
+                   "this share of the row (default 0.25)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--every", type=int, default=100)
     p.add_argument("--text-share", type=float, default=0.5)
@@ -87,7 +100,9 @@ def main(argv=None) -> int:
         x, y = rows.make_batch(data.ctrain, rec["batch"], rec["seq_len"] - 1, rec["copy_share"], len(vocab),
                                data.eot, gen, rec["placed_share"], far_share=rec["far_share"],
                                deep_draw=rec.get("deep_draw", "window"),
-                               text_spans=a.text_share if a.rows == "textspans" else 0.0)
+                               text_spans=a.text_share if a.rows == "textspans" else rec.get("text_spans", 0.0),
+                               needle_share=rec.get("needle_share", rows.NEEDLE_SHARE),
+                               tail=a.tail if a.rows == "tail" else 0.0)
         x, y = rows.with_bos(x, y, data.eot)
         h = hidden(model, vocab[x])
         trained = y != IGNORE

@@ -470,6 +470,29 @@ def test_a_needle_share_of_the_recall_rows_are_needles(share):
     assert set(draws) == set(range(1, 17))
 
 
+def test_a_recall_rows_tail_puts_text_after_its_questions():
+    """recall_rows(tail=0.25): a needle row's question (its key, then its value) is followed by 0 .. 64 ids of text,
+    trained as text; the value is still the target after the asked key; the tails vary and some are 0; tail 0 makes
+    the rows without the tail's draws (the same rows as before the option)."""
+    stream = torch.arange(100, 5100)
+    x, y = rows.recall_rows(stream, 64, 256, n_ids=10, skip=3, gen=torch.Generator().manual_seed(4), most_pairs=1,
+                            needle_share=1.0, tail=0.25)
+    tails = []
+    for row_x, row_y in zip(x, y):
+        full = torch.cat([row_x, row_y[-1:]])
+        planted = (full < 10).nonzero().flatten()
+        first, asked = int(planted[0]), int(planted[-1]) - 15
+        assert torch.equal(full[first:first + 16], full[asked:asked + 16])  # the needle, asked again
+        assert (row_y[asked + 7:asked + 15] == full[asked + 8:asked + 16]).all()  # its value, known from its key
+        after = len(full) - (asked + 16)
+        assert 0 <= after <= 64 and (row_y[asked + 15:] != R.IGNORE).all()  # the text after it: a target
+        tails.append(after)
+    assert len(set(tails)) > 10 and min(tails) <= 3
+    a = rows.recall_rows(stream, 8, 256, n_ids=10, skip=3, gen=torch.Generator().manual_seed(5))
+    b = rows.recall_rows(stream, 8, 256, n_ids=10, skip=3, gen=torch.Generator().manual_seed(5), tail=0.0)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
 def test_recall_rows_plant_pairs_and_ask_some_of_them_at_the_end():
     """A recall row is a text window with P key-value pairs (8 + 8 random ids) and Q <= P of them asked at the end,
     each key then its value: only the asked values are targets among the planted ids; P and Q vary, P = 1 (a needle)
