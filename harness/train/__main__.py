@@ -7,7 +7,7 @@
     python -m harness.train --out DIR [--copy-phase F] [--copy-offsets F|none] [--offset-draw uniform|clamped]
                             [--mlp-off F] [--copy-share F]
                             [--placed-share F] [--far-share F] [--deep-draw window|frequency] [--text-spans F]
-                            [--needle-share F] [--curriculum LEN:SHARE,...|none] [--heads N]
+                            [--needle-share F] [--question-tail F] [--curriculum LEN:SHARE,...|none] [--heads N]
 
 The command line: every number bounded before anything is read or built (one line, exit 2), then ``loop.train`` (or
 ``targets.evaluate_folder``) inside the one stop-signal protocol (``harness.common.signals``): a stop signal is one
@@ -47,7 +47,7 @@ from harness.common.signals import Interrupted, stop_signals  # noqa: E402
 from harness.train.loop import train  # noqa: E402
 from harness.train.recipe import (BATCH, BOS, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CURRICULUM,  # noqa: E402
                                   DEEP_DRAW, DEFAULT_STEPS, FAMILY_PRESETS, FAR_SHARE, MAX_MINUTES, MAX_STEPS,
-                                  MAX_THREADS, MINI_CONFIG, NEEDLE_SHARE, OFFSET_DRAW,
+                                  MAX_THREADS, MINI_CONFIG, NEEDLE_SHARE, OFFSET_DRAW, QUESTION_TAIL,
                                   MLP_OFF, PLACED_SHARE, SEQ_LEN, SHARE_FLAGS, TEXT_SPANS, WEIGHT_DECAY, TrainError,
                                   check_curriculum, parse_curriculum)
 from harness.train.rows import DEEP_DRAWS, OFFSET_DRAWS  # noqa: E402
@@ -89,6 +89,10 @@ def _retrieval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--needle-share", type=float, default=NEEDLE_SHARE,
                    help="of the key-value recall rows, the share that hold one pair (a needle) rather than 1 to 16 "
                         f"(default {NEEDLE_SHARE:g}; see docs/reference-model.md)")
+    p.add_argument("--question-tail", type=float, default=QUESTION_TAIL,
+                   help="text after a recall row's questions, of a length uniform in 0 .. this share of the row, so a "
+                        f"row's last positions are not always questions (0 .. 0.5; default {QUESTION_TAIL:g}, the "
+                        "questions end the row; see docs/reference-model.md)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -248,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                   copy_phase=args.copy_phase, copy_share=args.copy_share, copy_offsets=copy_offsets,
                   family=args.family, bos=args.bos, weight_decay=args.weight_decay, far_share=args.far_share,
                   deep_draw=args.deep_draw, text_spans=args.text_spans, needle_share=args.needle_share,
-                  offset_draw=args.offset_draw,
+                  offset_draw=args.offset_draw, question_tail=args.question_tail,
                   **({} if args.heads in (None, MINI_CONFIG["n_head"]) else  # the default: train()'s own preset
                      {"config": GPT2Config(**{**MINI_CONFIG, "n_head": args.heads})}))
         except TrainError as e:

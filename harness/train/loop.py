@@ -47,7 +47,7 @@ from harness.train.model import (attention_only_at, compact_model, hidden, lr_at
 from harness.train.recipe import (BATCH, BOS, COPY_OFFSETS, COPY_PHASE, COPY_SHARE, CORPUS, DEEP_DRAW, DEFAULT_STEPS,
                                   EOT, EVAL_LEN, FAMILY_PRESETS, FAR_SHARE, FAR_SPAN_MAX, HELDOUT_AT, HELDOUT_EVERY,
                                   IGNORE, INIT_STD, MAX_STEPS, MIN_LR_FRAC, MLP_OFF, OURS, PEAK_LR, PLACED_SHARE,
-                                  NEEDLE_SHARE, OFFSET_DRAW, QUICK_COPY, QUICK_FAR, SEQ_LEN, TEXT_SPANS,
+                                  NEEDLE_SHARE, OFFSET_DRAW, QUESTION_TAIL, QUICK_COPY, QUICK_FAR, SEQ_LEN, TEXT_SPANS,
                                   SINK_FROM, SPAN_MIN, STATE, WARMUP_FRAC, WEIGHT_DECAY, TrainError, check_settings,
                                   curriculum_setting)
 from harness.train.rows import DEEP_DRAWS, OFFSET_DRAWS, make_batch, offset_starts, twice_rows, with_bos
@@ -254,7 +254,7 @@ class _Run:
             x, y = make_batch(d.ctrain, rows, seq_len - bos, s["copy_share"], len(d.vocab), d.eot, self.gen,
                               s.get("placed_share", 0.0), far_share=s.get("far_share", 0.0),
                               deep_draw=s.get("deep_draw", DEEP_DRAW), text_spans=s.get("text_spans", 0.0),
-                              needle_share=s.get("needle_share", NEEDLE_SHARE))
+                              needle_share=s.get("needle_share", NEEDLE_SHARE), tail=s.get("question_tail", 0.0))
             if bos:
                 x, y = with_bos(x, y, self.bos)
             with mlps_left_out(self.model, self.attention_only()):
@@ -349,6 +349,22 @@ def _loop(run: _Run, status: _Progress, stop_after: int | None, eval_every: int,
 
 # ---- train ----------------------------------------------------------------------------------------------------------
 
+def _check_choices(family, offset_draw, deep_draw, text_spans, question_tail, needle_share) -> None:
+    """The named and the share settings ``train`` takes beyond check_settings': one TrainError for a bad one."""
+    if family not in FAMILY_PRESETS:
+        raise TrainError(f"--family {family!r}: use one of {', '.join(FAMILY_PRESETS)}")
+    if offset_draw not in OFFSET_DRAWS:
+        raise TrainError(f"--offset-draw {offset_draw!r}: use one of {', '.join(OFFSET_DRAWS)}")
+    if deep_draw not in DEEP_DRAWS:
+        raise TrainError(f"--deep-draw {deep_draw!r}: use one of {', '.join(sorted(DEEP_DRAWS))}")
+    if not (isinstance(text_spans, (int, float)) and 0 <= text_spans <= 1):
+        raise TrainError(f"--text-spans must lie in [0, 1] (a chance per span), got {text_spans!r}")
+    if not (isinstance(question_tail, (int, float)) and 0 <= question_tail <= 0.5):
+        raise TrainError(f"--question-tail must lie in [0, 0.5] (a share of the row), got {question_tail!r}")
+    if not (isinstance(needle_share, (int, float)) and 0 <= needle_share <= 1):
+        raise TrainError(f"--needle-share must lie in [0, 1] (a chance per recall row), got {needle_share!r}")
+
+
 def train(out: str | os.PathLike, minutes: float | None = None, steps: int | None = None, seed: int = 0,
           restart: bool = False, config=None, stop_after: int | None = None,
           save_dtype: str = "fp16", batch: int = BATCH, seq_len: int = SEQ_LEN, eval_every: int | None = None,
@@ -358,7 +374,8 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
           mlp_off: float = MLP_OFF, copy_phase: float = COPY_PHASE, copy_offsets: float | None | str = "default",
           family: str = "gpt2", bos: bool = BOS, weight_decay: float = WEIGHT_DECAY,
           far_share: float = FAR_SHARE, deep_draw: str = DEEP_DRAW, text_spans: float = TEXT_SPANS,
-          needle_share: float = NEEDLE_SHARE, offset_draw: str = OFFSET_DRAW) -> dict:
+          needle_share: float = NEEDLE_SHARE, offset_draw: str = OFFSET_DRAW,
+          question_tail: float = QUESTION_TAIL) -> dict:
     """Train (or resume, or report) the run in ``out``; returns its ``kvlab_train`` record (``done`` False when
     ``stop_after`` interrupted it). The budget is ``minutes`` of wall clock or ``steps`` (deterministic), not both;
     neither: DEFAULT_STEPS. ``config``, ``batch``, ``seq_len``, ``eval_every``, ``eval_tokens`` (the final held-out
@@ -377,6 +394,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
                   **({"deep_draw": deep_draw} if far_share and deep_draw != DEEP_DRAW else {}),
                   **({"text_spans": text_spans} if text_spans else {}),
                   **({"needle_share": needle_share} if far_share and needle_share != NEEDLE_SHARE else {}),
+                  **({"question_tail": question_tail} if far_share and question_tail else {}),
                   **({"mlp_off": mlp_off} if mlp_off else {}),
                   **({"copy_phase": copy_phase} if copy_phase else {}),
                   **({"copy_offsets": copy_offsets} if copy_offsets is not None else {}),
@@ -384,16 +402,7 @@ def train(out: str | os.PathLike, minutes: float | None = None, steps: int | Non
                   **({"bos": True} if bos else {}),
                   **({"weight_decay": weight_decay} if weight_decay != WEIGHT_DECAY else {}),
                   curriculum=curriculum_setting(curriculum))  # in the resume check
-    if family not in FAMILY_PRESETS:
-        raise TrainError(f"--family {family!r}: use one of {', '.join(FAMILY_PRESETS)}")
-    if offset_draw not in OFFSET_DRAWS:
-        raise TrainError(f"--offset-draw {offset_draw!r}: use one of {', '.join(OFFSET_DRAWS)}")
-    if deep_draw not in DEEP_DRAWS:
-        raise TrainError(f"--deep-draw {deep_draw!r}: use one of {', '.join(sorted(DEEP_DRAWS))}")
-    if not (isinstance(text_spans, (int, float)) and 0 <= text_spans <= 1):
-        raise TrainError(f"--text-spans must lie in [0, 1] (a chance per span), got {text_spans!r}")
-    if not (isinstance(needle_share, (int, float)) and 0 <= needle_share <= 1):
-        raise TrainError(f"--needle-share must lie in [0, 1] (a chance per recall row), got {needle_share!r}")
+    _check_choices(family, offset_draw, deep_draw, text_spans, question_tail, needle_share)
     config = config or preset_config(FAMILY_PRESETS[family])
     try:
         return _train(Path(out), minutes, steps, seed, restart, config, stop_after, save_dtype, recipe, eval_every,
@@ -504,7 +513,8 @@ def _retrieval_mix(s: dict) -> str:
             f"random span ({SPAN_MIN}..{FAR_SPAN_MAX} ids, log-uniform) shown twice at any distance (uniform), "
             "or key-value pairs (8 + 8 random ids, up to 16, one in "
             + (f"{s['needle_share']:.0%} of" if "needle_share" in s else "a quarter of")
-            + " the rows) with some of the keys asked at the end;"
+            + " the rows) with some of the keys asked at the end"
+            + (f" and then up to {s['question_tail']:.0%} of the row of text" if s.get("question_tail") else "") + ";"
             f" and rows of random ids with a span ({SPAN_MIN}..{FAR_SPAN_MAX}, uniform) shown "
             "twice in a row at a random place (a copy deep in unpredictable context; in half of them the ids drawn "
             + ("as the training text uses them (by frequency)" if s.get("deep_draw") == "frequency" else
@@ -563,6 +573,7 @@ def _record(run: _Run, full: Decoder, unused_info: dict, command: str | None) ->
                 **({"copy_phase": s["copy_phase"]} if s.get("copy_phase") else {}),
                 **({"copy_offsets": s["copy_offsets"]} if s.get("copy_offsets") is not None else {}),
                 **({"offset_draw": s["offset_draw"]} if s.get("offset_draw") else {}),
+                **({"question_tail": s["question_tail"]} if s.get("question_tail") else {}),
                 curriculum=[[n, share] for n, share in s["curriculum"] or () if n < s["seq_len"]] or None,
                 init_std=s["init_std"], peak_lr=s["peak_lr"], warmup_frac=WARMUP_FRAC, min_lr_frac=MIN_LR_FRAC,
                 weight_decay=s.get("weight_decay", WEIGHT_DECAY), seed=s["seed"], save_dtype=s["save_dtype"],

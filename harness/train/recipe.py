@@ -80,6 +80,8 @@ NEEDLE_SHARE = 0.25  # --needle-share: of the recall rows, those that hold one p
 COPY_PHASE = 0.315  # share of the budget (from the start) whose rows are all twice_rows: the copy circuit forms first
 COPY_OFFSETS = 0.24  # from this share of the budget until the copy phase ends, twice rows read the position
 #                      embeddings from a random start, so the circuit trains at every position
+QUESTION_TAIL = 0.0  # --question-tail: a recall row's questions are followed by text of a length uniform in 0 .. this
+#                     share of the row (rows.recall_rows' tail): 0, the questions end the row, in the shipped recipes
 OFFSET_DRAW = "uniform"  # --offset-draw: a copy-phase row's start, "uniform" over 0 .. n_positions - its length (the
 #                          shipped recipes'; the last positions lie in fewer rows, and fewer still hold a span's
 #                          first showing) or "clamped" (rows.offset_starts: a start past the last whole row's moved
@@ -167,7 +169,7 @@ MAX_THREADS = 256  # or the machine's cores, if more
 SHARE_FLAGS = {"placed_share": (0.0, 1.0, True), "far_share": (0.0, 1.0, True), "mlp_off": (0.0, 1.0, False),
                "copy_phase": (0.0, 1.0, False), "copy_share": (0.0, 1.0, True),
                "text_spans": (0.0, 1.0, True),
-               "needle_share": (0.0, 1.0, True)}  # flag -> (low, high, high included); low is always included
+               "needle_share": (0.0, 1.0, True), "question_tail": (0.0, 0.5, True)}  # flag -> (low, high, high included); low is always included
 
 
 # ---- the checks -----------------------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ def test_a_shipped_checkpoint_was_made_by_the_default_recipe(name):
     assert rec["far_share"] == R.FAR_SHARE  # the retrieval rows (issue 66)
     # a setting absent from a record is its default; the record's command names the ones that are not
     for key, default in (("deep_draw", R.DEEP_DRAW), ("text_spans", R.TEXT_SPANS), ("needle_share", R.NEEDLE_SHARE),
-                         ("offset_draw", R.OFFSET_DRAW)):
+                         ("offset_draw", R.OFFSET_DRAW), ("question_tail", R.QUESTION_TAIL)):
         want = NOT_DEFAULT.get(name, {}).get(key, default)
         assert rec.get(key, default) == want, key
         assert (f"--{key.replace('_', '-')} " in rec["command"] + " ") is (want != default), key

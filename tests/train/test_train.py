@@ -639,12 +639,16 @@ def test_an_offset_draw_covers_the_last_positions_as_it_says(draw):
         offset_starts(2, n, length, "late", torch.Generator())
 
 
-def test_a_clamped_offset_draw_is_recorded_and_a_bad_one_refused(tmp_path):
-    """--offset-draw clamped: in the record and its words; the default is named nowhere (a shipped record stays as it
-    was); an unknown draw is one TrainError before anything is trained."""
+def test_a_clamped_offset_draw_and_a_question_tail_are_recorded_and_bad_ones_refused(tmp_path):
+    """--offset-draw clamped and --question-tail: in the record and its words; the defaults are named nowhere (a
+    shipped record stays as it was); an unknown draw or a tail past half the row is one TrainError."""
     meta = loop.train(tmp_path / "run", steps=8, **{**FAST, "copy_phase": 0.5, "copy_offsets": 0.25,
                                                     "offset_draw": "clamped"})
     assert meta["offset_draw"] == "clamped" and "moved back to it" in meta["mix"]
+    tail = loop.train(tmp_path / "tail", steps=8, **{**FAST, "far_share": 0.5, "question_tail": 0.25})
+    assert tail["question_tail"] == 0.25 and "up to 25% of the row of text" in tail["mix"]
+    with pytest.raises(R.TrainError, match=r"--question-tail must lie in \[0, 0.5\]"):
+        loop.train(tmp_path / "tail2", steps=8, **{**FAST, "question_tail": 0.75})
     plain = loop.train(tmp_path / "plain", steps=8, **{**FAST, "copy_phase": 0.5, "copy_offsets": 0.25})
     assert "offset_draw" not in plain and "moved back" not in plain["mix"]
     with pytest.raises(R.TrainError, match=r"--offset-draw 'late': use one of clamped, uniform"):
