@@ -44,6 +44,7 @@ from harness.core.copying import model_copy_accuracy  # noqa: E402
 from harness.train import rows  # noqa: E402
 from harness.train.corpus import TrainingData, windows  # noqa: E402
 from harness.train.model import hidden, make_optimizer  # noqa: E402
+from harness.train.targets import needle_probes  # noqa: E402
 from harness.train.recipe import EOT, EVAL_LEN, EVAL_TOKENS, IGNORE, MIN_LR_FRAC, PEAK_LR  # noqa: E402
 from models.families import load_model  # noqa: E402
 from models.hf_checkpoint import first_token  # noqa: E402
@@ -60,7 +61,7 @@ def measure(model, held, bos, data) -> dict:
         out["copy100_after800"] = model_copy_accuracy(model, data.copy_ids(full=True), 100, k=8, seed=900,
                                                       after=800, bos=bos, batch=4).second
         ids = data.copy_ids(full=True)
-        depth95 = [recall.needle(held, ids, EVAL_LEN, 0.95, 8_000 + 100 * 9 + i, bos) for i in range(64)]
+        depth95 = needle_probes(held, ids, bos=bos)[1][-1]  # the target's own needles at its last depth, 0.95
         edge = [recall.needle(held, ids, 1000, 1.0, 61_000 + i, bos) for i in range(64)]
         out["needle_depth95"] = mean_interval(recall.accuracy(model, depth95))[0]
         out["needle_edge968"] = mean_interval(recall.accuracy(model, edge))[0]
