@@ -254,7 +254,8 @@ class _Run:
             x, y = make_batch(d.ctrain, rows, seq_len - bos, s["copy_share"], len(d.vocab), d.eot, self.gen,
                               s.get("placed_share", 0.0), far_share=s.get("far_share", 0.0),
                               deep_draw=s.get("deep_draw", DEEP_DRAW), text_spans=s.get("text_spans", 0.0),
-                              needle_share=s.get("needle_share", NEEDLE_SHARE), tail=s.get("question_tail", QUESTION_TAIL))
+                              needle_share=s.get("needle_share", NEEDLE_SHARE),
+                              tail=s.get("question_tail", QUESTION_TAIL))
             if bos:
                 x, y = with_bos(x, y, self.bos)
             with mlps_left_out(self.model, self.attention_only()):
